@@ -1,0 +1,47 @@
+"""savepoint: atomic, checksummed, fast checkpoints for PyTorch and NumPy state.
+
+::
+
+    import savepoint as sp
+
+    sp.save("ckpt/step-100", {"model": model, "optimizer": opt, "step": 100})
+    sp.load("ckpt/step-100", into={"model": model, "optimizer": opt})
+    sp.verify("ckpt/step-100")
+    print(sp.inspect("ckpt/step-100"))
+
+``import savepoint`` never imports torch or jax; torch support switches on when you pass torch
+objects or ask for torch output.
+"""
+
+from savepoint._version import __version__
+from savepoint.checkpoint import CheckpointInfo, TensorInfo, inspect, load, save, verify
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+    UnsupportedStateError,
+)
+from savepoint.state.stateful import Stateful
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "IncompleteCheckpointError",
+    "StateMismatchError",
+    "Stateful",
+    "TensorInfo",
+    "UnsupportedStateError",
+    "__version__",
+    "inspect",
+    "load",
+    "save",
+    "verify",
+]

@@ -1,0 +1,234 @@
+"""Reading one committed checkpoint: manifest, data files, checksums, materialization.
+
+Every check that can be made from the manifest happens in :func:`read_manifest` before any data
+file is opened. A data file is opened only when a requested tensor lives in it; its size must equal
+the recorded size and its header must hash to the recorded value before it is mapped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from savepoint.commit import atomic
+from savepoint.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    IncompleteCheckpointError,
+)
+from savepoint.formats import checksum, safetensors
+from savepoint.formats import manifest as mf
+from savepoint.state import arrays, dtypes
+from savepoint.storage import local
+
+CHUNK = 8 << 20
+
+
+def locate(path: str) -> str:
+    """The directory holding the committed checkpoint for ``path``, or a clear error."""
+    found = atomic.resolve(path)
+    if found is not None:
+        if found != path:
+            import warnings
+
+            warnings.warn(
+                f"{path} is missing but an interrupted replace left its previous checkpoint at "
+                f"{found}; loading that one (the next save to {path} tidies up)",
+                stacklevel=3,
+            )
+        return found
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
+    if not os.path.isdir(path):
+        raise IncompleteCheckpointError(
+            f"{path} is a file, not a checkpoint directory", path=path
+        )
+    raise IncompleteCheckpointError(
+        f"{path} has no {mf.NAME}: the save that created it did not commit (or it is not a "
+        "savepoint checkpoint); use an earlier checkpoint",
+        path=path,
+    )
+
+
+def read_manifest(path: str) -> mf.Manifest:
+    file = os.path.join(path, mf.NAME)
+    try:
+        fd = local.open_read(file)
+    except local.SymlinkError:
+        raise CorruptCheckpointError(f"{file} is a symlink; refusing to follow it", path=path) from None
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path} has no {mf.NAME}", path=path) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > mf.MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{file} is {size} bytes, over the 1 GiB cap", path=path)
+        raw = local.read_exact(fd, 0, size)
+    finally:
+        os.close(fd)
+    try:
+        return mf.parse(raw)
+    except mf.ManifestVersionError as exc:
+        raise IncompatibleCheckpointError(f"{path}: {exc}", path=path) from None
+    except mf.ManifestError as exc:
+        raise CorruptCheckpointError(f"{file}: {exc}", path=path) from None
+
+
+class Reader:
+    """Maps the data files a load needs, once each, and hands out verified tensor bytes."""
+
+    def __init__(self, path: str, manifest: mf.Manifest, *, copy_on_write: bool = False) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.copy_on_write = copy_on_write
+        self._files: dict[str, local.MappedFile] = {}
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def _corrupt(self, message: str, key: str | None = None) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.path}: {message}", path=self.path, key=key)
+
+    def open_file(self, name: str, *, check_header: bool = True) -> local.MappedFile:
+        mapped = self._files.get(name)
+        if mapped is not None:
+            return mapped
+        record = self.manifest.files[name]
+        file = os.path.join(self.path, name)
+        try:
+            fd = local.open_read(file)
+        except local.SymlinkError:
+            raise self._corrupt(f"data file {name} is a symlink; refusing to follow it") from None
+        except FileNotFoundError:
+            raise self._corrupt(f"data file {name} is missing") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != record.size:
+                raise self._corrupt(
+                    f"data file {name} is {size} bytes, {record.size} were committed (truncated or "
+                    "overwritten)"
+                )
+            head = local.read_exact(fd, 0, record.header_size)
+            try:
+                n = safetensors.header_length(head, size)
+            except safetensors.HeaderError as exc:
+                raise self._corrupt(f"data file {name}: {exc}") from None
+            if n + 8 != record.header_size:
+                raise self._corrupt(f"data file {name}: header length field is damaged")
+            if check_header and checksum.digest(head) != record.header_xxh3:
+                raise self._corrupt(f"data file {name}: header checksum mismatch")
+            mapped = local.MappedFile(fd, size, copy_on_write=self.copy_on_write)
+        finally:
+            os.close(fd)
+        self._files[name] = mapped
+        return mapped
+
+    def header_entries(self, name: str) -> list[safetensors.Entry]:
+        record = self.manifest.files[name]
+        mapped = self.open_file(name)
+        raw = bytes(mapped.slice(8, record.header_size))
+        try:
+            entries, _ = safetensors.parse_header(raw, record.size)
+        except safetensors.HeaderError as exc:
+            raise self._corrupt(f"data file {name}: {exc}") from None
+        return entries
+
+    def raw(self, ref: str, *, check_header: bool = True) -> np.ndarray[Any, Any]:
+        rec = self.manifest.tensors[ref]
+        return self.open_file(rec.file, check_header=check_header).slice(rec.start, rec.end)
+
+    def verify(self, refs: Iterable[str], progress: Callable[[int], None] | None = None) -> None:
+        for ref in refs:
+            rec = self.manifest.tensors[ref]
+            data = self.raw(ref)
+            hasher = checksum.new()
+            for pos in range(0, len(data), CHUNK):
+                piece = data[pos : pos + CHUNK]
+                hasher.update(piece)
+                if progress is not None:
+                    progress(len(piece))
+            if checksum.hexdigest(hasher) != rec.xxh3:
+                raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
+
+    def fill(self, ref: str, target: Any, *, check_header: bool = True) -> None:
+        """Copy a tensor's bytes into an existing array or tensor of the same dtype and shape."""
+        data = self.raw(ref, check_header=check_header)
+        view = arrays.byte_view(target)
+        if view is not None:
+            _copy(view, data)
+            return
+        rec = self.manifest.tensors[ref]
+        d = dtypes.from_name(rec.dtype)
+        host = np.empty(rec.nbytes, dtype=np.uint8)
+        _copy(host, data)
+        host_t = host.view(d.numpy).reshape(rec.shape)
+        if isinstance(target, np.ndarray):
+            if not target.flags.writeable:
+                raise IncompatibleCheckpointError(
+                    f"{self.path}: cannot restore {ref!r} into a read-only numpy array", path=self.path
+                )
+            np.copyto(target, host_t, casting="no")
+        else:
+            from savepoint.state import _torch
+
+            _torch.copy_into(target, host_t, d)
+
+    def materialize(
+        self,
+        ref: str,
+        kind: str,
+        *,
+        framework: str = "auto",
+        device: Any = None,
+        share_memory: bool = False,
+        check_header: bool = True,
+    ) -> Any:
+        """A new array or tensor holding the saved tensor (``share_memory``: a view of the map)."""
+        rec = self.manifest.tensors[ref]
+        d = dtypes.from_name(rec.dtype)
+        data = self.raw(ref, check_header=check_header)
+        want_torch = framework == "torch" or (
+            framework == "auto" and kind == "torch" and _torch_available()
+        )
+        if share_memory:
+            array = data.view(d.numpy).reshape(rec.shape)
+        else:
+            array = np.empty(rec.shape, dtype=d.numpy)
+            _copy(array.reshape(-1).view(np.uint8), data)
+        if want_torch:
+            from savepoint.state import _torch
+
+            tensor = _torch.from_numpy(array, d)
+            return tensor if device is None else _torch.to_device(tensor, device)
+        if kind == "numpy_scalar" and framework != "numpy":
+            return array[()]
+        if kind == "numpy_scalar":
+            return array[()]
+        return array
+
+
+def _copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+    for pos in range(0, len(src), CHUNK):
+        np.copyto(dst[pos : pos + CHUNK], src[pos : pos + CHUNK])
+
+
+def _torch_available() -> bool:
+    if "torch" in sys.modules:
+        return True
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True

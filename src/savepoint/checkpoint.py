@@ -1,0 +1,437 @@
+"""Save, load, verify and inspect one checkpoint directory.
+
+``save`` blocks until the checkpoint is durable: every data file and the manifest are fsynced
+inside a hidden staging directory, which is then renamed (or atomically exchanged) into place and
+the parent directory fsynced. A crash at any moment leaves the previous checkpoint or the new one,
+never a mixture. ``load`` trusts nothing on disk: the manifest is checked whole before any data
+file is opened, and every tensor it returns has passed its checksum (unless ``verify=False``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from savepoint import _reader, _writer
+from savepoint.commit import atomic
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    UnsupportedStateError,
+)
+from savepoint.formats import manifest as mf
+from savepoint.state import restore, tree
+from savepoint.storage import local
+
+PathLike = str | os.PathLike[str]
+Framework = Literal["auto", "numpy", "torch"]
+Progress = Callable[[int, int], None]
+
+DEFAULT_MAX_FILE_BYTES = 1 << 30
+DEFAULT_WRITERS = 1
+_VERIFY_BATCH = 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+
+
+def save(
+    path: PathLike,
+    state: Any,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    writers: int = DEFAULT_WRITERS,
+    progress: Progress | None = None,
+) -> CheckpointInfo:
+    """Save ``state`` to the directory ``path``, atomically and durably; return what was written.
+
+    ``state`` is a nested tree of dicts (str or int keys), lists and tuples whose leaves are numpy
+    arrays or scalars, torch tensors (any device; copied to host a chunk at a time), None, bool,
+    int, float, str, bytes, and Stateful objects (anything with ``state_dict()`` and
+    ``load_state_dict()``: modules, optimizers, schedulers...), whose ``state_dict()`` is saved.
+    Tensors that are the same view of the same memory (tied weights) are stored once.
+
+    ``metadata`` is a JSON-serialisable mapping stored verbatim in the manifest. Data is split into
+    safetensors files of at most ``max_file_bytes`` (a bigger tensor gets a file of its own), which
+    ``writers`` threads write concurrently. ``progress(done, total)`` is called as bytes are written.
+
+    If ``path`` already holds a checkpoint it is replaced atomically. A directory at ``path`` that
+    is neither empty nor a checkpoint is never touched: that is an error. On any failure (disk full,
+    fsync error, an unsupported leaf) nothing at ``path`` changes and no temporary files remain.
+    """
+    target = os.path.abspath(os.fspath(path))
+    meta = _check_metadata(metadata)
+    if max_file_bytes <= 0 or writers < 1:
+        raise ValueError("max_file_bytes must be positive and writers at least 1")
+    flat = tree.flatten(state)
+    _check_target(target)
+    total = sum(s.nbytes for s in flat.tensors.values())
+    done = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(min(done, total), total)
+
+    staging = atomic.staging_path(target)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        atomic.clean_stale(target)
+        os.mkdir(staging)
+        files, tensors = _writer.write_files(
+            staging,
+            flat,
+            max_file_bytes=max_file_bytes,
+            writers=writers,
+            progress=on_bytes if progress is not None else None,
+        )
+        manifest = mf.Manifest(
+            tree=flat.tree,
+            files=files,
+            tensors=tensors,
+            metadata=meta,
+            writer=_writer.writer_version(),
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
+        )
+        local.write_small(os.path.join(staging, mf.NAME), mf.dumps(manifest))
+        atomic.commit(staging, target)
+    except BaseException as exc:
+        atomic.remove_tree(staging)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise _write_error(target, exc) from exc
+        raise
+    return _info(target, manifest)
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise UnsupportedStateError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    try:
+        # Round-trip so the manifest holds exactly what a reader will see.
+        return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedStateError(
+            f"metadata must be JSON-serialisable with finite floats: {exc}"
+        ) from None
+
+
+def _check_target(target: str) -> None:
+    if not os.path.lexists(target):
+        return
+    if not os.path.isdir(target):
+        raise CheckpointWriteError(
+            f"{target} exists and is not a directory; refusing to replace it", path=target
+        )
+    if not os.path.isfile(os.path.join(target, mf.NAME)) and os.listdir(target):
+        raise CheckpointWriteError(
+            f"{target} is a non-empty directory that is not a savepoint checkpoint; refusing to "
+            "replace it (choose another path or remove it)",
+            path=target,
+        )
+
+
+def _write_error(target: str, exc: OSError) -> CheckpointWriteError:
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    hint = {
+        errno.ENOSPC: "free disk space and save again",
+        errno.EDQUOT: "free quota and save again",
+        errno.EACCES: "check the permissions of the parent directory",
+        errno.EROFS: "the filesystem is read-only",
+    }.get(exc.errno or 0, "see the cause below")
+    err = CheckpointWriteError(
+        f"saving {target} failed: {reason} ({exc.filename or target}); any previous checkpoint "
+        f"there is intact and no temporary files remain; {hint}",
+        path=target,
+    )
+    err.errno = exc.errno
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+
+
+def load(
+    path: PathLike,
+    *,
+    into: Any = None,
+    keys: Iterable[str] | str | None = None,
+    verify: bool = True,
+    framework: Framework = "auto",
+    device: Any = None,
+    mmap: bool = False,
+) -> Any:
+    """Load a checkpoint: return the saved tree, or restore it into ``into`` in place.
+
+    Without ``into`` the tree comes back as saved: dicts, lists, tuples, plain values, and arrays:
+    numpy by default, torch tensors where a torch tensor was saved (``framework`` forces one or the
+    other; ``device`` moves torch tensors). Stateful objects come back as their state dicts. Tied
+    tensors come back tied. ``mmap=True`` returns arrays backed by a private copy-on-write mapping
+    of the files instead of copies (no extra memory until written to).
+
+    With ``into`` (a dict/list tree, a Stateful, or a tree holding Stateful objects) every tensor is
+    read straight into the existing array, tensor or parameter; plain values are assigned into
+    their containers; Stateful objects get ``load_state_dict``. ``into`` may cover part of the
+    checkpoint, and only that part is read. Every missing key and every shape or dtype mismatch is
+    reported in one StateMismatchError before anything is modified; with ``verify`` every tensor
+    to be read is checked first too, so a corrupt checkpoint modifies nothing (for loads of more
+    than 1 GiB the check runs per 1 GiB batch, so an error in a later batch can follow earlier
+    batches being copied). Returns ``into``.
+
+    ``keys`` selects paths (``"model"``, ``"model/layer.weight"``: components joined by ``/``, with
+    ``~`` written ``~0`` and ``/`` written ``~1``); only their bytes are read.
+    """
+    directory = _reader.locate(os.path.abspath(os.fspath(path)))
+    manifest = _reader.read_manifest(directory)
+    root = _select(directory, manifest, keys)
+    if into is None:
+        return _load_tree(directory, manifest, root, verify, framework, device, mmap)
+    p = restore.plan(root, into, manifest.tensors)
+    if p.problems:
+        from savepoint.errors import StateMismatchError
+
+        raise StateMismatchError(p.problems, path=directory)
+    with _reader.Reader(directory, manifest) as reader:
+        for batch in _batches(manifest, p.refs):
+            if verify:
+                reader.verify(batch)
+            for ref, target, _ in p.inplace:
+                if ref in batch:
+                    reader.fill(ref, target, check_header=verify)
+        cache: dict[tuple[str, str], Any] = {}
+
+        def get(ref: str, kind: str) -> Any:
+            key = (ref, kind)
+            if key not in cache:
+                cache[key] = reader.materialize(
+                    ref, kind, framework=framework, device=device, check_header=verify
+                )
+            return cache[key]
+
+        return p.finish(get)
+
+
+def _select(directory: str, manifest: mf.Manifest, keys: Iterable[str] | str | None) -> tree.Node:
+    if keys is None:
+        return manifest.tree
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    missing = [k for k in wanted if tree.select(manifest.tree, [k]) is None]
+    if missing:
+        raise IncompatibleCheckpointError(
+            f"{directory}: no such key(s) in the checkpoint: {', '.join(map(repr, missing))}; "
+            "`savepoint inspect` lists the keys",
+            path=directory,
+        )
+    selected = tree.select(manifest.tree, wanted)
+    assert selected is not None
+    return selected
+
+
+def _batches(manifest: mf.Manifest, refs: set[str]) -> list[set[str]]:
+    """Group refs into batches of at most ~1 GiB, in file order, so verification precedes copies."""
+    ordered = sorted(refs, key=lambda r: (manifest.tensors[r].file, manifest.tensors[r].start))
+    batches: list[set[str]] = [set()]
+    size = 0
+    for ref in ordered:
+        n = manifest.tensors[ref].nbytes
+        if batches[-1] and size + n > _VERIFY_BATCH:
+            batches.append(set())
+            size = 0
+        batches[-1].add(ref)
+        size += n
+    return batches
+
+
+def _load_tree(
+    directory: str,
+    manifest: mf.Manifest,
+    root: tree.Node,
+    verify: bool,
+    framework: Framework,
+    device: Any,
+    share: bool,
+) -> Any:
+    if framework not in ("auto", "numpy", "torch"):
+        raise ValueError(f"framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
+    reader = _reader.Reader(directory, manifest, copy_on_write=share)
+    try:
+        cache: dict[tuple[str, str], Any] = {}
+
+        def get(ref: str, kind: str) -> Any:
+            key = (ref, kind)
+            if key not in cache:
+                if verify:
+                    reader.verify([ref])
+                cache[key] = reader.materialize(
+                    ref,
+                    kind,
+                    framework=framework,
+                    device=device,
+                    share_memory=share,
+                    check_header=verify,
+                )
+            return cache[key]
+
+        return tree.build(root, get)
+    finally:
+        reader.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# verify / inspect
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    key: str  # path in the state tree (components joined by "/")
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+    ref: str  # name in the data file; tied leaves share one
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    format_version: int
+    writer: str
+    created: str
+    metadata: dict[str, Any]
+    tensors: tuple[TensorInfo, ...]
+    values: dict[str, Any]
+    files: dict[str, int]
+    stateful: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data, each stored tensor counted once."""
+        return sum({t.ref: t.nbytes for t in self.tensors}.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format_version": self.format_version,
+            "writer": self.writer,
+            "created": self.created,
+            "metadata": self.metadata,
+            "total_bytes": self.total_bytes,
+            "files": self.files,
+            "tensors": [
+                {
+                    "key": t.key,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "nbytes": t.nbytes,
+                    "file": t.file,
+                    **({"tied_to": t.ref} if t.ref != t.key else {}),
+                }
+                for t in self.tensors
+            ],
+            "values": {k: _jsonable(v) for k, v in self.values.items()},
+            "stateful": self.stateful,
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"bytes": len(value)}
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return repr(value)
+    return value
+
+
+def _info(directory: str, manifest: mf.Manifest) -> CheckpointInfo:
+    tensors = []
+    values: dict[str, Any] = {}
+    for path, node in tree.leaves(manifest.tree):
+        key = tree.join(path)
+        if node["t"] == "tensor":
+            rec = manifest.tensors[node["ref"]]
+            tensors.append(TensorInfo(key, rec.dtype, rec.shape, rec.nbytes, rec.file, node["ref"]))
+        else:
+            values[key] = tree.plain_value(node)
+    stateful: dict[str, str] = {}
+
+    def find_stateful(node: tree.Node, path: tuple[tree.Key, ...]) -> None:
+        t = node["t"]
+        if t == "stateful":
+            stateful[tree.join(path)] = node["type"]
+            find_stateful(node["state"], path)
+        elif t == "dict":
+            for k, child in node["items"]:
+                find_stateful(child, (*path, k))
+        elif t in ("list", "tuple"):
+            for i, child in enumerate(node["items"]):
+                find_stateful(child, (*path, i))
+
+    find_stateful(manifest.tree, ())
+    return CheckpointInfo(
+        path=directory,
+        format_version=manifest.format_version,
+        writer=manifest.writer,
+        created=manifest.created,
+        metadata=manifest.metadata,
+        tensors=tuple(tensors),
+        values=values,
+        files={name: f.size for name, f in manifest.files.items()},
+        stateful=stateful,
+    )
+
+
+def inspect(path: PathLike) -> CheckpointInfo:
+    """Keys, dtypes, shapes, sizes, plain values and metadata, from the manifest alone."""
+    directory = _reader.locate(os.path.abspath(os.fspath(path)))
+    return _info(directory, _reader.read_manifest(directory))
+
+
+def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInfo:
+    """Check the manifest, every data file's header against it, and every tensor's checksum.
+
+    Raises a CheckpointError subclass describing the first problem; returns the checkpoint's
+    description when everything is intact.
+    """
+    directory = _reader.locate(os.path.abspath(os.fspath(path)))
+    manifest = _reader.read_manifest(directory)
+    total = sum(t.nbytes for t in manifest.tensors.values())
+    done = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    with _reader.Reader(directory, manifest) as reader:
+        for name in manifest.files:
+            expected = {
+                ref: (rec.dtype, rec.shape, rec.start, rec.end)
+                for ref, rec in manifest.tensors.items()
+                if rec.file == name
+            }
+            found = {e.name: (e.dtype, e.shape, e.start, e.end) for e in reader.header_entries(name)}
+            if found != expected:
+                raise CorruptCheckpointError(
+                    f"{directory}: data file {name} does not hold what the manifest records",
+                    path=directory,
+                )
+        reader.verify(
+            sorted(manifest.tensors, key=lambda r: (manifest.tensors[r].file, manifest.tensors[r].start)),
+            progress=on_bytes,
+        )
+    return _info(directory, manifest)

@@ -1,0 +1,114 @@
+"""Every error savepoint raises on purpose.
+
+::
+
+    CheckpointError                      base; .path is the checkpoint (or file) concerned
+    ├── CheckpointNotFoundError          (also FileNotFoundError) nothing at that path
+    ├── IncompleteCheckpointError        (also FileNotFoundError) a directory without a committed manifest
+    ├── CorruptCheckpointError           (also ValueError) checksum, truncation, bad header or manifest
+    ├── IncompatibleCheckpointError      (also ValueError) format version, shape or dtype disagreement
+    │   └── StateMismatchError           ``load(into=...)`` found keys, shapes or dtypes that disagree
+    ├── UnsupportedStateError            (also TypeError) a leaf or key savepoint cannot store
+    └── CheckpointWriteError             (also OSError) the save failed (disk full, fsync error, ...)
+
+Each error subclasses the built-in a caller would naturally catch, so ``except FileNotFoundError`` or
+``except ValueError`` keeps working. Messages say what went wrong and what to do next.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "IncompleteCheckpointError",
+    "StateMismatchError",
+    "UnsupportedStateError",
+]
+
+
+class CheckpointError(Exception):
+    """Base of every error savepoint raises on purpose. ``path`` names the checkpoint or file."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path: str | None = os.fspath(path) if path is not None else None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only constructors do not survive the default exception pickling used by
+        # multiprocessing; rebuild from the message and path instead.
+        return (_rebuild, (type(self), self.message, self.path, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[CheckpointError], message: str, path: str | None, state: dict[str, Any]) -> Any:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    err.message, err.path = message, path
+    return err
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """Nothing exists at the given path."""
+
+
+class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
+    """The path exists but holds no committed manifest (an interrupted or foreign directory)."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Bytes on disk disagree with what was committed: checksum, truncation, malformed header."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        key: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.key = key
+
+
+class IncompatibleCheckpointError(CheckpointError, ValueError):
+    """The checkpoint is intact but cannot be used as asked (format version, shape, dtype)."""
+
+
+class StateMismatchError(IncompatibleCheckpointError):
+    """``load(into=...)`` found problems; ``problems`` lists every one (key, what is wrong)."""
+
+    def __init__(
+        self,
+        problems: Sequence[tuple[str, str]],
+        *,
+        path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  {key or '<root>'}: {what}" for key, what in self.problems)
+        super().__init__(
+            f"cannot restore into the given state, {len(self.problems)} problem(s); nothing was "
+            f"modified:\n{lines}",
+            path=path,
+        )
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """A leaf, key or metadata value savepoint cannot store; ``key`` is its path in the tree."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing failed (disk full, fsync error, permission); the previous checkpoint is intact."""

@@ -1,0 +1,279 @@
+"""``manifest.json``: the record that makes a directory a checkpoint.
+
+A UTF-8 JSON object (ASCII in practice: non-ASCII is escaped)::
+
+    {
+     "format": "savepoint",
+     "format_version": 1,
+     "writer": "savepoint 0.1.0",
+     "created": "2026-11-21T07:30:00.123456Z",
+     "checksum": "xxh3-64",
+     "metadata": {...},                      # the caller's JSON metadata, verbatim
+     "files": {"data-00000.safetensors": {"size": 4096, "header_size": 128, "header_xxh3": "..."}},
+     "tensors": {"model/w": {"dtype": "F32", "shape": [2, 3], "file": "data-00000.safetensors",
+                             "offsets": [128, 152], "xxh3": "..."}},
+     "tree": {...},                          # structure, see savepoint.state.tree
+     "manifest_xxh3": "0123456789abcdef"
+    }
+
+``offsets`` are absolute byte positions in the data file; ``header_size`` counts the 8-byte length
+prefix and the header JSON. The last member is always ``manifest_xxh3``, written as the exact bytes
+``,\\n "manifest_xxh3": "<16 hex>"\\n}\\n`` at the end of the file; it is the XXH3-64 of every byte
+before that trailer, so a flipped bit anywhere in the manifest is detected.
+
+Compatibility: readers accept every ``format_version`` up to their own and refuse newer ones with
+an IncompatibleCheckpointError. Version 1 is the first.
+
+A manifest is hostile input: :func:`parse` checks it completely (file names that could leave the
+directory, ranges past the recorded file sizes, sizes that disagree with shape x dtype, unknown
+tree nodes, dangling references, duplicate JSON keys) before any data file is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from savepoint.formats import checksum
+from savepoint.state import dtypes
+
+FORMAT = "savepoint"
+VERSION = 1
+NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 30
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_TRAILER = re.compile(rb',\n "manifest_xxh3": "([0-9a-f]{16})"\n}\n\Z')
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    header_size: int
+    header_xxh3: str
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    start: int
+    end: int
+    xxh3: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Manifest:
+    tree: dict[str, Any]
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    tensors: dict[str, TensorRecord] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    writer: str = ""
+    created: str = ""
+    format_version: int = VERSION
+
+
+class ManifestError(ValueError):
+    """The manifest is malformed; callers turn it into a CorruptCheckpointError with a path."""
+
+
+class ManifestVersionError(ValueError):
+    """The manifest is from a newer format version."""
+
+
+def dumps(m: Manifest) -> bytes:
+    body = {
+        "format": FORMAT,
+        "format_version": m.format_version,
+        "writer": m.writer,
+        "created": m.created,
+        "checksum": checksum.ALGORITHM,
+        "metadata": m.metadata,
+        "files": {
+            name: {"size": f.size, "header_size": f.header_size, "header_xxh3": f.header_xxh3}
+            for name, f in m.files.items()
+        },
+        "tensors": {
+            name: {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "file": t.file,
+                "offsets": [t.start, t.end],
+                "xxh3": t.xxh3,
+            }
+            for name, t in m.tensors.items()
+        },
+        "tree": m.tree,
+    }
+    # One top-level member per line, each value compact: readable with `head`, small for big trees.
+    members = ",\n".join(
+        f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), ensure_ascii=True, allow_nan=False)}"
+        for k, v in body.items()
+    )
+    head = ("{\n" + members).encode("ascii")
+    return head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ManifestError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ManifestError(message)
+
+
+def parse(raw: bytes) -> Manifest:
+    """Check ``raw`` completely and return the manifest it holds."""
+    _require(len(raw) <= MAX_MANIFEST_BYTES, "manifest is larger than the 1 GiB cap")
+    trailer = _TRAILER.search(raw)
+    _require(trailer is not None, "manifest has no checksum trailer (truncated or edited)")
+    assert trailer is not None
+    _require(
+        checksum.digest(raw[: trailer.start()]) == trailer.group(1).decode("ascii"),
+        "manifest checksum does not match its content",
+    )
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except ManifestError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+    _require(isinstance(doc, dict), "manifest is not a JSON object")
+    _require(doc.get("format") == FORMAT, f"not a savepoint manifest (format {doc.get('format')!r})")
+    version = doc.get("format_version")
+    _require(_count(version), "format_version must be a non-negative integer")
+    if version > VERSION:
+        raise ManifestVersionError(
+            f"written in format version {version} by {doc.get('writer')!r}; this savepoint reads "
+            f"versions up to {VERSION}: upgrade savepoint to load it"
+        )
+    _require(doc.get("checksum") == checksum.ALGORITHM, f"unknown checksum {doc.get('checksum')!r}")
+    for key in ("writer", "created"):
+        _require(isinstance(doc.get(key), str), f"{key} must be a string")
+    _require(isinstance(doc.get("metadata"), dict), "metadata must be an object")
+
+    files: dict[str, FileRecord] = {}
+    raw_files = doc.get("files")
+    _require(isinstance(raw_files, dict), "files must be an object")
+    for name, f in raw_files.items():
+        _require(
+            bool(_FILE_NAME.fullmatch(name)) and ".." not in name,
+            f"data file name {name!r} is not a plain file name inside the checkpoint",
+        )
+        _require(
+            isinstance(f, dict) and set(f) == {"size", "header_size", "header_xxh3"},
+            f"file {name!r}: entry must have size, header_size, header_xxh3",
+        )
+        _require(_count(f["size"]) and _count(f["header_size"]), f"file {name!r}: bad sizes")
+        _require(8 <= f["header_size"] <= f["size"], f"file {name!r}: header larger than the file")
+        _require(checksum.is_digest(f["header_xxh3"]), f"file {name!r}: bad header checksum")
+        files[name] = FileRecord(f["size"], f["header_size"], f["header_xxh3"])
+
+    tensors: dict[str, TensorRecord] = {}
+    raw_tensors = doc.get("tensors")
+    _require(isinstance(raw_tensors, dict), "tensors must be an object")
+    for name, t in raw_tensors.items():
+        _require(
+            isinstance(t, dict) and set(t) == {"dtype", "shape", "file", "offsets", "xxh3"},
+            f"tensor {name!r}: entry must have dtype, shape, file, offsets, xxh3",
+        )
+        _require(t["dtype"] in dtypes.BY_NAME, f"tensor {name!r}: unknown dtype {t['dtype']!r}")
+        shape = t["shape"]
+        _require(
+            isinstance(shape, list) and len(shape) <= 64 and all(map(_count, shape)),
+            f"tensor {name!r}: shape must be a list of at most 64 non-negative integers",
+        )
+        _require(t["file"] in files, f"tensor {name!r}: refers to unknown file {t['file']!r}")
+        offsets = t["offsets"]
+        _require(
+            isinstance(offsets, list) and len(offsets) == 2 and all(map(_count, offsets)),
+            f"tensor {name!r}: offsets must be two non-negative integers",
+        )
+        start, end = offsets
+        record = files[t["file"]]
+        _require(
+            record.header_size <= start <= end <= record.size,
+            f"tensor {name!r}: byte range {start}..{end} lies outside the data of {t['file']!r}",
+        )
+        expected = math.prod(shape) * dtypes.BY_NAME[t["dtype"]].itemsize
+        _require(
+            end - start == expected,
+            f"tensor {name!r}: {end - start} bytes recorded, shape {shape} of {t['dtype']} needs "
+            f"{expected}",
+        )
+        _require(checksum.is_digest(t["xxh3"]), f"tensor {name!r}: bad checksum")
+        tensors[name] = TensorRecord(t["dtype"], tuple(shape), t["file"], start, end, t["xxh3"])
+
+    tree = doc.get("tree")
+    _check_tree(tree, tensors)
+    return Manifest(
+        tree=tree,
+        files=files,
+        tensors=tensors,
+        metadata=doc["metadata"],
+        writer=doc["writer"],
+        created=doc["created"],
+        format_version=version,
+    )
+
+
+_KINDS = {"numpy", "numpy_scalar", "torch"}
+
+
+def _check_tree(root: Any, tensors: dict[str, TensorRecord]) -> None:
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        _require(isinstance(node, dict) and isinstance(node.get("t"), str), "tree: malformed node")
+        t = node["t"]
+        if t == "dict":
+            items = node.get("items")
+            _require(isinstance(items, list), "tree: dict node without items")
+            seen: set[tuple[type, Any]] = set()
+            for item in items:
+                _require(isinstance(item, list) and len(item) == 2, "tree: malformed dict item")
+                k = item[0]
+                _require(
+                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)),
+                    f"tree: dict key {k!r} is not a string or integer",
+                )
+                _require((type(k), k) not in seen, f"tree: duplicate dict key {k!r}")
+                seen.add((type(k), k))
+                stack.append(item[1])
+        elif t in ("list", "tuple"):
+            _require(isinstance(node.get("items"), list), f"tree: {t} node without items")
+            stack.extend(node["items"])
+        elif t == "tensor":
+            _require(node.get("ref") in tensors, f"tree: reference to unknown tensor {node.get('ref')!r}")
+            _require(node.get("kind") in _KINDS, f"tree: unknown tensor kind {node.get('kind')!r}")
+        elif t == "stateful":
+            _require(isinstance(node.get("type"), str), "tree: stateful node without a type")
+            stack.append(node.get("state"))
+        elif t == "value":
+            v = node.get("v", ...)
+            _require(
+                v is None or isinstance(v, (bool, int, float, str)), "tree: value is not a scalar"
+            )
+        elif t == "float":
+            _require(node.get("v") in ("nan", "inf", "-inf"), "tree: bad special float")
+        elif t == "bytes":
+            _require(isinstance(node.get("v"), str), "tree: bytes node without base64 text")
+        else:
+            raise ManifestError(f"tree: unknown node type {t!r}")

@@ -1,0 +1,120 @@
+"""Tensor leaves: what a writer needs to stream a tensor's bytes, and how loads fill targets.
+
+A ``TensorSource`` is the save side: dtype, shape, and ``copy_to(dst, start)`` which writes the
+tensor's raw little-endian bytes ``[start, start + len(dst))`` into a uint8 buffer. numpy sources
+live here; torch sources live in :mod:`savepoint.state._torch` and are only built when the state
+holds torch tensors (so torch is never imported by savepoint itself).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+import numpy as np
+
+from savepoint.state import dtypes
+from savepoint.state.dtypes import DType
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
+    raise ImportError("savepoint writes little-endian data and supports little-endian hosts only")
+
+
+class TensorSource(Protocol):
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+    kind: str  # "numpy", "numpy_scalar" or "torch": what the loader gives back by default
+
+    def identity(self) -> tuple[Any, ...] | None:
+        """Memory identity: equal for two leaves that are the same view of the same memory."""
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        """Copy bytes ``[start, start + dst.size)`` of the tensor's contiguous image into ``dst``."""
+
+    def release(self) -> None:
+        """Drop any temporary made for copying (a contiguous copy, a device transfer)."""
+
+
+class NumpySource:
+    __slots__ = ("_array", "_flat", "dtype", "kind", "nbytes", "shape")
+
+    def __init__(self, array: np.ndarray[Any, Any], key: str, *, scalar: bool = False) -> None:
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        self.dtype = dtypes.from_numpy(array.dtype, key)
+        self._array = array
+        self._flat: np.ndarray[Any, Any] | None = None
+        self.shape = tuple(int(s) for s in array.shape)
+        self.nbytes = int(array.nbytes)
+        self.kind = "numpy_scalar" if scalar else "numpy"
+
+    def identity(self) -> tuple[Any, ...] | None:
+        if self.nbytes == 0:
+            return None
+        a = self._array
+        return ("numpy", a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
+
+    def _bytes(self) -> np.ndarray[Any, Any]:
+        if self._flat is None:
+            # A non-contiguous array is copied once here and dropped by release().
+            self._flat = np.ascontiguousarray(self._array).reshape(-1).view(np.uint8)
+        return self._flat
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        np.copyto(dst, self._bytes()[start : start + dst.size], casting="no")
+
+    def release(self) -> None:
+        self._flat = None
+
+
+def is_torch_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def make_source(leaf: Any, key: str) -> TensorSource | None:
+    """The source for an array-like leaf, or None if the leaf is not a tensor."""
+    if isinstance(leaf, np.ndarray):
+        if leaf.dtype.hasobject:
+            from savepoint.errors import UnsupportedStateError
+
+            raise UnsupportedStateError(
+                f"{key or '<root>'}: numpy arrays of Python objects cannot be stored without "
+                "pickle; convert them to a numeric dtype or to plain lists",
+                key=key,
+            )
+        return NumpySource(leaf, key)
+    if isinstance(leaf, np.generic) and not isinstance(leaf, (np.str_, np.bytes_, np.object_)):
+        return NumpySource(np.asarray(leaf), key, scalar=True)
+    if is_torch_tensor(leaf):
+        from savepoint.state import _torch
+
+        return _torch.TorchSource(leaf, key)
+    return None
+
+
+def byte_view(target: Any) -> np.ndarray[Any, Any] | None:
+    """A writable uint8 view of a host, contiguous numpy array or torch tensor, or None."""
+    if isinstance(target, np.ndarray):
+        if target.flags.c_contiguous and target.flags.writeable:
+            return target.reshape(-1).view(np.uint8)
+        return None
+    from savepoint.state import _torch
+
+    return _torch.byte_view(target)
+
+
+def describe(target: Any) -> tuple[str, tuple[int, ...]] | None:
+    """(dtype name, shape) of an array or tensor target, or None if it is not one."""
+    if isinstance(target, np.ndarray):
+        try:
+            return dtypes.from_numpy(target.dtype, "").name, tuple(target.shape)
+        except Exception:
+            return f"numpy {target.dtype}", tuple(target.shape)
+    if is_torch_tensor(target):
+        try:
+            return dtypes.from_torch(target.dtype, "").name, tuple(target.shape)
+        except Exception:
+            return f"torch {target.dtype}", tuple(target.shape)
+    return None

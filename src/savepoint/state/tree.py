@@ -1,0 +1,219 @@
+"""Flattening a state tree into tensors plus a JSON description of its structure, and back.
+
+The structure is stored in the manifest as nested nodes, so any key survives exactly::
+
+    {"t": "dict", "items": [[key, node], ...]}   key: a JSON string or integer, order preserved
+    {"t": "list", "items": [node, ...]}          also "tuple"
+    {"t": "tensor", "ref": name, "kind": k}      k: "numpy" | "numpy_scalar" | "torch"
+    {"t": "value", "v": json}                    None, bool, int, str, finite float
+    {"t": "float", "v": "nan" | "inf" | "-inf"}
+    {"t": "bytes", "v": base64}
+    {"t": "stateful", "type": "module.Class", "state": node}
+
+Tensors are named by their path: components escaped as in JSON Pointer (RFC 6901: ``~`` becomes
+``~0``, ``/`` becomes ``~1``; lone surrogates become ``~u`` + 4 hex digits so names stay valid
+UTF-8) and joined by ``/``. A key that would repeat an earlier name (``{0: a, "0": b}``) gets a
+``~2``, ``~3``... suffix, which escaping can never produce. Two leaves that are the same view of
+the same memory (tied weights) share one tensor record, so they are stored once and come back tied.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from savepoint.errors import UnsupportedStateError
+from savepoint.state.arrays import TensorSource, make_source
+from savepoint.state.stateful import is_stateful
+
+Node = dict[str, Any]
+Key = str | int
+
+
+def escape(component: Key) -> str:
+    if isinstance(component, int):
+        return str(component)
+    out = component.replace("~", "~0").replace("/", "~1")
+    if any("\ud800" <= ch <= "\udfff" for ch in out):
+        out = "".join(f"~u{ord(ch):04x}" if "\ud800" <= ch <= "\udfff" else ch for ch in out)
+    return out
+
+
+def join(path: tuple[Key, ...]) -> str:
+    return "/".join(escape(c) for c in path)
+
+
+@dataclass
+class Flat:
+    """A flattened state: its structure and its distinct tensors, in first-seen order."""
+
+    tree: Node
+    tensors: dict[str, TensorSource] = field(default_factory=dict)
+
+
+def flatten(state: Any) -> Flat:
+    """Walk ``state`` once, calling ``state_dict()`` on every Stateful it meets."""
+    flat = Flat(tree={})
+    by_identity: dict[tuple[Any, ...], str] = {}
+    active: set[int] = set()  # ids on the current path, to refuse reference cycles
+
+    def leaf_tensor(source: TensorSource, path: tuple[Key, ...]) -> Node:
+        ident = source.identity()
+        if ident is not None and ident in by_identity:
+            return {"t": "tensor", "ref": by_identity[ident], "kind": source.kind}
+        name = join(path)
+        if name in flat.tensors:
+            n = 2
+            while f"{name}~{n}" in flat.tensors:
+                n += 1
+            name = f"{name}~{n}"
+        flat.tensors[name] = source
+        if ident is not None:
+            by_identity[ident] = name
+        return {"t": "tensor", "ref": name, "kind": source.kind}
+
+    def walk(obj: Any, path: tuple[Key, ...]) -> Node:
+        key = join(path)
+        source = make_source(obj, key)
+        if source is not None:
+            return leaf_tensor(source, path)
+        if obj is None or isinstance(obj, (bool, str)):
+            return {"t": "value", "v": obj}
+        if isinstance(obj, int):
+            return {"t": "value", "v": int(obj)}
+        if isinstance(obj, float):
+            if math.isfinite(obj):
+                return {"t": "value", "v": float(obj)}
+            return {"t": "float", "v": repr(float(obj))}
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+        if id(obj) in active:
+            raise UnsupportedStateError(
+                f"{key or '<root>'}: the state contains a reference cycle", key=key
+            )
+        active.add(id(obj))
+        try:
+            if isinstance(obj, Mapping):
+                items = []
+                for k, v in obj.items():
+                    if isinstance(k, bool) or not isinstance(k, (str, int)):
+                        raise UnsupportedStateError(
+                            f"{key or '<root>'}: dict key {k!r} of type {type(k).__name__} cannot be "
+                            "stored; keys must be str or int",
+                            key=key,
+                        )
+                    items.append([k if isinstance(k, str) else int(k), walk(v, (*path, k))])
+                return {"t": "dict", "items": items}
+            if isinstance(obj, (list, tuple)):
+                kind = "list" if isinstance(obj, list) else "tuple"
+                return {"t": kind, "items": [walk(v, (*path, i)) for i, v in enumerate(obj)]}
+            if is_stateful(obj):
+                cls = type(obj)
+                inner = walk(obj.state_dict(), path)
+                return {"t": "stateful", "type": f"{cls.__module__}.{cls.__qualname__}", "state": inner}
+        finally:
+            active.discard(id(obj))
+        raise UnsupportedStateError(
+            f"{key or '<root>'}: cannot store a value of type {type(obj).__module__}."
+            f"{type(obj).__qualname__}; supported leaves are numpy arrays, torch tensors, None, bool, "
+            "int, float, str, bytes, and objects with state_dict()/load_state_dict()",
+            key=key,
+        )
+
+    flat.tree = walk(state, ())
+    return flat
+
+
+def plain_value(node: Node) -> Any:
+    t = node["t"]
+    if t == "value":
+        return node["v"]
+    if t == "float":
+        return float(node["v"])
+    if t == "bytes":
+        return base64.b64decode(node["v"])
+    raise KeyError(t)
+
+
+def build(node: Node, tensor: Callable[[str, str], Any]) -> Any:
+    """Rebuild the Python tree from a node; ``tensor(ref, kind)`` supplies each tensor leaf."""
+    t = node["t"]
+    if t == "tensor":
+        return tensor(node["ref"], node["kind"])
+    if t == "dict":
+        return {k: build(child, tensor) for k, child in node["items"]}
+    if t == "list":
+        return [build(child, tensor) for child in node["items"]]
+    if t == "tuple":
+        return tuple(build(child, tensor) for child in node["items"])
+    if t == "stateful":
+        return build(node["state"], tensor)
+    return plain_value(node)
+
+
+def refs(node: Node) -> set[str]:
+    """Every tensor name a subtree refers to."""
+    found: set[str] = set()
+
+    def walk(n: Node) -> None:
+        t = n["t"]
+        if t == "tensor":
+            found.add(n["ref"])
+        elif t == "dict":
+            for _, child in n["items"]:
+                walk(child)
+        elif t in ("list", "tuple"):
+            for child in n["items"]:
+                walk(child)
+        elif t == "stateful":
+            walk(n["state"])
+
+    walk(node)
+    return found
+
+
+def leaves(node: Node, path: tuple[Key, ...] = ()) -> list[tuple[tuple[Key, ...], Node]]:
+    """(path, node) for every leaf, depth first, in stored order."""
+    t = node["t"]
+    if t == "dict":
+        return [x for k, child in node["items"] for x in leaves(child, (*path, k))]
+    if t in ("list", "tuple"):
+        return [x for i, child in enumerate(node["items"]) for x in leaves(child, (*path, i))]
+    if t == "stateful":
+        return leaves(node["state"], path)
+    return [(path, node)]
+
+
+def select(node: Node, wanted: list[str]) -> Node | None:
+    """The subtree holding only paths equal to, or below, one of ``wanted`` (``/``-joined, escaped).
+
+    Returns None when nothing matches. Containers on the way are kept, so the result has the
+    same shape as the saved tree, pruned.
+    """
+    wanted_parts = [tuple(w.strip("/").split("/")) if w.strip("/") else () for w in wanted]
+
+    def walk(n: Node, parts: tuple[str, ...]) -> Node | None:
+        depth = len(parts)
+        if any(w[:depth] == parts and depth >= len(w) for w in wanted_parts):
+            return n  # this subtree is wanted whole
+        if not any(w[:depth] == parts for w in wanted_parts):
+            return None
+        t = n["t"]
+        if t == "dict":
+            items = [[k, s] for k, c in n["items"] if (s := walk(c, (*parts, escape(k)))) is not None]
+            return {"t": "dict", "items": items} if items else None
+        if t in ("list", "tuple"):
+            # Keep positions so indices stay meaningful: unwanted items become None.
+            kept = [walk(c, (*parts, str(i))) for i, c in enumerate(n["items"])]
+            if all(s is None for s in kept):
+                return None
+            return {"t": t, "items": [s or {"t": "value", "v": None} for s in kept]}
+        if t == "stateful":
+            inner = walk(n["state"], parts)
+            return None if inner is None else {**n, "state": inner}
+        return None
+
+    return walk(node, ())

@@ -1,0 +1,300 @@
+"""Local files: a streaming writer that is durable at close to disk speed, and a hostile-safe reader.
+
+Writing. Bytes flow source -> page-aligned staging buffer -> disk. The caller's thread copies and
+hashes one buffer while a writer thread writes the previous one, so copying, checksumming and I/O
+overlap. Files are opened with ``O_DIRECT`` where the filesystem accepts it: on the development
+machine an O_DIRECT write of 1 GiB from aligned buffers plus fsync takes 0.30-0.38 s against 0.45-0.51 s
+buffered, and it does not fill the page cache with dirty pages (buffered writes slow down about 5x
+past the dirty threshold). When O_DIRECT is refused (tmpfs, some network filesystems, EINVAL on a
+write), the same pipeline writes buffered. The tail of a file is padded to the 4 KiB block for the
+last direct write and then truncated to its real length. Every file is fsynced before it counts.
+
+Staging buffers are allocated once per process (``mmap``: page-aligned, touched at allocation,
+since first-touch page faults cost more than the copy itself here) and reused by later saves.
+
+Reading. Files are opened with ``O_NOFOLLOW`` (a data file may not be a symlink), their size is
+checked against the manifest before anything is mapped, and data is read through a read-only
+``mmap``: a warm 1 GiB copy out of the page cache took 0.067 s against 0.16 s for ``preadv``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from savepoint.formats import checksum
+from savepoint.state.arrays import TensorSource
+
+BLOCK = 4096
+DEFAULT_BUFFER_BYTES = 32 << 20
+DEFAULT_BUFFER_COUNT = 2
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
+
+
+class _Buffer:
+    __slots__ = ("array", "map")
+
+    def __init__(self, size: int) -> None:
+        self.map = mmap.mmap(-1, size)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.array.fill(0)  # touch every page now, not during the first save
+
+
+class StagingPool:
+    """Reusable aligned buffers. Concurrent savers each get their own set."""
+
+    def __init__(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, count: int = DEFAULT_BUFFER_COUNT):
+        if buffer_bytes % BLOCK or buffer_bytes <= 0 or count < 2:
+            raise ValueError("staging buffers must be positive multiples of 4096, at least 2")
+        self.buffer_bytes = buffer_bytes
+        self.count = count
+        self._free: list[list[_Buffer]] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def acquire(self, needed: int) -> Iterator[list[_Buffer]]:
+        """A set of buffers; small saves get small temporary buffers and leave the pool alone."""
+        if needed + BLOCK < self.buffer_bytes:
+            size = max(BLOCK, -(-(needed + BLOCK) // BLOCK) * BLOCK)
+            yield [_Buffer(size) for _ in range(2)]
+            return
+        with self._lock:
+            buffers = self._free.pop() if self._free else None
+        if buffers is None:
+            buffers = [_Buffer(self.buffer_bytes) for _ in range(self.count)]
+        try:
+            yield buffers
+        finally:
+            with self._lock:
+                if len(self._free) < 2:
+                    self._free.append(buffers)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+POOL = StagingPool()
+
+
+class _Writer:
+    """Writes full buffers from a background thread; the first error stops it and is re-raised."""
+
+    def __init__(self, fd: int, direct: bool) -> None:
+        self.fd = fd
+        self.direct = direct
+        self.jobs: queue.Queue[tuple[_Buffer, int] | None] = queue.Queue()
+        self.done: queue.Queue[_Buffer] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="savepoint-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            buf, length = job
+            if self.error is None:
+                try:
+                    self._write(memoryview(buf.map)[:length])
+                except BaseException as exc:
+                    self.error = exc
+            self.done.put(buf)
+
+    def _write(self, view: memoryview) -> None:
+        while len(view):
+            try:
+                n = os.write(self.fd, view)
+            except OSError as exc:
+                if not (self.direct and exc.errno == errno.EINVAL):
+                    raise
+                # The filesystem accepted O_DIRECT at open but not this write: go buffered.
+                import fcntl
+
+                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                self.direct = False
+                continue
+            if n == 0:
+                raise OSError(errno.EIO, "write returned 0 bytes")
+            view = view[n:]
+
+    def submit(self, buf: _Buffer, length: int) -> None:
+        self.jobs.put((buf, length))
+
+    def wait_buffer(self) -> _Buffer:
+        return self.done.get()
+
+    def finish(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _open_for_write(path: str, direct: bool) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
+
+
+def write_file(
+    path: str,
+    header: bytes,
+    sources: Sequence[TensorSource],
+    *,
+    pool: StagingPool | None = None,
+    direct: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write ``header`` then every source's bytes, fsync, and return each source's checksum.
+
+    The file must not exist. On any error the partial file is left for the caller to remove.
+    """
+    pool = pool or POOL
+    total = len(header) + sum(s.nbytes for s in sources)
+    fd, direct = _open_for_write(path, direct)
+    digests: list[str] = []
+    try:
+        with pool.acquire(total) as buffers:
+            writer = _Writer(fd, direct)
+            free = list(buffers)
+            in_flight = 0
+            try:
+                buf = free.pop()
+                fill = 0
+                size = len(buf.array)
+
+                def flush(length: int) -> None:
+                    nonlocal buf, fill, in_flight
+                    writer.submit(buf, length)
+                    in_flight += 1
+                    if progress is not None:
+                        progress(fill)
+                    if free:
+                        buf = free.pop()
+                    else:
+                        buf = writer.wait_buffer()
+                        in_flight -= 1
+                    fill = 0
+
+                hb = np.frombuffer(header, dtype=np.uint8)
+                pos = 0
+                while pos < len(hb):
+                    n = min(size - fill, len(hb) - pos)
+                    buf.array[fill : fill + n] = hb[pos : pos + n]
+                    fill += n
+                    pos += n
+                    if fill == size:
+                        flush(size)
+                for source in sources:
+                    hasher = checksum.new()
+                    pos = 0
+                    try:
+                        while pos < source.nbytes:
+                            n = min(size - fill, source.nbytes - pos)
+                            dst = buf.array[fill : fill + n]
+                            source.copy_to(dst, pos)
+                            hasher.update(dst)
+                            fill += n
+                            pos += n
+                            if fill == size:
+                                flush(size)
+                    finally:
+                        source.release()
+                    digests.append(checksum.hexdigest(hasher))
+                if fill:
+                    padded = -(-fill // BLOCK) * BLOCK if writer.direct else fill
+                    buf.array[fill:padded] = 0
+                    writer.submit(buf, padded)
+                    in_flight += 1
+                    if progress is not None:
+                        progress(fill)
+            finally:
+                writer.finish()
+        if direct:
+            os.ftruncate(fd, total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return digests
+
+
+def write_small(path: str, data: bytes) -> None:
+    """Write a small file (a manifest) and fsync it. The file must not exist."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o644)
+    try:
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # pragma: no cover - some filesystems refuse directory fsync
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+class SymlinkError(OSError):
+    pass
+
+
+def open_read(path: str) -> int:
+    """Open a data file for reading, refusing symlinks."""
+    try:
+        return os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_BINARY)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SymlinkError(errno.ELOOP, "data file is a symlink", path) from None
+        raise
+
+
+def read_exact(fd: int, offset: int, length: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise EOFError(f"wanted {length} bytes at {offset}, file ended after {len(data)}")
+    return data
+
+
+class MappedFile:
+    """A read-only (or copy-on-write) mapping of a whole data file whose size is already checked."""
+
+    def __init__(self, fd: int, size: int, *, copy_on_write: bool = False) -> None:
+        access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
+        self.map = mmap.mmap(fd, size, access=access)
+        with contextlib.suppress(AttributeError, OSError):
+            self.map.madvise(mmap.MADV_SEQUENTIAL)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+
+    def slice(self, start: int, end: int) -> np.ndarray[Any, Any]:
+        return self.array[start:end]
+
+    def close(self) -> None:
+        # Arrays returned from a copy-on-write mapping keep it alive; the map closes with them.
+        del self.array
+        with contextlib.suppress(BufferError):
+            self.map.close()
