@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable
+import threading
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
+from savepoint import _parallel
 from savepoint.commit import atomic
 from savepoint.errors import (
     CheckpointNotFoundError,
@@ -26,7 +29,7 @@ from savepoint.formats import manifest as mf
 from savepoint.state import arrays, dtypes
 from savepoint.storage import local
 
-CHUNK = 8 << 20
+PIECE = 4 << 20  # hash-then-copy granularity: stays in cache between the two
 
 
 def locate(path: str) -> str:
@@ -149,79 +152,92 @@ class Reader:
         rec = self.manifest.tensors[ref]
         return self.open_file(rec.file, check_header=check_header).slice(rec.start, rec.end)
 
-    def verify(self, refs: Iterable[str], progress: Callable[[int], None] | None = None) -> None:
-        for ref in refs:
-            rec = self.manifest.tensors[ref]
-            data = self.raw(ref)
-            hasher = checksum.new()
-            for pos in range(0, len(data), CHUNK):
-                piece = data[pos : pos + CHUNK]
-                hasher.update(piece)
-                if progress is not None:
-                    progress(len(piece))
-            if checksum.hexdigest(hasher) != rec.xxh3:
-                raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
+    def transfer(
+        self,
+        jobs: Sequence[tuple[str, np.ndarray[Any, Any] | None]],
+        *,
+        verify: bool = True,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Copy each ``(ref, dst)`` tensor into ``dst`` (uint8, exact length; None: check only).
 
-    def fill(self, ref: str, target: Any, *, check_header: bool = True) -> None:
-        """Copy a tensor's bytes into an existing array or tensor of the same dtype and shape."""
-        data = self.raw(ref, check_header=check_header)
-        view = arrays.byte_view(target)
-        if view is not None:
-            _copy(view, data)
-            return
-        rec = self.manifest.tensors[ref]
-        d = dtypes.from_name(rec.dtype)
-        host = np.empty(rec.nbytes, dtype=np.uint8)
-        _copy(host, data)
-        host_t = host.view(d.numpy).reshape(rec.shape)
+        With ``verify`` each tensor is hashed as it is copied, piece by piece, so the check reads
+        memory that the copy has just brought into cache (about 15% over a bare copy). Tensors are
+        spread over the thread pool, largest first, small ones in bundles. A mismatch raises
+        CorruptCheckpointError naming the tensor; other tensors may already have been copied.
+        """
+        # Files are mapped (and their sizes and headers checked) here, in order, before any copy.
+        sources = [(ref, self.raw(ref, check_header=verify), dst) for ref, dst in jobs]
+        lock = threading.Lock()
+
+        def run(bundle: list[tuple[str, np.ndarray[Any, Any], np.ndarray[Any, Any] | None]]) -> None:
+            for ref, src, dst in bundle:
+                hasher = checksum.new() if verify else None
+                for pos in range(0, len(src), PIECE):
+                    piece = src[pos : pos + PIECE]
+                    if hasher is not None:
+                        hasher.update(piece)
+                    if dst is not None:
+                        np.copyto(dst[pos : pos + PIECE], piece)
+                    if progress is not None:
+                        with lock:
+                            progress(len(piece))
+                if hasher is not None and checksum.hexdigest(hasher) != self.manifest.tensors[ref].xxh3:
+                    raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
+
+        _parallel.run_all(run, _parallel.bundles(sources, lambda job: len(job[1])))
+
+    def fill_jobs(
+        self, targets: Iterable[tuple[str, Any]]
+    ) -> tuple[list[tuple[str, np.ndarray[Any, Any] | None]], list[Callable[[], None]]]:
+        """Jobs that read straight into each target, plus copies to run afterwards for targets
+        that cannot be filled directly (device tensors, non-contiguous or read-only views)."""
+        jobs: list[tuple[str, np.ndarray[Any, Any] | None]] = []
+        after: list[Callable[[], None]] = []
+        for ref, target in targets:
+            view = arrays.byte_view(target)
+            if view is not None:
+                jobs.append((ref, view))
+                continue
+            rec = self.manifest.tensors[ref]
+            d = dtypes.from_name(rec.dtype)
+            host = np.empty(rec.nbytes, dtype=np.uint8)
+            jobs.append((ref, host))
+            after.append(functools.partial(self._copy_into, ref, target, host, d))
+        return jobs, after
+
+    def _copy_into(self, ref: str, target: Any, host: np.ndarray[Any, Any], d: dtypes.DType) -> None:
+        shaped = host.view(d.numpy).reshape(self.manifest.tensors[ref].shape)
         if isinstance(target, np.ndarray):
             if not target.flags.writeable:
                 raise IncompatibleCheckpointError(
                     f"{self.path}: cannot restore {ref!r} into a read-only numpy array", path=self.path
                 )
-            np.copyto(target, host_t, casting="no")
+            np.copyto(target, shaped, casting="no")
         else:
             from savepoint.state import _torch
 
-            _torch.copy_into(target, host_t, d)
+            _torch.copy_into(target, shaped, d)
 
-    def materialize(
-        self,
-        ref: str,
-        kind: str,
-        *,
-        framework: str = "auto",
-        device: Any = None,
-        share_memory: bool = False,
-        check_header: bool = True,
-    ) -> Any:
-        """A new array or tensor holding the saved tensor (``share_memory``: a view of the map)."""
+    def allocate(self, ref: str, kind: str, framework: str, *, share_memory: bool = False) -> Any:
+        """A new array or tensor shaped for ``ref``: empty, or (``share_memory``) a view of the map."""
         rec = self.manifest.tensors[ref]
         d = dtypes.from_name(rec.dtype)
-        data = self.raw(ref, check_header=check_header)
         want_torch = framework == "torch" or (
             framework == "auto" and kind == "torch" and _torch_available()
         )
         if share_memory:
-            array = data.view(d.numpy).reshape(rec.shape)
-        else:
-            array = np.empty(rec.shape, dtype=d.numpy)
-            _copy(array.reshape(-1).view(np.uint8), data)
+            array = self.raw(ref).view(d.numpy).reshape(rec.shape)
+            if want_torch:
+                from savepoint.state import _torch
+
+                return _torch.from_numpy(array, d)
+            return array
         if want_torch:
             from savepoint.state import _torch
 
-            tensor = _torch.from_numpy(array, d)
-            return tensor if device is None else _torch.to_device(tensor, device)
-        if kind == "numpy_scalar" and framework != "numpy":
-            return array[()]
-        if kind == "numpy_scalar":
-            return array[()]
-        return array
-
-
-def _copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-    for pos in range(0, len(src), CHUNK):
-        np.copyto(dst[pos : pos + CHUNK], src[pos : pos + CHUNK])
+            return _torch.empty(d, rec.shape)
+        return np.empty(rec.shape, dtype=d.numpy)
 
 
 def _torch_available() -> bool:

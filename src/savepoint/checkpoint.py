@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from savepoint import _reader, _writer
 from savepoint.commit import atomic
 from savepoint.errors import (
@@ -24,10 +26,11 @@ from savepoint.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    StateMismatchError,
     UnsupportedStateError,
 )
 from savepoint.formats import manifest as mf
-from savepoint.state import restore, tree
+from savepoint.state import arrays, restore, tree
 from savepoint.storage import local
 
 PathLike = str | os.PathLike[str]
@@ -36,7 +39,6 @@ Progress = Callable[[int, int], None]
 
 DEFAULT_MAX_FILE_BYTES = 1 << 30
 DEFAULT_WRITERS = 1
-_VERIFY_BATCH = 1 << 30
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,55 +176,100 @@ def load(
     framework: Framework = "auto",
     device: Any = None,
     mmap: bool = False,
+    progress: Progress | None = None,
 ) -> Any:
     """Load a checkpoint: return the saved tree, or restore it into ``into`` in place.
 
     Without ``into`` the tree comes back as saved: dicts, lists, tuples, plain values, and arrays:
     numpy by default, torch tensors where a torch tensor was saved (``framework`` forces one or the
-    other; ``device`` moves torch tensors). Stateful objects come back as their state dicts. Tied
-    tensors come back tied. ``mmap=True`` returns arrays backed by a private copy-on-write mapping
-    of the files instead of copies (no extra memory until written to).
+    other; ``device`` moves torch tensors there). Stateful objects come back as their state dicts.
+    Tied tensors come back tied. ``mmap=True`` returns arrays backed by a private copy-on-write
+    mapping of the files instead of copies (no memory used until written to).
 
     With ``into`` (a dict/list tree, a Stateful, or a tree holding Stateful objects) every tensor is
     read straight into the existing array, tensor or parameter; plain values are assigned into
-    their containers; Stateful objects get ``load_state_dict``. ``into`` may cover part of the
-    checkpoint, and only that part is read. Every missing key and every shape or dtype mismatch is
-    reported in one StateMismatchError before anything is modified; with ``verify`` every tensor
-    to be read is checked first too, so a corrupt checkpoint modifies nothing (for loads of more
-    than 1 GiB the check runs per 1 GiB batch, so an error in a later batch can follow earlier
-    batches being copied). Returns ``into``.
+    their containers; Stateful objects get ``load_state_dict`` with the saved tree, innermost
+    first. ``into`` may cover part of the checkpoint; only that part is read. Every missing key and
+    every shape or dtype mismatch is reported in one StateMismatchError before anything is
+    modified. Returns ``into``.
 
     ``keys`` selects paths (``"model"``, ``"model/layer.weight"``: components joined by ``/``, with
     ``~`` written ``~0`` and ``/`` written ``~1``); only their bytes are read.
+
+    With ``verify`` (the default) sizes and headers are checked before any data is copied, and
+    each tensor's checksum while it is copied. A checksum mismatch raises CorruptCheckpointError
+    naming the tensor; with ``into`` the target may then be partly overwritten, so restore another
+    checkpoint (CheckpointManager.restore does this by itself).
     """
+    if framework not in ("auto", "numpy", "torch"):
+        raise ValueError(f"framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
     directory = _reader.locate(os.path.abspath(os.fspath(path)))
     manifest = _reader.read_manifest(directory)
     root = _select(directory, manifest, keys)
-    if into is None:
-        return _load_tree(directory, manifest, root, verify, framework, device, mmap)
-    p = restore.plan(root, into, manifest.tensors)
-    if p.problems:
-        from savepoint.errors import StateMismatchError
+    counter = _counter(progress, manifest, tree.refs(root) if into is None else None)
+    reader = _reader.Reader(directory, manifest, copy_on_write=mmap and into is None)
+    try:
+        if into is None:
+            return _load_tree(reader, root, verify, framework, device, mmap, counter)
+        p = restore.plan(root, into, manifest.tensors)
+        if p.problems:
+            raise StateMismatchError(p.problems, path=directory)
+        if counter is not None:
+            counter.total = sum(manifest.tensors[r].nbytes for r in p.refs)
+        jobs, after = reader.fill_jobs((ref, target) for ref, target, _ in p.inplace)
+        kinds = _kinds(root)
+        made = {ref: reader.allocate(ref, kinds[ref], framework) for ref in p.fresh}
+        jobs += [(ref, arrays.byte_view(obj)) for ref, obj in made.items()]
+        reader.transfer(jobs, verify=verify, progress=counter)
+        for step in after:
+            step()
+        return p.finish(_getter(made, device))
+    finally:
+        reader.close()
 
-        raise StateMismatchError(p.problems, path=directory)
-    with _reader.Reader(directory, manifest) as reader:
-        for batch in _batches(manifest, p.refs):
-            if verify:
-                reader.verify(batch)
-            for ref, target, _ in p.inplace:
-                if ref in batch:
-                    reader.fill(ref, target, check_header=verify)
-        cache: dict[tuple[str, str], Any] = {}
 
-        def get(ref: str, kind: str) -> Any:
-            key = (ref, kind)
-            if key not in cache:
-                cache[key] = reader.materialize(
-                    ref, kind, framework=framework, device=device, check_header=verify
-                )
-            return cache[key]
+class _Counter:
+    def __init__(self, progress: Progress, total: int) -> None:
+        self.progress = progress
+        self.total = total
+        self.done = 0
 
-        return p.finish(get)
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self.progress(min(self.done, self.total), self.total)
+
+
+def _counter(progress: Progress | None, manifest: mf.Manifest, refs: set[str] | None) -> _Counter | None:
+    if progress is None:
+        return None
+    return _Counter(progress, sum(manifest.tensors[r].nbytes for r in refs or ()))
+
+
+def _kinds(root: tree.Node) -> dict[str, str]:
+    """The kind (numpy, numpy_scalar, torch) of each tensor ref, from its first leaf."""
+    kinds: dict[str, str] = {}
+    for _, node in tree.leaves(root):
+        if node["t"] == "tensor":
+            kinds.setdefault(node["ref"], node["kind"])
+    return kinds
+
+
+def _getter(made: dict[str, Any], device: Any) -> Callable[[str, str], Any]:
+    """The tensor supplier for tree.build: each ref once, so tied leaves stay tied."""
+    cache: dict[tuple[str, str], Any] = {}
+
+    def get(ref: str, kind: str) -> Any:
+        key = (ref, kind)
+        if key not in cache:
+            obj = made[ref]
+            if device is not None and arrays.is_torch_tensor(obj):
+                from savepoint.state import _torch
+
+                obj = _torch.to_device(obj, device)
+            cache[key] = obj[()] if kind == "numpy_scalar" and isinstance(obj, np.ndarray) else obj
+        return cache[key]
+
+    return get
 
 
 def _select(directory: str, manifest: mf.Manifest, keys: Iterable[str] | str | None) -> tree.Node:
@@ -241,54 +288,22 @@ def _select(directory: str, manifest: mf.Manifest, keys: Iterable[str] | str | N
     return selected
 
 
-def _batches(manifest: mf.Manifest, refs: set[str]) -> list[set[str]]:
-    """Group refs into batches of at most ~1 GiB, in file order, so verification precedes copies."""
-    ordered = sorted(refs, key=lambda r: (manifest.tensors[r].file, manifest.tensors[r].start))
-    batches: list[set[str]] = [set()]
-    size = 0
-    for ref in ordered:
-        n = manifest.tensors[ref].nbytes
-        if batches[-1] and size + n > _VERIFY_BATCH:
-            batches.append(set())
-            size = 0
-        batches[-1].add(ref)
-        size += n
-    return batches
-
-
 def _load_tree(
-    directory: str,
-    manifest: mf.Manifest,
+    reader: _reader.Reader,
     root: tree.Node,
     verify: bool,
     framework: Framework,
     device: Any,
     share: bool,
+    counter: _Counter | None,
 ) -> Any:
-    if framework not in ("auto", "numpy", "torch"):
-        raise ValueError(f"framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
-    reader = _reader.Reader(directory, manifest, copy_on_write=share)
-    try:
-        cache: dict[tuple[str, str], Any] = {}
-
-        def get(ref: str, kind: str) -> Any:
-            key = (ref, kind)
-            if key not in cache:
-                if verify:
-                    reader.verify([ref])
-                cache[key] = reader.materialize(
-                    ref,
-                    kind,
-                    framework=framework,
-                    device=device,
-                    share_memory=share,
-                    check_header=verify,
-                )
-            return cache[key]
-
-        return tree.build(root, get)
-    finally:
-        reader.close()
+    made = {
+        ref: reader.allocate(ref, kind, framework, share_memory=share)
+        for ref, kind in _kinds(root).items()
+    }
+    jobs = [(ref, None if share else arrays.byte_view(obj)) for ref, obj in made.items()]
+    reader.transfer(jobs, verify=verify, progress=counter)
+    return tree.build(root, _getter(made, device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,15 +423,7 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
     """
     directory = _reader.locate(os.path.abspath(os.fspath(path)))
     manifest = _reader.read_manifest(directory)
-    total = sum(t.nbytes for t in manifest.tensors.values())
-    done = 0
-
-    def on_bytes(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
-
+    counter = _counter(progress, manifest, set(manifest.tensors))
     with _reader.Reader(directory, manifest) as reader:
         for name in manifest.files:
             expected = {
@@ -430,8 +437,5 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
                     f"{directory}: data file {name} does not hold what the manifest records",
                     path=directory,
                 )
-        reader.verify(
-            sorted(manifest.tensors, key=lambda r: (manifest.tensors[r].file, manifest.tensors[r].start)),
-            progress=on_bytes,
-        )
+        reader.transfer([(ref, None) for ref in manifest.tensors], progress=counter)
     return _info(directory, manifest)

@@ -287,7 +287,7 @@ class MappedFile:
         access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
         self.map = mmap.mmap(fd, size, access=access)
         with contextlib.suppress(AttributeError, OSError):
-            self.map.madvise(mmap.MADV_SEQUENTIAL)
+            self.map.madvise(mmap.MADV_WILLNEED)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
 
     def slice(self, start: int, end: int) -> np.ndarray[Any, Any]:

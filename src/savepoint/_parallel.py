@@ -1,0 +1,84 @@
+"""A process-wide thread pool for memory-bound work (copies and checksums).
+
+numpy copies and XXH3 release the GIL, so splitting a large copy across threads uses every core:
+on the 2-core development machine a warm 1 GiB copy out of a file mapping drops from 0.13 s to
+about 0.07 s, which is also how ``torch.Tensor.copy_`` gets its speed (it is multithreaded).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+R = TypeVar("R")
+SPLIT = 16 << 20  # copies larger than this are cut into pieces of this size
+
+_pool: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def pool() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="savepoint-copy")
+        return _pool
+
+
+def run_all(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``[fn(x) for x in items]`` on the pool; the first exception is raised after all finish."""
+    items = list(items)
+    if len(items) <= 1 or workers() == 1:
+        return [fn(x) for x in items]
+    futures: list[Future[R]] = [pool().submit(fn, x) for x in items]
+    results: list[Any] = []
+    error: BaseException | None = None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def bundles(items: Iterable[T], size: Callable[[T], int], target: int = SPLIT) -> list[list[T]]:
+    """Group items into work units: big items alone, largest first; small ones together up to
+    ``target`` bytes, so the pool stays busy without a task per tiny tensor."""
+    ordered = sorted(items, key=size, reverse=True)
+    out: list[list[T]] = []
+    current: list[T] = []
+    filled = 0
+    for item in ordered:
+        n = size(item)
+        if n >= target:
+            out.append([item])
+            continue
+        current.append(item)
+        filled += n
+        if filled >= target:
+            out.append(current)
+            current, filled = [], 0
+    if current:
+        out.append(current)
+    return out
+
+
+def copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+    """Copy equal-length uint8 arrays, in parallel pieces when large."""
+    n = len(src)
+    if n <= SPLIT or workers() == 1:
+        np.copyto(dst, src)
+        return
+    run_all(lambda i: np.copyto(dst[i : i + SPLIT], src[i : i + SPLIT]), range(0, n, SPLIT))
