@@ -64,9 +64,11 @@ def fsync_path(path: str) -> None:
 
 
 def evict(path: str) -> None:
-    paths = [path] if os.path.isfile(path) else [
-        os.path.join(root, f) for root, _, files in os.walk(path) for f in files
-    ]
+    paths = (
+        [path]
+        if os.path.isfile(path)
+        else [os.path.join(root, f) for root, _, files in os.walk(path) for f in files]
+    )
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -134,7 +136,9 @@ def odirect_floor(nbytes: int, path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/savepoint-bench")
@@ -147,8 +151,10 @@ def main() -> None:
     state = make_state(total)
     nbytes = sum(t.numel() * 4 for t in state.values())
     os.makedirs(args.dir, exist_ok=True)
-    print(f"state: {len(state)} float32 tensors, {nbytes / 2**30:.3f} GiB; dir {args.dir}; "
-          f"torch {torch.__version__}, savepoint {sp.__version__}; {os.cpu_count()} cores")
+    print(
+        f"state: {len(state)} float32 tensors, {nbytes / 2**30:.3f} GiB; dir {args.dir}; "
+        f"torch {torch.__version__}, savepoint {sp.__version__}; {os.cpu_count()} cores"
+    )
 
     paths = {
         "savepoint": os.path.join(args.dir, "sp"),
@@ -159,8 +165,9 @@ def main() -> None:
     }
 
     def sp_save() -> None:
-        sp.save(paths["savepoint"], state, writers=args.writers,
-                max_file_bytes=args.max_file_mib * MiB)
+        sp.save(
+            paths["savepoint"], state, writers=args.writers, max_file_bytes=args.max_file_mib * MiB
+        )
 
     def torch_save() -> None:
         with open(paths["torch.save"], "wb") as f:
@@ -207,10 +214,16 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print("\ndurable save, median of", args.repeats, "(s):")
     for k, v in med.items():
-        print(f"  {k:14s} {v:6.3f}   {nbytes / v / 2**30:5.2f} GiB/s   runs {[round(x, 3) for x in times[k]]}")
+        print(
+            f"  {k:14s} {v:6.3f}   {nbytes / v / 2**30:5.2f} GiB/s   runs {[round(x, 3) for x in times[k]]}"
+        )
     print("ratios:")
-    print(f"  savepoint / safetensors+fsync   {med['savepoint'] / med['safetensors']:.2f}  (target <= 1.0)")
-    print(f"  savepoint / torch.save+fsync    {med['savepoint'] / med['torch.save']:.2f}  (target <= 0.6)")
+    print(
+        f"  savepoint / safetensors+fsync   {med['savepoint'] / med['safetensors']:.2f}  (target <= 1.0)"
+    )
+    print(
+        f"  savepoint / torch.save+fsync    {med['savepoint'] / med['torch.save']:.2f}  (target <= 0.6)"
+    )
     print(f"  savepoint / O_DIRECT floor      {med['savepoint'] / med['odirect floor']:.2f}")
     if "dcp.save" in med:
         print(f"  savepoint / dcp.save            {med['savepoint'] / med['dcp.save']:.2f}")
@@ -220,8 +233,10 @@ def main() -> None:
     with PeakRSS() as mem:
         sp_save()
     limit = 64 * MiB + 0.05 * nbytes
-    print(f"\npeak extra memory during sp.save: {mem.extra / MiB:.1f} MiB "
-          f"(limit 64 MiB + 5% = {limit / MiB:.1f} MiB)")
+    print(
+        f"\npeak extra memory during sp.save: {mem.extra / MiB:.1f} MiB "
+        f"(limit 64 MiB + 5% = {limit / MiB:.1f} MiB)"
+    )
 
     # Loads into existing parameters.
     params = {k: torch.empty_like(v) for k, v in state.items()}
@@ -247,7 +262,9 @@ def main() -> None:
         for rnd in range(args.repeats + 1):
             for name, fn in loaders.items():
                 if temp == "cold":
-                    evict(paths["savepoint"] if name.startswith("savepoint") else paths["torch.save"])
+                    evict(
+                        paths["savepoint"] if name.startswith("savepoint") else paths["torch.save"]
+                    )
                 t0 = time.perf_counter()
                 fn()
                 dt = time.perf_counter() - t0
@@ -257,10 +274,14 @@ def main() -> None:
         print(f"\n{temp} load into existing params, median (s):")
         for k, v in lm.items():
             print(f"  {k:24s} {v:6.3f}   runs {[round(x, 3) for x in lt[k]]}")
-        print(f"  savepoint / torch.load(mmap)+copy   {lm['savepoint'] / lm['torch.load mmap+copy']:.2f}"
-              + ("  (target <= 1.2)" if temp == "warm" else ""))
-        print(f"  checksum cost: {(lm['savepoint'] / lm['savepoint verify=False'] - 1) * 100:.0f}% "
-              f"of a {temp} load" + ("  (target < 15%)" if temp == "warm" else ""))
+        print(
+            f"  savepoint / torch.load(mmap)+copy   {lm['savepoint'] / lm['torch.load mmap+copy']:.2f}"
+            + ("  (target <= 1.2)" if temp == "warm" else "")
+        )
+        print(
+            f"  checksum cost: {(lm['savepoint'] / lm['savepoint verify=False'] - 1) * 100:.0f}% "
+            f"of a {temp} load" + ("  (target < 15%)" if temp == "warm" else "")
+        )
     ok = all(torch.equal(params[k], state[k]) for k in state)
     print(f"\nrestored state equals saved state: {ok}")
     for p in paths.values():

@@ -80,11 +80,15 @@ def main() -> None:
         sp.load(path, into=target)
         torch.set_rng_state(target["rng"]["torch"])
         t_load = time.perf_counter() - t0
-        print(f"restored into fresh objects in {t_load * 1000:.1f} ms: step {target['step']}, "
-              f"{len(target['loss_history'])} losses, lr {sched2.get_last_lr()[0]:.6f}")
+        print(
+            f"restored into fresh objects in {t_load * 1000:.1f} ms: step {target['step']}, "
+            f"{len(target['loss_history'])} losses, lr {sched2.get_last_lr()[0]:.6f}"
+        )
         resumed = [train_step(model2, opt2, sched2) for _ in range(5)]
         for i, (a, b) in enumerate(zip(expected, resumed), start=21):
-            print(f"  step {i}: original {a:.8f}  resumed {b:.8f}  {'identical' if a == b else 'DIFFERENT'}")
+            print(
+                f"  step {i}: original {a:.8f}  resumed {b:.8f}  {'identical' if a == b else 'DIFFERENT'}"
+            )
         if expected != resumed:
             raise SystemExit("resume was not exact")
         print("resume is bit-exact")

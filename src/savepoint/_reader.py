@@ -7,10 +7,10 @@ the recorded size and its header must hash to the recorded value before it is ma
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -48,9 +48,7 @@ def locate(path: str) -> str:
     if not os.path.lexists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
     if not os.path.isdir(path):
-        raise IncompleteCheckpointError(
-            f"{path} is a file, not a checkpoint directory", path=path
-        )
+        raise IncompleteCheckpointError(f"{path} is a file, not a checkpoint directory", path=path)
     raise IncompleteCheckpointError(
         f"{path} has no {mf.NAME}: the save that created it did not commit (or it is not a "
         "savepoint checkpoint); use an earlier checkpoint",
@@ -63,7 +61,9 @@ def read_manifest(path: str) -> mf.Manifest:
     try:
         fd = local.open_read(file)
     except local.SymlinkError:
-        raise CorruptCheckpointError(f"{file} is a symlink; refusing to follow it", path=path) from None
+        raise CorruptCheckpointError(
+            f"{file} is a symlink; refusing to follow it", path=path
+        ) from None
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} has no {mf.NAME}", path=path) from None
     try:
@@ -170,7 +170,9 @@ class Reader:
         sources = [(ref, self.raw(ref, check_header=verify), dst) for ref, dst in jobs]
         lock = threading.Lock()
 
-        def run(bundle: list[tuple[str, np.ndarray[Any, Any], np.ndarray[Any, Any] | None]]) -> None:
+        def run(
+            bundle: list[tuple[str, np.ndarray[Any, Any], np.ndarray[Any, Any] | None]],
+        ) -> None:
             for ref, src, dst in bundle:
                 hasher = checksum.new() if verify else None
                 for pos in range(0, len(src), PIECE):
@@ -182,7 +184,10 @@ class Reader:
                     if progress is not None:
                         with lock:
                             progress(len(piece))
-                if hasher is not None and checksum.hexdigest(hasher) != self.manifest.tensors[ref].xxh3:
+                if (
+                    hasher is not None
+                    and checksum.hexdigest(hasher) != self.manifest.tensors[ref].xxh3
+                ):
                     raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
 
         _parallel.run_all(run, _parallel.bundles(sources, lambda job: len(job[1])))
@@ -206,12 +211,15 @@ class Reader:
             after.append(functools.partial(self._copy_into, ref, target, host, d))
         return jobs, after
 
-    def _copy_into(self, ref: str, target: Any, host: np.ndarray[Any, Any], d: dtypes.DType) -> None:
+    def _copy_into(
+        self, ref: str, target: Any, host: np.ndarray[Any, Any], d: dtypes.DType
+    ) -> None:
         shaped = host.view(d.numpy).reshape(self.manifest.tensors[ref].shape)
         if isinstance(target, np.ndarray):
             if not target.flags.writeable:
                 raise IncompatibleCheckpointError(
-                    f"{self.path}: cannot restore {ref!r} into a read-only numpy array", path=self.path
+                    f"{self.path}: cannot restore {ref!r} into a read-only numpy array",
+                    path=self.path,
                 )
             np.copyto(target, shaped, casting="no")
         else:

@@ -239,7 +239,9 @@ class _Counter:
         self.progress(min(self.done, self.total), self.total)
 
 
-def _counter(progress: Progress | None, manifest: mf.Manifest, refs: set[str] | None) -> _Counter | None:
+def _counter(
+    progress: Progress | None, manifest: mf.Manifest, refs: set[str] | None
+) -> _Counter | None:
     if progress is None:
         return None
     return _Counter(progress, sum(manifest.tensors[r].nbytes for r in refs or ()))
@@ -366,7 +368,7 @@ class CheckpointInfo:
 def _jsonable(value: Any) -> Any:
     if isinstance(value, bytes):
         return {"bytes": len(value)}
-    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+    if (isinstance(value, float) and value != value) or value in (float("inf"), float("-inf")):
         return repr(value)
     return value
 
@@ -431,7 +433,9 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
                 for ref, rec in manifest.tensors.items()
                 if rec.file == name
             }
-            found = {e.name: (e.dtype, e.shape, e.start, e.end) for e in reader.header_entries(name)}
+            found = {
+                e.name: (e.dtype, e.shape, e.start, e.end) for e in reader.header_entries(name)
+            }
             if found != expected:
                 raise CorruptCheckpointError(
                     f"{directory}: data file {name} does not hold what the manifest records",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,10 +63,13 @@ def main() -> None:
     """Inspect and verify savepoint checkpoints."""
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def _table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(cell.ljust(w) if i < len(row) - 1 else cell for i, (cell, w) in enumerate(zip(row, widths)))
+        "  ".join(
+            cell.ljust(w) if i < len(row) - 1 else cell
+            for i, (cell, w) in enumerate(zip(row, widths))
+        )
         for row in rows
     )
 
@@ -95,7 +98,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
     for key, kind in info.stateful.items():
         click.echo(f"stateful    {key or '<root>'}: {kind}")
     if info.tensors:
-        rows = [("key", "dtype", "shape", "size", "file")]
+        rows: list[tuple[str, ...]] = [("key", "dtype", "shape", "size", "file")]
         for t in info.tensors:
             shape = "(" + ", ".join(map(str, t.shape)) + ("," if len(t.shape) == 1 else "") + ")"
             note = f"{t.file}" + (f" (tied to {t.ref})" if t.ref != t.key else "")
@@ -104,9 +107,12 @@ def inspect_cmd(path: str, as_json: bool) -> None:
         click.echo(_table(rows))
     if info.values:
         click.echo("")
-        rows = [("key", "value")]
-        rows += [(k, repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "...") for k, v in info.values.items()]
-        click.echo(_table(rows))
+        values: list[tuple[str, ...]] = [("key", "value")]
+        values += [
+            (k, repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "...")
+            for k, v in info.values.items()
+        ]
+        click.echo(_table(values))
 
 
 @main.command("verify")

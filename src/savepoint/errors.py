@@ -50,7 +50,9 @@ class CheckpointError(Exception):
         return (_rebuild, (type(self), self.message, self.path, dict(self.__dict__)))
 
 
-def _rebuild(cls: type[CheckpointError], message: str, path: str | None, state: dict[str, Any]) -> Any:
+def _rebuild(
+    cls: type[CheckpointError], message: str, path: str | None, state: dict[str, Any]
+) -> Any:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)

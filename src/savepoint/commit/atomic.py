@@ -44,7 +44,13 @@ _renameat2: Callable[..., int] | None = None
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     _renameat2 = _libc.renameat2
-    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    _renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
     _renameat2.restype = ctypes.c_int
 except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
     _renameat2 = None
@@ -148,6 +154,8 @@ def resolve(path: str) -> str | None:
     if os.path.lexists(path):
         return None
     olds = [
-        o for o, _ in _siblings(path, OLD_TAG) if os.path.isfile(os.path.join(o, manifest_format.NAME))
+        o
+        for o, _ in _siblings(path, OLD_TAG)
+        if os.path.isfile(os.path.join(o, manifest_format.NAME))
     ]
     return max(olds, key=os.path.getmtime) if olds else None

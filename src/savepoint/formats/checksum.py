@@ -28,7 +28,5 @@ def hexdigest(hasher: Any) -> str:
 
 def is_digest(value: Any) -> bool:
     return (
-        isinstance(value, str)
-        and len(value) == 16
-        and all(c in "0123456789abcdef" for c in value)
+        isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
     )

@@ -156,7 +156,9 @@ def parse(raw: bytes) -> Manifest:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ManifestError(f"manifest is not valid JSON: {exc}") from None
     _require(isinstance(doc, dict), "manifest is not a JSON object")
-    _require(doc.get("format") == FORMAT, f"not a savepoint manifest (format {doc.get('format')!r})")
+    _require(
+        doc.get("format") == FORMAT, f"not a savepoint manifest (format {doc.get('format')!r})"
+    )
     version = doc.get("format_version")
     _require(_count(version), "format_version must be a non-negative integer")
     if version > VERSION:
@@ -261,7 +263,9 @@ def _check_tree(root: Any, tensors: dict[str, TensorRecord]) -> None:
             _require(isinstance(node.get("items"), list), f"tree: {t} node without items")
             stack.extend(node["items"])
         elif t == "tensor":
-            _require(node.get("ref") in tensors, f"tree: reference to unknown tensor {node.get('ref')!r}")
+            _require(
+                node.get("ref") in tensors, f"tree: reference to unknown tensor {node.get('ref')!r}"
+            )
             _require(node.get("kind") in _KINDS, f"tree: unknown tensor kind {node.get('kind')!r}")
         elif t == "stateful":
             _require(isinstance(node.get("type"), str), "tree: stateful node without a type")

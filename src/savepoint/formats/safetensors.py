@@ -57,7 +57,11 @@ def layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple[by
     offset = 0
     spans = []
     for name, dtype, shape, nbytes in order:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         spans.append((name, dtype, shape, offset, offset + nbytes))
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -106,7 +110,9 @@ def parse_header(raw: bytes, file_size: int) -> tuple[list[Entry], dict[str, str
     entries = []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise HeaderError(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
+            raise HeaderError(
+                f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets"
+            )
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in dtypes.BY_NAME:
             raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")

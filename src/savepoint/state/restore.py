@@ -83,12 +83,16 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             found = describe(target)
             if found is None:
                 if not complete and target is not None:
-                    p.problems.append((key, f"the checkpoint holds a tensor here, found {_type(target)}"))
+                    p.problems.append(
+                        (key, f"the checkpoint holds a tensor here, found {_type(target)}")
+                    )
                 return fresh(node)
             rec = tensors[ref]
             dtype, shape = found
             if dtype != rec.dtype:
-                p.problems.append((key, f"dtype {rec.dtype} in the checkpoint, {dtype} in the target"))
+                p.problems.append(
+                    (key, f"dtype {rec.dtype} in the checkpoint, {dtype} in the target")
+                )
             if tuple(shape) != rec.shape:
                 p.problems.append(
                     (key, f"shape {list(rec.shape)} in the checkpoint, {list(shape)} in the target")
@@ -132,7 +136,9 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
                 children.append((k, bind(child, target[k], (*path, k), complete), True))
             elif complete:
                 if strict:
-                    p.problems.append((tree_mod.join((*path, k)), "unexpected key: not in the target"))
+                    p.problems.append(
+                        (tree_mod.join((*path, k)), "unexpected key: not in the target")
+                    )
                 children.append((k, fresh(child), True))
         if complete:
             return lambda get: {k: sub(get) for k, sub, _ in children}

@@ -113,7 +113,11 @@ def flatten(state: Any) -> Flat:
             if is_stateful(obj):
                 cls = type(obj)
                 inner = walk(obj.state_dict(), path)
-                return {"t": "stateful", "type": f"{cls.__module__}.{cls.__qualname__}", "state": inner}
+                return {
+                    "t": "stateful",
+                    "type": f"{cls.__module__}.{cls.__qualname__}",
+                    "state": inner,
+                }
         finally:
             active.discard(id(obj))
         raise UnsupportedStateError(
@@ -203,7 +207,9 @@ def select(node: Node, wanted: list[str]) -> Node | None:
             return None
         t = n["t"]
         if t == "dict":
-            items = [[k, s] for k, c in n["items"] if (s := walk(c, (*parts, escape(k)))) is not None]
+            items = [
+                [k, s] for k, c in n["items"] if (s := walk(c, (*parts, escape(k)))) is not None
+            ]
             return {"t": "dict", "items": items} if items else None
         if t in ("list", "tuple"):
             # Keep positions so indices stay meaningful: unwanted items become None.

@@ -86,6 +86,10 @@ class StagingPool:
 
 POOL = StagingPool()
 
+if hasattr(os, "register_at_fork"):
+    # The pool's lock may be held by another thread at fork time; a child starts with a fresh pool.
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("POOL", StagingPool()))
+
 
 class _Writer:
     """Writes full buffers from a background thread; the first error stops it and is re-raised."""
