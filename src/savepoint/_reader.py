@@ -56,10 +56,10 @@ def locate(path: str) -> str:
     )
 
 
-def read_manifest(path: str) -> mf.Manifest:
+def read_manifest(path: str, dir_fd: int | None = None) -> mf.Manifest:
     file = os.path.join(path, mf.NAME)
     try:
-        fd = local.open_read(file)
+        fd = local.open_read(mf.NAME if dir_fd is not None else file, dir_fd=dir_fd)
     except local.SymlinkError:
         raise CorruptCheckpointError(
             f"{file} is a symlink; refusing to follow it", path=path
@@ -84,11 +84,36 @@ def read_manifest(path: str) -> mf.Manifest:
 class Reader:
     """Maps the data files a load needs, once each, and hands out verified tensor bytes."""
 
-    def __init__(self, path: str, manifest: mf.Manifest, *, copy_on_write: bool = False) -> None:
+    def __init__(
+        self,
+        path: str,
+        manifest: mf.Manifest,
+        *,
+        dir_fd: int | None = None,
+        copy_on_write: bool = False,
+    ) -> None:
         self.path = path
         self.manifest = manifest
+        self.dir_fd = dir_fd  # owned: closed with the reader
         self.copy_on_write = copy_on_write
         self._files: dict[str, local.MappedFile] = {}
+
+    @classmethod
+    def open(cls, path: str, *, copy_on_write: bool = False) -> Reader:
+        """Open the committed checkpoint at ``path``: its directory, then its manifest.
+
+        Data files are later opened relative to the same directory descriptor, so a concurrent
+        replace of ``path`` cannot mix files of two checkpoints into one load.
+        """
+        directory = locate(path)
+        dir_fd = local.open_dir(directory)
+        try:
+            manifest = read_manifest(directory, dir_fd)
+        except BaseException:
+            if dir_fd is not None:
+                os.close(dir_fd)
+            raise
+        return cls(directory, manifest, dir_fd=dir_fd, copy_on_write=copy_on_write)
 
     def __enter__(self) -> Reader:
         return self
@@ -100,6 +125,9 @@ class Reader:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
 
     def _corrupt(self, message: str, key: str | None = None) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.path}: {message}", path=self.path, key=key)
@@ -111,9 +139,9 @@ class Reader:
         record = self.manifest.files[name]
         file = os.path.join(self.path, name)
         try:
-            fd = local.open_read(file)
-        except local.SymlinkError:
-            raise self._corrupt(f"data file {name} is a symlink; refusing to follow it") from None
+            fd = local.open_read(name if self.dir_fd is not None else file, dir_fd=self.dir_fd)
+        except (local.SymlinkError, local.NotRegularFileError) as exc:
+            raise self._corrupt(f"data file {name} {exc.strerror}; refusing to read it") from None
         except FileNotFoundError:
             raise self._corrupt(f"data file {name} is missing") from None
         try:
@@ -249,7 +277,7 @@ class Reader:
 
 
 def _torch_available() -> bool:
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:
         return True
     try:
         import torch  # noqa: F401

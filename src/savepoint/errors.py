@@ -47,7 +47,10 @@ class CheckpointError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only constructors do not survive the default exception pickling used by
         # multiprocessing; rebuild from the message and path instead.
-        return (_rebuild, (type(self), self.message, self.path, dict(self.__dict__)))
+        state = dict(self.__dict__)
+        if isinstance(self, OSError):
+            state["errno"] = self.errno  # a slot of OSError, not in __dict__
+        return (_rebuild, (type(self), self.message, self.path, state))
 
 
 def _rebuild(
@@ -55,7 +58,8 @@ def _rebuild(
 ) -> Any:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
-    err.__dict__.update(state)
+    for key, value in state.items():
+        setattr(err, key, value)
     err.message, err.path = message, path
     return err
 
@@ -113,4 +117,17 @@ class UnsupportedStateError(CheckpointError, TypeError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """Writing failed (disk full, fsync error, permission); the previous checkpoint is intact."""
+    """Writing failed (disk full, fsync error, permission); the previous checkpoint is intact.
+
+    ``errno`` is the failing call's error number (``errno.ENOSPC`` for a full disk) when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.errno = errno

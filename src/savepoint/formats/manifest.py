@@ -130,6 +130,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _no_constant(name: str) -> Any:
+    raise ManifestError(f"manifest is not valid JSON: non-standard number {name}")
+
+
 def _count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
@@ -150,7 +154,9 @@ def parse(raw: bytes) -> Manifest:
         "manifest checksum does not match its content",
     )
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        doc = json.loads(
+            raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant
+        )
     except ManifestError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -196,13 +202,19 @@ def parse(raw: bytes) -> Manifest:
             isinstance(t, dict) and set(t) == {"dtype", "shape", "file", "offsets", "xxh3"},
             f"tensor {name!r}: entry must have dtype, shape, file, offsets, xxh3",
         )
-        _require(t["dtype"] in dtypes.BY_NAME, f"tensor {name!r}: unknown dtype {t['dtype']!r}")
+        _require(
+            isinstance(t["dtype"], str) and t["dtype"] in dtypes.BY_NAME,
+            f"tensor {name!r}: unknown dtype {t['dtype']!r}",
+        )
         shape = t["shape"]
         _require(
             isinstance(shape, list) and len(shape) <= 64 and all(map(_count, shape)),
             f"tensor {name!r}: shape must be a list of at most 64 non-negative integers",
         )
-        _require(t["file"] in files, f"tensor {name!r}: refers to unknown file {t['file']!r}")
+        _require(
+            isinstance(t["file"], str) and t["file"] in files,
+            f"tensor {name!r}: refers to unknown file {t['file']!r}",
+        )
         offsets = t["offsets"]
         _require(
             isinstance(offsets, list) and len(offsets) == 2 and all(map(_count, offsets)),
@@ -263,10 +275,14 @@ def _check_tree(root: Any, tensors: dict[str, TensorRecord]) -> None:
             _require(isinstance(node.get("items"), list), f"tree: {t} node without items")
             stack.extend(node["items"])
         elif t == "tensor":
+            ref, kind = node.get("ref"), node.get("kind")
             _require(
-                node.get("ref") in tensors, f"tree: reference to unknown tensor {node.get('ref')!r}"
+                isinstance(ref, str) and ref in tensors,
+                f"tree: reference to unknown tensor {ref!r}",
             )
-            _require(node.get("kind") in _KINDS, f"tree: unknown tensor kind {node.get('kind')!r}")
+            _require(
+                isinstance(kind, str) and kind in _KINDS, f"tree: unknown tensor kind {kind!r}"
+            )
         elif t == "stateful":
             _require(isinstance(node.get("type"), str), "tree: stateful node without a type")
             stack.append(node.get("state"))

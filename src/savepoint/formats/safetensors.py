@@ -80,6 +80,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _no_constant(name: str) -> Any:
+    raise HeaderError(f"header is not valid JSON: non-standard number {name}")
+
+
 def header_length(prefix: bytes, file_size: int) -> int:
     if len(prefix) < 8:
         raise HeaderError(f"file is {file_size} bytes, too short for a safetensors header")
@@ -95,7 +99,9 @@ def parse_header(raw: bytes, file_size: int) -> tuple[list[Entry], dict[str, str
     """Validate header JSON ``raw`` (without its length prefix) for a file of ``file_size`` bytes."""
     base = 8 + len(raw)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(
+            raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant
+        )
     except HeaderError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -114,7 +120,7 @@ def parse_header(raw: bytes, file_size: int) -> tuple[list[Entry], dict[str, str
                 f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets"
             )
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in dtypes.BY_NAME:
+        if not isinstance(dtype, str) or dtype not in dtypes.BY_NAME:
             raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
             raise HeaderError(f"tensor {name!r}: shape must be a list of non-negative integers")

@@ -100,6 +100,8 @@ def byte_view(target: Any) -> np.ndarray[Any, Any] | None:
         if target.flags.c_contiguous and target.flags.writeable:
             return target.reshape(-1).view(np.uint8)
         return None
+    if not is_torch_tensor(target):
+        return None
     from savepoint.state import _torch
 
     return _torch.byte_view(target)

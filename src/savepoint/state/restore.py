@@ -89,6 +89,8 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
                 return fresh(node)
             rec = tensors[ref]
             dtype, shape = found
+            if getattr(getattr(target, "flags", None), "writeable", True) is False:
+                p.problems.append((key, "the target array is read-only"))
             if dtype != rec.dtype:
                 p.problems.append(
                     (key, f"dtype {rec.dtype} in the checkpoint, {dtype} in the target")

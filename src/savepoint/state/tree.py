@@ -197,7 +197,8 @@ def select(node: Node, wanted: list[str]) -> Node | None:
     Returns None when nothing matches. Containers on the way are kept, so the result has the
     same shape as the saved tree, pruned.
     """
-    wanted_parts = [tuple(w.strip("/").split("/")) if w.strip("/") else () for w in wanted]
+    # Split exactly: "/x" is the key "x" under the key "" (empty keys are legal).
+    wanted_parts = [tuple(w.split("/")) for w in wanted]
 
     def walk(n: Node, parts: tuple[str, ...]) -> Node | None:
         depth = len(parts)

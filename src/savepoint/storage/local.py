@@ -24,6 +24,7 @@ import errno
 import mmap
 import os
 import queue
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -267,14 +268,34 @@ class SymlinkError(OSError):
     pass
 
 
-def open_read(path: str) -> int:
-    """Open a data file for reading, refusing symlinks."""
+class NotRegularFileError(OSError):
+    pass
+
+
+def open_read(path: str, dir_fd: int | None = None) -> int:
+    """Open a regular file for reading, refusing symlinks, FIFOs and devices without blocking.
+
+    ``path`` is relative to ``dir_fd`` if given.
+    """
+    flags = os.O_RDONLY | _O_NOFOLLOW | _O_BINARY | getattr(os, "O_NONBLOCK", 0)
     try:
-        return os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_BINARY)
+        fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise SymlinkError(errno.ELOOP, "data file is a symlink", path) from None
+            raise SymlinkError(errno.ELOOP, "is a symlink", path) from None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFileError(errno.EINVAL, "is not a regular file", path)
+    return fd
+
+
+def open_dir(path: str) -> int | None:
+    """A descriptor for a directory, so later opens resolve inside this very directory even if
+    it is renamed or replaced meanwhile; None where the platform has no directory descriptors."""
+    if os.open not in os.supports_dir_fd:  # pragma: no cover - Windows
+        return None
+    return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
 
 
 def read_exact(fd: int, offset: int, length: int) -> bytes:
