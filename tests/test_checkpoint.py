@@ -63,8 +63,12 @@ def same(a: Any, b: Any, where: str = "<root>") -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             same(x, y, f"{where}/{i}")
     elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), f"{where}: data"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        )
+        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), (
+            f"{where}: data"
+        )
     elif isinstance(a, np.generic):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{where}: {a!r} != {b!r}"
     elif isinstance(a, float):
@@ -87,7 +91,9 @@ def backing_object(a: np.ndarray) -> Any:
 
 def sha(path: Path) -> dict[str, str]:
     return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.iterdir())
+        if p.is_file()
     }
 
 
@@ -320,7 +326,14 @@ def test_metadata_round_trips_through_inspect(ckpt: Path) -> None:
 
 @pytest.mark.parametrize(
     "metadata",
-    [{"s": {1, 2}}, {"o": object()}, {"nan": float("nan")}, {"inf": float("inf")}, {"b": b"x"}, [1, 2]],
+    [
+        {"s": {1, 2}},
+        {"o": object()},
+        {"nan": float("nan")},
+        {"inf": float("inf")},
+        {"b": b"x"},
+        [1, 2],
+    ],
     ids=["set", "object", "nan", "inf", "bytes", "not-a-mapping"],
 )
 def test_non_json_metadata_is_refused(ckpt: Path, metadata: Any) -> None:
@@ -572,7 +585,9 @@ def test_inspect_describes_everything_from_the_manifest(ckpt: Path) -> None:
         ("counter/w", "F16", (2,), 4),
     ]
     assert info.total_bytes == 36
-    assert info.values["step"] == 7 and info.values["name"] == "run" and info.values["blob"] == b"abc"
+    assert (
+        info.values["step"] == 7 and info.values["name"] == "run" and info.values["blob"] == b"abc"
+    )
     assert math.isnan(info.values["nan"]) and info.values["ninf"] == float("-inf")
     assert info.values["counter/n"] == 3
     assert info.stateful == {"counter": f"{Counter.__module__}.{Counter.__qualname__}"}
@@ -725,7 +740,9 @@ def test_mmap_arrays_are_file_backed_and_copy_on_write(ckpt: Path) -> None:
     assert not isinstance(backing_object(copied), mmap.mmap)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_PRIVATE page sharing is Linux behaviour")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="MAP_PRIVATE page sharing is Linux behaviour"
+)
 def test_mmap_reads_from_the_page_cache(ckpt: Path) -> None:
     """An untouched page of a mmap load shows the file's bytes; a copying load does not."""
     sp.save(ckpt, {"a": np.zeros(4096, dtype=np.uint8)})
@@ -775,15 +792,20 @@ def test_into_fills_arrays_in_place_and_assigns_values(ckpt: Path) -> None:
         "step": 0,
         "fresh": None,
     }
-    arrays = [target["w"], target["nested"]["v"], *target["pair"], target["lst"][0]]
-    containers = [target["nested"], target["pair"], target["lst"], target["hist"]]
+
+    def live_arrays() -> list[Any]:
+        return [target["w"], target["nested"]["v"], *target["pair"], target["lst"][0]]
+
+    def live_containers() -> list[Any]:
+        return [target["nested"], target["pair"], target["lst"], target["hist"]]
+
+    arrays, containers = live_arrays(), live_containers()
     result = sp.load(ckpt, into=target)
     assert result is target
-    for before, after in zip(arrays, [target["w"], target["nested"]["v"], *target["pair"], target["lst"][0]]):
-        assert before is after
-    for before, after in zip(containers, [target["nested"], target["pair"], target["lst"], target["hist"]]):
-        assert before is after
-    same({k: v for k, v in target.items() if k != "fresh"}, {k: v for k, v in state.items() if k != "fresh"})
+    assert all(before is after for before, after in zip(arrays, live_arrays()))
+    assert all(before is after for before, after in zip(containers, live_containers()))
+    state["fresh"] = target["fresh"]
+    same(target, state)
     same(target["fresh"], np.arange(2))  # None in the target: a new array is created
 
 
@@ -839,15 +861,31 @@ def test_into_reports_every_problem_at_once_and_modifies_nothing(ckpt: Path) -> 
     assert {k: id(v) for k, v in target.items()} == objects
 
 
-def test_corrupt_checkpoint_with_into_modifies_nothing(ckpt: Path, flip_byte: Any) -> None:
+def test_corrupt_checkpoint_with_into(ckpt: Path, flip_byte: Any) -> None:
     sp.save(ckpt, {"a": np.arange(4, dtype=np.float64), "z": np.arange(3, dtype=np.int8), "n": 3})
     flip_byte(ckpt, "z", 1)
+    # verify="first" checks every checksum before touching the target: nothing is modified
     target = {"a": np.zeros(4), "z": np.zeros(3, np.int8), "n": 0}
     snapshot = copy.deepcopy(target)
     with pytest.raises(sp.CorruptCheckpointError) as excinfo:
-        sp.load(ckpt, into=target)
+        sp.load(ckpt, into=target, verify="first")
     assert excinfo.value.key == "z"
     same(target, snapshot)
+    # the default checks while copying: the error still names the tensor, plain values stay put
+    with pytest.raises(sp.CorruptCheckpointError) as excinfo:
+        sp.load(ckpt, into=target)
+    assert excinfo.value.key == "z"
+    assert target["n"] == 0
+    # an intact part of the checkpoint still restores
+    part = {"a": np.zeros(4)}
+    sp.load(ckpt, into=part, verify="first")
+    np.testing.assert_array_equal(part["a"], np.arange(4.0))
+
+
+def test_invalid_verify_argument(ckpt: Path) -> None:
+    sp.save(ckpt, {"a": np.zeros(1)})
+    with pytest.raises(ValueError, match="verify"):
+        sp.load(ckpt, verify="sometimes")  # type: ignore[arg-type]
 
 
 def test_read_only_target_is_reported_before_anything_is_modified(ckpt: Path) -> None:

@@ -99,7 +99,9 @@ def test_non_contiguous_and_lazy_views(ckpt: Path) -> None:
         "strided": base[::2, 1::3],
         "column": base[:, 3],
         "expanded": base[0].expand(4, 12),
-        "channels_last": torch.arange(48.0).reshape(1, 3, 4, 4).to(memory_format=torch.channels_last),
+        "channels_last": torch.arange(48.0)
+        .reshape(1, 3, 4, 4)
+        .to(memory_format=torch.channels_last),
         "conj": c.conj(),
         "neg": c.conj().imag,
         "conj_t": c.reshape(2, 2).conj().t(),
@@ -323,8 +325,9 @@ def test_corrupt_checkpoint_into_module_modifies_nothing(ckpt: Path, flip_byte: 
     flip_byte(ckpt, "model/1.bias", 2)
     fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
-    with pytest.raises(sp.CorruptCheckpointError):
-        sp.load(ckpt, into={"model": fresh})
+    with pytest.raises(sp.CorruptCheckpointError) as excinfo:
+        sp.load(ckpt, into={"model": fresh}, verify="first")
+    assert excinfo.value.key == "model/1.bias"
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, before[k]), k
 

@@ -29,7 +29,10 @@ def good(ckpt: Path) -> Path:
     sp.save(
         ckpt,
         {
-            "model": {"weight": np.ones((4, 3), np.float32), "bias": np.zeros(3, ml_dtypes.bfloat16)},
+            "model": {
+                "weight": np.ones((4, 3), np.float32),
+                "bias": np.zeros(3, ml_dtypes.bfloat16),
+            },
             "step": np.int64(12),
             "tied": None,
             "name": "run-7",
@@ -91,7 +94,10 @@ def test_inspect_shows_stateful_and_ties(ckpt: Path) -> None:
     assert "box: " in result.stdout and "Box" in result.stdout
     assert "tied to box/w" in result.stdout
     doc = json.loads(invoke("inspect", "--json", str(ckpt)).stdout)
-    assert {t["key"]: t.get("tied_to") for t in doc["tensors"]} == {"box/w": None, "box/alias": "box/w"}
+    assert {t["key"]: t.get("tied_to") for t in doc["tensors"]} == {
+        "box/w": None,
+        "box/alias": "box/w",
+    }
     assert list(doc["stateful"]) == ["box"]
 
 
@@ -159,8 +165,22 @@ def test_missing_and_incomplete_paths_exit_1(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["frobnicate"], ["verify"], ["inspect"], ["inspect", "--bogus", "x"], ["verify", "a", "b"]],
-    ids=["no-command", "unknown-command", "verify-no-path", "inspect-no-path", "bad-option", "extra-arg"],
+    [
+        [],
+        ["frobnicate"],
+        ["verify"],
+        ["inspect"],
+        ["inspect", "--bogus", "x"],
+        ["verify", "a", "b"],
+    ],
+    ids=[
+        "no-command",
+        "unknown-command",
+        "verify-no-path",
+        "inspect-no-path",
+        "bad-option",
+        "extra-arg",
+    ],
 )
 def test_usage_errors_exit_2(args: list[str]) -> None:
     result = CliRunner().invoke(main, args)
@@ -183,21 +203,34 @@ def _env() -> dict[str, str]:
 
 def test_python_dash_m_help() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "savepoint", "--help"], capture_output=True, text=True, timeout=60, env=_env()
+        [sys.executable, "-m", "savepoint", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
     )
     assert result.returncode == 0, result.stderr
     assert "inspect" in result.stdout and "verify" in result.stdout
 
 
-@pytest.mark.skipif(not VENV_SCRIPT.exists(), reason="the savepoint console script is not installed")
+@pytest.mark.skipif(
+    not VENV_SCRIPT.exists(), reason="the savepoint console script is not installed"
+)
 def test_console_script(good: Path) -> None:
     result = subprocess.run(
-        [str(VENV_SCRIPT), "verify", str(good)], capture_output=True, text=True, timeout=60, env=_env()
+        [str(VENV_SCRIPT), "verify", str(good)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok: ")
     result = subprocess.run(
-        [str(VENV_SCRIPT), "inspect", "--json", str(good)], capture_output=True, text=True, timeout=60
+        [str(VENV_SCRIPT), "inspect", "--json", str(good)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0 and json.loads(result.stdout)["metadata"]["epoch"] == 3
     _damage_data(good)

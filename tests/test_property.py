@@ -38,8 +38,21 @@ DTYPES = [
     )
 ]
 # numpy's own multi-byte dtypes also exist big-endian; savepoint must store them by value.
-SWAPPABLE = {np.dtype(t) for t in (np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
-                                   np.float16, np.float32, np.float64, np.complex64)}
+SWAPPABLE = {
+    np.dtype(t)
+    for t in (
+        np.uint16,
+        np.int16,
+        np.uint32,
+        np.int32,
+        np.uint64,
+        np.int64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+    )
+}
 
 SETTINGS = settings(
     max_examples=60,
@@ -130,8 +143,12 @@ def same(a: Any, b: Any, where: str = "<root>") -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             same(x, y, f"{where}/{i}")
     elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), f"{where}: data"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        )
+        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), (
+            f"{where}: data"
+        )
     elif isinstance(a, np.generic):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{where}: {a!r} != {b!r}"
     elif isinstance(a, float):

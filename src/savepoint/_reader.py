@@ -180,6 +180,12 @@ class Reader:
         rec = self.manifest.tensors[ref]
         return self.open_file(rec.file, check_header=check_header).slice(rec.start, rec.end)
 
+    def prepare(self, refs: Iterable[str], *, check_header: bool = True) -> None:
+        """Open, size-check and header-check every file holding ``refs``, before any allocation:
+        a manifest that claims more data than the files hold fails here, not in ``np.empty``."""
+        for name in sorted({self.manifest.tensors[r].file for r in refs}):
+            self.open_file(name, check_header=check_header)
+
     def transfer(
         self,
         jobs: Sequence[tuple[str, np.ndarray[Any, Any] | None]],

@@ -222,6 +222,7 @@ def load(
         if counter is not None:
             counter.total = sum(manifest.tensors[r].nbytes for r in p.refs)
         jobs, after = reader.fill_jobs((ref, target) for ref, target, _ in p.inplace)
+        reader.prepare(p.refs, check_header=bool(verify))
         kinds = _kinds(root)
         made = {ref: reader.allocate(ref, kinds[ref], framework) for ref in p.fresh}
         jobs += [(ref, arrays.byte_view(obj)) for ref, obj in made.items()]
@@ -306,9 +307,10 @@ def _load_tree(
     share: bool,
     counter: _Counter | None,
 ) -> Any:
+    kinds = _kinds(root)
+    reader.prepare(kinds, check_header=bool(verify))
     made = {
-        ref: reader.allocate(ref, kind, framework, share_memory=share)
-        for ref, kind in _kinds(root).items()
+        ref: reader.allocate(ref, kind, framework, share_memory=share) for ref, kind in kinds.items()
     }
     jobs = [(ref, None if share else arrays.byte_view(obj)) for ref, obj in made.items()]
     # A fresh tree is only handed over once complete, so "first" needs no separate pass here.
@@ -390,7 +392,11 @@ def _info(directory: str, manifest: mf.Manifest) -> CheckpointInfo:
             rec = manifest.tensors[node["ref"]]
             tensors.append(TensorInfo(key, rec.dtype, rec.shape, rec.nbytes, rec.file, node["ref"]))
         else:
-            values[key] = tree.plain_value(node)
+            # {0: a, "0": b} share a path; keep both, as tensor names do (see state.tree).
+            unique, n = key, 2
+            while unique in values:
+                unique, n = f"{key}~{n}", n + 1
+            values[unique] = tree.plain_value(node)
     stateful: dict[str, str] = {}
 
     def find_stateful(node: tree.Node, path: tuple[tree.Key, ...]) -> None:

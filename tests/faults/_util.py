@@ -69,13 +69,15 @@ def write_manifest(directory: str | os.PathLike[str], raw: bytes) -> None:
 
 def assert_same(got: Any, want: Any, where: str = "<root>") -> None:
     """Exact equality of two state trees: same containers, same keys, arrays equal bit for bit."""
-    if isinstance(want, np.ndarray) or isinstance(want, np.generic):
+    if isinstance(want, (np.ndarray, np.generic)):
         assert isinstance(got, type(want)), f"{where}: {type(got)} instead of {type(want)}"
         assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} instead of {want.dtype}"
         assert got.shape == want.shape, f"{where}: shape {got.shape} instead of {want.shape}"
         assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), f"{where}: bytes differ"
         return
-    assert type(got) is type(want), f"{where}: {type(got).__name__} instead of {type(want).__name__}"
+    assert type(got) is type(want), (
+        f"{where}: {type(got).__name__} instead of {type(want).__name__}"
+    )
     if isinstance(want, dict):
         assert list(got) == list(want), f"{where}: keys {list(got)} instead of {list(want)}"
         for k in want:

@@ -8,7 +8,6 @@ exception type, a crash, a hang, or an allocation sized by a damaged length fiel
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import struct
 import tracemalloc
@@ -81,7 +80,15 @@ def test_fixture_has_several_files_and_dtypes(ckpt: Path) -> None:
     doc = read_doc(ckpt)
     assert len(doc["files"]) >= 3, doc["files"]
     assert {t["dtype"] for t in doc["tensors"].values()} >= {
-        "F32", "F16", "BF16", "F64", "I64", "BOOL", "I32", "C64", "U8",
+        "F32",
+        "F16",
+        "BF16",
+        "F64",
+        "I64",
+        "BOOL",
+        "I32",
+        "C64",
+        "U8",
     }
     assert sp.inspect(ckpt).metadata == METADATA
 
@@ -185,8 +192,14 @@ def test_truncated_data_files_are_refused(ckpt: Path) -> None:
         for k in range(64):
             cut = len(original) * k // 64
             cases += 1
-            check_all_refuse(ckpt, file, original[:cut], f"{name} cut to {cut}/{len(original)} B (k={k})",
-                             LOAD_OPS, failures)
+            check_all_refuse(
+                ckpt,
+                file,
+                original[:cut],
+                f"{name} cut to {cut}/{len(original)} B (k={k})",
+                LOAD_OPS,
+                failures,
+            )
     assert not failures, report(failures, cases)
     assert_same(sp.load(ckpt), make_state())  # restored intact
 
@@ -197,11 +210,18 @@ def test_truncated_manifest_is_refused(ckpt: Path) -> None:
     original = file.read_bytes()
     for k in range(64):
         cut = len(original) * k // 64
-        check_all_refuse(ckpt, file, original[:cut], f"manifest cut to {cut}/{len(original)} B (k={k})",
-                         MANIFEST_OPS, failures)
+        check_all_refuse(
+            ckpt,
+            file,
+            original[:cut],
+            f"manifest cut to {cut}/{len(original)} B (k={k})",
+            MANIFEST_OPS,
+            failures,
+        )
     # The last byte of the trailer too: the newline after the closing brace.
-    check_all_refuse(ckpt, file, original[:-1], "manifest without its final newline",
-                     MANIFEST_OPS, failures)
+    check_all_refuse(
+        ckpt, file, original[:-1], "manifest without its final newline", MANIFEST_OPS, failures
+    )
     assert not failures, report(failures, 65)
 
 
@@ -210,7 +230,9 @@ def test_data_file_grown_missing_or_replaced_is_refused(ckpt: Path) -> None:
     name = data_files(ckpt)[0]
     file = ckpt / name
     original = file.read_bytes()
-    check_all_refuse(ckpt, file, original + b"\0" * 8, f"{name} with 8 bytes appended", LOAD_OPS, failures)
+    check_all_refuse(
+        ckpt, file, original + b"\0" * 8, f"{name} with 8 bytes appended", LOAD_OPS, failures
+    )
     check_all_refuse(ckpt, file, original + original, f"{name} doubled", LOAD_OPS, failures)
     other = (ckpt / data_files(ckpt)[1]).read_bytes()
     check_all_refuse(ckpt, file, other, f"{name} replaced by another data file", LOAD_OPS, failures)
@@ -247,10 +269,19 @@ def test_bit_flips_in_tensor_data_are_refused_naming_the_tensor(ckpt: Path) -> N
         assert positions, f"{name} holds no tensor data"
         for i, pos in enumerate(positions):
             owner = [ref for start, end, ref in owners if start <= pos < end]
-            assert len(owner) == 1, f"byte {pos} of {name} belongs to {owner}: data must tile the file"
+            assert len(owner) == 1, (
+                f"byte {pos} of {name} belongs to {owner}: data must tile the file"
+            )
             cases += 1
-            check_all_refuse(ckpt, file, flip(original, pos, i % 8), f"{name} byte {pos} bit {i % 8}",
-                             LOAD_OPS, failures, key=owner[0])
+            check_all_refuse(
+                ckpt,
+                file,
+                flip(original, pos, i % 8),
+                f"{name} byte {pos} bit {i % 8}",
+                LOAD_OPS,
+                failures,
+                key=owner[0],
+            )
     assert not failures, report(failures, cases)
 
 
@@ -265,13 +296,25 @@ def test_bit_flips_in_safetensors_headers_are_refused(ckpt: Path) -> None:
         # Every bit of the 8-byte little-endian length prefix...
         for bit in range(64):
             cases += 1
-            check_all_refuse(ckpt, file, flip(original, bit // 8, bit % 8),
-                             f"{name} length prefix bit {bit}", LOAD_OPS, failures)
+            check_all_refuse(
+                ckpt,
+                file,
+                flip(original, bit // 8, bit % 8),
+                f"{name} length prefix bit {bit}",
+                LOAD_OPS,
+                failures,
+            )
         # ...and a spread of bits over the JSON header and its padding.
         for i, pos in enumerate(spread(8, header_size, 64)):
             cases += 1
-            check_all_refuse(ckpt, file, flip(original, pos, (i * 3) % 8),
-                             f"{name} header byte {pos} bit {(i * 3) % 8}", LOAD_OPS, failures)
+            check_all_refuse(
+                ckpt,
+                file,
+                flip(original, pos, (i * 3) % 8),
+                f"{name} header byte {pos} bit {(i * 3) % 8}",
+                LOAD_OPS,
+                failures,
+            )
     assert not failures, report(failures, cases)
 
 
@@ -283,8 +326,14 @@ def test_bit_flips_in_the_manifest_are_refused(ckpt: Path) -> None:
     # The trailer (checksum digits, key, closing brace and newline) gets every byte.
     positions = sorted(set(positions) | set(range(len(original) - 40, len(original))))
     for i, pos in enumerate(positions):
-        check_all_refuse(ckpt, file, flip(original, pos, (i * 5) % 8),
-                         f"manifest byte {pos} bit {(i * 5) % 8}", MANIFEST_OPS, failures)
+        check_all_refuse(
+            ckpt,
+            file,
+            flip(original, pos, (i * 5) % 8),
+            f"manifest byte {pos} bit {(i * 5) % 8}",
+            MANIFEST_OPS,
+            failures,
+        )
     assert not failures, report(failures, len(positions))
 
 
@@ -307,7 +356,13 @@ def traced_peak(op: Op, path: Path) -> tuple[int, BaseException | str]:
 
 @pytest.mark.parametrize(
     "claimed",
-    [stf.MAX_HEADER_BYTES - 8, stf.MAX_HEADER_BYTES, stf.MAX_HEADER_BYTES + 8, 1 << 40, (1 << 64) - 8],
+    [
+        stf.MAX_HEADER_BYTES - 8,
+        stf.MAX_HEADER_BYTES,
+        stf.MAX_HEADER_BYTES + 8,
+        1 << 40,
+        (1 << 64) - 8,
+    ],
     ids=["just-under-cap", "cap", "over-cap", "1TiB", "u64-max"],
 )
 def test_hostile_length_prefix_allocates_nothing_big(ckpt: Path, claimed: int) -> None:
@@ -318,7 +373,9 @@ def test_hostile_length_prefix_allocates_nothing_big(ckpt: Path, claimed: int) -
         for op_name, op in LOAD_OPS.items():
             peak, result = traced_peak(op, ckpt)
             assert isinstance(result, sp.CorruptCheckpointError), f"{op_name}: {result!r}"
-            assert peak < PEAK_LIMIT, f"{op_name}: peak allocation {peak} B for a {len(original)}-B file"
+            assert peak < PEAK_LIMIT, (
+                f"{op_name}: peak allocation {peak} B for a {len(original)}-B file"
+            )
 
 
 def test_truncated_file_allocates_nothing_like_its_recorded_size(ckpt: Path) -> None:

@@ -69,26 +69,31 @@ def doc(ckpt: Path) -> dict[str, Any]:
 
 
 class Recorder:
-    """Records every os.open, local.open_read and mmap.mmap call while installed."""
+    """Records every os.open, local.open_read and mmap.mmap call while installed, without changing
+    what they do (the os.open wrapper stays in os.supports_dir_fd, so dir_fd paths are kept)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.opened: list[str] = []
+        self.opened: list[str] = []  # os.open of anything but a directory
         self.open_read: list[str] = []
         self.maps = 0
         real_open, real_open_read, real_mmap = os.open, local.open_read, mmap.mmap
+        o_directory = getattr(os, "O_DIRECTORY", 0)
 
         def rec_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-            self.opened.append(os.fsdecode(path))
+            if not (o_directory and flags & o_directory):
+                self.opened.append(os.fsdecode(path))
             return real_open(path, flags, *args, **kwargs)
 
-        def rec_open_read(path: str) -> int:
+        def rec_open_read(path: str, *args: Any, **kwargs: Any) -> int:
             self.open_read.append(path)
-            return real_open_read(path)
+            return real_open_read(path, *args, **kwargs)
 
         def rec_mmap(*args: Any, **kwargs: Any) -> mmap.mmap:
             self.maps += 1
             return real_mmap(*args, **kwargs)
 
+        if real_open in os.supports_dir_fd:
+            monkeypatch.setattr(os, "supports_dir_fd", os.supports_dir_fd | {rec_open})
         monkeypatch.setattr(os, "open", rec_open)
         monkeypatch.setattr(local, "open_read", rec_open_read)
         monkeypatch.setattr(mmap, "mmap", rec_mmap)
@@ -158,13 +163,17 @@ def assert_refused_before_data(
             continue
         errors.append(result)
         if not isinstance(result, expected):
-            problems.append(f"{name} raised {type(result).__name__} instead of {expected.__name__}: {result}")
+            problems.append(
+                f"{name} raised {type(result).__name__} instead of {expected.__name__}: {result}"
+            )
         # The forged manifest's checksum is right: the refusal must come from its content.
         msg = str(result)
         if "checksum does not match" in msg or "no checksum trailer" in msg:
             problems.append(f"{name} refused on the checksum, test forging is broken: {msg}")
         if rec.non_manifest_opens():
-            problems.append(f"{name} opened {rec.non_manifest_opens()} before refusing the manifest")
+            problems.append(
+                f"{name} opened {rec.non_manifest_opens()} before refusing the manifest"
+            )
         if rec.maps:
             problems.append(f"{name} mapped {rec.maps} file(s) before refusing the manifest")
         if trace and peak >= PEAK_LIMIT:
@@ -386,8 +395,8 @@ def test_huge_shape_inconsistent_with_its_range_is_refused_before_data(
 
 @pytest.mark.parametrize(
     ("shape", "dtype"),
-    [([2**40, 2**40], "F32"), ([2**62] * 64, "F64"), ([2**63, 3], "C64")],
-    ids=["2^40x2^40-F32", "64-dims-of-2^62", "2^63x3-C64"],
+    [([2**40, 2**40], "F32"), ([2**15, 2**15], "F32"), ([2**62] * 64, "F64"), ([2**63, 3], "C64")],
+    ids=["2^40x2^40-F32", "plausible-4GiB-F32", "64-dims-of-2^62", "2^63x3-C64"],
 )
 def test_huge_shape_with_consistent_claims_allocates_nothing(
     ckpt: Path, doc: dict[str, Any], rec: Recorder, shape: list[int], dtype: str
@@ -428,9 +437,13 @@ def test_malformed_shapes_are_refused_before_data(
     assert_refused_before_data(ckpt, rec, trace=True)
 
 
-def test_integer_too_long_to_parse_is_refused(ckpt: Path, doc: dict[str, Any], rec: Recorder) -> None:
+def test_integer_too_long_to_parse_is_refused(
+    ckpt: Path, doc: dict[str, Any], rec: Recorder
+) -> None:
     members = doc_members(doc)
-    files = compact(doc["files"]).replace(f'"size":{doc["files"][DATA]["size"]}', '"size":' + "9" * 5000)
+    files = compact(doc["files"]).replace(
+        f'"size":{doc["files"][DATA]["size"]}', '"size":' + "9" * 5000
+    )
     members = [(k, files if k == "files" else v) for k, v in members]
     write_manifest(ckpt, seal(head_from_members(members)))
     assert_refused_before_data(ckpt, rec)
@@ -545,7 +558,9 @@ def test_duplicate_keys_are_refused_before_data(
     assert all("duplicate" in str(e) for e in errors), [str(e) for e in errors]
 
 
-def test_duplicate_manifest_checksum_member_is_refused(ckpt: Path, doc: dict[str, Any], rec: Recorder) -> None:
+def test_duplicate_manifest_checksum_member_is_refused(
+    ckpt: Path, doc: dict[str, Any], rec: Recorder
+) -> None:
     members = [*doc_members(doc), ("manifest_xxh3", '"0000000000000000"')]
     write_manifest(ckpt, seal(head_from_members(members)))
     assert_refused_before_data(ckpt, rec)
@@ -613,7 +628,9 @@ def test_malformed_top_level_members_are_refused(
     assert_refused_before_data(ckpt, rec)
 
 
-@pytest.mark.parametrize("key", ["format", "format_version", "files", "tensors", "tree", "metadata"])
+@pytest.mark.parametrize(
+    "key", ["format", "format_version", "files", "tensors", "tree", "metadata"]
+)
 def test_missing_top_level_members_are_refused(
     ckpt: Path, doc: dict[str, Any], rec: Recorder, key: str
 ) -> None:
@@ -755,7 +772,9 @@ def test_deeply_nested_tree_loads_or_is_refused(
     failures = []
     loaded = refused = 0
     for depth in depths:
-        write_manifest(ckpt, seal(head_from_members(_replace_member(doc, "tree", _chain(kind, depth, leaf)))))
+        write_manifest(
+            ckpt, seal(head_from_members(_replace_member(doc, "tree", _chain(kind, depth, leaf))))
+        )
         for name, op in OPS.items():
             result = run_op(op, ckpt, f"{name} at depth {depth}")
             if result == "returned without an error":

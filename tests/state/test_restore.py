@@ -236,6 +236,19 @@ def test_read_only_mapping_accepts_tensors_but_not_values() -> None:
     assert p.problems == [("m/n", "cannot assign into a mappingproxy")]
 
 
+def test_read_only_mapping_is_treated_like_a_tuple() -> None:
+    # A tuple accepts nested containers that are filled in place and plain values that already
+    # equal the saved ones (nothing needs assigning); a read-only mapping must do the same.
+    saved = Saved({"t": ({"x": f32(2, start=1)}, 1), "m": {"sub": {"x": f32(2, start=5)}, "n": 1}})
+    tx, mx = np.zeros(2, dtype=np.float32), np.zeros(2, dtype=np.float32)
+    into = {"t": ({"x": tx}, 1), "m": types.MappingProxyType({"sub": {"x": mx}, "n": 1})}
+    p = saved.plan(into)
+    assert p.problems == []
+    saved.execute(p)
+    np.testing.assert_array_equal(tx, [1.0, 2.0])
+    np.testing.assert_array_equal(mx, [5.0, 6.0])
+
+
 @pytest.mark.parametrize("root", [5, "s", None, 1.5, b"x", [1]], ids=repr)
 def test_plain_values_at_the_root_are_reported(root: Any) -> None:
     saved = Saved(root)
@@ -445,3 +458,11 @@ def test_optimizer_state_is_passed_whole() -> None:
     assert opt2.param_groups[0]["lr"] == 0.1
     buf = opt2.state_dict()["state"][0]["momentum_buffer"]
     assert torch.equal(buf, opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_read_only_target_array_is_a_problem() -> None:
+    saved = Saved({"w": f32(2)})
+    target = np.zeros(2, dtype=np.float32)
+    target.setflags(write=False)
+    p = saved.plan({"w": target})
+    assert p.problems == [("w", "the target array is read-only")]

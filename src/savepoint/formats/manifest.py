@@ -31,6 +31,8 @@ tree nodes, dangling references, duplicate JSON keys) before any data file is op
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -295,5 +297,9 @@ def _check_tree(root: Any, tensors: dict[str, TensorRecord]) -> None:
             _require(node.get("v") in ("nan", "inf", "-inf"), "tree: bad special float")
         elif t == "bytes":
             _require(isinstance(node.get("v"), str), "tree: bytes node without base64 text")
+            try:
+                base64.b64decode(node["v"], validate=True)
+            except (binascii.Error, ValueError):
+                raise ManifestError("tree: bytes node holds invalid base64") from None
         else:
             raise ManifestError(f"tree: unknown node type {t!r}")

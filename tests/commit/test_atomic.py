@@ -1,0 +1,348 @@
+"""savepoint.commit.atomic: committing a staging directory, replacing, resolving, cleaning up."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from savepoint.commit import atomic
+
+HOST = atomic._HOST
+
+
+def make_dir(path: Path, label: str, *, manifest: bool = True) -> Path:
+    path.mkdir()
+    (path / "data-00000.safetensors").write_text(f"data {label}")
+    if manifest:
+        (path / "manifest.json").write_text(f"manifest {label}")
+    return path
+
+
+def label_of(path: Path) -> str:
+    return (path / "data-00000.safetensors").read_text().removeprefix("data ")
+
+
+def staged(target: Path, label: str) -> Path:
+    return make_dir(Path(atomic.staging_path(str(target))), label)
+
+
+def hidden_siblings(target: Path) -> list[str]:
+    return sorted(e for e in os.listdir(target.parent) if e.startswith(f".{target.name}."))
+
+
+def exchange_supported(tmp_path: Path) -> bool:
+    """Whether this filesystem supports renameat2(RENAME_EXCHANGE) (ext4, xfs, btrfs, tmpfs do)."""
+    a, b = tmp_path / ".probe-a", tmp_path / ".probe-b"
+    a.mkdir()
+    b.mkdir()
+    try:
+        return atomic.exchange(str(a), str(b))
+    finally:
+        a.rmdir()
+        b.rmdir()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    for _ in range(20):
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        try:
+            os.kill(proc.pid, 0)
+        except ProcessLookupError:
+            return proc.pid
+    raise AssertionError("could not obtain a dead pid")  # pragma: no cover
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+# ---------------------------------------------------------------------------------------------
+
+
+def test_staging_path_is_a_hidden_sibling_naming_host_and_pid(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    a = atomic.staging_path(str(target))
+    b = atomic.staging_path(str(target))
+    assert a != b
+    for p in (a, b):
+        assert os.path.dirname(p) == str(tmp_path)
+        m = re.fullmatch(
+            rf"\.ckpt\.savepoint-tmp-{re.escape(HOST)}-{os.getpid()}-[0-9a-f]{{8}}", os.path.basename(p)
+        )
+        assert m, p
+    assert "-" not in HOST and HOST
+
+
+def test_relative_paths_are_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert os.path.dirname(atomic.staging_path("ckpt")) == str(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# commit
+# ---------------------------------------------------------------------------------------------
+
+
+def test_commit_into_an_absent_path(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    staging = staged(target, "new")
+    atomic.commit(str(staging), str(target))
+    assert label_of(target) == "new"
+    assert (target / "manifest.json").read_text() == "manifest new"
+    assert not staging.exists()
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_commit_into_an_empty_directory(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    staging = staged(target, "new")
+    atomic.commit(str(staging), str(target))
+    assert label_of(target) == "new"
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_commit_exchanges_with_an_existing_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[bool] = []
+    real = atomic.exchange
+
+    def spy(a: str, b: str) -> bool:
+        calls.append(real(a, b))
+        return calls[-1]
+
+    supported = exchange_supported(tmp_path)
+    monkeypatch.setattr(atomic, "exchange", spy)
+    target = make_dir(tmp_path / "ckpt", "old")
+    (target / "data-00001.safetensors").write_text("only in old")
+    staging = staged(target, "new")
+    atomic.commit(str(staging), str(target))
+    assert calls == [supported]  # the atomic swap is used wherever the filesystem has it
+    assert label_of(target) == "new"
+    assert sorted(os.listdir(target)) == ["data-00000.safetensors", "manifest.json"]
+    assert not staging.exists()
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_fallback_replace_when_exchange_is_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    removed: list[str] = []
+    real_remove = atomic.remove_tree
+
+    def spy(path: str) -> None:
+        removed.append(path)
+        real_remove(path)
+
+    monkeypatch.setattr(atomic, "remove_tree", spy)
+    target = make_dir(tmp_path / "ckpt", "old")
+    staging = staged(target, "new")
+    atomic.commit(str(staging), str(target))
+    assert label_of(target) == "new"
+    assert os.listdir(tmp_path) == ["ckpt"]
+    # the old checkpoint went through a ".savepoint-old-" name before it was deleted
+    assert len(removed) == 1
+    assert re.fullmatch(
+        rf"\.ckpt\.savepoint-old-{re.escape(HOST)}-{os.getpid()}-[0-9a-f]{{8}}",
+        os.path.basename(removed[0]),
+    )
+
+
+def test_crash_between_fallback_renames_leaves_the_old_checkpoint_findable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    target = make_dir(tmp_path / "ckpt", "old")
+    staging = staged(target, "new")
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        if os.fspath(src) == str(staging):
+            raise OSError(errno.EIO, "simulated crash before the second rename")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    with pytest.raises(OSError, match="simulated crash"):
+        atomic.commit(str(staging), str(target))
+    monkeypatch.undo()
+
+    assert not target.exists()
+    found = atomic.resolve(str(target))
+    assert found is not None
+    assert os.path.basename(found).startswith(".ckpt.savepoint-old-")
+    assert label_of(Path(found)) == "old"
+    assert staging.exists()
+
+    # while nothing is at the target, the old copy is the only one: clean_stale keeps it even
+    # for a dead owner (here the owner is this live process anyway)
+    assert atomic.clean_stale(str(target)) == []
+    assert Path(found).exists()
+
+    # the next save commits normally
+    atomic.commit(str(staged(target, "newer")), str(target))
+    assert label_of(target) == "newer"
+    assert atomic.resolve(str(target)) == str(target)
+
+
+# ---------------------------------------------------------------------------------------------
+# exchange
+# ---------------------------------------------------------------------------------------------
+
+
+def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
+    if not exchange_supported(tmp_path):  # pragma: no cover - ext4/xfs/btrfs/tmpfs support it
+        pytest.skip("this filesystem has no RENAME_EXCHANGE")
+    a = make_dir(tmp_path / "a", "A")
+    b = make_dir(tmp_path / "b", "B")
+    assert atomic.exchange(str(a), str(b)) is True
+    assert label_of(a) == "B"
+    assert label_of(b) == "A"
+
+
+def test_exchange_with_a_missing_path_raises(tmp_path: Path) -> None:
+    a = make_dir(tmp_path / "a", "A")
+    with pytest.raises(FileNotFoundError):
+        atomic.exchange(str(a), str(tmp_path / "missing"))
+    assert label_of(a) == "A"
+
+
+def test_exchange_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(atomic, "_renameat2", None)
+    assert atomic.exchange("/nonexistent/a", "/nonexistent/b") is False
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP])
+def test_exchange_unsupported_errno_means_false(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    def fake(*args: Any) -> int:
+        ctypes.set_errno(code)
+        return -1
+
+    monkeypatch.setattr(atomic, "_renameat2", fake)
+    assert atomic.exchange("a", "b") is False
+
+
+def test_exchange_other_errors_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake(*args: Any) -> int:
+        ctypes.set_errno(errno.EACCES)
+        return -1
+
+    monkeypatch.setattr(atomic, "_renameat2", fake)
+    with pytest.raises(PermissionError) as info:
+        atomic.exchange("a", "b")
+    assert info.value.errno == errno.EACCES
+
+
+# ---------------------------------------------------------------------------------------------
+# resolve
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resolve(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    assert atomic.resolve(str(target)) is None
+
+    old1 = make_dir(tmp_path / f".ckpt{atomic.OLD_TAG}{HOST}-1-aaaaaaaa", "old1")
+    old2 = make_dir(tmp_path / f".ckpt{atomic.OLD_TAG}{HOST}-2-bbbbbbbb", "old2")
+    make_dir(tmp_path / f".ckpt{atomic.OLD_TAG}{HOST}-3-cccccccc", "partial", manifest=False)
+    make_dir(tmp_path / f".ckpt{atomic.TMP_TAG}{HOST}-4-dddddddd", "staging")
+    make_dir(tmp_path / f".other{atomic.OLD_TAG}{HOST}-5-eeeeeeee", "other")
+    os.utime(old1, (1_000_000, 2_000_000))
+    os.utime(old2, (1_000_000, 1_000_000))
+    assert atomic.resolve(str(target)) == str(old1)  # the newest old copy with a manifest
+    os.utime(old2, (1_000_000, 3_000_000))
+    assert atomic.resolve(str(target)) == str(old2)
+
+    target.mkdir()  # something is at the target, but not a checkpoint
+    assert atomic.resolve(str(target)) is None
+    (target / "manifest.json").write_text("m")
+    assert atomic.resolve(str(target)) == str(target)
+
+
+def test_resolve_ignores_staging_directories(tmp_path: Path) -> None:
+    make_dir(tmp_path / f".ckpt{atomic.TMP_TAG}{HOST}-4-dddddddd", "staging")
+    assert atomic.resolve(str(tmp_path / "ckpt")) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# clean_stale
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def live_pid() -> Any:
+    """The pid of a running child process (ours, so signal 0 is always permitted)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_clean_stale_removes_only_dead_processes_of_this_host(tmp_path: Path, live_pid: int) -> None:
+    target = make_dir(tmp_path / "ckpt", "current")
+    dead = dead_pid()
+    live = live_pid
+    names = {
+        "tmp-dead": f".ckpt{atomic.TMP_TAG}{HOST}-{dead}-00000001",
+        "old-dead": f".ckpt{atomic.OLD_TAG}{HOST}-{dead}-00000002",
+        "tmp-live": f".ckpt{atomic.TMP_TAG}{HOST}-{live}-00000003",
+        "old-live": f".ckpt{atomic.OLD_TAG}{HOST}-{live}-00000004",
+        "tmp-self": f".ckpt{atomic.TMP_TAG}{HOST}-{os.getpid()}-00000005",
+        "tmp-other-host": f".ckpt{atomic.TMP_TAG}{HOST}x-{dead}-00000006",
+        "old-other-host": f".ckpt{atomic.OLD_TAG}other_{HOST}-{dead}-00000007",
+        "malformed-pid": f".ckpt{atomic.TMP_TAG}{HOST}-abc-00000008",
+        "malformed-parts": f".ckpt{atomic.TMP_TAG}{HOST}-{dead}-0-9",
+        "malformed-short": f".ckpt{atomic.TMP_TAG}{HOST}",
+        "huge-pid": f".ckpt{atomic.TMP_TAG}{HOST}-{2**70}-0000000a",
+        "other-checkpoint": f".ckpt2{atomic.TMP_TAG}{HOST}-{dead}-0000000b",
+        "unrelated": f"ckpt{atomic.TMP_TAG}{HOST}-{dead}-0000000c",
+    }
+    for label, name in names.items():
+        make_dir(tmp_path / name, label)
+
+    removed = atomic.clean_stale(str(target))
+
+    expected = {str(tmp_path / names["tmp-dead"]), str(tmp_path / names["old-dead"])}
+    assert set(removed) == expected
+    assert len(removed) == 2
+    left = set(os.listdir(tmp_path))
+    assert left == {"ckpt"} | {n for k, n in names.items() if k not in ("tmp-dead", "old-dead")}
+    assert label_of(target) == "current"
+
+
+def test_clean_stale_keeps_old_copies_when_no_checkpoint_is_committed(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    dead = dead_pid()
+    tmp = make_dir(tmp_path / f".ckpt{atomic.TMP_TAG}{HOST}-{dead}-00000001", "tmp")
+    old = make_dir(tmp_path / f".ckpt{atomic.OLD_TAG}{HOST}-{dead}-00000002", "old")
+    assert atomic.clean_stale(str(target)) == [str(tmp)]
+    assert old.exists()
+    assert atomic.resolve(str(target)) == str(old)
+
+    # a directory without a manifest at the target does not count as a checkpoint either
+    target.mkdir()
+    assert atomic.clean_stale(str(target)) == []
+    assert old.exists()
+
+
+def test_clean_stale_with_a_missing_parent(tmp_path: Path) -> None:
+    assert atomic.clean_stale(str(tmp_path / "nope" / "ckpt")) == []
+    assert atomic.resolve(str(tmp_path / "nope" / "ckpt")) is None
+
+
+def test_remove_tree_tolerates_missing_paths(tmp_path: Path) -> None:
+    atomic.remove_tree(str(tmp_path / "missing"))
+    d = make_dir(tmp_path / "d", "x")
+    atomic.remove_tree(str(d))
+    assert not d.exists()
