@@ -108,6 +108,8 @@ def save(
         )
         local.write_small(os.path.join(staging, mf.NAME), mf.dumps(manifest))
         atomic.commit(staging, target)
+        # A replace that died between its two renames left "-old-" behind; it is stale now.
+        atomic.clean_stale(target)
     except BaseException as exc:
         atomic.remove_tree(staging)
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
@@ -310,7 +312,8 @@ def _load_tree(
     kinds = _kinds(root)
     reader.prepare(kinds, check_header=bool(verify))
     made = {
-        ref: reader.allocate(ref, kind, framework, share_memory=share) for ref, kind in kinds.items()
+        ref: reader.allocate(ref, kind, framework, share_memory=share)
+        for ref, kind in kinds.items()
     }
     jobs = [(ref, None if share else arrays.byte_view(obj)) for ref, obj in made.items()]
     # A fresh tree is only handed over once complete, so "first" needs no separate pass here.
@@ -331,6 +334,7 @@ class TensorInfo:
     nbytes: int
     file: str
     ref: str  # name in the data file; tied leaves share one
+    tied_to: str | None = None  # the ref of an earlier leaf this one shares storage with
 
 
 @dataclass(frozen=True)
@@ -366,7 +370,7 @@ class CheckpointInfo:
                     "shape": list(t.shape),
                     "nbytes": t.nbytes,
                     "file": t.file,
-                    **({"tied_to": t.ref} if t.ref != t.key else {}),
+                    **({"tied_to": t.tied_to} if t.tied_to else {}),
                 }
                 for t in self.tensors
             ],
@@ -386,16 +390,24 @@ def _jsonable(value: Any) -> Any:
 def _info(directory: str, manifest: mf.Manifest) -> CheckpointInfo:
     tensors = []
     values: dict[str, Any] = {}
+    used: set[str] = set()
+    seen_refs: set[str] = set()
     for path, node in tree.leaves(manifest.tree):
-        key = tree.join(path)
+        # {0: a, "0": b} share a path; keep both apart, as tensor names do (see state.tree).
+        key = unique = tree.join(path)
+        n = 2
+        while unique in used:
+            unique, n = f"{key}~{n}", n + 1
+        used.add(unique)
         if node["t"] == "tensor":
-            rec = manifest.tensors[node["ref"]]
-            tensors.append(TensorInfo(key, rec.dtype, rec.shape, rec.nbytes, rec.file, node["ref"]))
+            ref = node["ref"]
+            rec = manifest.tensors[ref]
+            tied = ref if ref in seen_refs else None
+            seen_refs.add(ref)
+            tensors.append(
+                TensorInfo(unique, rec.dtype, rec.shape, rec.nbytes, rec.file, ref, tied)
+            )
         else:
-            # {0: a, "0": b} share a path; keep both, as tensor names do (see state.tree).
-            unique, n = key, 2
-            while unique in values:
-                unique, n = f"{key}~{n}", n + 1
             values[unique] = tree.plain_value(node)
     stateful: dict[str, str] = {}
 

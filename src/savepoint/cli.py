@@ -101,7 +101,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
         rows: list[tuple[str, ...]] = [("key", "dtype", "shape", "size", "file")]
         for t in info.tensors:
             shape = "(" + ", ".join(map(str, t.shape)) + ("," if len(t.shape) == 1 else "") + ")"
-            note = f"{t.file}" + (f" (tied to {t.ref})" if t.ref != t.key else "")
+            note = f"{t.file}" + (f" (tied to {t.tied_to})" if t.tied_to else "")
             rows.append((t.key, t.dtype, shape, _size(t.nbytes), note))
         click.echo("")
         click.echo(_table(rows))

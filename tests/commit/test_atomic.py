@@ -75,7 +75,8 @@ def test_staging_path_is_a_hidden_sibling_naming_host_and_pid(tmp_path: Path) ->
     for p in (a, b):
         assert os.path.dirname(p) == str(tmp_path)
         m = re.fullmatch(
-            rf"\.ckpt\.savepoint-tmp-{re.escape(HOST)}-{os.getpid()}-[0-9a-f]{{8}}", os.path.basename(p)
+            rf"\.ckpt\.savepoint-tmp-{re.escape(HOST)}-{os.getpid()}-[0-9a-f]{{8}}",
+            os.path.basename(p),
         )
         assert m, p
     assert "-" not in HOST and HOST
@@ -158,6 +159,33 @@ def test_fallback_replace_when_exchange_is_unavailable(
     )
 
 
+@pytest.mark.parametrize("use_exchange", [True, False], ids=["exchange", "two-renames"])
+def test_commit_over_a_symlink_to_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_exchange: bool
+) -> None:
+    # "latest -> step-1" is a common layout. Replacing it must not fail after the new checkpoint
+    # is already in place, nor leave the displaced symlink behind under a hidden name.
+    if not use_exchange:
+        monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    real = make_dir(tmp_path / "step-1", "old")
+    target = tmp_path / "latest"
+    target.symlink_to("step-1")
+    staging = staged(target, "new")
+    atomic.commit(str(staging), str(target))
+    assert label_of(target) == "new"
+    assert hidden_siblings(target) == []
+    assert label_of(real) in ("old", "new")  # the link's directory: kept, or replaced in place
+
+
+def test_remove_tree_removes_a_symlink_not_its_target(tmp_path: Path) -> None:
+    real = make_dir(tmp_path / "real", "keep")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    atomic.remove_tree(str(link))
+    assert not os.path.lexists(link)
+    assert label_of(real) == "keep"
+
+
 def test_crash_between_fallback_renames_leaves_the_old_checkpoint_findable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -167,7 +195,9 @@ def test_crash_between_fallback_renames_leaves_the_old_checkpoint_findable(
     real_rename = os.rename
 
     def rename(src: Any, dst: Any) -> None:
-        if os.fspath(src) == str(staging):
+        # The second rename fails, and so does commit's attempt to undo the first: the state a
+        # crash between the two renames leaves.
+        if os.fspath(src) == str(staging) or ".savepoint-old-" in os.fspath(src):
             raise OSError(errno.EIO, "simulated crash before the second rename")
         real_rename(src, dst)
 
@@ -289,7 +319,9 @@ def live_pid() -> Any:
         proc.wait()
 
 
-def test_clean_stale_removes_only_dead_processes_of_this_host(tmp_path: Path, live_pid: int) -> None:
+def test_clean_stale_removes_only_dead_processes_of_this_host(
+    tmp_path: Path, live_pid: int
+) -> None:
     target = make_dir(tmp_path / "ckpt", "current")
     dead = dead_pid()
     live = live_pid

@@ -14,6 +14,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,9 +27,14 @@ import pytest
 import savepoint as sp
 from savepoint.commit import atomic
 
-from ._util import assert_same, read_doc
+from ._util import assert_same, deadline, read_doc
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="identifies files through /proc/self/fd"
+)
 
 NAME = "ckpt"
+SAVE_DEADLINE_S = 60.0
 MAX_FILE_BYTES = 256 << 10
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -178,7 +184,7 @@ def test_enospc_from_write(
     save(path, OLD)
     budget = WriteBudget(path.parent, BUDGETS[case](log, data))
     monkeypatch.setattr(os, "write", budget)
-    with pytest.raises(sp.CheckpointWriteError) as exc_info:
+    with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
         save(path, NEW, writers=writers)
     monkeypatch.undo()
     assert budget.written <= (budget.budget or 0)
@@ -191,7 +197,7 @@ def test_enospc_from_write(
 
 def test_enospc_on_a_first_save_leaves_nothing(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "write", WriteBudget(path.parent, 10_000))
-    with pytest.raises(sp.CheckpointWriteError) as exc_info:
+    with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
         save(path, NEW)
     monkeypatch.undo()
     assert_failed_cleanly(exc_info, path, None, errno.ENOSPC)
@@ -207,7 +213,7 @@ def test_enospc_creating_the_staging_directory(path: Path, monkeypatch: pytest.M
         real_mkdir(p, *args, **kwargs)
 
     monkeypatch.setattr(os, "mkdir", full_mkdir)
-    with pytest.raises(sp.CheckpointWriteError) as exc_info:
+    with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
         save(path, NEW)
     monkeypatch.undo()
     assert_failed_cleanly(exc_info, path, OLD, errno.ENOSPC)
@@ -274,11 +280,27 @@ def test_fsync_failure(
     which, nth, code = FSYNC_CASES[case]
     failing = FailingFsync(which, nth, code)
     monkeypatch.setattr(os, "fsync", failing)
-    with pytest.raises(sp.CheckpointWriteError) as exc_info:
+    with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
         save(path, NEW)
     monkeypatch.undo()
     assert failing.fired
     assert_failed_cleanly(exc_info, path, OLD, code)
+
+
+@pytest.mark.parametrize(
+    "case", ["first-data-file", "manifest", "staging-directory", "parent-directory"]
+)
+def test_fsync_failure_on_a_first_save_leaves_nothing(
+    path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    which, nth, code = FSYNC_CASES[case]
+    failing = FailingFsync(which, nth, code)
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
+        save(path, NEW)
+    monkeypatch.undo()
+    assert failing.fired
+    assert_failed_cleanly(exc_info, path, None, code)
 
 
 def test_fsync_failure_after_the_parent_was_synced_once(
@@ -289,7 +311,7 @@ def test_fsync_failure_after_the_parent_was_synced_once(
     monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
     failing = FailingFsync(_is_parent, 2, errno.EIO)
     monkeypatch.setattr(os, "fsync", failing)
-    with pytest.raises(sp.CheckpointWriteError) as exc_info:
+    with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
         save(path, NEW)
     monkeypatch.undo()
     assert failing.fired
@@ -334,7 +356,7 @@ def test_real_enospc_on_tmpfs_during_data(tmpfs: Path) -> None:
     path.parent.mkdir()
     save(path, OLD)  # ~0.6 MiB
     big = make_state(3, scale=20)  # ~10.5 MiB: cannot fit in 8 MiB
-    with pytest.raises(sp.CheckpointWriteError) as exc_info:
+    with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
         save(path, big)
     assert_failed_cleanly(exc_info, path, OLD, errno.ENOSPC)
     # The failed save gave its space back: a save that fits still works.
@@ -367,7 +389,7 @@ def test_real_enospc_on_tmpfs_at_the_edge(tmp_path: Path, tmpfs: Path, short_by_
     finally:
         os.close(fd)
     assert free_bytes(tmpfs) == want_free
-    with pytest.raises(sp.CheckpointWriteError) as exc_info:
+    with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
         save(path, NEW)
     assert_failed_cleanly(exc_info, path, OLD, errno.ENOSPC)
     assert free_bytes(tmpfs) == want_free  # everything the failed save wrote was given back

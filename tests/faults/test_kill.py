@@ -29,7 +29,10 @@ from savepoint.commit import atomic
 from ._kill_child import MAX_FILE_BYTES, make_state, metadata
 from ._util import assert_same
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals, Linux renames"),
+]
 
 CHILD = Path(__file__).with_name("_kill_child.py")
 STATES = {w: make_state(w) for w in "AB"}

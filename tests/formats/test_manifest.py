@@ -25,8 +25,14 @@ def sample_manifest() -> mf.Manifest:
             ["tied", {"t": "tensor", "ref": "w", "kind": "torch"}],
             [0, {"t": "tensor", "ref": "e", "kind": "numpy"}],
             ["0", {"t": "tensor", "ref": "s", "kind": "numpy_scalar"}],
-            ["ключ/\ud800", {"t": "list", "items": [{"t": "value", "v": None}, {"t": "value", "v": -0.0}]}],
-            ["t", {"t": "tuple", "items": [{"t": "float", "v": "nan"}, {"t": "float", "v": "-inf"}]}],
+            [
+                "ключ/\ud800",
+                {"t": "list", "items": [{"t": "value", "v": None}, {"t": "value", "v": -0.0}]},
+            ],
+            [
+                "t",
+                {"t": "tuple", "items": [{"t": "float", "v": "nan"}, {"t": "float", "v": "-inf"}]},
+            ],
             ["b", {"t": "bytes", "v": "AP8="}],
             ["big", {"t": "value", "v": 2**80}],
             [
@@ -107,8 +113,16 @@ def test_dumps_layout() -> None:
     assert raw.startswith(b'{\n "format": "savepoint",\n "format_version": 1,\n')
     lines = raw.decode().split("\n")
     assert [line.split(":")[0] for line in lines[1:-2]] == [
-        ' "format"', ' "format_version"', ' "writer"', ' "created"', ' "checksum"',
-        ' "metadata"', ' "files"', ' "tensors"', ' "tree"', ' "manifest_xxh3"',
+        ' "format"',
+        ' "format_version"',
+        ' "writer"',
+        ' "created"',
+        ' "checksum"',
+        ' "metadata"',
+        ' "files"',
+        ' "tensors"',
+        ' "tree"',
+        ' "manifest_xxh3"',
     ]
     m = re.search(rb',\n "manifest_xxh3": "([0-9a-f]{16})"\n}\n\Z', raw)
     assert m is not None
@@ -162,8 +176,18 @@ def test_any_flipped_bit_is_detected() -> None:
         lambda raw: raw.replace(b"savepoint 0.1.0", b"savepoint 9.9.9"),
     ],
     ids=[
-        "drop-last", "drop-30", "half", "empty", "extra-newline", "extra-space", "leading-space",
-        "crlf", "value", "whitespace", "dtype", "writer",
+        "drop-last",
+        "drop-30",
+        "half",
+        "empty",
+        "extra-newline",
+        "extra-space",
+        "leading-space",
+        "crlf",
+        "value",
+        "whitespace",
+        "dtype",
+        "writer",
     ],
 )
 def test_edits_are_detected(edit: Any) -> None:
@@ -262,7 +286,9 @@ def test_top_level_members(member: str, value: Any, match: str) -> None:
     rejects(doc, match)
 
 
-@pytest.mark.parametrize("member", ["format", "checksum", "writer", "created", "metadata", "files", "tensors", "tree"])
+@pytest.mark.parametrize(
+    "member", ["format", "checksum", "writer", "created", "metadata", "files", "tensors", "tree"]
+)
 def test_missing_members(member: str) -> None:
     doc = sample_doc()
     del doc[member]
@@ -272,7 +298,7 @@ def test_missing_members(member: str) -> None:
 
 @pytest.mark.parametrize(
     "head",
-    [b"{\n", b"{\n \"format\": ", b"[\n 1", b"{\n \"a\": 1} {\"b\": 2", b"\xff\xfe{\n \"a\": 1"],
+    [b"{\n", b'{\n "format": ', b"[\n 1", b'{\n "a": 1} {"b": 2', b'\xff\xfe{\n "a": 1'],
     ids=["open", "no-value", "array", "two-docs", "bad-utf8"],
 )
 def test_invalid_json_with_a_valid_trailer(head: bytes) -> None:
@@ -310,13 +336,26 @@ def test_deeply_nested_json_is_refused_cleanly() -> None:
         ('"metadata": {"step":12,', '"metadata": {"step":12,"step":12,'),
         ('"nested":{"a":', '"nested":{"a":1,"a":'),
         ('"size":200,', '"size":200,"size":200,'),
-        (f'"files": {{"{FILE}":', f'"files": {{"{FILE}":{{"size":1,"header_size":8,"header_xxh3":"{DIGEST}"}},"{FILE}":'),
+        (
+            f'"files": {{"{FILE}":',
+            f'"files": {{"{FILE}":{{"size":1,"header_size":8,"header_xxh3":"{DIGEST}"}},"{FILE}":',
+        ),
         ('"tensors": {"w":', '"tensors": {"w":{},"w":'),
         ('"dtype":"F32",', '"dtype":"F32","dtype":"F32",'),
         ('{"t":"bytes","v":"AP8="}', '{"t":"bytes","v":"AP8=","v":"AP8="}'),
         ('{"t":"bytes",', '{"t":"bytes","t":"bytes",'),
     ],
-    ids=["top", "metadata", "metadata-nested", "file-entry", "files", "tensors", "tensor-entry", "tree-node", "tree-t"],
+    ids=[
+        "top",
+        "metadata",
+        "metadata-nested",
+        "file-entry",
+        "files",
+        "tensors",
+        "tensor-entry",
+        "tree-node",
+        "tree-t",
+    ],
 )
 def test_duplicate_json_keys(old: str, new: str) -> None:
     text = encode(sample_doc()).decode()

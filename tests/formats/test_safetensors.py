@@ -36,7 +36,11 @@ def sample(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
         info = np.iinfo(d.numpy)
         return rng.integers(info.min, info.max, n, dtype=d.numpy, endpoint=True).reshape(shape)
     if name == "C64":
-        return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(np.complex64).reshape(shape)
+        return (
+            (rng.standard_normal(n) + 1j * rng.standard_normal(n))
+            .astype(np.complex64)
+            .reshape(shape)
+        )
     return rng.uniform(-4, 4, n).astype(d.numpy).reshape(shape)
 
 
@@ -80,7 +84,9 @@ def test_layout_parses_with_safetensors_deserialize(name: str, shape: tuple[int,
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", NUMPY_NAMES)
-def test_layout_parses_with_safetensors_numpy(name: str, shape: tuple[int, ...], tmp_path: Path) -> None:
+def test_layout_parses_with_safetensors_numpy(
+    name: str, shape: tuple[int, ...], tmp_path: Path
+) -> None:
     arr = sample(name, shape)
     blob, _ = assemble([("a/b~1", arr), ("z", np.float64(1.5).reshape(()))])
     loaded = safetensors.numpy.load(blob)
@@ -98,7 +104,9 @@ def test_layout_parses_with_safetensors_numpy(name: str, shape: tuple[int, ...],
 @pytest.mark.torch
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", NAMES)
-def test_layout_parses_with_safe_open_torch(name: str, shape: tuple[int, ...], tmp_path: Path) -> None:
+def test_layout_parses_with_safe_open_torch(
+    name: str, shape: tuple[int, ...], tmp_path: Path
+) -> None:
     torch = pytest.importorskip("torch")
     arr = sample(name, shape)
     blob, _ = assemble([("w", arr)])
@@ -127,6 +135,18 @@ def test_every_dtype_in_one_file_with_awkward_names(tmp_path: Path) -> None:
         assert got[name]["shape"] == list(arr.shape)
     raw, size = header_of(blob)
     assert fmt.parse_header(raw, size)[0] == entries
+
+
+def test_layout_never_writes_a_tensor_into_the_metadata_slot() -> None:
+    # "__metadata__" is reserved by the format; layout must refuse such a name rather than emit a
+    # header that neither safetensors nor parse_header can read.
+    try:
+        prefix, entries = fmt.layout([("__metadata__", "F32", (1,), 4), ("x", "U8", (1,), 1)])
+    except ValueError:
+        return
+    blob = prefix + bytes(5)
+    assert {name for name, _ in safetensors.deserialize(blob)} == {e.name for e in entries}
+    assert fmt.parse_header(*header_of(blob))[0] == entries
 
 
 def test_layout_of_nothing() -> None:
@@ -188,7 +208,9 @@ def test_every_tensor_is_aligned_to_its_itemsize(spec: list[tuple[str, list[int]
     # stable: equal itemsizes keep the given order
     for size in set(itemsizes):
         given_order = [t[0] for t in tensors if dtypes.from_name(t[1]).itemsize == size]
-        assert [e.name for e in entries if dtypes.from_name(e.dtype).itemsize == size] == given_order
+        assert [
+            e.name for e in entries if dtypes.from_name(e.dtype).itemsize == size
+        ] == given_order
     # the spans tile the data region
     pos = len(prefix)
     for e in entries:
@@ -262,7 +284,9 @@ def test_order_invariance() -> None:
         entries, metadata = fmt.parse_header(raw, _file_size(raw))
         assert metadata == {"m": "1"}
         base = 8 + len(raw)
-        results.add(frozenset((e.name, e.dtype, e.shape, e.start - base, e.end - base) for e in entries))
+        results.add(
+            frozenset((e.name, e.dtype, e.shape, e.start - base, e.end - base) for e in entries)
+        )
     assert results == {
         frozenset(
             {
@@ -310,7 +334,9 @@ def test_header_length_cap_and_eof() -> None:
         fmt.header_length(struct.pack("<Q", fmt.MAX_HEADER_BYTES + 1), 10**12)
     with pytest.raises(fmt.HeaderError, match="exceeds"):
         fmt.header_length(struct.pack("<Q", 2**64 - 1), 2**70)
-    assert fmt.header_length(struct.pack("<Q", fmt.MAX_HEADER_BYTES), 10**12) == fmt.MAX_HEADER_BYTES
+    assert (
+        fmt.header_length(struct.pack("<Q", fmt.MAX_HEADER_BYTES), 10**12) == fmt.MAX_HEADER_BYTES
+    )
     with pytest.raises(fmt.HeaderError, match="past the end"):
         fmt.header_length(ok, 23)
     with pytest.raises(fmt.HeaderError, match="too short"):
@@ -364,7 +390,10 @@ BAD_TENSORS = {
     "entry-not-object": ({**TENSORS, "a": [1, 2]}, "exactly"),
     "entry-null": ({**TENSORS, "a": None}, "exactly"),
     "gap": (
-        {**_with("b", data_offsets=[9, 12]), "s": {"dtype": "I16", "shape": [], "data_offsets": [12, 14]}},
+        {
+            **_with("b", data_offsets=[9, 12]),
+            "s": {"dtype": "I16", "shape": [], "data_offsets": [12, 14]},
+        },
         "tile",
     ),
     "overlap": (_with("b", shape=[3], data_offsets=[5, 8]), "tile"),
@@ -376,7 +405,10 @@ BAD_TENSORS = {
         {**TENSORS, "a2": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
         "tile",
     ),
-    "past-eof": ({**TENSORS, "x": {"dtype": "U8", "shape": [1], "data_offsets": [13, 14]}}, "ends at"),
+    "past-eof": (
+        {**TENSORS, "x": {"dtype": "U8", "shape": [1], "data_offsets": [13, 14]}},
+        "ends at",
+    ),
 }
 
 
@@ -408,7 +440,17 @@ def test_rejects_trailing_or_missing_bytes(delta: int) -> None:
         b'{"a": NaN',
         b"{} {}",
     ],
-    ids=["empty", "open", "missing-value", "single-quotes", "bad-utf8", "truncated-utf8", "deep", "truncated", "two-docs"],
+    ids=[
+        "empty",
+        "open",
+        "missing-value",
+        "single-quotes",
+        "bad-utf8",
+        "truncated-utf8",
+        "deep",
+        "truncated",
+        "two-docs",
+    ],
 )
 def test_rejects_invalid_json(raw: bytes) -> None:
     with pytest.raises(fmt.HeaderError, match="not valid JSON"):

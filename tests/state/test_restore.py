@@ -27,7 +27,9 @@ class Saved:
     def __init__(self, state: Any) -> None:
         self.flat = tree.flatten(state)
         self.records = {
-            name: TensorRecord(s.dtype.name, s.shape, "data-00000.safetensors", 0, s.nbytes, "0" * 16)
+            name: TensorRecord(
+                s.dtype.name, s.shape, "data-00000.safetensors", 0, s.nbytes, "0" * 16
+            )
             for name, s in self.flat.tensors.items()
         }
         self.bytes = {}
@@ -92,7 +94,9 @@ def f32(*shape: int, start: float = 0.0) -> np.ndarray:
 
 
 def test_partial_into_reads_only_what_it_covers() -> None:
-    saved = Saved({"model": {"w": f32(2, 3, start=1), "b": f32(3, start=7)}, "opt": {"m": f32(4)}, "step": 9})
+    saved = Saved(
+        {"model": {"w": f32(2, 3, start=1), "b": f32(3, start=7)}, "opt": {"m": f32(4)}, "step": 9}
+    )
     w = np.zeros((2, 3), dtype=np.float32)
     into = {"model": {"w": w}, "step": 0}
     p = saved.plan(into)
@@ -174,7 +178,10 @@ def test_every_problem_is_reported_together() -> None:
 def test_missing_keys_use_escaped_paths_and_key_types() -> None:
     saved = Saved({0: f32(1), "a/b": {"~": f32(1)}})
     p = saved.plan({"0": np.zeros(1, dtype=np.float32), "a/b": {"~": None, "/": 1}})
-    assert sorted(p.problems) == [("0", "not in the checkpoint"), ("a~1b/~1", "not in the checkpoint")]
+    assert sorted(p.problems) == [
+        ("0", "not in the checkpoint"),
+        ("a~1b/~1", "not in the checkpoint"),
+    ]
 
 
 def test_mutable_list_of_another_length_is_replaced_whole() -> None:
@@ -224,7 +231,10 @@ def test_tuple_of_same_length_fills_tensors_and_checks_values() -> None:
     np.testing.assert_array_equal(a, f32(2, start=1))
 
     p = saved.plan({"t": (a, 4, "other")})
-    assert sorted(p.problems) == [("t/1", "cannot assign into a tuple"), ("t/2", "cannot assign into a tuple")]
+    assert sorted(p.problems) == [
+        ("t/1", "cannot assign into a tuple"),
+        ("t/2", "cannot assign into a tuple"),
+    ]
 
 
 def test_read_only_mapping_accepts_tensors_but_not_values() -> None:
@@ -292,7 +302,9 @@ def test_plan_works_on_a_selected_subtree() -> None:
 
 
 def test_stateful_gets_the_full_saved_subtree() -> None:
-    saved = Saved({"obj": Box({"n": 5, "w": f32(3, start=1), "extra": [1, f32(1, start=8)], 7: "int key"})})
+    saved = Saved(
+        {"obj": Box({"n": 5, "w": f32(3, start=1), "extra": [1, f32(1, start=8)], 7: "int key"})}
+    )
     w = np.zeros(3, dtype=np.float32)
     box = Box({"n": 0, "w": w, "only_here": 1})
     p = saved.plan({"obj": box})

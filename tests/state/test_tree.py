@@ -205,6 +205,24 @@ def test_int_and_str_keys_that_collide_get_suffixes(state: Any, names: list[str]
     assert_same(rebuild(state), state)
 
 
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"__metadata__": _arr(1)},
+        {"__metadata__": _arr(1), "__metadata__~2": _arr(2)},
+        {"__metadata__": {"x": _arr(1)}, "y": _arr(2)},
+    ],
+    ids=["tensor", "with-lookalike", "nested-is-fine"],
+)
+def test_no_tensor_is_named_like_the_safetensors_metadata_key(state: Any) -> None:
+    # "__metadata__" is reserved in a safetensors header: a tensor of that name makes the data
+    # file unreadable (by savepoint's own parse_header and by the safetensors library).
+    flat = tree.flatten(state)
+    assert "__metadata__" not in flat.tensors
+    assert len(set(flat.tensors)) == len(flat.tensors)
+    assert_same(rebuild(state), state)
+
+
 def test_collision_keeps_key_types_in_tree() -> None:
     flat = tree.flatten({0: _arr(1), "0": _arr(2)})
     assert flat.tree == {
@@ -382,7 +400,12 @@ def _deep_cycle() -> Any:
 
 @pytest.mark.parametrize(
     ("make", "key"),
-    [(_list_cycle, "a/1"), (_dict_cycle, "self"), (_tuple_cycle, "t/0/0"), (_deep_cycle, "a/b/0/back")],
+    [
+        (_list_cycle, "a/1"),
+        (_dict_cycle, "self"),
+        (_tuple_cycle, "t/0/0"),
+        (_deep_cycle, "a/b/0/back"),
+    ],
 )
 def test_reference_cycles_are_refused(make: Any, key: str) -> None:
     with pytest.raises(sp.UnsupportedStateError, match="cycle") as info:
@@ -519,7 +542,11 @@ def test_refs_collects_every_tensor_ref_once() -> None:
 
 def _select(wanted: list[str]) -> Any:
     node = tree.select(tree.flatten(_sample()).tree, wanted)
-    return None if node is None else [(tree.join(p), n.get("v", n.get("ref"))) for p, n in tree.leaves(node)]
+    return (
+        None
+        if node is None
+        else [(tree.join(p), n.get("v", n.get("ref"))) for p, n in tree.leaves(node)]
+    )
 
 
 @pytest.mark.parametrize(

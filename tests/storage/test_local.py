@@ -121,7 +121,9 @@ def test_write_file_mixed_sources(tmp_path: Path, direct: bool) -> None:
     ]
     header = bytes(rand_bytes(24))
     digests, _ = write(tmp_path / "f", header, arrays, direct=direct)
-    little = [a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a for a in arrays]
+    little = [
+        a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a for a in arrays
+    ]
     check_file(tmp_path / "f", header, little, digests)
 
 
@@ -138,13 +140,19 @@ def test_write_file_torch_sources(tmp_path: Path, direct: bool) -> None:
     ]
     header = bytes(rand_bytes(8))
     digests = local.write_file(
-        str(tmp_path / "f"), header, [TorchSource(t, "k") for t in ts], pool=tiny_pool(), direct=direct
+        str(tmp_path / "f"),
+        header,
+        [TorchSource(t, "k") for t in ts],
+        pool=tiny_pool(),
+        direct=direct,
     )
     arrays = [t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in ts]
     check_file(tmp_path / "f", header, arrays, digests)
 
 
-def test_write_file_is_really_direct_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_file_is_really_direct_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     flags_seen: list[int] = []
     real_open = os.open
 
@@ -191,7 +199,9 @@ def test_o_direct_refused_at_open_falls_back_to_buffered(
     check_file(path, header, arrays, digests)
 
 
-def test_other_open_errors_are_not_swallowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_open_errors_are_not_swallowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def fake_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         raise OSError(errno.EACCES, "denied", path)
 
@@ -440,7 +450,15 @@ def test_mapped_file_slices(tmp_path: Path) -> None:
         m = local.MappedFile(fd, len(data))
     finally:
         os.close(fd)  # the mapping outlives the descriptor
-    for start, end in [(0, 0), (0, 1), (8, 4096), (4095, 4097), (9_999, 10_000), (0, 10_000), (5, 5)]:
+    for start, end in [
+        (0, 0),
+        (0, 1),
+        (8, 4096),
+        (4095, 4097),
+        (9_999, 10_000),
+        (0, 10_000),
+        (5, 5),
+    ]:
         s = m.slice(start, end)
         assert s.dtype == np.uint8
         assert s.tobytes() == data[start:end]

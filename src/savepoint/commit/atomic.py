@@ -79,28 +79,52 @@ def exchange(a: str, b: str) -> bool:
 
 
 def commit(staging: str, path: str) -> None:
-    """Steps 2-5 above. ``path`` must be absent, an empty directory, or a committed checkpoint."""
+    """Steps 2-5 above. ``path`` must be absent, an empty directory, or a committed checkpoint.
+
+    If a step fails before the parent directory is synced, the renames done so far are undone
+    (best effort) so that ``path`` holds the previous checkpoint again and ``staging`` the new
+    one, which the caller then removes; the error is re-raised.
+    """
     parent = os.path.dirname(os.path.abspath(path))
     fsync_dir(staging)
-    replaced: str | None = None
-    if os.path.lexists(path):
-        if exchange(staging, path):
-            replaced = staging
-        else:
-            replaced = _hidden(path, OLD_TAG)
-            os.rename(path, replaced)
-            fsync_dir(parent)
-            os.rename(staging, path)
-    else:
+    if not os.path.lexists(path):
         os.rename(staging, path)
-    fsync_dir(parent)
-    if replaced is not None:
-        remove_tree(replaced)
+        _or_undo(lambda: fsync_dir(parent), lambda: os.rename(path, staging))
+        return
+    if exchange(staging, path):
+        # ``staging`` now holds the previous checkpoint.
+        _or_undo(lambda: fsync_dir(parent), lambda: exchange(staging, path))
+        remove_tree(staging)
+        return
+    replaced = _hidden(path, OLD_TAG)
+    os.rename(path, replaced)
+    _or_undo(lambda: fsync_dir(parent), lambda: os.rename(replaced, path))
+    _or_undo(lambda: os.rename(staging, path), lambda: os.rename(replaced, path))
+
+    def put_back() -> None:
+        os.rename(path, staging)
+        os.rename(replaced, path)
+
+    _or_undo(lambda: fsync_dir(parent), put_back)
+    remove_tree(replaced)
+
+
+def _or_undo(step: Callable[[], object], undo: Callable[[], object]) -> None:
+    try:
+        step()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            undo()
+        raise
 
 
 def remove_tree(path: str) -> None:
+    """Remove a directory tree, or just the link when ``path`` is a symlink (never its target)."""
     with contextlib.suppress(FileNotFoundError):
-        shutil.rmtree(path)
+        if os.path.islink(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path)
 
 
 def _siblings(path: str, tag: str) -> list[tuple[str, str]]:
@@ -141,7 +165,10 @@ def clean_stale(path: str) -> list[str]:
             if tag == OLD_TAG and not has_checkpoint:
                 continue
             if _dead_here(rest):
-                remove_tree(hidden)
+                try:
+                    remove_tree(hidden)
+                except OSError:  # tidying is best effort; the next save tries again
+                    continue
                 removed.append(hidden)
     return removed
 

@@ -57,6 +57,8 @@ def layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple[by
     offset = 0
     spans = []
     for name, dtype, shape, nbytes in order:
+        if name == "__metadata__":
+            raise ValueError("'__metadata__' is reserved in safetensors headers")
         header[name] = {
             "dtype": dtype,
             "shape": list(shape),

@@ -132,30 +132,26 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             for k in target:
                 if k not in saved:
                     p.problems.append((tree_mod.join((*path, k)), "not in the checkpoint"))
-        children: list[tuple[Any, Thunk, bool]] = []  # (key, thunk, value may need assigning)
+        children: list[tuple[Any, Thunk]] = []
         for k, child in node["items"]:
             if k in target:
-                children.append((k, bind(child, target[k], (*path, k), complete), True))
+                children.append((k, bind(child, target[k], (*path, k), complete)))
+                if not complete and not isinstance(target, MutableMapping):
+                    immutable_slot(child, target[k], (*path, k), target)
             elif complete:
                 if strict:
                     p.problems.append(
                         (tree_mod.join((*path, k)), "unexpected key: not in the target")
                     )
-                children.append((k, fresh(child), True))
+                children.append((k, fresh(child)))
         if complete:
-            return lambda get: {k: sub(get) for k, sub, _ in children}
-        if not isinstance(target, MutableMapping):
-            for k, _, _ in children:
-                if describe(target[k]) is None:
-                    p.problems.append(
-                        (tree_mod.join((*path, k)), f"cannot assign into a {_type(target)}")
-                    )
+            return lambda get: {k: sub(get) for k, sub in children}
 
         def fill(get: Getter) -> Any:
-            for k, sub, _ in children:
+            for k, sub in children:
                 value = sub(get)
-                if value is not target[k]:
-                    target[k] = value  # type: ignore[index]
+                if isinstance(target, MutableMapping) and value is not target[k]:
+                    target[k] = value
             return target
 
         return fill
@@ -192,10 +188,7 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             return lambda get: kind(sub(get) for sub in subs)
         if not isinstance(target, MutableSequence):
             for i, c in enumerate(items):
-                if c["t"] in ("value", "float", "bytes") and tree_mod.plain_value(c) != target[i]:
-                    p.problems.append(
-                        (tree_mod.join((*path, i)), f"cannot assign into a {_type(target)}")
-                    )
+                immutable_slot(c, target[i], (*path, i), target)
 
         def fill(get: Getter) -> Any:
             for i, sub in enumerate(subs):
@@ -205,6 +198,21 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             return target
 
         return fill
+
+    def immutable_slot(child: Node, current: Any, path: tuple[Key, ...], parent: Any) -> None:
+        """A problem if restoring ``child`` would need assigning into an immutable container:
+        nested containers and arrays are filled in place, equal plain values need nothing."""
+        t = child["t"]
+        if t == "tensor":
+            needs = describe(current) is None
+        elif t in ("value", "float", "bytes"):
+            saved = tree_mod.plain_value(child)
+            needs = not (saved == current or (saved != saved and current != current))
+            needs = needs or type(saved) is not type(current)
+        else:
+            needs = False
+        if needs:
+            p.problems.append((tree_mod.join(path), f"cannot assign into a {_type(parent)}"))
 
     p.finish = bind(root, into, (), False)
     return p

@@ -65,7 +65,8 @@ def flatten(state: Any) -> Flat:
         if ident is not None and ident in by_identity:
             return {"t": "tensor", "ref": by_identity[ident], "kind": source.kind}
         name = join(path)
-        if name in flat.tensors:
+        # "__metadata__" is the safetensors header's reserved key: never a tensor name.
+        if name in flat.tensors or name == "__metadata__":
             n = 2
             while f"{name}~{n}" in flat.tensors:
                 n += 1
