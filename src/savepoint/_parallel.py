@@ -13,8 +13,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import numpy as np
-
 T = TypeVar("T")
 R = TypeVar("R")
 SPLIT = 16 << 20  # copies larger than this are cut into pieces of this size
