@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import signal
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
+from _compare import same
 from savepoint.formats import checksum
 from savepoint.formats import manifest as mf
 
@@ -69,27 +67,7 @@ def write_manifest(directory: str | os.PathLike[str], raw: bytes) -> None:
 
 def assert_same(got: Any, want: Any, where: str = "<root>") -> None:
     """Exact equality of two state trees: same containers, same keys, arrays equal bit for bit."""
-    if isinstance(want, (np.ndarray, np.generic)):
-        assert isinstance(got, type(want)), f"{where}: {type(got)} instead of {type(want)}"
-        assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} instead of {want.dtype}"
-        assert got.shape == want.shape, f"{where}: shape {got.shape} instead of {want.shape}"
-        assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), f"{where}: bytes differ"
-        return
-    assert type(got) is type(want), (
-        f"{where}: {type(got).__name__} instead of {type(want).__name__}"
-    )
-    if isinstance(want, dict):
-        assert list(got) == list(want), f"{where}: keys {list(got)} instead of {list(want)}"
-        for k in want:
-            assert_same(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{where}: length {len(got)} instead of {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{where}/{i}")
-    elif isinstance(want, float) and math.isnan(want):
-        assert math.isnan(got), f"{where}: {got!r} instead of nan"
-    else:
-        assert got == want, f"{where}: {got!r} instead of {want!r}"
+    same(got, want, where)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from savepoint.formats import checksum
+from savepoint.formats import _json, checksum
 from savepoint.state import dtypes
 
 FORMAT = "savepoint"
@@ -123,19 +123,6 @@ def dumps(m: Manifest) -> bytes:
     return head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ManifestError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ManifestError(f"manifest is not valid JSON: non-standard number {name}")
-
-
 def _count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
@@ -155,14 +142,7 @@ def parse(raw: bytes) -> Manifest:
         checksum.digest(raw[: trailer.start()]) == trailer.group(1).decode("ascii"),
         "manifest checksum does not match its content",
     )
-    try:
-        doc = json.loads(
-            raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant
-        )
-    except ManifestError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+    doc = _json.loads(raw, ManifestError, "manifest")
     _require(isinstance(doc, dict), "manifest is not a JSON object")
     _require(
         doc.get("format") == FORMAT, f"not a savepoint manifest (format {doc.get('format')!r})"

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from savepoint.formats import _json
 from savepoint.state import dtypes
 
 MAX_HEADER_BYTES = 100_000_000
@@ -73,19 +74,6 @@ def layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple[by
     return prefix, [Entry(n, d, s, base + b, base + e) for n, d, s, b, e in spans]
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise HeaderError(f"duplicate key {k!r} in header")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise HeaderError(f"header is not valid JSON: non-standard number {name}")
-
-
 def header_length(prefix: bytes, file_size: int) -> int:
     if len(prefix) < 8:
         raise HeaderError(f"file is {file_size} bytes, too short for a safetensors header")
@@ -100,14 +88,7 @@ def header_length(prefix: bytes, file_size: int) -> int:
 def parse_header(raw: bytes, file_size: int) -> tuple[list[Entry], dict[str, str]]:
     """Validate header JSON ``raw`` (without its length prefix) for a file of ``file_size`` bytes."""
     base = 8 + len(raw)
-    try:
-        header = json.loads(
-            raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant
-        )
-    except HeaderError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise HeaderError(f"header is not valid JSON: {exc}") from None
+    header = _json.loads(raw, HeaderError, "header")
     if not isinstance(header, dict):
         raise HeaderError("header is not a JSON object")
     metadata = header.pop("__metadata__", {})
