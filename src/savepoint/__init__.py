@@ -14,6 +14,8 @@ objects or ask for torch output.
 """
 
 from savepoint._version import __version__
+from savepoint.async_.checkpointer import AsyncCheckpointer
+from savepoint.async_.pending import PendingSave
 from savepoint.checkpoint import CheckpointInfo, TensorInfo, inspect, load, save, verify
 from savepoint.errors import (
     CheckpointError,
@@ -22,21 +24,32 @@ from savepoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
+    MissingCheckpointError,
+    RunMismatchError,
     StateMismatchError,
     UnsupportedStateError,
 )
+from savepoint.runs import policies
+from savepoint.runs.manager import CheckpointManager
+from savepoint.runs.sweep import Sweep
 from savepoint.state.stateful import Stateful
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
+    "MissingCheckpointError",
+    "PendingSave",
+    "RunMismatchError",
     "StateMismatchError",
     "Stateful",
+    "Sweep",
     "TensorInfo",
     "UnsupportedStateError",
     "__version__",

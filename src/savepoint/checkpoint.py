@@ -71,11 +71,27 @@ def save(
     is neither empty nor a checkpoint is never touched: that is an error. On any failure (disk full,
     fsync error, an unsupported leaf) nothing at ``path`` changes and no temporary files remain.
     """
-    target = os.path.abspath(os.fspath(path))
     meta = _check_metadata(metadata)
+    flat = tree.flatten(state)
+    return save_flat(
+        path, flat, meta, max_file_bytes=max_file_bytes, writers=writers, progress=progress
+    )
+
+
+def save_flat(
+    path: PathLike,
+    flat: tree.Flat,
+    metadata: dict[str, Any],
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    writers: int = DEFAULT_WRITERS,
+    progress: Progress | None = None,
+) -> CheckpointInfo:
+    """``save`` for a state already flattened (and checked metadata); background writers use it
+    to write a snapshot taken earlier."""
+    target = os.path.abspath(os.fspath(path))
     if max_file_bytes <= 0 or writers < 1:
         raise ValueError("max_file_bytes must be positive and writers at least 1")
-    flat = tree.flatten(state)
     _check_target(target)
     total = sum(s.nbytes for s in flat.tensors.values())
     done = 0
@@ -102,7 +118,7 @@ def save(
             tree=flat.tree,
             files=files,
             tensors=tensors,
-            metadata=meta,
+            metadata=metadata,
             writer=_writer.writer_version(),
             created=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
         )

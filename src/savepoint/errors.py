@@ -6,8 +6,10 @@
     ├── CheckpointNotFoundError          (also FileNotFoundError) nothing at that path
     ├── IncompleteCheckpointError        (also FileNotFoundError) a directory without a committed manifest
     ├── CorruptCheckpointError           (also ValueError) checksum, truncation, bad header or manifest
+    │   └── MissingCheckpointError       a checkpoint a run relies on (its best) is not on disk
     ├── IncompatibleCheckpointError      (also ValueError) format version, shape or dtype disagreement
-    │   └── StateMismatchError           ``load(into=...)`` found keys, shapes or dtypes that disagree
+    │   ├── StateMismatchError           ``load(into=...)`` found keys, shapes or dtypes that disagree
+    │   └── RunMismatchError             run.json, report.json and the caller disagree about a run
     ├── UnsupportedStateError            (also TypeError) a leaf or key savepoint cannot store
     └── CheckpointWriteError             (also OSError) the save failed (disk full, fsync error, ...)
 
@@ -28,6 +30,8 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
+    "MissingCheckpointError",
+    "RunMismatchError",
     "StateMismatchError",
     "UnsupportedStateError",
 ]
@@ -88,6 +92,14 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class IncompatibleCheckpointError(CheckpointError, ValueError):
     """The checkpoint is intact but cannot be used as asked (format version, shape, dtype)."""
+
+
+class MissingCheckpointError(CorruptCheckpointError):
+    """A checkpoint the run's report relies on (its best, say) is not on disk."""
+
+
+class RunMismatchError(IncompatibleCheckpointError):
+    """What a run directory claims (run.json, report.json, the caller) does not agree."""
 
 
 class StateMismatchError(IncompatibleCheckpointError):

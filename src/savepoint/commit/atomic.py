@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 
 from savepoint.formats import manifest as manifest_format
-from savepoint.storage.local import fsync_dir
+from savepoint.storage.local import fsync_dir, write_small
 
 TMP_TAG = ".savepoint-tmp-"
 OLD_TAG = ".savepoint-old-"
@@ -173,6 +173,40 @@ def clean_stale(path: str) -> list[str]:
     return removed
 
 
+def clean_stale_in(parent: str) -> list[str]:
+    """Remove every hidden savepoint temporary in ``parent`` left by a dead process of this host
+    (interrupted saves, prunes and alias updates); returns what was removed."""
+    removed: list[str] = []
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if not entry.startswith(".") or TMP_TAG not in entry:
+            continue
+        if _dead_here(entry.rsplit(TMP_TAG, 1)[1]):
+            hidden = os.path.join(parent, entry)
+            try:
+                remove_tree(hidden)
+            except OSError:
+                continue
+            removed.append(hidden)
+    return removed
+
+
+def discard(path: str) -> None:
+    """Delete a committed checkpoint so that no crash can leave it half-deleted: first renamed to
+    a hidden temporary name (atomic), then removed; :func:`clean_stale_in` finishes the job if the
+    process dies during the removal."""
+    hidden = _hidden(path, TMP_TAG)
+    try:
+        os.rename(path, hidden)
+    except FileNotFoundError:
+        return
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    remove_tree(hidden)
+
+
 def resolve(path: str) -> str | None:
     """Where the committed checkpoint for ``path`` is: ``path`` itself, or the old checkpoint a
     fallback replace left under a hidden name when it died between its two renames."""
@@ -186,3 +220,36 @@ def resolve(path: str) -> str | None:
         if os.path.isfile(os.path.join(o, manifest_format.NAME))
     ]
     return max(olds, key=os.path.getmtime) if olds else None
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Write a small file atomically: a hidden temporary sibling, fsync, rename over ``path``,
+    fsync of the parent. Readers see the old content or the new one, never a torn file."""
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = _hidden(path, TMP_TAG)
+    try:
+        write_small(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(parent)
+
+
+def link_tree(source: str, staging: str) -> None:
+    """Fill ``staging`` with hard links to the files of the checkpoint ``source`` (copies where
+    the filesystem has no hard links). Committed files are never modified in place, so a linked
+    copy costs no space and stays valid after ``source`` is deleted."""
+    os.mkdir(staging)
+    for name in os.listdir(source):
+        src, dst = os.path.join(source, name), os.path.join(staging, name)
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except OSError:
+            shutil.copyfile(src, dst, follow_symlinks=False)
+            fd = os.open(dst, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

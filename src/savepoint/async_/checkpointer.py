@@ -1,0 +1,135 @@
+"""``AsyncCheckpointer``: save in the background, one write in flight, errors never lost.
+
+What blocks the caller in ``save()``: calling ``state_dict()`` on Stateful objects and copying
+every tensor into host memory owned by the snapshot (for a CPU state, a memcpy of its bytes). What
+runs in the background: writing the files, fsync, and the atomic commit, then an optional
+``on_commit`` callback. When ``save()`` returns, training may modify the state freely: what gets
+saved is the state at that moment.
+
+One save is in flight at a time. A ``save()`` while the previous one is still writing follows
+``on_busy``: ``"wait"`` (the default) blocks until it is committed; ``"skip"`` returns a skipped
+``PendingSave`` and warns. A background failure is raised once, to the caller, by the next
+``save()``, ``wait()`` or ``close()`` (its ``PendingSave.wait()`` raises it too). At interpreter
+exit a pending save is finished; if it fails, the error is printed to stderr.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from savepoint import checkpoint
+from savepoint.async_.pending import PendingSave
+from savepoint.async_.snapshot import snapshot
+from savepoint.errors import CheckpointError
+from savepoint.state import tree
+
+OnBusy = Literal["wait", "skip"]
+_LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+
+
+class AsyncCheckpointer:
+    def __init__(self, *, on_busy: OnBusy = "wait", **save_options: Any) -> None:
+        if on_busy not in ("wait", "skip"):
+            raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
+        self.on_busy = on_busy
+        self.save_options = save_options  # passed to checkpoint.save_flat (max_file_bytes, ...)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
+        self._pending: PendingSave | None = None
+        self._error: BaseException | None = None  # failed in the background, not yet reported
+        self._lock = threading.Lock()
+        self._closed = False
+        _LIVE.add(self)
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: Any,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        on_commit: Callable[[checkpoint.CheckpointInfo], Any] | None = None,
+    ) -> PendingSave:
+        """Snapshot ``state`` now and write it to ``path`` in the background."""
+        if self._closed:
+            raise RuntimeError("this AsyncCheckpointer is closed")
+        self._raise_background_error()
+        target = os.path.abspath(os.fspath(path))
+        previous = self._pending
+        if previous is not None and not previous.done():
+            if self.on_busy == "skip":
+                warnings.warn(
+                    f"skipping the save to {target}: the save to {previous.path} is still writing",
+                    stacklevel=2,
+                )
+                return PendingSave.finished(None, skipped=True)
+            previous.exception()  # wait; its error is reported below
+            self._raise_background_error()
+        meta = checkpoint._check_metadata(metadata)
+        frozen = snapshot(tree.flatten(state))
+        pending = PendingSave(target)
+
+        def write() -> None:
+            try:
+                info = checkpoint.save_flat(target, frozen, meta, **self.save_options)
+                if on_commit is not None:
+                    on_commit(info)
+            except BaseException as exc:
+                with self._lock:
+                    self._error = exc
+                pending.set_exception(exc)
+            else:
+                pending.set_result(info)
+
+        self._pending = pending
+        self._executor.submit(write)
+        return pending
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(
+                f"a background save failed: {error!r}", path=getattr(error, "filename", None)
+            ) from error
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its error if it failed."""
+        pending = self._pending
+        if pending is not None:
+            pending.exception()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Finish the save in flight, stop the background thread, and raise any unreported error."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            _LIVE.discard(self)
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    for ckpt in list(_LIVE):
+        try:
+            ckpt.close()
+        except BaseException as exc:  # nothing to raise to at exit: say it loudly
+            print(f"savepoint: a background save failed at exit: {exc}", file=sys.stderr)

@@ -1,0 +1,58 @@
+"""Where things live in a run directory.
+
+::
+
+    run/
+      run.json                 what the run is (name, variant, config, parameter count)
+      report.json              what it did (history, best, lineage), rewritten after every save
+      checkpoints/
+        step-0000000100/       one savepoint checkpoint per saved step (10-digit, zero padded)
+        step-0000000200/
+      latest/                  the newest checkpoint, as hard links (a loadable checkpoint)
+      best/                    the best checkpoint by the run's metric, as hard links
+
+``latest`` and ``best`` are ordinary checkpoint directories whose files are hard links to the
+step's files (copies where the filesystem has no hard links): ``sp.load("run/best")`` works on any
+filesystem, without symlinks, and keeps working after retention deletes the step directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from savepoint.formats import manifest as mf
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+BEST = "best"
+_STEP_DIR = re.compile(r"step-(\d{10,})")
+
+
+def step_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"steps are non-negative integers, not {step}")
+    return f"step-{step:010d}"
+
+
+def step_path(directory: str, step: int) -> str:
+    return os.path.join(directory, CHECKPOINTS, step_name(step))
+
+
+def committed_steps(directory: str) -> list[int]:
+    """Steps with a committed checkpoint (a manifest), ascending. Hidden temporaries are ignored."""
+    root = os.path.join(directory, CHECKPOINTS)
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for entry in entries:
+        m = _STEP_DIR.fullmatch(entry)
+        if m and os.path.isfile(os.path.join(root, entry, mf.NAME)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def is_run(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "run.json"))

@@ -1,0 +1,196 @@
+"""``run.json`` and ``report.json``: what a run claims, and what it did.
+
+``run.json`` (written once, when the run directory is created)::
+
+    {"format": "savepoint-run", "version": 1, "name": "...", "variant": "...", "config": {...},
+     "num_params": 1234, "created": "2026-11-21T08:00:00Z", "savepoint_version": "0.1.0"}
+
+``report.json`` (rewritten atomically after every save and at close)::
+
+    {"format": "savepoint-report", "version": 1, "name", "variant", "config", "num_params",
+     "steps_completed": 500, "epoch": 3, "wall_time_s": 12.5,
+     "loss_history": [[step, loss], ...], "metric_history": {"<step>": {...}},
+     "best": {"metric": "val_loss", "mode": "min", "step": 400, "metrics": {...}} | null,
+     "latest_step": 500, "checkpoints": [500, 400, ...],
+     "lineage": [{"resumed_from": 300, "at": "...", "steps_completed_before": 340}]}
+
+The consistency check (:func:`check_consistent`) follows the seed's artifact loader: a report
+whose variant, config or parameter count disagrees with ``run.json``, or whose best checkpoint is
+missing, is an error (``RunMismatchError``, ``MissingCheckpointError``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from savepoint._version import __version__
+from savepoint.commit import atomic
+from savepoint.errors import (
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    MissingCheckpointError,
+    RunMismatchError,
+)
+
+RUN_FILE = "run.json"
+REPORT_FILE = "report.json"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class RunInfo:
+    name: str
+    variant: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    num_params: int | None = None
+    created: str = field(default_factory=now_iso)
+    savepoint_version: str = __version__
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": "savepoint-run", "version": 1, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, doc: Any, path: str) -> RunInfo:
+        if not isinstance(doc, dict) or doc.get("format") != "savepoint-run":
+            raise CorruptCheckpointError(f"{path} is not a savepoint run.json", path=path)
+        if not isinstance(doc.get("version"), int) or doc["version"] > 1:
+            raise IncompatibleCheckpointError(
+                f"{path}: run format version {doc.get('version')!r} is newer than this savepoint "
+                "reads; upgrade savepoint",
+                path=path,
+            )
+        try:
+            return cls(
+                name=str(doc["name"]),
+                variant=doc.get("variant"),
+                config=dict(doc.get("config") or {}),
+                num_params=doc.get("num_params"),
+                created=str(doc.get("created", "")),
+                savepoint_version=str(doc.get("savepoint_version", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{path}: malformed run.json ({exc})", path=path) from None
+
+
+@dataclass
+class Report:
+    name: str
+    variant: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    num_params: int | None = None
+    steps_completed: int = 0
+    epoch: int | None = None
+    wall_time_s: float = 0.0
+    loss_history: list[tuple[int, float]] = field(default_factory=list)
+    metric_history: dict[int, dict[str, Any]] = field(default_factory=dict)
+    best: dict[str, Any] | None = None
+    latest_step: int | None = None
+    checkpoints: list[int] = field(default_factory=list)
+    lineage: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def for_run(cls, run: RunInfo) -> Report:
+        return cls(name=run.name, variant=run.variant, config=run.config, num_params=run.num_params)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["loss_history"] = [[s, v] for s, v in self.loss_history]
+        doc["metric_history"] = {str(k): v for k, v in sorted(self.metric_history.items())}
+        return {"format": "savepoint-report", "version": 1, **doc}
+
+    @classmethod
+    def from_json(cls, doc: Any, path: str) -> Report:
+        if not isinstance(doc, dict) or doc.get("format") != "savepoint-report":
+            raise CorruptCheckpointError(f"{path} is not a savepoint report.json", path=path)
+        try:
+            return cls(
+                name=str(doc["name"]),
+                variant=doc.get("variant"),
+                config=dict(doc.get("config") or {}),
+                num_params=doc.get("num_params"),
+                steps_completed=int(doc.get("steps_completed", 0)),
+                epoch=doc.get("epoch"),
+                wall_time_s=float(doc.get("wall_time_s", 0.0)),
+                loss_history=[(int(s), float(v)) for s, v in doc.get("loss_history", [])],
+                metric_history={int(k): dict(v) for k, v in doc.get("metric_history", {}).items()},
+                best=doc.get("best"),
+                latest_step=doc.get("latest_step"),
+                checkpoints=[int(s) for s in doc.get("checkpoints", [])],
+                lineage=list(doc.get("lineage", [])),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(
+                f"{path}: malformed report.json ({exc})", path=path
+            ) from None
+
+    def truncate_after(self, step: int) -> None:
+        """Forget history past ``step``: a resumed run replays those steps and logs them again."""
+        self.loss_history = [(s, v) for s, v in self.loss_history if s <= step]
+        self.metric_history = {s: m for s, m in self.metric_history.items() if s <= step}
+
+
+def read_json(path: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(64 << 20)
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path} is not valid JSON: {exc}", path=path) from None
+
+
+def write_json(path: str, doc: Mapping[str, Any]) -> None:
+    """One top-level member per line, values compact: readable, and small for long histories."""
+    members = ",\n".join(
+        f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), default=_jsonable)}"
+        for k, v in doc.items()
+    )
+    atomic.replace_file(path, ("{\n" + members + "\n}\n").encode("utf-8"))
+
+
+def _jsonable(value: Any) -> Any:
+    # numpy and torch scalars in metrics or configs: store their Python value.
+    item = getattr(value, "item", None)
+    if callable(item):
+        return item()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"cannot store {type(value).__name__} in a run report")
+
+
+def check_consistent(
+    directory: str, run: RunInfo, report: Report, steps_on_disk: Iterable[int]
+) -> None:
+    """Raise if the report and run.json disagree, or the report's best checkpoint is missing."""
+    problems = []
+    if report.variant != run.variant:
+        problems.append(
+            f"report variant {report.variant!r} does not match run variant {run.variant!r}"
+        )
+    if report.config != run.config:
+        problems.append("report config does not match run config")
+    if report.num_params != run.num_params:
+        problems.append(
+            f"report num_params {report.num_params} does not match run num_params {run.num_params}"
+        )
+    if problems:
+        raise RunMismatchError(
+            f"{directory}: run artifact is inconsistent: {'; '.join(problems)}", path=directory
+        )
+    best_step = (report.best or {}).get("step")
+    if best_step is not None and best_step not in set(steps_on_disk):
+        raise MissingCheckpointError(
+            f"{directory}: the report's best checkpoint (step {best_step}) is missing from "
+            f"{os.path.join(directory, 'checkpoints')}",
+            path=directory,
+        )

@@ -1,0 +1,107 @@
+"""Sweeps: several runs of one experiment (a variant or config each), compared and ranked.
+
+``Sweep(directory)`` holds one run directory per variant (``directory/<name>/``, each managed by
+a CheckpointManager) and writes ``directory/comparison.json``::
+
+    {"format": "savepoint-comparison", "version": 1, "metric": "val_loss", "mode": "min",
+     "runs": [{"rank": 1, "name": "wide", "variant": "wide", "best_metric": 0.31,
+               "best_step": 400, "final_loss": 0.29, "steps": 500, "wall_time_s": 41.2}, ...]}
+
+Runs are ranked by their best value of the metric (runs without one come last, by name).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from savepoint.errors import CheckpointNotFoundError
+from savepoint.runs import layout
+from savepoint.runs.manager import CheckpointManager
+from savepoint.runs.policies import Mode
+from savepoint.runs.report import REPORT_FILE, RUN_FILE, Report, RunInfo, read_json, write_json
+
+COMPARISON_FILE = "comparison.json"
+
+
+class Sweep:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, metric: str | None = None, mode: Mode = "min"
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.metric = metric
+        self.mode: Mode = mode
+        os.makedirs(self.directory, exist_ok=True)
+
+    def run(self, name: str, **manager_options: Any) -> CheckpointManager:
+        """The CheckpointManager of run ``name`` (created on first use); ``variant`` defaults to
+        the name and ``best_metric``/``best_mode`` to the sweep's."""
+        if not name or name.startswith(".") or os.sep in name or (os.altsep and os.altsep in name):
+            raise ValueError(f"run name {name!r} must be a plain directory name")
+        manager_options.setdefault("variant", name)
+        manager_options.setdefault("name", name)
+        if self.metric is not None:
+            manager_options.setdefault("best_metric", self.metric)
+            manager_options.setdefault("best_mode", self.mode)
+        return CheckpointManager(os.path.join(self.directory, name), **manager_options)
+
+    def runs(self) -> list[str]:
+        """Names of the runs in the sweep (subdirectories with a run.json), sorted."""
+        return sorted(
+            e for e in os.listdir(self.directory) if layout.is_run(os.path.join(self.directory, e))
+        )
+
+    def compare(self) -> list[dict[str, Any]]:
+        """Rank the runs, write ``comparison.json``, and return its rows."""
+        rows = [self._row(name) for name in self.runs()]
+        sign = 1.0 if self.mode == "min" else -1.0
+        rows.sort(
+            key=lambda r: (r["best_metric"] is None, sign * (r["best_metric"] or 0.0), r["name"])
+        )
+        for i, row in enumerate(rows, start=1):
+            row["rank"] = i
+        doc = {
+            "format": "savepoint-comparison",
+            "version": 1,
+            "metric": self.metric,
+            "mode": self.mode,
+            "runs": rows,
+        }
+        write_json(os.path.join(self.directory, COMPARISON_FILE), doc)
+        return rows
+
+    def _row(self, name: str) -> dict[str, Any]:
+        directory = os.path.join(self.directory, name)
+        run = RunInfo.from_json(read_json(os.path.join(directory, RUN_FILE)), directory)
+        doc = read_json(os.path.join(directory, REPORT_FILE))
+        if doc is None:
+            raise CheckpointNotFoundError(f"{directory} has no {REPORT_FILE} yet", path=directory)
+        report = Report.from_json(doc, directory)
+        metric = self.metric or (report.best or {}).get("metric")
+        best_value, best_step = _best(report, metric, self.mode)
+        return {
+            "rank": 0,
+            "name": name,
+            "variant": run.variant,
+            "best_metric": best_value,
+            "best_step": best_step,
+            "final_loss": report.loss_history[-1][1] if report.loss_history else None,
+            "steps": report.steps_completed,
+            "wall_time_s": report.wall_time_s,
+        }
+
+
+def _best(report: Report, metric: str | None, mode: Mode) -> tuple[float | None, int | None]:
+    if metric is None:
+        return None, None
+    best: tuple[float, int] | None = None
+    for step, values in sorted(report.metric_history.items()):
+        v = values.get(metric)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            continue
+        better = best is None or (v <= best[0] if mode == "min" else v >= best[0])
+        if better:
+            best = (float(v), step)
+    return (best[0], best[1]) if best else (None, None)
