@@ -29,7 +29,7 @@ from savepoint.errors import (
     StateMismatchError,
     UnsupportedStateError,
 )
-from savepoint.runs import policies
+from savepoint.runs import policies as policies
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.sweep import Sweep
 from savepoint.state.stateful import Stateful

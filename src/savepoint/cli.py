@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import click
 
@@ -60,7 +60,7 @@ def _fail(exc: CheckpointError) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="savepoint")
 def main() -> None:
-    """Inspect and verify savepoint checkpoints."""
+    """Inspect, verify and compare savepoint checkpoints and run directories."""
 
 
 def _table(rows: Sequence[Sequence[str]]) -> str:
@@ -136,3 +136,248 @@ def verify_cmd(path: str, quiet: bool) -> None:
             f"ok: {info.path}: {len(info.tensors)} tensors, {_size(info.total_bytes)} in "
             f"{len(info.files)} file(s) verified in {elapsed:.2f} s"
         )
+
+
+def _run_dir(path: str) -> str:
+    from savepoint.runs import layout
+
+    if not layout.is_run(path):
+        click.echo(f"error: {path} is not a savepoint run directory (no run.json)", err=True)
+        sys.exit(1)
+    return path
+
+
+def _load_report(path: str) -> Any:
+    import os
+
+    from savepoint.runs.report import REPORT_FILE, Report, read_json
+
+    doc = read_json(os.path.join(path, REPORT_FILE))
+    if doc is None:
+        click.echo(f"error: {path} has no report.json yet", err=True)
+        sys.exit(1)
+    return Report.from_json(doc, path)
+
+
+def _metrics_text(values: dict[str, Any]) -> str:
+    return " ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(values.items())
+    )
+
+
+@main.command("ls")
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
+def ls_cmd(run_dir: str, as_json: bool) -> None:
+    """List the checkpoints of the run at RUN_DIR: steps, sizes, metrics, and why each is kept."""
+    import os
+
+    from savepoint.runs import layout, policies
+
+    _run_dir(run_dir)
+    report = _load_report(run_dir)
+    steps = layout.committed_steps(run_dir)
+    entries: list[tuple[int, int | None, dict[str, Any], str]] = []
+    for step in steps:
+        try:
+            info = checkpoint.inspect(layout.step_path(run_dir, step))
+        except CheckpointError as exc:
+            entries.append((step, None, {}, f"unreadable: {exc}"))
+            continue
+        meta = info.metadata.get("savepoint_run") or {}
+        size = sum(info.files.values())
+        entries.append((step, size, dict(meta.get("metrics") or {}), info.created))
+    policy = policies.from_spec(report.retention)
+    reasons = policies.explain(policy, [policies.Entry(s, m) for s, _, m, _ in entries])
+    latest = steps[-1] if steps else None
+    best = (report.best or {}).get("step")
+    resumed = {item.get("resumed_from") for item in report.lineage}
+    rows_json: list[dict[str, Any]] = []
+    for step, nbytes, metrics, created in entries:
+        tags = []
+        if step == latest:
+            tags.append("latest")
+        if step == best:
+            tags.append("best")
+        if step in resumed:
+            tags.append("resumed-from")
+        rows_json.append(
+            {
+                "step": step,
+                "bytes": nbytes,
+                "metrics": metrics,
+                "created": created,
+                "tags": tags,
+                "kept_by": reasons.get(step, []),
+            }
+        )
+    if as_json:
+        click.echo(
+            json.dumps({"run": os.path.abspath(run_dir), "checkpoints": rows_json}, indent=2)
+        )
+        return
+    click.echo(
+        f"run {report.name}"
+        + (f" ({report.variant})" if report.variant else "")
+        + f": {len(steps)} checkpoint(s), {report.steps_completed} steps completed"
+    )
+    if not rows_json:
+        return
+    rows: list[tuple[str, ...]] = [("step", "size", "metrics", "tags", "kept by")]
+    for r in rows_json:
+        rows.append(
+            (
+                str(r["step"]),
+                _size(r["bytes"]) if r["bytes"] is not None else "?",
+                _metrics_text(r["metrics"]) or "-",
+                ",".join(r["tags"]) or "-",
+                ",".join(r["kept_by"]) or "-",
+            )
+        )
+    click.echo(_table(rows))
+
+
+def _resolve_step(run_dir: str, spec: str) -> str:
+    from savepoint.runs import layout
+
+    _run_dir(run_dir)
+    if spec in ("latest", "best"):
+        report = _load_report(run_dir)
+        step = report.latest_step if spec == "latest" else (report.best or {}).get("step")
+        if step is None:
+            click.echo(f"error: {run_dir} has no {spec} checkpoint", err=True)
+            sys.exit(1)
+    else:
+        try:
+            step = int(spec)
+        except ValueError:
+            raise click.BadParameter(f"{spec!r} is not a step number, 'latest' or 'best'") from None
+    return layout.step_path(run_dir, int(step))
+
+
+@main.command("diff")
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=str)
+@click.argument("c", type=str, required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+@click.option("--all", "show_all", is_flag=True, help="List identical tensors too.")
+def diff_cmd(a: str, b: str, c: str | None, as_json: bool, show_all: bool) -> None:
+    """Compare two checkpoints: `diff CKPT_A CKPT_B`, or two steps of a run: `diff RUN STEP STEP`
+    (a step may be a number, 'latest' or 'best'). Exit status 0 when identical, 1 otherwise."""
+    from savepoint.diff import diff
+
+    if c is not None:
+        a, b = _resolve_step(a, b), _resolve_step(a, c)
+    try:
+        report = diff(a, b)
+    except CheckpointError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+        sys.exit(0 if report.identical else 1)
+    click.echo(f"a: {report.a}\nb: {report.b}")
+    for key in report.removed:
+        click.echo(f"- {key}")
+    for key in report.added:
+        click.echo(f"+ {key}")
+    for key, x, y in report.changed:
+        click.echo(f"~ {key}: {x} -> {y}")
+    for key, x, y in report.values:
+        click.echo(f"~ {key}: {x!r} -> {y!r}")
+    shown = [t for t in report.tensors if show_all or not t.equal]
+    if shown:
+        rows: list[tuple[str, ...]] = [("tensor", "dtype", "shape", "max abs diff", "rel L2 diff")]
+        for t in shown:
+            rows.append((t.key, t.dtype, str(list(t.shape)), f"{t.max_abs:.4g}", f"{t.rel_l2:.4g}"))
+        click.echo(_table(rows))
+    same = sum(t.equal for t in report.tensors)
+    click.echo(
+        f"{len(report.tensors)} tensors compared, {same} identical; {len(report.added)} added, "
+        f"{len(report.removed)} removed, {len(report.changed)} changed type/shape, "
+        f"{len(report.values)} values differ"
+    )
+    sys.exit(0 if report.identical else 1)
+
+
+@main.command("report")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option(
+    "--plot", "plot_path", type=click.Path(path_type=str), help="Write a PNG of the curves."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report (or comparison) as JSON.")
+def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
+    """Summarise a run (RUN_DIR) or a sweep (a directory of runs), optionally plotting the curves."""
+    import os
+
+    from savepoint.runs import layout
+    from savepoint.runs.sweep import Sweep
+
+    if layout.is_run(path):
+        reports = [_load_report(path)]
+        r = reports[0]
+        if as_json:
+            click.echo(json.dumps(r.to_json(), indent=2))
+        else:
+            click.echo(f"run          {r.name}" + (f" ({r.variant})" if r.variant else ""))
+            click.echo(
+                f"steps        {r.steps_completed}"
+                + (f", epoch {r.epoch}" if r.epoch is not None else "")
+            )
+            click.echo(f"wall time    {r.wall_time_s:.1f} s")
+            if r.loss_history:
+                first, last = r.loss_history[0], r.loss_history[-1]
+                click.echo(
+                    f"loss         {first[1]:.6g} (step {first[0]}) -> {last[1]:.6g} (step {last[0]})"
+                )
+            if r.best:
+                click.echo(
+                    f"best         step {r.best['step']}: {_metrics_text(r.best.get('metrics') or {})}"
+                )
+            click.echo(f"checkpoints  {', '.join(map(str, r.checkpoints)) or 'none'}")
+            for item in r.lineage:
+                click.echo(f"resumed      from step {item.get('resumed_from')} at {item.get('at')}")
+    elif os.path.isdir(path) and Sweep(path).runs():
+        sweep = Sweep(path)
+        names = sweep.runs()
+        reports = [_load_report(os.path.join(path, n)) for n in names]
+        metric = next((r.best.get("metric") for r in reports if r.best), None)
+        mode: Literal["min", "max"] = (
+            "max" if any((r.best or {}).get("mode") == "max" for r in reports) else "min"
+        )
+        rows_data = Sweep(path, metric=metric, mode=mode).compare()
+        if as_json:
+            click.echo(json.dumps(rows_data, indent=2))
+        else:
+            click.echo(
+                f"sweep {os.path.abspath(path)}: {len(rows_data)} runs ranked by {metric} ({mode})"
+            )
+            rows: list[tuple[str, ...]] = [
+                ("rank", "run", "best", "best step", "final loss", "steps", "wall s")
+            ]
+            for row in rows_data:
+                rows.append(
+                    (
+                        str(row["rank"]),
+                        row["name"],
+                        "-" if row["best_metric"] is None else f"{row['best_metric']:.6g}",
+                        str(row["best_step"]) if row["best_step"] is not None else "-",
+                        "-" if row["final_loss"] is None else f"{row['final_loss']:.6g}",
+                        str(row["steps"]),
+                        f"{row['wall_time_s']:.1f}",
+                    )
+                )
+            click.echo(_table(rows))
+    else:
+        click.echo(f"error: {path} is neither a run directory nor a sweep of runs", err=True)
+        sys.exit(1)
+    if plot_path:
+        from savepoint.runs.plot import plot_reports
+
+        title = (
+            reports[0].name
+            if len(reports) == 1
+            else f"sweep: {os.path.basename(os.path.abspath(path))}"
+        )
+        written = plot_reports(reports, plot_path, title)
+        click.echo(f"plot written to {written}", err=as_json)

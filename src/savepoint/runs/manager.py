@@ -306,6 +306,7 @@ class CheckpointManager:
         r = self.report
         r.wall_time_s = self._wall_before + (time.monotonic() - self._started)
         r.checkpoints = self.steps()[::-1]
+        r.retention = policies.to_spec(self.retention)
         r.latest_step = r.checkpoints[0] if r.checkpoints else None
         best = self.best_step()
         r.best = (

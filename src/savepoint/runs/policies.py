@@ -131,6 +131,43 @@ def explain(policy: RetentionPolicy, entries: Sequence[Entry]) -> dict[int, list
     return reasons
 
 
+def to_spec(policy: RetentionPolicy) -> list[dict[str, Any]]:
+    """A JSON description of a policy (stored in report.json so ``savepoint ls`` can explain)."""
+    parts = policy.policies if isinstance(policy, AnyOf) else (policy,)
+    spec: list[dict[str, Any]] = []
+    for p in parts:
+        if isinstance(p, KeepLatest):
+            spec.append({"policy": "keep_last", "n": p.n})
+        elif isinstance(p, KeepBest):
+            spec.append({"policy": "keep_best", "n": p.n, "metric": p.metric, "mode": p.mode})
+        elif isinstance(p, KeepEvery):
+            spec.append({"policy": "keep_every", "n": p.n})
+        elif isinstance(p, KeepAll):
+            spec.append({"policy": "keep_all"})
+        else:
+            spec.append({"policy": "custom", "repr": repr(p)})
+    return spec
+
+
+def from_spec(spec: Any) -> AnyOf:
+    """The policy :func:`to_spec` described; parts it cannot rebuild (custom ones) are left out."""
+    parts: list[RetentionPolicy] = []
+    for item in spec if isinstance(spec, list) else []:
+        kind = item.get("policy") if isinstance(item, dict) else None
+        try:
+            if kind == "keep_last":
+                parts.append(KeepLatest(int(item["n"])))
+            elif kind == "keep_best":
+                parts.append(KeepBest(int(item["n"]), str(item["metric"]), item.get("mode", "min")))
+            elif kind == "keep_every":
+                parts.append(KeepEvery(int(item["n"])))
+            elif kind == "keep_all":
+                parts.append(KeepAll())
+        except (KeyError, TypeError, ValueError):
+            continue
+    return AnyOf(*parts)
+
+
 def _label(p: Any) -> str:
     if isinstance(p, KeepLatest):
         return f"last-{p.n}"

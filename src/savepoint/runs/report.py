@@ -95,6 +95,7 @@ class Report:
     latest_step: int | None = None
     checkpoints: list[int] = field(default_factory=list)
     lineage: list[dict[str, Any]] = field(default_factory=list)
+    retention: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, run: RunInfo) -> Report:
@@ -125,6 +126,7 @@ class Report:
                 latest_step=doc.get("latest_step"),
                 checkpoints=[int(s) for s in doc.get("checkpoints", [])],
                 lineage=list(doc.get("lineage", [])),
+                retention=list(doc.get("retention", [])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(

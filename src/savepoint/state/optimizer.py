@@ -50,14 +50,11 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from savepoint.errors import IncompatibleCheckpointError, UnsupportedStateError
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "OptimizerState",
@@ -79,74 +76,76 @@ class OptimizerStateError(IncompatibleCheckpointError):
         super().__init__(f"{what}, {len(self.problems)} problem(s):\n{lines}")
 
 
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
 def _is_torch_tensor(obj: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def _real_scalar(value: Any) -> tuple[float | None, str | None]:
-    """``value`` as a float, or an explanation why it is not a real number exactly held by one."""
+def _to_float(value: Any) -> float:
+    """``value`` as a float; TypeError if it is not a real number, ValueError if float64 cannot
+    hold it exactly (an integer beyond 2**53, a long double with more precision)."""
     if _is_torch_tensor(value):
         if value.numel() != 1:
-            return None, f"a tensor with {value.numel()} elements is not a scalar"
+            raise TypeError(f"a tensor with {value.numel()} elements is not a scalar")
         value = value.detach().cpu().reshape(()).item()
     elif isinstance(value, np.ndarray) and value.shape == ():
         value = value[()]
     if isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (int, float, np.integer, np.floating)
     ):
-        return None, f"{type(value).__name__} is not a real number"
+        raise TypeError(f"{type(value).__name__} is not a real number")
     as_float = float(value)
-    if isinstance(value, (int, np.integer)) and (
-        not math.isfinite(as_float) or int(as_float) != int(value)
-    ):
-        return None, f"the integer {int(value)} is not exactly representable as a float64"
-    if isinstance(value, np.floating) and np.finfo(value.dtype).bits > 64:
-        if not (np.isnan(value) or value == type(value)(as_float)):
-            return None, f"{value!r} is not exactly representable as a float64"
-    return as_float, None
+    if isinstance(value, (int, np.integer)):
+        if not math.isfinite(as_float) or int(as_float) != int(value):
+            raise ValueError(f"the integer {int(value)} is not exactly representable as a float64")
+    elif isinstance(value, np.floating) and not (np.isnan(value) or value == type(value)(as_float)):
+        raise ValueError(f"{value!r} is not exactly representable as a float64")
+    return as_float
 
 
-def _float64_buffer(value: Any) -> tuple[F64Array | None, str | None]:
-    """``value`` as a fresh-or-same 1-D float64 array, or why it cannot be converted losslessly."""
+def _to_buffer(value: Any) -> F64Array:
+    """A new 1-D float64 array holding ``value`` (array, tensor, sequence), flattened.
+
+    TypeError if the values are not real numbers (bool, complex, strings, objects); ValueError if
+    float64 cannot hold every value exactly (large integers, long doubles).
+    """
     if _is_torch_tensor(value):
+        torch = _torch()
         t = value.detach()
-        if t.is_complex() or t.dtype.is_floating_point is False and t.dtype.__str__() == "torch.bool":
-            return None, f"{t.dtype} is not a real dtype"
-        wide = t.to(device="cpu", dtype=_torch().float64)
+        if t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{t.dtype} is not a real number type")
+        wide = t.to(device="cpu", dtype=torch.float64, copy=True)
         if not t.dtype.is_floating_point and not bool((wide.to(t.dtype) == t.cpu()).all()):
-            return None, f"{t.dtype} values that float64 cannot hold exactly"
-        return wide.reshape(-1).numpy(), None
+            raise ValueError(f"some {t.dtype} values are not exactly representable as float64")
+        return np.asarray(wide.reshape(-1).numpy())
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError) as exc:
-        return None, f"not an array of numbers ({exc})"
+        raise TypeError(f"not an array of numbers ({exc})") from None
     kind = arr.dtype.kind
-    if kind == "f" and arr.dtype.itemsize <= 8 or arr.dtype == np.float64:
-        out = arr.astype(np.float64, copy=False)
-    elif kind in "iu" or kind == "f" or arr.dtype.name == "bfloat16":
+    if kind == "f" and arr.dtype.itemsize <= 8:
+        return arr.astype(np.float64, copy=True).reshape(-1)  # always exact
+    if kind not in "iufV":
+        raise TypeError(f"dtype {arr.dtype} is not a real number type")
+    try:
         out = arr.astype(np.float64)
-        with np.errstate(all="ignore"):
-            back = out.astype(arr.dtype)
-        same = np.array_equal(back, arr, equal_nan=kind == "f")
-        if kind in "iu":
-            # float64 -> int64 overflows silently for 2**63; compare in Python ints there.
-            big = np.abs(out) >= 2.0**53
-            if big.any():
-                same = same and all(
-                    int(f) == int(i) for f, i in zip(out[big].tolist(), arr[big].tolist())
-                )
-        if not same:
-            return None, f"{arr.dtype} values that float64 cannot hold exactly"
-    else:
-        return None, f"dtype {arr.dtype} is not a real number type"
-    return out.reshape(-1), None
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
+    except (TypeError, ValueError):
+        raise TypeError(f"dtype {arr.dtype} is not a real number type") from None
+    with np.errstate(all="ignore"):
+        same = np.array_equal(out.astype(arr.dtype), arr, equal_nan=kind not in "iu")
+    if kind in "iu" and same:
+        # float64 -> int64 wraps silently at 2**63; compare those in Python ints.
+        big = np.abs(out) >= 2.0**53
+        same = all(int(f) == int(i) for f, i in zip(out[big].tolist(), arr[big].tolist()))
+    if not same:
+        raise ValueError(f"some {arr.dtype} values are not exactly representable as float64")
+    return out.reshape(-1)
 
 
 @dataclass(eq=False)
@@ -155,18 +154,19 @@ class OptimizerState:
 
     ``optimizer_type`` names the algorithm ("Adam", "AdamW", "SGD" for the torch converters) and is
     checked on every load. ``scalars`` maps names to floats; ``buffers`` maps names to 1-D float64
-    arrays (``set_buffer`` flattens). Values go in only if float64 holds them exactly: every
-    float16/32/64 and bfloat16 value, integers up to 2**53 in size; bools and complex numbers are
-    refused. ``get_scalar``/``get_buffer`` return None for absent names; ``get_buffer`` returns the
-    stored array itself (not a copy).
+    arrays (``set_buffer`` flattens and copies). Values go in only if float64 holds them exactly:
+    every float16/32/64 and bfloat16 value, integers up to 2**53; bools, complex numbers and
+    strings are refused (TypeError), inexact values too (ValueError). ``get_scalar`` and
+    ``get_buffer`` return None for absent names; ``get_buffer`` returns the stored array itself.
 
     Two states are equal when type, scalar names and values, and buffer names and contents are
     equal (NaN equals NaN). States are mutable and so unhashable.
 
     As a Stateful, ``state_dict()`` returns ``{"optimizer_type": str, "scalars": {name: float},
     "buffers": {name: float64 array}}`` holding the live buffers (no copy; ``sp.save`` copies them
-    to disk), and ``load_state_dict(d, strict=True)`` validates ``d`` against this state and then
-    replaces this state's contents. See ``load_state_dict`` for the rules.
+    to disk), and ``load_state_dict(d, strict=True)`` validates ``d`` against this state, then
+    replaces this state's contents. ``sp.load(path)`` gives back that dict;
+    ``OptimizerState.from_state_dict`` turns it into a state again.
     """
 
     optimizer_type: str
@@ -178,22 +178,20 @@ class OptimizerState:
             raise TypeError(f"optimizer_type must be a non-empty str, got {self.optimizer_type!r}")
         scalars, buffers = dict(self.scalars), dict(self.buffers)
         self.scalars, self.buffers = {}, {}
-        for k, s in scalars.items():
-            self.set_scalar(k, s)
-        for k, b in buffers.items():
-            self.set_buffer(k, b)
+        for name, scalar in scalars.items():
+            self.set_scalar(name, scalar)
+        for name, buffer in buffers.items():
+            self.set_buffer(name, buffer)
 
     # -- access -------------------------------------------------------------------------------
 
     def set_scalar(self, key: str, value: float) -> None:
-        """Set scalar ``key``; TypeError/ValueError if ``value`` is not a real number float64 holds."""
+        """Set scalar ``key`` to ``value`` (any real number float64 holds exactly)."""
         _check_key(key)
-        as_float, problem = _real_scalar(value)
-        if as_float is None:
-            raise (TypeError if "not a real" in str(problem) else ValueError)(
-                f"scalar {key!r}: {problem}"
-            )
-        self.scalars[key] = as_float
+        try:
+            self.scalars[key] = _to_float(value)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"scalar {key!r}: {exc}") from None
 
     def get_scalar(self, key: str) -> float | None:
         return self.scalars.get(key)
@@ -201,12 +199,10 @@ class OptimizerState:
     def set_buffer(self, key: str, data: Any) -> None:
         """Store a float64 copy of ``data`` (array, tensor or sequence), flattened to 1-D."""
         _check_key(key)
-        arr, problem = _float64_buffer(data)
-        if arr is None:
-            raise (TypeError if "not a" in str(problem) else ValueError)(
-                f"buffer {key!r}: {problem}"
-            )
-        self.buffers[key] = np.array(arr, dtype=np.float64, copy=True)
+        try:
+            self.buffers[key] = _to_buffer(data)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"buffer {key!r}: {exc}") from None
 
     def get_buffer(self, key: str) -> F64Array | None:
         return self.buffers.get(key)
@@ -219,16 +215,19 @@ class OptimizerState:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, OptimizerState):
             return NotImplemented
-        if self.optimizer_type != other.optimizer_type:
+        if (
+            self.optimizer_type != other.optimizer_type
+            or self.scalars.keys() != other.scalars.keys()
+            or self.buffers.keys() != other.buffers.keys()
+        ):
             return False
-        if self.scalars.keys() != other.scalars.keys() or self.buffers.keys() != other.buffers.keys():
-            return False
-        for k, a in self.scalars.items():
-            b = other.scalars[k]
+        for name, a in self.scalars.items():
+            b = other.scalars[name]
             if not (a == b or (math.isnan(a) and math.isnan(b))):
                 return False
         return all(
-            np.array_equal(a, other.buffers[k], equal_nan=True) for k, a in self.buffers.items()
+            np.array_equal(a, other.buffers[name], equal_nan=True)
+            for name, a in self.buffers.items()
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -252,11 +251,11 @@ class OptimizerState:
 
     @classmethod
     def from_state_dict(cls, state_dict: Any) -> OptimizerState:
-        """Build a state from a ``state_dict()`` tree (as ``sp.load`` returns it), any keys.
+        """A new state from a ``state_dict()`` tree (as ``sp.load`` returns it), any names.
 
-        Raises OptimizerStateError naming every malformed entry.
+        Buffers are copied. Raises OptimizerStateError naming every malformed entry.
         """
-        parsed, problems = _parse(state_dict)
+        parsed, problems = _parse(state_dict, {})
         if parsed is None or problems:
             raise OptimizerStateError("not a valid optimizer state", problems)
         return parsed
@@ -265,6 +264,7 @@ class OptimizerState:
         """Raise OptimizerStateError if this state cannot be loaded into ``expected``.
 
         The rules, all checked, all reported at once:
+
         - the optimizer types must be equal;
         - a buffer both states have must have the same number of values;
         - with ``strict`` and a non-empty ``expected``: the scalar names and the buffer names must
@@ -278,7 +278,7 @@ class OptimizerState:
             )
 
     def problems_against(self, expected: OptimizerState, *, strict: bool = True) -> list[str]:
-        """The list ``validate_against`` would raise; empty when compatible."""
+        """What ``validate_against`` would report, as a list; empty when compatible."""
         problems: list[str] = []
         if self.optimizer_type != expected.optimizer_type:
             problems.append(
@@ -307,39 +307,32 @@ class OptimizerState:
     def load_state_dict(self, state_dict: Any, strict: bool = True) -> None:
         """Validate ``state_dict`` against this state, then replace this state's contents with it.
 
-        ``state_dict`` is a ``state_dict()`` tree; buffers may be any real array or tensor type
-        float64 holds exactly, scalars any real number. Validation is ``validate_against(self,
-        strict=strict)`` plus the structure and value checks; every problem is reported in one
-        OptimizerStateError and this state is left untouched.
+        ``state_dict`` is a ``state_dict()`` tree: exactly the keys ``optimizer_type`` (str),
+        ``scalars`` (name -> real number) and ``buffers`` (name -> array or tensor of real
+        numbers float64 holds exactly; converted and flattened). On top of those structure
+        checks, ``validate_against(self, strict=strict)``'s rules apply. Every problem is reported
+        in one OptimizerStateError and this state is left as it was.
 
         With ``strict`` (the default) a non-empty state defines the expected names and buffer
-        sizes: load into a state you built the same way (``optimizer_state_from_torch`` of an
+        sizes: load into a state built the same way (``optimizer_state_from_torch`` of an
         optimizer over the same parameters), or into an empty ``OptimizerState("Adam")`` to accept
         whatever was saved. ``strict=False`` accepts any names but still checks the type and the
-        sizes of buffers present on both sides; the result holds exactly the loaded names.
+        sizes of buffers present on both sides; the state then holds exactly the loaded names.
 
         Through ``sp.load(path, into=state)`` buffers whose name and size match are read into the
         existing arrays before this method runs (that is what makes the load in place and
-        copy-free); if validation then fails, those arrays already hold the checkpoint's values.
+        copy-free), and are kept as they are; other buffers are copied. If validation fails
+        after such a load, those arrays already hold the checkpoint's values: load a compatible
+        checkpoint or rebuild the state.
         """
-        parsed, problems = _parse(state_dict)
+        parsed, problems = _parse(state_dict, self.buffers)
         if parsed is not None:
             problems += parsed.problems_against(self, strict=strict)
         if parsed is None or problems:
             raise OptimizerStateError(
                 f"cannot load the optimizer state into this {self.optimizer_type} state", problems
             )
-        # Adopt the arrays sp.load just filled in place; copy anything else so two states never
-        # share a buffer.
-        buffers: dict[str, F64Array] = {}
-        for name, buf in parsed.buffers.items():
-            mine = self.buffers.get(name)
-            buffers[name] = mine if mine is _raw(state_dict, name) and mine is not None else buf
-        self.scalars, self.buffers = dict(parsed.scalars), buffers
-
-
-def _raw(state_dict: Any, name: str) -> Any:
-    return state_dict["buffers"][name]
+        self.scalars, self.buffers = parsed.scalars, parsed.buffers
 
 
 def _check_key(key: Any) -> None:
@@ -347,8 +340,14 @@ def _check_key(key: Any) -> None:
         raise TypeError(f"names must be non-empty str, got {key!r}")
 
 
-def _parse(state_dict: Any) -> tuple[OptimizerState | None, list[str]]:
-    """An OptimizerState from a state_dict tree, plus every problem found (never raises)."""
+def _parse(
+    state_dict: Any, adopt: Mapping[str, F64Array]
+) -> tuple[OptimizerState | None, list[str]]:
+    """A new OptimizerState from a state_dict tree, plus every problem found; never raises.
+
+    A buffer value that *is* ``adopt[name]`` (an array sp.load filled in place) is kept as is;
+    every other buffer is converted into a new array, so two states never share memory.
+    """
     if not isinstance(state_dict, Mapping):
         return None, [
             f"expected a mapping with keys {list(_STATE_KEYS)}, got {type(state_dict).__name__}"
@@ -361,10 +360,11 @@ def _parse(state_dict: Any) -> tuple[OptimizerState | None, list[str]]:
     if unexpected:
         problems.append(f"unexpected key(s): {', '.join(map(repr, unexpected))}")
     kind = state_dict.get("optimizer_type")
-    if "optimizer_type" in state_dict and (not isinstance(kind, str) or not kind):
+    state: OptimizerState | None = None
+    if isinstance(kind, str) and kind:
+        state = OptimizerState(kind)
+    elif "optimizer_type" in state_dict:
         problems.append(f"optimizer_type must be a non-empty str, got {kind!r}")
-        kind = None
-    state = OptimizerState(kind) if isinstance(kind, str) and kind else None
     for section in ("scalars", "buffers"):
         entries = state_dict.get(section, {})
         if not isinstance(entries, Mapping):
@@ -374,19 +374,19 @@ def _parse(state_dict: Any) -> tuple[OptimizerState | None, list[str]]:
             if not isinstance(name, str) or not name:
                 problems.append(f"{section}: name {name!r} is not a non-empty str")
                 continue
-            if section == "scalars":
-                as_float, problem = _real_scalar(value)
-                if as_float is None:
-                    problems.append(f"scalar {name!r}: {problem}")
-                elif state is not None:
-                    state.scalars[name] = as_float
-            else:
-                arr, problem = _float64_buffer(value)
-                if arr is None:
-                    problems.append(f"buffer {name!r}: {problem}")
-                elif state is not None:
-                    same = arr is value or (isinstance(value, np.ndarray) and arr.base is value)
-                    state.buffers[name] = arr if not same else np.array(arr, copy=True)
+            try:
+                if section == "scalars":
+                    scalar = _to_float(value)
+                    if state is not None:
+                        state.scalars[name] = scalar
+                else:
+                    buf = adopt.get(name)
+                    if buf is None or value is not buf:
+                        buf = _to_buffer(value)
+                    if state is not None:
+                        state.buffers[name] = buf
+            except (TypeError, ValueError) as exc:
+                problems.append(f"{section[:-1]} {name!r}: {exc}")
     return state, problems
 
 
@@ -402,7 +402,9 @@ _REQUIRED = {
     "AdamW": ("lr", "beta1", "beta2", "eps", "weight_decay"),
     "SGD": ("lr", "momentum", "dampening", "weight_decay"),
 }
-_NOT_STATE = frozenset({"params", "param_names", "foreach", "fused", "capturable", "differentiable"})
+_NOT_STATE = frozenset(
+    {"params", "param_names", "foreach", "fused", "capturable", "differentiable"}
+)
 _PER_PARAM = re.compile(r"^(step|m|v|max_v|momentum)\.(0|[1-9][0-9]*)$")
 _PER_GROUP = re.compile(r"^(.+)\.g([1-9][0-9]*)$")
 
@@ -427,23 +429,27 @@ def _group_name(name: str, k: int) -> str:
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, float]:
-    """The real and boolean entries of a param group, betas split into beta1/beta2."""
+    """The real and boolean entries of a param group, betas split into beta1/beta2.
+
+    Entries that are not numbers (None, strings, lists) are configuration, not state: skipped.
+    """
     out: dict[str, float] = {}
+    items: list[tuple[str, Any]] = []
     for key, value in group.items():
         if key in _NOT_STATE or value is None:
             continue
         if key == "betas" and isinstance(value, (tuple, list)) and len(value) == 2:
-            for i, beta in enumerate(value, 1):
-                as_float, _ = _real_scalar(beta)
-                if as_float is not None:
-                    out[f"beta{i}"] = as_float
-            continue
+            items += [("beta1", value[0]), ("beta2", value[1])]
+        else:
+            items.append((key, value))
+    for key, value in items:
         if isinstance(value, bool):
             out[key] = 1.0 if value else 0.0
             continue
-        as_float, _ = _real_scalar(value)
-        if as_float is not None:
-            out[key] = as_float
+        try:
+            out[key] = _to_float(value)
+        except (TypeError, ValueError):
+            continue
     return out
 
 
@@ -521,8 +527,11 @@ def optimizer_state_to_torch(state: OptimizerState, opt: Any) -> None:
     per_param: dict[int, dict[str, Any]] = {}
     for name, value in state.scalars.items():
         m = _PER_PARAM.match(name)
-        if m and m.group(1) == "step":
-            per_param.setdefault(int(m.group(2)), {})["step"] = value
+        if m:
+            if m.group(1) == "step" and kind != "SGD":
+                per_param.setdefault(int(m.group(2)), {})["step"] = value
+            else:
+                problems.append(f"unknown scalar {name!r} for {kind}")
             continue
         g = _PER_GROUP.match(name)
         k, base = (int(g.group(2)), g.group(1)) if g else (0, name)
@@ -547,9 +556,9 @@ def optimizer_state_to_torch(state: OptimizerState, opt: Any) -> None:
         values = dict(hyper.get(k, {}))
         size = values.pop("group_size", None)
         if size is None or size != len(group["params"]):
+            said = "does not give its size" if size is None else f"gives {size:g}"
             problems.append(
-                f"param group {k} has {len(group['params'])} parameters, the state "
-                + ("does not say how many" if size is None else f"{size:g}")
+                f"param group {k} has {len(group['params'])} parameters, the state {said}"
             )
         missing = [n for n in _REQUIRED[kind] if n not in values]
         if missing:
@@ -573,10 +582,8 @@ def optimizer_state_to_torch(state: OptimizerState, opt: Any) -> None:
         if "beta1" in values and "beta2" in values:
             current_betas = group.get("betas", (0.0, 0.0))
             new["betas"] = tuple(
-                _restored_like(c, values[b])
-                for c, b in zip(current_betas, ("beta1", "beta2"))
+                _restored_like(c, values[b]) for c, b in zip(current_betas, ("beta1", "beta2"))
             )
-        new["params"] = list(range(sum(len(g["params"]) for g in groups[:k]), 0)) or None
         new_groups.append(new)
 
     for i, entries in sorted(per_param.items()):
@@ -628,7 +635,3 @@ def optimizer_state_to_torch(state: OptimizerState, opt: Any) -> None:
         new["params"] = list(range(start, start + len(group["params"])))
         start += len(group["params"])
     opt.load_state_dict({"state": torch_state, "param_groups": new_groups})
-
-
-def _unused(_: torch.Tensor) -> None:  # pragma: no cover - keeps the TYPE_CHECKING import used
-    pass
