@@ -44,15 +44,16 @@ def plot_reports(reports: Sequence[Report], out: str | os.PathLike[str], title: 
             ]
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", markersize=3, label=r.name, linewidth=1.4)
+                (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=r.name, linewidth=1.4)
                 best = (r.best or {}) if (r.best or {}).get("metric") == metric else {}
                 if best.get("step") is not None and best["step"] in r.metric_history:
                     ax.scatter(
                         [best["step"]],
                         [float(r.metric_history[best["step"]][metric])],
                         marker="*",
-                        s=120,
+                        s=140,
                         zorder=3,
+                        color=line.get_color(),
                     )
         ax.set_title(metric)
         ax.set_xlabel("step")
