@@ -24,11 +24,13 @@ def plot_reports(reports: Sequence[Report], out: str | os.PathLike[str], title: 
     metrics = sorted({k for r in reports for values in r.metric_history.values() for k in values})
     panels = 1 + len(metrics)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), squeeze=False)
+    # Runs that match exactly would hide each other: each gets its own line style.
+    styles = ["-", "--", ":", "-."]
     ax = axes[0][0]
-    for r in reports:
+    for i, r in enumerate(reports):
         if r.loss_history:
             steps, losses = zip(*r.loss_history)
-            ax.plot(steps, losses, label=r.name, linewidth=1.4)
+            ax.plot(steps, losses, styles[i % 4], label=r.name, linewidth=1.4)
     ax.set_title("training loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -36,7 +38,7 @@ def plot_reports(reports: Sequence[Report], out: str | os.PathLike[str], title: 
     if any(r.loss_history for r in reports):
         ax.legend(fontsize=8)
     for ax, metric in zip(axes[0][1:], metrics):
-        for r in reports:
+        for i, r in enumerate(reports):
             points = [
                 (s, float(v[metric]))
                 for s, v in sorted(r.metric_history.items())
@@ -44,7 +46,9 @@ def plot_reports(reports: Sequence[Report], out: str | os.PathLike[str], title: 
             ]
             if points:
                 xs, ys = zip(*points)
-                (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=r.name, linewidth=1.4)
+                (line,) = ax.plot(
+                    xs, ys, styles[i % 4], marker="o", markersize=3, label=r.name, linewidth=1.4
+                )
                 best = (r.best or {}) if (r.best or {}).get("metric") == metric else {}
                 if best.get("step") is not None and best["step"] in r.metric_history:
                     ax.scatter(
