@@ -160,7 +160,7 @@ def main() -> None:
     print("3. resuming the killed run from its latest checkpoint")
     assert run_child("--train", resumed) == 0
 
-    print("\nComparison of the final checkpoints (step %d):" % STEPS)
+    print(f"\nComparison of the final checkpoints (step {STEPS}):")
     ref_mgr, res_mgr = sp.CheckpointManager(reference), sp.CheckpointManager(resumed)
     from savepoint.diff import diff
 
