@@ -925,8 +925,10 @@ def test_stateful_as_root_and_mismatch(ckpt: Path) -> None:
     fresh = Accumulator(2)
     assert sp.load(ckpt, into=fresh) is fresh
     np.testing.assert_array_equal(fresh.total, [7, 7])
-    wrong = Accumulator(5)
-    with pytest.raises(sp.StateMismatchError) as excinfo:
-        sp.load(ckpt, into=wrong)
-    assert [k for k, _ in excinfo.value.problems] == ["total"]
-    assert wrong.loaded == [] and (wrong.total == 0).all()
+    # A user object whose current array does not fit is not judged by savepoint: its own
+    # load_state_dict gets the saved array (fresh), and the current one is left untouched.
+    other = Accumulator(5)
+    old_total = other.total
+    assert sp.load(ckpt, into=other) is other
+    np.testing.assert_array_equal(other.total, [7, 7])
+    assert other.total is not old_total and (old_total == 0).all()

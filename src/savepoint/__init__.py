@@ -32,6 +32,13 @@ from savepoint.errors import (
 from savepoint.runs import policies as policies
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.sweep import Sweep
+from savepoint.state.data import DataPosition, ResumableSampler
+from savepoint.state.optimizer import (
+    OptimizerState,
+    optimizer_state_from_torch,
+    optimizer_state_to_torch,
+)
+from savepoint.state.rng import RNGState
 from savepoint.state.stateful import Stateful
 
 __all__ = [
@@ -42,10 +49,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
+    "DataPosition",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "MissingCheckpointError",
+    "OptimizerState",
     "PendingSave",
+    "RNGState",
+    "ResumableSampler",
     "RunMismatchError",
     "StateMismatchError",
     "Stateful",
@@ -55,6 +66,8 @@ __all__ = [
     "__version__",
     "inspect",
     "load",
+    "optimizer_state_from_torch",
+    "optimizer_state_to_torch",
     "save",
     "verify",
 ]

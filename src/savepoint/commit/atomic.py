@@ -121,10 +121,10 @@ def _or_undo(step: Callable[[], object], undo: Callable[[], object]) -> None:
 def remove_tree(path: str) -> None:
     """Remove a directory tree, or just the link when ``path`` is a symlink (never its target)."""
     with contextlib.suppress(FileNotFoundError):
-        if os.path.islink(path):
-            os.unlink(path)
-        else:
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
+        else:
+            os.unlink(path)  # a symlink, or a file (an interrupted replace_file)
 
 
 def _siblings(path: str, tag: str) -> list[tuple[str, str]]:

@@ -5,7 +5,8 @@ Sequence of ``save(step, state, metrics)``:
 1. the save policy decides whether this step is written (``force=True`` always writes);
 2. the checkpoint is written with the foundation's protocol to ``checkpoints/step-<step>``
    (synchronously, or snapshotted and written in the background with ``async_save=True``);
-3. once committed: the report is updated (``report.json``, atomic), ``latest`` and ``best`` are
+3. once committed: after a resume, checkpoints newer than this step (the abandoned timeline) are
+   deleted; the report is updated (``report.json``, atomic), ``latest`` and ``best`` are
    re-linked, and retention runs. Before retention deletes anything, the new checkpoint is read
    back and verified (manifest and every checksum); if that fails nothing is deleted and the
    error is raised. Retention never deletes the newest verified checkpoint, the current best, or
@@ -47,6 +48,7 @@ from savepoint.runs.report import (
     RunInfo,
     check_consistent,
     now_iso,
+    plain_value,
     read_json,
     write_json,
 )
@@ -263,6 +265,13 @@ class CheckpointManager:
             self.report.steps_completed = max(self.report.steps_completed, step)
             if epoch is not None:
                 self.report.epoch = epoch
+            if self._resumed_from is not None:
+                # After a resume, checkpoints past this step belong to the abandoned timeline (a
+                # rollback, or newer checkpoints that failed verification): now that the new
+                # timeline has a committed checkpoint, they go, or a restart would undo the resume.
+                for later in [s for s in self.steps() if s > step]:
+                    atomic.discard(self.step_path(later))
+                    self._metrics.pop(later, None)
             self._write_report()
             if self.aliases:
                 self._publish(layout.LATEST, self.latest_step())
@@ -427,14 +436,8 @@ class CheckpointManager:
         return f"CheckpointManager({self.directory!r}, retention={self.retention!r})"
 
 
-def _plain(values: dict[str, Any]) -> dict[str, Any]:
-    """Metrics and configs as JSON values: numpy and torch scalars become Python numbers."""
-    out: dict[str, Any] = {}
-    for k, v in values.items():
-        item = getattr(v, "item", None)
-        if callable(item) and getattr(v, "ndim", 0) == 0:
-            v = item()
-        elif isinstance(v, dict):
-            v = _plain(v)
-        out[str(k)] = v
-    return out
+def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Metrics and configs as the JSON values a reader gets back: numpy and torch scalars become
+    Python numbers, tuples lists, and non-finite floats the strings "nan", "inf", "-inf" (not
+    numbers, so retention and ranking never pick them, and the files stay standard JSON)."""
+    return {str(k): plain_value(v) for k, v in values.items()}

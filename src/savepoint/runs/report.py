@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -61,12 +62,7 @@ class RunInfo:
     def from_json(cls, doc: Any, path: str) -> RunInfo:
         if not isinstance(doc, dict) or doc.get("format") != "savepoint-run":
             raise CorruptCheckpointError(f"{path} is not a savepoint run.json", path=path)
-        if not isinstance(doc.get("version"), int) or doc["version"] > 1:
-            raise IncompatibleCheckpointError(
-                f"{path}: run format version {doc.get('version')!r} is newer than this savepoint "
-                "reads; upgrade savepoint",
-                path=path,
-            )
+        _check_version(doc, path)
         try:
             return cls(
                 name=str(doc["name"]),
@@ -103,7 +99,7 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
-        doc["loss_history"] = [[s, v] for s, v in self.loss_history]
+        doc["loss_history"] = [[s, plain_value(v)] for s, v in self.loss_history]
         doc["metric_history"] = {str(k): v for k, v in sorted(self.metric_history.items())}
         return {"format": "savepoint-report", "version": 1, **doc}
 
@@ -111,6 +107,15 @@ class Report:
     def from_json(cls, doc: Any, path: str) -> Report:
         if not isinstance(doc, dict) or doc.get("format") != "savepoint-report":
             raise CorruptCheckpointError(f"{path} is not a savepoint report.json", path=path)
+        _check_version(doc, path)
+        kinds = {"metric_history": dict, "loss_history": list, "lineage": list, "checkpoints": list}
+        for key, kind in kinds.items():
+            if not isinstance(doc.get(key, kind()), kind):
+                raise CorruptCheckpointError(
+                    f"{path}: {key} must be a JSON {kind.__name__}", path=path
+                )
+        if doc.get("best") is not None and not isinstance(doc["best"], dict):
+            raise CorruptCheckpointError(f"{path}: best must be an object or null", path=path)
         try:
             return cls(
                 name=str(doc["name"]),
@@ -128,7 +133,7 @@ class Report:
                 lineage=list(doc.get("lineage", [])),
                 retention=list(doc.get("retention", [])),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptCheckpointError(
                 f"{path}: malformed report.json ({exc})", path=path
             ) from None
@@ -137,6 +142,32 @@ class Report:
         """Forget history past ``step``: a resumed run replays those steps and logs them again."""
         self.loss_history = [(s, v) for s, v in self.loss_history if s <= step]
         self.metric_history = {s: m for s, m in self.metric_history.items() if s <= step}
+
+
+def _check_version(doc: dict[str, Any], path: str) -> None:
+    version = doc.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise CorruptCheckpointError(f"{path}: version must be an integer", path=path)
+    if version > 1:
+        raise IncompatibleCheckpointError(
+            f"{path}: format version {version} is newer than this savepoint reads; upgrade "
+            "savepoint",
+            path=path,
+        )
+
+
+def plain_value(v: Any) -> Any:
+    """A value as stored in run files (see ``manager._plain``)."""
+    item = getattr(v, "item", None)
+    if callable(item) and getattr(v, "ndim", 0) == 0:
+        v = item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)
+    if isinstance(v, Mapping):
+        return {str(k): plain_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [plain_value(x) for x in v]
+    return v
 
 
 def read_json(path: str) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 from savepoint.errors import CheckpointNotFoundError
 from savepoint.runs import layout
 from savepoint.runs.manager import CheckpointManager
-from savepoint.runs.policies import Mode
+from savepoint.runs.policies import Entry, Mode, metric_value
 from savepoint.runs.report import REPORT_FILE, RUN_FILE, Report, RunInfo, read_json, write_json
 
 COMPARISON_FILE = "comparison.json"
@@ -98,8 +98,8 @@ def _best(report: Report, metric: str | None, mode: Mode) -> tuple[float | None,
         return None, None
     best: tuple[float, int] | None = None
     for step, values in sorted(report.metric_history.items()):
-        v = values.get(metric)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        v = metric_value(Entry(step, values), metric)
+        if v is None:
             continue
         better = best is None or (v <= best[0] if mode == "min" else v >= best[0])
         if better:

@@ -10,9 +10,11 @@ Two modes:
 - partial (outside any Stateful): ``into`` may cover only part of the checkpoint; saved entries it
   does not mention are not read; entries it has that the checkpoint lacks are problems.
 - complete (inside a Stateful): the object's ``load_state_dict`` receives the whole saved subtree;
-  its current ``state_dict()`` only supplies tensors to fill in place. A torch ``nn.Module`` is
-  checked strictly (missing and unexpected keys are problems up front, as ``load_state_dict`` would
-  raise them only after other parameters were already overwritten).
+  its current ``state_dict()`` only supplies tensors to fill in place. torch modules and optimizers
+  are checked up front: a shape or dtype mismatch is a problem, and for a ``nn.Module`` so are
+  missing and unexpected keys (``load_state_dict`` would raise them only after other parameters
+  were already overwritten; an optimizer's would not check shapes at all). For any other object a
+  saved array that does not fit the current one is loaded fresh and left to its ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from savepoint.formats.manifest import TensorRecord
 from savepoint.state import tree as tree_mod
@@ -29,6 +31,10 @@ from savepoint.state.stateful import is_stateful
 from savepoint.state.tree import Key, Node
 
 Getter = Callable[[str, str], Any]
+# False: partial (outside any Stateful). Inside one: "checked" (torch modules and optimizers:
+# shape and dtype mismatches are problems) or "lenient" (other objects: a mismatching array is
+# loaded fresh and handed to the object's load_state_dict, which decides).
+Mode = bool | Literal["checked", "lenient"]
 Thunk = Callable[[Getter], Any]
 _MISSING: Any = object()
 
@@ -50,6 +56,11 @@ def _is_module(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
+def _is_torch_object(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+
+
 def _type(obj: Any) -> str:
     return type(obj).__name__
 
@@ -61,7 +72,7 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         p.fresh.update(tree_mod.refs(node))
         return lambda get: tree_mod.build(node, get)
 
-    def bind(node: Node, target: Any, path: tuple[Key, ...], complete: bool) -> Thunk:
+    def bind(node: Node, target: Any, path: tuple[Key, ...], complete: Mode) -> Thunk:
         key = tree_mod.join(path)
         t = node["t"]
         if target is _MISSING:
@@ -69,7 +80,10 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         if t != "tensor" and is_stateful(target):
             inner = node["state"] if t == "stateful" else node
             template = target.state_dict()
-            sub = bind_container(inner, template, path, True, strict=_is_module(target))
+            # torch modules and optimizers are checked up front (their load_state_dict would fail
+            # half-way, or not check shapes at all); other objects get the saved tree and judge.
+            mode: Mode = "checked" if _is_torch_object(target) else "lenient"
+            sub = bind_container(inner, template, path, mode, strict=_is_module(target))
 
             def load_stateful(get: Getter) -> Any:
                 target.load_state_dict(sub(get))
@@ -89,7 +103,12 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
                 return fresh(node)
             rec = tensors[ref]
             dtype, shape = found
-            if getattr(getattr(target, "flags", None), "writeable", True) is False:
+            read_only = getattr(getattr(target, "flags", None), "writeable", True) is False
+            if complete == "lenient" and (
+                read_only or (dtype, tuple(shape)) != (rec.dtype, rec.shape)
+            ):
+                return fresh(node)  # the object's own load_state_dict decides what to do with it
+            if read_only:
                 p.problems.append((key, "the target array is read-only"))
             if dtype != rec.dtype:
                 p.problems.append(
@@ -109,7 +128,7 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         return lambda get: value
 
     def bind_container(
-        node: Node, target: Any, path: tuple[Key, ...], complete: bool, strict: bool
+        node: Node, target: Any, path: tuple[Key, ...], complete: Mode, strict: bool
     ) -> Thunk:
         key = tree_mod.join(path)
         t = node["t"]
@@ -125,7 +144,7 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         return lambda get: target
 
     def bind_dict(
-        node: Node, target: Mapping[Any, Any], path: tuple[Key, ...], complete: bool, strict: bool
+        node: Node, target: Mapping[Any, Any], path: tuple[Key, ...], complete: Mode, strict: bool
     ) -> Thunk:
         saved = {k for k, _ in node["items"]}
         if not complete or strict:
@@ -157,14 +176,14 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         return fill
 
     def bind_sequence(
-        node: Node, target: list[Any] | tuple[Any, ...], path: tuple[Key, ...], complete: bool
+        node: Node, target: list[Any] | tuple[Any, ...], path: tuple[Key, ...], complete: Mode
     ) -> Thunk:
         items = node["items"]
         key = tree_mod.join(path)
         if len(items) != len(target):
             if complete:
                 subs = [
-                    bind(c, target[i] if i < len(target) else _MISSING, (*path, i), True)
+                    bind(c, target[i] if i < len(target) else _MISSING, (*path, i), complete)
                     for i, c in enumerate(items)
                 ]
             elif isinstance(target, MutableSequence):

@@ -32,9 +32,10 @@ time (savepoint never imports torch for you); ``cuda`` on when torch is imported
 ``load_state_dict`` checks everything before touching any generator, then restores them all:
 either every source is restored or none is. With ``strict=True`` (the default) a source this
 object is set to restore but the checkpoint lacks, a generator passed here but not saved (or saved
-but not passed), a saved generator of another algorithm, CUDA states on a machine without CUDA
-or with fewer devices: each is a problem, all reported in one RNGStateError. With
-``strict=False`` whatever can be restored is, and the rest is listed in ``skipped``.
+but not passed), a saved generator of another algorithm, an unknown source, CUDA states on a
+machine without CUDA or with another number of devices: each is a problem, all reported in one
+RNGStateError. With ``strict=False`` whatever can be restored is (CUDA: the first
+``min(saved, present)`` devices), and the rest is listed in ``skipped``.
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ def _byte_tensor(value: Any) -> Any:
     if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
         raise ValueError(f"expected a 1-D uint8 tensor, got {_describe(value)}")
     return value.detach().to("cpu", copy=True)
+
+
+def _check_mapping(value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a mapping, got {type(value).__name__}")
 
 
 def _describe(value: Any) -> str:
@@ -243,12 +249,12 @@ class RNGState:
         if not isinstance(state_dict, Mapping):
             raise RNGStateError([f"expected a mapping, got {type(state_dict).__name__}"])
 
-        def missing_or_skip(ok: bool, what: str) -> None:
-            (skipped if not strict or ok else problems).append(what)
+        def problem_unless_lenient(what: str) -> None:
+            (problems if strict else skipped).append(what)
 
         unknown = [k for k in state_dict if k not in _SOURCES]
         for key in unknown:
-            missing_or_skip(False, f"unknown source {key!r} in the checkpoint")
+            problem_unless_lenient(f"unknown source {key!r} in the checkpoint")
 
         for source, restore in (
             ("python", self._python),
@@ -260,14 +266,18 @@ class RNGState:
             if source not in state_dict:
                 # Asked for explicitly (python/numpy default on) but not saved.
                 if flag:
-                    missing_or_skip(False, f"{source}: not in the checkpoint")
+                    problem_unless_lenient(f"{source}: not in the checkpoint")
                 continue
             if flag is False:
                 skipped.append(f"{source}: turned off on this RNGState")
                 continue
             try:
                 actions.append(restore(state_dict[source], strict, skipped))
-            except (TypeError, ValueError, KeyError, RuntimeError, ImportError) as exc:
+            except KeyError as exc:
+                problems.append(f"{source}: missing key {exc}")
+            except ImportError as exc:
+                problem_unless_lenient(f"{source}: cannot restore without torch ({exc})")
+            except (TypeError, ValueError, RuntimeError) as exc:
                 problems.append(f"{source}: {exc}")
 
         saved = state_dict.get("generators", {})
@@ -276,15 +286,17 @@ class RNGState:
             saved = {}
         for name in self.generators:
             if name not in saved:
-                missing_or_skip(False, f"generator {name!r}: not in the checkpoint")
+                problem_unless_lenient(f"generator {name!r}: not in the checkpoint")
         for name, entry in saved.items():
             gen = self.generators.get(name)
             if gen is None:
-                missing_or_skip(False, f"generator {name!r}: saved but not passed to RNGState")
+                problem_unless_lenient(f"generator {name!r}: saved but not passed to RNGState")
                 continue
             try:
                 actions.append(self._generator(name, gen, entry))
-            except (TypeError, ValueError, KeyError, RuntimeError) as exc:
+            except KeyError as exc:
+                problems.append(f"generator {name!r}: missing key {exc}")
+            except (TypeError, ValueError, RuntimeError) as exc:
                 problems.append(f"generator {name!r}: {exc}")
 
         if problems:
@@ -294,13 +306,15 @@ class RNGState:
         self.skipped = skipped
 
     def _python(self, saved: Any, strict: bool, skipped: list[str]) -> Callable[[], None]:
-        words = tuple(int(w) for w in np.asarray(saved["state"]).reshape(-1).tolist())
+        _check_mapping(saved)
+        words = tuple(int(w) for w in np.asarray(_plain(saved["state"])).reshape(-1).tolist())
         gauss = saved["gauss_next"]
         state = (int(saved["version"]), words, None if gauss is None else float(gauss))
         random.Random().setstate(state)  # validates without touching the global generator
         return lambda: random.setstate(state)
 
     def _numpy(self, saved: Any, strict: bool, skipped: list[str]) -> Callable[[], None]:
+        _check_mapping(saved)
         keys = np.asarray(_plain(saved["keys"]))
         if keys.dtype != np.uint32 or keys.shape != (624,):
             raise ValueError(f"keys must be uint32[624], got {keys.dtype} {list(keys.shape)}")
