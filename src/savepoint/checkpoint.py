@@ -87,12 +87,9 @@ def save_flat(
     writers: int = DEFAULT_WRITERS,
     progress: Progress | None = None,
 ) -> CheckpointInfo:
-    """``save`` for a state already flattened (and checked metadata); background writers use it
-    to write a snapshot taken earlier."""
-    target = os.path.abspath(os.fspath(path))
+    """``save`` for a state already flattened (and checked metadata)."""
     if max_file_bytes <= 0 or writers < 1:
         raise ValueError("max_file_bytes must be positive and writers at least 1")
-    _check_target(target)
     total = sum(s.nbytes for s in flat.tensors.values())
     done = 0
 
@@ -102,20 +99,37 @@ def save_flat(
         if progress is not None:
             progress(min(done, total), total)
 
-    staging = atomic.staging_path(target)
-    try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        atomic.clean_stale(target)
-        os.mkdir(staging)
-        files, tensors = _writer.write_files(
+    def write(staging: str) -> tuple[dict[str, mf.FileRecord], dict[str, mf.TensorRecord]]:
+        return _writer.write_files(
             staging,
             flat,
             max_file_bytes=max_file_bytes,
             writers=writers,
             progress=on_bytes if progress is not None else None,
         )
+
+    return commit_checkpoint(path, flat.tree, metadata, write)
+
+
+def commit_checkpoint(
+    path: PathLike,
+    tree_node: tree.Node,
+    metadata: dict[str, Any],
+    write: Callable[[str], tuple[dict[str, mf.FileRecord], dict[str, mf.TensorRecord]]],
+) -> CheckpointInfo:
+    """The commit protocol around ``write(staging_dir)``, which writes and fsyncs the data files
+    and returns their records: staging directory, manifest last, atomic commit, cleanup on any
+    failure (OSErrors become CheckpointWriteError). Every save path goes through here."""
+    target = os.path.abspath(os.fspath(path))
+    _check_target(target)
+    staging = atomic.staging_path(target)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        atomic.clean_stale(target)
+        os.mkdir(staging)
+        files, tensors = write(staging)
         manifest = mf.Manifest(
-            tree=flat.tree,
+            tree=tree_node,
             files=files,
             tensors=tensors,
             metadata=metadata,
