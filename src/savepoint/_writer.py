@@ -11,13 +11,18 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from savepoint import _parallel
 from savepoint._version import __version__
 from savepoint.formats import checksum, safetensors
 from savepoint.formats import manifest as mf
 from savepoint.state.arrays import TensorSource
 from savepoint.state.tree import Flat
 from savepoint.storage import local
+
+if TYPE_CHECKING:
+    from savepoint.async_.staging import Staged
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,29 @@ def write_files(
         tensors.update(recs)
     # Manifest order follows the state, not the file layout.
     return files, {name: tensors[name] for name in flat.tensors}
+
+
+def write_staged(
+    directory: str, staged: Staged, *, direct: bool = True
+) -> tuple[dict[str, mf.FileRecord], dict[str, mf.TensorRecord]]:
+    """Write a staged state's file images (see savepoint.async_.staging) into ``directory``:
+    checksums first, from the images, on all cores; then each image straight to disk."""
+    staged.wait()
+    jobs = [(f, e) for f in staged.files for e in f.entries]
+    digests = _parallel.run_all(
+        lambda job: checksum.digest(job[0].image[job[1].start : job[1].end]), jobs
+    )
+    by_name = {e.name: (f, e, d) for (f, e), d in zip(jobs, digests)}
+    files: dict[str, mf.FileRecord] = {}
+    for f in staged.files:
+        local.write_image(os.path.join(directory, f.name), f.image, f.size, direct=direct)
+        files[f.name] = mf.FileRecord(f.size, len(f.header), checksum.digest(f.header))
+    tensors = {
+        name: mf.TensorRecord(e.dtype, e.shape, f.name, e.start, e.end, d)
+        for name in staged.order
+        for f, e, d in [by_name[name]]
+    }
+    return files, tensors
 
 
 def writer_version() -> str:

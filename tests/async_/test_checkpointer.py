@@ -29,39 +29,39 @@ from savepoint.async_.pending import PendingSave
 
 
 class Gate:
-    """Replaces ``savepoint.checkpoint.save_flat``: background writes wait until ``open()``."""
+    """Replaces ``savepoint.checkpoint.commit_checkpoint``: background writes wait until ``open()``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.real = savepoint.checkpoint.save_flat
+        self.real = savepoint.checkpoint.commit_checkpoint
         self.opened = threading.Event()
         self.entered = threading.Event()
         self.calls: list[str] = []
-        monkeypatch.setattr(savepoint.checkpoint, "save_flat", self)
+        monkeypatch.setattr(savepoint.checkpoint, "commit_checkpoint", self)
 
-    def __call__(self, path: Any, flat: Any, meta: Any, **kwargs: Any) -> Any:
+    def __call__(self, path: Any, tree: Any, meta: Any, write: Any) -> Any:
         self.calls.append(os.fspath(path))
         self.entered.set()
         assert self.opened.wait(20), "the test never opened the gate"
-        return self.real(path, flat, meta, **kwargs)
+        return self.real(path, tree, meta, write)
 
     def open(self) -> None:
         self.opened.set()
 
 
 class FailOnce:
-    """Replaces ``savepoint.checkpoint.save_flat``: the first call raises ``exc``."""
+    """Replaces ``savepoint.checkpoint.commit_checkpoint``: the first call raises ``exc``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
-        self.real = savepoint.checkpoint.save_flat
+        self.real = savepoint.checkpoint.commit_checkpoint
         self.exc = exc
         self.calls = 0
-        monkeypatch.setattr(savepoint.checkpoint, "save_flat", self)
+        monkeypatch.setattr(savepoint.checkpoint, "commit_checkpoint", self)
 
-    def __call__(self, path: Any, flat: Any, meta: Any, **kwargs: Any) -> Any:
+    def __call__(self, path: Any, tree: Any, meta: Any, write: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
             raise self.exc
-        return self.real(path, flat, meta, **kwargs)
+        return self.real(path, tree, meta, write)
 
 
 FAILURES = [

@@ -1,10 +1,12 @@
 """``AsyncCheckpointer``: save in the background, one write in flight, errors never lost.
 
 What blocks the caller in ``save()``: calling ``state_dict()`` on Stateful objects and copying
-every tensor into host memory owned by the snapshot (for a CPU state, a memcpy of its bytes). What
-runs in the background: writing the files, fsync, and the atomic commit, then an optional
-``on_commit`` callback. When ``save()`` returns, training may modify the state freely: what gets
-saved is the state at that moment.
+every tensor into the staging arena, laid out as the files to be written (a parallel memcpy for a
+CPU state; for CUDA tensors only the queueing of non-blocking copies, see
+:mod:`savepoint.async_.staging`). What runs in the background: checksums, the O_DIRECT writes
+straight from the arena, fsync, the atomic commit, then an optional ``on_commit`` callback. When
+``save()`` returns, training may modify the state freely: what gets saved is the state at that
+moment. The arena is reused by every save, so async saving holds one staging copy, no more.
 
 One save is in flight at a time. A ``save()`` while the previous one is still writing follows
 ``on_busy``: ``"wait"`` (the default) blocks until it is committed; ``"skip"`` returns a skipped
@@ -25,9 +27,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from savepoint import checkpoint
+from savepoint import _writer, checkpoint
 from savepoint.async_.pending import PendingSave
-from savepoint.async_.snapshot import snapshot
+from savepoint.async_.staging import StagingArena
 from savepoint.errors import CheckpointError
 from savepoint.state import tree
 
@@ -36,11 +38,25 @@ _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
 
 
 class AsyncCheckpointer:
-    def __init__(self, *, on_busy: OnBusy = "wait", **save_options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        on_busy: OnBusy = "wait",
+        max_file_bytes: int = checkpoint.DEFAULT_MAX_FILE_BYTES,
+        direct: bool = True,
+        writers: int = 1,
+    ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
+        if max_file_bytes <= 0:
+            raise ValueError("max_file_bytes must be positive")
         self.on_busy = on_busy
-        self.save_options = save_options  # passed to checkpoint.save_flat (max_file_bytes, ...)
+        self.max_file_bytes = max_file_bytes
+        self.direct = direct  # False: buffered writes + fsync even where O_DIRECT works
+        # ``writers`` is accepted for symmetry with sp.save: file images are written one at a time
+        # from the arena, each in large aligned writes, which kept this disk busy on its own.
+        del writers
+        self._arena = StagingArena()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
         self._pending: PendingSave | None = None
         self._error: BaseException | None = None  # failed in the background, not yet reported
@@ -72,12 +88,18 @@ class AsyncCheckpointer:
             previous.exception()  # wait; its error is reported below
             self._raise_background_error()
         meta = checkpoint._check_metadata(metadata)
-        frozen = snapshot(tree.flatten(state))
+        # The previous save is finished (waited for above), so its arena may be overwritten.
+        staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
         pending = PendingSave(target)
 
         def write() -> None:
             try:
-                info = checkpoint.save_flat(target, frozen, meta, **self.save_options)
+                info = checkpoint.commit_checkpoint(
+                    target,
+                    staged.tree,
+                    meta,
+                    lambda directory: _writer.write_staged(directory, staged, direct=self.direct),
+                )
                 if on_commit is not None:
                     on_commit(info)
             except BaseException as exc:
@@ -117,6 +139,7 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            self._arena.release()
             _LIVE.discard(self)
 
     def __enter__(self) -> AsyncCheckpointer:

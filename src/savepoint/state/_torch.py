@@ -8,6 +8,7 @@ Load side: ``byte_view`` gives the writable bytes of a CPU tensor so reads land 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ def _plain(t: torch.Tensor, key: str) -> torch.Tensor:
 
 
 class TorchSource:
-    __slots__ = ("_flat", "_tensor", "dtype", "kind", "nbytes", "shape")
+    __slots__ = ("_flat", "_tensor", "device_type", "dtype", "kind", "nbytes", "shape")
 
     def __init__(self, tensor: torch.Tensor, key: str) -> None:
         t = _plain(tensor, key)
@@ -51,6 +52,7 @@ class TorchSource:
         self.shape = tuple(int(s) for s in t.shape)
         self.nbytes = t.numel() * t.element_size()
         self.kind = "torch"
+        self.device_type = t.device.type
 
     def identity(self) -> tuple[Any, ...] | None:
         t = self._tensor
@@ -82,6 +84,40 @@ class TorchSource:
 
     def release(self) -> None:
         self._flat = None
+
+
+def stage_to_pinned(jobs: list[tuple[Any, torch.Tensor]]) -> Callable[[], None]:
+    """Start non-blocking device-to-host copies of CUDA sources into pinned destinations.
+
+    Ordering (see savepoint.async_.staging): the side stream waits for the current stream, the
+    copies run on the side stream, the current stream then waits for the side stream, and each
+    source tensor is recorded on the side stream. Returns a function that blocks until the
+    copies have landed (the background writer calls it)."""
+    by_device: dict[Any, list[tuple[Any, torch.Tensor]]] = {}
+    for source, dst in jobs:
+        by_device.setdefault(source._tensor.device, []).append((source, dst))
+    events = []
+    for device, items in by_device.items():
+        with torch.cuda.device(device):
+            current = torch.cuda.current_stream(device)
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                for source, dst in items:
+                    src = source._tensor.contiguous().reshape(-1).view(torch.uint8)
+                    dst.copy_(src, non_blocking=True)  # dst: a slice of the pinned arena
+                    src.record_stream(side)
+                    source._tensor.record_stream(side)
+            current.wait_stream(side)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(side)
+            events.append(event)
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+
+    return wait
 
 
 def byte_view(target: Any) -> np.ndarray[Any, Any] | None:

@@ -92,6 +92,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: globals().__setitem__("POOL", StagingPool()))
 
 
+def write_all(fd: int, view: memoryview, direct: bool) -> bool:
+    """Write all of ``view``; returns whether the descriptor is still in O_DIRECT mode.
+
+    A filesystem may accept O_DIRECT at open and refuse a write (EINVAL): the descriptor then
+    switches to buffered writes and the write is retried."""
+    while len(view):
+        try:
+            n = os.write(fd, view)
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                raise
+            import fcntl
+
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+            direct = False
+            continue
+        if n == 0:
+            raise OSError(errno.EIO, "write returned 0 bytes")
+        view = view[n:]
+    return direct
+
+
 class _Writer:
     """Writes full buffers from a background thread; the first error stops it and is re-raised."""
 
@@ -115,22 +138,7 @@ class _Writer:
             self.done.put(buf)
 
     def _write(self, view: memoryview) -> None:
-        while len(view):
-            try:
-                n = os.write(self.fd, view)
-            except OSError as exc:
-                if not (self.direct and exc.errno == errno.EINVAL):
-                    raise
-                # The filesystem accepted O_DIRECT at open but not this write: go buffered.
-                import fcntl
-
-                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
-                self.direct = False
-                continue
-            if n == 0:
-                raise OSError(errno.EIO, "write returned 0 bytes")
-            view = view[n:]
+        self.direct = write_all(self.fd, view, self.direct)
 
     def submit(self, buf: _Buffer, length: int) -> None:
         self.jobs.put((buf, length))
@@ -323,3 +331,34 @@ class MappedFile:
         del self.array
         with contextlib.suppress(BufferError):
             self.map.close()
+
+
+def write_image(
+    path: str,
+    image: np.ndarray[Any, Any],
+    size: int,
+    *,
+    direct: bool = True,
+    chunk: int = 64 << 20,
+) -> None:
+    """Write the first ``size`` bytes of a prepared file image, then fsync.
+
+    ``image`` must start on a 4 KiB boundary and extend to ``size`` rounded up to 4 KiB, so every
+    ``O_DIRECT`` write is aligned (the padding past ``size`` is cut off by ``ftruncate``). It is
+    written straight from that memory: no copy. The file must not exist.
+    """
+    fd, opened_direct = _open_for_write(path, direct)
+    try:
+        view = memoryview(image.data).cast("B")
+        mode = opened_direct
+        pos = 0
+        while pos < size:
+            # Direct writes go in aligned blocks (the last one padded); buffered ones stop at size.
+            stop = min(pos + chunk, -(-size // BLOCK) * BLOCK if mode else size)
+            mode = write_all(fd, view[pos:stop], mode)
+            pos = stop
+        if opened_direct:
+            os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
