@@ -64,6 +64,11 @@ def train_loop(stop: threading.Event | None, seconds: float | None = None) -> fl
             return n / elapsed
 
 
+def _set_when_done(pending: sp.PendingSave, stop: threading.Event) -> None:
+    pending.wait()
+    stop.set()
+
+
 def run_size(gib: float, repeats: int, base: str) -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
@@ -172,7 +177,7 @@ def run_size(gib: float, repeats: int, base: str) -> None:
     for _ in range(repeats):
         pending = ck.save(paths["spa"], state)
         stop = threading.Event()
-        threading.Thread(target=lambda: (pending.wait(), stop.set()), daemon=True).start()
+        threading.Thread(target=_set_when_done, args=(pending, stop), daemon=True).start()
         fractions.append(train_loop(stop) / base_rate)
     frac = statistics.median(fractions)
 
