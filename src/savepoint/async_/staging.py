@@ -6,9 +6,9 @@ each file starting on a 4 KiB boundary. The background writer then writes each f
 from the arena with ``O_DIRECT`` (no second copy) and computes the checksums from it. What blocks
 the caller is only the copy into the arena, spread over all cores.
 
-The arena is allocated once and reused by every later save (touched at allocation: first-touch
-page faults cost more than the copy itself on the development machine), grows by 25% headroom
-when a state outgrows it, and is never shrunk. There is one arena per AsyncCheckpointer and one
+The arena is allocated once, the size of the state, and reused by every later save (touched at
+allocation: first-touch page faults cost more than the copy itself on the development machine);
+when a state outgrows it, it is replaced by one with 25% headroom; it is never shrunk. There is one arena per AsyncCheckpointer and one
 save in flight, so async saving holds exactly one staging copy.
 
 CUDA tensors are staged into pinned host memory with non-blocking copies on a side stream. The
@@ -78,8 +78,11 @@ class StagingArena:
     def _reserve(self, needed: int, pinned: bool) -> np.ndarray[Any, Any]:
         if self._array is not None and len(self._array) >= needed and self.pinned == pinned:
             return self._array
+        # The first arena is the state's size; one that must grow gets 25% headroom, so a state
+        # that keeps growing a little does not reallocate (and touch) it at every save.
+        grow = 1.25 if self._array is not None and self.pinned == pinned else 1.0
         self._array = self._keep = None
-        size = -(-int(needed * 1.25) // (2 << 20)) * (2 << 20)
+        size = -(-int(needed * grow) // (2 << 20)) * (2 << 20)
         if pinned:
             import torch
 

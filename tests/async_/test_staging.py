@@ -1,0 +1,150 @@
+"""The staging arena behind async saves: isolation from training, reuse, layout, exit handling."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import savepoint as sp
+from _compare import same
+from savepoint.async_.staging import StagingArena
+from savepoint.state import tree
+
+
+def state_of(rng: np.random.Generator, scale: int = 1) -> dict:  # type: ignore[type-arg]
+    return {
+        "big": rng.standard_normal((256 * scale, 1024)).astype(np.float32),  # 1 MiB per scale
+        "f64": rng.standard_normal((128, 128)),
+        "strided": rng.standard_normal((200, 300)).astype(np.float32)[:, ::3],
+        "ints": rng.integers(0, 2**62, size=1000, dtype=np.int64),
+        "step": 0,
+    }
+
+
+def test_mutating_every_tensor_thousands_of_times_never_reaches_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    rng = np.random.default_rng(0)
+    state = state_of(rng, scale=4)
+    expected = {}
+    mutations = 0
+    with sp.AsyncCheckpointer() as ck:
+        for i in range(30):
+            state["step"] = i
+            pending = ck.save(tmp_path / f"s{i:02d}", state)
+            expected[i] = copy.deepcopy(state)
+            # Hammer every tensor while the background write is (most likely) in flight.
+            while not pending.done() or mutations < (i + 1) * 100:
+                state["big"] += 1.0
+                state["f64"] *= -1.0
+                state["strided"][...] = mutations
+                state["ints"] ^= 0x5555
+                mutations += 1
+    assert mutations >= 3000
+    for i, want in expected.items():
+        same(sp.load(tmp_path / f"s{i:02d}"), want)
+
+
+def test_async_files_are_byte_identical_to_a_sync_save(tmp_path: Path) -> None:
+    state = state_of(np.random.default_rng(1))
+    sp.save(tmp_path / "sync", state, max_file_bytes=1 << 20)
+    with sp.AsyncCheckpointer(max_file_bytes=1 << 20) as ck:
+        ck.save(tmp_path / "async", state).wait()
+    names = sorted(p.name for p in (tmp_path / "sync").iterdir() if p.name != "manifest.json")
+    assert len(names) >= 2  # several files, each starting on its own 4 KiB boundary in the arena
+    assert names == sorted(
+        p.name for p in (tmp_path / "async").iterdir() if p.name != "manifest.json"
+    )
+    for name in names:
+        assert (tmp_path / "sync" / name).read_bytes() == (tmp_path / "async" / name).read_bytes()
+    a = sp.inspect(tmp_path / "sync")
+    b = sp.verify(tmp_path / "async")
+    assert [(t.key, t.ref, t.file) for t in a.tensors] == [
+        (t.key, t.ref, t.file) for t in b.tensors
+    ]
+
+
+def test_arena_is_reused_and_grows_only_when_the_state_does() -> None:
+    rng = np.random.default_rng(2)
+    arena = StagingArena()
+    small = tree.flatten(state_of(rng))
+    arena.stage(small, 1 << 30)
+    first, capacity = arena._keep, arena.capacity
+    total = sum(s.nbytes for s in small.tensors.values())
+    assert total <= capacity <= total + (2 << 20) + 4096 * 8  # the state's size, rounded
+    for _ in range(3):
+        arena.stage(tree.flatten(state_of(rng)), 1 << 30)
+        assert arena._keep is first  # reused, not reallocated
+    arena.stage(tree.flatten(state_of(rng, scale=8)), 1 << 30)
+    assert arena._keep is not first and arena.capacity > capacity  # grown once...
+    grown = arena._keep
+    arena.stage(tree.flatten(state_of(rng, scale=8)), 1 << 30)
+    arena.stage(tree.flatten(state_of(rng)), 1 << 30)
+    assert arena._keep is grown  # ...and never shrunk
+
+
+def test_arena_is_touched_at_allocation() -> None:
+    statm = Path("/proc/self/statm")
+    if not statm.exists():
+        pytest.skip("no /proc on this platform")
+    page = 4096
+
+    def resident() -> int:
+        return int(statm.read_text().split()[1]) * page
+
+    arena = StagingArena()
+    before = resident()
+    arena.stage(tree.flatten({"w": np.ones(16 << 20, np.uint8)}), 1 << 30)  # 16 MiB state
+    # Every page is resident right after the first save: later saves never pay first touches.
+    assert resident() - before >= 15 << 20
+    assert arena.capacity % page == 0
+
+
+def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_interpreter_exit_finishes_the_pending_save(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        import numpy as np, savepoint as sp
+        ck = sp.AsyncCheckpointer()
+        ck.save("ckpt", {"w": np.arange(8 << 20, dtype=np.float32)})
+        # exit at once, without wait() or close()
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = sp.load(tmp_path / "ckpt")
+    assert np.array_equal(out["w"], np.arange(8 << 20, dtype=np.float32))
+
+
+def test_a_save_failing_at_exit_is_reported_not_dropped(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        import numpy as np, savepoint as sp
+        from savepoint import checkpoint
+        def fail(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        checkpoint.commit_checkpoint = fail
+        ck = sp.AsyncCheckpointer()
+        ck.save("ckpt", {"w": np.zeros(4)})
+        """,
+        tmp_path,
+    )
+    assert "savepoint: a background save failed at exit" in proc.stderr
+    assert "No space left on device" in proc.stderr
+    assert not (tmp_path / "ckpt").exists()
