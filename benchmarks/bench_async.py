@@ -171,10 +171,11 @@ def run_size(gib: float, repeats: int, base: str) -> None:
             f"blocks {[round(x, 3) for x in blocks[k]]}"
         )
 
-    # Training throughput while an async save is written (blocking part excluded).
-    base_rate = statistics.median(train_loop(None, 1.0) for _ in range(3))
+    # Training throughput while an async save is written (blocking part excluded), each time
+    # against a baseline measured right before it, so load from elsewhere cancels out.
     fractions = []
-    for _ in range(repeats):
+    for _ in range(max(repeats, 5)):
+        base_rate = train_loop(None, 0.6)
         pending = ck.save(paths["spa"], state)
         stop = threading.Event()
         threading.Thread(target=_set_when_done, args=(pending, stop), daemon=True).start()
