@@ -17,6 +17,7 @@ from savepoint._version import __version__
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.checkpoint import CheckpointInfo, TensorInfo, inspect, load, save, verify
+from savepoint.conversion import ConversionError, ConversionReport, convert
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -48,6 +49,8 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
+    "ConversionError",
+    "ConversionReport",
     "CorruptCheckpointError",
     "DataPosition",
     "IncompatibleCheckpointError",
@@ -64,6 +67,7 @@ __all__ = [
     "TensorInfo",
     "UnsupportedStateError",
     "__version__",
+    "convert",
     "inspect",
     "load",
     "optimizer_state_from_torch",

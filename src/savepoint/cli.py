@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import click
 
-from savepoint import checkpoint
+from savepoint import _cli_formats, checkpoint
 from savepoint._version import __version__
 from savepoint.errors import CheckpointError
 
@@ -63,6 +63,9 @@ def main() -> None:
     """Inspect, verify and compare savepoint checkpoints and run directories."""
 
 
+main.add_command(_cli_formats.convert_cmd)
+
+
 def _table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
@@ -78,7 +81,13 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
 def inspect_cmd(path: str, as_json: bool) -> None:
-    """List the tensors, values and metadata of the checkpoint at PATH (reads no tensor data)."""
+    """List the tensors, values and metadata of the checkpoint at PATH (reads no tensor data).
+
+    PATH may be a savepoint checkpoint, a .shrew file, a .safetensors file, or a boostr directory.
+    """
+    if _cli_formats.handles(path):
+        _cli_formats.inspect_other(path, as_json)
+        return
     try:
         info = checkpoint.inspect(path)
     except CheckpointError as exc:
@@ -121,8 +130,12 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 def verify_cmd(path: str, quiet: bool) -> None:
     """Check the structure and every checksum of the checkpoint at PATH.
 
-    Exits 0 when it is intact, 1 (with the reason) otherwise.
+    Exits 0 when it is intact, 1 (with the reason) otherwise. PATH may also be a .shrew file, a
+    .safetensors file or a boostr directory (checked as far as each format allows).
     """
+    if _cli_formats.handles(path):
+        _cli_formats.verify_other(path, quiet)
+        return
     start = time.perf_counter()
     try:
         with _progress("verifying") as progress:

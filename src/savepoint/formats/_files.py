@@ -1,0 +1,495 @@
+"""What the foreign formats (``.shrew``, safetensors files, boostr directories) share.
+
+- Lazy tensors: :class:`LazyTensor` and its kinds are ``TensorSource`` objects (see
+  :mod:`savepoint.state.arrays`) whose bytes stay where they are (a file range, a mapped
+  safetensors file, a native checkpoint) until a writer copies them, chunk by chunk. A conversion
+  therefore holds at most one tensor in memory, and usually not even that: a file range is read
+  straight into the writer's staging buffer.
+- safetensors files: :class:`SafetensorsFile` checks the whole header with the strict parser of
+  :mod:`savepoint.formats.safetensors` (size cap, dtypes, shape x dtype sizes, offsets that tile
+  the data exactly) before mapping the file; :func:`write_safetensors` streams sources to disk with
+  the caller's ``__metadata__``, keeping the caller's tensor order in the header.
+- Atomic single files: :func:`atomic_file` writes under a hidden sibling name, fsyncs, renames
+  over the target and fsyncs the parent, so readers see the old file or the new one.
+- :class:`FormatInfo`: what ``inspect`` and ``verify`` report for any format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from savepoint.commit import atomic
+from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from savepoint.formats import checksum
+from savepoint.formats import safetensors as st_format
+from savepoint.state import arrays, dtypes
+from savepoint.state.arrays import TensorSource
+from savepoint.state.dtypes import DType
+from savepoint.storage import local
+
+CHUNK = 4 << 20  # bytes per read or write when a tensor is streamed through a bounded buffer
+U8 = np.dtype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# lazy tensors
+# ---------------------------------------------------------------------------------------------
+
+
+class LazyTensor:
+    """A tensor whose bytes are fetched only when copied (``TensorSource``), or on ``load()``."""
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...], *, kind: str = "numpy") -> None:
+        self.dtype = dtype
+        self.shape = tuple(int(s) for s in shape)
+        self.nbytes = math.prod(self.shape) * dtype.itemsize
+        self.kind = kind
+
+    def identity(self) -> tuple[Any, ...] | None:
+        return None
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop whatever the copies made (a materialized tensor, a running checksum)."""
+
+    def load(self) -> np.ndarray[Any, Any]:
+        """The whole tensor as a numpy array of its dtype and shape."""
+        out = np.empty(self.nbytes, dtype=U8)
+        try:
+            for pos in range(0, self.nbytes, CHUNK):
+                self.copy_to(out[pos : pos + CHUNK], pos)
+        finally:
+            self.release()
+        return out.view(self.dtype.numpy).reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.dtype.name}, {self.shape})"
+
+
+def chunks(source: TensorSource, size: int = CHUNK) -> Iterator[memoryview]:
+    """The bytes of ``source`` in order, through one reused buffer of at most ``size`` bytes.
+
+    Each chunk is valid until the next one is produced; ``source.release()`` runs at the end.
+    """
+    buf = np.empty(min(size, source.nbytes), dtype=U8)
+    try:
+        for pos in range(0, source.nbytes, size):
+            n = min(size, source.nbytes - pos)
+            source.copy_to(buf[:n], pos)
+            yield buf[:n].data
+    finally:
+        source.release()
+
+
+def drain(source: TensorSource) -> None:
+    """Read every byte of ``source`` once and drop it (a check that the data can be read)."""
+    for _ in chunks(source):
+        pass
+
+
+class ArrayTensor(LazyTensor):
+    """A tensor already in memory (numpy array or torch tensor), behind the lazy interface."""
+
+    def __init__(self, source: TensorSource) -> None:
+        super().__init__(source.dtype, source.shape, kind=source.kind)
+        self._source = source
+
+    @classmethod
+    def of(cls, value: Any, key: str) -> ArrayTensor | None:
+        source = arrays.make_source(value, key)
+        return None if source is None else cls(source)
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        self._source.copy_to(dst, start)
+
+    def release(self) -> None:
+        self._source.release()
+
+
+class MappedTensor(LazyTensor):
+    """Bytes in a mapped file (``view``: a uint8 slice of the mapping).
+
+    With ``xxh3`` the bytes are hashed as they are copied, in order, and a mismatch at the end
+    raises CorruptCheckpointError naming ``name``; ``load()`` checks the whole tensor first.
+    """
+
+    def __init__(
+        self,
+        view: np.ndarray[Any, Any],
+        dtype: DType,
+        shape: tuple[int, ...],
+        *,
+        kind: str = "numpy",
+        xxh3: str | None = None,
+        name: str = "",
+        path: str = "",
+    ) -> None:
+        super().__init__(dtype, shape, kind=kind)
+        if len(view) != self.nbytes:
+            raise ValueError("view length disagrees with shape x dtype")
+        self._view = view
+        self._xxh3 = xxh3
+        self._name = name
+        self._path = path
+        self._hasher: Any = None
+        self._hashed = 0
+
+    def _check(self, got: str) -> None:
+        if got != self._xxh3:
+            raise CorruptCheckpointError(
+                f"{self._path}: checksum mismatch in tensor {self._name!r}",
+                path=self._path,
+                key=self._name,
+            )
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        piece = self._view[start : start + len(dst)]
+        np.copyto(dst, piece)
+        if self._xxh3 is None:
+            return
+        if start == 0:
+            self._hasher, self._hashed = checksum.new(), 0
+        if self._hasher is not None and start == self._hashed:
+            self._hasher.update(piece)
+            self._hashed += len(piece)
+            if self._hashed == self.nbytes:
+                self._check(checksum.hexdigest(self._hasher))
+                self._hasher = None
+        else:
+            # Out-of-order copies (no writer of savepoint does this): check the whole tensor once.
+            self._hasher = None
+            self._check(checksum.digest(self._view))
+
+    def release(self) -> None:
+        self._hasher = None
+        self._hashed = 0
+
+    def load(self) -> np.ndarray[Any, Any]:
+        """A read-only view of the mapping (no copy), checked first when a checksum is known."""
+        if self._xxh3 is not None:
+            self._check(checksum.digest(self._view))
+        return self._view.view(self.dtype.numpy).reshape(self.shape)
+
+
+class FileRangeTensor(LazyTensor):
+    """``nbytes`` at ``offset`` in an open file, read straight into each destination buffer."""
+
+    def __init__(
+        self, fd: int, offset: int, dtype: DType, shape: tuple[int, ...], *, path: str = ""
+    ) -> None:
+        super().__init__(dtype, shape)
+        self._fd = fd
+        self._offset = offset
+        self._path = path
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        view = dst.data.cast("B")
+        pos = self._offset + start
+        while len(view):
+            n = os.preadv(self._fd, [view], pos)
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"{self._path}: the file ended while reading tensor data (was it changed "
+                    "while being read?)",
+                    path=self._path,
+                )
+            view, pos = view[n:], pos + n
+
+
+class ConcatTensor(LazyTensor):
+    """The concatenation of ``parts`` along ``axis``; made on the first copy, dropped on release.
+
+    The parts are usually mapped (so reading them costs no memory); the result is the one tensor
+    a conversion holds at a time.
+    """
+
+    def __init__(self, parts: Sequence[LazyTensor], axis: int) -> None:
+        shape = list(parts[0].shape)
+        shape[axis] = sum(p.shape[axis] for p in parts)
+        super().__init__(parts[0].dtype, tuple(shape))
+        self.parts = tuple(parts)
+        self.axis = axis
+        self._flat: np.ndarray[Any, Any] | None = None
+
+    def _bytes(self) -> np.ndarray[Any, Any]:
+        if self._flat is None:
+            joined = np.concatenate([p.load() for p in self.parts], axis=self.axis)
+            self._flat = np.ascontiguousarray(joined).reshape(-1).view(U8)
+        return self._flat
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        np.copyto(dst, self._bytes()[start : start + len(dst)])
+
+    def release(self) -> None:
+        self._flat = None
+
+    def load(self) -> np.ndarray[Any, Any]:
+        try:
+            out: np.ndarray[Any, Any] = self._bytes().view(self.dtype.numpy).reshape(self.shape)
+            return np.array(out)
+        finally:
+            self.release()
+
+
+def to_framework(array: np.ndarray[Any, Any], dtype: DType, framework: str) -> Any:
+    """``array`` as numpy (unchanged) or as a torch tensor sharing its memory."""
+    if framework == "numpy":
+        return array
+    if framework != "torch":
+        raise ValueError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+    from savepoint.state import _torch
+
+    if not array.flags.writeable:
+        array = array.copy()
+    return _torch.from_numpy(array, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors files
+# ---------------------------------------------------------------------------------------------
+
+
+class SafetensorsFile:
+    """A safetensors file opened for reading; every header rule is checked before mapping.
+
+    ``entries`` are in header order; ``tensor(name)`` is a :class:`MappedTensor` (no copy).
+    Close it (or use ``with``) when done; arrays from ``load()`` keep the mapping alive.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            fd = local.open_read(path)
+        except (local.SymlinkError, local.NotRegularFileError) as exc:
+            raise CorruptCheckpointError(
+                f"{path} {exc.strerror}; refusing to read it", path=path
+            ) from None
+        except FileNotFoundError:
+            from savepoint.errors import CheckpointNotFoundError
+
+            raise CheckpointNotFoundError(f"no file at {path}", path=path) from None
+        try:
+            self.size = os.fstat(fd).st_size
+            try:
+                n = st_format.header_length(local.read_exact(fd, 0, min(8, self.size)), self.size)
+                raw = local.read_exact(fd, 8, n)
+                entries, metadata = st_format.parse_header(raw, self.size)
+            except st_format.HeaderError as exc:
+                raise CorruptCheckpointError(f"{path}: {exc}", path=path) from None
+            self.header_size = 8 + n
+            self._map = local.MappedFile(fd, self.size)
+        finally:
+            os.close(fd)
+        self.entries = entries
+        self.metadata = metadata
+        self._by_name = {e.name: e for e in entries}
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._map.close()
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def entry(self, name: str) -> st_format.Entry:
+        return self._by_name[name]
+
+    def tensor(self, name: str) -> MappedTensor:
+        e = self._by_name[name]
+        return MappedTensor(
+            self._map.slice(e.start, e.end), dtypes.from_name(e.dtype), e.shape, path=self.path
+        )
+
+
+def safetensors_header(
+    tensors: Sequence[tuple[str, TensorSource]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[TensorSource]]:
+    """The header (length prefix included) for ``tensors`` and the sources in data order.
+
+    The header lists tensors in the given order; the data is laid out largest itemsize first
+    (stable), so with the 8-byte-padded header every tensor is aligned to its itemsize.
+    """
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i][1].dtype.itemsize)
+    offsets: dict[int, tuple[int, int]] = {}
+    position = 0
+    for i in order:
+        n = tensors[i][1].nbytes
+        offsets[i] = (position, position + n)
+        position += n
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    for i, (name, source) in enumerate(tensors):
+        if name == "__metadata__" or name in header:
+            raise ValueError(f"tensor name {name!r} is reserved or repeated")
+        header[name] = {
+            "dtype": source.dtype.name,
+            "shape": list(source.shape),
+            "data_offsets": list(offsets[i]),
+        }
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, [tensors[i][1] for i in order]
+
+
+def write_safetensors(
+    path: str,
+    tensors: Sequence[tuple[str, TensorSource]],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Stream ``tensors`` into a new safetensors file at ``path`` (which must not exist), fsynced."""
+    header, ordered = safetensors_header(tensors, metadata)
+    local.write_file(path, header, ordered)
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic single files
+# ---------------------------------------------------------------------------------------------
+
+
+def write_error(target: str, exc: OSError) -> CheckpointWriteError:
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    return CheckpointWriteError(
+        f"writing {target} failed: {reason} ({exc.filename or target}); any previous file there "
+        "is intact and no temporary file remains",
+        path=target,
+        errno=exc.errno,
+    )
+
+
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[str]:
+    """Yield a temporary path next to ``path``; when the block succeeds, the file written there
+    (and fsynced by the caller) replaces ``path`` atomically and the parent is fsynced. On any
+    error the temporary file is removed and ``path`` is untouched."""
+    target = os.path.abspath(path)
+    parent = os.path.dirname(target)
+    tmp = atomic.staging_path(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        atomic.clean_stale(target)  # temporaries of writers that died (never a live one's)
+        yield tmp
+        os.replace(tmp, target)
+        local.fsync_dir(parent)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise write_error(target, exc) from exc
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str) -> Iterator[str]:
+    """Yield an empty staging directory next to ``path``; on success it becomes ``path`` through
+    :func:`savepoint.commit.atomic.commit` (replacing what is there in one step)."""
+    target = os.path.abspath(path)
+    staging = atomic.staging_path(target)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        atomic.clean_stale(target)
+        os.mkdir(staging)
+        yield staging
+        atomic.commit(staging, target)
+    except BaseException as exc:
+        atomic.remove_tree(staging)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise write_error(target, exc) from exc
+        raise
+
+
+def fsync_file(f: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------------------
+# what inspect / verify report
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """A checkpoint described without reading its tensor data, for any supported format.
+
+    ``format`` is one of ``savepoint``, ``shrew``, ``safetensors``, ``boostr``,
+    ``boostr-distributed``; ``version`` is the format's own version number where it has one.
+    ``tensors`` and ``values`` use the flat keys a conversion to savepoint's format would give.
+    """
+
+    path: str
+    format: str
+    version: int | None
+    tensors: tuple[TensorEntry, ...]
+    values: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def label(self) -> str:
+        return self.format if self.version is None else f"{self.format} v{self.version}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "version": self.version,
+            "metadata": self.metadata,
+            "total_bytes": self.total_bytes,
+            "files": self.files,
+            "tensors": [
+                {
+                    "key": t.key,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "nbytes": t.nbytes,
+                    "file": t.file,
+                }
+                for t in self.tensors
+            ],
+            "values": {k: _jsonable(v) for k, v in self.values.items()},
+            "notes": list(self.notes),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, bytes):
+        return {"bytes": len(value)}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,149 @@
+"""Which format a path holds, and ``inspect`` / ``verify`` for every format savepoint reads.
+
+Detection, by path and content (nothing but small marker files and the first 8 bytes is read):
+
+==================  ===================================================================
+format              recognised by
+==================  ===================================================================
+savepoint           a directory holding ``manifest.json`` (or a path whose checkpoint an
+                    interrupted replace left under a hidden name, as ``sp.load`` finds it)
+boostr-distributed  a directory holding ``sharding_meta.json``
+boostr              a directory holding ``training_state.json``
+shrew               a file starting with ``b"SHRW"`` (its header gives the version)
+safetensors         any other file named ``*.safetensors``, or whose first 8 bytes are a
+                    plausible header length followed by ``{``
+==================  ===================================================================
+
+``inspect_any`` and ``verify_any`` describe any of them as a :class:`FormatInfo`; for savepoint's
+own format they run ``sp.inspect`` / ``sp.verify`` (every checksum). The other formats have no
+checksums, so ``verify_any`` checks their whole structure and reads every data byte once.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+from savepoint.commit import atomic
+from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
+from savepoint.formats import _files, boostr, shrew
+from savepoint.formats import manifest as mf
+from savepoint.formats import safetensors as st_format
+from savepoint.formats._files import FormatInfo, TensorEntry
+
+__all__ = ["FORMATS", "FormatInfo", "detect", "inspect_any", "verify_any"]
+
+FORMATS = ("savepoint", "shrew", "safetensors", "boostr", "boostr-distributed")
+
+
+def _head(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(9)
+    except OSError:
+        return b""
+
+
+def detect(path: str | os.PathLike[str]) -> str:
+    """The format at ``path``: one of :data:`FORMATS`.
+
+    Raises CheckpointNotFoundError when nothing is there and IncompatibleCheckpointError when
+    the path holds something else.
+    """
+    p = os.path.abspath(os.fspath(path))
+    if os.path.isdir(p):
+        if os.path.isfile(os.path.join(p, mf.NAME)):
+            return "savepoint"
+        if os.path.isfile(os.path.join(p, boostr.SHARDING)):
+            return "boostr-distributed"
+        if os.path.isfile(os.path.join(p, boostr.STATE)):
+            return "boostr"
+        raise IncompatibleCheckpointError(
+            f"{p} is a directory without {mf.NAME} (savepoint), {boostr.STATE} (boostr) or "
+            f"{boostr.SHARDING} (distributed boostr): not a checkpoint savepoint knows (an "
+            "interrupted savepoint save leaves no manifest.json: use an earlier checkpoint)",
+            path=p,
+        )
+    if not os.path.lexists(p):
+        if atomic.resolve(p) is not None:
+            return "savepoint"
+        raise CheckpointNotFoundError(f"no checkpoint at {p}", path=p)
+    head = _head(p)
+    if head.startswith(shrew.MAGIC):
+        return "shrew"
+    if p.endswith(".safetensors"):
+        return "safetensors"
+    if len(head) == 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if n <= st_format.MAX_HEADER_BYTES:
+            return "safetensors"
+    raise IncompatibleCheckpointError(
+        f"{p} is not a checkpoint savepoint knows (a .shrew file starts with b'SHRW'; a "
+        "safetensors file is named *.safetensors)",
+        path=p,
+    )
+
+
+def _safetensors(path: str, read_all: bool) -> FormatInfo:
+    with _files.SafetensorsFile(path) as f:
+        if read_all:
+            for e in f.entries:
+                _files.drain(f.tensor(e.name))
+        name = os.path.basename(path)
+        return FormatInfo(
+            path=path,
+            format="safetensors",
+            version=None,
+            tensors=tuple(
+                TensorEntry(e.name, e.dtype, e.shape, e.end - e.start, name) for e in f.entries
+            ),
+            metadata=dict(f.metadata),
+            files={name: f.size},
+            notes=("safetensors files have no checksums: verify checks structure and sizes only",),
+        )
+
+
+def _native(path: str, verify: bool) -> FormatInfo:
+    # The one reference upwards (formats -> checkpoint): savepoint's own format is described by
+    # the layer that composes it.
+    from savepoint import checkpoint
+
+    info = checkpoint.verify(path) if verify else checkpoint.inspect(path)
+    return FormatInfo(
+        path=info.path,
+        format="savepoint",
+        version=info.format_version,
+        tensors=tuple(TensorEntry(t.key, t.dtype, t.shape, t.nbytes, t.file) for t in info.tensors),
+        values=dict(info.values),
+        metadata=dict(info.metadata),
+        files=dict(info.files),
+        notes=(f"written by {info.writer} at {info.created}",),
+    )
+
+
+def inspect_any(path: str | os.PathLike[str]) -> FormatInfo:
+    """Describe the checkpoint at ``path`` (keys, dtypes, shapes, sizes, values, metadata)
+    without reading tensor data; every structural rule of its format is checked."""
+    p = os.path.abspath(os.fspath(path))
+    kind = detect(p)
+    if kind == "savepoint":
+        return _native(p, verify=False)
+    if kind == "shrew":
+        return shrew.inspect(p)
+    if kind == "safetensors":
+        return _safetensors(p, read_all=False)
+    return boostr.inspect(p)
+
+
+def verify_any(path: str | os.PathLike[str]) -> FormatInfo:
+    """Check the checkpoint at ``path`` as far as its format allows; raises a CheckpointError
+    subclass on the first problem, returns its description when intact."""
+    p = os.path.abspath(os.fspath(path))
+    kind = detect(p)
+    if kind == "savepoint":
+        return _native(p, verify=True)
+    if kind == "shrew":
+        return shrew.verify(p)
+    if kind == "safetensors":
+        return _safetensors(p, read_all=True)
+    return boostr.verify(p)

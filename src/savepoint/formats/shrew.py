@@ -1,0 +1,579 @@
+"""``.shrew`` files, the seed framework's binary checkpoints, read and written as the seed lays them out.
+
+Layout. Integers are unsigned little-endian; ``str`` is a ``u32`` byte length then that many
+bytes of UTF-8; ``f64`` is an IEEE 754 double, little-endian::
+
+    v1 (named tensors)
+      magic     4 bytes     b"SHRW"
+      version   u32         1
+      count     u32         number of tensors
+      count x tensor
+
+    tensor
+      key       str         e.g. "graph/param"
+      dtype     u8          0 F32, 1 F64, 2 U8, 3 U32, 4 I64, 5 F16, 6 BF16
+      ndim      u32
+      dims      ndim x u32  C order; ndim 0 is a scalar (one element)
+      data_len  u64         bytes of data: product(dims) x itemsize
+      data      data_len bytes, the values in C order, little-endian
+
+    v2 (training checkpoint)
+      magic     4 bytes     b"SHRW"
+      version   u32         2
+      sections, each a u8 tag and a body, until the end tag:
+        0x01 model       count u32; count x tensor
+        0x02 optimizer   type str; n_scalars u32; n_scalars x (key str, value f64);
+                         n_buffers u32; n_buffers x (key str, len u64, len x f64)
+        0x03 metadata    epoch u64; global_step u64; best_loss f64; n u32; n x f64 (loss history)
+        0xFF end of file
+
+What this module writes:
+- tensor data is the raw little-endian bytes of the stored dtype. (The seed goes through f64 on
+  both sides, which is exact for every dtype but I64 beyond 2**53; savepoint never converts.)
+- v2 sections in the seed's order: model, optimizer (only when there is an optimizer state),
+  metadata, end. The seed writes optimizer scalars and buffers in HashMap order, which is
+  arbitrary; savepoint writes each list sorted by key (code point order), so equal states give
+  equal bytes. Model tensors keep the caller's order.
+- dtypes the format has no tag for (bool, int8, int32, float8, complex...) raise
+  UnsupportedStateError naming the key and the dtype: nothing is cast silently. So do keys that
+  are not valid UTF-8, repeated keys, and sizes beyond the u32 / u64 fields.
+
+What the reader enforces, where the seed's reader is looser (every rule raises
+CorruptCheckpointError, or IncompatibleCheckpointError for a valid file savepoint cannot hold):
+- the magic; versions 1 and 2 only (others: IncompatibleCheckpointError);
+- every length (key, dims, data, buffer, loss history) is checked against what is left of the
+  input before anything is allocated or read, so a hostile length fails fast and small;
+- ``data_len`` must equal product(dims) x itemsize (Python integers: no overflow); at most 64
+  dims (numpy's limit: IncompatibleCheckpointError);
+- unknown dtype tags and unknown section tags are errors; a section may appear at most once;
+  the model and metadata sections and the end tag are required (the seed always writes them);
+  sections are accepted in any order, optimizer scalars and buffers too;
+- a key repeated within the model section, the scalars or the buffers is an error;
+- keys must be valid UTF-8; nothing may follow the last tensor (v1) or the end tag (v2).
+
+Reading gives numpy arrays of the stored dtype (bfloat16 from ``ml_dtypes``) or, with
+``framework="torch"``, torch tensors. Paths are written atomically (temporary sibling, fsync,
+rename, fsync of the directory); streams are written from their current position.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Literal
+
+import numpy as np
+
+from savepoint.errors import (
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+    StateMismatchError,
+)
+from savepoint.formats import _files
+from savepoint.formats._files import FileRangeTensor, FormatInfo, LazyTensor, TensorEntry
+from savepoint.formats._shrew_codec import (
+    DTYPE_TAGS,
+    MAGIC,
+    TAG_OF,
+    VERSION_TENSORS,
+    VERSION_TRAINING,
+    Input,
+    OptimizerSection,
+    Parsed,
+    Record,
+    Tensors,
+    as_source,
+    check_source,
+    pairs,
+    parse,
+    read_header,
+    write_tensors,
+    write_training,
+)
+from savepoint.state import arrays
+from savepoint.state.optimizer import OptimizerState
+
+__all__ = [
+    "DTYPE_TAGS",
+    "MAGIC",
+    "OptimizerSection",
+    "ShrewFile",
+    "TAG_OF",
+    "TrainingCheckpoint",
+    "check_source",
+    "from_bytes",
+    "load",
+    "load_params",
+    "load_tensors",
+    "load_training",
+    "read_version",
+    "save",
+    "save_parts",
+    "save_tensors",
+    "save_training",
+    "to_bytes",
+    "training_from_bytes",
+    "training_to_bytes",
+    "write_tensors",
+    "write_training",
+]
+
+Framework = Literal["numpy", "torch"]
+PathOrStream = str | os.PathLike[str] | BinaryIO
+
+
+# ---------------------------------------------------------------------------------------------
+# the training checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingCheckpoint:
+    """A v2 file's content, with the seed's fields and defaults.
+
+    ``model_params`` maps names to arrays or tensors (a sequence of ``(name, tensor)`` pairs is
+    accepted too when writing); loading gives an insertion-ordered dict. ``optimizer_state`` is an
+    :class:`~savepoint.OptimizerState` or None (then the file has no optimizer section).
+    ``epoch`` and ``global_step`` are integers in ``[0, 2**64)``.
+    """
+
+    model_params: Mapping[str, Any] = field(default_factory=dict)
+    optimizer_state: OptimizerState | None = None
+    epoch: int = 0
+    global_step: int = 0
+    best_loss: float = math.inf
+    loss_history: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_torch(
+        cls,
+        model: Any,
+        optimizer: Any = None,
+        *,
+        epoch: int = 0,
+        global_step: int = 0,
+        best_loss: float = math.inf,
+        loss_history: Sequence[float] = (),
+    ) -> TrainingCheckpoint:
+        """A checkpoint of a torch module's ``state_dict()`` (shared, not copied: the writer
+        copies) and, when given, ``optimizer_state_from_torch(optimizer)``."""
+        from savepoint.state.optimizer import optimizer_state_from_torch
+
+        return cls(
+            model_params=dict(model.state_dict()),
+            optimizer_state=None if optimizer is None else optimizer_state_from_torch(optimizer),
+            epoch=epoch,
+            global_step=global_step,
+            best_loss=best_loss,
+            loss_history=list(loss_history),
+        )
+
+    def restore(self, model: Any, optimizer: Any = None) -> int:
+        """Copy the parameters present here into ``model`` (see :func:`load_params`) and, when
+        ``optimizer`` is given, this optimizer state into it (``optimizer_state_to_torch``).
+        Returns the number of parameters loaded."""
+        if optimizer is not None and self.optimizer_state is None:
+            raise IncompatibleCheckpointError(
+                "this training checkpoint has no optimizer state to restore; restore the model "
+                "alone (optimizer=None)"
+            )
+        count = load_params(model, dict(pairs(self.model_params)))
+        if optimizer is not None:
+            from savepoint.state.optimizer import optimizer_state_to_torch
+
+            assert self.optimizer_state is not None
+            optimizer_state_to_torch(self.optimizer_state, optimizer)
+        return count
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _input(source: PathOrStream | bytes | bytearray | memoryview) -> Iterator[Input]:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        yield Input(io.BytesIO(bytes(source)), "<bytes>")
+        return
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no file at {path}", path=path) from None
+        with f:
+            yield Input(f, path)
+        return
+    if not callable(getattr(source, "read", None)):
+        raise TypeError(f"expected a path, bytes or a binary stream, got {type(source).__name__}")
+    yield Input(source, str(getattr(source, "name", "<stream>")))
+
+
+def read_version(source: PathOrStream | bytes) -> int:
+    """The version in a .shrew header (1 or 2), reading only the first 8 bytes."""
+    with _input(source) as inp:
+        return read_header(inp)
+
+
+def _wrong_version(inp: Input, found: int, wanted: int) -> IncompatibleCheckpointError:
+    hint = (
+        "read it with load_training (or load(path, model) for its parameters)"
+        if found == VERSION_TRAINING
+        else "read it with load_tensors"
+    )
+    return IncompatibleCheckpointError(
+        f"{inp.name} is a .shrew v{found} file, not v{wanted}; {hint}", path=inp.name
+    )
+
+
+def _read(source: PathOrStream | bytes, version: int | None) -> Parsed:
+    with _input(source) as inp:
+        parsed = parse(inp, eager=True)
+        if version is not None and parsed.version != version:
+            raise _wrong_version(inp, parsed.version, version)
+        return parsed
+
+
+def _tensor_dict(records: list[Record], framework: str) -> dict[str, Any]:
+    return {r.name: _files.to_framework(r.array(), r.dtype, framework) for r in records}
+
+
+def load_tensors(source: PathOrStream, *, framework: Framework = "numpy") -> dict[str, Any]:
+    """Named tensors of a v1 file (path or binary stream), in file order."""
+    return _tensor_dict(_read(source, VERSION_TENSORS).tensors, framework)
+
+
+def from_bytes(
+    data: bytes | bytearray | memoryview, *, framework: Framework = "numpy"
+) -> dict[str, Any]:
+    """``load_tensors`` for a v1 file image in memory."""
+    return _tensor_dict(_read(bytes(data), VERSION_TENSORS).tensors, framework)
+
+
+def _training(parsed: Parsed, framework: str, name: str) -> TrainingCheckpoint:
+    state = None
+    if parsed.optimizer is not None:
+        kind, scalars, buffers = parsed.optimizer
+        keys = [k for k, _ in scalars] + [b.name for b in buffers]
+        if not kind or not all(keys):
+            raise IncompatibleCheckpointError(
+                f"{name}: the optimizer section has an empty "
+                f"{'type name' if not kind else 'key'}; sp.OptimizerState needs non-empty names",
+                path=name,
+            )
+        state = OptimizerState(kind)
+        state.scalars = dict(scalars)
+        state.buffers = {b.name: b.array() for b in buffers}
+    return TrainingCheckpoint(
+        model_params=_tensor_dict(parsed.tensors, framework),
+        optimizer_state=state,
+        epoch=parsed.epoch,
+        global_step=parsed.global_step,
+        best_loss=parsed.best_loss,
+        loss_history=parsed.loss_history,
+    )
+
+
+def load_training(source: PathOrStream, *, framework: Framework = "numpy") -> TrainingCheckpoint:
+    """The training checkpoint in a v2 file (path or binary stream)."""
+    return _load_training(source, framework)
+
+
+def _load_training(source: PathOrStream | bytes, framework: str) -> TrainingCheckpoint:
+    with _input(source) as inp:
+        parsed = parse(inp, eager=True)
+        if parsed.version != VERSION_TRAINING:
+            raise _wrong_version(inp, parsed.version, VERSION_TRAINING)
+        return _training(parsed, framework, inp.name)
+
+
+def training_from_bytes(
+    data: bytes | bytearray | memoryview, *, framework: Framework = "numpy"
+) -> TrainingCheckpoint:
+    """``load_training`` for a v2 file image in memory."""
+    return _load_training(bytes(data), framework)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+
+
+def _write(target: PathOrStream, write: Any) -> None:
+    if isinstance(target, (str, os.PathLike)):
+        with _files.atomic_file(os.fspath(target)) as tmp, open(tmp, "xb") as f:
+            write(f)
+            _files.fsync_file(f)
+    elif callable(getattr(target, "write", None)):
+        write(target)
+    else:
+        raise TypeError(f"expected a path or a binary stream, got {type(target).__name__}")
+
+
+def save_tensors(target: PathOrStream, tensors: Tensors) -> None:
+    """Write named tensors (a mapping, or a sequence of ``(name, tensor)`` pairs) as a v1 file."""
+    _write(target, lambda f: write_tensors(f, tensors))
+
+
+def to_bytes(tensors: Tensors) -> bytes:
+    buf = io.BytesIO()
+    write_tensors(buf, tensors)
+    return buf.getvalue()
+
+
+def _write_checkpoint(stream: BinaryIO, ckpt: TrainingCheckpoint) -> None:
+    if not isinstance(ckpt, TrainingCheckpoint):
+        raise TypeError(f"expected a TrainingCheckpoint, got {type(ckpt).__name__}")
+    write_training(
+        stream,
+        ckpt.model_params,
+        None if ckpt.optimizer_state is None else OptimizerSection.of(ckpt.optimizer_state),
+        epoch=ckpt.epoch,
+        global_step=ckpt.global_step,
+        best_loss=ckpt.best_loss,
+        loss_history=ckpt.loss_history,
+    )
+
+
+def save_training(target: PathOrStream, ckpt: TrainingCheckpoint) -> None:
+    """Write a training checkpoint as a v2 file (path: atomically; stream: from its position)."""
+    _write(target, lambda f: _write_checkpoint(f, ckpt))
+
+
+def save_parts(
+    target: PathOrStream,
+    model: Tensors,
+    optimizer: OptimizerSection | None,
+    *,
+    epoch: int = 0,
+    global_step: int = 0,
+    best_loss: float = math.inf,
+    loss_history: Iterable[float] = (),
+) -> None:
+    """``save_training`` from parts: tensors may be lazy and the optimizer a prepared section
+    (used by conversion, which streams every tensor and buffer)."""
+    _write(
+        target,
+        lambda f: write_training(
+            f,
+            model,
+            optimizer,
+            epoch=epoch,
+            global_step=global_step,
+            best_loss=best_loss,
+            loss_history=loss_history,
+        ),
+    )
+
+
+def training_to_bytes(ckpt: TrainingCheckpoint) -> bytes:
+    buf = io.BytesIO()
+    _write_checkpoint(buf, ckpt)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------
+
+
+def save(target: PathOrStream, model: Any) -> None:
+    """Save a model's parameters as a v1 file: a torch module's ``state_dict()`` or a mapping."""
+    params = model.state_dict() if callable(getattr(model, "state_dict", None)) else model
+    save_tensors(target, params)
+
+
+def load_params(model: Any, params: Mapping[str, Any]) -> int:
+    """Copy each of ``params`` into the same-named entry of ``model`` (a torch module's
+    ``state_dict()`` entries, or a mapping of arrays/tensors), in place. Entries the model lacks are
+    skipped, as the seed does; the model's entries missing from ``params`` keep their values.
+
+    Every name present on both sides must agree in shape and dtype; all disagreements are reported
+    in one StateMismatchError before anything is modified. Returns the number of entries loaded.
+    """
+    targets = model.state_dict() if callable(getattr(model, "state_dict", None)) else model
+    if not isinstance(targets, Mapping):
+        raise TypeError(f"cannot load into a {type(model).__name__}: not a module or a mapping")
+    problems: list[tuple[str, str]] = []
+    pairs: list[tuple[str, Any, Any]] = []
+    for name, value in params.items():
+        if name not in targets:
+            continue
+        source = as_source(value, name)
+        found = arrays.describe(targets[name])
+        want = (source.dtype.name, source.shape)
+        if found is None:
+            problems.append((name, f"the target is a {type(targets[name]).__name__}, not a tensor"))
+        elif found != want:
+            problems.append(
+                (name, f"{want[0]} {list(want[1])} in the file, {found[0]} {list(found[1])} here")
+            )
+        else:
+            pairs.append((name, targets[name], value))
+    if problems:
+        raise StateMismatchError(problems)
+    for name, target, value in pairs:
+        if isinstance(target, np.ndarray):
+            if not target.flags.writeable:
+                raise IncompatibleCheckpointError(f"cannot load {name!r} into a read-only array")
+            np.copyto(target, _host(value, name), casting="no")
+        else:
+            import torch
+
+            from savepoint.state import _torch
+
+            if arrays.is_torch_tensor(value):
+                with torch.no_grad():
+                    target.copy_(value)
+            else:
+                _torch.copy_into(target, _host(value, name), as_source(value, name).dtype)
+    return len(pairs)
+
+
+def _host(value: Any, key: str) -> np.ndarray[Any, Any]:
+    """``value`` as a host numpy array of its own dtype (arrays as they are, others copied)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, LazyTensor):
+        return value.load()
+    source = as_source(value, key)
+    out = np.empty(source.nbytes, dtype=np.uint8)
+    try:
+        for pos in range(0, source.nbytes, _files.CHUNK):
+            source.copy_to(out[pos : pos + _files.CHUNK], pos)
+    finally:
+        source.release()
+    return out.view(source.dtype.numpy).reshape(source.shape)
+
+
+def load(source: PathOrStream, model: Any) -> int:
+    """Load the parameters of a .shrew file (v1, or a v2 file's model section) into ``model``
+    (see :func:`load_params`); returns how many were loaded."""
+    parsed = _read(source, None)
+    return load_params(model, {r.name: r.array() for r in parsed.tensors})
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming access (conversion, inspect, verify)
+# ---------------------------------------------------------------------------------------------
+
+
+class ShrewFile:
+    """A .shrew file opened without reading its data: the whole structure is checked on open,
+    tensors and optimizer buffers are :class:`FileRangeTensor` objects read on demand.
+
+    ``tensors`` (the model section for v2) and the optimizer's ``buffers`` are in file order.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no file at {self.path}", path=self.path) from None
+        try:
+            inp = Input(self._file, self.path)
+            parsed = parse(inp, eager=False)
+        except BaseException:
+            self._file.close()
+            raise
+        self.size = inp.pos
+        fd = self._file.fileno()
+
+        def lazy(r: Record) -> FileRangeTensor:
+            return FileRangeTensor(fd, r.offset, r.dtype, r.shape, path=self.path)
+
+        self.version = parsed.version
+        self.tensors: dict[str, FileRangeTensor] = {r.name: lazy(r) for r in parsed.tensors}
+        self.optimizer_type: str | None = None
+        self.scalars: dict[str, float] = {}
+        self.buffers: dict[str, FileRangeTensor] = {}
+        if parsed.optimizer is not None:
+            kind, scalars, buffers = parsed.optimizer
+            self.optimizer_type = kind
+            self.scalars = dict(scalars)
+            self.buffers = {b.name: lazy(b) for b in buffers}
+        self.epoch = parsed.epoch
+        self.global_step = parsed.global_step
+        self.best_loss = parsed.best_loss
+        self.loss_history = parsed.loss_history
+
+    def __enter__(self) -> ShrewFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def tree(self) -> dict[str, Any]:
+        """The content as a state tree, the shape ``sp.save`` would store: v1 ``{name: tensor}``;
+        v2 ``{"model": {...}, "optimizer": OptimizerState.state_dict() layout (when present),
+        "epoch", "global_step", "best_loss", "loss_history"}``. Tensors are lazy."""
+        if self.version == VERSION_TENSORS:
+            return dict(self.tensors)
+        tree: dict[str, Any] = {"model": dict(self.tensors)}
+        if self.optimizer_type is not None:
+            tree["optimizer"] = {
+                "optimizer_type": self.optimizer_type,
+                "scalars": dict(self.scalars),
+                "buffers": dict(self.buffers),
+            }
+        tree.update(
+            epoch=self.epoch,
+            global_step=self.global_step,
+            best_loss=self.best_loss,
+            loss_history=list(self.loss_history),
+        )
+        return tree
+
+    def info(self) -> FormatInfo:
+        name = os.path.basename(self.path)
+        prefix = "" if self.version == VERSION_TENSORS else "model/"
+        entries = [
+            TensorEntry(prefix + k, t.dtype.name, t.shape, t.nbytes, name)
+            for k, t in self.tensors.items()
+        ]
+        entries += [
+            TensorEntry(f"optimizer/buffers/{k}", "F64", t.shape, t.nbytes, name)
+            for k, t in self.buffers.items()
+        ]
+        values: dict[str, Any] = {}
+        if self.version == VERSION_TRAINING:
+            if self.optimizer_type is not None:
+                values["optimizer/optimizer_type"] = self.optimizer_type
+                values.update({f"optimizer/scalars/{k}": v for k, v in self.scalars.items()})
+            values.update(
+                epoch=self.epoch,
+                global_step=self.global_step,
+                best_loss=self.best_loss,
+                loss_history=list(self.loss_history),
+            )
+        return FormatInfo(
+            path=self.path,
+            format="shrew",
+            version=self.version,
+            tensors=tuple(entries),
+            values=values,
+            files={name: self.size},
+            notes=("the .shrew format has no checksums: verify checks structure and sizes only",),
+        )
+
+
+def inspect(path: str | os.PathLike[str]) -> FormatInfo:
+    with ShrewFile(path) as f:
+        return f.info()
+
+
+def verify(path: str | os.PathLike[str]) -> FormatInfo:
+    """Check the whole structure and read every data byte (the format has no checksums)."""
+    with ShrewFile(path) as f:
+        for t in [*f.tensors.values(), *f.buffers.values()]:
+            _files.drain(t)
+        return f.info()
