@@ -30,6 +30,7 @@ from savepoint.errors import (
     StateMismatchError,
     UnsupportedStateError,
 )
+from savepoint.inference import InferenceSnapshot, SnapshotHistory, SnapshotMetadata
 from savepoint.runs import policies as policies
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.sweep import Sweep
@@ -55,12 +56,15 @@ __all__ = [
     "DataPosition",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
+    "InferenceSnapshot",
     "MissingCheckpointError",
     "OptimizerState",
     "PendingSave",
     "RNGState",
     "ResumableSampler",
     "RunMismatchError",
+    "SnapshotHistory",
+    "SnapshotMetadata",
     "StateMismatchError",
     "Stateful",
     "Sweep",

@@ -52,7 +52,7 @@ class Staged:
     tree: Node
     files: list[StagedFile]
     order: list[str]  # tensor names in state order (the manifest's order)
-    wait: Callable[[], None] = field(default=lambda: None)  # blocks until device copies land
+    wait: Callable[[], None] = field(default=lambda: _nothing())  # blocks until copies land
 
     @property
     def nbytes(self) -> int:
@@ -107,8 +107,10 @@ class StagingArena:
         total = 0
         for fp in plans:
             header, entries = safetensors.layout(
-                [(n, flat.tensors[n].dtype.name, flat.tensors[n].shape, flat.tensors[n].nbytes)
-                 for n in fp.tensors]
+                [
+                    (n, flat.tensors[n].dtype.name, flat.tensors[n].shape, flat.tensors[n].nbytes)
+                    for n in fp.tensors
+                ]
             )
             size = entries[-1].end if entries else len(header)
             layouts.append((fp.name, header, entries, total, size))
@@ -126,7 +128,7 @@ class StagingArena:
                 job = (source, image[e.start : e.end])
                 (device_jobs if _on_cuda(source) else host_jobs).append(job)
             files.append(StagedFile(name, header, entries, image, size))
-        wait: Callable[[], None] = lambda: None
+        wait: Callable[[], None] = _nothing
         if device_jobs:
             from savepoint.state import _torch
 
@@ -144,6 +146,10 @@ class StagingArena:
         for source, _ in host_jobs:
             source.release()
         return Staged(flat.tree, files, list(flat.tensors), wait)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _on_cuda(source: TensorSource) -> bool:

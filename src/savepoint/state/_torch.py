@@ -138,11 +138,9 @@ def empty(d: DType, shape: tuple[int, ...]) -> torch.Tensor:
 def from_numpy(array: np.ndarray[Any, Any], d: DType) -> torch.Tensor:
     """A torch tensor sharing ``array``'s memory, for any stored dtype (bfloat16, float8 included)."""
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    t = (
-        torch.from_numpy(flat)
-        if flat.flags.writeable
-        else torch.frombuffer(flat, dtype=torch.uint8)
-    )
+    if not flat.flags.writeable:  # torch wants writable memory (frombuffer would warn)
+        flat = flat.copy()
+    t = torch.from_numpy(flat)
     return t.view(dtypes.torch_dtype(d)).reshape(array.shape)
 
 

@@ -1,0 +1,550 @@
+"""The kizzasi inference-checkpoint layout (seed 003): JSON and MessagePack, read and write.
+
+The seed (``kizzasi_inference::checkpoint::Checkpoint``, serde-derived) writes, in this field
+order::
+
+    {
+      "version": 1,                          u32, CHECKPOINT_VERSION; the seed refuses any other
+      "config": {"max_context": 8192, "store_history": true, "num_layers": 4,
+                 "hidden_dim": 256, "state_dim": 16},          its ContextConfig, all fields
+      "states": [                            one per layer
+        {"hidden_dim": 2, "state_dim": 3,    usize, usize
+         "state_data": [0.0, 1.5, ...],      f32 x hidden_dim*state_dim, the matrix row-major
+         "updated": true}                    bool; the seed always writes true, its reader
+      ],                                     ignores it
+      "history": [[1.0, 2.0], [3.0, 4.0]],   input vectors (f32 lists), oldest first
+      "step_count": 2,                       usize
+      "metadata": {"timestamp": 1700000000,  u64 seconds since the Unix epoch
+                   "description": "", "model_id": "unknown", "tags": []}
+    }
+
+``save_json`` pretty-prints it (serde_json ``to_writer_pretty``: two-space indent, no trailing
+newline), ``to_bytes`` writes it compact. The seed's MessagePack (``rmp_serde::encode::write``)
+holds the same values with every struct written as an array of its fields in the order above
+(``config`` included: ``[max_context, store_history, num_layers, hidden_dim, state_dim]``);
+``rmp_serde`` reads structs from such arrays or from maps keyed by field name. The seed's readers
+ignore unknown keys; its reader fails on a missing field, on a ``null``, a string or a boolean
+where it wants a number, and on NaN/Infinity in JSON.
+
+What savepoint writes (``to_json`` / ``to_msgpack``) is that layout with extra keys for what the
+seed cannot express, so the seed still reads every document (as f32 matrices):
+
+- an array that is not the seed's plain case (a 2-D float32 state, a 1-D float32 history entry)
+  gets ``"dtype"`` (savepoint's dtype name: ``"F64"``, ``"BF16"``, ``"I64"``, ``"BOOL"``, ``"C64"``,
+  ...) and ``"shape"`` (a list). Its values are still written flat, row-major, as numbers the
+  seed's ``f32`` reader accepts: integers as integers, booleans as 0/1, complex numbers as
+  interleaved (real, imaginary) pairs, every float exactly (see below). ``hidden_dim`` x
+  ``state_dim`` is then ``shape[0]`` x (the rest, times 2 for complex); a 0-d array is 1 x 1;
+- ``"kind": "torch"`` marks an array captured from a torch tensor (read back as one);
+- non-finite floats (NaN, +-Inf, which JSON cannot hold and serde_json refuses) are written as
+  ``0.0`` in the values and listed in ``"nonfinite": [[index, "7fc00000"], ...]``: the flat index
+  (into the interleaved values for complex) and the raw bits as lowercase hex of the element
+  width, so every NaN payload and sign comes back bit-exact. MessagePack uses the same rule, so
+  both encodings carry the same document;
+- a state's extra keys sit in its own object; a history entry's sit in the top-level
+  ``"history_layout"`` list, parallel to ``"history"`` (``null`` for a plain entry; the key is
+  omitted when every entry is plain).
+
+Numbers. JSON floats are written with Python's ``repr`` of the value widened to float64: the
+shortest text that parses back to exactly that float64, and a float32 (or float16, bfloat16,
+float8) widened to float64 is exact, so the value comes back bit for bit, through Python's
+parser and through serde_json's (even without its ``float_roundtrip`` feature: a one-ulp float64
+error cannot move a value that is exactly a float32). Values that print the same both ways
+(``0.5``, ``-0.0``, ``100.0``) give the seed's bytes exactly; others are longer than the seed's
+(``0.10000000149011612`` for its ``0.1``) and exponents are spelled ``1e+300`` (serde: ``1e300``),
+all valid JSON for the same values. The seed writes float32 as their shortest float32 text
+(``0.1``), which savepoint parses to float64 and narrows, the path serde_json itself takes.
+Integers (usize, u64, int64 and uint64 data) are exact in both directions.
+
+MessagePack numbers are fixed width by dtype: float32 (and the narrower floats, widened) as
+``float 32`` (0xca), float64 as ``float 64`` (0xcb), integers as the int/uint family of their
+width (0xcc-0xd3), booleans as positive fixints 0/1. Savepoint writes maps (rmp_serde's named
+form: for the seed's plain case its bytes are exactly ``rmp_serde::encode::write_named``'s) and
+reads maps or the seed's arrays.
+
+The seed's reader also requires its ContextConfig fields in ``config``; savepoint writes the
+snapshot's config verbatim, so give it those fields when the seed is to read the result.
+
+Cost: both readers build Python lists before arrays (about 100 ms per MiB of float32 for JSON,
+20 for MessagePack, on the development machine); :mod:`savepoint.formats.snapshot` is the fast
+encoding.
+
+Version: ``1``, the only one the seed knows; savepoint's extra keys are additions within it. A
+document of another version is an IncompatibleCheckpointError.
+
+Reading is strict (hostile input): wrong types, missing fields, duplicate keys, value counts that
+disagree with ``hidden_dim`` x ``state_dim`` or with ``shape``, numbers outside their dtype's
+range, shapes over 64 dimensions or 2**62 nominal bytes are CorruptCheckpointError. Every array is
+built from a list the input already holds, so no allocation exceeds what the input justifies.
+Unknown keys are ignored, as the seed ignores them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import numpy as np
+
+from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from savepoint.formats import _json
+from savepoint.formats.snapshot import (
+    KINDS,
+    RecordError,
+    SnapshotRecord,
+    check_config,
+    check_record,
+    check_shape,
+    is_count,
+)
+from savepoint.state import dtypes
+from savepoint.state.dtypes import DType
+
+CHECKPOINT_VERSION = 1
+CHECKPOINT_FIELDS = ("version", "config", "states", "history", "step_count", "metadata")
+STATE_FIELDS = ("hidden_dim", "state_dim", "state_data", "updated")
+METADATA_FIELDS = ("timestamp", "description", "model_id", "tags")
+CONTEXT_CONFIG_FIELDS = ("max_context", "store_history", "num_layers", "hidden_dim", "state_dim")
+
+_FLOATS = {"F16", "BF16", "F32", "F64", "C64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+_INTS = {"U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}
+_MSGPACK_INT = {
+    "U8": (0xCC, ">u1"),
+    "U16": (0xCD, ">u2"),
+    "U32": (0xCE, ">u4"),
+    "U64": (0xCF, ">u8"),
+    "I8": (0xD0, ">i1"),
+    "I16": (0xD1, ">i2"),
+    "I32": (0xD2, ">i4"),
+    "I64": (0xD3, ">i8"),
+}
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Numbers:
+    """An array's flat values as written: complex split into pairs, non-finite zeroed."""
+
+    flat: np.ndarray[Any, Any]
+    dtype: DType
+
+    def to_list(self) -> list[Any]:
+        name = self.dtype.name
+        if name == "BOOL":
+            return self.flat.astype(np.uint8).tolist()  # type: ignore[no-any-return]
+        if name in _INTS or name in ("F32", "F64", "C64"):
+            return self.flat.tolist()  # type: ignore[no-any-return]
+        return self.flat.astype(np.float64).tolist()  # type: ignore[no-any-return]
+
+    def to_msgpack(self, packer: Any) -> bytes:
+        name, flat = self.dtype.name, self.flat
+        head: bytes = packer.pack_array_header(flat.size)
+        if name == "BOOL":
+            return head + flat.astype(np.uint8).tobytes()  # positive fixints 0x00 / 0x01
+        marker, wire = _MSGPACK_INT.get(name) or ((0xCB, ">f8") if name == "F64" else (0xCA, ">f4"))
+        items = np.empty(flat.size, dtype=[("marker", "u1"), ("value", wire)])
+        items["marker"] = marker
+        # Narrow floats (float16, bfloat16, float8) widen to float32 exactly.
+        items["value"] = (
+            flat
+            if flat.dtype.kind in "iub" or name in ("F32", "F64", "C64")
+            else (flat.astype(np.float32))
+        )
+        return head + items.tobytes()
+
+
+def _numbers(array: np.ndarray[Any, Any], d: DType) -> tuple[_Numbers, list[list[Any]]]:
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if d.name == "C64":
+        flat = flat.view(np.float32)
+    nonfinite: list[list[Any]] = []
+    if d.name in _FLOATS:
+        wide = flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float32)
+        bad = ~np.isfinite(wide)
+        if bad.any():
+            width = flat.dtype.itemsize
+            bits = flat.view(f"<u{width}")
+            nonfinite = [[int(i), f"{int(bits[i]):0{2 * width}x}"] for i in np.flatnonzero(bad)]
+            flat = flat.copy()
+            flat[bad] = 0
+    return _Numbers(flat, d), nonfinite
+
+
+def seed_dims(shape: tuple[int, ...], d: DType) -> tuple[int, int]:
+    """(hidden_dim, state_dim) the seed sees for an array of ``shape``: its flat values as a
+    matrix of ``shape[0]`` rows (one row for a 0-d array), complex values counting twice."""
+    pair = 2 if d.name == "C64" else 1
+    if not shape:
+        return 1, pair
+    return shape[0], math.prod(shape[1:]) * pair
+
+
+def _extras(array: np.ndarray[Any, Any], d: DType, kind: str, plain_ndim: int) -> dict[str, Any]:
+    extras: dict[str, Any] = {}
+    if d.name != "F32" or array.ndim != plain_ndim:
+        extras["dtype"] = d.name
+        extras["shape"] = list(array.shape)
+    if kind == "torch":
+        extras["kind"] = "torch"
+    return extras
+
+
+def _document(record: SnapshotRecord, numbers: Callable[[_Numbers], Any]) -> dict[str, Any]:
+    states = []
+    for i, (array, kind) in enumerate(zip(record.states, record.kinds("states"))):
+        d = dtypes.from_numpy(array.dtype, f"states/{i}")
+        values, nonfinite = _numbers(array, d)
+        hidden_dim, state_dim = seed_dims(tuple(array.shape), d)
+        entry = {
+            "hidden_dim": hidden_dim,
+            "state_dim": state_dim,
+            "state_data": numbers(values),
+            "updated": True,
+            **_extras(array, d, kind, 2),
+        }
+        if nonfinite:
+            entry["nonfinite"] = nonfinite
+        states.append(entry)
+    history = []
+    layout: list[dict[str, Any] | None] = []
+    for i, (array, kind) in enumerate(zip(record.history, record.kinds("history"))):
+        d = dtypes.from_numpy(array.dtype, f"history/{i}")
+        values, nonfinite = _numbers(array, d)
+        history.append(numbers(values))
+        extras = _extras(array, d, kind, 1)
+        if nonfinite:
+            extras["nonfinite"] = nonfinite
+        layout.append(extras or None)
+    doc: dict[str, Any] = {
+        "version": record.version,
+        "config": record.config,
+        "states": states,
+        "history": history,
+        "step_count": record.step_count,
+        "metadata": {
+            "timestamp": record.timestamp,
+            "description": record.description,
+            "model_id": record.model_id,
+            "tags": list(record.tags),
+        },
+    }
+    if any(entry is not None for entry in layout):
+        doc["history_layout"] = layout
+    return doc
+
+
+def encode_json(record: SnapshotRecord, *, indent: int | None = None) -> str:
+    """The JSON text of ``record``: compact (the seed's ``to_bytes``) or, with ``indent=2``,
+    laid out as the seed's ``save_json`` lays it out."""
+    doc = _document(record, _Numbers.to_list)
+    separators = (",", ": ") if indent is not None else (",", ":")
+    return json.dumps(
+        doc, indent=indent, separators=separators, ensure_ascii=False, allow_nan=False
+    )
+
+
+def encode_msgpack(record: SnapshotRecord) -> bytes:
+    """The MessagePack bytes of ``record``: the JSON document as maps, numbers fixed width."""
+    packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    out: list[bytes] = []
+
+    def pack(obj: Any) -> None:
+        if isinstance(obj, _Numbers):
+            out.append(obj.to_msgpack(packer))
+        elif isinstance(obj, dict):
+            out.append(packer.pack_map_header(len(obj)))
+            for key, value in obj.items():
+                out.append(packer.pack(key))
+                pack(value)
+        elif isinstance(obj, list):
+            out.append(packer.pack_array_header(len(obj)))
+            for value in obj:
+                pack(value)
+        else:
+            out.append(packer.pack(obj))
+
+    pack(_document(record, lambda numbers: numbers))
+    return b"".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise _Malformed(message)
+
+
+def decode_json(text: str | bytes | bytearray) -> SnapshotRecord:
+    """The record held by a JSON document in the seed's layout (savepoint's extra keys included)."""
+    if isinstance(text, str):
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CorruptCheckpointError("kizzasi JSON is not valid Unicode") from None
+    elif isinstance(text, (bytes, bytearray)):
+        raw = bytes(text)
+    else:
+        raise TypeError(f"expected str or bytes, got {type(text).__name__}")
+    doc = _json.loads(raw, CorruptCheckpointError, "kizzasi JSON")
+    return _parse(doc, "kizzasi JSON")
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Malformed(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def decode_msgpack(data: bytes | bytearray | memoryview) -> SnapshotRecord:
+    """The record held by MessagePack ``data``: savepoint's maps or the seed's arrays."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected bytes, got {type(data).__name__}")
+    n = memoryview(data).nbytes
+    try:
+        doc = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            object_pairs_hook=_no_duplicates,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n,
+            max_ext_len=n,
+        )
+    except _Malformed as exc:
+        raise CorruptCheckpointError(f"kizzasi MessagePack is malformed: {exc}") from None
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise CorruptCheckpointError(
+            f"kizzasi MessagePack is malformed or truncated: {reason}"
+        ) from None
+    return _parse(_named(doc), "kizzasi MessagePack")
+
+
+def _named(doc: Any) -> Any:
+    """The seed's positional MessagePack (structs as arrays) as the named form; maps pass."""
+
+    def struct(value: Any, fields: tuple[str, ...], what: str) -> Any:
+        if isinstance(value, list):
+            if len(value) != len(fields):
+                raise CorruptCheckpointError(
+                    f"kizzasi MessagePack: {what} as an array must have {len(fields)} fields "
+                    f"({', '.join(fields)}), got {len(value)}"
+                )
+            return dict(zip(fields, value))
+        return value
+
+    if isinstance(doc, list) and doc and is_count(doc[0]) and doc[0] != CHECKPOINT_VERSION:
+        return {"version": doc[0]}  # another version: its fields may be laid out differently
+    doc = struct(doc, CHECKPOINT_FIELDS, "the checkpoint")
+    if isinstance(doc, dict):
+        doc = dict(doc)
+        if "config" in doc:
+            doc["config"] = struct(doc["config"], CONTEXT_CONFIG_FIELDS, "config")
+        if "metadata" in doc:
+            doc["metadata"] = struct(doc["metadata"], METADATA_FIELDS, "metadata")
+        if isinstance(doc.get("states"), list):
+            doc["states"] = [
+                struct(s, STATE_FIELDS, f"states[{i}]") for i, s in enumerate(doc["states"])
+            ]
+    return doc
+
+
+def _parse(doc: Any, what: str) -> SnapshotRecord:
+    try:
+        return _parse_document(doc)
+    except _Malformed as exc:
+        raise CorruptCheckpointError(f"{what}: {exc}") from None
+    except RecordError as exc:
+        raise CorruptCheckpointError(f"{what}: {exc}") from None
+
+
+def _parse_document(doc: Any) -> SnapshotRecord:
+    _need(isinstance(doc, dict), "the document is not an object")
+    _need("version" in doc, "missing field version")
+    version = doc["version"]
+    _need(is_count(version), f"version must be a non-negative integer, got {version!r}")
+    if version != CHECKPOINT_VERSION:
+        # Before anything else: another version may lay its fields out differently.
+        raise IncompatibleCheckpointError(
+            f"kizzasi checkpoint version {version}; savepoint reads version {CHECKPOINT_VERSION} "
+            "(the only version the seed defines)"
+        )
+    missing = [f for f in CHECKPOINT_FIELDS if f not in doc]
+    _need(not missing, f"missing field(s) {', '.join(missing)}")
+    _need(isinstance(doc["config"], dict), "config must be an object")
+    config = check_config(doc["config"])
+    metadata = doc["metadata"]
+    _need(isinstance(metadata, dict), "metadata must be an object")
+    missing = [f for f in METADATA_FIELDS if f not in metadata]
+    _need(not missing, f"metadata: missing field(s) {', '.join(missing)}")
+    _need(isinstance(metadata["tags"], list), "metadata tags must be a list")
+    raw_states, raw_history = doc["states"], doc["history"]
+    _need(isinstance(raw_states, list), "states must be a list")
+    _need(isinstance(raw_history, list), "history must be a list")
+
+    states, state_kinds = [], []
+    for i, entry in enumerate(raw_states):
+        where = f"states[{i}]"
+        _need(isinstance(entry, dict), f"{where} is not an object")
+        missing = [f for f in STATE_FIELDS if f not in entry]
+        _need(not missing, f"{where}: missing field(s) {', '.join(missing)}")
+        hidden_dim, state_dim = entry["hidden_dim"], entry["state_dim"]
+        _need(
+            is_count(hidden_dim) and is_count(state_dim),
+            f"{where}: hidden_dim and state_dim must be non-negative integers",
+        )
+        _need(isinstance(entry["updated"], bool), f"{where}: updated must be a boolean")
+        array, kind = _array(entry["state_data"], entry, (hidden_dim, state_dim), where)
+        d = dtypes.from_numpy(array.dtype, where)
+        _need(
+            seed_dims(tuple(array.shape), d) == (hidden_dim, state_dim),
+            f"{where}: hidden_dim x state_dim {hidden_dim} x {state_dim} disagrees with shape "
+            f"{list(array.shape)}",
+        )
+        states.append(array)
+        state_kinds.append(kind)
+
+    layout = doc.get("history_layout")
+    if layout is None:
+        layout = [None] * len(raw_history)
+    _need(
+        isinstance(layout, list) and len(layout) == len(raw_history),
+        "history_layout must be a list with one entry per history element",
+    )
+    history, history_kinds = [], []
+    for i, (values, extras) in enumerate(zip(raw_history, layout)):
+        where = f"history[{i}]"
+        _need(extras is None or isinstance(extras, dict), f"history_layout[{i}] is not an object")
+        _need(isinstance(values, list), f"{where} is not a list of numbers")
+        array, kind = _array(values, extras or {}, (len(values),), where)
+        history.append(array)
+        history_kinds.append(kind)
+
+    record = SnapshotRecord(
+        states=states,
+        history=history,
+        step_count=doc["step_count"],
+        config=config,
+        timestamp=metadata["timestamp"],
+        description=metadata["description"],
+        model_id=metadata["model_id"],
+        tags=metadata["tags"],
+        state_kinds=state_kinds,
+        history_kinds=history_kinds,
+        version=version,
+    )
+    check_record(record)
+    return record
+
+
+def _array(
+    values: Any, extras: dict[str, Any], default_shape: tuple[int, ...], where: str
+) -> tuple[np.ndarray[Any, Any], str]:
+    """One array from its flat values and its extra keys (dtype, shape, kind, nonfinite)."""
+    name = extras.get("dtype", "F32")
+    _need(isinstance(name, str) and name in dtypes.BY_NAME, f"{where}: unknown dtype {name!r}")
+    d = dtypes.BY_NAME[name]
+    shape = check_shape(extras["shape"], d.itemsize, where) if "shape" in extras else default_shape
+    kind = extras.get("kind", "numpy")
+    _need(kind in KINDS, f"{where}: kind must be 'numpy' or 'torch', got {kind!r}")
+    _need(isinstance(values, list), f"{where}: values must be a list of numbers")
+    pair = 2 if name == "C64" else 1
+    expected = math.prod(shape) * pair
+    _need(
+        len(values) == expected,
+        f"{where}: {len(values)} values for shape {list(shape)} of {name} ({expected} needed)",
+    )
+    flat = _flat(values, d, where)
+    nonfinite = extras.get("nonfinite", [])
+    if nonfinite:
+        _need(name in _FLOATS, f"{where}: nonfinite values in an array of {name}")
+        _patch_nonfinite(flat, nonfinite, where)
+    if name == "C64":
+        flat = flat.view(np.complex64)
+    array = flat.reshape(shape)
+    array.flags.writeable = False
+    return array, kind
+
+
+def _flat(values: list[Any], d: DType, where: str) -> np.ndarray[Any, Any]:
+    """``values`` as a flat array of ``d`` (its float32 components for complex), checked."""
+    types = set(map(type, values))
+    name = d.name
+    if name == "BOOL":
+        _need(types <= {int, bool}, f"{where}: boolean values must be 0 or 1")
+        _need(all(v in (0, 1) for v in values), f"{where}: boolean values must be 0 or 1")
+        return np.array(values, dtype=np.uint8).astype(np.bool_)
+    if name in _INTS:
+        _need(types <= {int}, f"{where}: {name} values must be integers")
+        if values:
+            info = np.iinfo(d.numpy)
+            _need(
+                info.min <= min(values) and max(values) <= info.max,
+                f"{where}: a value lies outside the range of {name}",
+            )
+        return np.array(values, dtype=d.numpy)
+    _need(types <= {int, float}, f"{where}: {name} values must be numbers")
+    try:
+        wide = np.array(values, dtype=np.float64)
+    except (OverflowError, ValueError, TypeError):
+        raise _Malformed(f"{where}: a value is not a float64 number") from None
+    target = np.dtype(np.float32) if name == "C64" else d.numpy
+    if target == np.float64:
+        return wide
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = wide.astype(target)
+        check = narrow if target == np.float32 else narrow.astype(np.float32)
+    _need(
+        not (~np.isfinite(check) & np.isfinite(wide)).any(),
+        f"{where}: a value lies outside the range of {name}",
+    )
+    return narrow
+
+
+def _patch_nonfinite(flat: np.ndarray[Any, Any], entries: Any, where: str) -> None:
+    width = flat.dtype.itemsize
+    _need(isinstance(entries, list), f"{where}: nonfinite must be a list of [index, bits]")
+    seen: set[int] = set()
+    indices, bits = [], []
+    for entry in entries:
+        _need(
+            isinstance(entry, list)
+            and len(entry) == 2
+            and is_count(entry[0], flat.size)
+            and isinstance(entry[1], str)
+            and len(entry[1]) == 2 * width
+            and _HEX.fullmatch(entry[1]) is not None,
+            f"{where}: a nonfinite entry is not [index, {2 * width} hex digits]",
+        )
+        _need(entry[0] not in seen, f"{where}: nonfinite index {entry[0]} repeats")
+        seen.add(entry[0])
+        indices.append(entry[0])
+        bits.append(int(entry[1], 16))
+    unsigned = np.dtype(f"<u{width}")
+    patch = np.array(bits, dtype=unsigned).view(flat.dtype)
+    wide = patch if patch.dtype in (np.float32, np.float64) else patch.astype(np.float32)
+    _need(not np.isfinite(wide).any(), f"{where}: a nonfinite entry holds a finite value")
+    flat.view(unsigned)[indices] = patch.view(unsigned)
