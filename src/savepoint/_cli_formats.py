@@ -11,36 +11,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
 
 import click
 
+from savepoint._text import size as _size
+from savepoint._text import table as _table
 from savepoint.conversion import TARGETS, convert
 from savepoint.errors import CheckpointError
 from savepoint.formats import detect
 from savepoint.formats._files import FormatInfo
 
 __all__ = ["convert_cmd", "handles", "inspect_other", "verify_other"]
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(w) if i < len(row) - 1 else cell
-            for i, (cell, w) in enumerate(zip(row, widths))
-        )
-        for row in rows
-    )
 
 
 def _fail(exc: CheckpointError) -> None:

@@ -9,24 +9,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
 import click
 
 from savepoint import _cli_formats, checkpoint
+from savepoint._text import size as _size
+from savepoint._text import table as _table
 from savepoint._version import __version__
 from savepoint.errors import CheckpointError
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError  # pragma: no cover
 
 
 @contextmanager
@@ -64,17 +57,6 @@ def main() -> None:
 
 
 main.add_command(_cli_formats.convert_cmd)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(w) if i < len(row) - 1 else cell
-            for i, (cell, w) in enumerate(zip(row, widths))
-        )
-        for row in rows
-    )
 
 
 @main.command("inspect")
