@@ -22,6 +22,9 @@ ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "StateMismatchError": (ValueError, sp.IncompatibleCheckpointError),
     "UnsupportedStateError": (TypeError,),
     "CheckpointWriteError": (OSError,),
+    "DistributedCheckpointError": (RuntimeError,),
+    "MissingCheckpointError": (ValueError, sp.CorruptCheckpointError),
+    "RunMismatchError": (ValueError, sp.IncompatibleCheckpointError),
 }
 
 

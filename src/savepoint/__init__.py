@@ -18,11 +18,13 @@ from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.checkpoint import CheckpointInfo, TensorInfo, inspect, load, save, verify
 from savepoint.conversion import ConversionError, ConversionReport, convert
+from savepoint.distributed import FlatShard, Partitioned, Shard
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
     MissingCheckpointError,
@@ -54,15 +56,19 @@ __all__ = [
     "ConversionReport",
     "CorruptCheckpointError",
     "DataPosition",
+    "DistributedCheckpointError",
+    "FlatShard",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "InferenceSnapshot",
     "MissingCheckpointError",
     "OptimizerState",
+    "Partitioned",
     "PendingSave",
     "RNGState",
     "ResumableSampler",
     "RunMismatchError",
+    "Shard",
     "SnapshotHistory",
     "SnapshotMetadata",
     "StateMismatchError",

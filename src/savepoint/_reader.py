@@ -3,6 +3,12 @@
 Every check that can be made from the manifest happens in :func:`read_manifest` before any data
 file is opened. A data file is opened only when a requested tensor lives in it; its size must equal
 the recorded size and its header must hash to the recorded value before it is mapped.
+
+Sharded checkpoints (manifest version 2) store some tensors as several shards. :meth:`Reader.transfer`
+assembles such a tensor whole from its shards (that is how ``load`` without a process group, and
+``verify``, read them); :meth:`Reader.read_shards` copies chosen regions of chosen shards into
+arbitrary targets (the resharding loads of :mod:`savepoint.distributed`). Both check a shard's
+checksum over the whole shard, fused with the copy where the copy covers it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +31,7 @@ from savepoint.errors import (
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
 )
-from savepoint.formats import checksum, safetensors
+from savepoint.formats import boxes, checksum, safetensors
 from savepoint.formats import manifest as mf
 from savepoint.state import arrays, dtypes
 from savepoint.storage import local
@@ -79,6 +86,28 @@ def read_manifest(path: str, dir_fd: int | None = None) -> mf.Manifest:
         raise IncompatibleCheckpointError(f"{path}: {exc}", path=path) from None
     except mf.ManifestError as exc:
         raise CorruptCheckpointError(f"{file}: {exc}", path=path) from None
+
+
+@dataclass(frozen=True)
+class RegionCopy:
+    """Copy ``region`` (global coordinates) of a tensor out of one of its shards into ``dst``.
+
+    ``src`` is the piece of the shard's buffer that holds ``region``; ``dst`` is a typed array
+    holding the box of the tensor that starts at ``dst_origin`` (global coordinates).
+    """
+
+    src: boxes.Piece
+    region: boxes.Box
+    dst: np.ndarray[Any, Any]
+    dst_origin: tuple[int, ...]
+
+
+ShardTask = tuple[str, int, Sequence[RegionCopy]]  # (tensor ref, shard index, copies)
+
+
+def _view(array: np.ndarray[Any, Any], index: tuple[slice, ...]) -> np.ndarray[Any, Any]:
+    # ``a[()]`` of a 0-d array is a scalar, not a view; ``a[...]`` is a view.
+    return array[index] if index else array[...]
 
 
 class Reader:
@@ -183,8 +212,15 @@ class Reader:
     def prepare(self, refs: Iterable[str], *, check_header: bool = True) -> None:
         """Open, size-check and header-check every file holding ``refs``, before any allocation:
         a manifest that claims more data than the files hold fails here, not in ``np.empty``."""
-        for name in sorted({self.manifest.tensors[r].file for r in refs}):
+        names = {s.file for r in refs for s in self.manifest.tensors[r].layout()}
+        self.prepare_files(names, check_header=check_header)
+
+    def prepare_files(self, names: Iterable[str], *, check_header: bool = True) -> None:
+        for name in sorted(names):
             self.open_file(name, check_header=check_header)
+
+    def is_split(self, ref: str) -> bool:
+        return self.manifest.tensors[ref].is_split
 
     def transfer(
         self,
@@ -199,32 +235,157 @@ class Reader:
         memory that the copy has just brought into cache (about 15% over a bare copy). Tensors are
         spread over the thread pool, largest first, small ones in bundles. A mismatch raises
         CorruptCheckpointError naming the tensor; other tensors may already have been copied.
+        A tensor split over shards is assembled from them, each shard checked the same way.
         """
         # Files are mapped (and their sizes and headers checked) here, in order, before any copy.
-        sources = [(ref, self.raw(ref, check_header=verify), dst) for ref, dst in jobs]
+        work: list[tuple[int, Callable[[], None]]] = []
+        split: list[ShardTask] = []
         lock = threading.Lock()
+        for ref, dst in jobs:
+            if self.manifest.tensors[ref].is_split:
+                split.extend(self._assemble(ref, dst))
+                continue
+            src = self.raw(ref, check_header=verify)
+            work.append(
+                (
+                    len(src),
+                    functools.partial(self._copy_whole, ref, src, dst, verify, progress, lock),
+                )
+            )
+        work += self._shard_work(split, verify=verify, progress=progress, lock=lock)
+        self._run(work)
 
-        def run(
-            bundle: list[tuple[str, np.ndarray[Any, Any], np.ndarray[Any, Any] | None]],
-        ) -> None:
-            for ref, src, dst in bundle:
-                hasher = checksum.new() if verify else None
-                for pos in range(0, len(src), PIECE):
-                    piece = src[pos : pos + PIECE]
-                    if hasher is not None:
-                        hasher.update(piece)
-                    if dst is not None:
-                        np.copyto(dst[pos : pos + PIECE], piece)
-                    if progress is not None:
-                        with lock:
-                            progress(len(piece))
-                if (
-                    hasher is not None
-                    and checksum.hexdigest(hasher) != self.manifest.tensors[ref].xxh3
-                ):
-                    raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
+    def _copy_whole(
+        self,
+        ref: str,
+        src: np.ndarray[Any, Any],
+        dst: np.ndarray[Any, Any] | None,
+        verify: bool,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> None:
+        hasher = checksum.new() if verify else None
+        for pos in range(0, len(src), PIECE):
+            piece = src[pos : pos + PIECE]
+            if hasher is not None:
+                hasher.update(piece)
+            if dst is not None:
+                np.copyto(dst[pos : pos + PIECE], piece)
+            if progress is not None:
+                with lock:
+                    progress(len(piece))
+        if hasher is not None and checksum.hexdigest(hasher) != self.manifest.tensors[ref].xxh3:
+            raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
 
-        _parallel.run_all(run, _parallel.bundles(sources, lambda job: len(job[1])))
+    @staticmethod
+    def _run(work: list[tuple[int, Callable[[], None]]]) -> None:
+        def run(bundle: list[tuple[int, Callable[[], None]]]) -> None:
+            for _, fn in bundle:
+                fn()
+
+        _parallel.run_all(run, _parallel.bundles(work, lambda item: item[0]))
+
+    def _assemble(self, ref: str, dst: np.ndarray[Any, Any] | None) -> list[ShardTask]:
+        """Tasks that copy every shard of a split tensor into its place in ``dst`` (bytes)."""
+        rec = self.manifest.tensors[ref]
+        if dst is None:
+            return [(ref, i, ()) for i in range(len(rec.shards))]
+        typed = dst.view(dtypes.from_name(rec.dtype).numpy).reshape(rec.shape)
+        origin = (0,) * len(rec.shape)
+        return [
+            (
+                ref,
+                i,
+                [RegionCopy(p, p.box, typed, origin) for p in boxes.pieces(s.region, rec.shape)],
+            )
+            for i, s in enumerate(rec.shards)
+        ]
+
+    def read_shards(
+        self,
+        tasks: Sequence[ShardTask],
+        *,
+        verify: bool = True,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Run ``(ref, shard index, copies)`` tasks on the thread pool: each shard touched is
+        mapped once and, with ``verify``, hashed whole (a task without copies only checks it).
+
+        The hash runs ahead of the copies in buffer order, a piece at a time, so a copy reads
+        memory the hash has just brought into cache. The granularity of verification is the
+        shard: a rank that needs part of a shard still hashes all of it (with ``verify=False``
+        only the pages holding the needed bytes are touched).
+        """
+        self._run(self._shard_work(tasks, verify=verify, progress=progress, lock=threading.Lock()))
+
+    def _shard_work(
+        self,
+        tasks: Sequence[ShardTask],
+        *,
+        verify: bool,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> list[tuple[int, Callable[[], None]]]:
+        work: list[tuple[int, Callable[[], None]]] = []
+        for ref, index, copies in tasks:
+            shard = self.manifest.tensors[ref].layout()[index]
+            raw = self.open_file(shard.file, check_header=verify).slice(shard.start, shard.end)
+            fn = functools.partial(
+                self._copy_shard, ref, index, raw, copies, verify, progress, lock
+            )
+            work.append((len(raw), fn))
+        return work
+
+    def _copy_shard(
+        self,
+        ref: str,
+        index: int,
+        raw: np.ndarray[Any, Any],
+        copies: Sequence[RegionCopy],
+        verify: bool,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> None:
+        rec = self.manifest.tensors[ref]
+        numpy_dtype = dtypes.from_name(rec.dtype).numpy
+        item = numpy_dtype.itemsize
+        typed = raw.view(numpy_dtype)
+        steps: list[tuple[int, np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
+        for c in copies:
+            src = typed[c.src.offset : c.src.offset + boxes.volume(c.src.box)]
+            src = src.reshape(boxes.extents(c.src.box))
+            for sub in boxes.split(c.region, c.src, PIECE // item):
+                _, hi = boxes.span(sub, c.src)
+                into = tuple(slice(a - o, b - o) for (a, b), o in zip(sub, c.dst_origin))
+                steps.append(
+                    (hi * item, _view(src, boxes.relative(sub, c.src)), _view(c.dst, into))
+                )
+        steps.sort(key=lambda step: step[0])
+        hasher = checksum.new() if verify else None
+        hashed = 0
+        for end, source, target in steps:
+            while hasher is not None and hashed < end:
+                n = min(PIECE, end - hashed)
+                hasher.update(raw[hashed : hashed + n])
+                hashed += n
+            np.copyto(target, source, casting="no")
+            if progress is not None:
+                with lock:
+                    progress(target.nbytes)
+        if hasher is None:
+            return
+        for pos in range(hashed, len(raw), PIECE):
+            hasher.update(raw[pos : pos + PIECE])
+        if not copies and progress is not None:
+            with lock:
+                progress(len(raw))  # a check-only pass (verify) counts the bytes it hashed
+        shard = rec.layout()[index]
+        if checksum.hexdigest(hasher) != shard.xxh3:
+            raise self._corrupt(
+                f"checksum mismatch in tensor {ref!r} (shard {index + 1} of {len(rec.layout())}, "
+                f"{boxes.show(shard.region)} in {shard.file})",
+                key=ref,
+            )
 
     def fill_jobs(
         self, targets: Iterable[tuple[str, Any]]
@@ -268,7 +429,7 @@ class Reader:
         want_torch = framework == "torch" or (
             framework == "auto" and kind == "torch" and _torch_available()
         )
-        if share_memory:
+        if share_memory and not rec.is_split:
             array = self.raw(ref).view(d.numpy).reshape(rec.shape)
             if want_torch:
                 from savepoint.state import _torch

@@ -5,6 +5,11 @@ inside a hidden staging directory, which is then renamed (or atomically exchange
 the parent directory fsynced. A crash at any moment leaves the previous checkpoint or the new one,
 never a mixture. ``load`` trusts nothing on disk: the manifest is checked whole before any data
 file is opened, and every tensor it returns has passed its checksum (unless ``verify=False``).
+
+With ``process_group=...`` (or a state holding ``Shard``, ``FlatShard``, ``Partitioned`` or
+DTensor leaves) ``save`` and ``load`` hand over to :mod:`savepoint.distributed`: sharded
+checkpoints written by every rank at once and loadable on any number of ranks. That package sits
+above this module and is imported only then, so unsharded saves and loads never touch it (nor torch).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ def save(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     writers: int = DEFAULT_WRITERS,
     progress: Progress | None = None,
+    process_group: Any = None,
+    timeout: float | None = None,
 ) -> CheckpointInfo:
     """Save ``state`` to the directory ``path``, atomically and durably; return what was written.
 
@@ -70,7 +77,27 @@ def save(
     If ``path`` already holds a checkpoint it is replaced atomically. A directory at ``path`` that
     is neither empty nor a checkpoint is never touched: that is an error. On any failure (disk full,
     fsync error, an unsupported leaf) nothing at ``path`` changes and no temporary files remain.
+
+    ``process_group`` (a ``torch.distributed`` group; call ``save`` on every rank of it): a sharded
+    save. Each rank writes what it holds (a plain tensor is replicated: one rank writes it;
+    ``sp.Shard``, ``sp.FlatShard``, ``sp.Partitioned`` and DTensor leaves describe parts), rank 0
+    commits one manifest after every rank has fsynced; a failure anywhere raises
+    DistributedCheckpointError on every rank, after ``timeout`` seconds at most for a rank that
+    stopped answering. See ``docs/distributed.md``.
     """
+    if process_group is not None:
+        from savepoint.distributed import save as distributed_save
+
+        return distributed_save.save(
+            path,
+            state,
+            metadata,
+            process_group=process_group,
+            timeout=timeout,
+            max_file_bytes=max_file_bytes,
+            writers=writers,
+            progress=progress,
+        )
     meta = _check_metadata(metadata)
     flat = tree.flatten(state)
     return save_flat(
@@ -86,8 +113,26 @@ def save_flat(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     writers: int = DEFAULT_WRITERS,
     progress: Progress | None = None,
+    process_group: Any = None,
+    timeout: float | None = None,
 ) -> CheckpointInfo:
-    """``save`` for a state already flattened (and checked metadata)."""
+    """``save`` for a state already flattened (and checked metadata).
+
+    With ``process_group``, or when the state holds sharding descriptions (``sp.Shard`` saved by
+    a single process), this is a sharded save (:func:`savepoint.distributed.save.save_flat`)."""
+    if process_group is not None or _has_shards(flat.tree):
+        from savepoint.distributed import save as distributed_save
+
+        return distributed_save.save_flat(
+            path,
+            flat,
+            metadata,
+            process_group=process_group,
+            timeout=timeout,
+            max_file_bytes=max_file_bytes,
+            writers=writers,
+            progress=progress,
+        )
     if max_file_bytes <= 0 or writers < 1:
         raise ValueError("max_file_bytes must be positive and writers at least 1")
     total = sum(s.nbytes for s in flat.tensors.values())
@@ -146,6 +191,27 @@ def commit_checkpoint(
             raise _write_error(target, exc) from exc
         raise
     return _info(target, manifest)
+
+
+def _has_shards(root: tree.Node) -> bool:
+    """Whether a flattened tree holds sharding descriptions (``sp.Shard`` and friends are saved
+    through the Stateful protocol, so every flattening path carries them; see distributed.shard)."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        t = node["t"]
+        if t == "stateful":
+            if node["type"].startswith(_SHARD_TYPES):
+                return True
+            stack.append(node["state"])
+        elif t == "dict":
+            stack.extend(child for _, child in node["items"])
+        elif t in ("list", "tuple"):
+            stack.extend(node["items"])
+    return False
+
+
+_SHARD_TYPES = "savepoint.distributed.shard."
 
 
 def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -209,6 +275,8 @@ def load(
     device: Any = None,
     mmap: bool = False,
     progress: Progress | None = None,
+    process_group: Any = None,
+    timeout: float | None = None,
 ) -> Any:
     """Load a checkpoint: return the saved tree, or restore it into ``into`` in place.
 
@@ -234,11 +302,32 @@ def load(
     overwritten, so restore another checkpoint. ``verify="first"`` checks every checksum before
     modifying anything, at the price of one more pass over the data (about 35% of a warm load);
     ``verify=False`` checks sizes and structure only.
+
+    A sharded checkpoint (saved with ``process_group``) loads on any number of ranks. Without
+    ``into`` its tensors come back whole. With ``process_group`` (call ``load`` on every rank) or
+    with ``sp.Shard`` / ``sp.FlatShard`` / ``sp.Partitioned`` / DTensor targets in ``into``, each
+    rank reads only the byte ranges of the shards that overlap the parts it holds; a failure on
+    any rank raises DistributedCheckpointError on all of them. See ``docs/distributed.md``.
     """
     if verify not in (True, False, "first"):
         raise ValueError(f"verify must be True, False or 'first', not {verify!r}")
     if framework not in ("auto", "numpy", "torch"):
         raise ValueError(f"framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
+    if process_group is not None or (into is not None and _has_shard_targets(into)):
+        from savepoint.distributed import load as distributed_load
+
+        return distributed_load.load(
+            path,
+            into=into,
+            keys=keys,
+            verify=verify,
+            framework=framework,
+            device=device,
+            mmap=mmap,
+            progress=progress,
+            process_group=process_group,
+            timeout=timeout,
+        )
     reader = _reader.Reader.open(
         os.path.abspath(os.fspath(path)), copy_on_write=mmap and into is None
     )
@@ -266,6 +355,14 @@ def load(
         return p.finish(_getter(made, device))
     finally:
         reader.close()
+
+
+def _has_shard_targets(into: Any) -> bool:
+    """Whether ``into`` holds sharded targets outside Stateful objects (cheap: no torch import,
+    nothing but a walk of plain containers)."""
+    from savepoint.distributed import shard
+
+    return shard.has_targets(into)
 
 
 class _Counter:
@@ -345,7 +442,10 @@ def _load_tree(
         ref: reader.allocate(ref, kind, framework, share_memory=share)
         for ref, kind in kinds.items()
     }
-    jobs = [(ref, None if share else arrays.byte_view(obj)) for ref, obj in made.items()]
+    jobs = [
+        (ref, None if share and not reader.is_split(ref) else arrays.byte_view(obj))
+        for ref, obj in made.items()
+    ]
     # A fresh tree is only handed over once complete, so "first" needs no separate pass here.
     reader.transfer(jobs, verify=bool(verify), progress=counter)
     return tree.build(root, _getter(made, device))
@@ -365,6 +465,7 @@ class TensorInfo:
     file: str
     ref: str  # name in the data file; tied leaves share one
     tied_to: str | None = None  # the ref of an earlier leaf this one shares storage with
+    shards: int = 1  # pieces it is stored in (sharded checkpoints); ``file`` is then "N shards"
 
 
 @dataclass(frozen=True)
@@ -378,6 +479,7 @@ class CheckpointInfo:
     values: dict[str, Any]
     files: dict[str, int]
     stateful: dict[str, str] = field(default_factory=dict)
+    world_size: int | None = None  # ranks that saved a sharded checkpoint; None when unsharded
 
     @property
     def total_bytes(self) -> int:
@@ -401,11 +503,13 @@ class CheckpointInfo:
                     "nbytes": t.nbytes,
                     "file": t.file,
                     **({"tied_to": t.tied_to} if t.tied_to else {}),
+                    **({"shards": t.shards} if t.shards > 1 else {}),
                 }
                 for t in self.tensors
             ],
             "values": {k: _jsonable(v) for k, v in self.values.items()},
             "stateful": self.stateful,
+            **({"world_size": self.world_size} if self.world_size is not None else {}),
         }
 
 
@@ -434,9 +538,9 @@ def _info(directory: str, manifest: mf.Manifest) -> CheckpointInfo:
             rec = manifest.tensors[ref]
             tied = ref if ref in seen_refs else None
             seen_refs.add(ref)
-            tensors.append(
-                TensorInfo(unique, rec.dtype, rec.shape, rec.nbytes, rec.file, ref, tied)
-            )
+            n = len(rec.layout())
+            file = rec.file if n == 1 else f"{n} shards"
+            tensors.append(TensorInfo(unique, rec.dtype, rec.shape, rec.nbytes, file, ref, tied, n))
         else:
             values[unique] = tree.plain_value(node)
     stateful: dict[str, str] = {}
@@ -464,6 +568,7 @@ def _info(directory: str, manifest: mf.Manifest) -> CheckpointInfo:
         values=values,
         files={name: f.size for name, f in manifest.files.items()},
         stateful=stateful,
+        world_size=manifest.world_size,
     )
 
 
@@ -482,15 +587,23 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
     with _reader.Reader.open(os.path.abspath(os.fspath(path))) as reader:
         directory, manifest = reader.path, reader.manifest
         counter = _counter(progress, manifest, set(manifest.tensors))
+        expected_sharded = _expected_entries(manifest) if manifest.sharded else {}
         for name in manifest.files:
-            expected = {
-                ref: (rec.dtype, rec.shape, rec.start, rec.end)
-                for ref, rec in manifest.tensors.items()
-                if rec.file == name
-            }
-            found = {
-                e.name: (e.dtype, e.shape, e.start, e.end) for e in reader.header_entries(name)
-            }
+            if manifest.sharded:
+                # Shards are matched by position, dtype and shape; their names are informative.
+                expected: Any = sorted(expected_sharded.get(name, []))
+                found: Any = sorted(
+                    (e.start, e.end, e.dtype, e.shape) for e in reader.header_entries(name)
+                )
+            else:
+                expected = {
+                    ref: (rec.dtype, rec.shape, rec.start, rec.end)
+                    for ref, rec in manifest.tensors.items()
+                    if rec.file == name
+                }
+                found = {
+                    e.name: (e.dtype, e.shape, e.start, e.end) for e in reader.header_entries(name)
+                }
             if found != expected:
                 raise CorruptCheckpointError(
                     f"{directory}: data file {name} does not hold what the manifest records",
@@ -498,3 +611,16 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
                 )
         reader.transfer([(ref, None) for ref in manifest.tensors], progress=counter)
     return _info(directory, manifest)
+
+
+def _expected_entries(
+    manifest: mf.Manifest,
+) -> dict[str, list[tuple[int, int, str, tuple[int, ...]]]]:
+    """(start, end, dtype, stored shape) of every shard, by data file."""
+    out: dict[str, list[tuple[int, int, str, tuple[int, ...]]]] = {}
+    for rec in manifest.tensors.values():
+        for shard in rec.layout():
+            out.setdefault(shard.file, []).append(
+                (shard.start, shard.end, rec.dtype, mf.shard_shape(shard.region))
+            )
+    return out

@@ -19,6 +19,7 @@ from savepoint import _cli_formats, checkpoint
 from savepoint._text import size as _size
 from savepoint._text import table as _table
 from savepoint._version import __version__
+from savepoint.distributed.cli import consolidate_cmd
 from savepoint.errors import CheckpointError
 
 
@@ -57,6 +58,7 @@ def main() -> None:
 
 
 main.add_command(_cli_formats.convert_cmd)
+main.add_command(consolidate_cmd)
 
 
 @main.command("inspect")

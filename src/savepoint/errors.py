@@ -11,7 +11,9 @@
     │   ├── StateMismatchError           ``load(into=...)`` found keys, shapes or dtypes that disagree
     │   └── RunMismatchError             run.json, report.json and the caller disagree about a run
     ├── UnsupportedStateError            (also TypeError) a leaf or key savepoint cannot store
-    └── CheckpointWriteError             (also OSError) the save failed (disk full, fsync error, ...)
+    ├── CheckpointWriteError             (also OSError) the save failed (disk full, fsync error, ...)
+    └── DistributedCheckpointError       (also RuntimeError) a sharded save or load failed on some
+                                         rank(s) or one stopped answering; raised on every rank
 
 Each error subclasses the built-in a caller would naturally catch, so ``except FileNotFoundError`` or
 ``except ValueError`` keeps working. Messages say what went wrong and what to do next.
@@ -20,7 +22,7 @@ Each error subclasses the built-in a caller would naturally catch, so ``except F
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
+    "DistributedCheckpointError",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "MissingCheckpointError",
@@ -143,3 +146,27 @@ class CheckpointWriteError(CheckpointError, OSError):
     ) -> None:
         super().__init__(message, path=path)
         self.errno = errno
+
+
+class DistributedCheckpointError(CheckpointError, RuntimeError):
+    """A sharded save or load (``process_group=...``) failed. Every rank raises this same error.
+
+    ``errors`` maps each rank that failed to what went wrong there (``ranks`` lists them, sorted);
+    a rank that died or stopped answering shows up as a failed collective on the others. On a
+    rank whose own step failed, that exception is the ``__cause__``. A failed save commits
+    nothing: the previous checkpoint at the path is intact.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        errors: Mapping[int, str] | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.errors: dict[int, str] = dict(errors or {})
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.errors))

@@ -45,9 +45,20 @@ class AsyncCheckpointer:
         max_file_bytes: int = checkpoint.DEFAULT_MAX_FILE_BYTES,
         direct: bool = True,
         writers: int = 1,
+        process_group: Any = None,
+        timeout: float | None = None,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
+        if process_group is not None and on_busy == "skip":
+            raise ValueError(
+                "on_busy='skip' cannot be used with a process group: ranks could disagree about "
+                "which saves to skip"
+            )
+        # Sharded saves (process_group): each rank snapshots its part to host memory, and the
+        # background thread runs the two-phase distributed commit (savepoint.distributed.save).
+        self.process_group = process_group
+        self.timeout = timeout
         if max_file_bytes <= 0:
             raise ValueError("max_file_bytes must be positive")
         self.on_busy = on_busy
@@ -88,18 +99,37 @@ class AsyncCheckpointer:
             previous.exception()  # wait; its error is reported below
             self._raise_background_error()
         meta = checkpoint._check_metadata(metadata)
-        # The previous save is finished (waited for above), so its arena may be overwritten.
-        staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
         pending = PendingSave(target)
+        commit: Callable[[], checkpoint.CheckpointInfo]
+        if self.process_group is not None:
+            from savepoint.distributed import save as distributed_save
 
-        def write() -> None:
-            try:
-                info = checkpoint.commit_checkpoint(
+            frozen = distributed_save.snapshot(state)
+
+            def commit() -> checkpoint.CheckpointInfo:
+                return distributed_save.save_flat(
+                    target,
+                    frozen,
+                    meta,
+                    process_group=self.process_group,
+                    timeout=self.timeout,
+                    max_file_bytes=self.max_file_bytes,
+                )
+        else:
+            # The previous save is finished (waited for above), so its arena may be overwritten.
+            staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
+
+            def commit() -> checkpoint.CheckpointInfo:
+                return checkpoint.commit_checkpoint(
                     target,
                     staged.tree,
                     meta,
                     lambda directory: _writer.write_staged(directory, staged, direct=self.direct),
                 )
+
+        def write() -> None:
+            try:
+                info = commit()
                 if on_commit is not None:
                     on_commit(info)
             except BaseException as exc:

@@ -21,8 +21,30 @@ prefix and the header JSON. The last member is always ``manifest_xxh3``, written
 ``,\\n "manifest_xxh3": "<16 hex>"\\n}\\n`` at the end of the file; it is the XXH3-64 of every byte
 before that trailer, so a flipped bit anywhere in the manifest is detected.
 
+Version 2: sharded checkpoints (written by ``save(..., process_group=...)``, one set of data files
+per rank). Unsharded checkpoints are still written as version 1, byte for byte as before. A version 2
+manifest has one more top-level member after ``checksum``, ``"world_size": 4`` (how many ranks
+saved it), and each tensor entry gives the global ``dtype`` and ``shape`` and where its pieces are::
+
+     "tensors": {"model/w": {"dtype": "F32", "shape": [4, 6], "shards": [
+         {"file": "data-r00000-00000.safetensors", "offsets": [128, 176], "xxh3": "...",
+          "box": [[0, 2], [0, 6]]},
+         {"file": "data-r00001-00000.safetensors", "offsets": [128, 176], "xxh3": "...",
+          "box": [[2, 4], [0, 6]]}]}}
+
+A shard holds either a ``box`` (``[start, stop)`` on every dimension, stored contiguously in C order
+with shape ``stop - start``: tensor-parallel pieces, replicated tensors as the full box, ``[]`` for
+a 0-d tensor) or a ``flat`` range ``[start, stop)`` of the tensor flattened in C order (stored as a
+1-D run: FSDP-style flat shards). See :mod:`savepoint.formats.boxes`. Rules checked by the parser:
+every box lies inside the shape and has one ``[start, stop]`` per dimension; a tensor's shards are
+all boxes or all flat ranges, none empty (a tensor without elements has exactly one shard), no two
+share an element and together they hold every element; each shard's byte count is its element count
+times the dtype's itemsize and lies inside the data of its file. In the data file the shard is an
+ordinary safetensors tensor with the shard's own shape (box extents, or ``[stop - start]``) under a
+name unique in that file (the tensor's key, plus ``@`` and the shard's start for partial shards).
+
 Compatibility: readers accept every ``format_version`` up to their own and refuse newer ones with
-an IncompatibleCheckpointError. Version 1 is the first.
+an IncompatibleCheckpointError. Version 1 is the first; version 2 adds sharding.
 
 A manifest is hostile input: :func:`parse` checks it completely (file names that could leave the
 directory, ranges past the recorded file sizes, sizes that disagree with shape x dtype, unknown
@@ -39,11 +61,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from savepoint.formats import _json, checksum
+from savepoint.formats import _json, boxes, checksum
 from savepoint.state import dtypes
 
 FORMAT = "savepoint"
-VERSION = 1
+UNSHARDED = 1  # what an unsharded checkpoint is written as
+SHARDED = 2  # what a sharded checkpoint is written as
+VERSION = SHARDED  # the newest version this reader reads
 NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -58,17 +82,73 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
+class ShardRecord:
+    """One stored piece of a tensor: ``region`` of it, at bytes ``[start, end)`` of ``file``."""
+
+    file: str
+    start: int
+    end: int
+    xxh3: str
+    region: boxes.Region
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
 class TensorRecord:
+    """A tensor. Stored whole (version 1, or a version 2 tensor with one shard): ``file``,
+    ``start``, ``end`` and ``xxh3`` locate its bytes. Split over several shards (version 2):
+    ``file`` is empty and ``shards`` says where each piece is."""
+
     dtype: str
     shape: tuple[int, ...]
     file: str
     start: int
     end: int
     xxh3: str
+    shards: tuple[ShardRecord, ...] = ()
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.shards) > 1
 
     @property
     def nbytes(self) -> int:
+        if self.is_split:
+            return math.prod(self.shape) * dtypes.BY_NAME[self.dtype].itemsize
         return self.end - self.start
+
+    def layout(self) -> tuple[ShardRecord, ...]:
+        """Its shards; a tensor stored whole is one shard holding the full box."""
+        if self.shards:
+            return self.shards
+        return (ShardRecord(self.file, self.start, self.end, self.xxh3, boxes.full(self.shape)),)
+
+
+def whole(dtype: str, shape: tuple[int, ...], shards: tuple[ShardRecord, ...]) -> TensorRecord:
+    """The record of a version 2 tensor (see :class:`TensorRecord`)."""
+    if len(shards) == 1:
+        s = shards[0]
+        return TensorRecord(dtype, shape, s.file, s.start, s.end, s.xxh3, shards)
+    return TensorRecord(dtype, shape, "", 0, 0, "", shards)
+
+
+def shard_name(key: str, region: boxes.Region, shape: tuple[int, ...]) -> str:
+    """The safetensors name of a shard in its data file (see the module docstring)."""
+    if boxes.is_full(region, shape):
+        return key
+    if isinstance(region, boxes.Flat):
+        return f"{key}@{region.start}"
+    return f"{key}@" + ",".join(str(start) for start, _ in region)
+
+
+def shard_shape(region: boxes.Region) -> tuple[int, ...]:
+    """The shape a shard is stored with in its data file."""
+    if isinstance(region, boxes.Flat):
+        return (region.stop - region.start,)
+    return boxes.extents(region)
 
 
 @dataclass
@@ -79,7 +159,12 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     writer: str = ""
     created: str = ""
-    format_version: int = VERSION
+    format_version: int = UNSHARDED
+    world_size: int | None = None  # ranks that wrote a sharded (version 2) checkpoint
+
+    @property
+    def sharded(self) -> bool:
+        return self.format_version >= SHARDED
 
 
 class ManifestError(ValueError):
@@ -90,19 +175,35 @@ class ManifestVersionError(ValueError):
     """The manifest is from a newer format version."""
 
 
+def _shard_json(s: ShardRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {"file": s.file, "offsets": [s.start, s.end], "xxh3": s.xxh3}
+    if isinstance(s.region, boxes.Flat):
+        out["flat"] = [s.region.start, s.region.stop]
+    else:
+        out["box"] = [list(b) for b in s.region]
+    return out
+
+
 def dumps(m: Manifest) -> bytes:
-    body = {
+    body: dict[str, Any] = {
         "format": FORMAT,
         "format_version": m.format_version,
         "writer": m.writer,
         "created": m.created,
         "checksum": checksum.ALGORITHM,
-        "metadata": m.metadata,
-        "files": {
-            name: {"size": f.size, "header_size": f.header_size, "header_xxh3": f.header_xxh3}
-            for name, f in m.files.items()
-        },
-        "tensors": {
+    }
+    if m.sharded:
+        body["world_size"] = m.world_size
+        tensors: dict[str, Any] = {
+            name: {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "shards": [_shard_json(s) for s in t.layout()],
+            }
+            for name, t in m.tensors.items()
+        }
+    else:
+        tensors = {
             name: {
                 "dtype": t.dtype,
                 "shape": list(t.shape),
@@ -111,9 +212,14 @@ def dumps(m: Manifest) -> bytes:
                 "xxh3": t.xxh3,
             }
             for name, t in m.tensors.items()
-        },
-        "tree": m.tree,
+        }
+    body["metadata"] = m.metadata
+    body["files"] = {
+        name: {"size": f.size, "header_size": f.header_size, "header_xxh3": f.header_xxh3}
+        for name, f in m.files.items()
     }
+    body["tensors"] = tensors
+    body["tree"] = m.tree
     # One top-level member per line, each value compact: readable with `head`, small for big trees.
     members = ",\n".join(
         f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), ensure_ascii=True, allow_nan=False)}"
@@ -176,38 +282,24 @@ def parse(raw: bytes) -> Manifest:
         _require(checksum.is_digest(f["header_xxh3"]), f"file {name!r}: bad header checksum")
         files[name] = FileRecord(f["size"], f["header_size"], f["header_xxh3"])
 
+    world_size = None
+    if version >= SHARDED:
+        world_size = doc.get("world_size")
+        _require(_count(world_size) and world_size >= 1, "world_size must be a positive integer")
+
     tensors: dict[str, TensorRecord] = {}
     raw_tensors = doc.get("tensors")
     _require(isinstance(raw_tensors, dict), "tensors must be an object")
     for name, t in raw_tensors.items():
+        if version >= SHARDED:
+            tensors[name] = _sharded_tensor(name, t, files)
+            continue
         _require(
             isinstance(t, dict) and set(t) == {"dtype", "shape", "file", "offsets", "xxh3"},
             f"tensor {name!r}: entry must have dtype, shape, file, offsets, xxh3",
         )
-        _require(
-            isinstance(t["dtype"], str) and t["dtype"] in dtypes.BY_NAME,
-            f"tensor {name!r}: unknown dtype {t['dtype']!r}",
-        )
-        shape = t["shape"]
-        _require(
-            isinstance(shape, list) and len(shape) <= 64 and all(map(_count, shape)),
-            f"tensor {name!r}: shape must be a list of at most 64 non-negative integers",
-        )
-        _require(
-            isinstance(t["file"], str) and t["file"] in files,
-            f"tensor {name!r}: refers to unknown file {t['file']!r}",
-        )
-        offsets = t["offsets"]
-        _require(
-            isinstance(offsets, list) and len(offsets) == 2 and all(map(_count, offsets)),
-            f"tensor {name!r}: offsets must be two non-negative integers",
-        )
-        start, end = offsets
-        record = files[t["file"]]
-        _require(
-            record.header_size <= start <= end <= record.size,
-            f"tensor {name!r}: byte range {start}..{end} lies outside the data of {t['file']!r}",
-        )
+        shape = _dtype_and_shape(name, t)
+        start, end = _byte_range(f"tensor {name!r}", t, files)
         expected = math.prod(shape) * dtypes.BY_NAME[t["dtype"]].itemsize
         _require(
             end - start == expected,
@@ -227,7 +319,96 @@ def parse(raw: bytes) -> Manifest:
         writer=doc["writer"],
         created=doc["created"],
         format_version=version,
+        world_size=world_size,
     )
+
+
+def _dtype_and_shape(name: str, t: dict[str, Any]) -> list[int]:
+    _require(
+        isinstance(t["dtype"], str) and t["dtype"] in dtypes.BY_NAME,
+        f"tensor {name!r}: unknown dtype {t['dtype']!r}",
+    )
+    shape = t["shape"]
+    _require(
+        isinstance(shape, list) and len(shape) <= 64 and all(map(_count, shape)),
+        f"tensor {name!r}: shape must be a list of at most 64 non-negative integers",
+    )
+    return list(shape)
+
+
+def _byte_range(what: str, t: dict[str, Any], files: dict[str, FileRecord]) -> tuple[int, int]:
+    """The checked ``offsets`` of an entry whose ``file`` and ``offsets`` members exist."""
+    _require(
+        isinstance(t["file"], str) and t["file"] in files,
+        f"{what}: refers to unknown file {t['file']!r}",
+    )
+    offsets = t["offsets"]
+    _require(
+        isinstance(offsets, list) and len(offsets) == 2 and all(map(_count, offsets)),
+        f"{what}: offsets must be two non-negative integers",
+    )
+    start, end = offsets
+    record = files[t["file"]]
+    _require(
+        record.header_size <= start <= end <= record.size,
+        f"{what}: byte range {start}..{end} lies outside the data of {t['file']!r}",
+    )
+    return start, end
+
+
+def _pair(x: Any) -> bool:
+    return isinstance(x, list) and len(x) == 2 and all(map(_count, x)) and x[0] <= x[1]
+
+
+def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord]) -> TensorRecord:
+    _require(
+        isinstance(t, dict) and set(t) == {"dtype", "shape", "shards"},
+        f"tensor {name!r}: entry must have dtype, shape, shards",
+    )
+    shape = tuple(_dtype_and_shape(name, t))
+    itemsize = dtypes.BY_NAME[t["dtype"]].itemsize
+    raw_shards = t["shards"]
+    _require(
+        isinstance(raw_shards, list) and len(raw_shards) > 0,
+        f"tensor {name!r}: shards must be a non-empty list",
+    )
+    shards = []
+    for i, sh in enumerate(raw_shards):
+        what = f"tensor {name!r} shard {i}"
+        _require(
+            isinstance(sh, dict)
+            and set(sh)
+            in ({"file", "offsets", "xxh3", "box"}, {"file", "offsets", "xxh3", "flat"}),
+            f"{what}: entry must have file, offsets, xxh3 and one of box, flat",
+        )
+        start, end = _byte_range(what, sh, files)
+        _require(checksum.is_digest(sh["xxh3"]), f"{what}: bad checksum")
+        region: boxes.Region
+        if "flat" in sh:
+            _require(_pair(sh["flat"]), f"{what}: flat must be [start, stop] with start <= stop")
+            region = boxes.Flat(*sh["flat"])
+        else:
+            box = sh["box"]
+            _require(
+                isinstance(box, list) and len(box) == len(shape) and all(map(_pair, box)),
+                f"{what}: box must hold one [start, stop] (start <= stop) per dimension of "
+                f"{list(shape)}",
+            )
+            region = tuple((a, b) for a, b in box)
+        _require(
+            boxes.inside(region, shape),
+            f"{what}: {boxes.show(region)} lies outside shape {list(shape)}",
+        )
+        expected = boxes.size(region, shape) * itemsize
+        _require(
+            end - start == expected,
+            f"{what}: {end - start} bytes recorded, {boxes.show(region)} of {t['dtype']} needs "
+            f"{expected}",
+        )
+        shards.append(ShardRecord(sh["file"], start, end, sh["xxh3"], region))
+    problem = boxes.check_cover([s.region for s in shards], shape)
+    _require(problem is None, f"tensor {name!r}: shards do not tile shape {list(shape)}: {problem}")
+    return whole(t["dtype"], shape, tuple(shards))
 
 
 _KINDS = {"numpy", "numpy_scalar", "torch"}

@@ -113,6 +113,9 @@ class CheckpointManager:
         self.verify_before_prune = verify_before_prune
         self.aliases = aliases
         self.save_options = save_options
+        # With a process group every rank saves its part; the run's bookkeeping (report, aliases,
+        # retention) is done by rank 0 alone, so no two processes rewrite the same files.
+        self._leader = _rank(save_options.get("process_group")) == 0
         self._lock = threading.RLock()
         self._async = AsyncCheckpointer(**save_options) if async_save else None
         self._closed = False
@@ -259,6 +262,8 @@ class CheckpointManager:
     def _after_commit(self, step: int, metrics: dict[str, Any], epoch: int | None) -> None:
         with self._lock:
             self._metrics[step] = metrics
+            if not self._leader:
+                return
             self._verified.discard(step)
             if metrics:
                 self.report.metric_history.setdefault(step, {}).update(metrics)
@@ -312,6 +317,8 @@ class CheckpointManager:
             self._metrics.pop(step, None)
 
     def _write_report(self) -> None:
+        if not self._leader:
+            return
         r = self.report
         r.wall_time_s = self._wall_before + (time.monotonic() - self._started)
         r.checkpoints = self.steps()[::-1]
@@ -434,6 +441,14 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, retention={self.retention!r})"
+
+
+def _rank(process_group: Any) -> int:
+    if process_group is None:
+        return 0
+    import torch.distributed as dist
+
+    return int(dist.get_rank(group=process_group))
 
 
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,50 @@
+"""``savepoint consolidate SRC DST``: a sharded checkpoint as an ordinary one, on one machine.
+
+Registered on the main command group by ``savepoint.cli`` (``main.add_command(consolidate_cmd)``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from savepoint.errors import CheckpointError
+
+
+@click.command("consolidate")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option(
+    "--max-file-gib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Split the output into data files of at most this size.",
+)
+@click.option("--no-verify", is_flag=True, help="Skip checking each shard's checksum.")
+def consolidate_cmd(src: str, dst: str, max_file_gib: float, no_verify: bool) -> None:
+    """Write the sharded checkpoint SRC as an unsharded checkpoint DST (one tensor in memory at
+    a time). DST is replaced atomically if it is a checkpoint; SRC is never modified."""
+    from savepoint._text import size as _size
+    from savepoint.cli import _progress
+    from savepoint.distributed.consolidate import consolidate
+
+    start = time.perf_counter()
+    try:
+        with _progress("consolidating") as progress:
+            info = consolidate(
+                src,
+                dst,
+                verify=not no_verify,
+                max_file_bytes=max(1, int(max_file_gib * (1 << 30))),
+                progress=progress,
+            )
+    except CheckpointError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    click.echo(
+        f"ok: {info.path}: {len(info.tensors)} tensors, {_size(info.total_bytes)} in "
+        f"{len(info.files)} file(s), written in {time.perf_counter() - start:.2f} s"
+    )

@@ -1,0 +1,214 @@
+"""Loading a checkpoint on any number of ranks, each reading only what it needs.
+
+Call order (``load(path, into=state, process_group=pg)`` on every rank of ``pg``):
+
+1. **plan** (all ranks): open the checkpoint (every rank reads the manifest itself), match
+   ``into`` against it with the same planner as an unsharded load (keys, shapes, dtypes: every
+   problem reported before anything is modified), then work out, for each target, the region of
+   the tensor it holds (a plain tensor: all of it; a Shard, FlatShard or DTensor: its box or range)
+   and which pieces of which shards overlap it (:func:`~savepoint.distributed.plan.plan_reads`).
+   The ranks then agree: if planning failed anywhere, every rank raises and no rank has modified
+   anything;
+2. **read** (all ranks): each rank maps the data files holding its shards and copies exactly the
+   overlapping elements into its targets (in place for CPU targets, through a host buffer for
+   device tensors), checking each shard it touches against its checksum; then Stateful objects
+   get ``load_state_dict``. The ranks agree again: a failure anywhere raises on all.
+
+Without a process group the same two steps run in one process (a single rank restoring Shard
+targets, say), and errors pass through unchanged. Loading without ``into`` returns every tensor
+whole on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import numpy as np
+
+from savepoint import _reader, checkpoint
+from savepoint.distributed import collectives, plan, shard
+from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
+from savepoint.formats import boxes
+from savepoint.state import arrays, dtypes, restore, tree
+
+Progress = Callable[[int, int], None]
+
+
+class _Target:
+    """One tensor to fill: ``region`` of tensor ``ref``, into ``dst`` (uint8, the region's bytes)
+    which is the target itself or a host buffer copied into it afterwards."""
+
+    __slots__ = ("after", "dst", "ref", "region")
+
+    def __init__(
+        self,
+        ref: str,
+        region: boxes.Region,
+        dst: np.ndarray[Any, Any],
+        after: Callable[[], None] | None,
+    ) -> None:
+        self.ref = ref
+        self.region = region
+        self.dst = dst
+        self.after = after
+
+
+def load(
+    path: checkpoint.PathLike,
+    *,
+    into: Any = None,
+    keys: Iterable[str] | str | None = None,
+    verify: bool | Literal["first"] = True,
+    framework: checkpoint.Framework = "auto",
+    device: Any = None,
+    mmap: bool = False,
+    progress: Progress | None = None,
+    process_group: Any = None,
+    timeout: float | None = None,
+) -> Any:
+    """``sp.load`` with a process group or sharded targets: see the module docstring."""
+    target = os.path.abspath(os.fspath(path))
+    coord = collectives.coordinator(process_group, timeout)
+    held: dict[str, Any] = {}
+    swaps: list[shard.Swap] = []
+
+    def plan_local() -> None:
+        reader = _reader.Reader.open(target, copy_on_write=mmap and into is None)
+        held["reader"] = reader
+        root = checkpoint._select(reader.path, reader.manifest, keys)
+        held["root"] = root
+        if into is not None:
+            planned, new_swaps, specs = shard.swap_targets(into)
+            swaps.extend(new_swaps)
+            p = restore.plan(root, planned, reader.manifest.tensors)
+            if p.problems:
+                raise StateMismatchError(p.problems, path=reader.path)
+            held["plan"] = p
+            held["targets"] = _targets(reader, p, specs, root, framework, held)
+
+    def read_local() -> Any:
+        reader: _reader.Reader = held["reader"]
+        root = held["root"]
+        if into is None:
+            counter = checkpoint._counter(progress, reader.manifest, tree.refs(root))
+            return checkpoint._load_tree(reader, root, verify, framework, device, mmap, counter)
+        targets: list[_Target] = held["targets"]
+        tasks = _tasks(reader, targets)
+        counter = None
+        if progress is not None:
+            counter = checkpoint._Counter(progress, sum(t.dst.nbytes for t in targets))
+        reader.prepare_files(
+            {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks},
+            check_header=bool(verify),
+        )
+        if verify == "first":
+            reader.read_shards([(ref, i, ()) for ref, i, _ in tasks])
+        reader.read_shards(tasks, verify=verify is True, progress=counter)
+        for t in targets:
+            if t.after is not None:
+                t.after()
+        return held["plan"].finish(checkpoint._getter(held["made"], device))
+
+    def read_and_keep() -> None:
+        # The loaded tree stays on this rank; only success or failure travels between ranks.
+        held["result"] = read_local()
+
+    try:
+        with coord.exclusive():
+            coord.step("loading", target, plan_local)
+            coord.step("loading", target, read_and_keep)
+    finally:
+        shard.restore(swaps)
+        reader = held.get("reader")
+        if reader is not None:
+            reader.close()
+    return into if into is not None else held["result"]
+
+
+def _targets(
+    reader: _reader.Reader,
+    p: restore.Plan,
+    specs: dict[int, shard.Shard | shard.FlatShard],
+    root: tree.Node,
+    framework: checkpoint.Framework,
+    held: dict[str, Any],
+) -> list[_Target]:
+    """Every tensor to fill, with the region of the saved tensor it receives."""
+    manifest = reader.manifest
+    out: list[_Target] = []
+    for ref, target, key in p.inplace:
+        spec = specs.get(id(target))
+        if spec is None and shard.is_dtensor(target):
+            converted = shard.from_dtensor(target, key)
+            spec = converted if isinstance(converted, shard.Shard) else None
+            target = converted if spec is None else target
+        rec = manifest.tensors[ref]
+        if spec is None:
+            region: boxes.Region = boxes.full(rec.shape)
+            local = target
+        elif isinstance(spec, shard.Shard):
+            region, local = spec.box, spec.local
+        else:
+            region, local = spec.region, spec.local
+        out.append(_target(reader, ref, key, region, local))
+    kinds = checkpoint._kinds(root)
+    made = {ref: reader.allocate(ref, kinds[ref], framework) for ref in p.fresh}
+    held["made"] = made
+    for ref, obj in made.items():
+        view = arrays.byte_view(obj)
+        assert view is not None
+        out.append(_Target(ref, boxes.full(manifest.tensors[ref].shape), view, None))
+    return out
+
+
+def _target(
+    reader: _reader.Reader, ref: str, key: str, region: boxes.Region, local: Any
+) -> _Target:
+    rec = reader.manifest.tensors[ref]
+    d = dtypes.from_name(rec.dtype)
+    described = arrays.describe(local)
+    expected = boxes.size(region, rec.shape)
+    if described is None or described[0] != rec.dtype or int(np.prod(described[1])) != expected:
+        raise IncompatibleCheckpointError(
+            f"{reader.path}: {key}: the local part ({described}) does not hold "
+            f"{boxes.show(region)} of {rec.dtype}{list(rec.shape)}",
+            path=reader.path,
+        )
+    view = arrays.byte_view(local)
+    if view is not None:
+        return _Target(ref, region, view, None)
+    host = np.empty(expected * d.itemsize, dtype=np.uint8)
+
+    def copy_back() -> None:
+        shaped = host.view(d.numpy).reshape(tuple(described[1]))
+        if isinstance(local, np.ndarray):
+            if not local.flags.writeable:
+                raise IncompatibleCheckpointError(
+                    f"{reader.path}: cannot restore {key!r} into a read-only numpy array",
+                    path=reader.path,
+                )
+            np.copyto(local, shaped, casting="no")
+        else:
+            from savepoint.state import _torch
+
+            _torch.copy_into(local, shaped, d)
+
+    return _Target(ref, region, host, copy_back)
+
+
+def _tasks(reader: _reader.Reader, targets: list[_Target]) -> list[_reader.ShardTask]:
+    """One task per shard touched, holding every copy out of it."""
+    by_shard: dict[tuple[str, int], list[_reader.RegionCopy]] = {}
+    for t in targets:
+        rec = reader.manifest.tensors[t.ref]
+        typed = t.dst.view(dtypes.from_name(rec.dtype).numpy)
+        regions = [s.region for s in rec.layout()]
+        for op in plan.plan_reads(rec.shape, regions, t.region):
+            dst = typed[op.dst.offset : op.dst.offset + boxes.volume(op.dst.box)]
+            dst = dst.reshape(boxes.extents(op.dst.box))
+            origin = tuple(start for start, _ in op.dst.box)
+            copy = _reader.RegionCopy(op.src, op.region, dst, origin)
+            by_shard.setdefault((t.ref, op.shard), []).append(copy)
+    return [(ref, i, copies) for (ref, i), copies in by_shard.items()]

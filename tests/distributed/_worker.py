@@ -1,0 +1,478 @@
+"""One rank of a multi-process test session (launched by ``_launch.py``, never collected).
+
+Usage: python _worker.py SCENARIO RANK WORLD PORT WORKDIR
+
+Joins a gloo process group on 127.0.0.1:PORT, runs SCENARIO (a function below), and writes
+``WORKDIR/SCENARIO-rank<RANK>.json``: ``{"checks": {name: "ok" | "FAIL ..."}, "data": {...}}``.
+Each check runs independently so one failure does not hide the others; the parent test asserts
+every check is "ok". The global tensors are rebuilt from a seed on every rank (and by the tests),
+so every load is compared exactly against what was saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import savepoint as sp
+from savepoint.distributed import FlatShard, Partitioned, Shard
+from savepoint.errors import DistributedCheckpointError
+
+ZERO_KEYS = [f"p{i}" for i in range(5)]
+
+
+def global_tensors() -> dict[str, Any]:
+    """Every tensor of the test state, whole (the same on every rank and in the tests)."""
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "rep": torch.randn(7, 5, generator=g),
+        "rep_bf16": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+        "scalar": torch.randn((), generator=g),
+        "tp0": torch.randn(10, 6, generator=g),
+        "tp1": torch.randn(4, 9, generator=g).to(torch.float64),
+        "fsdp": torch.randn(5, 7, generator=g),
+        "dt0": torch.randn(9, 3, generator=g),
+        "dt1": torch.randn(3, 8, generator=g),
+        "zero": {k: torch.randn(i + 2, 3, generator=g) for i, k in enumerate(ZERO_KEYS)},
+    }
+
+
+def bounds(n: int, rank: int, world: int) -> tuple[int, int]:
+    return FlatShard.bounds(n, rank, world)
+
+
+def piece(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    start, stop = bounds(t.shape[dim], rank, world)
+    return t.narrow(dim, start, stop - start).clone()
+
+
+def state(rank: int, world: int, *, mesh: Any = None, empty: bool = False) -> dict[str, Any]:
+    """This rank's part of the test state (``empty``: zero-filled load targets of the same
+    layout). With a device ``mesh`` the dt* tensors are DTensors, otherwise Shards."""
+    g = global_tensors()
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if empty else t
+
+    def split(name: str, dim: int) -> Any:
+        t = g[name]
+        return Shard.split(fill(piece(t, dim, rank, world)), dim, rank, world, size=t.shape[dim])
+
+    def dtensor(name: str, dim: int) -> Any:
+        if mesh is None:
+            return split(name, dim)
+        from torch.distributed.tensor import Shard as Placement
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(fill(g[name].clone()), mesh, [Placement(dim)])
+
+    flat = g["fsdp"].reshape(-1)
+    start, stop = bounds(flat.numel(), rank, world)
+    return {
+        "model": {
+            "rep": fill(g["rep"].clone()),
+            "rep_bf16": fill(g["rep_bf16"].clone()),
+            "scalar": fill(g["scalar"].clone()),
+            "tp0": split("tp0", 0),
+            "tp1": split("tp1", 1),
+            "fsdp": FlatShard(fill(flat[start:stop].clone()), g["fsdp"].shape, start),
+            "dt0": dtensor("dt0", 0),
+            "dt1": dtensor("dt1", 1),
+        },
+        "optim": Partitioned(
+            {k: fill(g["zero"][k].clone()) for i, k in enumerate(ZERO_KEYS) if i % world == rank}
+        ),
+        "step": 0 if empty else 100,
+        "name": "" if empty else "test-run",
+    }
+
+
+def local_of(target: Any) -> torch.Tensor:
+    if isinstance(target, (Shard, FlatShard)):
+        return target.local
+    if type(target).__name__ == "DTensor":
+        return target.to_local()
+    return target
+
+
+def check_state(loaded: dict[str, Any], rank: int, world: int) -> None:
+    """``loaded`` (targets filled by a load) equals this rank's part of the saved state."""
+    want = state(rank, world)
+    for name, target in loaded["model"].items():
+        got, expected = local_of(target), local_of(want["model"][name])
+        if type(target).__name__ == "DTensor":
+            dim = 0 if name == "dt0" else 1
+            expected = piece(global_tensors()[name], dim, rank, world)
+        assert got.dtype == expected.dtype, (name, got.dtype, expected.dtype)
+        assert torch.equal(got, expected), f"{name}: differs"
+    assert set(loaded["optim"].mapping) == set(want["optim"].mapping)
+    for k, t in loaded["optim"].mapping.items():
+        assert torch.equal(t, want["optim"].mapping[k]), f"optim/{k}"
+    assert loaded["step"] == 100 and loaded["name"] == "test-run"
+
+
+def check_whole(tree: dict[str, Any]) -> None:
+    """A load without targets returns every tensor whole."""
+    g = global_tensors()
+    for name in ("rep", "rep_bf16", "scalar", "tp0", "tp1", "fsdp", "dt0", "dt1"):
+        assert torch.equal(tree["model"][name], g[name]), name
+    for k in ZERO_KEYS:
+        assert torch.equal(tree["optim"][k], g["zero"][k]), k
+    assert tree["step"] == 100
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Session:
+    def __init__(self, scenario: str, rank: int, world: int, workdir: str) -> None:
+        self.scenario, self.rank, self.world, self.workdir = scenario, rank, world, workdir
+        self.checks: dict[str, str] = {}
+        self.data: dict[str, Any] = {}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.workdir, name)
+
+    def check(self, name: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except BaseException:
+            self.checks[name] = "FAIL " + traceback.format_exc()
+        else:
+            self.checks[name] = "ok"
+
+    def write(self) -> None:
+        out = os.path.join(self.workdir, f"{self.scenario}-rank{self.rank}.json")
+        with open(out + ".tmp", "w") as f:
+            json.dump({"checks": self.checks, "data": self.data}, f)
+        os.replace(out + ".tmp", out)
+
+
+def mesh_for(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def save_and_load(s: Session, pg: Any, ranks: list[int], name: str, mesh: Any = None) -> None:
+    """Save the test state on the ranks of ``pg`` to checkpoint ``name``."""
+    world, rank = len(ranks), ranks.index(dist.get_rank())
+    info = sp.save(s.path(name), state(rank, world, mesh=mesh), process_group=pg, timeout=60)
+    assert info.world_size == world, info.world_size
+    s.data[f"saved {name}"] = info.total_bytes
+
+
+def load_into(s: Session, pg: Any, ranks: list[int], name: str, mesh: Any = None) -> None:
+    world, rank = len(ranks), ranks.index(dist.get_rank())
+    targets = state(rank, world, mesh=mesh, empty=True)
+    result = sp.load(s.path(name), into=targets, process_group=pg, timeout=60)
+    assert result is targets
+    check_state(targets, rank, world)
+
+
+def expect_failure(
+    fn: Callable[[], Any], *, ranks: list[int], words: list[str], within: float | None = None
+) -> dict[str, Any]:
+    start = time.monotonic()
+    error: DistributedCheckpointError | None = None
+    try:
+        fn()
+    except DistributedCheckpointError as exc:
+        error = exc
+    elapsed = time.monotonic() - start
+    assert error is not None, "no DistributedCheckpointError was raised"
+    assert list(error.ranks) == ranks, (error.ranks, str(error))
+    for w in words:
+        assert w in str(error), (w, str(error))
+    if within is not None:
+        assert elapsed < within, elapsed
+    return {"elapsed": elapsed, "message": str(error)}
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+
+def scenario_main2(s: Session) -> None:
+    """World 2: save with every strategy, load 2 -> 2 (DTensors too) and 2 -> 1, manager and
+    background saves, and failures that must reach every rank."""
+    world, rank = s.world, s.rank
+    everyone = list(range(world))
+    mesh = mesh_for(world)
+    pg = dist.group.WORLD
+    s.check("save 2", lambda: save_and_load(s, pg, everyone, "ckpt2", mesh))
+    s.check("load 2->2 dtensor", lambda: load_into(s, pg, everyone, "ckpt2", mesh))
+    s.check("load 2->2 shards", lambda: load_into(s, pg, everyone, "ckpt2"))
+    solo = [dist.new_group([r]) for r in everyone]  # every rank creates every group
+    s.check("load 2->1", lambda: load_into(s, solo[rank], [rank], "ckpt2"))
+
+    def whole() -> None:
+        check_whole(sp.load(s.path("ckpt2"), process_group=pg, timeout=60))
+
+    s.check("load whole with group", whole)
+
+    def module() -> None:
+        # A module whose parameters are DTensors (row-sharded weight, replicated bias), saved
+        # and restored through its state_dict like any Stateful.
+        from torch.distributed.tensor import Replicate, distribute_tensor
+        from torch.distributed.tensor import Shard as Placement
+
+        def build(seed: int) -> torch.nn.Module:
+            torch.manual_seed(seed)
+            m = torch.nn.Linear(4, 7)
+            m.weight = torch.nn.Parameter(distribute_tensor(m.weight.data, mesh, [Placement(0)]))
+            m.bias = torch.nn.Parameter(distribute_tensor(m.bias.data, mesh, [Replicate()]))
+            return m
+
+        saved = build(1)
+        sp.save(s.path("module"), {"m": saved}, process_group=pg)
+        fresh = build(2)
+        sp.load(s.path("module"), into={"m": fresh}, process_group=pg)
+        for name in ("weight", "bias"):
+            a, b = getattr(saved, name), getattr(fresh, name)
+            assert torch.equal(a.to_local(), b.to_local()), name
+        whole = sp.load(s.path("module"))["m"]
+        torch.manual_seed(1)
+        reference = torch.nn.Linear(4, 7)
+        assert torch.equal(whole["weight"], reference.weight.data)
+        assert torch.equal(whole["bias"], reference.bias.data)
+        stateful = sp.inspect(s.path("module")).stateful
+        assert stateful == {"m": "torch.nn.modules.linear.Linear"}, stateful
+
+    s.check("module with DTensor parameters", module)
+
+    def manager() -> None:
+        # Every rank saves its part in the background; rank 0 alone keeps the run's books
+        # (report, latest/best aliases, retention).
+        mgr = sp.CheckpointManager(
+            s.path("run"), keep_last=2, process_group=pg, timeout=60, async_save=True
+        )
+        for step in (1, 2, 3):
+            st = state(rank, world)
+            st["step"] = 100
+            mgr.save(step, st, metrics={"loss": 1.0 / step})
+        mgr.close()
+        dist.barrier()
+        if rank == 0:
+            report = json.loads(open(s.path("run/report.json")).read())
+            assert report["checkpoints"] == [3, 2], report["checkpoints"]
+            assert sp.verify(s.path("run/latest")).metadata["savepoint_run"]["step"] == 3
+        targets = state(rank, world, empty=True)
+        restored = sp.CheckpointManager(s.path("run"), aliases=False).restore(
+            targets, process_group=pg, timeout=60, resume=False
+        )
+        assert restored == 3, restored
+        check_state(targets, rank, world)
+        assert sorted(os.listdir(s.path("run/checkpoints"))) == [
+            "step-0000000002",
+            "step-0000000003",
+        ]
+
+    s.check("manager sync", manager)
+
+    def background() -> None:
+        live = state(rank, world)
+        with sp.AsyncCheckpointer(process_group=pg, timeout=60) as ck:
+            pending = ck.save(s.path("async"), live)
+            for t in (live["model"]["rep"], local_of(live["model"]["tp0"])):
+                t.add_(1000)  # training goes on; the snapshot must not see it
+            pending.wait()
+        targets = state(rank, world, empty=True)
+        sp.load(s.path("async"), into=targets, process_group=pg)
+        check_state(targets, rank, world)
+
+    s.check("background save", background)
+
+    # --- failures: the group survives them, every rank raises the same error -------------------
+    before = os.listdir(s.workdir)
+
+    def raising() -> None:
+        from savepoint.distributed import save as dsave
+
+        real = dsave.write_pieces
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            if rank == 1:
+                raise RuntimeError("injected write failure")
+            return real(*args, **kwargs)
+
+        dsave.write_pieces = failing  # type: ignore[assignment]
+        try:
+            s.data["raising"] = expect_failure(
+                lambda: sp.save(s.path("ckpt2"), state(rank, world), process_group=pg),
+                ranks=[1],
+                words=["rank 1", "injected write failure"],
+            )
+        finally:
+            dsave.write_pieces = real  # type: ignore[assignment]
+        dist.barrier()
+        check_whole(sp.load(s.path("ckpt2")))  # the previous checkpoint is intact
+        assert sorted(os.listdir(s.workdir)) == sorted(before), "staging left behind"
+
+    s.check("rank raising mid-save", raising)
+
+    def missing_key() -> None:
+        st = state(rank, world)
+        if rank == 1:
+            del st["model"]["rep"]
+        s.data["missing key"] = expect_failure(
+            lambda: sp.save(s.path("ckpt2"), st, process_group=pg),
+            ranks=[1],
+            words=["model/rep", "missing on rank 1"],
+        )
+        dist.barrier()
+        check_whole(sp.load(s.path("ckpt2")))
+
+    s.check("key missing on one rank", missing_key)
+
+    def mismatched() -> None:
+        st = state(rank, world)
+        if rank == 1:
+            st["model"]["rep"] = st["model"]["rep"].double()
+        expect_failure(
+            lambda: sp.save(s.path("bad"), st, process_group=pg),
+            ranks=[1],
+            words=["model/rep", "disagree", "F64"],
+        )
+
+    s.check("dtype differs between ranks", mismatched)
+
+    def overlapping() -> None:
+        st = state(rank, world)
+        t = global_tensors()["tp0"]
+        rows = (0, 6) if rank == 0 else (4, 10)  # rows 4 and 5 on both ranks
+        st["model"]["tp0"] = Shard(t[rows[0] : rows[1]].clone(), t.shape, (rows[0], 0))
+        expect_failure(
+            lambda: sp.save(s.path("bad"), st, process_group=pg),
+            ranks=[0, 1],
+            words=["model/tp0", "overlap"],
+        )
+
+    s.check("overlapping shards", overlapping)
+
+    def load_mismatch() -> None:
+        targets = state(rank, world, empty=True)
+        if rank == 0:
+            targets["model"]["rep"] = torch.zeros(8, 5)
+        expect_failure(
+            lambda: sp.load(s.path("ckpt2"), into=targets, process_group=pg),
+            ranks=[0],
+            words=["model/rep", "shape [7, 5] in the checkpoint"],
+        )
+        # Nothing was modified on any rank.
+        assert all(float(local_of(t).abs().sum()) == 0 for t in targets["model"].values())
+
+    s.check("load mismatch on one rank", load_mismatch)
+
+
+def scenario_main4(s: Session) -> None:
+    """World 4 (after main2): save on 4 and on 3 ranks; load 4 -> 4, 2 -> 4, 4 -> 3, 2 -> 3,
+    4 -> 2, 3 -> 2 and 4 -> 1 (subgroups of the world are real process groups)."""
+    world, rank = s.world, s.rank
+    everyone = list(range(world))
+    mesh = mesh_for(world)
+    pg = dist.group.WORLD
+    g3, g2, g1 = dist.new_group([0, 1, 2]), dist.new_group([0, 1]), dist.new_group([0])
+    s.check("save 4", lambda: save_and_load(s, pg, everyone, "ckpt4", mesh))
+    s.check("load 4->4 dtensor", lambda: load_into(s, pg, everyone, "ckpt4", mesh))
+    s.check("load 2->4 dtensor", lambda: load_into(s, pg, everyone, "ckpt2", mesh))
+    if rank < 3:
+        s.check("save 3", lambda: save_and_load(s, g3, [0, 1, 2], "ckpt3"))
+        s.check("load 4->3", lambda: load_into(s, g3, [0, 1, 2], "ckpt4"))
+        s.check("load 2->3", lambda: load_into(s, g3, [0, 1, 2], "ckpt2"))
+    dist.barrier()
+    if rank < 2:
+        s.check("load 4->2", lambda: load_into(s, g2, [0, 1], "ckpt4"))
+        s.check("load 3->2", lambda: load_into(s, g2, [0, 1], "ckpt3"))
+    if rank == 0:
+        s.check("load 4->1", lambda: load_into(s, g1, [0], "ckpt4"))
+        s.check("load 3->1", lambda: load_into(s, g1, [0], "ckpt3"))
+    dist.barrier()
+
+
+def scenario_kill(s: Session) -> None:
+    """World 3: a good save, then rank 1 dies in the middle of writing its files."""
+    rank, world = s.rank, s.world
+    pg = dist.group.WORLD
+    s.check("previous save", lambda: save_and_load(s, pg, list(range(world)), "ckpt"))
+
+    from savepoint.distributed import save as dsave
+
+    real = dsave.write_pieces
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1:
+            real(*args, **kwargs)  # its files are written: die before reporting
+            s.write()
+            os._exit(17)
+        return real(*args, **kwargs)
+
+    dsave.write_pieces = dying  # type: ignore[assignment]
+    s.data["timeout"] = 20
+
+    def killed() -> None:
+        s.data["killed"] = expect_failure(
+            lambda: sp.save(s.path("ckpt"), state(rank, world), process_group=pg, timeout=20),
+            ranks=[1],
+            words=["rank 1 did not finish its part", "within 20 s"],
+            within=20 + 5,
+        )
+
+    s.check("rank killed mid-save", killed)
+
+
+def scenario_hang(s: Session) -> None:
+    """World 2: rank 1 stops answering in the middle of a save; rank 0 must give up in time."""
+    rank = s.rank
+    pg = dist.group.WORLD
+    s.check("previous save", lambda: save_and_load(s, pg, [0, 1], "ckpt"))
+    from savepoint.distributed import save as dsave
+
+    real = dsave.write_pieces
+
+    def hanging(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1:
+            s.write()
+            time.sleep(60)
+            os._exit(0)
+        return real(*args, **kwargs)
+
+    dsave.write_pieces = hanging  # type: ignore[assignment]
+
+    def hung() -> None:
+        s.data["hung"] = expect_failure(
+            lambda: sp.save(s.path("ckpt"), state(rank, 2), process_group=pg, timeout=4),
+            ranks=[1],
+            words=["rank 1 did not finish its part", "within 4 s"],
+            within=4 + 6,
+        )
+
+    s.check("rank hanging mid-save", hung)
+
+
+def main() -> None:
+    scenario, rank, world, port, workdir = sys.argv[1:6]
+    torch.set_num_threads(1)
+    r, w = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
+    s = Session(scenario, r, w, workdir)
+    try:
+        globals()[f"scenario_{scenario}"](s)
+    except BaseException:
+        s.checks["scenario"] = "FAIL " + traceback.format_exc()
+    s.write()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A failed group cannot be torn down cleanly (its peers are gone); leave at once.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
