@@ -261,7 +261,8 @@ def scenario_main2(s: Session) -> None:
         mgr.close()
         dist.barrier()
         if rank == 0:
-            report = json.loads(open(s.path("run/report.json")).read())
+            with open(s.path("run/report.json")) as f:
+                report = json.load(f)
             assert report["checkpoints"] == [3, 2], report["checkpoints"]
             assert sp.verify(s.path("run/latest")).metadata["savepoint_run"]["step"] == 3
         targets = state(rank, world, empty=True)

@@ -27,6 +27,7 @@ Without a process group (a single process, e.g. loading a sharded checkpoint who
 
 from __future__ import annotations
 
+import abc
 import gc
 import hashlib
 import pickle
@@ -69,7 +70,7 @@ def describe(exc: BaseException) -> str:
     return "".join(lines).strip()
 
 
-class Coordinator:
+class Coordinator(abc.ABC):
     """The ranks taking part in one save or load. ``rank`` and ``world_size`` are relative to
     the caller's process group."""
 
@@ -82,6 +83,7 @@ class Coordinator:
         the same group (a background save and a load, say) never interleave."""
         return gc_paused()
 
+    @abc.abstractmethod
     def step(
         self,
         what: str,
@@ -98,7 +100,6 @@ class Coordinator:
         a list with one answer per rank (``each=True``: scattered). Without ``combine`` every
         rank gets None. ``cleanup`` runs on rank 0 when the step failed anywhere.
         """
-        raise NotImplementedError
 
 
 class LocalCoordinator(Coordinator):

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import math
@@ -45,7 +46,7 @@ U8 = np.dtype(np.uint8)
 # ---------------------------------------------------------------------------------------------
 
 
-class LazyTensor:
+class LazyTensor(abc.ABC):
     """A tensor whose bytes are fetched only when copied (``TensorSource``), or on ``load()``."""
 
     def __init__(self, dtype: DType, shape: tuple[int, ...], *, kind: str = "numpy") -> None:
@@ -57,10 +58,11 @@ class LazyTensor:
     def identity(self) -> tuple[Any, ...] | None:
         return None
 
+    @abc.abstractmethod
     def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
-        raise NotImplementedError
+        """Copy bytes ``[start, start + dst.size)`` of the tensor into ``dst``."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook; most lazy tensors hold nothing
         """Drop whatever the copies made (a materialized tensor, a running checksum)."""
 
     def load(self) -> np.ndarray[Any, Any]:
