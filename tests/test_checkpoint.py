@@ -932,3 +932,31 @@ def test_stateful_as_root_and_mismatch(ckpt: Path) -> None:
     assert sp.load(ckpt, into=other) is other
     np.testing.assert_array_equal(other.total, [7, 7])
     assert other.total is not old_total and (old_total == 0).all()
+
+
+def test_progress_counts_tensor_bytes_and_ends_with_the_save(tmp_path: Path) -> None:
+    state = {str(i): np.full(3, i) for i in range(2000)}
+    calls: list[tuple[int, int]] = []
+    sp.save(tmp_path / "ck", state, max_file_bytes=1000, progress=lambda d, t: calls.append((d, t)))
+    total = 2000 * 3 * 8
+    assert calls[-1] == (total, total)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    assert sum(1 for d, t in calls if d == t) == 1  # 100% only once, at the end
+
+
+def test_a_symlinked_checkpoint_path_replaces_what_it_points_to(tmp_path: Path) -> None:
+    real = tmp_path / "disk" / "ckpt"
+    sp.save(real, {"x": np.ones(4)})
+    link = tmp_path / "ckpt"
+    link.symlink_to(real)
+    sp.save(link, {"x": np.zeros(5)})
+    assert link.is_symlink()
+    assert sp.load(real)["x"].shape == (5,)
+
+
+def test_a_parent_that_is_a_file_is_a_clear_write_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(sp.CheckpointWriteError) as excinfo:
+        sp.save(tmp_path / "afile" / "ckpt", {"a": np.ones(2)})
+    assert excinfo.value.path == str(tmp_path / "afile" / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

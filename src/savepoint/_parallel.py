@@ -49,7 +49,14 @@ def run_all(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     items = list(items)
     if len(items) <= 1 or workers() == 1:
         return [fn(x) for x in items]
-    futures: list[Future[R]] = [pool().submit(fn, x) for x in items]
+    futures: list[Future[R]] = []
+    try:
+        for x in items:
+            futures.append(pool().submit(fn, x))
+    except RuntimeError:
+        # The interpreter is shutting down (its hook stops every pool before atexit handlers
+        # run): a save still finishing then runs the rest of its work on this thread.
+        return [f.result() for f in futures] + [fn(x) for x in items[len(futures) :]]
     results: list[Any] = []
     error: BaseException | None = None
     for f in futures:

@@ -14,6 +14,7 @@ above this module and is imported only then, so unsharded saves and loads never 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import json
@@ -166,9 +167,12 @@ def commit_checkpoint(
     and returns their records: staging directory, manifest last, atomic commit, cleanup on any
     failure (OSErrors become CheckpointWriteError). Every save path goes through here."""
     target = os.path.abspath(os.fspath(path))
-    _check_target(target)
+    if os.path.islink(target):
+        # A symlinked checkpoint path (to another disk, say): replace what it points to.
+        target = os.path.realpath(target)
     staging = atomic.staging_path(target)
     try:
+        _check_target(target)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         atomic.clean_stale(target)
         os.mkdir(staging)
@@ -186,7 +190,8 @@ def commit_checkpoint(
         # A replace that died between its two renames left "-old-" behind; it is stale now.
         atomic.clean_stale(target)
     except BaseException as exc:
-        atomic.remove_tree(staging)
+        with contextlib.suppress(OSError):  # cleanup must never hide the error itself
+            atomic.remove_tree(staging)
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
             raise _write_error(target, exc) from exc
         raise

@@ -122,14 +122,35 @@ def test_interpreter_exit_finishes_the_pending_save(tmp_path: Path) -> None:
         """
         import numpy as np, savepoint as sp
         ck = sp.AsyncCheckpointer()
-        ck.save("ckpt", {"w": np.arange(8 << 20, dtype=np.float32)})
+        # several tensors: checksums then run on the thread pool, which the interpreter's
+        # shutdown hook has already closed by the time the exit hook finishes the save
+        ck.save("ckpt", {f"w{i}": np.arange(2 << 20, dtype=np.float32) + i for i in range(8)})
         # exit at once, without wait() or close()
         """,
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
     out = sp.load(tmp_path / "ckpt")
-    assert np.array_equal(out["w"], np.arange(8 << 20, dtype=np.float32))
+    for i in range(8):
+        assert np.array_equal(out[f"w{i}"], np.arange(2 << 20, dtype=np.float32) + i)
+
+
+def test_a_failure_of_a_dropped_checkpointer_is_still_reported(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        import gc, time
+        import numpy as np, savepoint as sp
+        open("afile", "w").close()
+        def fire_and_forget():
+            sp.AsyncCheckpointer().save("afile/ckpt", {"w": np.zeros(4)})  # fails: parent is a file
+        fire_and_forget()
+        time.sleep(0.5)
+        gc.collect()
+        """,
+        tmp_path,
+    )
+    assert "savepoint: a background save failed at exit" in proc.stderr
 
 
 def test_a_save_failing_at_exit_is_reported_not_dropped(tmp_path: Path) -> None:

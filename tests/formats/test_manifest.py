@@ -543,7 +543,8 @@ def test_tensor_boundaries_accepted() -> None:
 
 
 def test_huge_shape_does_not_overflow() -> None:
-    rejects(_tensor(shape=[2**62, 2**62]), "bytes recorded")
+    rejects(_tensor(shape=[2**62, 2**62]), "too large")
+    rejects(_tensor(shape=[0, 2**64]), "too large")  # zero elements, yet not allocatable
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1071,3 +1071,19 @@ def test_sigkill_during_saves_leaves_a_usable_run(tmp_path: Path) -> None:
         assert m.restore(into) == newest_seen
         same(into, child.make_state(newest_seen))
     assert time.monotonic() - started < 60
+
+
+def test_saving_a_lower_step_after_a_resume_keeps_the_resumed_checkpoint(tmp_path: Path) -> None:
+    # A step counter that restarts after a resume must not wipe the run: only checkpoints past
+    # the one resumed from are the abandoned timeline.
+    run = tmp_path / "run"
+    m = sp.CheckpointManager(run, keep_last=3)
+    for step in (100, 200, 300):
+        m.save(step, {"w": np.full(3, step)})
+    m.close()
+    m = sp.CheckpointManager(run, keep_last=3)
+    state = {"w": np.zeros(3, np.int64)}
+    assert m.restore(state, step=200) == 200
+    m.save(50, {"w": np.full(3, 50)})
+    assert m.steps() == [50, 100, 200]  # 300 was the abandoned timeline; 100 is kept by keep_last
+    m.close()

@@ -35,6 +35,9 @@ from savepoint.state import tree
 
 OnBusy = Literal["wait", "skip"]
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+# Strong references while a save is in flight or its failure is unreported, so that dropping the
+# last reference to a checkpointer cannot drop an error with it (the exit hook reports it).
+_UNFINISHED: set[AsyncCheckpointer] = set()
 
 
 class AsyncCheckpointer:
@@ -137,15 +140,21 @@ class AsyncCheckpointer:
                     self._error = exc
                 pending.set_exception(exc)
             else:
+                with self._lock:
+                    if self._error is None:
+                        _UNFINISHED.discard(self)
                 pending.set_result(info)
 
         self._pending = pending
+        _UNFINISHED.add(self)
         self._executor.submit(write)
         return pending
 
     def _raise_background_error(self) -> None:
         with self._lock:
             error, self._error = self._error, None
+            if self._pending is None or self._pending.done():
+                _UNFINISHED.discard(self)
         if error is not None:
             if isinstance(error, CheckpointError):
                 raise error
@@ -171,6 +180,7 @@ class AsyncCheckpointer:
             self._executor.shutdown(wait=True)
             self._arena.release()
             _LIVE.discard(self)
+            _UNFINISHED.discard(self)
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
@@ -181,7 +191,7 @@ class AsyncCheckpointer:
 
 @atexit.register
 def _finish_at_exit() -> None:
-    for ckpt in list(_LIVE):
+    for ckpt in list(set(_LIVE) | _UNFINISHED):
         try:
             ckpt.close()
         except BaseException as exc:  # nothing to raise to at exit: say it loudly

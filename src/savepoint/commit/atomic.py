@@ -120,7 +120,7 @@ def _or_undo(step: Callable[[], object], undo: Callable[[], object]) -> None:
 
 def remove_tree(path: str) -> None:
     """Remove a directory tree, or just the link when ``path`` is a symlink (never its target)."""
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:

@@ -333,6 +333,12 @@ def _dtype_and_shape(name: str, t: dict[str, Any]) -> list[int]:
         isinstance(shape, list) and len(shape) <= 64 and all(map(_count, shape)),
         f"tensor {name!r}: shape must be a list of at most 64 non-negative integers",
     )
+    # Zero-element shapes pass any byte-count check; keep their other dimensions allocatable.
+    itemsize = dtypes.BY_NAME[t["dtype"]].itemsize
+    _require(
+        math.prod(max(d, 1) for d in shape) * itemsize < 2**62,
+        f"tensor {name!r}: shape {shape} is too large",
+    )
     return list(shape)
 
 

@@ -274,7 +274,9 @@ class CheckpointManager:
                 # After a resume, checkpoints past this step belong to the abandoned timeline (a
                 # rollback, or newer checkpoints that failed verification): now that the new
                 # timeline has a committed checkpoint, they go, or a restart would undo the resume.
-                for later in [s for s in self.steps() if s > step]:
+                # (The checkpoint resumed from is never one of them, even if steps restarted.)
+                horizon = max(step, self._resumed_from)
+                for later in [s for s in self.steps() if s > horizon]:
                     atomic.discard(self.step_path(later))
                     self._metrics.pop(later, None)
             self._write_report()

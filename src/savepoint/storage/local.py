@@ -190,13 +190,21 @@ def write_file(
                 buf = free.pop()
                 fill = 0
                 size = len(buf.array)
+                header_left = len(header)
+
+                def report(written: int) -> None:
+                    # Progress counts tensor bytes only: the header is not part of the total.
+                    nonlocal header_left
+                    skip = min(header_left, written)
+                    header_left -= skip
+                    if progress is not None and written > skip:
+                        progress(written - skip)
 
                 def flush(length: int) -> None:
                     nonlocal buf, fill, in_flight
                     writer.submit(buf, length)
                     in_flight += 1
-                    if progress is not None:
-                        progress(fill)
+                    report(fill)
                     if free:
                         buf = free.pop()
                     else:
@@ -234,8 +242,7 @@ def write_file(
                     buf.array[fill:padded] = 0
                     writer.submit(buf, padded)
                     in_flight += 1
-                    if progress is not None:
-                        progress(fill)
+                    report(fill)
             finally:
                 writer.finish()
         if direct:
