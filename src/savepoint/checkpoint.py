@@ -36,6 +36,7 @@ from savepoint.errors import (
     UnsupportedStateError,
 )
 from savepoint.formats import manifest as mf
+from savepoint.formats._files import jsonable
 from savepoint.state import arrays, restore, tree
 from savepoint.storage import local
 
@@ -512,18 +513,10 @@ class CheckpointInfo:
                 }
                 for t in self.tensors
             ],
-            "values": {k: _jsonable(v) for k, v in self.values.items()},
+            "values": {k: jsonable(v) for k, v in self.values.items()},
             "stateful": self.stateful,
             **({"world_size": self.world_size} if self.world_size is not None else {}),
         }
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return {"bytes": len(value)}
-    if (isinstance(value, float) and value != value) or value in (float("inf"), float("-inf")):
-        return repr(value)
-    return value
 
 
 def _info(directory: str, manifest: mf.Manifest) -> CheckpointInfo:

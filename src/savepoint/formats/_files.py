@@ -482,16 +482,17 @@ class FormatInfo:
                 }
                 for t in self.tensors
             ],
-            "values": {k: _jsonable(v) for k, v in self.values.items()},
+            "values": {k: jsonable(v) for k, v in self.values.items()},
             "notes": list(self.notes),
         }
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """A plain value as JSON can show it: non-finite floats as text, bytes as their length."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if isinstance(value, bytes):
         return {"bytes": len(value)}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value

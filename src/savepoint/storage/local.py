@@ -185,7 +185,6 @@ def write_file(
         with pool.acquire(total) as buffers:
             writer = _Writer(fd, direct)
             free = list(buffers)
-            in_flight = 0
             try:
                 buf = free.pop()
                 fill = 0
@@ -201,15 +200,10 @@ def write_file(
                         progress(written - skip)
 
                 def flush(length: int) -> None:
-                    nonlocal buf, fill, in_flight
+                    nonlocal buf, fill
                     writer.submit(buf, length)
-                    in_flight += 1
                     report(fill)
-                    if free:
-                        buf = free.pop()
-                    else:
-                        buf = writer.wait_buffer()
-                        in_flight -= 1
+                    buf = free.pop() if free else writer.wait_buffer()
                     fill = 0
 
                 hb = np.frombuffer(header, dtype=np.uint8)
@@ -241,7 +235,6 @@ def write_file(
                     padded = -(-fill // BLOCK) * BLOCK if writer.direct else fill
                     buf.array[fill:padded] = 0
                     writer.submit(buf, padded)
-                    in_flight += 1
                     report(fill)
             finally:
                 writer.finish()
