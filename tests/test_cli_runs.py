@@ -135,3 +135,21 @@ def test_report_sweep_ranks_runs_and_plots(tmp_path: Path) -> None:
 def test_report_refuses_other_directories(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert result.exit_code == 1
+
+
+def test_verify_a_run_directory(run: Path) -> None:
+    result = invoke("verify", str(run))
+    assert result.exit_code == 0
+    assert "3 checkpoint(s) verified" in result.output
+    assert "latest/ = step 30, best/ = step 30" in result.output
+    assert json.loads(invoke("ls", str(run), "--json").output)["problems"] == []
+
+
+def test_run_commands_report_unreadable_files_without_a_traceback(run: Path) -> None:
+    (run / "report.json").unlink()
+    (run / "report.json").mkdir()  # not a file: refused with a reason, never a traceback
+    for command in ("ls", "report", "verify"):
+        result = CliRunner().invoke(main, [command, str(run)])
+        assert result.exit_code == 1, (command, result.output)
+        assert isinstance(result.exception, SystemExit), (command, result.exception)
+        assert "not a regular file" in result.output, (command, result.output)

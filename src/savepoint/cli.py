@@ -115,8 +115,15 @@ def verify_cmd(path: str, quiet: bool) -> None:
     """Check the structure and every checksum of the checkpoint at PATH.
 
     Exits 0 when it is intact, 1 (with the reason) otherwise. PATH may also be a .shrew file, a
-    .safetensors file or a boostr directory (checked as far as each format allows).
+    .safetensors file or a boostr directory (checked as far as each format allows), or a run
+    directory: then every checkpoint is verified, and report.json, the committed checkpoints and
+    the latest/ and best/ aliases must agree (any disagreement is listed, exit status 1).
     """
+    from savepoint.runs import layout
+
+    if layout.is_run(path):
+        _verify_run(path, quiet)
+        return
     if _cli_formats.handles(path):
         _cli_formats.verify_other(path, quiet)
         return
@@ -149,11 +156,87 @@ def _load_report(path: str) -> Any:
 
     from savepoint.runs.report import REPORT_FILE, Report, read_json
 
-    doc = read_json(os.path.join(path, REPORT_FILE))
-    if doc is None:
-        click.echo(f"error: {path} has no report.json yet", err=True)
+    try:
+        doc = read_json(os.path.join(path, REPORT_FILE))
+        if doc is not None:
+            return Report.from_json(doc, path)
+    except CheckpointError as exc:
+        _fail(exc)
+    click.echo(f"error: {path} has no report.json yet", err=True)
+    sys.exit(1)
+
+
+def _committed_steps(run_dir: str) -> list[int]:
+    from savepoint.runs import layout
+
+    try:
+        return layout.committed_steps(run_dir)
+    except CheckpointError as exc:
+        _fail(exc)
+        raise  # unreachable: _fail exits
+
+
+def _verify_run(run_dir: str, quiet: bool) -> None:
+    """``verify RUN``: every checkpoint's checksums, and report, checkpoints and aliases agree."""
+    import os
+
+    from savepoint.runs import aliases, layout
+    from savepoint.runs.report import (
+        REPORT_FILE,
+        RUN_FILE,
+        Report,
+        RunInfo,
+        check_consistent,
+        read_json,
+    )
+
+    start = time.perf_counter()
+    try:
+        run_path = os.path.join(run_dir, RUN_FILE)
+        run = RunInfo.from_json(read_json(run_path), run_path)
+    except CheckpointError as exc:
+        _fail(exc)
+        return
+    has_report = os.path.lexists(os.path.join(run_dir, REPORT_FILE))
+    report = _load_report(run_dir) if has_report else Report.for_run(run)
+    steps = _committed_steps(run_dir)
+    problems: list[str] = []
+    try:
+        check_consistent(run_dir, run, report, steps)
+    except CheckpointError as exc:
+        problems.append(str(exc))
+    problems += aliases.run_problems(run_dir, report, steps)
+    leaving = set(report.discarding) - set(report.checkpoints)
+    checked = [s for s in steps if s not in leaving]
+    paths = [(f"step {s}", layout.step_path(run_dir, s)) for s in checked]
+    paths += [
+        (f"{a}/", os.path.join(run_dir, a))
+        for a in aliases.NAMES
+        if os.path.lexists(os.path.join(run_dir, a))
+    ]
+    for what, ckpt in paths:
+        try:
+            checkpoint.verify(ckpt)
+        except (CheckpointError, OSError) as exc:
+            problems.append(f"{what} does not verify: {exc}")
+    if problems:
+        for problem in problems:
+            click.echo(f"error: {run_dir}: {problem}", err=True)
+        click.echo(
+            "(opening the run with a CheckpointManager repairs disagreements between report.json, "
+            "the checkpoints and the aliases; it cannot repair a checkpoint that does not verify)",
+            err=True,
+        )
         sys.exit(1)
-    return Report.from_json(doc, path)
+    if not quiet:
+        held = ", ".join(
+            f"{a}/ = step {s}" for a, s in aliases.targets(report).items() if s is not None
+        )
+        click.echo(
+            f"ok: run {run.name}: {len(checked)} checkpoint(s) verified in "
+            f"{time.perf_counter() - start:.2f} s; report.json agrees with them"
+            + (f" and with {held}" if held else "")
+        )
 
 
 def _metrics_text(values: dict[str, Any]) -> str:
@@ -169,16 +252,19 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
     """List the checkpoints of the run at RUN_DIR: steps, sizes, metrics, and why each is kept."""
     import os
 
-    from savepoint.runs import layout, policies
+    from savepoint.runs import aliases, layout, policies
 
     _run_dir(run_dir)
     report = _load_report(run_dir)
-    steps = layout.committed_steps(run_dir)
+    on_disk = _committed_steps(run_dir)
+    problems = aliases.run_problems(run_dir, report, on_disk)
+    leaving = set(report.discarding) - set(report.checkpoints)
+    steps = [s for s in on_disk if s not in leaving]
     entries: list[tuple[int, int | None, dict[str, Any], str]] = []
     for step in steps:
         try:
             info = checkpoint.inspect(layout.step_path(run_dir, step))
-        except CheckpointError as exc:
+        except (CheckpointError, OSError) as exc:
             entries.append((step, None, {}, f"unreadable: {exc}"))
             continue
         meta = info.metadata.get("savepoint_run") or {}
@@ -209,15 +295,16 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
             }
         )
     if as_json:
-        click.echo(
-            json.dumps({"run": os.path.abspath(run_dir), "checkpoints": rows_json}, indent=2)
-        )
+        doc = {"run": os.path.abspath(run_dir), "checkpoints": rows_json, "problems": problems}
+        click.echo(json.dumps(doc, indent=2))
         return
     click.echo(
         f"run {report.name}"
         + (f" ({report.variant})" if report.variant else "")
         + f": {len(steps)} checkpoint(s), {report.steps_completed} steps completed"
     )
+    for problem in problems:
+        click.echo(f"warning: {problem}", err=True)
     if not rows_json:
         return
     rows: list[tuple[str, ...]] = [("step", "size", "metrics", "tags", "kept by")]

@@ -10,8 +10,10 @@
     ├── IncompatibleCheckpointError      (also ValueError) format version, shape or dtype disagreement
     │   ├── StateMismatchError           ``load(into=...)`` found keys, shapes or dtypes that disagree
     │   └── RunMismatchError             run.json, report.json and the caller disagree about a run
+    ├── CheckpointPermissionError        (also PermissionError) a file or directory cannot be read
     ├── UnsupportedStateError            (also TypeError) a leaf or key savepoint cannot store
     ├── CheckpointWriteError             (also OSError) the save failed (disk full, fsync error, ...)
+    │   └── RunLockedError               another process holds the run directory's writer lock
     └── DistributedCheckpointError       (also RuntimeError) a sharded save or load failed on some
                                          rank(s) or one stopped answering; raised on every rank
 
@@ -28,12 +30,14 @@ from typing import Any
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointPermissionError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "DistributedCheckpointError",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "MissingCheckpointError",
+    "RunLockedError",
     "RunMismatchError",
     "StateMismatchError",
     "UnsupportedStateError",
@@ -123,6 +127,24 @@ class StateMismatchError(IncompatibleCheckpointError):
         )
 
 
+class CheckpointPermissionError(CheckpointError, PermissionError):
+    """A checkpoint file or directory exists but this process may not read it (mode, ACL, owner).
+
+    Nothing is wrong with the checkpoint itself: fix the permissions (or run as a user who may read
+    it) and load again. ``errno`` is ``errno.EACCES`` or ``errno.EPERM``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.errno = errno
+
+
 class UnsupportedStateError(CheckpointError, TypeError):
     """A leaf, key or metadata value savepoint cannot store; ``key`` is its path in the tree."""
 
@@ -146,6 +168,28 @@ class CheckpointWriteError(CheckpointError, OSError):
     ) -> None:
         super().__init__(message, path=path)
         self.errno = errno
+
+
+class RunLockedError(CheckpointWriteError):
+    """Another process is the writer of this run directory (``holder`` says which, when known).
+
+    A run directory has one writer at a time: a second ``CheckpointManager`` on the same directory
+    would let one process's retention delete the other's checkpoints. Readers (``sp.load``,
+    ``sp.open_run``, ``savepoint ls``) never need the lock. Stop the other process, or give this one
+    its own directory.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        holder: str | None = None,
+    ) -> None:
+        import errno as _errno
+
+        super().__init__(message, path=path, errno=_errno.EWOULDBLOCK)
+        self.holder = holder
 
 
 class DistributedCheckpointError(CheckpointError, RuntimeError):

@@ -378,3 +378,53 @@ def test_remove_tree_tolerates_missing_paths(tmp_path: Path) -> None:
     d = make_dir(tmp_path / "d", "x")
     atomic.remove_tree(str(d))
     assert not d.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# link_tree (the run aliases latest/ and best/)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_link_tree_hard_links_every_file(tmp_path: Path) -> None:
+    source = make_dir(tmp_path / "step", "a")
+    staging = tmp_path / ".alias.tmp"
+    atomic.link_tree(str(source), str(staging))
+    assert sorted(os.listdir(staging)) == sorted(os.listdir(source))
+    for name in os.listdir(source):
+        assert os.path.samefile(source / name, staging / name)
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EXDEV, errno.EMLINK, errno.EOPNOTSUPP])
+def test_link_tree_copies_where_hard_links_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    def no_links(src: Any, dst: Any, **kwargs: Any) -> None:
+        raise OSError(code, os.strerror(code), str(dst))
+
+    monkeypatch.setattr(os, "link", no_links)
+    source = make_dir(tmp_path / "step", "a")
+    staging = tmp_path / ".alias.tmp"
+    atomic.link_tree(str(source), str(staging))
+    for name in os.listdir(source):
+        assert not os.path.samefile(source / name, staging / name)
+        assert (staging / name).read_bytes() == (source / name).read_bytes()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EIO])
+def test_link_tree_raises_a_full_disk_instead_of_copying(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    # A link that fails for want of an inode or a directory block is no reason to copy the whole
+    # file (which needs more of what ran out): the error is the caller's, as it is.
+    copies: list[Any] = []
+
+    def full(src: Any, dst: Any, **kwargs: Any) -> None:
+        raise OSError(code, os.strerror(code), str(dst))
+
+    monkeypatch.setattr(os, "link", full)
+    monkeypatch.setattr(atomic.shutil, "copyfile", lambda *a, **k: copies.append(a))
+    source = make_dir(tmp_path / "step", "a")
+    with pytest.raises(OSError) as info:
+        atomic.link_tree(str(source), str(tmp_path / ".alias.tmp"))
+    assert info.value.errno == code
+    assert copies == []

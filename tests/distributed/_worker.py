@@ -266,7 +266,7 @@ def scenario_main2(s: Session) -> None:
             assert report["checkpoints"] == [3, 2], report["checkpoints"]
             assert sp.verify(s.path("run/latest")).metadata["savepoint_run"]["step"] == 3
         targets = state(rank, world, empty=True)
-        restored = sp.CheckpointManager(s.path("run"), aliases=False).restore(
+        restored = sp.CheckpointManager(s.path("run"), aliases=False, read_only=True).restore(
             targets, process_group=pg, timeout=60, resume=False
         )
         assert restored == 3, restored

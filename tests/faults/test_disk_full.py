@@ -4,7 +4,7 @@ Expected every time: CheckpointWriteError (also an OSError) with a clear message
 the previous checkpoint intact and loadable exactly, and nothing else left in the parent
 directory. Failures are injected (os.write raising ENOSPC after N bytes, os.fsync raising EIO at
 a chosen file or directory, os.mkdir raising ENOSPC); where this container lets us mount a small
-tmpfs, the real thing too.
+tmpfs, the real thing too (and test_disk_full_tmpfs.py sweeps every write operation there).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import errno
 import fcntl
 import os
 import shutil
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ import pytest
 import savepoint as sp
 from savepoint.commit import atomic
 
+from . import _tmpfs
 from ._util import assert_same, deadline, read_doc
 
 pytestmark = pytest.mark.skipif(
@@ -319,40 +319,23 @@ def test_fsync_failure_after_the_parent_was_synced_once(
 
 
 # ---------------------------------------------------------------------------------------------
-# a real full filesystem: a small tmpfs
+# a real full filesystem: a small tmpfs (test_disk_full_tmpfs.py sweeps every operation)
 # ---------------------------------------------------------------------------------------------
 
 TMPFS_BYTES = 8 << 20
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8)")
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0700", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip() or result.returncode}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+def tmpfs(tmp_path: Path) -> Iterator[_tmpfs.Tmpfs]:
+    problem = _tmpfs.mount_problem()
+    if problem is not None:
+        pytest.skip(f"{problem}; the injected failures above stand in for it")
+    with _tmpfs.mounted(tmp_path / "mnt", TMPFS_BYTES) as fs:
+        yield fs
 
 
-def free_bytes(directory: Path) -> int:
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
-def test_real_enospc_on_tmpfs_during_data(tmpfs: Path) -> None:
-    path = tmpfs / "parent" / NAME
+def test_real_enospc_on_tmpfs_during_data(tmpfs: _tmpfs.Tmpfs) -> None:
+    path = tmpfs.root / "parent" / NAME
     path.parent.mkdir()
     save(path, OLD)  # ~0.6 MiB
     big = make_state(3, scale=20)  # ~10.5 MiB: cannot fit in 8 MiB
@@ -366,30 +349,68 @@ def test_real_enospc_on_tmpfs_during_data(tmpfs: Path) -> None:
 
 
 def pages(n: int) -> int:
-    return -(-n // 4096)
+    return -(-n // _tmpfs.PAGE)
 
 
 @pytest.mark.parametrize(
     "short_by_pages", [0, 1], ids=["room-for-data-not-manifest", "one-page-short"]
 )
-def test_real_enospc_on_tmpfs_at_the_edge(tmp_path: Path, tmpfs: Path, short_by_pages: int) -> None:
+def test_real_enospc_on_tmpfs_at_the_edge(
+    tmp_path: Path, tmpfs: _tmpfs.Tmpfs, short_by_pages: int
+) -> None:
     # Learn the page footprint of NEW's data files from a save on the ordinary disk.
     probe = tmp_path / "probe" / NAME
     save(probe, NEW)
     data_pages = sum(pages(f["size"]) for f in read_doc(probe)["files"].values())
-    path = tmpfs / "parent" / NAME
+    path = tmpfs.root / "parent" / NAME
     path.parent.mkdir()
     save(path, OLD)
     # Fill the filesystem so that exactly the data (less ``short_by_pages`` pages) still fits.
-    want_free = (data_pages - short_by_pages) * 4096
-    filler = tmpfs / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, free_bytes(tmpfs) - want_free)
-    finally:
-        os.close(fd)
-    assert free_bytes(tmpfs) == want_free
+    want_free = (data_pages - short_by_pages) * _tmpfs.PAGE
+    tmpfs.set_free(want_free)
     with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
         save(path, NEW)
     assert_failed_cleanly(exc_info, path, OLD, errno.ENOSPC)
-    assert free_bytes(tmpfs) == want_free  # everything the failed save wrote was given back
+    assert tmpfs.free_bytes() == want_free  # everything the failed save wrote was given back
+
+
+# ---------------------------------------------------------------------------------------------
+# injected ENOSPC elsewhere: where no tmpfs can be mounted, these stand in for the sweeps
+# ---------------------------------------------------------------------------------------------
+
+
+def test_enospc_opening_a_snapshot_history_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_mkdir = os.mkdir
+
+    def full_mkdir(p: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(p))
+
+    monkeypatch.setattr(os, "mkdir", full_mkdir)
+    with pytest.raises(sp.CheckpointWriteError) as exc_info:
+        sp.SnapshotHistory(2, directory=tmp_path / "history")
+    assert exc_info.value.errno == errno.ENOSPC, exc_info.value
+    assert "free disk space" in str(exc_info.value)
+    monkeypatch.setattr(os, "mkdir", real_mkdir)
+    assert os.listdir(tmp_path) == []
+    history = sp.SnapshotHistory(2, directory=tmp_path / "history")
+    assert len(history) == 0
+
+
+def test_enospc_in_an_async_save_callback_is_a_write_error(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full disk while on_commit writes its own files (the manager's report.json): the handle
+    # and the checkpointer both report CheckpointWriteError(ENOSPC), never a raw OSError.
+    def full(info: sp.CheckpointInfo) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path.parent / "report.json"))
+
+    with sp.AsyncCheckpointer() as ckpt:
+        pending = ckpt.save(path, NEW, on_commit=full)
+        with pytest.raises(sp.CheckpointWriteError) as exc_info:
+            pending.wait(SAVE_DEADLINE_S)
+        assert exc_info.value.errno == errno.ENOSPC
+        with pytest.raises(sp.CheckpointWriteError) as again:
+            ckpt.wait()
+        assert again.value is exc_info.value

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import savepoint as sp
+from _torture import scale
 from savepoint.commit import atomic
 
 from ._kill_child import MAX_FILE_BYTES, make_state, metadata
@@ -182,9 +183,9 @@ def exchange_supported(directory: Path) -> bool:
 # random kills while replacing an existing checkpoint
 # ---------------------------------------------------------------------------------------------
 
-RANDOM_KILLS = 44
+RANDOM_KILLS = scale(44)
 AIMED = ("data", "manifest", "commit", "exchange", "cleanup")
-AIMED_EACH = 4  # 44 + 5 * 4 = 64 kill points
+AIMED_EACH = scale(4)  # 44 + 5 * 4 = 64 kill points
 
 
 def test_sigkill_at_random_moments_while_replacing(tmp_path: Path, save_seconds: float) -> None:
@@ -227,7 +228,7 @@ def test_sigkill_at_random_moments_while_replacing(tmp_path: Path, save_seconds:
 # the very first save
 # ---------------------------------------------------------------------------------------------
 
-FIRST_SAVE_KILLS = 16
+FIRST_SAVE_KILLS = scale(16)
 
 
 def test_sigkill_during_first_save(tmp_path: Path, save_seconds: float) -> None:

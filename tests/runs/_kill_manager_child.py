@@ -1,11 +1,21 @@
 """Child process for test_manager.py's kill test: a training loop that saves through a
 CheckpointManager until it is SIGKILLed.
 
-Usage: python -W error _kill_manager_child.py RUN_DIR
+Usage: python -W error _kill_manager_child.py RUN_DIR [WHERE:STEP]
 
 On start it reopens the run, restores the newest checkpoint (checking it is exactly the state that
 was saved for that step) and continues from the next step. It prints "ready" once restored, then
 "saving N" just before each save and "saved N" after it, flushed at once.
+
+WHERE:STEP makes the child SIGKILL itself at one point inside the save of STEP:
+
+- ``report``: after the checkpoint is committed, as report.json is about to be replaced;
+- ``alias``: after report.json is written, as latest/ or best/ is about to be swapped in;
+- ``discard``: after the report and aliases, as the first old checkpoint is about to be deleted.
+
+Each hook wraps the primitive the manager calls (``atomic.replace_file``, ``atomic.commit`` and
+``atomic.discard``) and fires only for that file, so the point is the same whatever the order of
+the manager's other steps.
 """
 
 from __future__ import annotations
@@ -50,10 +60,46 @@ def metrics(step: int) -> dict[str, float]:
     return {"val": float((step * 7) % 11) + 0.5, "loss": 1.0 / step}
 
 
+def install_kill_hook(where: str, at_step: int, current: list[int]) -> None:
+    """Arrange the SIGKILL described in the module docstring (``current[0]`` is the step being
+    saved)."""
+    import os
+    import signal
+
+    from savepoint.commit import atomic
+
+    def die() -> None:
+        print(f"killed {where} {current[0]}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(name: str, fires: Any) -> None:
+        real = getattr(atomic, name)
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            if current[0] == at_step and fires(*args):
+                die()
+            return real(*args, **kwargs)
+
+        setattr(atomic, name, hooked)
+
+    if where == "report":
+        wrap("replace_file", lambda path, *_: os.path.basename(path) == "report.json")
+    elif where == "alias":
+        wrap("commit", lambda _staging, path: os.path.basename(path) in ("latest", "best"))
+    elif where == "discard":
+        wrap("discard", lambda path: os.path.basename(os.path.dirname(path)) == "checkpoints")
+    else:
+        raise SystemExit(f"unknown kill point {where!r}")
+
+
 def main() -> None:
     import savepoint as sp
 
     directory = sys.argv[1]
+    current = [-1]
+    if len(sys.argv) > 2:
+        where, at = sys.argv[2].split(":")
+        install_kill_hook(where, int(at), current)
     manager = sp.CheckpointManager(directory, **RUN_OPTIONS)
     into = blank_state()
     restored = manager.restore(into)
@@ -68,6 +114,7 @@ def main() -> None:
         state = make_state(step)
         manager.log(step, loss=metrics(step)["loss"])
         print(f"saving {step}", flush=True)
+        current[0] = step
         manager.save(step, state, metrics(step))
         print(f"saved {step}", flush=True)
         step += 1

@@ -11,13 +11,15 @@ moment. The arena is reused by every save, so async saving holds one staging cop
 One save is in flight at a time. A ``save()`` while the previous one is still writing follows
 ``on_busy``: ``"wait"`` (the default) blocks until it is committed; ``"skip"`` returns a skipped
 ``PendingSave`` and warns. A background failure is raised once, to the caller, by the next
-``save()``, ``wait()`` or ``close()`` (its ``PendingSave.wait()`` raises it too). At interpreter
-exit a pending save is finished; if it fails, the error is printed to stderr.
+``save()``, ``wait()`` or ``close()`` (its ``PendingSave.wait()`` raises it too), always as a
+CheckpointError: an OSError (a full disk) as a CheckpointWriteError carrying its ``errno``. At
+interpreter exit a pending save is finished; if it fails, the error is printed to stderr.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import sys
 import threading
@@ -30,7 +32,7 @@ from typing import Any, Literal
 from savepoint import _writer, checkpoint
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.staging import StagingArena
-from savepoint.errors import CheckpointError
+from savepoint.errors import CheckpointError, CheckpointWriteError
 from savepoint.state import tree
 
 OnBusy = Literal["wait", "skip"]
@@ -136,9 +138,10 @@ class AsyncCheckpointer:
                 if on_commit is not None:
                     on_commit(info)
             except BaseException as exc:
+                error = _reported(exc, target)
                 with self._lock:
-                    self._error = exc
-                pending.set_exception(exc)
+                    self._error = error
+                pending.set_exception(error)
             else:
                 with self._lock:
                     if self._error is None:
@@ -156,11 +159,7 @@ class AsyncCheckpointer:
             if self._pending is None or self._pending.done():
                 _UNFINISHED.discard(self)
         if error is not None:
-            if isinstance(error, CheckpointError):
-                raise error
-            raise CheckpointError(
-                f"a background save failed: {error!r}", path=getattr(error, "filename", None)
-            ) from error
+            raise error
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error if it failed."""
@@ -187,6 +186,30 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reported(exc: BaseException, target: str) -> CheckpointError:
+    """What a background failure is reported as, by ``PendingSave.wait()`` and by the next
+    ``save()``, ``wait()`` or ``close()`` alike: a CheckpointError as it is; an OSError (a full
+    disk while ``on_commit`` writes its bookkeeping, say) as a CheckpointWriteError with its
+    ``errno``; anything else as a CheckpointError. The original is the ``__cause__``."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    error: CheckpointError
+    if isinstance(exc, OSError):
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        hint = "free disk space and save again" if exc.errno == errno.ENOSPC else "see the cause"
+        error = CheckpointWriteError(
+            f"the background save to {target} failed: {reason} ({exc.filename or target}); {hint}",
+            path=target,
+            errno=exc.errno,
+        )
+    else:
+        error = CheckpointError(
+            f"a background save failed: {exc!r}", path=getattr(exc, "filename", None)
+        )
+    error.__cause__ = exc
+    return error
 
 
 @atexit.register

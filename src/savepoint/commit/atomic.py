@@ -237,16 +237,30 @@ def replace_file(path: str, data: bytes) -> None:
     fsync_dir(parent)
 
 
+# What os.link raises where a filesystem (or this pair of paths) has no hard links, or a file
+# has too many: then a copy is made instead. Anything else (a full disk, a quota, an I/O error)
+# is raised: a copy would need more of what just ran out.
+_NO_HARD_LINKS = frozenset(
+    getattr(errno, name)
+    for name in ("EPERM", "EXDEV", "EMLINK", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EACCES")
+    if hasattr(errno, name)
+)
+
+
 def link_tree(source: str, staging: str) -> None:
     """Fill ``staging`` with hard links to the files of the checkpoint ``source`` (copies where
     the filesystem has no hard links). Committed files are never modified in place, so a linked
-    copy costs no space and stays valid after ``source`` is deleted."""
+    copy costs no space and stays valid after ``source`` is deleted. Other errors (ENOSPC: no
+    inode or directory block left for the link) are raised; ``staging`` is the caller's to
+    remove."""
     os.mkdir(staging)
     for name in os.listdir(source):
         src, dst = os.path.join(source, name), os.path.join(staging, name)
         try:
             os.link(src, dst, follow_symlinks=False)
-        except OSError:
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
             shutil.copyfile(src, dst, follow_symlinks=False)
             fd = os.open(dst, os.O_RDONLY)
             try:

@@ -31,12 +31,15 @@ way, and returns it; ``clear`` deletes them all, oldest first. Opening a history
 that already holds snapshots rebuilds the ring from their sequence numbers (newest first; they
 are loaded lazily, when asked for), prunes those beyond ``max_snapshots``, and removes
 temporaries of interrupted saves by dead processes. A crash at any point leaves committed
-snapshots only, so a restarted process can roll back. One process writes a directory at a time;
-a history is not thread-safe.
+snapshots only, so a restarted process can roll back. Every write failure is a
+CheckpointWriteError carrying the failing call's ``errno`` (``errno.ENOSPC`` for a full disk);
+a ``push`` or ``take`` whose save fails leaves the history as it was. One process writes a
+directory at a time; a history is not thread-safe.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections import deque
@@ -200,7 +203,9 @@ class SnapshotHistory:
             atomic.discard(path)
         except OSError as exc:
             raise CheckpointWriteError(
-                f"deleting snapshot {path} failed: {exc}; the history is unchanged", path=path
+                f"deleting snapshot {path} failed: {exc}; the history is unchanged",
+                path=path,
+                errno=exc.errno,
             ) from exc
 
     def _open(self, directory: str) -> None:
@@ -209,8 +214,11 @@ class SnapshotHistory:
             atomic.clean_stale_in(directory)
             names = os.listdir(directory)
         except OSError as exc:
+            hint = "; free disk space and try again" if exc.errno == errno.ENOSPC else ""
             raise CheckpointWriteError(
-                f"cannot open the snapshot directory {directory}: {exc}", path=directory
+                f"cannot open the snapshot directory {directory}: {exc}{hint}",
+                path=directory,
+                errno=exc.errno,
             ) from exc
         seqs = []
         committed = []

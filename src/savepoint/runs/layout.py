@@ -10,10 +10,14 @@
         step-0000000200/
       latest/                  the newest checkpoint, as hard links (a loadable checkpoint)
       best/                    the best checkpoint by the run's metric, as hard links
+      .writer.lock             flock'ed by the one CheckpointManager writing the run (runs.lock)
 
 ``latest`` and ``best`` are ordinary checkpoint directories whose files are hard links to the
 step's files (copies where the filesystem has no hard links): ``sp.load("run/best")`` works on any
 filesystem, without symlinks, and keeps working after retention deletes the step directory.
+They always hold the checkpoints ``report.json`` names as latest and best (or are absent): a
+manager that opens the run repairs any disagreement an interrupted save left (see
+:mod:`savepoint.runs.aliases`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 
+from savepoint.errors import CheckpointPermissionError, CorruptCheckpointError
 from savepoint.formats import manifest as mf
 
 CHECKPOINTS = "checkpoints"
@@ -40,12 +45,25 @@ def step_path(directory: str, step: int) -> str:
 
 
 def committed_steps(directory: str) -> list[int]:
-    """Steps with a committed checkpoint (a manifest), ascending. Hidden temporaries are ignored."""
+    """Steps with a committed checkpoint (a manifest), ascending. Hidden temporaries are ignored.
+
+    An unlistable ``checkpoints/`` is CheckpointPermissionError (EACCES/EPERM) or
+    CorruptCheckpointError (not a directory, or any other failure); a missing one has no steps."""
     root = os.path.join(directory, CHECKPOINTS)
     try:
         entries = os.listdir(root)
     except FileNotFoundError:
         return []
+    except PermissionError as exc:
+        raise CheckpointPermissionError(
+            f"{root}: permission denied; make it readable by this user and try again",
+            path=root,
+            errno=exc.errno,
+        ) from None
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"cannot list {root}: {exc.strerror or exc}", path=root
+        ) from None
     steps = []
     for entry in entries:
         m = _STEP_DIR.fullmatch(entry)

@@ -1,30 +1,68 @@
-"""``CheckpointManager``: a run directory whose checkpoints survive crashes and retention.
+"""``CheckpointManager``: a run directory whose checkpoints survive crashes, full disks and retention.
+
+Opening (``CheckpointManager(directory, ...)``): a manager that can write the directory takes the
+run's writer lock (:mod:`savepoint.runs.lock`; with a ``process_group`` only rank 0 does, the rank
+that keeps the books), so a second writer gets RunLockedError naming the holder. It then removes
+temporaries of dead processes and repairs what an interrupted writer left: it finishes deletions
+the report lists as ``discarding``, lists checkpoints a killed save committed but did not record
+(nothing committed is dropped), and makes ``latest/`` and ``best/`` agree with ``report.json``
+(republished, or removed when the report names no such checkpoint). A directory this process
+cannot write (read-only media, no write permission, or ``read_only=True``) gives a *read-only*
+manager: it writes nothing and takes no lock; ``steps``, ``latest_step``, ``best_step`` and
+``restore`` work, ``save`` raises CheckpointWriteError. Unreadable run files are
+CheckpointPermissionError.
 
 Sequence of ``save(step, state, metrics)``:
 
 1. the save policy decides whether this step is written (``force=True`` always writes);
 2. the checkpoint is written with the foundation's protocol to ``checkpoints/step-<step>``
-   (synchronously, or snapshotted and written in the background with ``async_save=True``);
-3. once committed: after a resume, checkpoints newer than this step (the abandoned timeline) are
-   deleted; the report is updated (``report.json``, atomic), ``latest`` and ``best`` are
-   re-linked, and retention runs. Before retention deletes anything, the new checkpoint is read
-   back and verified (manifest and every checksum); if that fails nothing is deleted and the
-   error is raised. Retention never deletes the newest verified checkpoint, the current best, or
-   the checkpoint this run resumed from.
+   (synchronously, or snapshotted and written in the background with ``async_save=True``). If a
+   checkpoint of that step already exists it is first hard-linked aside, so a failed save can put
+   it back;
+3. once committed, the run's books: after a resume, checkpoints newer than this step (the
+   abandoned timeline) leave the run; retention picks the checkpoints to delete, after reading the
+   new one back and verifying it (manifest and every checksum; if that fails nothing is deleted
+   and, once the save is otherwise complete, CorruptCheckpointError is raised). Retention never
+   deletes the newest checkpoint, the current best, or the checkpoint this run resumed from;
+4. the aliases that change are staged (hard links under hidden names: the last step that needs
+   free space), then ``report.json`` is replaced atomically: it lists the new checkpoint, no longer
+   lists the ones being deleted, and names them under ``discarding``;
+5. the staged aliases are swapped in atomically (an alias the report no longer names is removed);
+6. the checkpoints under ``discarding`` are deleted, and the report is rewritten without them.
 
-``restore(into, step="latest")`` tries the newest checkpoint first; one that fails verification
-is skipped with a warning and the next older one is tried. It returns the step restored, or None
-when the run has no checkpoint at all (a fresh start: the only case that returns None). If
-checkpoints exist but none is intact, it raises CorruptCheckpointError rather than start over.
+Failure semantics. Every error out of the manager (``save``, ``PendingSave.wait()`` and
+``exception()`` of an async save, ``wait``, ``close``, ``restore``) is a CheckpointError subclass;
+a failed write is CheckpointWriteError with the failing call's ``errno`` (``errno.ENOSPC`` for a
+full disk), never a raw OSError and never the bare base class. A save that fails in steps 2-5 has
+*not* happened: the checkpoint is removed again (or the previous checkpoint of that step put
+back), ``report.json`` and the aliases are as they were, nothing was deleted, and the message says
+so. Only if undoing fails as well does the error say what is left (the next open repairs it). A
+failure in step 6 does not fail the save: the checkpoints stay on disk, are not part of the run
+(not in ``steps()`` or the report), and the deletion is retried by the next save, ``close()`` or
+open. A SIGKILL at any point leaves the old run or the new one: a checkpoint committed in step 2 is
+kept and listed by the next open, even if its books were never written.
+
+``restore(into, step="latest")`` writes nothing: it reads checkpoints only, so it works on
+read-only media. Its bookkeeping (lineage, history truncated after the step resumed from) is
+written by the next save or by ``close()``. It tries the newest checkpoint first; one that fails
+verification is skipped with a warning and the next older one is tried. It returns the step
+restored, or None when the run has no checkpoint at all (a fresh start: the only case that returns
+None). If checkpoints exist but none is intact, it raises CorruptCheckpointError rather than start
+over. "latest" and "best" are resolved from the checkpoints and their metrics, never through the
+alias directories.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
 import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from savepoint import checkpoint
@@ -34,12 +72,15 @@ from savepoint.commit import atomic
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MissingCheckpointError,
     RunMismatchError,
 )
-from savepoint.runs import layout, policies
+from savepoint.formats import manifest as mf
+from savepoint.runs import aliases, layout, policies
+from savepoint.runs.lock import WriterLock
 from savepoint.runs.policies import Entry, Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.report import (
     REPORT_FILE,
@@ -54,6 +95,13 @@ from savepoint.runs.report import (
 )
 
 StepSpec = int | Literal["latest", "best"]
+_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+_HINTS = {
+    errno.ENOSPC: "free disk space and save again",
+    errno.EDQUOT: "free quota and save again",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EACCES: "check the permissions of the run directory",
+}
 
 
 class CheckpointManager:
@@ -65,6 +113,13 @@ class CheckpointManager:
     policy object from :mod:`savepoint.runs.policies`. ``save_every`` (or a ``save_policy``)
     makes ``save`` skip steps. ``name``, ``variant``, ``config`` and ``num_params`` describe the
     run in ``run.json``; opening an existing run with different values is a RunMismatchError.
+    Without ``best_metric``, an existing run keeps ranking by the metric its report names.
+
+    ``read_only``: None (the default) opens read-only exactly when the directory cannot be written
+    (read-only media, no permission); True never writes and takes no lock (a reader next to a live
+    writer); False requires write access (CheckpointWriteError otherwise). ``read_only`` and
+    ``read_only_reason`` say what was chosen. A writing manager holds the run's writer lock until
+    ``close()`` (or until it is garbage collected): a second one raises RunLockedError.
     """
 
     def __init__(
@@ -86,6 +141,7 @@ class CheckpointManager:
         num_params: int | None = None,
         verify_before_prune: bool = True,
         aliases: bool = True,
+        read_only: bool | None = None,
         **save_options: Any,
     ) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
@@ -114,7 +170,8 @@ class CheckpointManager:
         self.aliases = aliases
         self.save_options = save_options
         # With a process group every rank saves its part; the run's bookkeeping (report, aliases,
-        # retention) is done by rank 0 alone, so no two processes rewrite the same files.
+        # retention, the writer lock) is done by rank 0 alone, so no two processes rewrite the
+        # same files.
         self._leader = _rank(save_options.get("process_group")) == 0
         self._lock = threading.RLock()
         self._async = AsyncCheckpointer(**save_options) if async_save else None
@@ -123,18 +180,92 @@ class CheckpointManager:
         self._resumed_from: int | None = None
         self._verified: set[int] = set()
         self._last_saved: int | None = None
-
-        os.makedirs(os.path.join(self.directory, layout.CHECKPOINTS), exist_ok=True)
-        atomic.clean_stale_in(os.path.join(self.directory, layout.CHECKPOINTS))
-        atomic.clean_stale_in(self.directory)
-        self.run = self._open_run(name, variant, config, num_params)
-        self.report = self._open_report()
-        self._wall_before = self.report.wall_time_s
-        self._metrics: dict[int, dict[str, Any]] = {}
-        for step in layout.committed_steps(self.directory):
-            self._metrics[step] = self._read_metrics(step)
+        # Steps no longer part of the run whose deletion is pending, and what report.json on disk
+        # lists as such (a step there must not be reused before the report stops listing it).
+        # (Both are replaced, never mutated: the background thread of an async save updates
+        # them while the caller's thread reads them.)
+        self._discarding: frozenset[int] = frozenset()
+        self._discarding_on_disk: frozenset[int] = frozenset()
+        self._inflight: int | None = None  # the step an async save is writing
+        self._release: Callable[[], object] | None = None
+        self.read_only_reason: str | None = None
+        try:
+            self.read_only, self._writer = self._open_directory(read_only)
+            if self._writer is not None:
+                # Garbage collection releases the lock of a manager never closed (the finalizer
+                # holds the lock object, not the manager). Not at interpreter exit: background
+                # saves are finished then (async_.checkpointer), still under the lock, which
+                # the kernel drops when the process ends.
+                release = weakref.finalize(self, self._writer.release)
+                release.atexit = False
+                self._release = release
+            self.run = self._open_run(name, variant, config, num_params)
+            self.report = self._open_report()
+            if self.best_metric is None and self.report.best:
+                metric, mode = self.report.best.get("metric"), self.report.best.get("mode")
+                if isinstance(metric, str) and mode in ("min", "max"):
+                    self.best_metric, self.best_mode = metric, mode
+            self._wall_before = self.report.wall_time_s
+            pending = set(self.report.discarding) - set(self.report.checkpoints)
+            self._discarding_on_disk = frozenset(self.report.discarding)
+            self._discarding = frozenset(pending & set(layout.committed_steps(self.directory)))
+            self._metrics: dict[int, dict[str, Any]] = {}
+            for step in self.steps():
+                self._metrics[step] = self._read_metrics(step)
+            if self._writes_books():
+                self._repair()
+        except BaseException:
+            self._release_lock()
+            if self._async is not None:
+                self._async.close()
+            raise
 
     # -- opening -----------------------------------------------------------------------------
+
+    def _open_directory(self, read_only: bool | None) -> tuple[bool, WriterLock | None]:
+        """Create the directory and take the writer lock: (read-only?, the lock if taken)."""
+        if read_only:
+            self.read_only_reason = "opened with read_only=True"
+            return True, None
+        checkpoints = os.path.join(self.directory, layout.CHECKPOINTS)
+        if not self._leader:
+            # Other ranks write only their part of each checkpoint, never the run's books.
+            with contextlib.suppress(OSError):
+                os.makedirs(checkpoints, exist_ok=True)
+            return False, None
+        if os.path.isdir(self.directory):
+            problem = _not_writable(self.directory, checkpoints)
+            if problem is not None and read_only is None:
+                self.read_only_reason = problem[1]
+                return True, None
+            if problem is not None:
+                raise CheckpointWriteError(
+                    f"cannot open {self.directory} for writing (read_only=False): {problem[1]}",
+                    path=self.directory,
+                    errno=problem[0],
+                )
+        try:
+            os.makedirs(checkpoints, exist_ok=True)
+            writer = WriterLock.acquire(self.directory)
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            auto = read_only is None and os.path.isdir(self.directory)
+            if auto and exc.errno in _READ_ONLY_ERRNOS:
+                self.read_only_reason = f"{os.strerror(exc.errno or 0)} ({exc.filename})"
+                return True, None
+            raise _write_error(f"cannot open the run directory {self.directory}", exc) from exc
+        with contextlib.suppress(OSError, CheckpointError):  # tidying is best effort
+            atomic.clean_stale_in(checkpoints)
+            atomic.clean_stale_in(self.directory)
+        return False, writer
+
+    def _writes_books(self) -> bool:
+        return self._leader and not self.read_only
+
+    def _release_lock(self) -> None:
+        if self._release is not None:
+            self._release()
 
     def _open_run(
         self,
@@ -152,7 +283,11 @@ class CheckpointManager:
             num_params=num_params,
         )
         if doc is None:
-            write_json(path, wanted.to_json())
+            if self._writes_books():
+                try:
+                    write_json(path, wanted.to_json())
+                except OSError as exc:
+                    raise _write_error(f"cannot create {path}", exc) from exc
             return wanted
         run = RunInfo.from_json(doc, path)
         problems = []
@@ -184,16 +319,61 @@ class CheckpointManager:
     def _read_metrics(self, step: int) -> dict[str, Any]:
         try:
             meta = checkpoint.inspect(layout.step_path(self.directory, step)).metadata
-        except CheckpointError:
+        except (CheckpointError, OSError):
             return {}
         run_meta = meta.get("savepoint_run")
         return dict(run_meta.get("metrics") or {}) if isinstance(run_meta, dict) else {}
 
+    def _repair(self) -> None:
+        """Finish what an interrupted writer left (see the module docstring), then make the
+        aliases agree with the report."""
+        with self._lock:
+            self._finish_discards()
+            r = self.report
+            live = self.steps()
+            unlisted = [s for s in live if s not in r.checkpoints]
+            for step in unlisted:  # committed by a save that was killed before its books
+                if self._metrics.get(step):
+                    r.metric_history.setdefault(step, {}).update(self._metrics[step])
+                r.steps_completed = max(r.steps_completed, step)
+            before = (r.checkpoints, r.latest_step, r.best, r.discarding)
+            self._fill_report(live)
+            if (r.checkpoints, r.latest_step, r.best, r.discarding) != before:
+                try:
+                    self._store_report()
+                except OSError as exc:
+                    raise _write_error(
+                        f"cannot repair {REPORT_FILE} of {self.directory}", exc
+                    ) from exc
+            self._repair_aliases()
+
+    def _repair_aliases(self) -> None:
+        """Make each alias hold the checkpoint the report names: republish it, or remove it when
+        the report names none (or republishing fails: a missing alias misleads nobody)."""
+        for alias, step in aliases.targets(self.report).items():
+            path = aliases.path_of(self.directory, alias)
+            if step is not None and aliases.holds(self.directory, alias, step):
+                continue
+            if not os.path.lexists(path) and (step is None or not self.aliases):
+                continue
+            if step is not None and self.aliases:
+                try:
+                    aliases.publish(self.directory, alias, step)
+                    continue
+                except OSError:
+                    pass
+            try:
+                aliases.remove(self.directory, alias)
+            except OSError as exc:
+                raise _write_error(
+                    f"{path} disagrees with {REPORT_FILE} and cannot be removed", exc
+                ) from exc
+
     # -- queries -------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint, ascending."""
-        return layout.committed_steps(self.directory)
+        """Steps with a committed checkpoint that is part of the run, ascending."""
+        return [s for s in layout.committed_steps(self.directory) if s not in self._discarding]
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -201,9 +381,13 @@ class CheckpointManager:
 
     def best_step(self) -> int | None:
         """The best step by ``best_metric`` among the checkpoints on disk, or None."""
+        return self._best_among(self.steps())
+
+    def _best_among(self, steps: list[int]) -> int | None:
         if self.best_metric is None:
             return None
-        best = policies.best_entries(self._entries(), self.best_metric, self.best_mode)
+        entries = [Entry(s, self._metrics.get(s, {})) for s in steps]
+        best = policies.best_entries(entries, self.best_metric, self.best_mode)
         return best[0].step if best else None
 
     def step_path(self, step: int) -> str:
@@ -211,9 +395,6 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> dict[str, Any]:
         return dict(self._metrics.get(step, {}))
-
-    def _entries(self) -> list[Entry]:
-        return [Entry(s, self._metrics.get(s, {})) for s in self.steps()]
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -226,29 +407,93 @@ class CheckpointManager:
         force: bool = False,
         epoch: int | None = None,
     ) -> PendingSave:
-        """Save ``state`` as checkpoint ``step`` (unless the save policy skips it)."""
+        """Save ``state`` as checkpoint ``step`` (unless the save policy skips it).
+
+        Either the save happens completely or, on CheckpointWriteError, not at all (see the
+        module docstring for the one exception, a failed verification before pruning)."""
         self._check_open()
         if self._async is not None:
             self._async._raise_background_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if self.read_only:
+            raise CheckpointWriteError(
+                f"cannot save step {step}: the run directory {self.directory} is read-only for "
+                f"this manager ({self.read_only_reason}); nothing was written. Restoring works; "
+                "to save, open the run where it can be written",
+                path=self.directory,
+                errno=errno.EROFS,
+            )
         if not force and not self.save_policy.should_save(step, self._last_saved):
             return PendingSave.finished(None, step, skipped=True)
         clean = _plain(dict(metrics or {}))
         path = self.step_path(step)
         meta = {"savepoint_run": {"step": step, "epoch": epoch, "metrics": clean}}
-        self._last_saved = step
+        backup = self._before_commit(step) if self._leader else None
+        previous, self._last_saved = self._last_saved, step
 
         def committed(info: checkpoint.CheckpointInfo) -> None:
-            self._after_commit(step, clean, epoch)
+            self._after_commit(step, clean, epoch, backup, previous)
 
         if self._async is not None:
-            pending = self._async.save(path, state, metadata=meta, on_commit=committed)
+            try:
+                pending = self._async.save(path, state, metadata=meta, on_commit=committed)
+            except BaseException:
+                _drop(backup)
+                raise
+            if backup is not None:  # a failed background commit leaves it; committed() uses it
+                pending._future.add_done_callback(lambda _: _drop(backup))
             pending.step = step
+            self._inflight = step
             return pending
-        info = checkpoint.save(path, state, metadata=meta, **self.save_options)
+        try:
+            info = checkpoint.save(path, state, metadata=meta, **self.save_options)
+        except BaseException:
+            _drop(backup)
+            self._last_saved = previous
+            raise
         committed(info)
         return PendingSave.finished(path, step, info)
+
+    def _before_commit(self, step: int) -> str | None:
+        """Prepare to (re)use the name of checkpoint ``step``: finish a pending deletion of an
+        old checkpoint of that step, and hard-link an existing one aside (returned) so that a
+        failed save can put it back. Raises CheckpointWriteError with nothing changed."""
+
+        def exists() -> bool:
+            return os.path.isfile(os.path.join(self.step_path(step), mf.NAME))
+
+        pending = self._discarding | self._discarding_on_disk
+        if not exists() and step not in pending and step != self._inflight:
+            return None
+        if self._async is not None:
+            self.wait()  # the save in flight may be writing, deleting or relinking this step
+        with self._lock:
+            try:
+                if step in self._discarding:
+                    atomic.discard(self.step_path(step))
+                    self._discarding = self._discarding - {step}
+                    self._metrics.pop(step, None)
+                if step in self._discarding_on_disk:
+                    # The report must stop naming it for deletion before a new checkpoint takes
+                    # its name: an open after a kill would delete the new one otherwise.
+                    self._fill_report(self.steps())
+                    self._store_report()
+                if not exists():
+                    return None
+                backup = atomic.staging_path(self.step_path(step))
+                try:
+                    atomic.link_tree(self.step_path(step), backup)
+                except BaseException:
+                    _drop(backup)
+                    raise
+                return backup
+            except OSError as exc:
+                raise _write_error(
+                    f"cannot save step {step} to {self.directory}: preparing its directory failed; "
+                    "nothing was saved and the run is as before",
+                    exc,
+                ) from exc
 
     def log(self, step: int, loss: float | None = None, **metrics: Any) -> None:
         """Record a training step's loss (the report's loss curve) and any other values."""
@@ -259,74 +504,204 @@ class CheckpointManager:
                 self.report.metric_history.setdefault(int(step), {}).update(_plain(metrics))
             self.report.steps_completed = max(self.report.steps_completed, int(step))
 
-    def _after_commit(self, step: int, metrics: dict[str, Any], epoch: int | None) -> None:
+    def _after_commit(
+        self,
+        step: int,
+        metrics: dict[str, Any],
+        epoch: int | None,
+        backup: str | None,
+        previous: int | None,
+    ) -> None:
+        """Steps 3-6 of the module docstring, for the committed checkpoint ``step``."""
         with self._lock:
-            self._metrics[step] = metrics
             if not self._leader:
+                self._metrics[step] = metrics
                 return
+            # What an undo restores: _fill_report assigns fresh lists, so a shallow copy of the
+            # report keeps the old ones; only this step's metric history is updated in place.
+            history = self.report.metric_history.get(step)
+            saved = _Saved(
+                dataclasses.replace(self.report),
+                None if history is None else dict(history),
+                dict(self._metrics),
+                previous,
+            )
+            self._metrics[step] = metrics
             self._verified.discard(step)
+            r = self.report
             if metrics:
-                self.report.metric_history.setdefault(step, {}).update(metrics)
-            self.report.steps_completed = max(self.report.steps_completed, step)
+                r.metric_history.setdefault(step, {}).update(metrics)
+            r.steps_completed = max(r.steps_completed, step)
             if epoch is not None:
-                self.report.epoch = epoch
-            if self._resumed_from is not None:
-                # After a resume, checkpoints past this step belong to the abandoned timeline (a
-                # rollback, or newer checkpoints that failed verification): now that the new
-                # timeline has a committed checkpoint, they go, or a restart would undo the resume.
-                # (The checkpoint resumed from is never one of them, even if steps restarted.)
-                horizon = max(step, self._resumed_from)
-                for later in [s for s in self.steps() if s > horizon]:
-                    atomic.discard(self.step_path(later))
-                    self._metrics.pop(later, None)
-            self._write_report()
-            if self.aliases:
-                self._publish(layout.LATEST, self.latest_step())
-                self._publish(layout.BEST, self.best_step())
-            self._prune(step)
-            self._write_report()
+                r.epoch = epoch
+            staged: dict[str, str] = {}
+            phase = "updating the run's books"
+            try:
+                on_disk = layout.committed_steps(self.directory)
+                abandoned: set[int] = set()
+                if self._resumed_from is not None:
+                    # After a resume, checkpoints past this step belong to the abandoned timeline
+                    # (a rollback, or newer checkpoints that failed verification): now that the
+                    # new timeline has a committed checkpoint they go, or a restart would undo the
+                    # resume. (The checkpoint resumed from is never one of them.)
+                    horizon = max(step, self._resumed_from)
+                    abandoned = {s for s in on_disk if s > horizon}
+                live = [s for s in on_disk if s not in abandoned and s not in self._discarding]
+                doomed, verify_error = self._doomed(step, live)
+                keep = [s for s in live if s not in doomed]
+                discarding = frozenset((self._discarding | abandoned | doomed) - set(keep))
+                self._fill_report(keep, discarding)
+                phase = "linking latest/ and best/"
+                staged = self._stage_aliases()
+                phase = f"writing {REPORT_FILE}"
+                self._store_report()
+            except (OSError, CheckpointError) as exc:
+                _drop(*staged.values())
+                raise self._undo(step, backup, saved, phase, exc, report_written=False) from exc
+            try:
+                self._swap_aliases(staged)
+            except (OSError, CheckpointError) as exc:
+                _drop(*staged.values())
+                raise self._undo(
+                    step, backup, saved, "updating latest/ and best/", exc, report_written=True
+                ) from exc
+            # Done: the checkpoint is saved. Deleting is tidying, retried until it succeeds.
+            _drop(backup)
+            self._discarding = discarding
+            self._finish_discards()
+            if self._discarding != self._discarding_on_disk:
+                self._fill_report(self.steps())
+                with contextlib.suppress(OSError):  # the next save writes it again
+                    self._store_report()
+            if verify_error is not None:
+                raise verify_error
 
-    def _publish(self, alias: str, step: int | None) -> None:
-        target = os.path.join(self.directory, alias)
-        if step is None:
-            return
-        staging = atomic.staging_path(target)
-        try:
-            atomic.link_tree(self.step_path(step), staging)
-            atomic.commit(staging, target)
-        except BaseException:
-            atomic.remove_tree(staging)
-            raise
-
-    def _prune(self, newest: int) -> None:
-        entries = self._entries()
+    def _doomed(self, newest: int, live: list[int]) -> tuple[set[int], CheckpointError | None]:
+        """The steps retention deletes, or none (and the error) if ``newest`` fails to verify."""
+        entries = [Entry(s, self._metrics.get(s, {})) for s in live]
         keep = self.retention.keep(entries)
-        keep |= {s for s in (newest, self.best_step(), self._resumed_from) if s is not None}
-        doomed = [e.step for e in entries if e.step not in keep]
-        if not doomed:
-            return
-        if self.verify_before_prune and newest not in self._verified:
+        keep |= {s for s in (newest, self._best_among(live), self._resumed_from) if s is not None}
+        doomed = {s for s in live if s not in keep}
+        if doomed and self.verify_before_prune and newest not in self._verified:
             try:
                 checkpoint.verify(self.step_path(newest))
-            except CheckpointError as exc:
-                raise CorruptCheckpointError(
-                    f"checkpoint {newest} did not verify after saving ({exc}); nothing was pruned",
+            except (CheckpointError, OSError) as exc:
+                err = CorruptCheckpointError(
+                    f"checkpoint {newest} did not verify after saving ({exc}); it is saved but "
+                    "nothing was pruned",
                     path=self.step_path(newest),
-                ) from exc
+                )
+                err.__cause__ = exc
+                return set(), err
             self._verified.add(newest)
-        for step in doomed:
-            atomic.discard(self.step_path(step))
-            self._metrics.pop(step, None)
+        return doomed, None
 
-    def _write_report(self) -> None:
-        if not self._leader:
-            return
+    def _stage_aliases(self) -> dict[str, str]:
+        staged: dict[str, str] = {}
+        if not self.aliases:
+            return staged
+        try:
+            for alias, step in aliases.targets(self.report).items():
+                if step is not None and not aliases.holds(self.directory, alias, step):
+                    staged[alias] = aliases.stage(self.directory, alias, step)
+        except BaseException:
+            _drop(*staged.values())
+            raise
+        return staged
+
+    def _swap_aliases(self, staged: dict[str, str]) -> None:
+        for alias, step in aliases.targets(self.report).items():
+            if alias in staged:
+                aliases.commit(self.directory, alias, staged.pop(alias))
+            elif os.path.lexists(aliases.path_of(self.directory, alias)) and (
+                step is None or not aliases.holds(self.directory, alias, step)
+            ):
+                # The report names no such checkpoint (a best pruned with an abandoned
+                # timeline), or aliases are off: a stale alias must not outlive the report.
+                aliases.remove(self.directory, alias)
+
+    def _undo(
+        self,
+        step: int,
+        backup: str | None,
+        saved: _Saved,
+        phase: str,
+        exc: BaseException,
+        *,
+        report_written: bool,
+    ) -> CheckpointWriteError:
+        """Roll a failed save back: the new checkpoint goes (or the previous one of that step
+        comes back), the report and aliases are restored. Returns the error to raise."""
+        problems = []
+        try:
+            if backup is not None:
+                atomic.commit(backup, self.step_path(step))
+            else:
+                atomic.discard(self.step_path(step))
+        except OSError as undo_exc:
+            problems.append(
+                f"checkpoint {step} could not be removed again ({undo_exc.strerror or undo_exc}): "
+                "it is committed but not in report.json"
+            )
+        self.report, self._metrics = saved.report, saved.metrics
+        if self._last_saved == step:  # the save policy counts from the last save that happened
+            self._last_saved = saved.last_saved
+        if saved.history is None:
+            self.report.metric_history.pop(step, None)
+        else:
+            self.report.metric_history[step] = saved.history
+        self._verified.discard(step)
+        if report_written:
+            try:
+                self._store_report()
+            except OSError as undo_exc:
+                problems.append(
+                    f"{REPORT_FILE} could not be restored ({undo_exc.strerror or undo_exc})"
+                )
+        try:
+            self._repair_aliases()
+        except CheckpointError as undo_exc:
+            problems.append(str(undo_exc))
+        code = getattr(exc, "errno", None)
+        reason = os.strerror(code) if code else str(exc)
+        where = getattr(exc, "filename", None)
+        head = f"saving step {step} to {self.directory} failed while {phase}: {reason}" + (
+            f" ({where})" if where else ""
+        )
+        if problems:
+            message = (
+                f"{head}; undoing it failed too: {'; '.join(problems)}. Opening the run again "
+                "with a CheckpointManager repairs report.json and the aliases"
+            )
+        else:
+            hint = _HINTS.get(code or 0, "see the cause below")
+            message = (
+                f"{head}. The save was undone and the run is as before: step {step} is not "
+                "saved, report.json, latest/, best/ and every other checkpoint are unchanged; "
+                f"{hint}"
+            )
+        return CheckpointWriteError(message, path=self.step_path(step), errno=code)
+
+    def _finish_discards(self) -> None:
+        """Delete the checkpoints that left the run; one that cannot be deleted stays pending."""
+        remaining: set[int] = set()
+        for step in sorted(self._discarding):
+            try:
+                atomic.discard(self.step_path(step))
+            except OSError:
+                remaining.add(step)
+                continue
+            self._metrics.pop(step, None)
+            self._verified.discard(step)
+        self._discarding = frozenset(remaining)
+
+    def _fill_report(self, live: list[int], discarding: frozenset[int] | None = None) -> None:
         r = self.report
         r.wall_time_s = self._wall_before + (time.monotonic() - self._started)
-        r.checkpoints = self.steps()[::-1]
+        r.checkpoints = sorted(live, reverse=True)
         r.retention = policies.to_spec(self.retention)
         r.latest_step = r.checkpoints[0] if r.checkpoints else None
-        best = self.best_step()
+        best = self._best_among(live)
         r.best = (
             None
             if best is None
@@ -337,7 +712,13 @@ class CheckpointManager:
                 "metrics": self._metrics.get(best, {}),
             }
         )
-        write_json(os.path.join(self.directory, REPORT_FILE), r.to_json())
+        pending = self._discarding if discarding is None else discarding
+        r.discarding = sorted(pending - set(live))
+
+    def _store_report(self) -> None:
+        """Replace report.json with ``self.report`` (atomic); raises OSError."""
+        write_json(os.path.join(self.directory, REPORT_FILE), self.report.to_json())
+        self._discarding_on_disk = frozenset(self.report.discarding)
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -348,9 +729,11 @@ class CheckpointManager:
 
         Returns the step restored. With ``resume`` (the default) the run continues from that step:
         the report forgets history after it (the resumed run logs those steps again), records the
-        lineage, and retention protects that checkpoint; ``resume=False`` only loads. With "latest", a checkpoint that fails verification is
-        skipped (with a warning) for the next older one; None means the run has no checkpoint
-        at all. "best" and explicit steps are never substituted: missing or corrupt is an error.
+        lineage, and retention protects that checkpoint; ``resume=False`` only loads. Nothing is
+        written here (restoring works on read-only media): the next save or ``close()`` writes
+        the report. With "latest", a checkpoint that fails verification is skipped (with a
+        warning) for the next older one; None means the run has no checkpoint at all. "best" and
+        explicit steps are never substituted: missing or corrupt is an error.
         """
         self._check_open()
         self.wait()
@@ -409,7 +792,6 @@ class CheckpointManager:
                 }
             )
             self.report.steps_completed = step
-            self._write_report()
         return step
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -420,7 +802,7 @@ class CheckpointManager:
             self._async.wait()
 
     def close(self) -> None:
-        """Finish pending saves and write the final report."""
+        """Finish pending saves, write the final report, and release the writer lock."""
         if self._closed:
             return
         try:
@@ -428,8 +810,22 @@ class CheckpointManager:
                 self._async.close()
         finally:
             self._closed = True
-            with self._lock:
-                self._write_report()
+            try:
+                if self._writes_books():
+                    with self._lock:
+                        self._finish_discards()
+                        self._fill_report(self.steps())
+                        try:
+                            self._store_report()
+                        except OSError as exc:
+                            raise _write_error(
+                                f"cannot write the final {REPORT_FILE} of {self.directory} (the "
+                                "checkpoints are intact; the report is rewritten by the next "
+                                "save)",
+                                exc,
+                            ) from exc
+            finally:
+                self._release_lock()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -442,7 +838,48 @@ class CheckpointManager:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.directory!r}, retention={self.retention!r})"
+        mode = ", read_only=True" if self.read_only else ""
+        return f"CheckpointManager({self.directory!r}, retention={self.retention!r}{mode})"
+
+
+@dataclasses.dataclass
+class _Saved:
+    report: Report
+    history: dict[str, Any] | None
+    metrics: dict[int, dict[str, Any]]
+    last_saved: int | None
+
+
+def _not_writable(*paths: str) -> tuple[int, str] | None:
+    """(errno, why) this process cannot create files in ``paths`` (the existing ones), or None."""
+    effective = os.access in os.supports_effective_ids
+    for path in paths:
+        if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK, effective_ids=effective):
+            try:
+                read_only_fs = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+            except OSError:
+                read_only_fs = False
+            if read_only_fs:
+                return errno.EROFS, f"{path} is on a read-only filesystem"
+            return errno.EACCES, f"{path} is not writable by this user"
+    return None
+
+
+def _write_error(what: str, exc: OSError) -> CheckpointWriteError:
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    where = f" ({exc.filename})" if exc.filename else ""
+    hint = _HINTS.get(exc.errno or 0, "see the cause below")
+    return CheckpointWriteError(
+        f"{what}: {reason}{where}; {hint}", path=exc.filename, errno=exc.errno
+    )
+
+
+def _drop(*paths: str | None) -> None:
+    """Remove temporaries (staged aliases, a backup) without letting cleanup hide an error."""
+    for path in paths:
+        if path is not None:
+            with contextlib.suppress(OSError):
+                atomic.remove_tree(path)
 
 
 def _rank(process_group: Any) -> int:

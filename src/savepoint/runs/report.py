@@ -11,8 +11,15 @@
      "steps_completed": 500, "epoch": 3, "wall_time_s": 12.5,
      "loss_history": [[step, loss], ...], "metric_history": {"<step>": {...}},
      "best": {"metric": "val_loss", "mode": "min", "step": 400, "metrics": {...}} | null,
-     "latest_step": 500, "checkpoints": [500, 400, ...],
+     "latest_step": 500, "checkpoints": [500, 400, ...], "discarding": [100],
      "lineage": [{"resumed_from": 300, "at": "...", "steps_completed_before": 340}]}
+
+``checkpoints`` are the saved steps, newest first; ``latest_step`` and ``best`` are among them, and
+the ``latest/`` and ``best/`` aliases hold exactly those checkpoints (or are absent).
+``discarding`` lists steps that retention or an abandoned timeline is deleting: they are no longer
+part of the run, and are deleted after this report is written (so the report never names a deleted
+checkpoint); a writer that was killed before it finished leaves them here, and the next
+``CheckpointManager`` to open the run finishes the job. Readers ignore them.
 
 The consistency check (:func:`check_consistent`) follows the seed's artifact loader: a report
 whose variant, config or parameter count disagrees with ``run.json``, or whose best checkpoint is
@@ -25,6 +32,7 @@ import datetime as _dt
 import json
 import math
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,6 +40,7 @@ from typing import Any
 from savepoint._version import __version__
 from savepoint.commit import atomic
 from savepoint.errors import (
+    CheckpointPermissionError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     MissingCheckpointError,
@@ -40,6 +49,7 @@ from savepoint.errors import (
 
 RUN_FILE = "run.json"
 REPORT_FILE = "report.json"
+MAX_JSON_BYTES = 64 << 20
 
 
 def now_iso() -> str:
@@ -92,6 +102,7 @@ class Report:
     checkpoints: list[int] = field(default_factory=list)
     lineage: list[dict[str, Any]] = field(default_factory=list)
     retention: list[dict[str, Any]] = field(default_factory=list)
+    discarding: list[int] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, run: RunInfo) -> Report:
@@ -108,7 +119,13 @@ class Report:
         if not isinstance(doc, dict) or doc.get("format") != "savepoint-report":
             raise CorruptCheckpointError(f"{path} is not a savepoint report.json", path=path)
         _check_version(doc, path)
-        kinds = {"metric_history": dict, "loss_history": list, "lineage": list, "checkpoints": list}
+        kinds = {
+            "metric_history": dict,
+            "loss_history": list,
+            "lineage": list,
+            "checkpoints": list,
+            "discarding": list,
+        }
         for key, kind in kinds.items():
             if not isinstance(doc.get(key, kind()), kind):
                 raise CorruptCheckpointError(
@@ -116,6 +133,14 @@ class Report:
                 )
         if doc.get("best") is not None and not isinstance(doc["best"], dict):
             raise CorruptCheckpointError(f"{path}: best must be an object or null", path=path)
+        steps = [doc.get("latest_step"), (doc.get("best") or {}).get("step")]
+        steps += doc.get("checkpoints", []) + doc.get("discarding", [])
+        if not all(s is None or _is_step(s) for s in steps):
+            raise CorruptCheckpointError(
+                f"{path}: steps (latest_step, best.step, checkpoints, discarding) must be "
+                "non-negative integers",
+                path=path,
+            )
         try:
             return cls(
                 name=str(doc["name"]),
@@ -132,8 +157,9 @@ class Report:
                 checkpoints=[int(s) for s in doc.get("checkpoints", [])],
                 lineage=list(doc.get("lineage", [])),
                 retention=list(doc.get("retention", [])),
+                discarding=[int(s) for s in doc.get("discarding", [])],
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CorruptCheckpointError(
                 f"{path}: malformed report.json ({exc})", path=path
             ) from None
@@ -142,6 +168,10 @@ class Report:
         """Forget history past ``step``: a resumed run replays those steps and logs them again."""
         self.loss_history = [(s, v) for s, v in self.loss_history if s <= step]
         self.metric_history = {s: m for s, m in self.metric_history.items() if s <= step}
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_version(doc: dict[str, Any], path: str) -> None:
@@ -171,14 +201,50 @@ def plain_value(v: Any) -> Any:
 
 
 def read_json(path: str) -> Any:
+    """The JSON document at ``path``, or None when there is no file there.
+
+    Errors: CheckpointPermissionError when it may not be read (mode, owner); CorruptCheckpointError
+    when it is not a regular file (a FIFO is refused, never waited on), is larger than
+    :data:`MAX_JSON_BYTES`, or is not valid UTF-8 JSON. Nothing else escapes."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(64 << 20)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except PermissionError as exc:
+        raise CheckpointPermissionError(
+            f"{path}: permission denied; the run itself may be intact: make the file readable "
+            "by this user (or read it as one who may) and try again",
+            path=path,
+            errno=exc.errno,
+        ) from None
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"cannot open {path}: {exc.strerror or exc}", path=path
+        ) from None
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file", path=path)
+        chunks, size = [], 0
+        while size <= MAX_JSON_BYTES:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"cannot read {path}: {exc.strerror or exc}", path=path
+        ) from None
+    finally:
+        os.close(fd)
+    if size > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(
+            f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; not a savepoint run file", path=path
+        )
+    try:
+        return json.loads(b"".join(chunks).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON: {exc}", path=path) from None
 
 

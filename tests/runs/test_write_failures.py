@@ -1,0 +1,289 @@
+"""A full disk (ENOSPC) at every write a CheckpointManager does, sync and async.
+
+The contract (manager.py's docstring): a save that fails while recording the new checkpoint (its
+report.json, its aliases) has not happened: the checkpoint is removed again, report.json and
+latest/ and best/ are byte for byte as before, and the error is CheckpointWriteError with errno
+ENOSPC whose message says so. A deletion that fails (retention) does not fail the save. Every
+error is a CheckpointError subclass: never a raw OSError, never the bare base class. Faults are
+injected by monkeypatching the primitives the manager writes through; test_full_disk_tmpfs in
+tests/faults sweeps a real full filesystem.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import savepoint as sp
+from _compare import same
+from savepoint.commit import atomic
+from savepoint.runs import aliases, layout
+from savepoint.runs import lock as run_lock
+
+from ._util import blank, leftovers, read, snapshot, state
+
+ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class Full:
+    """Make ``atomic.<name>`` raise ENOSPC whenever ``when(*args)`` holds, while armed."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, name: str, when: Callable[..., bool]
+    ) -> None:
+        self.armed = False
+        self.hits = 0
+        real = getattr(atomic, name)
+
+        def fake(*args: Any, **kwargs: Any) -> Any:
+            if self.armed and when(*args):
+                self.hits += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(args[-1]))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(atomic, name, fake)
+
+
+def _base(path: Any) -> str:
+    return os.path.basename(os.fspath(path))
+
+
+# Where a managed save writes after its checkpoint is committed; each failure undoes the save.
+UNDONE = {
+    "report.json": ("replace_file", lambda path, *_: _base(path) == "report.json"),
+    "staging latest/": ("link_tree", lambda _src, dst: _base(dst).startswith(".latest.")),
+    "staging best/": ("link_tree", lambda _src, dst: _base(dst).startswith(".best.")),
+    "swapping latest/": ("commit", lambda _staging, path: _base(path) == "latest"),
+    "swapping best/": ("commit", lambda _staging, path: _base(path) == "best"),
+}
+
+
+def _open(run: Path, async_save: bool) -> sp.CheckpointManager:
+    return sp.CheckpointManager(run, keep_last=2, best_metric="val", async_save=async_save)
+
+
+def _prepare(run: Path, async_save: bool) -> sp.CheckpointManager:
+    """Steps 1-3 saved (1 pruned by keep_last=2); val makes step 2 the best so far."""
+    m = _open(run, async_save)
+    for step, val in ((1, 0.5), (2, 0.2), (3, 0.4)):
+        m.save(step, state(step), {"val": val}).wait()
+    assert m.steps() == [2, 3] and m.best_step() == 2
+    return m
+
+
+def _save_fails(m: sp.CheckpointManager, step: int, val: float) -> sp.CheckpointWriteError:
+    if m._async is None:
+        with pytest.raises(sp.CheckpointWriteError) as info:
+            m.save(step, state(step), {"val": val})
+        return info.value
+    pending = m.save(step, state(step), {"val": val})
+    err = pending.exception(timeout=60)
+    assert type(err) is sp.CheckpointWriteError, repr(err)  # not the bare base, not OSError
+    with pytest.raises(sp.CheckpointWriteError) as info:
+        pending.wait()
+    assert info.value is err
+    with pytest.raises(sp.CheckpointWriteError) as info:
+        m.wait()  # the manager reports the same failure once more, then forgets it
+    assert info.value is err
+    m.wait()
+    return err
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("site", sorted(UNDONE))
+def test_enospc_after_the_commit_undoes_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: str, async_save: bool
+) -> None:
+    run = tmp_path / "run"
+    m = _prepare(run, async_save)
+    before = snapshot(run)
+    name, when = UNDONE[site]
+    full = Full(monkeypatch, name, when)
+    full.armed = True
+    # val=0.1 makes step 4 the new best and latest, and keep_last prunes step 2... had it worked.
+    err = _save_fails(m, 4, 0.1)
+    assert full.hits >= 1
+    assert err.errno == errno.ENOSPC
+    assert "the run is as before" in str(err) and "step 4 is not saved" in str(err)
+    assert m.steps() == [2, 3] and m.best_step() == 2 and m.latest_step() == 3
+    assert layout.committed_steps(str(run)) == [2, 3]
+    assert snapshot(run) == before
+    assert leftovers(run) == []
+    assert m.metrics(4) == {}
+    # Space is back: the same save works and the run moves on as if nothing had happened.
+    full.armed = False
+    m.save(4, state(4), {"val": 0.1}).wait()
+    assert m.steps() == [3, 4] and m.best_step() == 4
+    same(sp.load(run / "latest"), state(4))
+    same(sp.load(run / "best"), state(4))
+    report = read(run / "report.json")
+    assert report["checkpoints"] == [4, 3] and report["best"]["step"] == 4
+    assert report["metric_history"]["4"] == {"val": 0.1}
+    m.close()
+    with _open(run, False) as again:  # and reopens without complaint
+        assert again.steps() == [3, 4]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_enospc_when_resaving_a_step_puts_the_old_checkpoint_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """Saving a step that exists (resumed from it, say) replaces it; undoing that save must bring
+    the old checkpoint back, not delete the step the run resumed from."""
+    run = tmp_path / "run"
+    m = _prepare(run, async_save)
+    assert m.restore(blank(), 3) == 3
+    before = snapshot(run)
+    full = Full(monkeypatch, "replace_file", lambda path, *_: _base(path) == "report.json")
+    full.armed = True
+    changed = state(3)
+    changed["w"] += 1
+    if async_save:
+        err = m.save(3, changed, {"val": 0.3}).exception(timeout=60)
+        with pytest.raises(sp.CheckpointWriteError):
+            m.wait()
+    else:
+        with pytest.raises(sp.CheckpointWriteError) as info:
+            m.save(3, changed, {"val": 0.3})
+        err = info.value
+    assert isinstance(err, sp.CheckpointWriteError) and err.errno == errno.ENOSPC
+    assert "the run is as before" in str(err)
+    assert m.steps() == [2, 3]
+    same(sp.load(m.step_path(3)), state(3))  # the original, not the failed replacement
+    assert snapshot(run) == before and leftovers(run) == []
+    full.armed = False
+    m.save(3, changed, {"val": 0.3}).wait()
+    same(sp.load(m.step_path(3)), changed)
+    same(sp.load(run / "latest"), changed)
+    m.close()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_enospc_while_pruning_does_not_fail_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """Retention runs after the save is complete: a deletion that fails leaves the old checkpoint
+    on disk, outside the run (not listed anywhere), and the next save deletes it."""
+    run = tmp_path / "run"
+    m = _prepare(run, async_save)
+    m.save(4, state(4), {"val": 0.3}).wait()
+    assert m.steps() == [2, 3, 4]  # keep_last=2 keeps 3 and 4, and the best (2) is protected
+    full = Full(
+        monkeypatch, "discard", lambda path: _base(os.path.dirname(path)) == layout.CHECKPOINTS
+    )
+    full.armed = True
+    m.save(5, state(5), {"val": 0.9}).wait()  # no error: step 5 is saved; step 3 should go
+    m.wait()
+    assert full.hits == 1
+    assert m.steps() == [2, 4, 5]
+    assert layout.committed_steps(str(run)) == [2, 3, 4, 5]  # 3 is on disk, not in the run
+    report = read(run / "report.json")
+    assert report["checkpoints"] == [5, 4, 2] and report["discarding"] == [3]
+    assert aliases.disagreements(str(run), m.report) == []
+    same(sp.load(run / "latest"), state(5))
+    full.armed = False
+    m.save(6, state(6), {"val": 0.8}).wait()  # deletes 4 (retention) and 3 (left over)
+    assert layout.committed_steps(str(run)) == [2, 5, 6]
+    assert read(run / "report.json")["discarding"] == []
+    m.close()
+
+
+def test_enospc_at_close_is_a_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    m = _prepare(run, False)
+    full = Full(monkeypatch, "replace_file", lambda path, *_: _base(path) == "report.json")
+    full.armed = True
+    m.log(4, loss=0.25)
+    with pytest.raises(sp.CheckpointWriteError) as info:
+        m.close()
+    assert info.value.errno == errno.ENOSPC
+    assert "checkpoints are intact" in str(info.value)
+    full.armed = False
+    with _open(run, False) as again:  # the lock was released all the same
+        assert again.steps() == [2, 3]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_restore_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    run = tmp_path / "run"
+    m = _prepare(run, async_save)
+    before = snapshot(run)
+    full = Full(monkeypatch, "replace_file", lambda *_: True)
+    full.armed = True
+    into = blank()
+    assert m.restore(into) == 3
+    same(into, state(3))
+    assert m.restore(blank(), "best") == 2
+    assert full.hits == 0 and snapshot(run) == before
+    full.armed = False
+    m.save(3, state(3), {"val": 0.4}).wait()  # the deferred books are written by the next save
+    assert [e["resumed_from"] for e in read(run / "report.json")["lineage"]] == [3, 2]
+    m.close()
+
+
+def test_enospc_writing_run_json_at_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = Full(monkeypatch, "replace_file", lambda path, *_: _base(path) == "run.json")
+    full.armed = True
+    with pytest.raises(sp.CheckpointWriteError) as info:
+        sp.CheckpointManager(tmp_path / "run")
+    assert info.value.errno == errno.ENOSPC and "run.json" in str(info.value)
+    full.armed = False
+    with sp.CheckpointManager(tmp_path / "run") as m:  # the lock was not left held
+        m.save(1, state(1))
+
+
+def test_enospc_creating_the_run_directory_or_its_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_space(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(args[0]))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run_lock, "_open_lock_file", no_space)
+        with pytest.raises(sp.CheckpointWriteError) as info:
+            sp.CheckpointManager(tmp_path / "run")
+        assert info.value.errno == errno.ENOSPC
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "makedirs", no_space)
+        with pytest.raises(sp.CheckpointWriteError) as info:
+            sp.CheckpointManager(tmp_path / "other")
+        assert info.value.errno == errno.ENOSPC
+
+
+def test_enospc_preparing_a_resave_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Re-saving a step first hard-links the old checkpoint aside; if even that fails, nothing
+    was written."""
+    run = tmp_path / "run"
+    m = _prepare(run, False)
+    before = snapshot(run)
+    full = Full(monkeypatch, "link_tree", lambda _src, dst: ".step-0000000003." in _base(dst))
+    full.armed = True
+    with pytest.raises(sp.CheckpointWriteError) as info:
+        m.save(3, state(4), {"val": 0.1})
+    assert info.value.errno == errno.ENOSPC and "nothing was saved" in str(info.value)
+    same(sp.load(m.step_path(3)), state(3))
+    assert snapshot(run) == before and leftovers(run) == []
+    m.close()
+
+
+def test_cleanup_of_stale_temporaries_is_best_effort(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    _prepare(run, False).close()
+    stale = run / "checkpoints" / f".step-0000000009{atomic.TMP_TAG}{atomic._HOST}-999999999-ab"
+    stale.mkdir()
+    full = Full(monkeypatch, "remove_tree", lambda path: ".step-0000000009." in _base(path))
+    full.armed = True
+    with _open(run, False) as m:  # opening does not fail because tidying did
+        assert m.steps() == [2, 3]
+    assert full.hits >= 1 and stale.exists()
