@@ -1,8 +1,22 @@
 """Reading one committed checkpoint: manifest, data files, checksums, materialization.
 
 Every check that can be made from the manifest happens in :func:`read_manifest` before any data
-file is opened. A data file is opened only when a requested tensor lives in it; its size must equal
-the recorded size and its header must hash to the recorded value before it is mapped.
+file is opened. A data file's size must equal the recorded size and its header must hash to the
+recorded value before it is mapped.
+
+Concurrent replaces: pin, and retry only before pinning. ``sp.save`` over an existing checkpoint
+swaps a new directory into place and then deletes the previous generation's files, so a reader can
+hold a directory whose files are being unlinked. :meth:`Reader.open` therefore pins one
+generation: it opens the directory, then through that descriptor the manifest and every data file
+the caller will need (``needs``), and keeps those descriptors. An unlinked file stays readable
+through an open descriptor and through a mapping of it (``mmap=True`` arrays stay valid after
+their files are deleted), so once ``open`` returns nothing a writer does can take the load's bytes
+away or mix two generations. If the generation vanishes before it is pinned (ENOENT on the
+directory, the manifest or a needed data file) and the path now resolves to another directory (or
+to none), ``open`` starts again from the path, up to :data:`ATTEMPTS` times; a file missing while
+the path still resolves to the very directory that was opened is a damaged checkpoint
+(CorruptCheckpointError, IncompleteCheckpointError for the manifest). Loads never retry after
+they have modified anything: every retry happens inside ``open``.
 
 Sharded checkpoints (manifest version 2) store some tensors as several shards. :meth:`Reader.transfer`
 assembles such a tensor whole from its shards (that is how ``load`` without a process group, and
@@ -15,8 +29,10 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +42,7 @@ import numpy as np
 from savepoint import _parallel
 from savepoint.commit import atomic
 from savepoint.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
@@ -37,25 +54,57 @@ from savepoint.state import arrays, dtypes
 from savepoint.storage import local
 
 PIECE = 4 << 20  # hash-then-copy granularity: stays in cache between the two
+ATTEMPTS = 20  # generations a reader tries to pin before giving up (each try takes microseconds)
+REPLACE_WAIT = 2.0  # seconds to wait for a live fallback replace to put its new checkpoint in place
+
+# Which data files a caller will read, given the directory and manifest it pinned.
+Needs = Callable[[str, mf.Manifest], Iterable[str]]
+
+
+def _checked(path: str, probe: Callable[[], Any]) -> Any:
+    """``probe()`` with EACCES/EPERM turned into CheckpointPermissionError naming ``path``."""
+    try:
+        return probe()
+    except PermissionError as exc:
+        raise local.permission_error(exc, exc.filename or path) from None
 
 
 def locate(path: str) -> str:
-    """The directory holding the committed checkpoint for ``path``, or a clear error."""
-    found = atomic.resolve(path)
-    if found is not None:
-        if found != path:
-            import warnings
+    """The directory holding the committed checkpoint for ``path``, or a clear error.
 
-            warnings.warn(
-                f"{path} is missing but an interrupted replace left its previous checkpoint at "
-                f"{found}; loading that one (the next save to {path} tidies up)",
-                stacklevel=3,
+    A fallback replace (two renames) leaves ``path`` missing for a moment, and a replace can
+    land between the looks :func:`atomic.resolve` takes; an answer of "nothing there" or "no
+    manifest" is given only when a second look agrees."""
+    for attempt in range(ATTEMPTS):
+        found = _resolve(path)
+        if found is not None:
+            return found
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            siblings = _checked(path, lambda: atomic._siblings(path, atomic.OLD_TAG))
+            if not siblings or attempt == ATTEMPTS - 1:
+                raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path) from None
+            time.sleep(0.001)  # a replace is between its renames: look again
+            continue
+        except PermissionError as exc:
+            raise local.permission_error(exc, path) from None
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot look at {path}: {exc.strerror or exc}", path=path
+            ) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise IncompleteCheckpointError(
+                f"{path} is a file, not a checkpoint directory", path=path
             )
-        return found
-    if not os.path.lexists(path):
-        raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
-    if not os.path.isdir(path):
-        raise IncompleteCheckpointError(f"{path} is a file, not a checkpoint directory", path=path)
+        try:
+            os.stat(os.path.join(path, mf.NAME))
+        except PermissionError as exc:
+            # A directory we may not search hides its manifest: say so, not "no manifest".
+            raise local.permission_error(exc, path) from None
+        except OSError:
+            break
+        # The manifest is there now: a replace landed while resolve looked. Look again.
     raise IncompleteCheckpointError(
         f"{path} has no {mf.NAME}: the save that created it did not commit (or it is not a "
         "savepoint checkpoint); use an earlier checkpoint",
@@ -63,29 +112,116 @@ def locate(path: str) -> str:
     )
 
 
-def read_manifest(path: str, dir_fd: int | None = None) -> mf.Manifest:
+def _resolve(path: str) -> str | None:
+    """:func:`atomic.resolve`, waiting out a live fallback replace between its two renames."""
+    deadline = None
+    vanished = 0
+    while True:
+        try:
+            found: str | None = _checked(path, lambda: atomic.resolve(path))
+        except (FileNotFoundError, NotADirectoryError):
+            # A hidden previous checkpoint was deleted between resolve's listing and its stat
+            # of it: a replace just finished. Look again.
+            vanished += 1
+            if vanished >= ATTEMPTS:
+                raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path) from None
+            time.sleep(0.001)
+            continue
+        if found is None or found == path:
+            return found
+        # ``path`` is missing and a fallback replace (two renames, where the filesystem cannot
+        # exchange) left the previous checkpoint under a hidden name: either that replace is
+        # between its renames right now, or it died there. A live one finishes in moments.
+        rest = os.path.basename(found).split(atomic.OLD_TAG, 1)[-1]
+        deadline = deadline or time.monotonic() + REPLACE_WAIT
+        if atomic._dead_here(rest) or time.monotonic() > deadline:
+            import warnings
+
+            warnings.warn(
+                f"{path} is missing but an interrupted replace left its previous checkpoint at "
+                f"{found}; loading that one (the next save to {path} tidies up)",
+                stacklevel=6,
+            )
+            return found
+        time.sleep(0.001)
+
+
+def _read_manifest_bytes(path: str, dir_fd: int | None) -> bytes:
+    """The manifest's bytes; FileNotFoundError passes through (the caller knows what it means)."""
     file = os.path.join(path, mf.NAME)
     try:
-        fd = local.open_read(mf.NAME if dir_fd is not None else file, dir_fd=dir_fd)
+        fd = local.open_read(mf.NAME if dir_fd is not None else file, dir_fd=dir_fd, shown=file)
     except local.SymlinkError:
         raise CorruptCheckpointError(
             f"{file} is a symlink; refusing to follow it", path=path
         ) from None
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{path} has no {mf.NAME}", path=path) from None
+    except local.NotRegularFileError:
+        raise CorruptCheckpointError(
+            f"{file} is not a regular file; refusing to read it", path=path
+        ) from None
     try:
         size = os.fstat(fd).st_size
         if size > mf.MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{file} is {size} bytes, over the 1 GiB cap", path=path)
-        raw = local.read_exact(fd, 0, size)
+        return local.read_exact(fd, 0, size)
     finally:
         os.close(fd)
+
+
+def _parse_manifest(path: str, raw: bytes) -> mf.Manifest:
     try:
         return mf.parse(raw)
     except mf.ManifestVersionError as exc:
         raise IncompatibleCheckpointError(f"{path}: {exc}", path=path) from None
     except mf.ManifestError as exc:
-        raise CorruptCheckpointError(f"{file}: {exc}", path=path) from None
+        raise CorruptCheckpointError(f"{os.path.join(path, mf.NAME)}: {exc}", path=path) from None
+
+
+def read_manifest(path: str, dir_fd: int | None = None) -> mf.Manifest:
+    """The parsed, checked manifest of the checkpoint directory ``path`` (opened through
+    ``dir_fd`` when given)."""
+    try:
+        raw = _read_manifest_bytes(path, dir_fd)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path} has no {mf.NAME}", path=path) from None
+    return _parse_manifest(path, raw)
+
+
+def files_of(manifest: mf.Manifest, refs: Iterable[str]) -> set[str]:
+    """The data files holding every shard of the tensors ``refs``."""
+    return {s.file for r in refs for s in manifest.tensors[r].layout()}
+
+
+def _open_data(directory: str, dir_fd: int | None, name: str) -> int:
+    """A descriptor for data file ``name``; FileNotFoundError passes through."""
+    file = os.path.join(directory, name)
+    try:
+        return local.open_read(name if dir_fd is not None else file, dir_fd=dir_fd, shown=file)
+    except (local.SymlinkError, local.NotRegularFileError) as exc:
+        raise CorruptCheckpointError(
+            f"{directory}: data file {name} {exc.strerror}; refusing to read it", path=directory
+        ) from None
+
+
+def _missing(directory: str, name: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{directory}: data file {name} is missing", path=directory)
+
+
+class _Replaced(Exception):
+    """The generation being opened was replaced or deleted before it was pinned: start again."""
+
+
+def _same_generation(path: str, dir_fd: int) -> bool:
+    """Whether ``path`` still resolves to the directory behind ``dir_fd``."""
+    try:
+        mine = os.fstat(dir_fd)
+        now = atomic.resolve(path)
+        if mine.st_nlink == 0 or now is None:
+            return False  # removed (or nothing there any more: a fresh locate says what)
+        there = os.stat(now)
+    except OSError:
+        return False
+    return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 @dataclass(frozen=True)
@@ -120,29 +256,80 @@ class Reader:
         *,
         dir_fd: int | None = None,
         copy_on_write: bool = False,
+        pinned: dict[str, int] | None = None,
+        source: str | None = None,
     ) -> None:
         self.path = path
+        self.source = source or path  # the path the caller asked for (``path`` is where it was)
         self.manifest = manifest
         self.dir_fd = dir_fd  # owned: closed with the reader
         self.copy_on_write = copy_on_write
+        self._pinned = dict(pinned or {})  # owned: data file descriptors opened by ``open``
         self._files: dict[str, local.MappedFile] = {}
 
     @classmethod
-    def open(cls, path: str, *, copy_on_write: bool = False) -> Reader:
-        """Open the committed checkpoint at ``path``: its directory, then its manifest.
+    def open(cls, path: str, *, copy_on_write: bool = False, needs: Needs | None = None) -> Reader:
+        """Open and pin one generation of the committed checkpoint at ``path``.
 
-        Data files are later opened relative to the same directory descriptor, so a concurrent
-        replace of ``path`` cannot mix files of two checkpoints into one load.
+        Its directory, its manifest and the data files ``needs(directory, manifest)`` names (by
+        default every data file) are opened before this returns, so a concurrent replace or
+        delete of ``path`` can neither take them away nor mix two checkpoints into one load (see
+        the module docstring). ``needs`` may raise (a missing key, say); nothing stays open then.
+        A needed file missing from a generation that is still in place is left unpinned: reading
+        it raises CorruptCheckpointError.
         """
+        for attempt in range(ATTEMPTS):
+            try:
+                return cls._open_once(path, copy_on_write, needs)
+            except _Replaced:
+                time.sleep(min(0.0005 * attempt, 0.01))  # let the writer finish its swap
+        raise CheckpointError(
+            f"{path} was replaced {ATTEMPTS} times while it was being opened (another process "
+            "is saving to it continuously); each checkpoint it held was intact: load again",
+            path=path,
+        )
+
+    @classmethod
+    def _open_once(cls, path: str, copy_on_write: bool, needs: Needs | None) -> Reader:
         directory = locate(path)
-        dir_fd = local.open_dir(directory)
         try:
-            manifest = read_manifest(directory, dir_fd)
+            dir_fd = local.open_dir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            raise _Replaced from None  # renamed away or deleted since locate saw it
+        pinned: dict[str, int] = {}
+        try:
+            try:
+                raw = _read_manifest_bytes(directory, dir_fd)
+            except FileNotFoundError:
+                if dir_fd is not None and not _same_generation(path, dir_fd):
+                    raise _Replaced from None
+                raise IncompleteCheckpointError(
+                    f"{directory} has no {mf.NAME}", path=directory
+                ) from None
+            manifest = _parse_manifest(directory, raw)
+            names = manifest.files if needs is None else needs(directory, manifest)
+            for name in sorted(set(names)):
+                try:
+                    pinned[name] = _open_data(directory, dir_fd, name)
+                except FileNotFoundError:
+                    if dir_fd is not None and not _same_generation(path, dir_fd):
+                        raise _Replaced from None
+                    # Missing from a stable generation: damage, reported by the load that reads
+                    # it (``needs`` may name more files than a partial ``into`` reads).
         except BaseException:
+            for fd in pinned.values():
+                os.close(fd)
             if dir_fd is not None:
                 os.close(dir_fd)
             raise
-        return cls(directory, manifest, dir_fd=dir_fd, copy_on_write=copy_on_write)
+        return cls(
+            directory,
+            manifest,
+            dir_fd=dir_fd,
+            copy_on_write=copy_on_write,
+            pinned=pinned,
+            source=path,
+        )
 
     def __enter__(self) -> Reader:
         return self
@@ -154,6 +341,9 @@ class Reader:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        for fd in self._pinned.values():
+            os.close(fd)
+        self._pinned.clear()
         if self.dir_fd is not None:
             os.close(self.dir_fd)
             self.dir_fd = None
@@ -166,13 +356,20 @@ class Reader:
         if mapped is not None:
             return mapped
         record = self.manifest.files[name]
-        file = os.path.join(self.path, name)
-        try:
-            fd = local.open_read(name if self.dir_fd is not None else file, dir_fd=self.dir_fd)
-        except (local.SymlinkError, local.NotRegularFileError) as exc:
-            raise self._corrupt(f"data file {name} {exc.strerror}; refusing to read it") from None
-        except FileNotFoundError:
-            raise self._corrupt(f"data file {name} is missing") from None
+        fd = self._pinned.pop(name, None)
+        if fd is None:
+            # Not pinned by ``open`` (a caller that named fewer files than it reads): open now.
+            # The generation may be gone by now; that is not damage, so do not call it corrupt.
+            try:
+                fd = _open_data(self.path, self.dir_fd, name)
+            except FileNotFoundError:
+                if self.dir_fd is not None and not _same_generation(self.source, self.dir_fd):
+                    raise CheckpointError(
+                        f"{self.path} was replaced or deleted while it was being read (data "
+                        f"file {name} was not opened in time); load again",
+                        path=self.path,
+                    ) from None
+                raise _missing(self.path, name) from None
         try:
             size = os.fstat(fd).st_size
             if size != record.size:

@@ -6,6 +6,12 @@ the parent directory fsynced. A crash at any moment leaves the previous checkpoi
 never a mixture. ``load`` trusts nothing on disk: the manifest is checked whole before any data
 file is opened, and every tensor it returns has passed its checksum (unless ``verify=False``).
 
+Readers never write, so they work on read-only media, and they may run while another process
+saves over the same path: ``load``, ``verify`` and ``inspect`` pin one generation (its directory,
+manifest and the data files they read are opened up front) and return exactly that checkpoint,
+retrying on the new one if theirs vanished before it was pinned (see :mod:`savepoint._reader`).
+A file they may not read raises CheckpointPermissionError naming it.
+
 With ``process_group=...`` (or a state holding ``Shard``, ``FlatShard``, ``Partitioned`` or
 DTensor leaves) ``save`` and ``load`` hand over to :mod:`savepoint.distributed`: sharded
 checkpoints written by every rank at once and loadable on any number of ranks. That package sits
@@ -319,6 +325,8 @@ def load(
         raise ValueError(f"verify must be True, False or 'first', not {verify!r}")
     if framework not in ("auto", "numpy", "torch"):
         raise ValueError(f"framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
+    if keys is not None and not isinstance(keys, str):
+        keys = list(keys)  # read twice: to pin the files it needs, then to load
     if process_group is not None or (into is not None and _has_shard_targets(into)):
         from savepoint.distributed import load as distributed_load
 
@@ -335,7 +343,9 @@ def load(
             timeout=timeout,
         )
     reader = _reader.Reader.open(
-        os.path.abspath(os.fspath(path)), copy_on_write=mmap and into is None
+        os.path.abspath(os.fspath(path)),
+        copy_on_write=mmap and into is None,
+        needs=files_needed(keys),
     )
     try:
         directory, manifest = reader.path, reader.manifest
@@ -361,6 +371,17 @@ def load(
         return p.finish(_getter(made, device))
     finally:
         reader.close()
+
+
+def files_needed(keys: Iterable[str] | str | None) -> _reader.Needs:
+    """What a load of ``keys`` reads: the data files of every tensor under them, which
+    ``Reader.open`` pins before the load starts (an ``into`` covering less reads a subset).
+    A key that is not in the checkpoint raises IncompatibleCheckpointError from here."""
+
+    def needs(directory: str, manifest: mf.Manifest) -> set[str]:
+        return _reader.files_of(manifest, tree.refs(_select(directory, manifest, keys)))
+
+    return needs
 
 
 def _has_shard_targets(into: Any) -> bool:
@@ -572,7 +593,7 @@ def _info(directory: str, manifest: mf.Manifest) -> CheckpointInfo:
 
 def inspect(path: PathLike) -> CheckpointInfo:
     """Keys, dtypes, shapes, sizes, plain values and metadata, from the manifest alone."""
-    with _reader.Reader.open(os.path.abspath(os.fspath(path))) as reader:
+    with _reader.Reader.open(os.path.abspath(os.fspath(path)), needs=lambda d, m: ()) as reader:
         return _info(reader.path, reader.manifest)
 
 

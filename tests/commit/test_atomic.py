@@ -298,6 +298,36 @@ def test_resolve(tmp_path: Path) -> None:
     assert atomic.resolve(str(target)) == str(target)
 
 
+def test_resolve_survives_a_sibling_vanishing_between_listing_and_stat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old1 = make_dir(tmp_path / f".ckpt{atomic.OLD_TAG}{HOST}-1-aaaaaaaa", "old1")
+    old2 = make_dir(tmp_path / f".ckpt{atomic.OLD_TAG}{HOST}-2-bbbbbbbb", "old2")
+    real = os.path.getmtime
+
+    def racing(path: Any) -> float:
+        if os.fspath(path) == str(old1):
+            raise FileNotFoundError(errno.ENOENT, "tidied by the next save", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os.path, "getmtime", racing)
+    assert atomic.resolve(str(tmp_path / "ckpt")) == str(old2)
+
+
+def test_resolve_in_an_unlistable_parent_finds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.listdir
+
+    def refuse(path: Any = ".") -> list[str]:
+        if os.fspath(path) == str(tmp_path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", refuse)
+    assert atomic.resolve(str(tmp_path / "ckpt")) is None
+
+
 def test_resolve_ignores_staging_directories(tmp_path: Path) -> None:
     make_dir(tmp_path / f".ckpt{atomic.TMP_TAG}{HOST}-4-dddddddd", "staging")
     assert atomic.resolve(str(tmp_path / "ckpt")) is None

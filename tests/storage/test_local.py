@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+import _privileges
+from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
 from savepoint.formats import checksum
 from savepoint.state.arrays import NumpySource
 from savepoint.storage import local
@@ -409,37 +412,118 @@ def test_open_read_refuses_symlinks(tmp_path: Path, dangling: bool) -> None:
     link.symlink_to(real)
     with pytest.raises(local.SymlinkError) as info:
         local.open_read(str(link))
-    assert isinstance(info.value, OSError)
+    # A CheckpointError the caller may let escape, with what callers used to read off OSError.
+    assert isinstance(info.value, CorruptCheckpointError)
+    assert not isinstance(info.value, OSError)
     assert info.value.errno == errno.ELOOP
     assert info.value.filename == str(link)
+    assert info.value.strerror == "is a symlink"
+    assert info.value.path == str(link)
+    assert str(info.value) == f"{link} is a symlink; refusing to follow it"
 
 
 def test_open_read_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         local.open_read(str(tmp_path / "missing"))
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError):  # a path through a non-directory is missing too
+        local.open_read(str(tmp_path / "file" / "inner"))
 
 
-def test_open_read_refuses_directories_and_fifos_without_blocking(tmp_path: Path) -> None:
+def test_open_read_refuses_directories_fifos_and_sockets_without_blocking(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
+    sock_path = tmp_path / "sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(sock_path))
     outcome: dict[str, Any] = {}
 
     def attempt() -> None:
-        for name, p in (("dir", tmp_path), ("fifo", fifo)):
+        for name, p in (("dir", tmp_path), ("fifo", fifo), ("socket", sock_path)):
             try:
                 fd = local.open_read(str(p))
-            except OSError as exc:
+            except Exception as exc:
                 outcome[name] = exc
             else:  # pragma: no cover - the failure case
                 os.close(fd)
                 outcome[name] = "opened"
 
-    t = threading.Thread(target=attempt, daemon=True)
-    t.start()
-    t.join(10)
+    try:
+        t = threading.Thread(target=attempt, daemon=True)
+        t.start()
+        t.join(10)
+    finally:
+        sock.close()
     assert not t.is_alive(), "open_read blocked on a FIFO"
-    assert isinstance(outcome.get("dir"), OSError)
-    assert isinstance(outcome.get("fifo"), OSError)
+    for name, p in (("dir", tmp_path), ("fifo", fifo), ("socket", sock_path)):
+        exc = outcome.get(name)
+        # Before: NotRegularFileError was a bare OSError, which escaped public entry points.
+        assert isinstance(exc, local.NotRegularFileError), f"{name}: {exc!r}"
+        assert isinstance(exc, CorruptCheckpointError) and not isinstance(exc, OSError)
+        assert "is not a regular file" in str(exc) and str(p) in str(exc)
+        assert exc.strerror == "is not a regular file" and exc.filename == str(p)
+
+
+def test_open_read_through_a_directory_descriptor_names_the_file(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    dir_fd = local.open_dir(str(tmp_path))
+    assert dir_fd is not None
+    try:
+        with pytest.raises(local.NotRegularFileError) as info:
+            local.open_read("fifo", dir_fd=dir_fd)
+        assert info.value.path == str(tmp_path / "fifo")  # not just "fifo"
+        with pytest.raises(local.NotRegularFileError) as info:
+            local.open_read("fifo", dir_fd=dir_fd, shown="the fifo")
+        assert info.value.path == "the fifo"
+    finally:
+        os.close(dir_fd)
+
+
+def _permission_outcomes(file: str, directory: str) -> dict[str, Any]:
+    """What open_read and open_dir raise on unreadable things (run unprivileged)."""
+    out: dict[str, Any] = {}
+    for name, call in (
+        ("open_read", lambda: local.open_read(file)),
+        ("open_dir", lambda: local.open_dir(directory)),
+    ):
+        try:
+            os.close(call())  # type: ignore[arg-type]
+        except CheckpointPermissionError as exc:
+            out[name] = {
+                "permission": isinstance(exc, PermissionError),
+                "errno": exc.errno,
+                "path": exc.path,
+                "message": str(exc),
+            }
+        except Exception as exc:
+            out[name] = repr(exc)
+        else:
+            out[name] = "opened"
+    return out
+
+
+def test_open_read_and_open_dir_map_permission_errors() -> None:
+    # Before: a raw PermissionError from both.
+    with _privileges.workspace() as root:
+        file, directory = root / "f", root / "d"
+        file.write_bytes(b"data")
+        directory.mkdir()
+        with _privileges.unreadable(file), _privileges.unreadable(directory):
+            got = _privileges.call_unprivileged(_permission_outcomes, str(file), str(directory))
+    assert got.ok, str(got)
+    for name, path in (("open_read", file), ("open_dir", directory)):
+        outcome = got.value[name]
+        assert isinstance(outcome, dict), f"{name}: {outcome}"
+        assert outcome["permission"] and outcome["errno"] == errno.EACCES
+        assert outcome["path"] == str(path)
+        assert "permission denied" in outcome["message"].lower()
+
+
+def test_open_read_other_failures_are_checkpoint_errors(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="cannot open") as info:
+        local.open_read(str(tmp_path / ("x" * 300)))  # ENAMETOOLONG
+    assert type(info.value) is CheckpointError
+    assert isinstance(info.value.__cause__, OSError)
 
 
 def test_mapped_file_slices(tmp_path: Path) -> None:

@@ -133,7 +133,9 @@ def _siblings(path: str, tag: str) -> list[tuple[str, str]]:
     prefix = f".{name}{tag}"
     try:
         entries = os.listdir(parent)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        # No parent, or one this process may not list: no sibling it could use either. Callers
+        # that must tell "unreadable" from "absent" stat the path itself.
         return []
     return [(os.path.join(parent, e), e[len(prefix) :]) for e in entries if e.startswith(prefix)]
 
@@ -219,7 +221,15 @@ def resolve(path: str) -> str | None:
         for o, _ in _siblings(path, OLD_TAG)
         if os.path.isfile(os.path.join(o, manifest_format.NAME))
     ]
-    return max(olds, key=os.path.getmtime) if olds else None
+    return max(olds, key=_mtime) if olds else None
+
+
+def _mtime(path: str) -> float:
+    # A sibling can vanish between listing and stat (the next save tidied it): rank it last.
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return -1.0
 
 
 def replace_file(path: str, data: bytes) -> None:

@@ -75,7 +75,9 @@ def load(
     swaps: list[shard.Swap] = []
 
     def plan_local() -> None:
-        reader = _reader.Reader.open(target, copy_on_write=mmap and into is None)
+        reader = _reader.Reader.open(
+            target, copy_on_write=mmap and into is None, needs=checkpoint.files_needed(keys)
+        )
         held["reader"] = reader
         root = checkpoint._select(reader.path, reader.manifest, keys)
         held["root"] = root
