@@ -1,0 +1,799 @@
+"""Training-artifact directories of the burn-based trainer (seed 001), read and written.
+
+Layout (``save_training_artifact``; every JSON file is ``serde_json::to_string_pretty``: two-space
+indents, no trailing newline)::
+
+    manifest.json          {"variant": V, "config": C, "num_params": usize, "weights_stem": "model"}
+    model.mpk              the model's record, burn's DefaultRecorder (see savepoint.formats.burn):
+                           the file name is weights_stem with its extension set to "mpk"
+    training_report.json   the TrainingReport; savepoint reads the fields below and keeps the rest
+    optimizer_state.bin    opaque bytes (optional on load)
+    best_validation/       optional: manifest.json, the weights and a copy of training_report.json
+
+    sweep directory        training_comparison.json (the TrainingComparisonReport, kept as JSON)
+                           and one artifact directory per variant, named by the variant's slug
+
+Report fields savepoint reads (serde's rules: an absent or ``null`` Option is None; the others are
+required): ``variant`` and ``config`` (any JSON, compared with the manifest's), ``num_params`` and
+``steps_completed`` (unsigned integers), ``best_validation`` (any JSON or None: whether there is a
+best), ``best_validation_step`` (unsigned integer or None). The manifest's four fields are required;
+unknown members of either document are ignored, as serde ignores them (and kept, for the report).
+
+Loading (:func:`load`, the seed's ``load_training_artifact``; nothing is ever written):
+
+1. ``training_report.json``, then ``manifest.json`` and the weights it names (an artifact's own
+   ``best_validation/`` directory, which holds a copy of the report, reads as an artifact without
+   a best: step 3 is skipped);
+2. the seed's consistency checks, in its order: the report's ``variant``, ``config`` and
+   ``num_params`` must equal the manifest's (:class:`ArtifactMismatchError`, a RunMismatchError,
+   with the seed's messages);
+3. the best-validation model: None when the report has no ``best_validation``; else the tensors of
+   ``best_validation/`` when its ``manifest.json`` exists; else, when ``best_validation_step`` equals
+   ``steps_completed``, the final model stands in (the same arrays, not a copy); else
+   :class:`MissingBestValidationArtifact` (a MissingCheckpointError) naming the directory;
+4. ``optimizer_state.bin``'s bytes, or None when it is absent.
+
+Where savepoint is stricter than the seed (each is an error the seed would not raise, for a
+directory that disagrees with itself or could not have been written by it): ``best_validation/``'s
+manifest must agree with the main one on variant, config and num_params; ``weights_stem`` must be
+a plain file name (no ``/``, not ``.``/``..``): a manifest cannot point outside its directory;
+configs are compared as JSON values, so members serde would ignore count; no file is followed
+through a symlink, and a FIFO, socket or directory where a file belongs is refused at once
+(``optimizer_state.bin`` included, which the seed would treat as absent). :func:`verify` also reads
+every byte and checks that ``best_validation/training_report.json``, where present, equals the report.
+
+Errors: no directory, CheckpointNotFoundError; no ``training_report.json`` or ``manifest.json``,
+IncompleteCheckpointError (the seed writes the weights and manifest, then the report: an interrupted
+save); unreadable or malformed JSON, missing weights, bad records, CorruptCheckpointError.
+
+Writing (:func:`save`, the seed's ``save_training_artifact``) builds the whole directory under a
+hidden sibling and swaps it in with one rename (:func:`savepoint.formats._files.atomic_directory`),
+so a reader sees the old artifact or the new one, never a mix; an existing ``best_validation/`` is
+replaced (or removed, without a best model) as the seed does. A directory holding anything but an
+artifact's files is refused. Before writing, the artifact is checked as :func:`load` would check
+it, so savepoint never writes one its reader (or the seed's) refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from savepoint.commit import atomic
+from savepoint.errors import (
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    MissingCheckpointError,
+    RunMismatchError,
+    UnsupportedStateError,
+)
+from savepoint.formats import _files, _json, burn
+from savepoint.formats._files import FormatInfo, LazyTensor, MappedTensor, TensorEntry
+from savepoint.state import dtypes
+from savepoint.storage import local
+
+__all__ = [
+    "ArtifactDirectory",
+    "ArtifactMismatchError",
+    "BEST_VALIDATION_DIR",
+    "COMPARISON_FILE",
+    "CheckpointManifest",
+    "MANIFEST_FILE",
+    "MissingBestValidationArtifact",
+    "OPTIMIZER_STATE_FILE",
+    "Outcome",
+    "REPORT_FILE",
+    "Sweep",
+    "TrainingArtifact",
+    "WEIGHTS_STEM",
+    "inspect",
+    "is_artifact",
+    "is_sweep",
+    "load",
+    "load_checkpoint",
+    "load_comparison",
+    "load_sweep",
+    "open_artifact",
+    "save",
+    "save_comparison",
+    "save_sweep",
+    "verify",
+]
+
+MANIFEST_FILE = "manifest.json"
+WEIGHTS_STEM = "model"
+REPORT_FILE = "training_report.json"
+COMPARISON_FILE = "training_comparison.json"
+OPTIMIZER_STATE_FILE = "optimizer_state.bin"
+BEST_VALIDATION_DIR = "best_validation"
+MAX_JSON_BYTES = 64 << 20
+_U64 = 1 << 64
+Framework = Literal["numpy", "torch"]
+
+
+class ArtifactMismatchError(RunMismatchError):
+    """The report and the manifest (or best_validation/'s manifest) disagree (the seed's
+    ``ArtifactMismatch``)."""
+
+
+class MissingBestValidationArtifact(MissingCheckpointError):
+    """The report has a best validation that is not the last step, and ``best_validation/``
+    has no manifest (the seed's ``MissingBestValidationArtifact``); ``path`` is that directory."""
+
+
+# ---------------------------------------------------------------------------------------------
+# documents
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_bytes(path: str, what: str, *, cap: int | None) -> bytes:
+    try:
+        fd = local.open_read(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing ({what})", path=path) from None
+    try:
+        size = os.fstat(fd).st_size
+        if cap is not None and size > cap:
+            raise CorruptCheckpointError(
+                f"{path} is {size} bytes, over the {cap >> 20} MiB cap", path=path
+            )
+        try:
+            return local.read_exact(fd, 0, size)
+        except (OSError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{path} cannot be read: {exc}", path=path) from None
+    finally:
+        os.close(fd)
+
+
+def _read_json(path: str, what: str) -> dict[str, Any]:
+    raw = _read_bytes(path, what, cap=MAX_JSON_BYTES)
+    try:
+        doc = _json.loads(raw, CorruptCheckpointError, path)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(str(exc), path=path) from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{path} is not a JSON object", path=path)
+    return doc
+
+
+def _pretty(doc: Any) -> bytes:
+    """``serde_json::to_string_pretty``'s layout (floats as Python writes them: same values)."""
+    try:
+        text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
+        return text.encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedStateError(f"cannot be written as JSON: {exc}") from None
+    except UnicodeEncodeError:
+        raise UnsupportedStateError("cannot be written as JSON: a string is not UTF-8") from None
+
+
+def _uint(doc: Mapping[str, Any], key: str, *, optional: bool = False) -> int | None:
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U64:
+        state = "missing" if key not in doc else f"{value!r}"
+        raise ValueError(f"{key!r} must be an unsigned integer, got {state}")
+    return value
+
+
+def _check_stem(stem: Any) -> str:
+    if not isinstance(stem, str) or stem in ("", ".", "..") or "/" in stem or "\x00" in stem:
+        raise ValueError(
+            f"'weights_stem' {stem!r} is not a plain file name (a manifest may not point "
+            "outside its directory)"
+        )
+    return stem
+
+
+@dataclass(frozen=True)
+class CheckpointManifest:
+    """``manifest.json``: the variant and config (JSON values), the parameter count and the
+    stem of the weights file."""
+
+    variant: Any
+    config: Any
+    num_params: int
+    weights_stem: str = WEIGHTS_STEM
+
+    @classmethod
+    def parse(cls, doc: Mapping[str, Any]) -> CheckpointManifest:
+        """Validate a parsed document (ValueError with the reason)."""
+        for key in ("variant", "config"):
+            if key not in doc:
+                raise ValueError(f"{key!r} is missing")
+        num = _uint(doc, "num_params")
+        assert num is not None
+        return cls(doc["variant"], doc["config"], num, _check_stem(doc.get("weights_stem")))
+
+    @property
+    def weights_file(self) -> str:
+        """The weights file's name: burn's recorder sets the stem's extension to ``mpk``."""
+        return burn.file_name(self.weights_stem)
+
+    def to_json(self) -> bytes:
+        return _pretty(
+            {
+                "variant": self.variant,
+                "config": self.config,
+                "num_params": self.num_params,
+                "weights_stem": self.weights_stem,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class _Report:
+    variant: Any
+    config: Any
+    num_params: int
+    steps_completed: int
+    has_best: bool
+    best_step: int | None
+
+
+def _report(doc: Mapping[str, Any]) -> _Report:
+    for key in ("variant", "config"):
+        if key not in doc:
+            raise ValueError(f"{key!r} is missing")
+    num, steps = _uint(doc, "num_params"), _uint(doc, "steps_completed")
+    assert num is not None and steps is not None
+    return _Report(
+        doc["variant"],
+        doc["config"],
+        num,
+        steps,
+        doc.get("best_validation") is not None,
+        _uint(doc, "best_validation_step", optional=True),
+    )
+
+
+def _mismatch(path: str, message: str) -> ArtifactMismatchError:
+    return ArtifactMismatchError(
+        f"training artifact is inconsistent: {message} ({path})", path=path
+    )
+
+
+def _slug(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
+def _check(path: str, report: _Report, manifest: CheckpointManifest) -> None:
+    """The seed's three checks, in its order, with its messages."""
+    if report.variant != manifest.variant:
+        raise _mismatch(
+            path,
+            f"report variant {_slug(report.variant)} does not match manifest variant "
+            f"{_slug(manifest.variant)}",
+        )
+    if report.config != manifest.config:
+        raise _mismatch(path, "report config does not match manifest config")
+    if report.num_params != manifest.num_params:
+        raise _mismatch(
+            path,
+            f"report num_params {report.num_params} does not match manifest {manifest.num_params}",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+
+
+def _require_dir(path: str) -> None:
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError(f"no training artifact at {path}", path=path)
+    if not os.path.isdir(path):  # the directory itself may be a link (the caller named it)
+        raise CorruptCheckpointError(f"{path} is not a directory", path=path)
+
+
+def _document(directory: str, name: str, what: str) -> dict[str, Any]:
+    path = os.path.join(directory, name)
+    if not os.path.lexists(path):
+        raise IncompleteCheckpointError(
+            f"{directory} has no {name} ({what}): not a training artifact, or its save was "
+            "interrupted; save it again",
+            path=directory,
+        )
+    return _read_json(path, what)
+
+
+def _read_manifest(directory: str) -> CheckpointManifest:
+    doc = _document(directory, MANIFEST_FILE, "every checkpoint has one")
+    try:
+        return CheckpointManifest.parse(doc)
+    except ValueError as exc:
+        where = os.path.join(directory, MANIFEST_FILE)
+        raise CorruptCheckpointError(f"{where}: {exc}", path=where) from None
+
+
+def _read_report(directory: str) -> tuple[dict[str, Any], _Report]:
+    doc = _document(directory, REPORT_FILE, "every training artifact has one")
+    try:
+        return doc, _report(doc)
+    except ValueError as exc:
+        where = os.path.join(directory, REPORT_FILE)
+        raise CorruptCheckpointError(f"{where}: {exc}", path=where) from None
+
+
+class _Checkpoint:
+    """A manifest and its opened weights (the seed's ``load_checkpoint``)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.manifest = _read_manifest(directory)
+        weights = os.path.join(directory, self.manifest.weights_file)
+        if not os.path.lexists(weights):
+            raise CorruptCheckpointError(
+                f"{weights} is missing (the weights {os.path.join(directory, MANIFEST_FILE)} "
+                "names)",
+                path=weights,
+            )
+        self.record = burn.open_record(weights)
+
+    def close(self) -> None:
+        self.record.close()
+
+
+class ArtifactDirectory:
+    """A training artifact opened without reading tensor data (every check of :func:`load` done):
+    ``model`` and ``best_validation_model`` map dotted names to lazy tensors. Close it (or use
+    ``with``) when done."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        _require_dir(self.path)
+        self.report, fields = _read_report(self.path)
+        self._main = _Checkpoint(self.path)
+        self._best: _Checkpoint | None = None
+        self._optimizer: local.MappedFile | None = None
+        try:
+            self.manifest = self._main.manifest
+            _check(self.path, fields, self.manifest)
+            self.model: dict[str, LazyTensor] = self._main.record.tensors()
+            self.best_validation_model: dict[str, LazyTensor] | None = None
+            self.best_validation_source: str | None = None
+            # An artifact's own best_validation/ holds a copy of the report but no best of its
+            # own: read as the checkpoint it is.
+            parent = os.path.dirname(self.path)
+            self.is_best_copy = os.path.basename(self.path) == BEST_VALIDATION_DIR and is_artifact(
+                parent
+            )
+            if not self.is_best_copy:
+                self._open_best(fields)
+            self.optimizer_state, self.optimizer_size = self._open_optimizer()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_best(self, fields: _Report) -> None:
+        best_dir = os.path.join(self.path, BEST_VALIDATION_DIR)
+        if not fields.has_best:
+            return
+        if os.path.lexists(os.path.join(best_dir, MANIFEST_FILE)):
+            self._best = _Checkpoint(best_dir)
+            best = self._best.manifest
+            for what, got, want in (
+                ("variant", best.variant, self.manifest.variant),
+                ("config", best.config, self.manifest.config),
+                ("num_params", best.num_params, self.manifest.num_params),
+            ):
+                if got != want:
+                    raise _mismatch(
+                        self.path,
+                        f"{BEST_VALIDATION_DIR}/{MANIFEST_FILE} {what} {_slug(got)} does not "
+                        f"match manifest {what} {_slug(want)}",
+                    )
+            self.best_validation_model = self._best.record.tensors()
+            self.best_validation_source = BEST_VALIDATION_DIR
+        elif fields.best_step is not None and fields.best_step == fields.steps_completed:
+            self.best_validation_model = dict(self.model)
+            self.best_validation_source = "model"
+        else:
+            raise MissingBestValidationArtifact(
+                f"training artifact is missing the best-validation checkpoint at {best_dir} "
+                f"(the report's best step {fields.best_step} is not its last step "
+                f"{fields.steps_completed}, so the final model cannot stand in)",
+                path=best_dir,
+            )
+
+    def _open_optimizer(self) -> tuple[LazyTensor | None, int | None]:
+        path = os.path.join(self.path, OPTIMIZER_STATE_FILE)
+        try:
+            fd = local.open_read(path)
+        except FileNotFoundError:
+            return None, None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return _files.ArrayTensor.of(np.empty(0, np.uint8), OPTIMIZER_STATE_FILE), 0
+            try:
+                self._optimizer = local.MappedFile(fd, size)
+            except OSError as exc:
+                raise CorruptCheckpointError(f"{path} cannot be mapped: {exc}", path=path) from None
+        finally:
+            os.close(fd)
+        tensor = MappedTensor(self._optimizer.array, dtypes.from_name("U8"), (size,), path=path)
+        return tensor, size
+
+    def __enter__(self) -> ArtifactDirectory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._main.close()
+        if self._best is not None:
+            self._best.close()
+        if self._optimizer is not None:
+            self._optimizer.close()
+            self._optimizer = None
+
+    def files(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for directory in [self.path] + ([self._best.directory] if self._best else []):
+            for name in (MANIFEST_FILE, REPORT_FILE, OPTIMIZER_STATE_FILE):
+                full = os.path.join(directory, name)
+                if os.path.isfile(full) and not os.path.islink(full):
+                    out[os.path.relpath(full, self.path)] = os.path.getsize(full)
+        out[self._main.manifest.weights_file] = self._main.record.size
+        if self._best is not None:
+            rel = os.path.join(BEST_VALIDATION_DIR, self._best.manifest.weights_file)
+            out[rel] = self._best.record.size
+        return out
+
+    def tree(self) -> dict[str, Any]:
+        """The artifact as a state tree (what a conversion writes): ``{"model": {...},
+        "best_validation_model": {...} (only from its own directory), "optimizer_state": a U8
+        tensor (when present), "manifest": {...}, "report": {...}}``."""
+        tree: dict[str, Any] = {"model": dict(self.model)}
+        if self._best is not None and self.best_validation_model is not None:
+            tree["best_validation_model"] = dict(self.best_validation_model)
+        if self.optimizer_state is not None:
+            tree["optimizer_state"] = self.optimizer_state
+        tree["manifest"] = json.loads(self.manifest.to_json())
+        tree["report"] = self.report
+        return tree
+
+    def info(self) -> FormatInfo:
+        def entries(prefix: str, tensors: Mapping[str, LazyTensor], file: str) -> list[TensorEntry]:
+            return [
+                TensorEntry(f"{prefix}/{k}", t.dtype.name, t.shape, t.nbytes, file)
+                for k, t in tensors.items()
+            ]
+
+        tensors = entries("model", self.model, self.manifest.weights_file)
+        if self._best is not None and self.best_validation_model is not None:
+            file = os.path.join(BEST_VALIDATION_DIR, self._best.manifest.weights_file)
+            tensors += entries("best_validation_model", self.best_validation_model, file)
+        fields = _report(self.report)
+        values: dict[str, Any] = {
+            "variant": self.manifest.variant,
+            "num_params": self.manifest.num_params,
+            "steps_completed": fields.steps_completed,
+            "best_validation_step": fields.best_step,
+            "best_validation_model": self.best_validation_source,
+            "optimizer_state_bytes": self.optimizer_size,
+        }
+        notes = [
+            f"weights written by burn {self._main.record.metadata.version}",
+            "burn records have no checksums: verify checks structure and sizes only",
+        ]
+        if self.best_validation_source == "model":
+            notes.append(
+                "no best_validation/: the best step is the last, the final model stands in"
+            )
+        if self.is_best_copy:
+            notes.append("the best-validation checkpoint of the artifact in the parent directory")
+        return FormatInfo(
+            path=self.path,
+            format="training-artifact",
+            version=None,
+            tensors=tuple(tensors),
+            values=values,
+            metadata={"config": self.manifest.config, "burn": self._main.record.metadata.to_dict()},
+            files=self.files(),
+            notes=tuple(notes),
+        )
+
+
+def open_artifact(path: str | os.PathLike[str]) -> ArtifactDirectory:
+    """Open a training artifact directory: every check of :func:`load`, no tensor data read."""
+    return ArtifactDirectory(path)
+
+
+@dataclass
+class TrainingArtifact:
+    """A loaded training artifact (the seed's ``LoadedTrainingArtifact``).
+
+    ``model`` and ``best_validation_model`` map dotted names to arrays (torch tensors with
+    ``framework="torch"``); ``best_validation_source`` says where the best came from:
+    ``"best_validation"`` (its own directory), ``"model"`` (the final model stands in: the same
+    arrays) or None (no best)."""
+
+    path: str
+    manifest: CheckpointManifest
+    report: dict[str, Any]
+    model: dict[str, Any]
+    best_validation_model: dict[str, Any] | None
+    optimizer_state: bytes | None
+    best_validation_source: str | None = None
+
+
+def _materialize(tensors: Mapping[str, LazyTensor], framework: Framework) -> dict[str, Any]:
+    out = {}
+    for name, t in tensors.items():
+        out[name] = _files.to_framework(np.array(t.load()), t.dtype, framework)
+    return out
+
+
+def load(path: str | os.PathLike[str], *, framework: Framework = "numpy") -> TrainingArtifact:
+    """Read a training artifact directory (the seed's ``load_training_artifact``); read-only."""
+    with open_artifact(path) as d:
+        model = _materialize(d.model, framework)
+        best: dict[str, Any] | None = None
+        if d.best_validation_source == "model":
+            best = dict(model)
+        elif d.best_validation_model is not None:
+            best = _materialize(d.best_validation_model, framework)
+        optimizer = None
+        if d.optimizer_state is not None:
+            optimizer = np.array(d.optimizer_state.load()).tobytes()
+        return TrainingArtifact(
+            d.path, d.manifest, d.report, model, best, optimizer, d.best_validation_source
+        )
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, framework: Framework = "numpy"
+) -> tuple[CheckpointManifest, dict[str, Any]]:
+    """A manifest and its weights alone (the seed's ``load_checkpoint``: ``best_validation/``,
+    say); no report is read."""
+    directory = os.path.abspath(os.fspath(path))
+    _require_dir(directory)
+    checkpoint = _Checkpoint(directory)
+    try:
+        return checkpoint.manifest, _materialize(checkpoint.record.tensors(), framework)
+    finally:
+        checkpoint.close()
+
+
+def inspect(path: str | os.PathLike[str]) -> FormatInfo:
+    """Describe the artifact at ``path`` (every check of :func:`load`, no tensor data read)."""
+    with open_artifact(path) as d:
+        return d.info()
+
+
+def verify(path: str | os.PathLike[str]) -> FormatInfo:
+    """:func:`load`'s checks, every byte read once, and ``best_validation/``'s report copy (where
+    present) equal to the report."""
+    with open_artifact(path) as d:
+        for tensors in (d.model, d.best_validation_model or {}):
+            for t in tensors.values():
+                _files.drain(t)
+        if d.optimizer_state is not None:
+            _files.drain(d.optimizer_state)
+        copy = os.path.join(d.path, BEST_VALIDATION_DIR, REPORT_FILE)
+        own_best = d.best_validation_source == BEST_VALIDATION_DIR
+        if own_best and os.path.lexists(copy) and _read_json(copy, "a copy") != d.report:
+            raise _mismatch(d.path, f"{BEST_VALIDATION_DIR}/{REPORT_FILE} differs from the report")
+        return d.info()
+
+
+def is_artifact(path: str | os.PathLike[str]) -> bool:
+    """True for a directory holding ``training_report.json`` (savepoint's own checkpoints never
+    do); used by detection, reads nothing."""
+    p = os.fspath(path)
+    return os.path.isdir(p) and os.path.isfile(os.path.join(p, REPORT_FILE))
+
+
+def is_sweep(path: str | os.PathLike[str]) -> bool:
+    """True for a directory holding ``training_comparison.json``."""
+    p = os.fspath(path)
+    return os.path.isdir(p) and os.path.isfile(os.path.join(p, COMPARISON_FILE))
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+
+
+_KNOWN = frozenset({MANIFEST_FILE, REPORT_FILE, OPTIMIZER_STATE_FILE, BEST_VALIDATION_DIR})
+
+
+def _refuse_foreign(target: str) -> None:
+    if not os.path.lexists(target):
+        return
+    if os.path.islink(target) or not os.path.isdir(target):
+        raise CheckpointWriteError(f"{target} exists and is not a directory", path=target)
+    foreign = [
+        n
+        for n in os.listdir(target)
+        if n not in _KNOWN and not n.endswith("." + burn.EXTENSION) and not n.startswith(".")
+    ]
+    if foreign:
+        raise CheckpointWriteError(
+            f"{target} holds {', '.join(sorted(foreign)[:5])}, which no training artifact has; "
+            "refusing to replace it (choose another directory)",
+            path=target,
+        )
+
+
+def _weights(tensors: Mapping[str, Any], ids: Mapping[str, str] | None) -> Any:
+    leaves = {
+        name: v if isinstance(v, (burn.Param, burn.Data)) else burn.Param(v, (ids or {}).get(name))
+        for name, v in tensors.items()
+    }
+    return burn.unflatten(leaves)
+
+
+@dataclass
+class Outcome:
+    """What one training run produced (the seed's ``TrainingOutcome``): the model's tensors by
+    dotted name, the report (a JSON object), the optimizer's bytes and the best model if any."""
+
+    model: Mapping[str, Any]
+    report: Mapping[str, Any]
+    optimizer_state: bytes = b""
+    best_validation_model: Mapping[str, Any] | None = None
+    num_params: int | None = None
+    ids: Mapping[str, str] | None = None
+    metadata: burn.Metadata | None = None
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: Mapping[str, Any],
+    report: Mapping[str, Any],
+    *,
+    optimizer_state: bytes = b"",
+    best_validation_model: Mapping[str, Any] | None = None,
+    num_params: int | None = None,
+    weights_stem: str = WEIGHTS_STEM,
+    ids: Mapping[str, str] | None = None,
+    metadata: burn.Metadata | None = None,
+) -> CheckpointManifest:
+    """Write a training artifact directory (the seed's ``save_training_artifact``) atomically.
+
+    ``model`` and ``best_validation_model`` map dotted names to arrays or tensors (see
+    :func:`savepoint.formats.burn.save_record`; ``ids`` gives parameter ids by name for both);
+    ``report`` is the training report, whose ``variant`` and ``config`` the manifests take.
+    ``num_params`` defaults to burn's count (the float tensors' elements).
+
+    Raises ArtifactMismatchError, before writing anything, when the result would not load: the
+    report's ``num_params`` differs from the model's, or it names a best validation that is not
+    the last step and no ``best_validation_model`` is given. CheckpointWriteError when ``path``
+    holds something other than a training artifact, or the write fails (the previous artifact is
+    then intact).
+    """
+    target = os.path.abspath(os.fspath(path))
+    doc = dict(report)
+    try:
+        fields = _report(doc)
+        _check_stem(weights_stem)
+    except ValueError as exc:
+        raise UnsupportedStateError(f"cannot write the training artifact: {exc}") from None
+    if num_params is None:
+        num_params = burn.num_params(model)
+    manifest = CheckpointManifest(fields.variant, fields.config, int(num_params), weights_stem)
+    _check(target, fields, manifest)
+    last = fields.best_step is not None and fields.best_step == fields.steps_completed
+    if fields.has_best and best_validation_model is None and not last:
+        raise _mismatch(
+            target,
+            f"the report has a best validation at step {fields.best_step}, not the last step "
+            f"{fields.steps_completed}, and no best_validation_model was given: the artifact "
+            "could not be loaded",
+        )
+    if not isinstance(optimizer_state, (bytes, bytearray, memoryview)):
+        raise UnsupportedStateError(
+            f"optimizer_state must be bytes, got {type(optimizer_state).__name__}"
+        )
+    report_json = _pretty(doc)
+    manifest_json = manifest.to_json()
+    main_tree = _weights(model, ids)
+    best_tree = None if best_validation_model is None else _weights(best_validation_model, ids)
+    _refuse_foreign(target)
+    with _files.atomic_directory(target) as staging:
+        burn.write_record(
+            os.path.join(staging, manifest.weights_file), main_tree, metadata=metadata
+        )
+        local.write_small(os.path.join(staging, MANIFEST_FILE), manifest_json)
+        local.write_small(os.path.join(staging, REPORT_FILE), report_json)
+        local.write_small(os.path.join(staging, OPTIMIZER_STATE_FILE), bytes(optimizer_state))
+        if best_tree is not None:
+            best_dir = os.path.join(staging, BEST_VALIDATION_DIR)
+            os.mkdir(best_dir)
+            burn.write_record(
+                os.path.join(best_dir, manifest.weights_file), best_tree, metadata=metadata
+            )
+            local.write_small(os.path.join(best_dir, MANIFEST_FILE), manifest_json)
+            local.write_small(os.path.join(best_dir, REPORT_FILE), report_json)
+            local.fsync_dir(best_dir)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# sweeps
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sweep:
+    """A sweep directory: the comparison report and each variant's artifact, by slug."""
+
+    path: str
+    comparison: dict[str, Any]
+    artifacts: dict[str, TrainingArtifact]
+
+
+def save_comparison(path: str | os.PathLike[str], comparison: Mapping[str, Any]) -> None:
+    """Write ``training_comparison.json`` into the directory ``path`` (created if needed),
+    atomically."""
+    directory = os.path.abspath(os.fspath(path))
+    data = _pretty(dict(comparison))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        atomic.replace_file(os.path.join(directory, COMPARISON_FILE), data)
+    except OSError as exc:
+        raise _files.write_error(os.path.join(directory, COMPARISON_FILE), exc) from exc
+
+
+def load_comparison(path: str | os.PathLike[str]) -> dict[str, Any]:
+    directory = os.path.abspath(os.fspath(path))
+    _require_dir(directory)
+    return _document(directory, COMPARISON_FILE, "every sweep has one")
+
+
+def _check_slug(slug: Any) -> str:
+    if not isinstance(slug, str) or slug in ("", ".", "..") or "/" in slug or "\x00" in slug:
+        raise UnsupportedStateError(f"variant slug {slug!r} is not a plain directory name")
+    return slug
+
+
+def save_sweep(
+    path: str | os.PathLike[str],
+    comparison: Mapping[str, Any],
+    outcomes: Mapping[str, Outcome],
+) -> list[CheckpointManifest]:
+    """The seed's ``save_training_sweep``: the comparison, then each outcome's artifact in the
+    subdirectory named by its variant's slug (the keys of ``outcomes``)."""
+    for slug in outcomes:
+        _check_slug(slug)
+    directory = os.path.abspath(os.fspath(path))
+    save_comparison(directory, comparison)
+    return [
+        save(
+            os.path.join(directory, slug),
+            o.model,
+            o.report,
+            optimizer_state=o.optimizer_state,
+            best_validation_model=o.best_validation_model,
+            num_params=o.num_params,
+            ids=o.ids,
+            metadata=o.metadata,
+        )
+        for slug, o in outcomes.items()
+    ]
+
+
+def load_sweep(path: str | os.PathLike[str], *, framework: Framework = "numpy") -> Sweep:
+    """The comparison report and every subdirectory that is a training artifact, by name."""
+    directory = os.path.abspath(os.fspath(path))
+    comparison = load_comparison(directory)
+    artifacts = {
+        name: load(os.path.join(directory, name), framework=framework)
+        for name in sorted(os.listdir(directory))
+        if not name.startswith(".") and is_artifact(os.path.join(directory, name))
+    }
+    return Sweep(directory, comparison, artifacts)
