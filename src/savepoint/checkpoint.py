@@ -76,6 +76,8 @@ def save(
     arrays or scalars, torch tensors (any device; copied to host a chunk at a time), None, bool,
     int, float, str, bytes, and Stateful objects (anything with ``state_dict()`` and
     ``load_state_dict()``: modules, optimizers, schedulers...), whose ``state_dict()`` is saved.
+    A ``torch.compile``, DDP or DataParallel wrapper saves the keys of the model it wraps; a
+    dataclass instance is saved as a plain dict of its fields (the class is not recorded).
     Tensors that are the same view of the same memory (tied weights) are stored once.
 
     ``metadata`` is a JSON-serialisable mapping stored verbatim in the manifest. Data is split into
@@ -303,7 +305,9 @@ def load(
     their containers; Stateful objects get ``load_state_dict`` with the saved tree, innermost
     first. ``into`` may cover part of the checkpoint; only that part is read. Every missing key and
     every shape or dtype mismatch is reported in one StateMismatchError before anything is
-    modified. Returns ``into``.
+    modified. Returns ``into``. Wrapped models (compile, DDP) load in either form, dataclass
+    targets take their saved fields, and Python scalars and 0-d tensors stand in for each other
+    when the conversion is exact: see docs/training-state.md, "State from real training scripts".
 
     ``keys`` selects paths (``"model"``, ``"model/layer.weight"``: components joined by ``/``, with
     ``~`` written ``~0`` and ``/`` written ``~1``); only their bytes are read.

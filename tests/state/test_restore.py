@@ -153,7 +153,7 @@ def test_every_problem_is_reported_together() -> None:
         "i": np.zeros(2, dtype=np.complex128),  # dtype savepoint cannot even store
         "both": np.zeros((2, 2), dtype=np.float16),  # dtype and shape
         "nested": {"x": np.zeros(1, dtype=np.float32), "y": np.zeros(1)},  # y missing
-        "tup": (np.zeros(2, dtype=np.float32), 1, 2),  # tuple of another length
+        "tup": types.MappingProxyType({}),  # container of another kind
         "d": [1],  # container of another kind
         "tensor": "text",  # not a tensor
         "absent": 1,  # not in the checkpoint
@@ -167,7 +167,7 @@ def test_every_problem_is_reported_together() -> None:
             ("both", "dtype F32 in the checkpoint, F16 in the target"),
             ("both", "shape [4] in the checkpoint, [2, 2] in the target"),
             ("nested/y", "not in the checkpoint"),
-            ("tup", "2 items in the checkpoint, 3 in the target"),
+            ("tup", "the checkpoint holds a tuple here, found mappingproxy"),
             ("d", "the checkpoint holds a dict here, found list"),
             ("tensor", "the checkpoint holds a tensor here, found str"),
             ("absent", "not in the checkpoint"),
@@ -214,10 +214,21 @@ def test_list_of_same_length_is_matched_element_wise() -> None:
     assert lst[1:] == [4, "s"]
 
 
-def test_tuple_of_another_length_is_a_problem() -> None:
-    saved = Saved({"t": (f32(1), f32(1))})
-    p = saved.plan({"t": (np.zeros(1, dtype=np.float32),)})
-    assert p.problems == [("t", "2 items in the checkpoint, 1 in the target")]
+def test_tuple_of_another_length_is_replaced_where_its_slot_allows() -> None:
+    saved = Saved({"t": (f32(1, start=4), f32(1))})
+    into = {"t": (np.zeros(1, dtype=np.float32),)}
+    p = saved.plan(into)
+    assert p.problems == []
+    saved.execute(p)
+    assert type(into["t"]) is tuple and len(into["t"]) == 2
+    np.testing.assert_array_equal(into["t"][0], [4.0])
+    # At the root, or in a read-only mapping, nothing can take a new tuple.
+    saved = Saved((f32(1), f32(1)))
+    p = saved.plan((np.zeros(1, dtype=np.float32),))
+    assert p.problems == [("", "2 items in the checkpoint, 1 in the target")]
+    saved = Saved({"m": {"t": (f32(1), f32(1))}})
+    p = saved.plan({"m": types.MappingProxyType({"t": (np.zeros(1, dtype=np.float32),)})})
+    assert p.problems == [("m/t", "cannot assign into a mappingproxy")]
 
 
 def test_tuple_of_same_length_fills_tensors_and_checks_values() -> None:
@@ -227,14 +238,45 @@ def test_tuple_of_same_length_fills_tensors_and_checks_values() -> None:
     p = saved.plan({"t": ok})
     assert p.problems == []
     out = saved.execute(p)
-    assert out["t"] is ok
+    assert out["t"] is ok  # nothing differs: the same tuple
     np.testing.assert_array_equal(a, f32(2, start=1))
 
-    p = saved.plan({"t": (a, 4, "other")})
+    # A tuple is an immutable value: in a dict (or list) slot it is replaced by a new one, with
+    # the arrays in it still filled in place (a config's betas=(0.9, 0.999), say).
+    into = {"t": (a, 4, "other")}
+    p = saved.plan(into)
+    assert p.problems == []
+    saved.execute(p)
+    assert into["t"] == (a, 3, "same") and into["t"][0] is a
+    # Tuples in tuples are remade from the inside out.
+    saved = Saved({"t": ((f32(2), 3), "same")})
+    into = {"t": ((a, 4), "same")}
+    saved.execute(saved.plan(into))
+    assert into["t"] == ((a, 3), "same")
+    # Where no slot can take a new tuple (the root, a read-only mapping), each difference is
+    # reported where it is.
+    p = Saved({"m": {"t": ((f32(2), 3), "x")}}).plan(
+        {"m": types.MappingProxyType({"t": ((a, 4), "y")})}
+    )
     assert sorted(p.problems) == [
-        ("t/1", "cannot assign into a tuple"),
-        ("t/2", "cannot assign into a tuple"),
+        ("m/t/0/1", "cannot assign into a tuple"),
+        ("m/t/1", "cannot assign into a tuple"),
     ]
+    p = Saved((f32(2), 3, "same")).plan((a, 4, "other"))
+    assert sorted(p.problems) == [
+        ("1", "cannot assign into a tuple"),
+        ("2", "cannot assign into a tuple"),
+    ]
+
+
+def test_namedtuple_is_remade_as_its_own_type() -> None:
+    import collections
+
+    Betas = collections.namedtuple("Betas", "b1 b2")
+    saved = Saved({"betas": Betas(0.8, 0.9)})
+    into = {"betas": Betas(0.9, 0.999)}
+    saved.execute(saved.plan(into))
+    assert type(into["betas"]) is Betas and into["betas"] == (0.8, 0.9)
 
 
 def test_read_only_mapping_accepts_tensors_but_not_values() -> None:

@@ -36,6 +36,7 @@ from savepoint.errors import UnsupportedStateError
 from savepoint.formats import boxes
 from savepoint.state import dtypes
 from savepoint.state.stateful import is_stateful
+from savepoint.state.wrappers import unwrap
 
 __all__ = ["FlatShard", "Partitioned", "Shard", "from_dtensors"]
 
@@ -351,7 +352,8 @@ def _convert(obj: Any, active: set[int]) -> Any:
         finally:
             active.discard(id(obj))
     if is_stateful(obj) and not _is_tensor(obj):
-        return _view_of(obj, active)
+        # A compiled or DDP model is saved under its inner model's keys, as without a group.
+        return _view_of(unwrap(obj), active)
     return obj
 
 

@@ -15,16 +15,31 @@ Two modes:
   missing and unexpected keys (``load_state_dict`` would raise them only after other parameters
   were already overwritten; an optimizer's would not check shapes at all). For any other object a
   saved array that does not fit the current one is loaded fresh and left to its ``load_state_dict``.
+
+What training scripts hold (see docs/training-state.md, "State from real training scripts"):
+- a ``torch.compile``, DDP or DataParallel wrapper is restored through the model it wraps
+  (:mod:`savepoint.state.wrappers`); a module's saved keys, or a plain dict of tensors, that differ
+  from the target's only by a uniform wrapper prefix (``module.``, ``_orig_mod.``) are renamed;
+- a dataclass target takes a saved dict of its fields: every field must be saved and every saved
+  key must be a field. A mutable one is updated in place (``setattr``); a frozen one is rebuilt
+  with ``dataclasses.replace`` and put into its parent's slot, which must then be assignable (a
+  dict, a list, a mutable dataclass, a tuple that is itself remade): at the root, or in a
+  read-only mapping, that is a problem unless nothing differs. Tuples (and namedtuples) are
+  immutable values too, and are remade the same way;
+- a saved 0-d tensor restores into a Python (or numpy) scalar, and a saved scalar fills a 0-d
+  tensor, when the conversion is exact (:mod:`savepoint.state.scalars`).
 """
 
 from __future__ import annotations
 
+import dataclasses as dc
 import sys
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from savepoint.formats.manifest import TensorRecord
+from savepoint.state import scalars, wrappers
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import describe
 from savepoint.state.stateful import is_stateful
@@ -65,6 +80,73 @@ def _type(obj: Any) -> str:
     return type(obj).__name__
 
 
+def _is_dataclass(obj: Any) -> bool:
+    return dc.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _is_frozen(obj: Any) -> bool:
+    return _is_dataclass(obj) and bool(type(obj).__dataclass_params__.frozen)
+
+
+def _rebuild(obj: Any, values: Mapping[str, Any]) -> Any:
+    """A new instance of ``obj``'s dataclass with the restored field ``values``: init fields go
+    through ``dataclasses.replace`` (so ``__init__`` and ``__post_init__`` run); fields with
+    ``init=False`` are then set to their saved values, as a frozen class's own ``__init__`` sets
+    its fields (``object.__setattr__``)."""
+    fields = dc.fields(obj)
+    new = dc.replace(obj, **{f.name: values[f.name] for f in fields if f.init and f.name in values})
+    for f in fields:
+        if not f.init and f.name in values:
+            object.__setattr__(new, f.name, values[f.name])
+    return new
+
+
+def _remakeable(obj: Any) -> bool:
+    """A tuple (or namedtuple) that restoring replaces by a new one, where its slot allows."""
+    return type(obj) is tuple or (isinstance(obj, tuple) and hasattr(type(obj), "_make"))
+
+
+def _remake(obj: Any, values: Any) -> Any:
+    return tuple(values) if type(obj) is tuple else type(obj)._make(values)
+
+
+def _tensor_dict(node: Node, target: Mapping[Any, Any]) -> bool:
+    """A saved dict of tensors matched against a non-empty dict of tensors (a plain state dict)."""
+    return (
+        bool(target)
+        and all(child["t"] == "tensor" for _, child in node["items"])
+        and all(describe(v) is not None for v in target.values())
+    )
+
+
+def needs_new(child: Node, current: Any) -> bool:
+    """Whether restoring ``child`` over ``current`` gives another object, which the parent must
+    then assign: a plain value that differs (in value or type), a tensor for a non-tensor, or a
+    frozen dataclass with such a field. Arrays, tensors, containers and mutable dataclasses are
+    filled in place."""
+    t = child["t"]
+    if t == "tensor":
+        return describe(current) is None
+    if t in ("value", "float", "bytes"):
+        if describe(current) is not None:
+            return False  # a 0-d target is filled in place (anything else is a problem anyway)
+        saved = tree_mod.plain_value(child)
+        if type(saved) is not type(current):
+            return True
+        return not (saved == current or (saved != saved and current != current))
+    if t in ("list", "tuple") and _remakeable(current):
+        items = child["items"]
+        if len(items) != len(current):
+            return True
+        return any(needs_new(c, x) for c, x in zip(items, current))
+    if t == "dict" and _is_frozen(current):
+        names = {f.name for f in dc.fields(current)}
+        return any(
+            k in names and needs_new(c, getattr(current, k, _MISSING)) for k, c in child["items"]
+        )
+    return False
+
+
 def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
     p = Plan()
 
@@ -79,14 +161,16 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             return fresh(node)
         if t != "tensor" and is_stateful(target):
             inner = node["state"] if t == "stateful" else node
-            template = target.state_dict()
+            # A compile/DDP wrapper loads through the model it wraps, whose keys are the saved ones.
+            obj = wrappers.unwrap(target)
+            template = obj.state_dict()
             # torch modules and optimizers are checked up front (their load_state_dict would fail
             # half-way, or not check shapes at all); other objects get the saved tree and judge.
-            mode: Mode = "checked" if _is_torch_object(target) else "lenient"
-            sub = bind_container(inner, template, path, mode, strict=_is_module(target))
+            mode: Mode = "checked" if _is_torch_object(obj) else "lenient"
+            sub = bind_container(inner, template, path, mode, strict=_is_module(obj))
 
             def load_stateful(get: Getter) -> Any:
-                target.load_state_dict(sub(get))
+                obj.load_state_dict(sub(get))
                 return target
 
             return load_stateful
@@ -95,13 +179,15 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         if t == "tensor":
             ref = node["ref"]
             found = describe(target)
+            rec = tensors[ref]
             if found is None:
                 if not complete and target is not None:
+                    if rec.shape == () and scalars.target_dtype(target) is not None:
+                        return tensor_to_scalar(node, target, path, rec.dtype)
                     p.problems.append(
                         (key, f"the checkpoint holds a tensor here, found {_type(target)}")
                     )
                 return fresh(node)
-            rec = tensors[ref]
             dtype, shape = found
             read_only = getattr(getattr(target, "flags", None), "writeable", True) is False
             if complete == "lenient" and (
@@ -123,9 +209,45 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         if t in ("dict", "list", "tuple"):
             return bind_container(node, target, path, complete, strict=False)
         value = tree_mod.plain_value(node)
+        if not complete and describe(target) is not None:
+            return scalar_to_tensor(value, target, key)
         if not path and not complete:
             p.problems.append((key, "a plain value cannot be restored in place; use sp.load()"))
         return lambda get: value
+
+    def tensor_to_scalar(node: Node, target: Any, path: tuple[Key, ...], dtype: str) -> Thunk:
+        """A saved 0-d tensor into a Python or numpy scalar: exact by dtype, or a problem."""
+        key = tree_mod.join(path)
+        why = scalars.tensor_into_scalar(dtype, target)
+        if why is None and not path:
+            why = "a plain value cannot be restored in place; use sp.load()"
+        if why is not None:
+            p.problems.append((key, why))
+            return lambda get: target
+        read = fresh(node)
+        return lambda get: scalars.to_scalar(read(get), target)
+
+    def scalar_to_tensor(value: Any, target: Any, key: str) -> Thunk:
+        """A saved plain value into an existing array or tensor: only a 0-d one it fits exactly."""
+        dtype, shape = describe(target) or ("", ())
+        if tuple(shape) != ():
+            why: str | None = (
+                f"the checkpoint holds a {type(value).__name__} here, found a tensor of shape "
+                f"{list(shape)}"
+            )
+        elif getattr(getattr(target, "flags", None), "writeable", True) is False:
+            why = "the target array is read-only"
+        else:
+            why = scalars.value_into_tensor(value, dtype)
+        if why is not None:
+            p.problems.append((key, why))
+            return lambda get: target
+
+        def put(get: Getter) -> Any:
+            scalars.fill(target, value, dtype)
+            return target
+
+        return put
 
     def bind_container(
         node: Node, target: Any, path: tuple[Key, ...], complete: Mode, strict: bool
@@ -138,6 +260,8 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             return bind_dict(node, target, path, complete, strict)
         if t in ("list", "tuple") and isinstance(target, (list, tuple)):
             return bind_sequence(node, target, path, complete)
+        if t == "dict" and _is_dataclass(target):
+            return bind_dataclass(node, target, path, complete)
         if complete and not isinstance(target, (Mapping, list, tuple)):
             return fresh(node)
         p.problems.append((key, f"the checkpoint holds a {t} here, found {_type(target)}"))
@@ -146,13 +270,19 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
     def bind_dict(
         node: Node, target: Mapping[Any, Any], path: tuple[Key, ...], complete: Mode, strict: bool
     ) -> Thunk:
-        saved = {k for k, _ in node["items"]}
+        items = node["items"]
+        # Keys saved from (or for) a wrapped model: rename them when only the prefix differs.
+        if strict or (not complete and _tensor_dict(node, target)):
+            rename = wrappers.align([k for k, _ in items], list(target), exact=strict)
+            if rename is not None:
+                items = [[rename[k], child] for k, child in items]
+        saved = {k for k, _ in items}
         if not complete or strict:
             for k in target:
                 if k not in saved:
                     p.problems.append((tree_mod.join((*path, k)), "not in the checkpoint"))
         children: list[tuple[Any, Thunk]] = []
-        for k, child in node["items"]:
+        for k, child in items:
             if k in target:
                 children.append((k, bind(child, target[k], (*path, k), complete)))
                 if not complete and not isinstance(target, MutableMapping):
@@ -195,6 +325,10 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
                     return target
 
                 return replace
+            elif _remakeable(target):
+                # A tuple of another length is replaced whole, in its parent's slot.
+                saved_whole = fresh(node)
+                return lambda get: _remake(target, saved_whole(get))
             else:
                 p.problems.append(
                     (key, f"{len(items)} items in the checkpoint, {len(target)} in the target")
@@ -205,6 +339,15 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         kind = tuple if node["t"] == "tuple" else list
         if complete:
             return lambda get: kind(sub(get) for sub in subs)
+        if _remakeable(target):
+
+            def remake(get: Getter) -> Any:
+                values = [sub(get) for sub in subs]
+                if all(v is x for v, x in zip(values, target)):
+                    return target
+                return _remake(target, values)  # the parent puts it in its slot
+
+            return remake
         if not isinstance(target, MutableSequence):
             for i, c in enumerate(items):
                 immutable_slot(c, target[i], (*path, i), target)
@@ -218,20 +361,81 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
 
         return fill
 
+    def bind_dataclass(node: Node, target: Any, path: tuple[Key, ...], complete: Mode) -> Thunk:
+        """A saved dict onto a dataclass's fields: all of them, and nothing else."""
+        names = [f.name for f in dc.fields(target)]
+        saved = dict(node["items"])
+        cls = _type(target)
+        for name in names:
+            if name not in saved:
+                p.problems.append(
+                    (tree_mod.join((*path, name)), f"not in the checkpoint (a field of {cls})")
+                )
+        for k in saved:
+            if k not in names:
+                p.problems.append((tree_mod.join((*path, k)), f"not a field of {cls}"))
+        children = [
+            (name, bind(saved[name], getattr(target, name, _MISSING), (*path, name), complete))
+            for name in names
+            if name in saved
+        ]
+        if complete:  # a Stateful's load_state_dict gets a new instance; the template is untouched
+            return lambda get: _rebuild(target, {n: sub(get) for n, sub in children})
+        if _is_frozen(target):
+
+            def replace(get: Getter) -> Any:
+                values = {n: sub(get) for n, sub in children}
+                if all(v is getattr(target, n, _MISSING) for n, v in values.items()):
+                    return target
+                return _rebuild(target, values)  # the parent puts it in its slot
+
+            return replace
+
+        def fill(get: Getter) -> Any:
+            for n, sub in children:
+                value = sub(get)
+                if value is not getattr(target, n, _MISSING):
+                    setattr(target, n, value)
+            return target
+
+        return fill
+
     def immutable_slot(child: Node, current: Any, path: tuple[Key, ...], parent: Any) -> None:
         """A problem if restoring ``child`` would need assigning into an immutable container:
-        nested containers and arrays are filled in place, equal plain values need nothing."""
-        t = child["t"]
-        if t == "tensor":
-            needs = describe(current) is None
-        elif t in ("value", "float", "bytes"):
-            saved = tree_mod.plain_value(child)
-            needs = not (saved == current or (saved != saved and current != current))
-            needs = needs or type(saved) is not type(current)
-        else:
-            needs = False
-        if needs:
-            p.problems.append((tree_mod.join(path), f"cannot assign into a {_type(parent)}"))
+        nested containers and arrays are filled in place, equal plain values need nothing. A
+        tuple that would need remaking is reported item by item, where the difference is."""
+        if not needs_new(child, current):
+            return
+        if (
+            _remakeable(current)
+            and child["t"] in ("list", "tuple")
+            and len(child["items"]) == len(current)
+        ):
+            for i, (c, x) in enumerate(zip(child["items"], current)):
+                immutable_slot(c, x, (*path, i), current)
+            return
+        what = f"a frozen {_type(current)} must be replaced; " if _is_frozen(current) else ""
+        p.problems.append((tree_mod.join(path), f"{what}cannot assign into a {_type(parent)}"))
 
     p.finish = bind(root, into, (), False)
+    # The root has no slot: an immutable value there that would need replacing is a problem.
+    if isinstance(into, tuple) and needs_new(root, into):
+        if root["t"] in ("list", "tuple") and len(root["items"]) == len(into):
+            for i, (c, x) in enumerate(zip(root["items"], into)):
+                immutable_slot(c, x, (i,), into)
+        else:
+            p.problems.append(
+                (
+                    "",
+                    f"{len(root.get('items', ()))} items in the checkpoint, {len(into)} in the target",
+                )
+            )
+    if _is_frozen(into) and needs_new(root, into):
+        p.problems.append(
+            (
+                "",
+                f"a frozen {_type(into)} cannot be changed in place; pass it inside a dict "
+                "(into={'config': cfg}) and take the new instance from there, or use sp.load()",
+            )
+        )
     return p

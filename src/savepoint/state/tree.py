@@ -15,11 +15,18 @@ Tensors are named by their path: components escaped as in JSON Pointer (RFC 6901
 UTF-8) and joined by ``/``. A key that would repeat an earlier name (``{0: a, "0": b}``) gets a
 ``~2``, ``~3``... suffix, which escaping can never produce. Two leaves that are the same view of
 the same memory (tied weights) share one tensor record, so they are stored once and come back tied.
+
+What training scripts hold: a ``torch.compile``, DDP or DataParallel wrapper is saved as the model
+it wraps (its keys carry no ``_orig_mod.``/``module.`` prefix; see :mod:`savepoint.state.wrappers`),
+and a dataclass instance (a config) is saved as a plain ``dict`` node of its fields, in field
+order, each field's value stored like any other value. The class is not recorded: a checkpoint
+never names code to run, and ``sp.load`` without ``into=`` gives the dict back.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +35,7 @@ from typing import Any
 from savepoint.errors import UnsupportedStateError
 from savepoint.state.arrays import TensorSource, make_source
 from savepoint.state.stateful import is_stateful
+from savepoint.state.wrappers import unwrap
 
 Node = dict[str, Any]
 Key = str | int
@@ -76,6 +84,18 @@ def flatten(state: Any) -> Flat:
             by_identity[ident] = name
         return {"t": "tensor", "ref": name, "kind": source.kind}
 
+    def dataclass_items(obj: Any, path: tuple[Key, ...]) -> list[list[Any]]:
+        items: list[list[Any]] = []
+        for f in dataclasses.fields(obj):
+            if not hasattr(obj, f.name):  # an init=False field nothing has set yet
+                key = join((*path, f.name))
+                raise UnsupportedStateError(
+                    f"{key}: field {f.name!r} of {type(obj).__qualname__} has no value to save",
+                    key=key,
+                )
+            items.append([f.name, walk(getattr(obj, f.name), (*path, f.name))])
+        return items
+
     def walk(obj: Any, path: tuple[Key, ...]) -> Node:
         key = join(path)
         source = make_source(obj, key)
@@ -112,19 +132,22 @@ def flatten(state: Any) -> Flat:
                 kind = "list" if isinstance(obj, list) else "tuple"
                 return {"t": kind, "items": [walk(v, (*path, i)) for i, v in enumerate(obj)]}
             if is_stateful(obj):
-                cls = type(obj)
-                inner = walk(obj.state_dict(), path)
+                bare = unwrap(obj)  # a compiled or DDP model saves the keys of the model inside
+                cls = type(bare)
+                inner = walk(bare.state_dict(), path)
                 return {
                     "t": "stateful",
                     "type": f"{cls.__module__}.{cls.__qualname__}",
                     "state": inner,
                 }
+            if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                return {"t": "dict", "items": dataclass_items(obj, path)}
         finally:
             active.discard(id(obj))
         raise UnsupportedStateError(
             f"{key or '<root>'}: cannot store a value of type {type(obj).__module__}."
             f"{type(obj).__qualname__}; supported leaves are numpy arrays, torch tensors, None, bool, "
-            "int, float, str, bytes, and objects with state_dict()/load_state_dict()",
+            "int, float, str, bytes, dataclass instances, and objects with state_dict()/load_state_dict()",
             key=key,
         )
 
