@@ -270,6 +270,7 @@ def test_cuda_state_without_cuda_needs_strict_false() -> None:
 
 
 @pytest.mark.torch
+@pytest.mark.cuda
 def test_cuda_resume_on_a_cuda_machine(ckpt: Path) -> None:
     t = _torch()
     if not t.cuda.is_available():
