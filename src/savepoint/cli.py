@@ -121,7 +121,7 @@ def verify_cmd(path: str, quiet: bool) -> None:
     """
     from savepoint.runs import layout
 
-    if layout.is_run(path):
+    if layout.is_run(path) or layout.lost_run_file(path):
         _verify_run(path, quiet)
         return
     if _cli_formats.handles(path):
@@ -146,20 +146,23 @@ def _run_dir(path: str) -> str:
     from savepoint.runs import layout
 
     if not layout.is_run(path):
-        click.echo(f"error: {path} is not a savepoint run directory (no run.json)", err=True)
+        hint = (
+            "; it has a report.json: opening it with a CheckpointManager rebuilds run.json"
+            if layout.lost_run_file(path)
+            else ""
+        )
+        click.echo(f"error: {path} is not a savepoint run directory (no run.json){hint}", err=True)
         sys.exit(1)
     return path
 
 
 def _load_report(path: str) -> Any:
-    import os
-
-    from savepoint.runs.report import REPORT_FILE, Report, read_json
+    from savepoint.runs.report import load_report
 
     try:
-        doc = read_json(os.path.join(path, REPORT_FILE))
-        if doc is not None:
-            return Report.from_json(doc, path)
+        report = load_report(path)
+        if report is not None:
+            return report
     except CheckpointError as exc:
         _fail(exc)
     click.echo(f"error: {path} has no report.json yet", err=True)
@@ -191,16 +194,25 @@ def _verify_run(run_dir: str, quiet: bool) -> None:
     )
 
     start = time.perf_counter()
+    problems: list[str] = []
+    has_report = os.path.lexists(os.path.join(run_dir, REPORT_FILE))
+    run_path = os.path.join(run_dir, RUN_FILE)
     try:
-        run_path = os.path.join(run_dir, RUN_FILE)
-        run = RunInfo.from_json(read_json(run_path), run_path)
+        doc = read_json(run_path)
+        if doc is None:  # a run that lost it (lost_run_file): its report has the identity
+            report = _load_report(run_dir)
+            run = RunInfo(report.name, report.variant, report.config, report.num_params)
+            problems.append(
+                f"{RUN_FILE} is missing; opening the run with a CheckpointManager rebuilds it "
+                f"from {REPORT_FILE}"
+            )
+        else:
+            run = RunInfo.from_json(doc, run_path)
+            report = _load_report(run_dir) if has_report else Report.for_run(run)
     except CheckpointError as exc:
         _fail(exc)
         return
-    has_report = os.path.lexists(os.path.join(run_dir, REPORT_FILE))
-    report = _load_report(run_dir) if has_report else Report.for_run(run)
     steps = _committed_steps(run_dir)
-    problems: list[str] = []
     try:
         check_consistent(run_dir, run, report, steps)
     except CheckpointError as exc:
@@ -453,7 +465,12 @@ def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
                 )
             click.echo(_table(rows))
     else:
-        click.echo(f"error: {path} is neither a run directory nor a sweep of runs", err=True)
+        hint = (
+            " (its run.json is missing: opening it with a CheckpointManager rebuilds it)"
+            if layout.lost_run_file(path)
+            else ""
+        )
+        click.echo(f"error: {path} is neither a run directory nor a sweep of runs{hint}", err=True)
         sys.exit(1)
     if plot_path:
         from savepoint.runs.plot import plot_reports

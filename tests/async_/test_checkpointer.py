@@ -556,3 +556,79 @@ def test_async_manager_save_every(tmp_path: Path) -> None:
         assert all(p.done() for p in pendings if p.skipped)
         m.wait()
         assert m.steps() == [2, 4]
+
+
+# -- threads and fork ---------------------------------------------------------------------------
+
+
+def test_saves_from_several_threads_on_one_checkpointer_all_verify(tmp_path: Path) -> None:
+    states = {
+        t: {f"w{i}": np.full((64, 256), t * 100 + i, np.float32) for i in range(6)}
+        for t in range(4)
+    }
+    errors: list[BaseException] = []
+    pendings: list[tuple[int, int, PendingSave]] = []
+    start = threading.Barrier(4)
+
+    with AsyncCheckpointer() as ck:
+
+        def worker(t: int) -> None:
+            try:
+                start.wait()
+                for k in range(6):
+                    pendings.append((t, k, ck.save(tmp_path / f"t{t}-{k}", states[t])))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert not errors
+    assert len(pendings) == 24
+    for t, k, pending in pendings:
+        pending.wait()
+        path = tmp_path / f"t{t}-{k}"
+        sp.verify(path)
+        same(sp.load(path), states[t])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_during_a_save_exits_and_cannot_use_the_parents_checkpointer(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    script = f"""
+import os, sys, time
+import numpy as np
+from savepoint.async_.checkpointer import AsyncCheckpointer
+import savepoint as sp
+
+ck = AsyncCheckpointer()
+state = {{"w": np.ones((1024, 1024), np.float32)}}
+pending = ck.save({str(tmp_path / "a")!r}, state)
+pid = os.fork()
+if pid == 0:
+    try:
+        ck.save({str(tmp_path / "child")!r}, state)
+    except RuntimeError as exc:
+        assert "parent process" in str(exc), exc
+        print("refused", flush=True)
+    mine = AsyncCheckpointer()
+    mine.save({str(tmp_path / "child2")!r}, state).wait()
+    sys.exit(0)  # runs the exit hook: must not wait for the parent's save
+_, status = os.waitpid(pid, 0)
+pending.wait()
+ck.close()
+sp.verify({str(tmp_path / "a")!r})
+sp.verify({str(tmp_path / "child2")!r})
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["refused", "child", "exit", "0"], result.stdout

@@ -77,7 +77,10 @@ class AsyncCheckpointer:
         self._pending: PendingSave | None = None
         self._error: BaseException | None = None  # failed in the background, not yet reported
         self._lock = threading.Lock()
+        # save() from several threads: one stages at a time (they share the arena), in call order.
+        self._save_lock = threading.Lock()
         self._closed = False
+        self._forked = False
         _LIVE.add(self)
 
     def save(
@@ -88,7 +91,24 @@ class AsyncCheckpointer:
         metadata: Mapping[str, Any] | None = None,
         on_commit: Callable[[checkpoint.CheckpointInfo], Any] | None = None,
     ) -> PendingSave:
-        """Snapshot ``state`` now and write it to ``path`` in the background."""
+        """Snapshot ``state`` now and write it to ``path`` in the background.
+
+        Thread-safe: concurrent calls run one after another (they share one staging arena)."""
+        with self._save_lock:
+            return self._save(path, state, metadata, on_commit)
+
+    def _save(
+        self,
+        path: str | os.PathLike[str],
+        state: Any,
+        metadata: Mapping[str, Any] | None,
+        on_commit: Callable[[checkpoint.CheckpointInfo], Any] | None,
+    ) -> PendingSave:
+        if self._forked:
+            raise RuntimeError(
+                "this AsyncCheckpointer belongs to the parent process (it was created before "
+                "fork()); create a new one in the child"
+            )
         if self._closed:
             raise RuntimeError("this AsyncCheckpointer is closed")
         self._raise_background_error()
@@ -98,7 +118,7 @@ class AsyncCheckpointer:
             if self.on_busy == "skip":
                 warnings.warn(
                     f"skipping the save to {target}: the save to {previous.path} is still writing",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
                 return PendingSave.finished(None, skipped=True)
             previous.exception()  # wait; its error is reported below
@@ -210,6 +230,22 @@ def _reported(exc: BaseException, target: str) -> CheckpointError:
         )
     error.__cause__ = exc
     return error
+
+
+def _forget_in_child() -> None:
+    # A forked child has none of the parent's threads: a save in flight is the parent's to finish
+    # and report, and waiting for it at the child's exit would hang forever. The child's copies
+    # of the parent's checkpointers are closed; the child makes its own.
+    for ckpt in list(_LIVE):
+        ckpt._forked = ckpt._closed = True
+        ckpt._pending, ckpt._error = None, None
+        ckpt._lock, ckpt._save_lock = threading.Lock(), threading.Lock()
+    _LIVE.clear()
+    _UNFINISHED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

@@ -22,6 +22,7 @@ manager that opens the run repairs any disagreement an interrupted save left (se
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
@@ -61,8 +62,13 @@ def committed_steps(directory: str) -> list[int]:
             errno=exc.errno,
         ) from None
     except OSError as exc:
+        hint = (
+            ": the run keeps its checkpoints in that directory; move what is there out of the way"
+            if exc.errno == errno.ENOTDIR
+            else ""
+        )
         raise CorruptCheckpointError(
-            f"cannot list {root}: {exc.strerror or exc}", path=root
+            f"cannot list {root}: {exc.strerror or exc}{hint}", path=root
         ) from None
     steps = []
     for entry in entries:
@@ -74,3 +80,11 @@ def committed_steps(directory: str) -> list[int]:
 
 def is_run(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "run.json"))
+
+
+def lost_run_file(directory: str) -> bool:
+    """A run directory whose ``run.json`` is gone but whose ``report.json`` (which records the
+    same identity) is still there: a manager that opens it rebuilds ``run.json``."""
+    return not os.path.lexists(os.path.join(directory, "run.json")) and os.path.isfile(
+        os.path.join(directory, "report.json")
+    )

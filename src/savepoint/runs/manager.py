@@ -10,7 +10,15 @@ the report lists as ``discarding``, lists checkpoints a killed save committed bu
 cannot write (read-only media, no write permission, or ``read_only=True``) gives a *read-only*
 manager: it writes nothing and takes no lock; ``steps``, ``latest_step``, ``best_step`` and
 ``restore`` work, ``save`` raises CheckpointWriteError. Unreadable run files are
-CheckpointPermissionError.
+CheckpointPermissionError. A run that lost its ``run.json`` gets it back from the identity its
+``report.json`` records; a damaged ``report.json`` is CorruptCheckpointError saying how to have it
+rebuilt. An open that fails writes nothing.
+
+One writer, checked at every save: the writer lock is checked before each save and at
+``close()``; a manager in a forked child, or one whose lock file was replaced (another writer may
+have written the run since), raises RunLockedError and writes nothing more, not even at
+``close()`` (:mod:`savepoint.runs.lock`). Threads may share a manager: ``save``, ``restore`` and
+``close`` run one at a time.
 
 Sequence of ``save(step, state, metrics)``:
 
@@ -31,7 +39,8 @@ Sequence of ``save(step, state, metrics)``:
 6. the checkpoints under ``discarding`` are deleted, and the report is rewritten without them.
 
 Failure semantics. Every error out of the manager (``save``, ``PendingSave.wait()`` and
-``exception()`` of an async save, ``wait``, ``close``, ``restore``) is a CheckpointError subclass;
+``exception()`` of an async save, ``wait``, ``close``, ``restore``) is a CheckpointError subclass,
+usage errors aside (a bad argument is ValueError, a closed manager RuntimeError);
 a failed write is CheckpointWriteError with the failing call's ``errno`` (``errno.ENOSPC`` for a
 full disk), never a raw OSError and never the bare base class. A save that fails in steps 2-5 has
 *not* happened: the checkpoint is removed again (or the previous checkpoint of that step put
@@ -40,7 +49,10 @@ so. Only if undoing fails as well does the error say what is left (the next open
 failure in step 6 does not fail the save: the checkpoints stay on disk, are not part of the run
 (not in ``steps()`` or the report), and the deletion is retried by the next save, ``close()`` or
 open. A SIGKILL at any point leaves the old run or the new one: a checkpoint committed in step 2 is
-kept and listed by the next open, even if its books were never written.
+kept and listed by the next open, even if its books were never written. A background save whose
+commit fails does not count as a save for the save policy (nor does a failed synchronous one). An
+exception leaving a ``with CheckpointManager(...)`` block is not replaced by a failure of the
+``close()`` it triggers: that error is attached to it as a note (printed on Python 3.10).
 
 ``restore(into, step="latest")`` writes nothing: it reads checkpoints only, so it works on
 read-only media. Its bookkeeping (lineage, history truncated after the step resumed from) is
@@ -49,7 +61,10 @@ verification is skipped with a warning and the next older one is tried. It retur
 restored, or None when the run has no checkpoint at all (a fresh start: the only case that returns
 None). If checkpoints exist but none is intact, it raises CorruptCheckpointError rather than start
 over. "latest" and "best" are resolved from the checkpoints and their metrics, never through the
-alias directories.
+alias directories. Next to a live writer (``read_only=True``), a checkpoint the writer deletes or
+replaces while it is being read is never taken for a corrupt one: "latest" and "best" choose again
+(a read-only manager rereads the report's ``discarding`` and reads the metrics of checkpoints saved
+after it opened), an explicit step deleted meanwhile is CheckpointNotFoundError saying so.
 """
 
 from __future__ import annotations
@@ -58,6 +73,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import sys
 import threading
 import time
 import warnings
@@ -76,6 +92,7 @@ from savepoint.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MissingCheckpointError,
+    RunLockedError,
     RunMismatchError,
 )
 from savepoint.formats import manifest as mf
@@ -88,6 +105,7 @@ from savepoint.runs.report import (
     Report,
     RunInfo,
     check_consistent,
+    load_report,
     now_iso,
     plain_value,
     read_json,
@@ -95,6 +113,7 @@ from savepoint.runs.report import (
 )
 
 StepSpec = int | Literal["latest", "best"]
+_RESTORE_TRIES = 20
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 _HINTS = {
     errno.ENOSPC: "free disk space and save again",
@@ -174,8 +193,12 @@ class CheckpointManager:
         # same files.
         self._leader = _rank(save_options.get("process_group")) == 0
         self._lock = threading.RLock()
+        # save(), restore() and close() run one at a time (threads sharing a manager): two saves
+        # at once would stage into one buffer, or verify a checkpoint the other is replacing.
+        self._saving = threading.RLock()
         self._async = AsyncCheckpointer(**save_options) if async_save else None
         self._closed = False
+        self._pid = os.getpid()
         self._started = time.monotonic()
         self._resumed_from: int | None = None
         self._verified: set[int] = set()
@@ -187,6 +210,8 @@ class CheckpointManager:
         self._discarding: frozenset[int] = frozenset()
         self._discarding_on_disk: frozenset[int] = frozenset()
         self._inflight: int | None = None  # the step an async save is writing
+        self._last_async: _AsyncSave | None = None
+        self._lock_error_raised = False
         self._release: Callable[[], object] | None = None
         self.read_only_reason: str | None = None
         try:
@@ -199,8 +224,11 @@ class CheckpointManager:
                 release = weakref.finalize(self, self._writer.release)
                 release.atexit = False
                 self._release = release
-            self.run = self._open_run(name, variant, config, num_params)
+            self.run, new_run_file = self._open_run(name, variant, config, num_params)
             self.report = self._open_report()
+            if new_run_file:
+                # Only now: an open that fails (a mismatch, a damaged report) writes nothing.
+                self._finish_open_run()
             if self.best_metric is None and self.report.best:
                 metric, mode = self.report.best.get("metric"), self.report.best.get("mode")
                 if isinstance(metric, str) and mode in ("min", "max"):
@@ -210,7 +238,10 @@ class CheckpointManager:
             self._discarding_on_disk = frozenset(self.report.discarding)
             self._discarding = frozenset(pending & set(layout.committed_steps(self.directory)))
             self._metrics: dict[int, dict[str, Any]] = {}
+            self._metrics_seen: dict[int, tuple[int, int] | None] = {}  # read-only managers
             for step in self.steps():
+                if self.read_only:
+                    self._metrics_seen[step] = self._manifest_id(step)
                 self._metrics[step] = self._read_metrics(step)
             if self._writes_books():
                 self._repair()
@@ -228,6 +259,13 @@ class CheckpointManager:
             self.read_only_reason = "opened with read_only=True"
             return True, None
         checkpoints = os.path.join(self.directory, layout.CHECKPOINTS)
+        if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
+            raise CheckpointWriteError(
+                f"{checkpoints} is not a directory, but a run keeps its checkpoints there: move it "
+                "out of the way and open the run again",
+                path=checkpoints,
+                errno=errno.ENOTDIR,
+            )
         if not self._leader:
             # Other ranks write only their part of each checkpoint, never the run's books.
             with contextlib.suppress(OSError):
@@ -273,7 +311,10 @@ class CheckpointManager:
         variant: str | None,
         config: Mapping[str, Any] | None,
         num_params: int | None,
-    ) -> RunInfo:
+    ) -> tuple[RunInfo, bool]:
+        """What the run is, and whether ``run.json`` must be written (the caller writes it once
+        the whole open has succeeded). A run that lost its ``run.json`` (its report remains) gets
+        back the identity its report records; a new run gets the one given here."""
         path = os.path.join(self.directory, RUN_FILE)
         doc = read_json(path)
         wanted = RunInfo(
@@ -282,37 +323,50 @@ class CheckpointManager:
             config=_plain(dict(config or {})),
             num_params=num_params,
         )
-        if doc is None:
-            if self._writes_books():
-                try:
-                    write_json(path, wanted.to_json())
-                except OSError as exc:
-                    raise _write_error(f"cannot create {path}", exc) from exc
-            return wanted
-        run = RunInfo.from_json(doc, path)
+        if doc is not None:
+            run, source = RunInfo.from_json(doc, path), RUN_FILE
+        else:
+            report = load_report(self.directory)
+            if report is None:
+                return wanted, True
+            source = REPORT_FILE
+            run = RunInfo(
+                name=report.name,
+                variant=report.variant,
+                config=report.config,
+                num_params=report.num_params,
+            )
         problems = []
         if name is not None and name != run.name:
-            problems.append(f"name {name!r} (run.json has {run.name!r})")
+            problems.append(f"name {name!r} ({source} has {run.name!r})")
         if variant is not None and variant != run.variant:
-            problems.append(f"variant {variant!r} (run.json has {run.variant!r})")
+            problems.append(f"variant {variant!r} ({source} has {run.variant!r})")
         if config is not None and wanted.config != run.config:
             problems.append("a different config")
         if num_params is not None and num_params != run.num_params:
-            problems.append(f"num_params {num_params} (run.json has {run.num_params})")
+            problems.append(f"num_params {num_params} ({source} has {run.num_params})")
         if problems:
             raise RunMismatchError(
                 f"{self.directory} is an existing run, opened with {'; '.join(problems)}; use "
                 "another directory for a different run",
                 path=self.directory,
             )
-        return run
+        return run, doc is None
+
+    def _finish_open_run(self) -> None:
+        """Write the ``run.json`` that :meth:`_open_run` decided on (the books' writer only)."""
+        if not self._writes_books():
+            return
+        path = os.path.join(self.directory, RUN_FILE)
+        try:
+            write_json(path, self.run.to_json())
+        except OSError as exc:
+            raise _write_error(f"cannot create {path}", exc) from exc
 
     def _open_report(self) -> Report:
-        path = os.path.join(self.directory, REPORT_FILE)
-        doc = read_json(path)
-        if doc is None:
+        report = load_report(self.directory)
+        if report is None:
             return Report.for_run(self.run)
-        report = Report.from_json(doc, path)
         check_consistent(self.directory, self.run, report, layout.committed_steps(self.directory))
         return report
 
@@ -386,7 +440,7 @@ class CheckpointManager:
     def _best_among(self, steps: list[int]) -> int | None:
         if self.best_metric is None:
             return None
-        entries = [Entry(s, self._metrics.get(s, {})) for s in steps]
+        entries = [Entry(s, self._metrics_of(s)) for s in steps]
         best = policies.best_entries(entries, self.best_metric, self.best_mode)
         return best[0].step if best else None
 
@@ -395,6 +449,21 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> dict[str, Any]:
         return dict(self._metrics.get(step, {}))
+
+    def _metrics_of(self, step: int) -> dict[str, Any]:
+        """A checkpoint's metrics; read from its manifest the first time for a checkpoint this
+        manager did not save (a read-only manager next to a live writer sees new ones)."""
+        known = self._metrics.get(step)
+        if self.read_only:
+            # The writer may have saved this step again since: the manifest's identity says so.
+            seen = self._manifest_id(step)
+            if known is None or self._metrics_seen.get(step) != seen:
+                known = self._metrics[step] = self._read_metrics(step)
+                self._metrics_seen[step] = seen
+            return known
+        if known is None:
+            known = self._metrics[step] = self._read_metrics(step)
+        return known
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -410,10 +479,23 @@ class CheckpointManager:
         """Save ``state`` as checkpoint ``step`` (unless the save policy skips it).
 
         Either the save happens completely or, on CheckpointWriteError, not at all (see the
-        module docstring for the one exception, a failed verification before pruning)."""
+        module docstring for the one exception, a failed verification before pruning). Threads
+        may share a manager: their saves run one after the other."""
+        self._check_open()
+        with self._saving:
+            return self._save(step, state, metrics, force, epoch)
+
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None,
+        force: bool,
+        epoch: int | None,
+    ) -> PendingSave:
         self._check_open()
         if self._async is not None:
-            self._async._raise_background_error()
+            self._raise_background_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         if self.read_only:
@@ -426,13 +508,16 @@ class CheckpointManager:
             )
         if not force and not self.save_policy.should_save(step, self._last_saved):
             return PendingSave.finished(None, step, skipped=True)
+        self._check_writer()
         clean = _plain(dict(metrics or {}))
         path = self.step_path(step)
         meta = {"savepoint_run": {"step": step, "epoch": epoch, "metrics": clean}}
         backup = self._before_commit(step) if self._leader else None
         previous, self._last_saved = self._last_saved, step
+        flight = _AsyncSave(step, previous)
 
         def committed(info: checkpoint.CheckpointInfo) -> None:
+            flight.committed = True
             self._after_commit(step, clean, epoch, backup, previous)
 
         if self._async is not None:
@@ -440,10 +525,13 @@ class CheckpointManager:
                 pending = self._async.save(path, state, metadata=meta, on_commit=committed)
             except BaseException:
                 _drop(backup)
+                self._last_saved = previous
                 raise
             if backup is not None:  # a failed background commit leaves it; committed() uses it
                 pending._future.add_done_callback(lambda _: _drop(backup))
             pending.step = step
+            flight.pending = pending
+            self._last_async = flight
             self._inflight = step
             return pending
         try:
@@ -454,6 +542,44 @@ class CheckpointManager:
             raise
         committed(info)
         return PendingSave.finished(path, step, info)
+
+    def _raise_background_error(self) -> None:
+        """Raise the error of a background save that failed (once), after forgetting it as the
+        save policy's last save."""
+        assert self._async is not None
+        raised = True
+        try:
+            self._async._raise_background_error()
+            raised = False
+        finally:
+            self._settle_async(wait=raised)
+
+    def _settle_async(self, *, wait: bool) -> None:
+        """Once the last background save is done: if its commit failed (so it never reached
+        ``_after_commit``, which undoes its own failures), the save policy counts from the save
+        before it again. ``wait``: it is known to be finishing (its error was just raised)."""
+        flight = self._last_async
+        if flight is None or flight.pending is None:
+            return
+        if not wait and not flight.pending.done():
+            return
+        failed = flight.pending.exception() is not None
+        with self._lock:
+            if failed and not flight.committed and self._last_saved == flight.step:
+                self._last_saved = flight.previous
+            if self._last_async is flight:
+                self._last_async = None
+
+    def _check_writer(self) -> None:
+        """Raise unless this manager still holds the run's writer lock (runs.lock: a forked
+        child, or a lock file deleted and taken by another writer)."""
+        if self._writer is None:
+            return
+        try:
+            self._writer.check()
+        except RunLockedError:
+            self._lock_error_raised = True
+            raise
 
     def _before_commit(self, step: int) -> str | None:
         """Prepare to (re)use the name of checkpoint ``step``: finish a pending deletion of an
@@ -734,9 +860,39 @@ class CheckpointManager:
         the report. With "latest", a checkpoint that fails verification is skipped (with a
         warning) for the next older one; None means the run has no checkpoint at all. "best" and
         explicit steps are never substituted: missing or corrupt is an error.
+
+        Next to a live writer (a read-only manager), the checkpoint chosen may be deleted or
+        replaced by the writer before it is read: then "latest" and "best" choose again from what
+        the run holds now (never a warning, never an error for an intact run), and an explicit
+        step that was deleted is CheckpointNotFoundError saying so.
         """
         self._check_open()
-        self.wait()
+        if not (isinstance(step, int) and not isinstance(step, bool)) and step not in (
+            "latest",
+            "best",
+        ):
+            raise ValueError(f"step must be 'latest', 'best' or an int, not {step!r}")
+        with self._saving:
+            self.wait()
+            for _ in range(_RESTORE_TRIES):
+                self._refresh_view()
+                try:
+                    restored = self._restore_once(into, step, load_options)
+                except _Moved:
+                    continue
+                if restored is None:
+                    return None
+                return self._resumed(restored) if resume else restored
+        raise CheckpointNotFoundError(
+            f"{self.directory}: each checkpoint chosen to restore ({step!r}) was deleted or "
+            f"replaced by the run's writer before it could be read ({_RESTORE_TRIES} tries); try "
+            "again, or restore a step retention keeps",
+            path=self.directory,
+        )
+
+    def _restore_once(self, into: Any, step: StepSpec, load_options: dict[str, Any]) -> int | None:
+        """One attempt of :meth:`restore`; raises _Moved when the checkpoint chosen was deleted
+        or replaced while it was being read."""
         steps = self.steps()
         if step == "latest":
             if not steps:
@@ -744,16 +900,16 @@ class CheckpointManager:
             failures = []
             for candidate in reversed(steps):
                 try:
-                    checkpoint.load(self.step_path(candidate), into=into, **load_options)
+                    self._load(candidate, into, load_options)
                 except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
                     failures.append(f"step {candidate}: {exc}")
                     warnings.warn(
                         f"checkpoint {candidate} of {self.directory} failed verification, trying "
                         f"an older one: {exc}",
-                        stacklevel=2,
+                        stacklevel=3,
                     )
                     continue
-                return self._resumed(candidate) if resume else candidate
+                return candidate
             raise CorruptCheckpointError(
                 f"{self.directory}: no intact checkpoint among {len(steps)}: "
                 + "; ".join(failures),
@@ -763,21 +919,67 @@ class CheckpointManager:
             best = self.best_step()
             if best is None:
                 raise MissingCheckpointError(
-                    f"{self.directory}: no best checkpoint (best_metric={self.best_metric!r})",
+                    f"{self.directory}: no best checkpoint (best_metric={self.best_metric!r}): "
+                    "no checkpoint has a finite value for that metric"
+                    if self.best_metric is not None
+                    else f"{self.directory}: no best checkpoint: the run ranks no metric; open it "
+                    "with best_metric=... to choose one",
                     path=self.directory,
                 )
-            target = best
-        elif isinstance(step, int) and not isinstance(step, bool):
-            target = step
-        else:
-            raise ValueError(f"step must be 'latest', 'best' or an int, not {step!r}")
-        if target not in steps:
+            self._load(best, into, load_options)
+            return best
+        assert isinstance(step, int)
+        if step not in steps:
             raise CheckpointNotFoundError(
-                f"{self.directory} has no checkpoint for step {target} (it has {steps})",
-                path=self.step_path(target),
+                f"{self.directory} has no checkpoint for step {step} (it has {steps})",
+                path=self.step_path(step),
             )
-        checkpoint.load(self.step_path(target), into=into, **load_options)
-        return self._resumed(target) if resume else target
+        try:
+            self._load(step, into, load_options)
+        except _Moved:
+            if self._manifest_id(step) is not None:
+                raise  # replaced by a new save of that step: read the new one
+            raise CheckpointNotFoundError(
+                f"checkpoint {step} of {self.directory} was deleted while it was being restored "
+                "(the run's writer pruned it); choose a step the run still has",
+                path=self.step_path(step),
+            ) from None
+        return step
+
+    def _load(self, step: int, into: Any, load_options: dict[str, Any]) -> None:
+        """Load checkpoint ``step``; _Moved if it was deleted or replaced meanwhile (a failure
+        that must not be taken for corruption)."""
+        before = self._manifest_id(step)
+        try:
+            checkpoint.load(self.step_path(step), into=into, **load_options)
+        except (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError):
+            if before is None or self._manifest_id(step) != before:
+                raise _Moved from None
+            raise
+
+    def _manifest_id(self, step: int) -> tuple[int, int] | None:
+        try:
+            info = os.stat(os.path.join(self.step_path(step), mf.NAME))
+        except OSError:
+            return None
+        return info.st_dev, info.st_ino
+
+    def _refresh_view(self) -> None:
+        """A read-only manager rereads which steps the writer is deleting (and, if it has none,
+        the metric the run ranks by): a live writer may have changed both since it opened."""
+        if not self.read_only:
+            return
+        try:
+            report = load_report(self.directory)
+        except CheckpointError:
+            return  # restoring needs only the checkpoints: keep the view from opening
+        if report is None:
+            return
+        self._discarding = frozenset(set(report.discarding) - set(report.checkpoints))
+        best = report.best or {}
+        metric, mode = best.get("metric"), best.get("mode", "min")
+        if self.best_metric is None and isinstance(metric, str) and mode in ("min", "max"):
+            self.best_metric, self.best_mode = metric, mode
 
     def _resumed(self, step: int) -> int:
         with self._lock:
@@ -799,47 +1001,100 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until any background save is committed; raise its error if it failed."""
         if self._async is not None:
-            self._async.wait()
+            try:
+                self._async.wait()
+            finally:
+                self._settle_async(wait=True)
 
     def close(self) -> None:
-        """Finish pending saves, write the final report, and release the writer lock."""
-        if self._closed:
-            return
-        try:
-            if self._async is not None:
-                self._async.close()
-        finally:
-            self._closed = True
+        """Finish pending saves, write the final report, and release the writer lock.
+
+        A manager that no longer holds the lock (runs.lock: a forked child, a lock file taken by
+        another writer) writes nothing; the latter is RunLockedError unless a save raised it
+        already. A second ``close()`` does nothing."""
+        with self._saving:
+            if self._closed:
+                return
             try:
-                if self._writes_books():
-                    with self._lock:
-                        self._finish_discards()
-                        self._fill_report(self.steps())
-                        try:
-                            self._store_report()
-                        except OSError as exc:
-                            raise _write_error(
-                                f"cannot write the final {REPORT_FILE} of {self.directory} (the "
-                                "checkpoints are intact; the report is rewritten by the next "
-                                "save)",
-                                exc,
-                            ) from exc
+                if self._async is not None:
+                    try:
+                        self._async.close()
+                    finally:
+                        self._settle_async(wait=True)
             finally:
-                self._release_lock()
+                self._closed = True
+                try:
+                    if self._writes_books() and self._still_writer():
+                        with self._lock:
+                            self._finish_discards()
+                            self._fill_report(self.steps())
+                            try:
+                                self._store_report()
+                            except OSError as exc:
+                                raise _write_error(
+                                    f"cannot write the final {REPORT_FILE} of {self.directory} "
+                                    "(the checkpoints are intact; the report is rewritten by the "
+                                    "next save)",
+                                    exc,
+                                ) from exc
+                finally:
+                    self._release_lock()
+
+    def _still_writer(self) -> bool:
+        """For close(): whether this manager may still write the run's books."""
+        if self._writer is None:
+            return True  # another rank's manager (its books are rank 0's) or none needed
+        if os.getpid() != self._pid:
+            return False  # a forked child: the books are the parent's
+        if self._lock_error_raised:
+            return False
+        self._check_writer()
+        return True
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"the CheckpointManager for {self.directory} is closed")
+            raise RuntimeError(
+                f"the CheckpointManager for {self.directory} is closed; open a new one to save or "
+                "restore"
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError as close_error:
+            # The body's exception (an interrupted training loop, Ctrl-C) is what the caller must
+            # see; the failure to finish a save rides along with it instead of replacing it.
+            note = f"while it propagated, closing {self!r} failed: {close_error}"
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            else:  # Python 3.10
+                print(f"savepoint: {note}", file=sys.stderr)
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
         return f"CheckpointManager({self.directory!r}, retention={self.retention!r}{mode})"
+
+
+class _Moved(Exception):
+    """The checkpoint being restored was deleted or replaced by the run's writer meanwhile."""
+
+
+@dataclasses.dataclass
+class _AsyncSave:
+    """A background save, for the save policy: the step and the last save before it."""
+
+    step: int
+    previous: int | None
+    pending: PendingSave | None = None
+    committed: bool = False  # its checkpoint was committed (_after_commit ran)
 
 
 @dataclasses.dataclass

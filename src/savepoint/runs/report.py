@@ -131,8 +131,18 @@ class Report:
                 raise CorruptCheckpointError(
                     f"{path}: {key} must be a JSON {kind.__name__}", path=path
                 )
-        if doc.get("best") is not None and not isinstance(doc["best"], dict):
-            raise CorruptCheckpointError(f"{path}: best must be an object or null", path=path)
+        best = doc.get("best")
+        if best is not None and not (
+            isinstance(best, dict)
+            and isinstance(best.get("metric"), str)
+            and best.get("mode", "min") in ("min", "max")
+        ):
+            # A best naming no usable metric would silently drop the best checkpoint (and best/).
+            raise CorruptCheckpointError(
+                f'{path}: best must be null or an object with a "metric" name and a "mode" of '
+                '"min" or "max"',
+                path=path,
+            )
         steps = [doc.get("latest_step"), (doc.get("best") or {}).get("step")]
         steps += doc.get("checkpoints", []) + doc.get("discarding", [])
         if not all(s is None or _is_step(s) for s in steps):
@@ -168,6 +178,27 @@ class Report:
         """Forget history past ``step``: a resumed run replays those steps and logs them again."""
         self.loss_history = [(s, v) for s, v in self.loss_history if s <= step]
         self.metric_history = {s: m for s, m in self.metric_history.items() if s <= step}
+
+
+REBUILD_HINT = (
+    "the checkpoints are not affected: move report.json aside and open the run with a "
+    "CheckpointManager, which rebuilds it from the checkpoints (the loss and metric history and the "
+    "resume lineage it held are lost)"
+)
+
+
+def load_report(directory: str) -> Report | None:
+    """The ``report.json`` of the run at ``directory``, or None when it has none.
+
+    A damaged one is CorruptCheckpointError saying how to rebuild it (:data:`REBUILD_HINT`); an
+    unreadable one CheckpointPermissionError; one written by a newer savepoint
+    IncompatibleCheckpointError."""
+    path = os.path.join(directory, REPORT_FILE)
+    try:
+        doc = read_json(path)
+        return None if doc is None else Report.from_json(doc, path)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{exc}; {REBUILD_HINT}", path=path) from exc
 
 
 def _is_step(value: Any) -> bool:
@@ -290,6 +321,8 @@ def check_consistent(
     if best_step is not None and best_step not in set(steps_on_disk):
         raise MissingCheckpointError(
             f"{directory}: the report's best checkpoint (step {best_step}) is missing from "
-            f"{os.path.join(directory, 'checkpoints')}",
+            f'{os.path.join(directory, "checkpoints")}. Put it back, or set "best" to null in '
+            "report.json and open the run again (with best_metric=...) to rank the checkpoints "
+            "that are left",
             path=directory,
         )
