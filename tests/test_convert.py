@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -496,3 +498,112 @@ def test_docs_formats_md_runs(tmp_path: Path) -> None:
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- files that are not regular files (issue 11) ------------------------------------------------
+#
+# A FIFO named x.shrew once made detection, inspect, convert and shrew.load_tensors block forever
+# in open() or read(). Every entry point that takes a user's path must answer at once with a
+# CheckpointError; each call runs in a thread with a deadline, so a regression fails instead of
+# hanging the suite (and the FIFO is then opened for writing, which releases the stuck reader).
+
+SPECIAL = ["fifo", "dev-null", "dev-zero", "directory"]
+NAMES = ["x.shrew", "x.safetensors", "x.json", "x.msgpack", "x.bin"]
+
+
+def _special(tmp_path: Path, kind: str, name: str) -> Path:
+    path = tmp_path / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:  # a name with a format's extension for a character device
+        path.symlink_to("/dev/null" if kind == "dev-null" else "/dev/zero")
+    return path
+
+
+def _cli(*args: str) -> None:
+    from savepoint.cli import main
+
+    result = CliRunner().invoke(main, list(args))
+    if result.exit_code == 1 and "error:" in result.output:
+        raise sp.CheckpointError(result.output)
+    raise AssertionError(f"exit {result.exit_code}: {result.output} {result.exception!r}")
+
+
+ENTRY_POINTS: dict[str, Callable[[Path, Path], Any]] = {
+    "shrew.load_tensors": lambda p, tmp: shrew.load_tensors(p),
+    "shrew.load_training": lambda p, tmp: shrew.load_training(p),
+    "shrew.read_version": lambda p, tmp: shrew.read_version(p),
+    "shrew.load": lambda p, tmp: shrew.load(p, {}),
+    "shrew.inspect": lambda p, tmp: shrew.inspect(p),
+    "shrew.verify": lambda p, tmp: shrew.verify(p),
+    "detect": lambda p, tmp: detect.detect(p),
+    "inspect_any": lambda p, tmp: detect.inspect_any(p),
+    "verify_any": lambda p, tmp: detect.verify_any(p),
+    "sp.convert": lambda p, tmp: sp.convert(p, tmp / "out"),
+    "sp.convert-dst": lambda p, tmp: sp.convert(_source(tmp), p, overwrite=True),
+    "InferenceSnapshot.load": lambda p, tmp: sp.InferenceSnapshot.load(p),
+    "cli inspect": lambda p, tmp: _cli("inspect", str(p)),
+    "cli verify": lambda p, tmp: _cli("verify", str(p)),
+    "cli convert": lambda p, tmp: _cli("convert", str(p), str(tmp / "out.safetensors")),
+}
+
+
+def _source(tmp: Path) -> Path:
+    src = tmp / "source.shrew"
+    if not src.exists():
+        make_shrew_v1(src)
+    return src
+
+
+def _within(seconds: float, call: Callable[[], Any], unblock: Path | None) -> BaseException | None:
+    """What ``call`` raised (None if it returned); fails if it has not finished in time."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def run() -> None:
+        try:
+            call()
+            outcome["error"] = None
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        if unblock is not None:  # a reader stuck on the FIFO: give it a writer, then EOF
+            try:
+                os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+            thread.join(5)
+        pytest.fail(f"no answer within {seconds} s: the call blocked")
+    return outcome["error"]
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_special_files_are_refused_without_blocking(kind: str, entry: str, tmp_path: Path) -> None:
+    call = ENTRY_POINTS[entry]
+    for name in NAMES:
+        if entry == "sp.convert-dst" and not name.endswith((".shrew", ".safetensors")):
+            continue
+        folder = tmp_path / name.replace(".", "-")
+        folder.mkdir()
+        path = _special(folder, kind, name)
+        start = time.monotonic()
+        error = _within(2.0, lambda p=path, f=folder: call(p, f), path if kind == "fifo" else None)
+        assert isinstance(error, sp.CheckpointError), f"{name}: {error!r}"
+        assert time.monotonic() - start < 2.0
+        if entry == "sp.convert-dst":
+            assert path.is_symlink() or path.exists()  # the special file is left as it was
+
+
+def test_a_symlink_to_a_regular_file_still_reads(tmp_path: Path) -> None:
+    # Refusing devices must not refuse links (the Hugging Face cache is made of them).
+    make_shrew_v1(tmp_path / "real.shrew")
+    (tmp_path / "link.shrew").symlink_to(tmp_path / "real.shrew")
+    assert detect.detect(tmp_path / "link.shrew") == "shrew"
+    assert set(shrew.load_tensors(tmp_path / "link.shrew")) == set(MODEL)
+    assert len(detect.verify_any(tmp_path / "link.shrew").tensors) == len(MODEL)

@@ -9,6 +9,7 @@ follow the main CLI: 0 success, 1 a checkpoint problem (reason on stderr), 2 a u
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -30,11 +31,13 @@ def _fail(exc: CheckpointError) -> None:
 
 
 def handles(path: str) -> bool:
-    """True when ``path`` holds a checkpoint in a format other than savepoint's own."""
+    """True when ``path`` holds a checkpoint in a format other than savepoint's own, or is an
+    existing non-directory that detection refuses (a FIFO, a device, an unknown file): its
+    reason is the one to report, not the native reader's "not a checkpoint directory"."""
     try:
         return detect.detect(path) != "savepoint"
     except CheckpointError:
-        return False
+        return os.path.lexists(path) and not os.path.isdir(path)
 
 
 def _shape(shape: tuple[int, ...]) -> str:

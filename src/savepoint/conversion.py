@@ -50,6 +50,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -645,6 +646,21 @@ def _target(dst: str, fmt: str | None, src: _Source) -> str:
     return fmt
 
 
+def _check_replaceable(path: str) -> None:
+    """Refuse to overwrite what is not a checkpoint: a FIFO, a socket, a device (or a link to
+    one). Only a regular file or a directory is replaced, each by its own kind, by the writer."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # a dangling link: replacing the link loses nothing
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise CheckpointWriteError(
+            f"{path} is not a regular file or directory (a FIFO, socket or device); refusing to "
+            "replace it",
+            path=path,
+        )
+
+
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -682,6 +698,7 @@ def convert(
                 "--overwrite) to replace it",
                 path=target_path,
             )
+        _check_replaceable(target_path)
     with _open(source_path, kind) as source:
         target = _target(target_path, format, source)
         plan = _Plan(target)

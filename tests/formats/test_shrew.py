@@ -668,3 +668,109 @@ def test_temporaries_of_dead_writers_are_tidied(tmp_path: Path) -> None:
     live.write_bytes(b"someone else's")
     shrew.save_tensors(tmp_path / "w.shrew", {"a": np.ones(1)})
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["w.shrew", live.name])
+
+
+# -- bounds on what a file's structure may cost (issue 11) ----------------------------------------
+
+# One-letter keys outside Latin-1: two or three bytes of file, a 76-byte str each.
+_KEYS = [chr(c).encode() for c in range(0x100, 0xD800)]
+
+
+def _tiny_tensors(count: int) -> bytes:
+    # 0-d U8 tensors: 20 bytes of file each, the smallest a distinct key allows.
+    return b"".join(
+        gen.u32(len(k)) + k + b"\x02" + gen.u32(0) + gen.u64(1) + b"\x07" for k in _KEYS[:count]
+    )
+
+
+def _opt_section(scalars: int, buffers: int) -> bytes:
+    out = b"\x02" + gen.key("adam") + gen.u32(scalars)
+    out += b"".join(gen.u32(len(k)) + k + gen.f64(0.5) for k in _KEYS[:scalars])
+    out += gen.u32(buffers) + b"".join(gen.u32(len(k)) + k + gen.u64(0) for k in _KEYS[:buffers])
+    return out
+
+
+def _hostile_shrew(kind: str, size: int) -> bytes:
+    if kind == "v1 tiny tensors":
+        n = size // 20
+        return b"SHRW" + gen.u32(1) + gen.u32(n) + _tiny_tensors(n)
+    meta = b"\x03" + gen.u64(0) * 2 + gen.f64(0.0) + gen.u32(0)
+    if kind == "v2 tiny tensors":
+        n = size // 20
+        return _v2([b"\x01" + gen.u32(n) + _tiny_tensors(n), meta])
+    if kind == "v2 scalars":
+        return _v2([_section_model([]), _opt_section(size // 15, 0), meta])
+    if kind == "v2 empty buffers":
+        return _v2([_section_model([]), _opt_section(0, size // 15), meta])
+    n = size // 8  # a long loss history
+    return _v2(
+        [_section_model([]), b"\x03" + gen.u64(0) * 2 + gen.f64(0.0) + gen.u32(n) + bytes(8 * n)]
+    )
+
+
+HOSTILE = ["v1 tiny tensors", "v2 tiny tensors", "v2 scalars", "v2 empty buffers", "loss history"]
+
+
+@pytest.mark.parametrize("reader", ["bytes", "inspect"])
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_memory_is_bounded_by_the_file_size(
+    kind: str, reader: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """peak traced memory <= 16 x file + BUDGET_SLACK + 1 MiB, for the densest valid files.
+
+    The slack is lowered to 64 KiB so that a 200 KiB file shows the proportional part. Before
+    the record budget, a file of empty optimizer buffers with one-letter keys cost 37 x its size.
+    """
+    from savepoint.formats import _shrew_codec
+
+    slack = 64 << 10
+    monkeypatch.setattr(_shrew_codec, "BUDGET_SLACK", slack, raising=False)
+    data = _hostile_shrew(kind, 200 << 10)
+    path = tmp_path / "hostile.shrew"
+    path.write_bytes(data)
+    version = data[4]
+    read: Any = {
+        "bytes": lambda: (shrew.from_bytes if version == 1 else shrew.training_from_bytes)(data),
+        "inspect": lambda: shrew.inspect(path),
+        "verify": lambda: shrew.verify(path),
+    }[reader]
+    refused = None
+    tracemalloc.start()
+    try:
+        try:
+            read()
+        except CorruptCheckpointError as exc:
+            refused = str(exc)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert refused is None or "records" in refused
+    assert peak <= 16 * len(data) + slack + (1 << 20), f"{peak} bytes for {len(data)}"
+
+
+def test_real_files_are_far_from_the_record_budget() -> None:
+    # 20,000 small named tensors (a 0-d float32 each, 30-byte keys): accepted with the real budget.
+    tensors = {
+        f"model.layers.{i:05d}.norm.weight": np.float32(i) * np.ones((), np.float32)
+        for i in range(20_000)
+    }
+    data = shrew.to_bytes(tensors)
+    assert len(shrew.from_bytes(data)) == 20_000
+
+
+def test_a_zero_element_shape_numpy_cannot_describe_is_incompatible() -> None:
+    # 2**32-1 x 2**32-1 x 2**32-1 x 0: no data, but numpy cannot make an array of that shape.
+    dims = [2**32 - 1, 2**32 - 1, 2**32 - 1, 0]
+    record = gen.key("w") + b"\x00" + gen.u32(4) + b"".join(gen.u32(d) for d in dims) + gen.u64(0)
+    for data in (_v1(record), _v2([b"\x01" + gen.u32(1) + record, b"\x03" + bytes(28)])):
+        read = shrew.from_bytes if data[4] == 1 else shrew.training_from_bytes
+        with pytest.raises(IncompatibleCheckpointError, match="too large"):
+            read(data)
+
+
+def test_more_than_64_dims_is_incompatible_and_short_dims_corrupt() -> None:
+    record = gen.key("w") + b"\x00" + gen.u32(65) + gen.u32(1) * 65 + gen.u64(4) + bytes(4)
+    with pytest.raises(IncompatibleCheckpointError, match="65 dimensions"):
+        shrew.from_bytes(_v1(record))
+    with pytest.raises(CorruptCheckpointError, match=r"truncated|remain"):
+        shrew.from_bytes(_v1(gen.key("w") + b"\x00" + gen.u32(65) + gen.u32(1) * 10))

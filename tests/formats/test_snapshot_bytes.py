@@ -6,6 +6,7 @@ import importlib.util
 import json
 import re
 import struct
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ def test_a_newer_version_is_incompatible() -> None:
             {"states/0": {"dtype": "F32", "shape": [2**31, 2**31], "data_offsets": [0, 4]}},
             b"\x00" * 4,
             {"snapshot": described()},
-            "bytes for shape",
+            "bytes for shape|too large",
         ),
         (
             {"states/0": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}},
@@ -239,3 +240,65 @@ def test_the_checksum_covers_the_header() -> None:
 def test_not_bytes_is_a_type_error() -> None:
     with pytest.raises(TypeError):
         InferenceSnapshot.from_bytes("text")  # type: ignore[arg-type]
+
+
+# -- type escapes and bounds (issue 11) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["bytes", "bytearray"])
+def test_bool_arrays_hold_only_0_and_1(copy: bool) -> None:
+    header = {"states/0": {"dtype": "BOOL", "shape": [3], "data_offsets": [0, 3]}}
+    good = craft(header, b"\x00\x01\x01", {"snapshot": described()})
+    snap = InferenceSnapshot.from_bytes(bytearray(good) if copy else good)
+    assert snap.states[0].tolist() == [False, True, True]
+    assert InferenceSnapshot.from_bytes(snap.to_bytes()) == snap
+    # A 2 would read as True and then differ from its own round trip (its bytes change).
+    bad = craft(header, b"\x00\x02\x01", {"snapshot": described()})
+    with pytest.raises(sp.CorruptCheckpointError, match="0 or 1"):
+        InferenceSnapshot.from_bytes(bytearray(bad) if copy else bad)
+
+
+@pytest.mark.parametrize(
+    "snapshot",
+    [
+        described().replace('"description": ""', '"description": "\ud800"'),  # a real one
+        described().replace('"description": ""', '"description": "\\ud800"'),
+        described().replace('"tags": []', '"tags": ["\\udfff"]'),
+        described().replace('"config": {}', '"config": {"\\ud83d": 1}'),
+    ],
+    ids=["record-raw", "description", "tag", "config-key"],
+)
+def test_a_lone_surrogate_in_the_header_is_corrupt(snapshot: str) -> None:
+    # The record is JSON inside the header's JSON: a lone surrogate escaped once is a lone
+    # surrogate in the record's text (once UnicodeEncodeError); escaped twice, in a value.
+    with pytest.raises(sp.CorruptCheckpointError):
+        InferenceSnapshot.from_bytes(craft({}, b"", {"snapshot": snapshot}))
+
+
+def test_a_lone_surrogate_is_refused_when_saving() -> None:
+    with pytest.raises(sp.UnsupportedStateError):
+        InferenceSnapshot(states=[], metadata={"model_id": "x\udc00"})
+
+
+def test_array_counts_are_checked_before_names_are_made() -> None:
+    # One 8 MiB array, and counts claiming 8 million arrays: once, 8 million names were built
+    # (about 500 MiB) before the header was found to disagree.
+    size = 8 << 20
+    header = {"states/0": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}}
+    blob = craft(header, bytes(size), {"snapshot": described(states=size)})
+    tracemalloc.start()
+    try:
+        with pytest.raises(sp.CorruptCheckpointError, match="named"):
+            InferenceSnapshot.from_bytes(blob)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+
+
+def test_a_deep_config_is_corrupt_not_a_recursion_error() -> None:
+    for depth in (1_000, 100_000):
+        config = '{"a": ' * depth + "1" + "}" * depth
+        snapshot = described().replace('"config": {}', f'"config": {config}')
+        with pytest.raises(sp.CorruptCheckpointError):
+            InferenceSnapshot.from_bytes(craft({}, b"", {"snapshot": snapshot}))

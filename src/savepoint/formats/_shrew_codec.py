@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -19,6 +20,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from savepoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointPermissionError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     UnsupportedStateError,
@@ -29,6 +33,7 @@ from savepoint.state import arrays, dtypes
 from savepoint.state.arrays import TensorSource
 from savepoint.state.dtypes import DType
 from savepoint.state.optimizer import OptimizerState
+from savepoint.storage import local
 
 MAGIC = b"SHRW"
 VERSION_TENSORS = 1
@@ -41,11 +46,51 @@ SECTION_NAMES = {TAG_MODEL: "model", TAG_OPTIMIZER: "optimizer", TAG_METADATA: "
 DTYPE_TAGS: dict[int, str] = {0: "F32", 1: "F64", 2: "U8", 3: "U32", 4: "I64", 5: "F16", 6: "BF16"}
 TAG_OF: dict[str, int] = {name: tag for tag, name in DTYPE_TAGS.items()}
 MAX_NDIM = 64
+MAX_NOMINAL_BYTES = 1 << 62  # product of the dims (zeros counted as 1) x itemsize
+# What parsing may build for a file's structure, as a multiple of the file's size plus a constant:
+# every record is charged what it and its later forms cost (key strings, a record, an array or
+# lazy tensor, an inspect entry), so a file of 100,000 empty optimizer buffers with one-letter
+# non-ASCII names is refused instead of costing 30 x its size. Real files, whose records hold
+# data, use a small fraction of it.
+BUDGET_FACTOR = 16
+BUDGET_SLACK = 16 << 20
+_RECORD_COST = 256  # Record, dict slots, array or FileRangeTensor, TensorEntry (measured: <= 200)
+_SCALAR_COST = 96  # dict slots, float, inspect value slot
 _U32 = 1 << 32
 _U64 = 1 << 64
 _F64 = dtypes.from_name("F64")
 
 Tensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
+
+
+def open_file(path: str) -> BinaryIO:
+    """A user's file opened for reading, without ever blocking.
+
+    The path is resolved first (a user may name a symlink, the Hugging Face cache is made of
+    them), then opened through :func:`savepoint.storage.local.open_read`: ``O_NONBLOCK``, then
+    ``fstat``. A FIFO, a socket, a device or a directory is refused with a CheckpointError
+    subclass instead of hanging in ``open`` or ``read``; a missing file is a
+    CheckpointNotFoundError, an unreadable one a CheckpointPermissionError.
+    """
+    try:
+        fd = local.open_read(os.path.realpath(path), shown=path)
+    except CheckpointError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no file at {path}", path=path) from None
+    except PermissionError as exc:
+        raise CheckpointPermissionError(
+            f"{path}: permission denied ({exc.strerror}); fix its mode or read it as its owner",
+            path=path,
+            errno=exc.errno,
+        ) from None
+    except OSError as exc:
+        raise IncompatibleCheckpointError(
+            f"{path} cannot be read as a checkpoint file: {exc.strerror or exc} (a FIFO, device "
+            "or directory is refused without reading it)",
+            path=path,
+        ) from None
+    return os.fdopen(fd, "rb")
 
 
 class Input:
@@ -56,6 +101,9 @@ class Input:
         self.name = name
         self.pos = 0
         self.size: int | None = None
+        # One tuple per distinct shape: 100,000 empty buffers share one (0,), not 100,000.
+        self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.charged = 0
         try:
             if stream.seekable():
                 here = stream.tell()
@@ -72,6 +120,18 @@ class Input:
             raise self.corrupt(
                 f"{what} needs {n} bytes at offset {self.pos} but only {self.size - self.pos} "
                 "remain (truncated or corrupt file)"
+            )
+
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` of objects against the budget (:data:`BUDGET_FACTOR`); the size of
+        an unsized stream is what has been read of it so far."""
+        self.charged += nbytes
+        size = self.size if self.size is not None else self.pos
+        if self.charged > BUDGET_FACTOR * size + BUDGET_SLACK:
+            raise self.corrupt(
+                f"{size} bytes describe more records than savepoint builds for a file that size "
+                f"({BUDGET_FACTOR} x its size + {BUDGET_SLACK >> 20} MiB of objects): millions "
+                "of tiny tensors, buffers or scalars (a hostile file?)"
             )
 
     def _ended(self, what: str, missing: int) -> CorruptCheckpointError:
@@ -92,14 +152,19 @@ class Input:
         self.pos += n
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def read_array(self, n: int, what: str) -> np.ndarray[Any, Any]:
-        """``n`` bytes into a new writable uint8 array (allocated only once ``n`` is known to fit)."""
+    def read_array(
+        self, n: int, what: str, dtype: np.dtype[Any], shape: tuple[int, ...]
+    ) -> np.ndarray[Any, Any]:
+        """``n`` bytes into a new writable array of ``dtype`` and ``shape`` (allocated only once
+        ``n`` is known to fit; one array object, no base, per tensor)."""
         self.need(n, what)
         readinto = getattr(self.stream, "readinto", None)
         if self.size is None or readinto is None:
-            return np.frombuffer(bytearray(self.read(n, what)), dtype=np.uint8)
-        out = np.empty(n, dtype=np.uint8)
-        view = out.data
+            raw = self.read(n, what)
+            copied: np.ndarray[Any, Any] = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+            return copied
+        out = np.empty(shape, dtype=dtype)
+        view = out.reshape(-1).view(np.uint8).data
         got = 0
         while got < n:
             k = readinto(view[got : got + _files.CHUNK])
@@ -147,29 +212,39 @@ class Input:
             ) from None
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
+    # slots: a file of 100,000 one-byte tensors makes 100,000 of these.
     name: str
     dtype: DType
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    data: np.ndarray[Any, Any] | None  # uint8 bytes when read eagerly
+    data: np.ndarray[Any, Any] | None  # the array, when read eagerly
 
     def array(self) -> np.ndarray[Any, Any]:
         assert self.data is not None
-        return self.data.view(self.dtype.numpy).reshape(self.shape)
+        return self.data
+
+
+# An optimizer section: (type, scalars by key, buffers by key), in file order.
+Optimizer = tuple[str, dict[str, float], dict[str, Record]]
 
 
 @dataclass
 class Parsed:
     version: int
-    tensors: list[Record]
-    optimizer: tuple[str, list[tuple[str, float]], list[Record]] | None = None
+    tensors: dict[str, Record]  # by key, in file order
+    optimizer: Optimizer | None = None
     epoch: int = 0
     global_step: int = 0
     best_loss: float = math.inf
     loss_history: list[float] = field(default_factory=list)
+
+
+def _key_cost(key: str) -> int:
+    # The key, and the longer keys inspect and conversion make from it ("model/...").
+    return 3 * sys.getsizeof(key) + 64
 
 
 def read_header(inp: Input) -> int:
@@ -186,23 +261,27 @@ def read_header(inp: Input) -> int:
     return version
 
 
-def _tensor(inp: Input, eager: bool, seen: set[str]) -> Record:
+def _tensor(inp: Input, eager: bool, seen: dict[str, Record]) -> Record:
     name = inp.string("tensor key")
     if name in seen:
-        raise inp.corrupt(f"tensor key {name!r} appears twice", key=name)
-    seen.add(name)
+        raise inp.corrupt(f"tensor key {name[:200]!r} appears twice", key=name)
+    inp.charge(_RECORD_COST + _key_cost(name))
     tag = inp.u8(f"the dtype of {name!r}")
     dtype_name = DTYPE_TAGS.get(tag)
     if dtype_name is None:
         raise inp.corrupt(f"tensor {name!r}: unknown dtype tag {tag}", key=name)
     d = dtypes.from_name(dtype_name)
     ndim = inp.u32(f"the ndim of {name!r}")
-    shape = struct.unpack(f"<{ndim}I", inp.read(4 * ndim, f"the dims of {name!r}"))
     if ndim > MAX_NDIM:
+        # Passed over, never unpacked: a hostile ndim makes no tuple of a billion ints. A file
+        # too short for its dims is corrupt; one that holds them is valid but not for numpy.
+        inp.skip(4 * ndim, f"the dims of {name!r}")
         raise IncompatibleCheckpointError(
             f"{inp.name}: tensor {name!r} has {ndim} dimensions; numpy holds at most {MAX_NDIM}",
             path=inp.name,
         )
+    dims = struct.unpack(f"<{ndim}I", inp.read(4 * ndim, f"the dims of {name!r}"))
+    shape = inp.shapes.setdefault(dims, dims)
     data_len = inp.u64(f"the data length of {name!r}")
     expected = math.prod(shape) * d.itemsize
     if data_len != expected:
@@ -211,48 +290,57 @@ def _tensor(inp: Input, eager: bool, seen: set[str]) -> Record:
             f"{dtype_name} ({expected} bytes)",
             key=name,
         )
+    if not expected and math.prod(max(s, 1) for s in shape) * d.itemsize >= MAX_NOMINAL_BYTES:
+        # No elements, but dims whose product numpy cannot even describe (2**32 x 2**32 x 0).
+        raise IncompatibleCheckpointError(
+            f"{inp.name}: tensor {name!r} has shape {list(shape)}, too large for numpy to hold "
+            "even without elements",
+            path=inp.name,
+        )
     offset = inp.pos
     what = f"the data of {name!r}"
     if eager:
-        data: np.ndarray[Any, Any] | None = inp.read_array(data_len, what)
+        data: np.ndarray[Any, Any] | None = inp.read_array(data_len, what, d.numpy, shape)
     else:
         inp.skip(data_len, what)
         data = None
-    return Record(name, d, tuple(shape), offset, data_len, data)
+    return Record(name, d, shape, offset, data_len, data)
 
 
-def _tensors(inp: Input, eager: bool) -> list[Record]:
+def _tensors(inp: Input, eager: bool) -> dict[str, Record]:
     count = inp.u32("the tensor count")
-    seen: set[str] = set()
-    return [_tensor(inp, eager, seen) for _ in range(count)]
+    records: dict[str, Record] = {}
+    for _ in range(count):
+        record = _tensor(inp, eager, records)
+        records[record.name] = record
+    return records
 
 
-def _optimizer(inp: Input, eager: bool) -> tuple[str, list[tuple[str, float]], list[Record]]:
+def _optimizer(inp: Input, eager: bool) -> Optimizer:
     kind = inp.string("the optimizer type")
-    scalars: list[tuple[str, float]] = []
-    names: set[str] = set()
+    scalars: dict[str, float] = {}
     for _ in range(inp.u32("the optimizer scalar count")):
         key = inp.string("an optimizer scalar key")
-        if key in names:
-            raise inp.corrupt(f"optimizer scalar {key!r} appears twice", key=key)
-        names.add(key)
-        scalars.append((key, inp.f64(f"optimizer scalar {key!r}")))
-    buffers: list[Record] = []
-    names = set()
+        if key in scalars:
+            raise inp.corrupt(f"optimizer scalar {key[:200]!r} appears twice", key=key)
+        inp.charge(_SCALAR_COST + _key_cost(key))
+        scalars[key] = inp.f64(f"optimizer scalar {key!r}")
+    buffers: dict[str, Record] = {}
     for _ in range(inp.u32("the optimizer buffer count")):
         key = inp.string("an optimizer buffer key")
-        if key in names:
-            raise inp.corrupt(f"optimizer buffer {key!r} appears twice", key=key)
-        names.add(key)
+        if key in buffers:
+            raise inp.corrupt(f"optimizer buffer {key[:200]!r} appears twice", key=key)
+        inp.charge(_RECORD_COST + _key_cost(key))
         n = inp.u64(f"the length of optimizer buffer {key!r}")
         offset = inp.pos
         what = f"optimizer buffer {key!r}"
         if eager:
-            data: np.ndarray[Any, Any] | None = inp.read_array(8 * n, what)
+            data: np.ndarray[Any, Any] | None = inp.read_array(8 * n, what, _F64.numpy, (n,))
         else:
             inp.skip(8 * n, what)
             data = None
-        buffers.append(Record(key, _F64, (n,), offset, 8 * n, data))
+        shape = inp.shapes.setdefault((n,), (n,))
+        buffers[key] = Record(key, _F64, shape, offset, 8 * n, data)
     return kind, scalars, buffers
 
 
@@ -261,7 +349,7 @@ def parse(inp: Input, *, eager: bool) -> Parsed:
     if version == VERSION_TENSORS:
         parsed = Parsed(version, _tensors(inp, eager))
     else:
-        parsed = Parsed(version, [])
+        parsed = Parsed(version, {})
         seen: set[int] = set()
         while True:
             tag = inp.u8("a section tag (the end tag 0xFF is missing)")
@@ -281,6 +369,8 @@ def parse(inp: Input, *, eager: bool) -> Parsed:
                 parsed.global_step = inp.u64("the global step")
                 parsed.best_loss = inp.f64("the best loss")
                 n = inp.u32("the loss history length")
+                inp.need(8 * n, "the loss history")
+                inp.charge(48 * n)  # a float and two list slots each (the history, its copy)
                 raw = inp.read(8 * n, "the loss history")
                 parsed.loss_history = np.frombuffer(raw, dtype="<f8").tolist()
         for tag in (TAG_MODEL, TAG_METADATA):

@@ -30,6 +30,7 @@ from savepoint.formats import _files, boostr, shrew
 from savepoint.formats import manifest as mf
 from savepoint.formats import safetensors as st_format
 from savepoint.formats._files import FormatInfo, TensorEntry
+from savepoint.formats._shrew_codec import open_file
 
 __all__ = ["FORMATS", "FormatInfo", "detect", "inspect_any", "verify_any"]
 
@@ -37,18 +38,23 @@ FORMATS = ("savepoint", "shrew", "safetensors", "boostr", "boostr-distributed")
 
 
 def _head(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
+    # Never a plain open(): a FIFO named x.shrew would block it forever. open_file refuses
+    # anything but a regular file without waiting (CheckpointError subclasses).
+    with open_file(path) as f:
+        try:
             return f.read(9)
-    except OSError:
-        return b""
+        except OSError as exc:
+            raise IncompatibleCheckpointError(
+                f"{path} cannot be read: {exc.strerror or exc}", path=path
+            ) from None
 
 
 def detect(path: str | os.PathLike[str]) -> str:
     """The format at ``path``: one of :data:`FORMATS`.
 
-    Raises CheckpointNotFoundError when nothing is there and IncompatibleCheckpointError when
-    the path holds something else.
+    Raises CheckpointNotFoundError when nothing is there, IncompatibleCheckpointError when the
+    path holds something else (a FIFO, socket or device is refused without being opened for a
+    blocking read) and CheckpointPermissionError when a file cannot be read.
     """
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):

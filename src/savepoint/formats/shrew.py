@@ -49,7 +49,18 @@ CorruptCheckpointError, or IncompatibleCheckpointError for a valid file savepoin
   the model and metadata sections and the end tag are required (the seed always writes them);
   sections are accepted in any order, optimizer scalars and buffers too;
 - a key repeated within the model section, the scalars or the buffers is an error;
-- keys must be valid UTF-8; nothing may follow the last tensor (v1) or the end tag (v2).
+- keys must be valid UTF-8; nothing may follow the last tensor (v1) or the end tag (v2);
+- more than 64 dims, or a zero-element shape whose dims numpy cannot describe
+  (2**32 x 2**32 x 0), is IncompatibleCheckpointError;
+- what a file's structure may cost is bounded: every tensor, buffer and scalar record is charged
+  what it and its later forms (keys, arrays, inspect entries) cost, and a file whose records
+  would need more than 16 x its size + 16 MiB is a CorruptCheckpointError (only files of hundreds
+  of thousands of near-empty records with one-letter keys come near it). Peak traced memory for
+  any reader here <= 16 x the file's size + 16 MiB + the data itself.
+
+A path is opened without ever blocking (``O_NONBLOCK``, then ``fstat``): a FIFO, socket, device or
+directory is refused with a CheckpointError instead of hanging; symlinks to regular files are
+followed.
 
 Reading gives numpy arrays of the stored dtype (bfloat16 from ``ml_dtypes``) or, with
 ``framework="torch"``, torch tensors. Paths are written atomically (temporary sibling, fsync,
@@ -69,7 +80,6 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 
 from savepoint.errors import (
-    CheckpointNotFoundError,
     IncompatibleCheckpointError,
     StateMismatchError,
 )
@@ -88,6 +98,7 @@ from savepoint.formats._shrew_codec import (
     Tensors,
     as_source,
     check_source,
+    open_file,
     pairs,
     parse,
     read_header,
@@ -202,11 +213,7 @@ def _input(source: PathOrStream | bytes | bytearray | memoryview) -> Iterator[In
         return
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        try:
-            f = open(path, "rb")  # noqa: SIM115 - closed below
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"no file at {path}", path=path) from None
-        with f:
+        with open_file(path) as f:
             yield Input(f, path)
         return
     if not callable(getattr(source, "read", None)):
@@ -239,8 +246,8 @@ def _read(source: PathOrStream | bytes, version: int | None) -> Parsed:
         return parsed
 
 
-def _tensor_dict(records: list[Record], framework: str) -> dict[str, Any]:
-    return {r.name: _files.to_framework(r.array(), r.dtype, framework) for r in records}
+def _tensor_dict(records: dict[str, Record], framework: str) -> dict[str, Any]:
+    return {k: _files.to_framework(r.array(), r.dtype, framework) for k, r in records.items()}
 
 
 def load_tensors(source: PathOrStream, *, framework: Framework = "numpy") -> dict[str, Any]:
@@ -259,16 +266,15 @@ def _training(parsed: Parsed, framework: str, name: str) -> TrainingCheckpoint:
     state = None
     if parsed.optimizer is not None:
         kind, scalars, buffers = parsed.optimizer
-        keys = [k for k, _ in scalars] + [b.name for b in buffers]
-        if not kind or not all(keys):
+        if not kind or "" in scalars or "" in buffers:
             raise IncompatibleCheckpointError(
                 f"{name}: the optimizer section has an empty "
                 f"{'type name' if not kind else 'key'}; sp.OptimizerState needs non-empty names",
                 path=name,
             )
         state = OptimizerState(kind)
-        state.scalars = dict(scalars)
-        state.buffers = {b.name: b.array() for b in buffers}
+        state.scalars = scalars
+        state.buffers = {k: b.array() for k, b in buffers.items()}
     return TrainingCheckpoint(
         model_params=_tensor_dict(parsed.tensors, framework),
         optimizer_state=state,
@@ -455,7 +461,7 @@ def load(source: PathOrStream, model: Any) -> int:
     """Load the parameters of a .shrew file (v1, or a v2 file's model section) into ``model``
     (see :func:`load_params`); returns how many were loaded."""
     parsed = _read(source, None)
-    return load_params(model, {r.name: r.array() for r in parsed.tensors})
+    return load_params(model, {k: r.array() for k, r in parsed.tensors.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,15 +473,14 @@ class ShrewFile:
     """A .shrew file opened without reading its data: the whole structure is checked on open,
     tensors and optimizer buffers are :class:`FileRangeTensor` objects read on demand.
 
-    ``tensors`` (the model section for v2) and the optimizer's ``buffers`` are in file order.
+    ``tensors`` (the model section for v2) and the optimizer's ``buffers`` are in file order,
+    made when first asked for (``inspect`` never makes them: one small record per tensor is all
+    it holds).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        try:
-            self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"no file at {self.path}", path=self.path) from None
+        self._file = open_file(self.path)
         try:
             inp = Input(self._file, self.path)
             parsed = parse(inp, eager=False)
@@ -483,25 +488,39 @@ class ShrewFile:
             self._file.close()
             raise
         self.size = inp.pos
-        fd = self._file.fileno()
-
-        def lazy(r: Record) -> FileRangeTensor:
-            return FileRangeTensor(fd, r.offset, r.dtype, r.shape, path=self.path)
-
         self.version = parsed.version
-        self.tensors: dict[str, FileRangeTensor] = {r.name: lazy(r) for r in parsed.tensors}
+        self._records = parsed.tensors
+        self._buffer_records: dict[str, Record] = {}
+        self._tensors: dict[str, FileRangeTensor] | None = None
+        self._buffers: dict[str, FileRangeTensor] | None = None
         self.optimizer_type: str | None = None
         self.scalars: dict[str, float] = {}
-        self.buffers: dict[str, FileRangeTensor] = {}
         if parsed.optimizer is not None:
-            kind, scalars, buffers = parsed.optimizer
-            self.optimizer_type = kind
-            self.scalars = dict(scalars)
-            self.buffers = {b.name: lazy(b) for b in buffers}
+            self.optimizer_type, self.scalars, self._buffer_records = parsed.optimizer
         self.epoch = parsed.epoch
         self.global_step = parsed.global_step
         self.best_loss = parsed.best_loss
         self.loss_history = parsed.loss_history
+
+    def _lazy(self, r: Record) -> FileRangeTensor:
+        return FileRangeTensor(self._file.fileno(), r.offset, r.dtype, r.shape, path=self.path)
+
+    @property
+    def tensors(self) -> dict[str, FileRangeTensor]:
+        if self._tensors is None:
+            self._tensors = {k: self._lazy(r) for k, r in self._records.items()}
+        return self._tensors
+
+    @property
+    def buffers(self) -> dict[str, FileRangeTensor]:
+        if self._buffers is None:
+            self._buffers = {k: self._lazy(r) for k, r in self._buffer_records.items()}
+        return self._buffers
+
+    def drain(self) -> None:
+        """Read every data byte once (tensors, then buffers), one lazy tensor at a time."""
+        for r in [*self._records.values(), *self._buffer_records.values()]:
+            _files.drain(self._lazy(r))
 
     def __enter__(self) -> ShrewFile:
         return self
@@ -537,12 +556,12 @@ class ShrewFile:
         name = os.path.basename(self.path)
         prefix = "" if self.version == VERSION_TENSORS else "model/"
         entries = [
-            TensorEntry(prefix + k, t.dtype.name, t.shape, t.nbytes, name)
-            for k, t in self.tensors.items()
+            TensorEntry(prefix + k, r.dtype.name, r.shape, r.nbytes, name)
+            for k, r in self._records.items()
         ]
         entries += [
-            TensorEntry(f"optimizer/buffers/{k}", "F64", t.shape, t.nbytes, name)
-            for k, t in self.buffers.items()
+            TensorEntry(f"optimizer/buffers/{k}", "F64", r.shape, r.nbytes, name)
+            for k, r in self._buffer_records.items()
         ]
         values: dict[str, Any] = {}
         if self.version == VERSION_TRAINING:
@@ -574,6 +593,5 @@ def inspect(path: str | os.PathLike[str]) -> FormatInfo:
 def verify(path: str | os.PathLike[str]) -> FormatInfo:
     """Check the whole structure and read every data byte (the format has no checksums)."""
     with ShrewFile(path) as f:
-        for t in [*f.tensors.values(), *f.buffers.values()]:
-            _files.drain(t)
+        f.drain()
         return f.info()

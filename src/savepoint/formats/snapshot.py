@@ -35,7 +35,10 @@ Rules the reader enforces (hostile input): the safetensors rules of
 data exactly, sizes equal to shape x itemsize: nothing is allocated that the input does not hold);
 ``format`` must match (else CorruptCheckpointError) and ``version`` must be ``"1"`` (else
 IncompatibleCheckpointError); the array names must be exactly ``states/0..n-1`` and
-``history/0..m-1``; the checksum must match; shapes have at most 64 dimensions and a nominal size
+``history/0..m-1`` (the counts are checked against the header before any name is made); the
+checksum must match; the record must be valid Unicode (no lone surrogate); BOOL arrays hold only
+bytes 0 and 1 (numpy would take any byte as True, and the snapshot would then differ from its
+own re-encoding); shapes have at most 64 dimensions and a nominal size
 (zero dimensions counted as one) below 2**62 bytes. Arrays come back as read-only views of the
 input when it is ``bytes`` (no copy), copied otherwise. Empty snapshots (no arrays) are a header
 alone; 0-d arrays have ``"shape": []``.
@@ -113,6 +116,20 @@ class SnapshotRecord:
 # ---------------------------------------------------------------------------------------------
 
 
+def show(x: Any, limit: int = 40) -> str:
+    """A short description of a decoded value for an error message: bounded in size and cost
+    whatever the value (no ``repr`` of a deep or huge structure, no 5000-digit integer)."""
+    if x is None or isinstance(x, (bool, float)):
+        return repr(x)
+    if isinstance(x, int):
+        return repr(x) if x.bit_length() <= 128 else f"an integer of {x.bit_length()} bits"
+    if isinstance(x, str):
+        return repr(x[:limit]) + ("..." if len(x) > limit else "")
+    if isinstance(x, (list, tuple, dict, bytes, bytearray)):
+        return f"a {type(x).__name__} of {len(x)} items"
+    return f"a {type(x).__name__}"
+
+
 def is_count(x: Any, limit: int = U64_LIMIT) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < limit
 
@@ -122,7 +139,7 @@ def check_count(x: Any, what: str) -> int:
     if isinstance(x, np.integer):
         x = int(x)
     if not is_count(x):
-        raise RecordError(f"{what} must be an integer in [0, 2**64), got {x!r}")
+        raise RecordError(f"{what} must be an integer in [0, 2**64), got {show(x)}")
     return int(x)
 
 
@@ -136,39 +153,71 @@ def check_text(x: Any, what: str) -> str:
     return str(x)
 
 
-def check_config(value: Any, where: str = "config", depth: int = 0) -> Any:
+def _where(path: tuple[Any, ...]) -> str:
+    # Built only for a message: a path of long keys is never joined level by level.
+    return "/".join(show(p, 20).strip("'") if isinstance(p, str) else str(p) for p in path)
+
+
+def check_config(value: Any, where: str = "config", *, copy: bool = True) -> Any:
     """A deep copy of a JSON value that every encoding round-trips exactly, or RecordError.
 
     Objects have string keys; numbers are int in [-2**63, 2**64) (MessagePack's range) or finite
-    float; tuples become lists; nesting is at most 64 levels deep.
+    float; tuples become lists; nesting is at most 64 levels deep. ``copy=False`` checks a value
+    a decoder has just built (dicts, lists and scalars only) and returns it as it is, so a
+    decoded config is never held twice.
     """
+    return _checked(value, (where,), 0, copy)
+
+
+def _checked(value: Any, path: tuple[Any, ...], depth: int, copy: bool) -> Any:
     if depth > MAX_CONFIG_DEPTH:
-        raise RecordError(f"{where}: nested deeper than {MAX_CONFIG_DEPTH} levels")
+        raise RecordError(f"{_where(path[:3])}/...: nested deeper than {MAX_CONFIG_DEPTH} levels")
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if not I64_MIN <= value < U64_LIMIT:
-            raise RecordError(f"{where}: integer {value} is outside [-2**63, 2**64)")
-        return int(value)
+            raise RecordError(f"{_where(path)}: integer {show(value)} is outside [-2**63, 2**64)")
+        return int(value) if copy else value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise RecordError(f"{where}: {value!r} is not a finite number (JSON has no NaN)")
-        return float(value)
+            raise RecordError(f"{_where(path)}: {value!r} is not a finite number (JSON has no NaN)")
+        return float(value) if copy else value
     if isinstance(value, str):
-        return check_text(value, where)
+        _text(value, path)
+        return str(value) if copy else value
     if isinstance(value, Mapping):
+        if not copy and type(value) is not dict:
+            raise RecordError(f"{_where(path)}: a {type(value).__name__} is not a JSON object")
         out: dict[str, Any] = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise RecordError(f"{where}: key {k!r} is not a string")
-            out[check_text(k, where)] = check_config(v, f"{where}/{k}", depth + 1)
-        return out
+                raise RecordError(f"{_where(path)}: key {show(k)} is not a string")
+            _text(k, path)
+            checked = _checked(v, (*path, k), depth + 1, copy)
+            if copy:
+                out[str(k)] = checked
+        return out if copy else value
     if isinstance(value, (list, tuple)):
-        return [check_config(v, f"{where}/{i}", depth + 1) for i, v in enumerate(value)]
+        if not copy:
+            if type(value) is not list:
+                raise RecordError(f"{_where(path)}: a {type(value).__name__} is not a JSON list")
+            for i, v in enumerate(value):
+                _checked(v, (*path, i), depth + 1, False)
+            return value
+        return [_checked(v, (*path, i), depth + 1, True) for i, v in enumerate(value)]
     raise RecordError(
-        f"{where}: a value of type {type(value).__name__} is not JSON (use dicts with string "
-        "keys, lists, str, int, finite float, bool, None)"
+        f"{_where(path)}: a value of type {type(value).__name__} is not JSON (use dicts with "
+        "string keys, lists, str, int, finite float, bool, None)"
     )
+
+
+def _text(value: str, path: tuple[Any, ...]) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RecordError(
+            f"{_where(path)}: a string is not valid Unicode (lone surrogate)"
+        ) from None
 
 
 def check_metadata(timestamp: Any, description: Any, model_id: Any, tags: Any) -> None:
@@ -287,7 +336,12 @@ def _corrupt(message: str) -> CorruptCheckpointError:
 
 
 def decode(data: bytes | bytearray | memoryview) -> SnapshotRecord:
-    """The record held by ``data``; CorruptCheckpointError / IncompatibleCheckpointError if not."""
+    """The record held by ``data``; CorruptCheckpointError / IncompatibleCheckpointError if not.
+
+    Memory: the header is parsed by the bounded safetensors header reader and the arrays are
+    views of ``data`` (``bytes``) or one copy of them; the number of arrays is checked against
+    the header's entries before any per-array object is made.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"expected bytes, got {type(data).__name__}")
     zero_copy = isinstance(data, bytes)
@@ -295,29 +349,35 @@ def decode(data: bytes | bytearray | memoryview) -> SnapshotRecord:
     size = len(buf)
     try:
         n = safetensors.header_length(bytes(buf[:8]), size)
-        entries, meta = safetensors.parse_header(bytes(buf[8 : 8 + n]), size)
+        header = bytes(buf[8 : 8 + n])
+        entries, meta = safetensors.parse_header(header, size)
     except safetensors.HeaderError as exc:
         raise _corrupt(f"{exc} (truncated, or not a snapshot)") from None
     if meta.get("format") != FORMAT:
-        raise _corrupt(f"not a savepoint inference snapshot (format {meta.get('format')!r})")
+        raise _corrupt(f"not a savepoint inference snapshot (format {show(meta.get('format'))})")
     if set(meta) != {"format", "version", "xxh3", "snapshot"}:
         raise _corrupt("__metadata__ must hold exactly format, version, xxh3, snapshot")
     if meta["version"] != str(VERSION):
         raise IncompatibleCheckpointError(
-            f"snapshot bytes of version {meta['version']!r}; this savepoint reads version "
+            f"snapshot bytes of version {show(meta['version'])}; this savepoint reads version "
             f"{VERSION}: upgrade savepoint to read it"
         )
-    header = bytes(buf[8 : 8 + n])
     found = list(_DIGEST.finditer(header))
     if len(found) != 1 or found[0].group(1).decode("ascii") != meta["xxh3"]:
         raise _corrupt("the header must hold one xxh3 checksum")
     start, end = found[0].span(1)
+    view = memoryview(header)
     hasher = checksum.new()
-    for part in (buf[:8], header[:start], _ZERO_DIGEST.encode("ascii"), header[end:], buf[8 + n :]):
+    for part in (buf[:8], view[:start], _ZERO_DIGEST.encode("ascii"), view[end:], buf[8 + n :]):
         hasher.update(part)
     if checksum.hexdigest(hasher) != meta["xxh3"]:
         raise _corrupt("checksum mismatch (the bytes were damaged or edited)")
-    doc = _json.loads(meta["snapshot"].encode("utf-8"), CorruptCheckpointError, "snapshot header")
+    try:
+        text = meta["snapshot"].encode("utf-8")
+    except UnicodeEncodeError:
+        # A JSON escape such as "\ud800" decodes to a lone surrogate, which is not text.
+        raise _corrupt("the snapshot record is not valid Unicode (a lone surrogate)") from None
+    doc = _json.loads(text, CorruptCheckpointError, "snapshot header")
     if not isinstance(doc, dict) or set(doc) != {
         "step_count",
         "config",
@@ -341,8 +401,14 @@ def decode(data: bytes | bytearray | memoryview) -> SnapshotRecord:
     if not all(is_count(c, size + 1) for c in counts):
         raise _corrupt("array counts must be non-negative integers")
     by_name = {e.name: e for e in entries}
-    names = {"states": _names("states", counts[0]), "history": _names("history", counts[1])}
-    if set(by_name) != set(names["states"]) | set(names["history"]):
+    # The total first: counts that disagree with the header would otherwise build millions of
+    # names for a small input.
+    named = sum(counts) == len(entries)
+    names = {
+        "states": _names("states", counts[0] if named else 0),
+        "history": _names("history", counts[1] if named else 0),
+    }
+    if not named or set(by_name) != set(names["states"]) | set(names["history"]):
         raise _corrupt(
             f"arrays must be named states/0..{counts[0] - 1} and history/0..{counts[1] - 1}"
         )
@@ -357,17 +423,7 @@ def decode(data: bytes | bytearray | memoryview) -> SnapshotRecord:
     for role in ("states", "history"):
         for name in names[role]:
             e = by_name[name]
-            d = dtypes.from_name(e.dtype)
-            try:
-                shape = check_shape(list(e.shape), d.itemsize, name)
-            except RecordError as exc:
-                raise _corrupt(str(exc)) from None
-            flat = np.frombuffer(buf, dtype=d.numpy, count=math.prod(shape), offset=e.start)
-            array = flat.reshape(shape)
-            if not zero_copy:
-                array = array.copy()
-            array.flags.writeable = False
-            arrays[role].append(array)
+            arrays[role].append(_array(buf, e, zero_copy))
             kinds[role].append("torch" if name in torch_set else "numpy")
     record = SnapshotRecord(
         states=arrays["states"],
@@ -383,7 +439,29 @@ def decode(data: bytes | bytearray | memoryview) -> SnapshotRecord:
     )
     try:
         check_record(record)
-        record.config = check_config(record.config)
+        record.config = check_config(record.config, copy=False)
     except RecordError as exc:
         raise _corrupt(str(exc)) from None
     return record
+
+
+def _array(buf: memoryview, e: safetensors.Entry, zero_copy: bool) -> np.ndarray[Any, Any]:
+    """One array of the blob: a read-only view of ``buf`` (or a copy), its values checked."""
+    d = dtypes.from_name(e.dtype)
+    try:
+        shape = check_shape(list(e.shape), d.itemsize, e.name)
+    except RecordError as exc:
+        raise _corrupt(str(exc)) from None
+    count = math.prod(shape)
+    if d.name == "BOOL":
+        # numpy takes any byte as a bool, but only 0 and 1 come back from a round trip: a blob
+        # holding a 2 would decode to a snapshot that differs from its own re-encoding.
+        raw = np.frombuffer(buf, dtype=np.uint8, count=count, offset=e.start)
+        if count and int(raw.max()) > 1:
+            raise _corrupt(f"{e.name}: a BOOL array holds a byte other than 0 or 1")
+    flat = np.frombuffer(buf, dtype=d.numpy, count=count, offset=e.start)
+    array = flat.reshape(shape)
+    if not zero_copy:
+        array = array.copy()
+    array.flags.writeable = False
+    return array
