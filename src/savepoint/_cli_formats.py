@@ -1,5 +1,5 @@
 """Command-line support for the foreign formats: ``savepoint convert``, and ``inspect`` / ``verify``
-of ``.shrew`` files, safetensors files and boostr directories.
+of ``.shrew`` files, safetensors files, boostr directories, burn records and training artifacts.
 
 ``savepoint.cli`` adds :data:`convert_cmd` to its group and hands a path to :func:`inspect_other`
 or :func:`verify_other` when :func:`handles` says it is not a savepoint checkpoint. Exit statuses
@@ -19,7 +19,7 @@ from savepoint._text import size as _size
 from savepoint._text import table as _table
 from savepoint.conversion import TARGETS, convert
 from savepoint.errors import CheckpointError
-from savepoint.formats import detect
+from savepoint.formats import detect, training_artifact
 from savepoint.formats._files import FormatInfo
 
 __all__ = ["convert_cmd", "handles", "inspect_other", "verify_other"]
@@ -32,12 +32,16 @@ def _fail(exc: CheckpointError) -> None:
 
 def handles(path: str) -> bool:
     """True when ``path`` holds a checkpoint in a format other than savepoint's own, or is an
-    existing non-directory that detection refuses (a FIFO, a device, an unknown file): its
-    reason is the one to report, not the native reader's "not a checkpoint directory"."""
+    existing non-directory that detection refuses (a FIFO, a device, an unknown file) or a sweep
+    of training artifacts: its reason is the one to report, not the native reader's "not a
+    checkpoint directory"."""
     try:
         return detect.detect(path) != "savepoint"
     except CheckpointError:
-        return os.path.lexists(path) and not os.path.isdir(path)
+        # A sweep of training artifacts: detection's message (name a variant) is the useful one.
+        return (os.path.lexists(path) and not os.path.isdir(path)) or training_artifact.is_sweep(
+            path
+        )
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -104,8 +108,8 @@ def verify_other(path: str, quiet: bool) -> None:
     "--format",
     "fmt",
     type=click.Choice(TARGETS),
-    help="Target format (default: from DST: *.shrew, *.safetensors, an existing boostr "
-    "directory, else savepoint's format). 'shrew' picks v2 for a training state.",
+    help="Target format (default: from DST: *.shrew, *.safetensors, *.mpk (burn), an existing "
+    "boostr directory, else savepoint's format). 'shrew' picks v2 for a training state.",
 )
 @click.option(
     "--lossy",
@@ -114,8 +118,8 @@ def verify_other(path: str, quiet: bool) -> None:
 )
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 def convert_cmd(src: str, dst: str, fmt: str | None, lossy: bool, overwrite: bool) -> None:
-    """Convert the checkpoint SRC (savepoint, .shrew, safetensors, boostr, distributed boostr)
-    into DST, one tensor at a time.
+    """Convert the checkpoint SRC (savepoint, .shrew, safetensors, boostr, distributed boostr, a
+    burn record, a training artifact) into DST, one tensor at a time.
 
     Fails, writing nothing, when DST's format cannot hold part of SRC (plain values in .shrew,
     say), listing every such part; --lossy leaves them out instead.

@@ -1,5 +1,5 @@
-"""Converting checkpoints between savepoint's format, ``.shrew`` v1/v2, safetensors files and boostr
-directories, one tensor at a time.
+"""Converting checkpoints between savepoint's format, ``.shrew`` v1/v2, safetensors files, boostr
+directories, burn records and training artifacts, one tensor at a time.
 
 Every format is read as a state tree, the shape ``sp.save`` would store, whose tensors stay on
 disk until the writer copies them:
@@ -16,6 +16,10 @@ safetensors         ``{name: tensor}`` in header order (the header's ``__metadat
 boostr              ``{"model": {...}, "optimizer": {...} (when present), "step", "epoch",
                     "learning_rate"}`` (``training_state.json``'s metadata map)
 boostr-distributed  read only: the consolidated checkpoint, as boostr
+burn                ``{dotted name: tensor}`` in file order (the record's metadata)
+training-artifact   read only: ``{"model": {dotted name: tensor}, "best_validation_model":
+                    {...} (only from its own directory), "optimizer_state": a U8 tensor (when
+                    present), "manifest": {...}, "report": {...}}``
 ==================  ==========================================================================
 
 Writing a tree into a format:
@@ -30,9 +34,13 @@ Writing a tree into a format:
   ``OptimizerState.state_dict()``, ``epoch``, ``global_step`` (or ``step``), ``best_loss``,
   ``loss_history``. boostr likewise takes ``"model"``, an ``"optimizer"`` of tensors, ``step``
   (or ``global_step``), ``epoch`` and ``learning_rate``; absent fields get the format's defaults.
-- dtypes: .shrew holds F32, F64, U8, U32, I64, F16, BF16; safetensors and boostr every dtype
-  savepoint has. Metadata: savepoint holds any JSON; safetensors and boostr a str -> str map;
-  .shrew none.
+- burn takes the ``"model"`` subtree (or the whole tree) and names each tensor by its path joined
+  with ``.`` (``{"model": {"layers": [{"w": t}]}}`` gives ``"layers.0.w"``), nested back into a
+  record as :func:`savepoint.formats.burn.save_record` does; it holds tensors only.
+- dtypes: .shrew holds F32, F64, U8, U32, I64, F16, BF16; burn the integer, float (F16 to F64)
+  and bool dtypes; safetensors and boostr every dtype savepoint has. Metadata: savepoint holds
+  any JSON; safetensors and boostr a str -> str map; burn its own ``BurnMetadata`` (``float``,
+  ``int``, ``format``, ``version``, ``settings``: kept from a burn source); .shrew none.
 
 Whatever the target cannot hold is listed, all at once, in a :class:`ConversionError` before
 anything is written; ``lossy=True`` leaves those parts out instead and lists them in the
@@ -63,7 +71,7 @@ from savepoint.errors import (
     CheckpointWriteError,
     UnsupportedStateError,
 )
-from savepoint.formats import _files, boostr, shrew
+from savepoint.formats import _files, boostr, burn, shrew, training_artifact
 from savepoint.formats._files import LazyTensor, MappedTensor, SafetensorsFile
 from savepoint.formats.detect import detect
 from savepoint.state import dtypes
@@ -72,7 +80,7 @@ from savepoint.state.arrays import TensorSource
 
 __all__ = ["TARGETS", "ConversionError", "ConversionReport", "convert"]
 
-TARGETS = ("savepoint", "shrew", "shrew-v1", "shrew-v2", "safetensors", "boostr")
+TARGETS = ("savepoint", "shrew", "shrew-v1", "shrew-v2", "safetensors", "boostr", "burn")
 _V2_FIELDS = ("optimizer", "epoch", "global_step", "step", "best_loss", "loss_history")
 _BOOSTR_FIELDS = ("optimizer", "step", "global_step", "epoch", "learning_rate")
 _OPTIMIZER_KEYS = ("optimizer_type", "scalars", "buffers")
@@ -84,6 +92,7 @@ _LABELS = {
     "shrew-v2": ".shrew v2",
     "safetensors": "a safetensors file",
     "boostr": "a boostr checkpoint",
+    "burn": "a burn record",
 }
 
 
@@ -195,6 +204,12 @@ def _open(path: str, kind: str) -> Iterator[_Source]:
     elif kind == "shrew":
         with shrew.ShrewFile(path) as f:
             yield _Source(kind, f"shrew v{f.version}", f.tree(), {})
+    elif kind == "burn":
+        with burn.open_record(path) as record:
+            yield _Source(kind, kind, record.tensors(), record.metadata.to_dict())
+    elif kind == "training-artifact":
+        with training_artifact.open_artifact(path) as artifact:
+            yield _Source(kind, kind, artifact.tree(), {})
     elif kind == "safetensors":
         # A top-level file may be a symlink (the Hugging Face cache is made of them).
         with SafetensorsFile(os.path.realpath(path)) as st:
@@ -530,6 +545,52 @@ def _write_flat(src: _Source, dst: str, plan: _Plan, target: str) -> Callable[[]
     return write_st
 
 
+def _burn_dtype(t: LazyTensor) -> str | None:
+    if t.dtype.name in burn.DTYPES:
+        return None
+    return f"dtype {t.dtype.name}; burn holds only {', '.join(burn.DTYPES)}"
+
+
+def _write_burn(src: _Source, dst: str, plan: _Plan) -> Callable[[], tuple[int, int]]:
+    holds = "a burn record holds a module's tensors only"
+    node, _, base = _split(src.tree, ())
+    items = [
+        (name.replace("/", "."), t)
+        for name, t in _tensors(node, base, len(base), plan, holds, _burn_dtype)
+    ]
+    if isinstance(src.tree, Mapping) and "model" in src.tree:
+        for key, value in src.tree.items():
+            if key != "model":
+                what = "a tensor" if isinstance(value, LazyTensor) else _describe(value)
+                plan.cannot(str(key), f"{what} outside 'model'; {holds}")
+    seen: set[str] = set()
+    for name, _ in items:
+        if name in seen:
+            plan.cannot(name, "a second tensor with this dotted name ('/' becomes '.')")
+        seen.add(name)
+    try:
+        tree = burn.unflatten(dict(items))
+    except UnsupportedStateError as exc:
+        plan.cannot(exc.key or "<names>", exc.message)
+        items, tree = [], {}
+    fields = ("float", "int", "format", "version", "settings")
+    metadata = None
+    if set(src.metadata) == set(fields) and all(isinstance(v, str) for v in src.metadata.values()):
+        metadata = burn.Metadata(*(src.metadata[f] for f in fields))
+    elif src.metadata:
+        plan.cannot(
+            "metadata",
+            f"{', '.join(map(str, src.metadata))}; a burn record's metadata is burn's own "
+            f"({', '.join(fields)})",
+        )
+
+    def write() -> tuple[int, int]:
+        burn.write_record(dst, tree, metadata=metadata)  # atomic: temporary sibling, rename
+        return _sizes(t for _, t in items)
+
+    return write
+
+
 def _write_shrew_v2(src: _Source, dst: str, plan: _Plan) -> Callable[[], tuple[int, int]]:
     holds = (
         ".shrew v2 holds a model of tensors, an optimizer state, epoch, global_step, best_loss "
@@ -635,6 +696,8 @@ def _target(dst: str, fmt: str | None, src: _Source) -> str:
             fmt = "shrew"
         elif lower.endswith(".safetensors"):
             fmt = "safetensors"
+        elif lower.endswith("." + burn.EXTENSION):
+            fmt = "burn"
         else:
             try:
                 found = detect(dst) if os.path.lexists(dst) else "savepoint"
@@ -674,7 +737,8 @@ def convert(
 
     The target format is ``format`` (one of :data:`TARGETS`; ``"shrew"`` picks v2 for a training
     state, with a ``model`` or training fields, and v1 otherwise) or, by default, from ``dst``:
-    ``*.shrew``, ``*.safetensors``, an existing boostr directory, else savepoint's format.
+    ``*.shrew``, ``*.safetensors``, ``*.mpk`` (a burn record), an existing boostr directory, else
+    savepoint's format.
 
     Raises ConversionError listing everything the target cannot hold (nothing is written) unless
     ``lossy``, which leaves those parts out and lists them in the report. ``dst`` must not exist
@@ -708,6 +772,8 @@ def convert(
             write = _write_flat(source, target_path, plan, target)
         elif target == "shrew-v2":
             write = _write_shrew_v2(source, target_path, plan)
+        elif target == "burn":
+            write = _write_burn(source, target_path, plan)
         else:
             write = _write_boostr(source, target_path, plan)
         if plan.problems and not lossy:

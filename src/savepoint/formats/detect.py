@@ -5,11 +5,15 @@ Detection, by path and content (nothing but small marker files and the first 8 b
 ==================  ===================================================================
 format              recognised by
 ==================  ===================================================================
+training-artifact   a directory holding ``training_report.json`` (seed 001's trainer; it has a
+                    ``manifest.json`` too, so this is checked first)
 savepoint           a directory holding ``manifest.json`` (or a path whose checkpoint an
                     interrupted replace left under a hidden name, as ``sp.load`` finds it)
 boostr-distributed  a directory holding ``sharding_meta.json``
 boostr              a directory holding ``training_state.json``
 shrew               a file starting with ``b"SHRW"`` (its header gives the version)
+burn                a file starting with a burn record's ``b"\x83\xa8metadata"``, or any
+                    other file named ``*.mpk``
 safetensors         any other file named ``*.safetensors``, or whose first 8 bytes are a
                     plausible header length followed by ``{``
 ==================  ===================================================================
@@ -26,7 +30,7 @@ import struct
 
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
-from savepoint.formats import _files, boostr, shrew
+from savepoint.formats import _files, boostr, burn, shrew, training_artifact
 from savepoint.formats import manifest as mf
 from savepoint.formats import safetensors as st_format
 from savepoint.formats._files import FormatInfo, TensorEntry
@@ -34,7 +38,16 @@ from savepoint.formats._shrew_codec import open_file
 
 __all__ = ["FORMATS", "FormatInfo", "detect", "inspect_any", "verify_any"]
 
-FORMATS = ("savepoint", "shrew", "safetensors", "boostr", "boostr-distributed")
+FORMATS = (
+    "savepoint",
+    "shrew",
+    "safetensors",
+    "boostr",
+    "boostr-distributed",
+    "burn",
+    "training-artifact",
+)
+_BURN_HEAD = b"\x83\xa8metadata"  # fixmap(3), then the key "metadata": rmp-serde's first bytes
 
 
 def _head(path: str) -> bytes:
@@ -42,7 +55,7 @@ def _head(path: str) -> bytes:
     # anything but a regular file without waiting (CheckpointError subclasses).
     with open_file(path) as f:
         try:
-            return f.read(9)
+            return f.read(16)
         except OSError as exc:
             raise IncompatibleCheckpointError(
                 f"{path} cannot be read: {exc.strerror or exc}", path=path
@@ -58,16 +71,26 @@ def detect(path: str | os.PathLike[str]) -> str:
     """
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):
+        if training_artifact.is_artifact(p):
+            return "training-artifact"
         if os.path.isfile(os.path.join(p, mf.NAME)):
             return "savepoint"
         if os.path.isfile(os.path.join(p, boostr.SHARDING)):
             return "boostr-distributed"
         if os.path.isfile(os.path.join(p, boostr.STATE)):
             return "boostr"
+        if training_artifact.is_sweep(p):
+            raise IncompatibleCheckpointError(
+                f"{p} is a sweep of training artifacts ({training_artifact.COMPARISON_FILE}): "
+                "name one of its variant directories, or read it with "
+                "savepoint.formats.training_artifact.load_sweep",
+                path=p,
+            )
         raise IncompatibleCheckpointError(
-            f"{p} is a directory without {mf.NAME} (savepoint), {boostr.STATE} (boostr) or "
-            f"{boostr.SHARDING} (distributed boostr): not a checkpoint savepoint knows (an "
-            "interrupted savepoint save leaves no manifest.json: use an earlier checkpoint)",
+            f"{p} is a directory without {mf.NAME} (savepoint), {boostr.STATE} (boostr), "
+            f"{boostr.SHARDING} (distributed boostr) or {training_artifact.REPORT_FILE} (a "
+            "training artifact): not a checkpoint savepoint knows (an interrupted savepoint "
+            "save leaves no manifest.json: use an earlier checkpoint)",
             path=p,
         )
     if not os.path.lexists(p):
@@ -77,15 +100,17 @@ def detect(path: str | os.PathLike[str]) -> str:
     head = _head(p)
     if head.startswith(shrew.MAGIC):
         return "shrew"
+    if head.startswith(_BURN_HEAD) or p.endswith("." + burn.EXTENSION):
+        return "burn"
     if p.endswith(".safetensors"):
         return "safetensors"
-    if len(head) == 9 and head[8:9] == b"{":
+    if len(head) >= 9 and head[8:9] == b"{":
         (n,) = struct.unpack("<Q", head[:8])
         if n <= st_format.MAX_HEADER_BYTES:
             return "safetensors"
     raise IncompatibleCheckpointError(
         f"{p} is not a checkpoint savepoint knows (a .shrew file starts with b'SHRW'; a "
-        "safetensors file is named *.safetensors)",
+        "safetensors file is named *.safetensors; a burn record *.mpk)",
         path=p,
     )
 
@@ -138,6 +163,10 @@ def inspect_any(path: str | os.PathLike[str]) -> FormatInfo:
         return shrew.inspect(p)
     if kind == "safetensors":
         return _safetensors(p, read_all=False)
+    if kind == "burn":
+        return burn.inspect(p)
+    if kind == "training-artifact":
+        return training_artifact.inspect(p)
     return boostr.inspect(p)
 
 
@@ -152,4 +181,8 @@ def verify_any(path: str | os.PathLike[str]) -> FormatInfo:
         return shrew.verify(p)
     if kind == "safetensors":
         return _safetensors(p, read_all=True)
+    if kind == "burn":
+        return burn.verify(p)
+    if kind == "training-artifact":
+        return training_artifact.verify(p)
     return boostr.verify(p)
