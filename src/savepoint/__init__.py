@@ -38,6 +38,7 @@ from savepoint.inference import InferenceSnapshot, SnapshotHistory, SnapshotMeta
 from savepoint.runs import policies as policies
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.sweep import Sweep
+from savepoint.runs.view import RunView, open_run
 from savepoint.state.data import DataPosition, ResumableSampler
 from savepoint.state.optimizer import (
     OptimizerState,
@@ -72,6 +73,7 @@ __all__ = [
     "ResumableSampler",
     "RunLockedError",
     "RunMismatchError",
+    "RunView",
     "Shard",
     "SnapshotHistory",
     "SnapshotMetadata",
@@ -84,6 +86,7 @@ __all__ = [
     "convert",
     "inspect",
     "load",
+    "open_run",
     "optimizer_state_from_torch",
     "optimizer_state_to_torch",
     "save",

@@ -179,19 +179,29 @@ def _committed_steps(run_dir: str) -> list[int]:
         raise  # unreachable: _fail exits
 
 
+def _run_problems(run_dir: str, report: Any, steps: list[int]) -> list[str]:
+    """The view's consistency check (runs.view.run_problems), as ``ls`` and ``report`` print it."""
+    import os
+
+    from savepoint.runs.report import RUN_FILE, RunInfo, read_json
+    from savepoint.runs.view import run_problems
+
+    try:
+        doc = read_json(os.path.join(run_dir, RUN_FILE))
+        run = RunInfo.from_json(doc, os.path.join(run_dir, RUN_FILE))
+    except CheckpointError as exc:
+        _fail(exc)
+        raise  # unreachable: _fail exits
+    return run_problems(run_dir, run, report, steps)
+
+
 def _verify_run(run_dir: str, quiet: bool) -> None:
     """``verify RUN``: every checkpoint's checksums, and report, checkpoints and aliases agree."""
     import os
 
     from savepoint.runs import aliases, layout
-    from savepoint.runs.report import (
-        REPORT_FILE,
-        RUN_FILE,
-        Report,
-        RunInfo,
-        check_consistent,
-        read_json,
-    )
+    from savepoint.runs.report import REPORT_FILE, RUN_FILE, Report, RunInfo, read_json
+    from savepoint.runs.view import run_problems
 
     start = time.perf_counter()
     problems: list[str] = []
@@ -213,11 +223,7 @@ def _verify_run(run_dir: str, quiet: bool) -> None:
         _fail(exc)
         return
     steps = _committed_steps(run_dir)
-    try:
-        check_consistent(run_dir, run, report, steps)
-    except CheckpointError as exc:
-        problems.append(str(exc))
-    problems += aliases.run_problems(run_dir, report, steps)
+    problems += run_problems(run_dir, run, report, steps)
     leaving = set(report.discarding) - set(report.checkpoints)
     checked = [s for s in steps if s not in leaving]
     paths = [(f"step {s}", layout.step_path(run_dir, s)) for s in checked]
@@ -264,12 +270,12 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
     """List the checkpoints of the run at RUN_DIR: steps, sizes, metrics, and why each is kept."""
     import os
 
-    from savepoint.runs import aliases, layout, policies
+    from savepoint.runs import layout, policies
 
     _run_dir(run_dir)
     report = _load_report(run_dir)
     on_disk = _committed_steps(run_dir)
-    problems = aliases.run_problems(run_dir, report, on_disk)
+    problems = _run_problems(run_dir, report, on_disk)
     leaving = set(report.discarding) - set(report.checkpoints)
     steps = [s for s in on_disk if s not in leaving]
     entries: list[tuple[int, int | None, dict[str, Any], str]] = []
@@ -412,6 +418,8 @@ def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
     if layout.is_run(path):
         reports = [_load_report(path)]
         r = reports[0]
+        for problem in _run_problems(path, r, _committed_steps(path)):
+            click.echo(f"warning: {problem}", err=True)
         if as_json:
             click.echo(json.dumps(r.to_json(), indent=2))
         else:

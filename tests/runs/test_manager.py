@@ -25,8 +25,10 @@ from _compare import same
 from _torture import scale
 from savepoint.commit import atomic
 from savepoint.runs import aliases, layout
+from savepoint.runs.report import config_diff
 
 from . import _kill_manager_child as child
+from ._util import snapshot
 
 # -- helpers ----------------------------------------------------------------------------------------
 
@@ -656,10 +658,70 @@ def _make_run(run_dir: Path, **extra: Any) -> None:
 )
 def test_reopen_with_different_identity(run_dir: Path, change: dict[str, Any]) -> None:
     _make_run(run_dir)
+    before = snapshot(run_dir), read(run_dir / "run.json")
     with pytest.raises(sp.RunMismatchError) as info:
-        sp.CheckpointManager(run_dir, **{**IDENTITY, **change})
+        sp.CheckpointManager(run_dir, **{**IDENTITY, **change}, strict_config=True)
     assert info.value.path == str(run_dir)
     assert isinstance(info.value, sp.IncompatibleCheckpointError)
+    if "config" in change:  # the message names the keys that changed
+        changed = [c["key"] for c in config_diff(IDENTITY["config"], change["config"])]
+        assert changed and all(key in str(info.value) for key in changed)
+    assert (snapshot(run_dir), read(run_dir / "run.json")) == before
+
+
+def test_config_change_on_resume_is_recorded_and_warned(run_dir: Path) -> None:
+    """A different config warns naming the keys, becomes the run's config, and report.json keeps
+    the history: keys (dotted), old and new values, and the latest committed step at that open."""
+    _make_run(run_dir)
+    new = {"lr": 0.05, "sizes": [64, 32], "opt": {"beta": 0.99, "eps": 1e-8}}
+    with pytest.warns(UserWarning, match=r"lr, opt\.beta, opt\.eps") as caught:
+        m = sp.CheckpointManager(run_dir, **{**IDENTITY, "config": new})
+    assert len(caught) == 1
+    assert m.run.config == new and m.steps() == [1, 2]
+    expected = [
+        {"key": "lr", "old": 0.1, "new": 0.05},
+        {"key": "opt.beta", "old": 0.9, "new": 0.99},
+        {"key": "opt.eps", "new": 1e-8},
+    ]
+    doc = read(run_dir / "report.json")
+    (change,) = doc["config_changes"]
+    assert change["step"] == 2 and change["changes"] == expected and change["at"]
+    assert doc["config"] == new
+    assert read(run_dir / "run.json")["config"] == new
+    m.save(3, state(3), {"val": 0.2})
+    m.close()
+    with sp.CheckpointManager(run_dir, **{**IDENTITY, "config": new}) as again:  # no warning
+        assert again.report.config_changes[0]["changes"] == expected
+    with pytest.warns(UserWarning, match="lr"):
+        back = sp.CheckpointManager(run_dir, config=IDENTITY["config"])
+    back.close()
+    changes = read(run_dir / "report.json")["config_changes"]
+    assert [c["step"] for c in changes] == [2, 3]
+    assert changes[1]["changes"][0] == {"key": "lr", "old": 0.05, "new": 0.1}
+
+
+def test_config_change_survives_a_kill_before_run_json(run_dir: Path) -> None:
+    """report.json is written before run.json: a run.json left behind (killed in between) is not
+    a mismatch, and the next writer brings it up to date."""
+    _make_run(run_dir)
+    old_run = (run_dir / "run.json").read_bytes()
+    new = {**IDENTITY["config"], "lr": 0.3}
+    with pytest.warns(UserWarning, match="lr"):
+        sp.CheckpointManager(run_dir, config=new).close()
+    (run_dir / "run.json").write_bytes(old_run)  # as if killed between the two writes
+    assert sp.open_run(run_dir).problems() == []
+    with sp.CheckpointManager(run_dir, config=new) as m:  # the same config: no new change
+        assert m.run.config == new and len(m.report.config_changes) == 1
+    assert read(run_dir / "run.json")["config"] == new
+
+
+def test_read_only_manager_only_warns_about_a_config_change(run_dir: Path) -> None:
+    _make_run(run_dir)
+    before = snapshot(run_dir), read(run_dir / "run.json")
+    with pytest.warns(UserWarning, match="records nothing"):
+        m = sp.CheckpointManager(run_dir, config={"lr": 1.0}, read_only=True)
+    m.close()
+    assert (snapshot(run_dir), read(run_dir / "run.json")) == before
 
 
 def test_reopen_with_same_or_no_identity(run_dir: Path) -> None:
@@ -941,8 +1003,28 @@ def test_wall_time_grows(run_dir: Path) -> None:
     closed = read(run_dir / "report.json")["wall_time_s"]
     assert closed >= second
     with sp.CheckpointManager(run_dir) as m:  # a resumed process adds to it
+        assert m.restore(blank()) == 2
         time.sleep(0.05)
     assert read(run_dir / "report.json")["wall_time_s"] >= closed + 0.04
+
+
+@pytest.mark.parametrize("how", ["open", "restore", "peek"])
+def test_reading_a_run_does_not_rewrite_its_report(run_dir: Path, how: str) -> None:
+    """Opening a run and restoring without resuming (or peeking) leave report.json as it was,
+    byte for byte (HEAD rewrote it at close(), with a new wall time)."""
+    with sp.CheckpointManager(run_dir, best_metric="val") as m:
+        m.save(1, state(1), {"val": 0.5})
+        m.save(2, state(2), {"val": 0.4})
+    before = (run_dir / "report.json").read_bytes(), os.stat(run_dir / "report.json").st_mtime_ns
+    time.sleep(0.02)
+    with sp.CheckpointManager(run_dir) as m:
+        if how == "restore":
+            assert m.restore(blank(), resume=False) == 2
+            assert m.restore(blank(), "best", resume=False) == 2
+        elif how == "peek":
+            assert m.peek(["step"]) == {"step": 2}
+    after = (run_dir / "report.json").read_bytes(), os.stat(run_dir / "report.json").st_mtime_ns
+    assert after == before
 
 
 def test_context_manager_closes(run_dir: Path) -> None:

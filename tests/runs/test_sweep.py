@@ -115,7 +115,7 @@ def test_compare_ranks_and_writes_comparison(tmp_path: Path, mode: Any, order: l
     for row in doc["runs"]:
         assert set(row) == {
             "rank", "name", "variant", "best_metric", "best_step", "final_loss", "steps",
-            "wall_time_s",
+            "wall_time_s", "num_params",
         }  # fmt: skip
 
 
@@ -127,8 +127,11 @@ def test_compare_counts_logged_metrics_and_ties_go_to_later_steps(tmp_path: Path
         m.log(3, acc=0.8)  # a tie: the later step
         m.log(4, acc=True)  # not a number
         m.log(5, acc="0.99")
+        for step in range(1, 6):  # the comparison names only steps with a checkpoint
+            m.save(step, tiny(step))
     with sweep.run("y") as m:
         m.log(1, acc=0.6)
+        m.save(1, tiny(1))
     rows = sweep.compare()
     assert [(r["name"], r["best_metric"], r["best_step"]) for r in rows] == [
         ("x", 0.8, 3),
@@ -145,8 +148,11 @@ def test_compare_ignores_non_finite_values(tmp_path: Path) -> None:
         m.log(1, score=0.3)
         m.log(2, score=float("inf"))
         m.log(3, score=float("nan"))
+        for step in (1, 2, 3):
+            m.save(step, tiny(step))
     with sweep.run("steady") as m:
         m.log(1, score=0.5)
+        m.save(1, tiny(1))
     rows = sweep.compare()
     assert [(r["name"], r["best_metric"], r["best_step"]) for r in rows] == [
         ("steady", 0.5, 1),
@@ -190,3 +196,41 @@ def test_comparison_json_one_member_per_line(tmp_path: Path) -> None:
         "runs",
     ]
     assert not [e for e in os.listdir(tmp_path / "sweep") if e.startswith(".")]
+
+
+def test_comparison_names_only_steps_with_a_checkpoint(tmp_path: Path) -> None:
+    """A metric logged at a step that was never saved (or was pruned) is not the run's best:
+    best_step is always a checkpoint one can load (HEAD ranked every logged step)."""
+    sweep = Sweep(tmp_path / "sweep", metric="val")
+    with sweep.run("a", keep_last=1, keep_best=None) as m:
+        m.log(1, loss=1.0, val=0.01)  # logged only: no checkpoint of step 1
+        m.save(2, tiny(2), {"val": 0.5})
+        m.save(3, tiny(3), {"val": 0.2})
+        m.save(4, tiny(4), {"val": 0.7})  # keep_last=1 keeps 4 and the best, 3: 2 is pruned
+    with sweep.run("a") as m:
+        assert m.steps() == [3, 4]
+    (row,) = sweep.compare()
+    assert (row["best_step"], row["best_metric"]) == (3, 0.2)
+    assert sp.load(sp.open_run(tmp_path / "sweep" / "a").checkpoint_path(row["best_step"]))
+
+
+def test_num_params_is_derived_from_the_state(tmp_path: Path) -> None:
+    """Without num_params a run records the element count of its first saved state (of its
+    "model" entry when it has one), in run.json, report.json and the comparison."""
+    sweep = Sweep(tmp_path / "sweep", metric="val")
+    with sweep.run("plain") as m:
+        m.save(1, {"w": np.zeros((3, 4), np.float32), "b": np.zeros(5), "step": 1}, {"val": 1.0})
+        assert m.run.num_params == 17
+    with sweep.run("model") as m:
+        state = {"model": {"w": np.zeros((2, 2))}, "optimizer": {"m": np.zeros((2, 2))}}
+        m.save(1, state, {"val": 2.0})
+    with sweep.run("given", num_params=99) as m:
+        m.save(1, tiny(1), {"val": 3.0})
+    counts = {r["name"]: r["num_params"] for r in sweep.compare()}
+    assert counts == {"plain": 17, "model": 4, "given": 99}
+    for name, count in counts.items():
+        run_dir = tmp_path / "sweep" / name
+        assert json.loads((run_dir / "run.json").read_text())["num_params"] == count
+        assert json.loads((run_dir / "report.json").read_text())["num_params"] == count
+        with sweep.run(name, num_params=count) as again:  # the same run: no mismatch
+            assert again.steps() == [1]

@@ -78,8 +78,8 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Literal
 
 from savepoint import checkpoint
 from savepoint.async_.checkpointer import AsyncCheckpointer
@@ -105,6 +105,9 @@ from savepoint.runs.report import (
     Report,
     RunInfo,
     check_consistent,
+    config_diff,
+    count_elements,
+    lagging_run,
     load_report,
     now_iso,
     plain_value,
@@ -131,7 +134,13 @@ class CheckpointManager:
     "max", ties to the later step), ``keep_every`` multiples of that step, or any ``retention``
     policy object from :mod:`savepoint.runs.policies`. ``save_every`` (or a ``save_policy``)
     makes ``save`` skip steps. ``name``, ``variant``, ``config`` and ``num_params`` describe the
-    run in ``run.json``; opening an existing run with different values is a RunMismatchError.
+    run in ``run.json``; opening an existing run with a different name, variant or ``num_params``
+    is a RunMismatchError. A different ``config`` is a change of the run's config: it warns
+    (UserWarning naming the keys), becomes the config of ``run.json`` and ``report.json``, and
+    ``report.json``'s ``config_changes`` records each key's old and new value and the latest
+    committed step at that open; ``strict_config=True`` refuses it instead (RunMismatchError naming
+    the keys). A read-only manager only warns. Without ``num_params`` a new run records the element
+    count of its first saved state (:func:`savepoint.runs.report.count_elements`).
     Without ``best_metric``, an existing run keeps ranking by the metric its report names.
 
     ``read_only``: None (the default) opens read-only exactly when the directory cannot be written
@@ -140,6 +149,9 @@ class CheckpointManager:
     ``read_only_reason`` say what was chosen. A writing manager holds the run's writer lock until
     ``close()`` (or until it is garbage collected): a second one raises RunLockedError.
     """
+
+    # The read-only view (savepoint.runs.view) opens inconsistent runs too, to list their problems.
+    _check_on_open: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -161,6 +173,7 @@ class CheckpointManager:
         verify_before_prune: bool = True,
         aliases: bool = True,
         read_only: bool | None = None,
+        strict_config: bool = False,
         **save_options: Any,
     ) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
@@ -214,6 +227,12 @@ class CheckpointManager:
         self._lock_error_raised = False
         self._release: Callable[[], object] | None = None
         self.read_only_reason: str | None = None
+        # Whether close() has anything to write: a save, a log, a resume, or a report to create.
+        # (Opening and restoring without resuming leave report.json byte for byte as it was.)
+        self._dirty = False
+        self._strict_config = strict_config
+        self._config_changes: list[dict[str, Any]] = []
+        self._new_config: dict[str, Any] | None = None
         try:
             self.read_only, self._writer = self._open_directory(read_only)
             if self._writer is not None:
@@ -226,6 +245,9 @@ class CheckpointManager:
                 self._release = release
             self.run, new_run_file = self._open_run(name, variant, config, num_params)
             self.report = self._open_report()
+            lagging = lagging_run(self.run, self.report)
+            if lagging is not None:  # a writer was stopped between report.json and run.json
+                self.run, new_run_file = lagging, True
             if new_run_file:
                 # Only now: an open that fails (a mismatch, a damaged report) writes nothing.
                 self._finish_open_run()
@@ -243,6 +265,8 @@ class CheckpointManager:
                 if self.read_only:
                     self._metrics_seen[step] = self._manifest_id(step)
                 self._metrics[step] = self._read_metrics(step)
+            if self._config_changes:
+                self._record_config_change()
             if self._writes_books():
                 self._repair()
         except BaseException:
@@ -342,7 +366,12 @@ class CheckpointManager:
         if variant is not None and variant != run.variant:
             problems.append(f"variant {variant!r} ({source} has {run.variant!r})")
         if config is not None and wanted.config != run.config:
-            problems.append("a different config")
+            changes = config_diff(run.config, wanted.config)
+            if self._strict_config:
+                keys = ", ".join(c["key"] for c in changes)
+                problems.append(f"a different config (keys: {keys}; strict_config=True)")
+            else:
+                self._config_changes, self._new_config = changes, wanted.config
         if num_params is not None and num_params != run.num_params:
             problems.append(f"num_params {num_params} ({source} has {run.num_params})")
         if problems:
@@ -366,9 +395,47 @@ class CheckpointManager:
     def _open_report(self) -> Report:
         report = load_report(self.directory)
         if report is None:
+            self._dirty = True  # close() writes the first report.json
             return Report.for_run(self.run)
-        check_consistent(self.directory, self.run, report, layout.committed_steps(self.directory))
+        if self._check_on_open:
+            check_consistent(
+                self.directory, self.run, report, layout.committed_steps(self.directory)
+            )
         return report
+
+    def _record_config_change(self) -> None:
+        """Warn about the config change found at open; a writer records it (report.json first,
+        then run.json: a run.json left behind by a kill in between is brought up to date by the
+        next open, see report.lagging_run)."""
+        assert self._new_config is not None
+        # Against the run's config as the report records it (run.json may have lagged behind).
+        self._config_changes = config_diff(self.run.config, self._new_config)
+        if not self._config_changes:
+            return
+        keys = ", ".join(c["key"] for c in self._config_changes)
+        step = self.latest_step()
+        if not self._writes_books():
+            warnings.warn(
+                f"{self.directory} was opened with a config that differs from its run.json in "
+                f"{keys}; this read-only manager records nothing",
+                stacklevel=3,
+            )
+            return
+        self.report.config = self._new_config
+        self.report.config_changes.append(
+            {"step": step, "at": now_iso(), "changes": self._config_changes}
+        )
+        self.run = dataclasses.replace(self.run, config=self._new_config)
+        try:
+            self._store_report()
+        except OSError as exc:
+            raise _write_error(f"cannot record the config change in {REPORT_FILE}", exc) from exc
+        self._finish_open_run()
+        warnings.warn(
+            f"{self.directory}: the run's config changed at step {step} ({keys}); recorded in "
+            f"{REPORT_FILE} under config_changes (strict_config=True refuses config changes)",
+            stacklevel=3,
+        )
 
     def _read_metrics(self, step: int) -> dict[str, Any]:
         try:
@@ -509,16 +576,25 @@ class CheckpointManager:
         if not force and not self.save_policy.should_save(step, self._last_saved):
             return PendingSave.finished(None, step, skipped=True)
         self._check_writer()
+        self._dirty = True
         clean = _plain(dict(metrics or {}))
         path = self.step_path(step)
         meta = {"savepoint_run": {"step": step, "epoch": epoch, "metrics": clean}}
+        # A run given no num_params records the size of its state (report.json, then run.json).
+        derived = None
+        if self._leader and self.run.num_params is None and self.report.num_params is None:
+            derived = count_elements(state)
         backup = self._before_commit(step) if self._leader else None
         previous, self._last_saved = self._last_saved, step
         flight = _AsyncSave(step, previous)
 
         def committed(info: checkpoint.CheckpointInfo) -> None:
             flight.committed = True
-            self._after_commit(step, clean, epoch, backup, previous)
+            self._after_commit(step, clean, epoch, backup, previous, derived)
+            if derived is not None and self.run.num_params is None:
+                self.run = dataclasses.replace(self.run, num_params=self.report.num_params)
+                with contextlib.suppress(CheckpointWriteError):  # the next open rewrites it
+                    self._finish_open_run()
 
         if self._async is not None:
             try:
@@ -624,6 +700,7 @@ class CheckpointManager:
     def log(self, step: int, loss: float | None = None, **metrics: Any) -> None:
         """Record a training step's loss (the report's loss curve) and any other values."""
         with self._lock:
+            self._dirty = True
             if loss is not None:
                 self.report.loss_history.append((int(step), float(loss)))
             if metrics:
@@ -637,8 +714,10 @@ class CheckpointManager:
         epoch: int | None,
         backup: str | None,
         previous: int | None,
+        num_params: int | None = None,
     ) -> None:
-        """Steps 3-6 of the module docstring, for the committed checkpoint ``step``."""
+        """Steps 3-6 of the module docstring, for the committed checkpoint ``step``
+        (``num_params``: derived from its state, recorded in the report)."""
         with self._lock:
             if not self._leader:
                 self._metrics[step] = metrics
@@ -660,6 +739,8 @@ class CheckpointManager:
             r.steps_completed = max(r.steps_completed, step)
             if epoch is not None:
                 r.epoch = epoch
+            if num_params is not None and r.num_params is None:
+                r.num_params = num_params
             staged: dict[str, str] = {}
             phase = "updating the run's books"
             try:
@@ -867,22 +948,42 @@ class CheckpointManager:
         step that was deleted is CheckpointNotFoundError saying so.
         """
         self._check_open()
+        with self._saving:
+            self.wait()
+            found = self._read(step, {**load_options, "into": into})
+            if found is None:
+                return None
+            return self._resumed(found[0]) if resume else found[0]
+
+    def peek(
+        self, keys: Iterable[str] | str, step: StepSpec = "latest", **load_options: Any
+    ) -> Any:
+        """The saved values of ``keys`` (paths as in :func:`savepoint.load`) of checkpoint ``step``,
+        as plain values and arrays, without building the model: e.g. the config or the step
+        counter a script needs before it can build what it restores into. Chooses the checkpoint
+        exactly as :meth:`restore` does (a "latest" that fails verification is skipped with a
+        warning for the next older one), writes nothing and resumes nothing. None: the run has no
+        checkpoint at all."""
+        self._check_open()
+        with self._saving:
+            self.wait()
+            found = self._read(step, {**load_options, "keys": keys})
+            return None if found is None else found[1]
+
+    def _read(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
+        """Load checkpoint ``step`` with ``load_options``: (the step loaded, what
+        :func:`savepoint.load` returned), or None when the run has no checkpoint at all."""
         if not (isinstance(step, int) and not isinstance(step, bool)) and step not in (
             "latest",
             "best",
         ):
             raise ValueError(f"step must be 'latest', 'best' or an int, not {step!r}")
-        with self._saving:
-            self.wait()
-            for _ in range(_RESTORE_TRIES):
-                self._refresh_view()
-                try:
-                    restored = self._restore_once(into, step, load_options)
-                except _Moved:
-                    continue
-                if restored is None:
-                    return None
-                return self._resumed(restored) if resume else restored
+        for _ in range(_RESTORE_TRIES):
+            self._refresh_view()
+            try:
+                return self._restore_once(step, load_options)
+            except _Moved:
+                continue
         raise CheckpointNotFoundError(
             f"{self.directory}: each checkpoint chosen to restore ({step!r}) was deleted or "
             f"replaced by the run's writer before it could be read ({_RESTORE_TRIES} tries); try "
@@ -890,8 +991,8 @@ class CheckpointManager:
             path=self.directory,
         )
 
-    def _restore_once(self, into: Any, step: StepSpec, load_options: dict[str, Any]) -> int | None:
-        """One attempt of :meth:`restore`; raises _Moved when the checkpoint chosen was deleted
+    def _restore_once(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
+        """One attempt of :meth:`_read`; raises _Moved when the checkpoint chosen was deleted
         or replaced while it was being read."""
         steps = self.steps()
         if step == "latest":
@@ -900,16 +1001,16 @@ class CheckpointManager:
             failures = []
             for candidate in reversed(steps):
                 try:
-                    self._load(candidate, into, load_options)
+                    loaded = self._load(candidate, load_options)
                 except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
                     failures.append(f"step {candidate}: {exc}")
                     warnings.warn(
                         f"checkpoint {candidate} of {self.directory} failed verification, trying "
                         f"an older one: {exc}",
-                        stacklevel=3,
+                        stacklevel=4,
                     )
                     continue
-                return candidate
+                return candidate, loaded
             raise CorruptCheckpointError(
                 f"{self.directory}: no intact checkpoint among {len(steps)}: "
                 + "; ".join(failures),
@@ -926,8 +1027,7 @@ class CheckpointManager:
                     "with best_metric=... to choose one",
                     path=self.directory,
                 )
-            self._load(best, into, load_options)
-            return best
+            return best, self._load(best, load_options)
         assert isinstance(step, int)
         if step not in steps:
             raise CheckpointNotFoundError(
@@ -935,7 +1035,7 @@ class CheckpointManager:
                 path=self.step_path(step),
             )
         try:
-            self._load(step, into, load_options)
+            loaded = self._load(step, load_options)
         except _Moved:
             if self._manifest_id(step) is not None:
                 raise  # replaced by a new save of that step: read the new one
@@ -944,14 +1044,14 @@ class CheckpointManager:
                 "(the run's writer pruned it); choose a step the run still has",
                 path=self.step_path(step),
             ) from None
-        return step
+        return step, loaded
 
-    def _load(self, step: int, into: Any, load_options: dict[str, Any]) -> None:
+    def _load(self, step: int, load_options: dict[str, Any]) -> Any:
         """Load checkpoint ``step``; _Moved if it was deleted or replaced meanwhile (a failure
         that must not be taken for corruption)."""
         before = self._manifest_id(step)
         try:
-            checkpoint.load(self.step_path(step), into=into, **load_options)
+            return checkpoint.load(self.step_path(step), **load_options)
         except (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError):
             if before is None or self._manifest_id(step) != before:
                 raise _Moved from None
@@ -983,6 +1083,7 @@ class CheckpointManager:
 
     def _resumed(self, step: int) -> int:
         with self._lock:
+            self._dirty = True
             self._resumed_from = step
             self._last_saved = step
             self.report.truncate_after(step)
@@ -1024,7 +1125,11 @@ class CheckpointManager:
             finally:
                 self._closed = True
                 try:
-                    if self._writes_books() and self._still_writer():
+                    if (
+                        self._writes_books()
+                        and (self._dirty or self._discarding)
+                        and self._still_writer()
+                    ):
                         with self._lock:
                             self._finish_discards()
                             self._fill_report(self.steps())

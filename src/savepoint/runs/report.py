@@ -12,7 +12,9 @@
      "loss_history": [[step, loss], ...], "metric_history": {"<step>": {...}},
      "best": {"metric": "val_loss", "mode": "min", "step": 400, "metrics": {...}} | null,
      "latest_step": 500, "checkpoints": [500, 400, ...], "discarding": [100],
-     "lineage": [{"resumed_from": 300, "at": "...", "steps_completed_before": 340}]}
+     "lineage": [{"resumed_from": 300, "at": "...", "steps_completed_before": 340}],
+     "config_changes": [{"step": 300, "at": "...",
+                         "changes": [{"key": "optim.lr", "old": 0.1, "new": 0.05}]}]}
 
 ``checkpoints`` are the saved steps, newest first; ``latest_step`` and ``best`` are among them, and
 the ``latest/`` and ``best/`` aliases hold exactly those checkpoints (or are absent).
@@ -20,6 +22,14 @@ the ``latest/`` and ``best/`` aliases hold exactly those checkpoints (or are abs
 part of the run, and are deleted after this report is written (so the report never names a deleted
 checkpoint); a writer that was killed before it finished leaves them here, and the next
 ``CheckpointManager`` to open the run finishes the job. Readers ignore them.
+
+``config`` (in both files) is the run's *current* config; ``config_changes`` is its history: each
+reopening with a different config appends the keys that changed (dotted paths into the config; a
+key added has no ``old``, a key removed no ``new``) and the latest committed step when it was
+reopened. ``num_params`` is the caller's, or the element count of the first saved state. Both are
+written to ``report.json`` first and to ``run.json`` after it: a ``run.json`` that lags behind
+(killed in between) is not a mismatch (:func:`lagging_run`), and a writer's open brings it up to
+date.
 
 The consistency check (:func:`check_consistent`) follows the seed's artifact loader: a report
 whose variant, config or parameter count disagrees with ``run.json``, or whose best checkpoint is
@@ -34,7 +44,7 @@ import math
 import os
 import stat
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from savepoint._version import __version__
@@ -103,6 +113,7 @@ class Report:
     lineage: list[dict[str, Any]] = field(default_factory=list)
     retention: list[dict[str, Any]] = field(default_factory=list)
     discarding: list[int] = field(default_factory=list)
+    config_changes: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, run: RunInfo) -> Report:
@@ -125,6 +136,7 @@ class Report:
             "lineage": list,
             "checkpoints": list,
             "discarding": list,
+            "config_changes": list,
         }
         for key, kind in kinds.items():
             if not isinstance(doc.get(key, kind()), kind):
@@ -168,6 +180,7 @@ class Report:
                 lineage=list(doc.get("lineage", [])),
                 retention=list(doc.get("retention", [])),
                 discarding=[int(s) for s in doc.get("discarding", [])],
+                config_changes=[dict(c) for c in doc.get("config_changes", [])],
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CorruptCheckpointError(
@@ -298,31 +311,123 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in a run report")
 
 
-def check_consistent(
-    directory: str, run: RunInfo, report: Report, steps_on_disk: Iterable[int]
-) -> None:
-    """Raise if the report and run.json disagree, or the report's best checkpoint is missing."""
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The keys that differ between two configs, as dotted paths into nested mappings, sorted:
+    ``{"key", "old", "new"}`` (no ``old`` for a key added, no ``new`` for one removed)."""
+    changes: list[dict[str, Any]] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        for key in sorted(set(a) | set(b), key=str):
+            path = f"{prefix}{key}"
+            if (
+                key in a
+                and key in b
+                and isinstance(a[key], Mapping)
+                and isinstance(b[key], Mapping)
+            ):
+                walk(a[key], b[key], path + ".")
+            elif key not in b:
+                changes.append({"key": path, "old": a[key]})
+            elif key not in a:
+                changes.append({"key": path, "new": b[key]})
+            elif a[key] != b[key]:
+                changes.append({"key": path, "old": a[key], "new": b[key]})
+
+    walk(old, new, "")
+    return changes
+
+
+def lagging_run(run: RunInfo, report: Report) -> RunInfo | None:
+    """``run`` brought up to date with ``report``, or None when it is not behind it.
+
+    ``run.json`` is behind when a writer recorded a config change or a derived ``num_params`` in
+    ``report.json`` and was stopped before rewriting ``run.json``: the report's config differs
+    exactly in the keys of its last ``config_changes`` entry, or ``run.json`` has no
+    ``num_params`` while the report has one."""
+    fixed = run
+    if run.num_params is None and isinstance(report.num_params, int):
+        fixed = replace(fixed, num_params=report.num_params)
+    if run.config != report.config and report.config_changes:
+        recorded = {c.get("key") for c in report.config_changes[-1].get("changes") or []}
+        if {c["key"] for c in config_diff(run.config, report.config)} == recorded:
+            fixed = replace(fixed, config=report.config)
+    return None if fixed is run else fixed
+
+
+def count_elements(state: Any) -> int | None:
+    """The parameter count a run records when the caller gives none: the element count of
+    ``state["model"]`` when the state has a model, else of every tensor and array in ``state``
+    (a module counts its parameters, an object with ``state_dict`` its state). None: no tensor."""
+    if isinstance(state, Mapping) and "model" in state:
+        state = state["model"]
+    total = _elements(state, 0)
+    return total or None
+
+
+def _elements(obj: Any, depth: int) -> int:
+    if depth > 100:
+        return 0
+    parameters = getattr(obj, "parameters", None)
+    if callable(parameters) and hasattr(obj, "state_dict"):  # a torch module
+        return sum(int(p.numel()) for p in parameters())
+    numel = getattr(obj, "numel", None)
+    if callable(numel) and hasattr(obj, "shape"):  # a torch tensor
+        return int(numel())
+    size = getattr(obj, "size", None)
+    if isinstance(size, int) and hasattr(obj, "shape") and hasattr(obj, "dtype"):  # numpy
+        return size
+    if isinstance(obj, Mapping):
+        return sum(_elements(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_elements(v, depth + 1) for v in obj)
+    state_dict = getattr(obj, "state_dict", None)
+    if callable(state_dict):
+        return _elements(state_dict(), depth + 1)
+    return 0
+
+
+def identity_problems(run: RunInfo, report: Report) -> list[str]:
+    """How ``report`` and ``run.json`` disagree on the run's identity (variant, config, parameter
+    count; a ``run.json`` that merely lags behind the report is not a problem, see
+    :func:`lagging_run`)."""
+    run = lagging_run(run, report) or run
     problems = []
     if report.variant != run.variant:
         problems.append(
             f"report variant {report.variant!r} does not match run variant {run.variant!r}"
         )
     if report.config != run.config:
-        problems.append("report config does not match run config")
+        keys = ", ".join(c["key"] for c in config_diff(run.config, report.config))
+        problems.append(f"report config does not match run config (keys: {keys})")
     if report.num_params != run.num_params:
         problems.append(
             f"report num_params {report.num_params} does not match run num_params {run.num_params}"
         )
+    return problems
+
+
+def missing_best(directory: str, report: Report, steps_on_disk: Iterable[int]) -> str | None:
+    """Why the report's best checkpoint is missing from the run, or None when it is there."""
+    best_step = (report.best or {}).get("step")
+    if best_step is None or best_step in set(steps_on_disk):
+        return None
+    return (
+        f"the report's best checkpoint (step {best_step}) is missing from "
+        f'{os.path.join(directory, "checkpoints")}. Put it back, or set "best" to null in '
+        "report.json and open the run again (with best_metric=...) to rank the checkpoints "
+        "that are left"
+    )
+
+
+def check_consistent(
+    directory: str, run: RunInfo, report: Report, steps_on_disk: Iterable[int]
+) -> None:
+    """Raise if the report and run.json disagree, or the report's best checkpoint is missing."""
+    problems = identity_problems(run, report)
     if problems:
         raise RunMismatchError(
             f"{directory}: run artifact is inconsistent: {'; '.join(problems)}", path=directory
         )
-    best_step = (report.best or {}).get("step")
-    if best_step is not None and best_step not in set(steps_on_disk):
-        raise MissingCheckpointError(
-            f"{directory}: the report's best checkpoint (step {best_step}) is missing from "
-            f'{os.path.join(directory, "checkpoints")}. Put it back, or set "best" to null in '
-            "report.json and open the run again (with best_metric=...) to rank the checkpoints "
-            "that are left",
-            path=directory,
-        )
+    missing = missing_best(directory, report, steps_on_disk)
+    if missing is not None:
+        raise MissingCheckpointError(f"{directory}: {missing}", path=directory)

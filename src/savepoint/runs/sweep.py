@@ -5,9 +5,12 @@ a CheckpointManager) and writes ``directory/comparison.json``::
 
     {"format": "savepoint-comparison", "version": 1, "metric": "val_loss", "mode": "min",
      "runs": [{"rank": 1, "name": "wide", "variant": "wide", "best_metric": 0.31,
-               "best_step": 400, "final_loss": 0.29, "steps": 500, "wall_time_s": 41.2}, ...]}
+               "best_step": 400, "final_loss": 0.29, "steps": 500, "wall_time_s": 41.2,
+               "num_params": 1234}, ...]}
 
-Runs are ranked by their best value of the metric (runs without one come last, by name).
+Runs are ranked by their best value of the metric (runs without one come last, by name). A run's
+best is taken among the steps that have a checkpoint (those its report lists and that are on
+disk): ``best_step`` is always a checkpoint one can load.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class Sweep:
             raise CheckpointNotFoundError(f"{directory} has no {REPORT_FILE} yet", path=directory)
         report = Report.from_json(doc, directory)
         metric = self.metric or (report.best or {}).get("metric")
-        best_value, best_step = _best(report, metric, self.mode)
+        saved = set(report.checkpoints) & set(layout.committed_steps(directory))
+        best_value, best_step = _best(report, metric, self.mode, saved)
         return {
             "rank": 0,
             "name": name,
@@ -90,14 +94,19 @@ class Sweep:
             "final_loss": report.loss_history[-1][1] if report.loss_history else None,
             "steps": report.steps_completed,
             "wall_time_s": report.wall_time_s,
+            "num_params": run.num_params,
         }
 
 
-def _best(report: Report, metric: str | None, mode: Mode) -> tuple[float | None, int | None]:
+def _best(
+    report: Report, metric: str | None, mode: Mode, saved: set[int]
+) -> tuple[float | None, int | None]:
     if metric is None:
         return None, None
     best: tuple[float, int] | None = None
     for step, values in sorted(report.metric_history.items()):
+        if step not in saved:
+            continue  # logged, but never saved (or pruned): not a checkpoint one can load
         v = metric_value(Entry(step, values), metric)
         if v is None:
             continue

@@ -1,0 +1,170 @@
+"""``sp.open_run(directory)``: a read-only view of a run directory.
+
+The view writes nothing, ever: no lock, no repair, no report rewrite, no temporary; it works on
+read-only media and next to a live writer. It is a read-only :class:`CheckpointManager` that also
+opens runs whose files disagree (so that :meth:`RunView.problems` can list what is wrong), and it
+shares the manager's reading logic: "latest" and "best" are resolved from the checkpoints and
+their metrics, a "latest" that fails verification is skipped with a warning for the next older
+one, and a checkpoint the writer deletes or replaces while it is read is chosen again, never
+taken for a corrupt one.
+
+The consistency check (:func:`run_problems`) is the one ``savepoint ls``, ``savepoint report``
+and ``savepoint verify RUN`` print: ``run.json`` against ``report.json`` (variant, config,
+parameter count), the report's best checkpoint, the committed checkpoints against the report's
+list, and the ``latest/`` and ``best/`` aliases against the report. Next to a live writer it is a
+snapshot: a save in progress may show a disagreement that its next step resolves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, RunMismatchError
+from savepoint.runs import aliases, layout
+from savepoint.runs.manager import CheckpointManager, StepSpec
+from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
+
+
+def run_problems(
+    directory: str, run: RunInfo, report: Report | None, steps: list[int]
+) -> list[str]:
+    """Every disagreement between ``run.json`` (``run``), ``report.json`` (``report``; None when
+    the run has none yet), the committed checkpoints (``steps``) and the aliases; empty when the
+    run is consistent. A writable CheckpointManager repairs all but the identity mismatches."""
+    if report is None:
+        return []
+    problems = identity_problems(run, report)
+    missing = missing_best(directory, report, steps)
+    if missing is not None:
+        problems.append(missing)
+    return problems + aliases.run_problems(directory, report, steps)
+
+
+class _Reader(CheckpointManager):
+    """A read-only manager that opens inconsistent runs too (the view lists their problems)."""
+
+    _check_on_open: ClassVar[bool] = False
+
+
+class RunView:
+    """A read-only view of the run at ``directory`` (see the module docstring).
+
+    ``info`` is what ``run.json`` says (rebuilt from ``report.json`` when run.json is lost),
+    ``report`` the current ``report.json`` (None before the first one is written), ``steps()``
+    the checkpoints that are part of the run, ``metrics(step)`` the metrics saved with one."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = os.path.abspath(os.fspath(directory))
+        if not (layout.is_run(self.directory) or layout.lost_run_file(self.directory)):
+            raise CheckpointNotFoundError(
+                f"{self.directory} is not a savepoint run directory (no run.json or report.json)",
+                path=self.directory,
+            )
+        self._manager = _Reader(self.directory, read_only=True)
+
+    @property
+    def info(self) -> RunInfo:
+        return self._manager.run
+
+    @property
+    def report(self) -> Report | None:
+        """``report.json`` as it is now (reread at each access: a live writer rewrites it)."""
+        return load_report(self.directory)
+
+    def steps(self) -> list[int]:
+        """Steps with a committed checkpoint that is part of the run, ascending."""
+        self._manager._refresh_view()
+        return self._manager.steps()
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The best step by the metric the run ranks by (its report's), or None."""
+        self._manager._refresh_view()
+        return self._manager.best_step()
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics saved with checkpoint ``step`` (empty if none, or no such checkpoint)."""
+        return dict(self._manager._metrics_of(step))
+
+    def checkpoint_path(self, step: StepSpec = "latest") -> str:
+        """The directory of checkpoint ``step`` ("latest", "best" or a number); loadable with
+        ``sp.load``. CheckpointNotFoundError when the run has no such checkpoint."""
+        number = self.latest_step() if step == "latest" else step
+        if step == "best":
+            number = self.best_step()
+            if number is None:
+                raise MissingCheckpointError(
+                    f"{self.directory} has no best checkpoint (no metric ranks its checkpoints)",
+                    path=self.directory,
+                )
+        if not isinstance(number, int) or number not in self.steps():
+            raise CheckpointNotFoundError(
+                f"{self.directory} has no checkpoint for step {step!r} (it has {self.steps()})",
+                path=self.directory,
+            )
+        return self._manager.step_path(number)
+
+    def load(
+        self,
+        step: StepSpec = "latest",
+        *,
+        into: Any = None,
+        keys: Iterable[str] | str | None = None,
+        **load_options: Any,
+    ) -> Any:
+        """Load checkpoint ``step`` as :func:`savepoint.load` does (the saved tree, or ``into``
+        restored in place; ``keys`` selects paths), choosing it as ``CheckpointManager.restore``
+        does. CheckpointNotFoundError when the run has no checkpoint."""
+        found = self._manager._read(step, {**load_options, "into": into, "keys": keys})
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"{self.directory} has no checkpoint yet", path=self.directory
+            )
+        return found[1]
+
+    def peek(
+        self, keys: Iterable[str] | str, step: StepSpec = "latest", **load_options: Any
+    ) -> Any:
+        """As ``CheckpointManager.peek``: the values of ``keys``, None when there is no
+        checkpoint."""
+        return self._manager.peek(keys, step, **load_options)
+
+    def problems(self) -> list[str]:
+        """Every disagreement between run.json, report.json, the checkpoints and the aliases
+        (:func:`run_problems`); empty when the run is consistent."""
+        return run_problems(
+            self.directory, self.info, self.report, layout.committed_steps(self.directory)
+        )
+
+    def check(self) -> None:
+        """Raise RunMismatchError listing :meth:`problems`, if there are any."""
+        problems = self.problems()
+        if problems:
+            raise RunMismatchError(
+                f"{self.directory}: the run is inconsistent: {'; '.join(problems)}",
+                path=self.directory,
+            )
+
+    def close(self) -> None:
+        """Nothing to release (the view holds no lock and no file); for ``with`` blocks."""
+        self._manager.close()
+
+    def __enter__(self) -> RunView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"open_run({self.directory!r})"
+
+
+def open_run(directory: str | os.PathLike[str]) -> RunView:
+    """A read-only view of the run at ``directory``: its info, report, steps and metrics, its
+    checkpoints on demand, and its consistency checks. Writes nothing (see :class:`RunView`)."""
+    return RunView(directory)
