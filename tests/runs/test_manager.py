@@ -715,6 +715,20 @@ def test_config_change_survives_a_kill_before_run_json(run_dir: Path) -> None:
     assert read(run_dir / "run.json")["config"] == new
 
 
+def test_strict_config_compares_with_a_run_json_caught_up_after_a_kill(run_dir: Path) -> None:
+    _make_run(run_dir)
+    old_run = (run_dir / "run.json").read_bytes()
+    new = {**IDENTITY["config"], "lr": 0.3}
+    with pytest.warns(UserWarning, match="lr"):
+        sp.CheckpointManager(run_dir, config=new).close()
+    (run_dir / "run.json").write_bytes(old_run)  # as if killed between the two writes
+    with sp.CheckpointManager(run_dir, config=new, strict_config=True) as m:
+        assert m.run.config == new and len(m.report.config_changes) == 1
+    assert read(run_dir / "run.json")["config"] == new
+    with pytest.raises(sp.RunMismatchError, match="lr"):
+        sp.CheckpointManager(run_dir, config=IDENTITY["config"], strict_config=True)
+
+
 def test_read_only_manager_only_warns_about_a_config_change(run_dir: Path) -> None:
     _make_run(run_dir)
     before = snapshot(run_dir), read(run_dir / "run.json")

@@ -347,8 +347,16 @@ class CheckpointManager:
             config=_plain(dict(config or {})),
             num_params=num_params,
         )
+        stale = doc is None
         if doc is not None:
             run, source = RunInfo.from_json(doc, path), RUN_FILE
+            # Compare with what the run really is: a writer stopped between report.json and
+            # run.json left run.json behind (report.lagging_run); the caller's config is checked
+            # against the caught-up one, and run.json is rewritten once the open succeeds.
+            report = load_report(self.directory)
+            caught_up = lagging_run(run, report) if report is not None else None
+            if caught_up is not None:
+                run, stale = caught_up, True
         else:
             report = load_report(self.directory)
             if report is None:
@@ -380,7 +388,7 @@ class CheckpointManager:
                 "another directory for a different run",
                 path=self.directory,
             )
-        return run, doc is None
+        return run, stale
 
     def _finish_open_run(self) -> None:
         """Write the ``run.json`` that :meth:`_open_run` decided on (the books' writer only)."""
