@@ -425,3 +425,147 @@ def test_distributed_missing_and_extra_rank_directories(tmp_path: Path) -> None:
     os.remove(root / "sharding_meta.json")
     with pytest.raises(CorruptCheckpointError, match="not a distributed checkpoint"):
         boostr.load_consolidated(root)
+
+
+# ---------------------------------------------------------------------------------------------
+# numbers, as serde_json reads them; hostile documents; files that cannot be read
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # At HEAD: OverflowError (float() of a 400-digit integer).
+        ('{"step": 1, "learning_rate": 1' + "0" * 400 + "}", "'learning_rate' is out of range"),
+        # At HEAD: accepted as inf (Python reads 1e400 as inf; serde_json refuses it).
+        ('{"step": 1, "learning_rate": 1e400}', "'learning_rate' is out of range"),
+        ('{"step": 1, "learning_rate": -1e400}', "'learning_rate' is out of range"),
+        ('{"step": 1, "learning_rate": Infinity}', "non-standard number Infinity"),
+        ('{"step": 1, "learning_rate": -Infinity}', "non-standard number -Infinity"),
+        ('{"step": 1, "learning_rate": true}', "'learning_rate' must be a number"),
+        ('{"step": 1, "learning_rate": null}', "'learning_rate' must be a number"),
+        # serde_json reads -0 as the float -0.0: not a u64 (at HEAD: accepted as 0).
+        ('{"step": -0}', "'step' must be an integer"),
+        ('{"step": 1, "epoch": -0}', "'epoch' must be an integer"),
+        ('{"step": 1, "epoch": 2.0}', "'epoch' must be an integer"),
+        ('{"step": 1, "epoch": 1e400}', "'epoch' must be an integer"),
+        ('{"step": 1' + "0" * 400 + "}", "'step' must be an integer"),
+        ('{"step": 18446744073709551616}', "'step' must be an integer"),
+        ('{"step": 1, "version": 4294967296}', "'version' must be an integer"),
+        ('{"step": ' + "9" * 5000 + "}", "not valid JSON"),
+        ('{"step": 1, "metadata": {"k": 1e400}}', "'metadata' must map strings to strings"),
+        ("[" * 100_000 + "]" * 100_000, "nested deeper than 512 levels"),
+        ('{"step": 1, "x": ' + "[" * 1000 + "]" * 1000 + "}", "nested deeper than 512 levels"),
+    ],
+)
+def test_every_number_as_serde_reads_it(tmp_path: Path, text: str, message: str) -> None:
+    _write_state(tmp_path, text)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(message)):
+        boostr.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "step", "learning_rate"),
+    [
+        ('{"step": 18446744073709551615, "learning_rate": 1}', 2**64 - 1, 1.0),
+        ('{"step": 0, "learning_rate": -0}', 0, -0.0),  # serde: -0 is the float -0.0
+        ('{"step": 0, "learning_rate": -0.0}', 0, -0.0),
+        ('{"step": 0, "learning_rate": 1e-400}', 0, 0.0),
+        ('{"step": 0, "learning_rate": 18446744073709551617}', 0, 18446744073709551616.0),
+        ('{"step": 5, "unknown": 1e400, "other": [1, {"a": null}]}', 5, 0.0),  # serde skips these
+    ],
+)
+def test_numbers_serde_accepts(tmp_path: Path, text: str, step: int, learning_rate: float) -> None:
+    _write_state(tmp_path, text)
+    state = boostr.load(tmp_path).state
+    assert state.step == step
+    assert state.learning_rate == learning_rate
+    assert np.copysign(1.0, state.learning_rate) == np.copysign(1.0, learning_rate)
+
+
+@pytest.mark.parametrize(
+    ("split", "message"),
+    [
+        ({"wq": 2**64}, "'wq' must be an integer"),  # at HEAD: accepted
+        ({"wq": -0}, "'wq' must be an integer"),
+        ({"wq": 1.0}, "'wq' must be an integer"),
+        ({"wq": True}, "'wq' must be an integer"),
+        ([0], "'split_dims' must map"),
+    ],
+)
+def test_split_dims_are_usize(tmp_path: Path, split: Any, message: str) -> None:
+    root = _tp(tmp_path)
+    meta = json.loads((root / "sharding_meta.json").read_text())
+    meta["shards"][0]["split_dims"] = split
+    text = json.dumps(meta).replace('"wq": 0', '"wq": -0') if split == {"wq": -0} else None
+    (root / "sharding_meta.json").write_text(text or json.dumps(meta))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(message)):
+        boostr.load_consolidated(root)
+
+
+def test_dense_training_state_is_refused_within_the_memory_bound(tmp_path: Path) -> None:
+    """8 MiB of ``{},`` in an ignored member: at HEAD parsed at about 25 x its size."""
+    import tracemalloc
+
+    text = '{"step": 1, "x": [' + "{}," * ((8 << 20) // 3) + "0]}"
+    _write_state(tmp_path, text)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match="too many values for its size"):
+            boostr.load(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 24 * len(text) + (32 << 20)
+
+
+def test_a_training_state_that_shrinks_while_read_is_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from savepoint.storage import local
+
+    _write_state(tmp_path, {"step": 1})
+
+    def short(fd: int, offset: int, length: int) -> bytes:
+        raise EOFError(f"wanted {length} bytes at {offset}")
+
+    monkeypatch.setattr(local, "read_exact", short)
+    with pytest.raises(CorruptCheckpointError, match="shrank while being read"):  # HEAD: EOFError
+        boostr.read_training_state(tmp_path)
+
+
+def test_special_and_unreadable_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from savepoint.errors import CheckpointPermissionError
+
+    _write_state(tmp_path, {"step": 1})
+    os.mkfifo(tmp_path / "sharding_meta.json")  # a FIFO never blocks the reader
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        boostr.read_sharding_meta(tmp_path)
+    real_open = os.open
+
+    def denied(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if str(path).endswith("training_state.json"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(CheckpointPermissionError):
+        boostr.load(tmp_path)
+
+
+def test_unlistable_distributed_directory_is_a_permission_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from savepoint.errors import CheckpointPermissionError
+
+    root = _tp(tmp_path)
+    real_listdir = os.listdir
+
+    def denied(path: Any = ".") -> list[str]:
+        if Path(path) == root:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", denied)
+    with pytest.raises(CheckpointPermissionError):  # at HEAD: a raw PermissionError
+        boostr.load_consolidated(root)

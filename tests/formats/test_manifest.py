@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from savepoint.errors import UnsupportedStateError
 from savepoint.formats import checksum
 from savepoint.formats import manifest as mf
 
@@ -133,7 +134,7 @@ def test_dumps_layout() -> None:
 def test_dumps_refuses_non_finite_floats() -> None:
     m = sample_manifest()
     m.metadata["bad"] = math.nan
-    with pytest.raises(ValueError):
+    with pytest.raises(UnsupportedStateError, match="cannot store"):
         mf.dumps(m)
 
 

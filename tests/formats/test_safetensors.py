@@ -499,3 +499,180 @@ def test_null_metadata_is_rejected_too() -> None:
 
 def test_header_error_is_a_value_error() -> None:
     assert issubclass(fmt.HeaderError, ValueError)
+
+
+def test_header_error_is_a_checkpoint_error() -> None:
+    """The module-level parsers raise what callers (and the fuzz targets) expect of savepoint: a
+    CorruptCheckpointError (at HEAD: a bare ValueError)."""
+    from savepoint.errors import CorruptCheckpointError
+
+    assert issubclass(fmt.HeaderError, CorruptCheckpointError)
+    with pytest.raises(CorruptCheckpointError):
+        fmt.header_length(b"\xff" * 8, 100)
+
+
+# ---------------------------------------------------------------------------------------------
+# numbers, nesting and memory in the header's JSON
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"shape": [1] * 65}, "at most 64"),
+        ({"shape": [2**62, 1]}, "too large"),
+        ({"shape": [2**70, 0]}, "too large"),  # zero elements, absurd dimensions
+        ({"shape": [2.0]}, "shape must be"),
+        ({"shape": [True]}, "shape must be"),
+        ({"data_offsets": [0, 8.0]}, "data_offsets must be"),
+        ({"data_offsets": [False, 8]}, "data_offsets must be"),
+        ({"data_offsets": [0, 2**64]}, "bytes for shape"),
+    ],
+)
+def test_numbers_in_entries(entry: dict[str, Any], message: str) -> None:
+    raw = _header({**TENSORS, "a": {**TENSORS["a"], **entry}})
+    with pytest.raises(fmt.HeaderError, match=message):
+        fmt.parse_header(raw, _file_size(raw))
+
+
+@pytest.mark.parametrize(
+    ("number", "message"),
+    [
+        (b"1e400", "out of range for a 64-bit float"),
+        (b"NaN", "non-standard number"),
+        (b"Infinity", "non-standard number"),
+        (b"9" * 5000, "Exceeds the limit"),
+    ],
+)
+def test_numbers_json_refuses(number: bytes, message: str) -> None:
+    raw = _header(TENSORS).replace(b'"shape": [2]', b'"shape": [' + number + b"]")
+    with pytest.raises(fmt.HeaderError, match=message):
+        fmt.parse_header(raw, _file_size(raw))
+
+
+def test_negative_zero_offset_reads_as_zero() -> None:
+    raw = _header(TENSORS).replace(b'"data_offsets": [0, 8]', b'"data_offsets": [-0, 8]')
+    entries, _ = fmt.parse_header(raw, _file_size(raw))
+    assert entries[0].start == 8 + len(raw)
+
+
+def test_many_huge_dimensions_are_refused_at_once() -> None:
+    """1000 dimensions of 4000 digits: refused by count before any product is taken."""
+    import time
+
+    big = "1" + "0" * 4000
+    raw = _header(TENSORS).replace(
+        b'"shape": [2]', f'"shape": [{", ".join([big] * 1000)}]'.encode()
+    )
+    start = time.perf_counter()
+    with pytest.raises(fmt.HeaderError, match="at most 64"):
+        fmt.parse_header(raw, _file_size(raw))
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("depth", [513, 1000, 1_000_000])
+def test_deep_nesting_is_refused(depth: int) -> None:
+    raw = b'{"__metadata__": ' + b"[" * depth + b"]" * depth + b"}"
+    with pytest.raises(fmt.HeaderError, match="nested deeper than 512 levels"):
+        fmt.parse_header(raw, 8 + len(raw))
+
+
+@pytest.mark.parametrize("unit", [b"[],", b"{},", b"[[[[[[[[0]]]]]]]],"])
+def test_dense_header_is_refused_within_the_memory_bound(unit: bytes) -> None:
+    """At HEAD an 8 MiB header of ``{},`` parsed (about 25 x its size) before its metadata was
+    found wrong; 100 MB, the header cap, is 2.5 GB."""
+    import tracemalloc
+
+    raw = b'{"__metadata__": [' + unit * ((8 << 20) // len(unit)) + b"0]}"
+    tracemalloc.start()
+    try:
+        with pytest.raises(fmt.HeaderError, match="too many values for its size"):
+            fmt.parse_header(raw, 8 + len(raw))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 24 * len(raw) + (32 << 20)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors files: special, unreadable, shrinking, unmappable
+# ---------------------------------------------------------------------------------------------
+
+
+def _file(tmp_path: Path) -> Path:
+    path = tmp_path / "x.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((2, 3), np.float32)}, str(path))
+    return path
+
+
+def test_fifo_named_safetensors_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from savepoint.errors import CorruptCheckpointError
+    from savepoint.formats import _files
+
+    path = tmp_path / "x.safetensors"
+    os.mkfifo(path)
+
+    def hang(signum: int, frame: Any) -> None:
+        raise TimeoutError("opening a FIFO blocked")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(10)
+    try:
+        with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+            _files.SafetensorsFile(str(path))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_unreadable_file_is_a_permission_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from savepoint.errors import CheckpointPermissionError
+    from savepoint.formats import _files
+
+    path = _file(tmp_path)
+    real_open = os.open
+
+    def denied(file: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(CheckpointPermissionError):
+        _files.SafetensorsFile(str(path))
+
+
+@pytest.mark.parametrize("failure", ["shrinks", "io-error", "unmappable"])
+def test_read_failures_are_checkpoint_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """At HEAD: a raw EOFError (the file shrank between fstat and read) or OSError escaped."""
+    from savepoint.errors import CheckpointError, CorruptCheckpointError
+    from savepoint.formats import _files
+    from savepoint.storage import local
+
+    path = _file(tmp_path)
+    if failure == "unmappable":
+
+        def no_map(fd: int, size: int, **kw: Any) -> Any:
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(local, "MappedFile", no_map)
+    else:
+
+        def fail(fd: int, offset: int, length: int) -> bytes:
+            if failure == "shrinks":
+                raise EOFError(f"wanted {length} bytes at {offset}")
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(local, "read_exact", fail)
+    expected = CorruptCheckpointError if failure == "shrinks" else CheckpointError
+    with pytest.raises(expected, match=r"shrank|cannot be read"):
+        _files.SafetensorsFile(str(path))

@@ -28,6 +28,7 @@ from savepoint.formats._boostr_single import (
     write,
 )
 from savepoint.formats._files import ConcatTensor, LazyTensor, SafetensorsFile
+from savepoint.storage import local
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,10 @@ class ShardingConfig:
             raise Bad("'owned_params' must be a list of strings")
         strategy, stage = _strategy(doc.get("strategy"))
         split = doc.get("split_dims", {})
-        if not isinstance(split, dict) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in split.values()
-        ):
-            raise Bad("'split_dims' must map parameter names to non-negative integers")
+        if not isinstance(split, dict):
+            raise Bad("'split_dims' must map parameter names to dimensions")
+        for param in split:
+            uint(split, param, None)  # serde's usize: an integer in [0, 2**64)
         return cls(
             world_size=uint(doc, "world_size", None),
             rank=uint(doc, "rank", None),
@@ -103,9 +104,15 @@ def read_sharding_meta(directory: str | os.PathLike[str]) -> ShardingMeta:
 
 
 def _rank_dirs(directory: str) -> list[int]:
+    try:
+        names = os.listdir(directory)
+    except PermissionError as exc:
+        raise local.permission_error(exc, directory) from None
+    except OSError as exc:
+        raise corrupt(directory, f"cannot list the directory: {exc.strerror or exc}") from None
     return sorted(
         int(m.group(1))
-        for e in os.listdir(directory)
+        for e in names
         if (m := RANK_DIR.fullmatch(e)) and os.path.isdir(os.path.join(directory, e))
     )
 

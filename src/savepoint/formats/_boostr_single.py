@@ -40,36 +40,50 @@ _U64 = 1 << 64
 Framework = Literal["numpy", "torch"]
 
 
-class Bad(ValueError):
-    """A malformed JSON document; callers raise CorruptCheckpointError naming the file."""
+class Bad(CorruptCheckpointError):
+    """A malformed JSON document (a CorruptCheckpointError); the readers re-raise it with the
+    file's path."""
 
 
 def uint(doc: dict[str, Any], key: str, default: int | None, bound: int = _U64) -> int:
+    """Member ``key`` as serde reads an unsigned integer field: a JSON integer in ``[0, bound)``
+    (not a bool, not a float such as ``5.0`` or ``-0``), ``default`` when absent."""
     value = doc.get(key, default)
     if value is None:
         raise Bad(f"{key!r} is {'missing' if key not in doc else 'null'}")
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
-        raise Bad(f"{key!r} must be an integer in [0, {bound}), got {value!r}")
+    if type(value) is not int or not 0 <= value < bound:
+        raise Bad(f"{key!r} must be an integer in [0, {bound}), got {show(value)}")
     return value
 
 
+def show(value: Any) -> str:
+    """``repr(value)``, shortened: a hostile number can have thousands of digits."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
+
+
 def read_json(path: str, what: str) -> Any:
+    """The JSON object in ``path``, read through ``local.open_read`` (never blocks on a FIFO,
+    refuses symlinks; an unreadable file is CheckpointPermissionError) and the bounded JSON
+    reader, with serde's number rules (see :func:`savepoint.formats._json.loads`)."""
     try:
         fd = local.open_read(path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing ({what})", path=path) from None
-    except (local.SymlinkError, local.NotRegularFileError) as exc:
-        raise CorruptCheckpointError(
-            f"{path} {exc.strerror}; refusing to read it", path=path
-        ) from None
     try:
         size = os.fstat(fd).st_size
         if size > MAX_JSON_BYTES:
             raise CorruptCheckpointError(f"{path} is {size} bytes, over the 64 MiB cap", path=path)
         raw = local.read_exact(fd, 0, size)
+    except EOFError:
+        raise CorruptCheckpointError(f"{path} shrank while being read", path=path) from None
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"{path} cannot be read: {exc.strerror or exc}", path=path
+        ) from None
     finally:
         os.close(fd)
-    doc = _json.loads(raw, CorruptCheckpointError, str(path))
+    doc = _json.loads(raw, CorruptCheckpointError, str(path), serde=True)
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path} is not a JSON object", path=path)
     return doc
@@ -98,14 +112,20 @@ class TrainingState:
             )
         lr = doc.get("learning_rate", 0.0)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-            raise Bad(f"'learning_rate' must be a number, got {lr!r}")
+            raise Bad(f"'learning_rate' must be a number, got {show(lr)}")
+        try:
+            lr = float(lr)  # serde reads an integer as the nearest f64
+        except OverflowError:  # an integer literal of more than 308 digits
+            lr = math.inf
+        if not math.isfinite(lr):
+            raise Bad("'learning_rate' is out of range for a 64-bit float (serde refuses it)")
         metadata = doc.get("metadata", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise Bad("'metadata' must map strings to strings")
         return cls(
             step=uint(doc, "step", None),
             epoch=uint(doc, "epoch", 0),
-            learning_rate=float(lr),
+            learning_rate=lr,
             metadata=dict(metadata),
             version=version,
         )
@@ -371,10 +391,13 @@ def write(
     directory there is refused.
     """
     target = os.path.abspath(os.fspath(path))
-    foreign = os.path.lexists(target) and (
-        not os.path.isdir(target)
-        or (bool(os.listdir(target)) and not os.path.isfile(os.path.join(target, STATE)))
-    )
+    try:
+        foreign = os.path.lexists(target) and (
+            not os.path.isdir(target)
+            or (bool(os.listdir(target)) and not os.path.isfile(os.path.join(target, STATE)))
+        )
+    except OSError as exc:
+        raise _files.write_error(target, exc) from None
     if foreign:
         raise CheckpointWriteError(
             f"{target} exists and is not a boostr checkpoint directory; refusing to replace it",

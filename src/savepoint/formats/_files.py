@@ -29,7 +29,12 @@ from typing import Any
 import numpy as np
 
 from savepoint.commit import atomic
-from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+)
 from savepoint.formats import checksum
 from savepoint.formats import safetensors as st_format
 from savepoint.state import arrays, dtypes
@@ -272,14 +277,10 @@ class SafetensorsFile:
     def __init__(self, path: str) -> None:
         self.path = path
         try:
+            # Never blocks on a FIFO, refuses symlinks and special files (CorruptCheckpointError),
+            # and an unreadable file is CheckpointPermissionError.
             fd = local.open_read(path)
-        except (local.SymlinkError, local.NotRegularFileError) as exc:
-            raise CorruptCheckpointError(
-                f"{path} {exc.strerror}; refusing to read it", path=path
-            ) from None
         except FileNotFoundError:
-            from savepoint.errors import CheckpointNotFoundError
-
             raise CheckpointNotFoundError(f"no file at {path}", path=path) from None
         try:
             self.size = os.fstat(fd).st_size
@@ -287,10 +288,19 @@ class SafetensorsFile:
                 n = st_format.header_length(local.read_exact(fd, 0, min(8, self.size)), self.size)
                 raw = local.read_exact(fd, 8, n)
                 entries, metadata = st_format.parse_header(raw, self.size)
+                del raw
             except st_format.HeaderError as exc:
                 raise CorruptCheckpointError(f"{path}: {exc}", path=path) from None
             self.header_size = 8 + n
             self._map = local.MappedFile(fd, self.size)
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"{path} shrank while being read (was it changed meanwhile?)", path=path
+            ) from None
+        except (OSError, ValueError) as exc:  # EIO, or a mapping the system refuses
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{path} cannot be read: {exc}", path=path) from None
         finally:
             os.close(fd)
         self.entries = entries

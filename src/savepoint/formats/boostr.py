@@ -10,7 +10,12 @@ Single checkpoint, a directory::
 ``training_state.json`` follows the seed's serde rules: ``step`` is required; ``epoch``,
 ``learning_rate`` and ``metadata`` default to 0, 0.0 and {} when absent; an absent ``version``
 means 1 (checkpoints from before the field existed). Unknown members are ignored, as serde does;
-duplicate members, NaN/Infinity, nulls and wrong types are errors. The writer always writes
+duplicate members, NaN/Infinity, nulls and wrong types are errors. Numbers are read as serde_json
+reads them: ``step``/``epoch`` are u64 (a float such as ``5.0``, and ``-0``, which serde_json reads
+as the float -0.0, are refused); ``learning_rate`` takes any JSON number as the nearest f64, and
+one out of its range (``1e400``, or an integer of 400 digits) is refused by name. Both JSON files
+are read through ``storage.local.open_read`` (a FIFO is refused without blocking; an unreadable
+file is CheckpointPermissionError) and the bounded JSON reader (``savepoint.formats._json``). The writer always writes
 version 2 (the seed's current version), pretty-printed with two-space indents as
 ``serde_json::to_string_pretty`` does, refuses non-finite learning rates (serde would write
 ``null``, which no reader accepts), and writes ``optimizer.safetensors`` only for a non-empty

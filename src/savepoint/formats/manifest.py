@@ -48,7 +48,17 @@ an IncompatibleCheckpointError. Version 1 is the first; version 2 adds sharding.
 
 A manifest is hostile input: :func:`parse` checks it completely (file names that could leave the
 directory, ranges past the recorded file sizes, sizes that disagree with shape x dtype, unknown
-tree nodes, dangling references, duplicate JSON keys) before any data file is opened.
+tree nodes, dangling references, duplicate JSON keys) before any data file is opened. Its JSON is
+read by the bounded reader of :mod:`savepoint.formats._json`: at most 512 levels of nesting, and
+peak memory at most 24 x the manifest's size + 32 MiB (a real manifest takes about 6.5 x); numbers
+are JSON integers where integers belong (no bool, no ``2.0``; sizes and offsets below 2**63,
+dimensions below 2**62), and floats are finite (``1e400``, NaN and Infinity are refused).
+
+``MAX_MANIFEST_BYTES`` stays 1 GiB: a 1,000,000-tensor unsharded manifest is about 250 MB, but
+sharded ones grow with the shards (about 140 bytes each: a 91,000-tensor model saved 64-way
+flat-sharded writes about 815 MB), and the memory a manifest can cost is bounded by its size.
+:func:`dumps` refuses (UnsupportedStateError) any manifest a reader would refuse: over the cap,
+too deep, or too dense, so a checkpoint that cannot be loaded is never written.
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from savepoint.errors import (
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    UnsupportedStateError,
+)
 from savepoint.formats import _json, boxes, checksum
 from savepoint.state import dtypes
 
@@ -167,12 +182,14 @@ class Manifest:
         return self.format_version >= SHARDED
 
 
-class ManifestError(ValueError):
-    """The manifest is malformed; callers turn it into a CorruptCheckpointError with a path."""
+class ManifestError(CorruptCheckpointError):
+    """The manifest is malformed (a CorruptCheckpointError, so a ValueError too); the reader
+    re-raises it with the checkpoint's path."""
 
 
-class ManifestVersionError(ValueError):
-    """The manifest is from a newer format version."""
+class ManifestVersionError(IncompatibleCheckpointError):
+    """The manifest is from a newer format version (an IncompatibleCheckpointError, so a
+    ValueError too)."""
 
 
 def _shard_json(s: ShardRecord) -> dict[str, Any]:
@@ -185,6 +202,10 @@ def _shard_json(s: ShardRecord) -> dict[str, Any]:
 
 
 def dumps(m: Manifest) -> bytes:
+    """The manifest's bytes. Raises UnsupportedStateError when readers would refuse them: larger
+    than ``MAX_MANIFEST_BYTES``, nested deeper than the JSON reader's depth cap, or denser than
+    its memory bound allows (see :mod:`savepoint.formats._json`); a checkpoint that cannot be
+    loaded is never written."""
     body: dict[str, Any] = {
         "format": FORMAT,
         "format_version": m.format_version,
@@ -221,16 +242,67 @@ def dumps(m: Manifest) -> bytes:
     body["tensors"] = tensors
     body["tree"] = m.tree
     # One top-level member per line, each value compact: readable with `head`, small for big trees.
-    members = ",\n".join(
-        f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), ensure_ascii=True, allow_nan=False)}"
-        for k, v in body.items()
-    )
+    try:
+        members = ",\n".join(
+            f" {json.dumps(k)}: "
+            f"{json.dumps(v, separators=(',', ':'), ensure_ascii=True, allow_nan=False)}"
+            for k, v in body.items()
+        )
+    except RecursionError:
+        raise UnsupportedStateError(
+            f"the state is nested too deeply to store (readers accept {_json.MAX_DEPTH} levels "
+            "of JSON nesting in a manifest)"
+        ) from None
+    except ValueError as exc:  # an integer too long to write (over 4300 digits)
+        raise UnsupportedStateError(f"the state holds a value JSON cannot store: {exc}") from None
     head = ("{\n" + members).encode("ascii")
-    return head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")
+    raw = head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise UnsupportedStateError(
+            f"the manifest would be {len(raw)} bytes, over the {_CAP} cap readers enforce; "
+            "split the state over several checkpoints"
+        )
+    try:
+        _json.check(raw)
+    except _json.StrictJSONError as exc:
+        raise UnsupportedStateError(
+            f"readers would refuse this manifest ({exc}); store long runs of plain values as "
+            "arrays, and keep nesting shallower"
+        ) from None
+    return raw
 
 
-def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+_CAP = f"{MAX_MANIFEST_BYTES >> 20} MiB"
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+_ITEMSIZE = {name: d.itemsize for name, d in dtypes.BY_NAME.items()}
+_MAX_OFFSET = 1 << 63
+_MAX_WORLD = 1 << 31
+_V1_TENSOR = frozenset(("dtype", "shape", "file", "offsets", "xxh3"))
+_V2_TENSOR = frozenset(("dtype", "shape", "shards"))
+_FILE = frozenset(("size", "header_size", "header_xxh3"))
+_BOX_SHARD = frozenset(("file", "offsets", "xxh3", "box"))
+_FLAT_SHARD = frozenset(("file", "offsets", "xxh3", "flat"))
+
+
+def _natural(x: Any) -> bool:
+    """A JSON integer >= 0 of any size (not a bool, not a float such as ``2.0``); dimensions are
+    bounded by :func:`_dtype_and_shape`, box and flat bounds by the shape."""
+    return type(x) is int and x >= 0
+
+
+def _offset(x: Any) -> bool:
+    """A byte size or offset: a JSON integer in ``[0, 2**63)`` (what file APIs take)."""
+    return type(x) is int and 0 <= x < _MAX_OFFSET
+
+
+def _is_digest(x: Any) -> bool:
+    return type(x) is str and _DIGEST.fullmatch(x) is not None
+
+
+def _show(x: Any) -> str:
+    """``repr(x)``, shortened: hostile numbers can have thousands of digits."""
+    text = repr(x)
+    return text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -239,8 +311,12 @@ def _require(ok: bool, message: str) -> None:
 
 
 def parse(raw: bytes) -> Manifest:
-    """Check ``raw`` completely and return the manifest it holds."""
-    _require(len(raw) <= MAX_MANIFEST_BYTES, "manifest is larger than the 1 GiB cap")
+    """Check ``raw`` completely and return the manifest it holds.
+
+    Raises ManifestError (malformed, including JSON the bounded reader refuses: too deep, too
+    dense for its size, numbers out of range) or ManifestVersionError (a newer format).
+    """
+    _require(len(raw) <= MAX_MANIFEST_BYTES, f"manifest is larger than the {_CAP} cap")
     trailer = _TRAILER.search(raw)
     _require(trailer is not None, "manifest has no checksum trailer (truncated or edited)")
     assert trailer is not None
@@ -251,16 +327,21 @@ def parse(raw: bytes) -> Manifest:
     doc = _json.loads(raw, ManifestError, "manifest")
     _require(isinstance(doc, dict), "manifest is not a JSON object")
     _require(
-        doc.get("format") == FORMAT, f"not a savepoint manifest (format {doc.get('format')!r})"
+        doc.get("format") == FORMAT,
+        f"not a savepoint manifest (format {_show(doc.get('format'))})",
     )
     version = doc.get("format_version")
-    _require(_count(version), "format_version must be a non-negative integer")
+    _require(
+        _natural(version), f"format_version must be a non-negative integer, got {_show(version)}"
+    )
     if version > VERSION:
         raise ManifestVersionError(
-            f"written in format version {version} by {doc.get('writer')!r}; this savepoint reads "
-            f"versions up to {VERSION}: upgrade savepoint to load it"
+            f"written in format version {_show(version)} by {_show(doc.get('writer'))}; this "
+            f"savepoint reads versions up to {VERSION}: upgrade savepoint to load it"
         )
-    _require(doc.get("checksum") == checksum.ALGORITHM, f"unknown checksum {doc.get('checksum')!r}")
+    _require(
+        doc.get("checksum") == checksum.ALGORITHM, f"unknown checksum {_show(doc.get('checksum'))}"
+    )
     for key in ("writer", "created"):
         _require(isinstance(doc.get(key), str), f"{key} must be a string")
     _require(isinstance(doc.get("metadata"), dict), "metadata must be an object")
@@ -271,21 +352,29 @@ def parse(raw: bytes) -> Manifest:
     for name, f in raw_files.items():
         _require(
             bool(_FILE_NAME.fullmatch(name)) and ".." not in name,
-            f"data file name {name!r} is not a plain file name inside the checkpoint",
+            f"data file name {_show(name)} is not a plain file name inside the checkpoint",
         )
         _require(
-            isinstance(f, dict) and set(f) == {"size", "header_size", "header_xxh3"},
+            type(f) is dict and f.keys() == _FILE,
             f"file {name!r}: entry must have size, header_size, header_xxh3",
         )
-        _require(_count(f["size"]) and _count(f["header_size"]), f"file {name!r}: bad sizes")
-        _require(8 <= f["header_size"] <= f["size"], f"file {name!r}: header larger than the file")
-        _require(checksum.is_digest(f["header_xxh3"]), f"file {name!r}: bad header checksum")
-        files[name] = FileRecord(f["size"], f["header_size"], f["header_xxh3"])
+        size, header_size = f["size"], f["header_size"]
+        _require(
+            _offset(size) and _offset(header_size),
+            f"file {name!r}: bad sizes (size {_show(size)}, header_size {_show(header_size)}: "
+            "integers in [0, 2**63) expected)",
+        )
+        _require(8 <= header_size <= size, f"file {name!r}: header larger than the file")
+        _require(_is_digest(f["header_xxh3"]), f"file {name!r}: bad header checksum")
+        files[name] = FileRecord(size, header_size, f["header_xxh3"])
 
     world_size = None
     if version >= SHARDED:
         world_size = doc.get("world_size")
-        _require(_count(world_size) and world_size >= 1, "world_size must be a positive integer")
+        _require(
+            type(world_size) is int and 1 <= world_size < _MAX_WORLD,
+            f"world_size must be an integer in [1, 2**31), got {_show(world_size)}",
+        )
 
     tensors: dict[str, TensorRecord] = {}
     raw_tensors = doc.get("tensors")
@@ -295,19 +384,19 @@ def parse(raw: bytes) -> Manifest:
             tensors[name] = _sharded_tensor(name, t, files)
             continue
         _require(
-            isinstance(t, dict) and set(t) == {"dtype", "shape", "file", "offsets", "xxh3"},
+            type(t) is dict and t.keys() == _V1_TENSOR,
             f"tensor {name!r}: entry must have dtype, shape, file, offsets, xxh3",
         )
-        shape = _dtype_and_shape(name, t)
+        shape, itemsize = _dtype_and_shape(name, t)
         start, end = _byte_range(f"tensor {name!r}", t, files)
-        expected = math.prod(shape) * dtypes.BY_NAME[t["dtype"]].itemsize
+        expected = math.prod(shape) * itemsize
         _require(
             end - start == expected,
-            f"tensor {name!r}: {end - start} bytes recorded, shape {shape} of {t['dtype']} needs "
-            f"{expected}",
+            f"tensor {name!r}: {end - start} bytes recorded, shape {list(shape)} of {t['dtype']} "
+            f"needs {expected}",
         )
-        _require(checksum.is_digest(t["xxh3"]), f"tensor {name!r}: bad checksum")
-        tensors[name] = TensorRecord(t["dtype"], tuple(shape), t["file"], start, end, t["xxh3"])
+        _require(_is_digest(t["xxh3"]), f"tensor {name!r}: bad checksum")
+        tensors[name] = TensorRecord(t["dtype"], shape, t["file"], start, end, t["xxh3"])
 
     tree = doc.get("tree")
     _check_tree(tree, tensors)
@@ -323,72 +412,69 @@ def parse(raw: bytes) -> Manifest:
     )
 
 
-def _dtype_and_shape(name: str, t: dict[str, Any]) -> list[int]:
-    _require(
-        isinstance(t["dtype"], str) and t["dtype"] in dtypes.BY_NAME,
-        f"tensor {name!r}: unknown dtype {t['dtype']!r}",
-    )
+def _dtype_and_shape(name: str, t: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    """The checked shape (a tuple) and the dtype's itemsize of an entry with those members."""
+    dtype = t["dtype"]
+    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    _require(itemsize is not None, f"tensor {name!r}: unknown dtype {_show(dtype)}")
+    assert itemsize is not None
     shape = t["shape"]
     _require(
-        isinstance(shape, list) and len(shape) <= 64 and all(map(_count, shape)),
+        type(shape) is list and len(shape) <= 64 and all(map(_natural, shape)),
         f"tensor {name!r}: shape must be a list of at most 64 non-negative integers",
     )
     # Zero-element shapes pass any byte-count check; keep their other dimensions allocatable.
-    itemsize = dtypes.BY_NAME[t["dtype"]].itemsize
+    # (Bounding each dimension first keeps the product of hostile ones cheap.)
     _require(
-        math.prod(max(d, 1) for d in shape) * itemsize < 2**62,
-        f"tensor {name!r}: shape {shape} is too large",
+        max(shape, default=0) < 2**62 and math.prod([d or 1 for d in shape]) * itemsize < 2**62,
+        f"tensor {name!r}: shape {_show(shape)} is too large",
     )
-    return list(shape)
+    return tuple(shape), itemsize
 
 
 def _byte_range(what: str, t: dict[str, Any], files: dict[str, FileRecord]) -> tuple[int, int]:
     """The checked ``offsets`` of an entry whose ``file`` and ``offsets`` members exist."""
-    _require(
-        isinstance(t["file"], str) and t["file"] in files,
-        f"{what}: refers to unknown file {t['file']!r}",
-    )
+    file = t["file"]
+    record = files.get(file) if type(file) is str else None
+    _require(record is not None, f"{what}: refers to unknown file {_show(file)}")
+    assert record is not None
     offsets = t["offsets"]
     _require(
-        isinstance(offsets, list) and len(offsets) == 2 and all(map(_count, offsets)),
-        f"{what}: offsets must be two non-negative integers",
+        type(offsets) is list and len(offsets) == 2 and all(map(_offset, offsets)),
+        f"{what}: offsets must be two integers in [0, 2**63), got {_show(offsets)}",
     )
     start, end = offsets
-    record = files[t["file"]]
     _require(
         record.header_size <= start <= end <= record.size,
-        f"{what}: byte range {start}..{end} lies outside the data of {t['file']!r}",
+        f"{what}: byte range {start}..{end} lies outside the data of {file!r}",
     )
     return start, end
 
 
 def _pair(x: Any) -> bool:
-    return isinstance(x, list) and len(x) == 2 and all(map(_count, x)) and x[0] <= x[1]
+    return type(x) is list and len(x) == 2 and all(map(_natural, x)) and x[0] <= x[1]
 
 
 def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord]) -> TensorRecord:
     _require(
-        isinstance(t, dict) and set(t) == {"dtype", "shape", "shards"},
+        type(t) is dict and t.keys() == _V2_TENSOR,
         f"tensor {name!r}: entry must have dtype, shape, shards",
     )
-    shape = tuple(_dtype_and_shape(name, t))
-    itemsize = dtypes.BY_NAME[t["dtype"]].itemsize
+    shape, itemsize = _dtype_and_shape(name, t)
     raw_shards = t["shards"]
     _require(
-        isinstance(raw_shards, list) and len(raw_shards) > 0,
+        type(raw_shards) is list and len(raw_shards) > 0,
         f"tensor {name!r}: shards must be a non-empty list",
     )
     shards = []
     for i, sh in enumerate(raw_shards):
         what = f"tensor {name!r} shard {i}"
         _require(
-            isinstance(sh, dict)
-            and set(sh)
-            in ({"file", "offsets", "xxh3", "box"}, {"file", "offsets", "xxh3", "flat"}),
+            type(sh) is dict and (sh.keys() == _BOX_SHARD or sh.keys() == _FLAT_SHARD),
             f"{what}: entry must have file, offsets, xxh3 and one of box, flat",
         )
         start, end = _byte_range(what, sh, files)
-        _require(checksum.is_digest(sh["xxh3"]), f"{what}: bad checksum")
+        _require(_is_digest(sh["xxh3"]), f"{what}: bad checksum")
         region: boxes.Region
         if "flat" in sh:
             _require(_pair(sh["flat"]), f"{what}: flat must be [start, stop] with start <= stop")
@@ -396,7 +482,7 @@ def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord]) -> TensorRe
         else:
             box = sh["box"]
             _require(
-                isinstance(box, list) and len(box) == len(shape) and all(map(_pair, box)),
+                type(box) is list and len(box) == len(shape) and all(map(_pair, box)),
                 f"{what}: box must hold one [start, stop] (start <= stop) per dimension of "
                 f"{list(shape)}",
             )
@@ -424,49 +510,48 @@ def _check_tree(root: Any, tensors: dict[str, TensorRecord]) -> None:
     stack = [root]
     while stack:
         node = stack.pop()
-        _require(isinstance(node, dict) and isinstance(node.get("t"), str), "tree: malformed node")
+        _require(type(node) is dict and type(node.get("t")) is str, "tree: malformed node")
         t = node["t"]
         if t == "dict":
             items = node.get("items")
-            _require(isinstance(items, list), "tree: dict node without items")
+            _require(type(items) is list, "tree: dict node without items")
             seen: set[tuple[type, Any]] = set()
             for item in items:
-                _require(isinstance(item, list) and len(item) == 2, "tree: malformed dict item")
+                _require(type(item) is list and len(item) == 2, "tree: malformed dict item")
                 k = item[0]
                 _require(
-                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)),
-                    f"tree: dict key {k!r} is not a string or integer",
+                    type(k) is str or type(k) is int,
+                    f"tree: dict key {_show(k)} is not a string or integer",
                 )
-                _require((type(k), k) not in seen, f"tree: duplicate dict key {k!r}")
+                _require((type(k), k) not in seen, f"tree: duplicate dict key {_show(k)}")
                 seen.add((type(k), k))
                 stack.append(item[1])
         elif t in ("list", "tuple"):
-            _require(isinstance(node.get("items"), list), f"tree: {t} node without items")
+            _require(type(node.get("items")) is list, f"tree: {t} node without items")
             stack.extend(node["items"])
         elif t == "tensor":
             ref, kind = node.get("ref"), node.get("kind")
             _require(
-                isinstance(ref, str) and ref in tensors,
-                f"tree: reference to unknown tensor {ref!r}",
+                type(ref) is str and ref in tensors,
+                f"tree: reference to unknown tensor {_show(ref)}",
             )
             _require(
-                isinstance(kind, str) and kind in _KINDS, f"tree: unknown tensor kind {kind!r}"
+                type(kind) is str and kind in _KINDS, f"tree: unknown tensor kind {_show(kind)}"
             )
         elif t == "stateful":
-            _require(isinstance(node.get("type"), str), "tree: stateful node without a type")
+            _require(type(node.get("type")) is str, "tree: stateful node without a type")
             stack.append(node.get("state"))
         elif t == "value":
+            # Floats are finite: the reader refuses 1e400, NaN and Infinity (those are "float").
             v = node.get("v", ...)
-            _require(
-                v is None or isinstance(v, (bool, int, float, str)), "tree: value is not a scalar"
-            )
+            _require(v is None or type(v) in (bool, int, float, str), "tree: value is not a scalar")
         elif t == "float":
             _require(node.get("v") in ("nan", "inf", "-inf"), "tree: bad special float")
         elif t == "bytes":
-            _require(isinstance(node.get("v"), str), "tree: bytes node without base64 text")
+            _require(type(node.get("v")) is str, "tree: bytes node without base64 text")
             try:
                 base64.b64decode(node["v"], validate=True)
             except (binascii.Error, ValueError):
                 raise ManifestError("tree: bytes node holds invalid base64") from None
         else:
-            raise ManifestError(f"tree: unknown node type {t!r}")
+            raise ManifestError(f"tree: unknown node type {_show(t)}")

@@ -12,8 +12,11 @@ str -> str map. savepoint writes tensors largest itemsize first: with the header
 every tensor then starts at a multiple of its own itemsize, so mmap'd views are aligned.
 
 Edge cases, as the reader enforces them:
-- ``N`` is capped (100 MB, like safetensors) and must fit in the file;
-- duplicate names, unknown dtypes, negative or non-integer dims are errors;
+- ``N`` is capped (100 MB, like safetensors) and must fit in the file; the JSON is read by the
+  bounded reader of :mod:`savepoint.formats._json` (512 levels of nesting at most, peak memory at
+  most 24 x ``N`` + 32 MiB);
+- duplicate names, unknown dtypes, negative or non-integer dims (a bool or ``2.0`` too) are
+  errors; a shape has at most 64 dimensions, each below 2**62, and at most 2**62 bytes;
 - ``e - b`` must equal ``prod(shape) * itemsize`` (Python integers: no overflow); 0-d tensors have
   ``shape == []`` and one element; empty tensors have ``b == e``;
 - the offsets, sorted, must tile ``[0, len(data))`` exactly: no gap, no overlap, nothing after.
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from savepoint.errors import CorruptCheckpointError
 from savepoint.formats import _json
 from savepoint.state import dtypes
 
@@ -44,8 +48,9 @@ class Entry:
     end: int
 
 
-class HeaderError(ValueError):
-    """Raised by :func:`parse_header`; callers turn it into a CorruptCheckpointError with a path."""
+class HeaderError(CorruptCheckpointError):
+    """Raised by :func:`header_length` and :func:`parse_header` (a CorruptCheckpointError, so a
+    ValueError too); callers that know the file add its path to the message."""
 
 
 def layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[Entry]]:
@@ -86,47 +91,72 @@ def header_length(prefix: bytes, file_size: int) -> int:
 
 
 def parse_header(raw: bytes, file_size: int) -> tuple[list[Entry], dict[str, str]]:
-    """Validate header JSON ``raw`` (without its length prefix) for a file of ``file_size`` bytes."""
+    """Validate header JSON ``raw`` (without its length prefix) for a file of ``file_size`` bytes.
+
+    The JSON is read by the bounded reader of :mod:`savepoint.formats._json` (nesting, memory
+    per byte of header); every number must be a JSON integer (no bool, no ``2.0``), shapes have
+    at most 64 dimensions whose product times the itemsize stays below 2**62.
+    """
     base = 8 + len(raw)
     header = _json.loads(raw, HeaderError, "header")
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise HeaderError("header is not a JSON object")
     metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
+    if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
         raise HeaderError("__metadata__ must map strings to strings")
     entries = []
     for name, info in header.items():
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        if type(info) is not dict or info.keys() != _ENTRY:
             raise HeaderError(
-                f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets"
+                f"tensor {_show(name)}: entry must have exactly dtype, shape, data_offsets"
             )
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in dtypes.BY_NAME:
-            raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
-            raise HeaderError(f"tensor {name!r}: shape must be a list of non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
-            raise HeaderError(f"tensor {name!r}: data_offsets must be two non-negative integers")
+        itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+        if itemsize is None:
+            raise HeaderError(f"tensor {_show(name)}: unknown dtype {_show(dtype)}")
+        if type(shape) is not list or len(shape) > 64 or not all(map(_is_count, shape)):
+            raise HeaderError(
+                f"tensor {_show(name)}: shape must be a list of at most 64 non-negative integers"
+            )
+        # Bounding each dimension first keeps the product of hostile ones cheap.
+        if max(shape, default=0) >= 2**62 or math.prod([d or 1 for d in shape]) * itemsize >= 2**62:
+            raise HeaderError(f"tensor {_show(name)}: shape {_show(shape)} is too large")
+        if not (type(offsets) is list and len(offsets) == 2 and all(map(_is_count, offsets))):
+            raise HeaderError(
+                f"tensor {_show(name)}: data_offsets must be two non-negative integers"
+            )
         begin, end = offsets
-        expected = math.prod(shape) * dtypes.BY_NAME[dtype].itemsize
+        expected = math.prod(shape) * itemsize
         if end - begin != expected:
             raise HeaderError(
-                f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype} ({expected} needed)"
+                f"tensor {_show(name)}: {_show(end - begin)} bytes for shape {shape} of {dtype} "
+                f"({expected} needed)"
             )
         entries.append(Entry(name, dtype, tuple(shape), base + begin, base + end))
     position = base
     for e in sorted(entries, key=lambda e: (e.start, e.end)):
         if e.start != position:
-            raise HeaderError(f"tensor {e.name!r}: data does not tile the buffer (gap or overlap)")
+            raise HeaderError(
+                f"tensor {_show(e.name)}: data does not tile the buffer (gap or overlap)"
+            )
         position = e.end
     if position != file_size:
         raise HeaderError(
-            f"data buffer ends at byte {position} but the file is {file_size} bytes long"
+            f"data buffer ends at byte {_show(position)} but the file is {file_size} bytes long"
         )
     return entries, metadata
 
 
+_ENTRY = frozenset(("dtype", "shape", "data_offsets"))
+_ITEMSIZE = {name: d.itemsize for name, d in dtypes.BY_NAME.items()}
+
+
 def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    """A JSON integer >= 0 (not a bool, not a float such as ``2.0``)."""
+    return type(x) is int and x >= 0
+
+
+def _show(x: Any) -> str:
+    """``repr(x)``, shortened: hostile names and numbers can be megabytes long."""
+    text = repr(x)
+    return text if len(text) <= 80 else f"{text[:60]}...({len(text)} characters)"

@@ -1,0 +1,479 @@
+"""Fuzz targets for the JSON parsers: native manifests (version 1 and sharded version 2), the
+safetensors header and standalone safetensors files, boostr's ``training_state.json`` and
+``sharding_meta.json``, and a native checkpoint whose data file is the fuzzed input.
+
+Every target calls what a user or the library calls (``sp.inspect``/``sp.load``/``sp.verify``,
+``detect.inspect_any``/``verify_any``, ``sp.convert``, the boostr readers, or the module-level
+``header_length``/``parse_header`` the readers call) and lets only CheckpointError through as a
+rejection. Seeds are real files written by savepoint: several tensors of several dtypes, nested
+metadata, a Stateful, tied tensors, several data files, sharded checkpoints of 3 ranks.
+
+Checksums would stop most mutations at the door, so the targets repair them where a writer would
+have: ``manifest`` re-seals the manifest's self-checksum (``manifest:raw`` does not), and
+``native_data_file`` tries the mutated data file both against the committed manifest and against
+one whose file record (size, header size and header checksum) is rewritten to match it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import savepoint as sp
+from fuzz._harness import Target, register
+from savepoint.distributed import FlatShard, Partitioned, Shard, plan
+from savepoint.distributed import save as dsave
+from savepoint.formats import _files, boostr, checksum, detect
+from savepoint.formats import manifest as mf
+from savepoint.formats import safetensors as st_format
+from savepoint.state import dtypes, tree
+
+_BF16 = dtypes.BY_NAME["BF16"].numpy
+_TRAILER = b',\n "manifest_xxh3"'
+
+
+class Counter:
+    """A Stateful leaf, so seeds hold ``stateful`` tree nodes."""
+
+    def __init__(self) -> None:
+        self.n = 3
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "history": [1.5, -0.0, None], "w": np.arange(3, dtype=np.int32)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = state["n"]
+
+
+def _model(seed: int = 7) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "encoder.layer0.weight": rng.standard_normal((4, 3)).astype(np.float32),
+        "encoder.layer0.bias": rng.standard_normal(3).astype(np.float64),
+        "embed.tokens": np.arange(6, dtype=np.uint8).reshape(2, 3),
+        "norm.scale": np.linspace(-2, 2, 5).astype(np.float16),
+        "head.weight": np.linspace(-1, 1, 8).astype(_BF16).reshape(2, 2, 2),
+        "mask": np.array([True, False, True]),
+        "counts": np.array([1, 2**31, 7], dtype=np.uint32),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+        "step": np.array(12345678901, dtype=np.int64),
+    }
+
+
+def _states() -> list[tuple[Any, dict[str, Any]]]:
+    """(state, metadata) pairs for the native seeds."""
+    model = _model()
+    tied = np.arange(4, dtype=np.float32)
+    training = {
+        "model": model,
+        "optimizer": {
+            "state": {0: {"exp_avg": np.ones(3, np.float32), "step": 10}, 1: {"step": 10}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1]}],
+        },
+        "tied": {"a": tied, "b": tied},
+        "counter": Counter(),
+        "rng": b"\x00\x01\xff",
+        "epoch": 3,
+        "loss": float("nan"),
+        "best": float("-inf"),
+        "big": 2**80,
+        "name": "ключ/x~y",
+        7: "seven",
+    }
+    metadata = {
+        "run": {"id": "abc", "tags": ["a", "b"], "lr": 1e-5, "nested": {"deep": [[1, 2], {}]}},
+        "note": "é😀",
+        "steps": list(range(20)),
+    }
+    plain = {"history": [0.5, 0.25, 0.125] * 4, "flags": [True, False, None], "w": model["mask"]}
+    return [(training, metadata), (plain, {}), ({"only": model["embed.tokens"]}, {"k": "v"})]
+
+
+def _rank_state(rank: int, world: int) -> dict[str, Any]:
+    w = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    f = np.arange(5 * 7, dtype=np.float64).reshape(5, 7) / 7
+    a, b = FlatShard.bounds(10, rank, world)
+    fa, fb = FlatShard.bounds(f.size, rank, world)
+    ca, cb = FlatShard.bounds(6, rank, world)
+    z = {f"p{i}": np.full((i + 1, 2), i, dtype=np.float32) for i in range(4)}
+    return {
+        "rows": Shard.split(w[a:b].copy(), 0, rank, world, size=10),
+        "cols": Shard(w[:, ca:cb].copy(), w.shape, (0, ca)),
+        "flat": FlatShard(f.reshape(-1)[fa:fb].copy(), f.shape, fa),
+        "rep": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "opt": Partitioned(
+            {k: v.copy() for i, (k, v) in enumerate(z.items()) if i % world == rank}
+        ),
+        "step": 7,
+    }
+
+
+def _save_ranks(path: Path, world: int) -> None:
+    """What ``sp.save(path, state, process_group=pg)`` writes on ``world`` ranks, in-process."""
+    states = [_rank_state(r, world) for r in range(world)]
+    described = [dsave.describe(tree.flatten(s), str(path)) for s in states]
+    merged = plan.merge([d[0] for d in described])
+    path.mkdir(parents=True)
+    results = [
+        dsave.write_pieces(
+            str(path), str(path), r, merged.writes[r], d[1], max_file_bytes=256, writers=1
+        )
+        for r, d in enumerate(described)
+    ]
+    raw = mf.dumps(dsave._manifest(merged, results, {"note": "ranks", "world": world}, world))
+    (path / mf.NAME).write_bytes(raw)
+
+
+def _renamed(raw: bytes, prefix: str) -> tuple[bytes, dict[str, str]]:
+    """The manifest ``raw`` with every data file renamed ``prefix + name`` (sealed again), so the
+    data files of every seed can live in one directory."""
+    m = mf.parse(raw)
+    names = {name: prefix + name for name in m.files}
+    tensors = {
+        ref: mf.TensorRecord(
+            t.dtype,
+            t.shape,
+            names.get(t.file, ""),
+            t.start,
+            t.end,
+            t.xxh3,
+            tuple(
+                mf.ShardRecord(names[s.file], s.start, s.end, s.xxh3, s.region) for s in t.shards
+            ),
+        )
+        for ref, t in m.tensors.items()
+    }
+    m.files = {names[n]: f for n, f in m.files.items()}
+    m.tensors = tensors
+    return mf.dumps(m), names
+
+
+def _checkpoints(scratch: Path, sharded: bool) -> tuple[Path, list[bytes]]:
+    """One directory holding the data files of every seed checkpoint (renamed apart), and the
+    seeds: their manifests."""
+    home = scratch / ("v2" if sharded else "v1")
+    if home.exists():
+        shutil.rmtree(home)
+    home.mkdir(parents=True)
+    made = scratch / "made"
+    shutil.rmtree(made, ignore_errors=True)
+    if sharded:
+        for world in (3, 2):
+            _save_ranks(made / f"s{world}", world)
+    else:
+        for i, (state, metadata) in enumerate(_states()):
+            sp.save(
+                made / f"s{i}", state, metadata=metadata, max_file_bytes=96 if i == 0 else 1 << 20
+            )
+    seeds = []
+    for k, directory in enumerate(sorted(made.iterdir())):
+        raw, names = _renamed((directory / mf.NAME).read_bytes(), f"s{k}-")
+        for old, new in names.items():
+            shutil.copyfile(directory / old, home / new)
+        seeds.append(raw)
+    shutil.rmtree(made)
+    return home, seeds
+
+
+# -- native manifests --------------------------------------------------------------------------
+
+MANIFEST_TOKENS = (
+    b'"t":"dict","items":[',
+    b'{"t":"value","v":',
+    b'{"t":"float","v":"nan"}',
+    b'{"t":"bytes","v":"AP8="}',
+    b'"offsets":[',
+    b'"shape":[',
+    b'"dtype":"F32"',
+    b'"dtype":"BOOL"',
+    b'"box":[[0,2],[0,6]]',
+    b'"flat":[0,7]',
+    b'"format_version": 3',
+    b'"world_size": 0',
+    b'"file":"../x"',
+    b"9" * 30,
+    _TRAILER,
+)
+
+
+def _seal(head: bytes) -> bytes:
+    """A manifest from its ``head`` (every byte before the trailer), as ``manifest.dumps`` ends it."""
+    return head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")
+
+
+def _reseal(data: bytes) -> bytes:
+    """``data`` with its self-checksum trailer recomputed, as a writer would have sealed it."""
+    cut = data.rfind(_TRAILER)
+    if cut >= 0:
+        return _seal(data[:cut])
+    return _seal(data[:-3] if data.endswith(b"\n}\n") else data)
+
+
+def _read_native(directory: Path) -> None:
+    """What a user does with a checkpoint: inspect it, and load and verify what inspects."""
+    sp.inspect(directory)
+    sp.load(directory, framework="numpy")
+    sp.verify(directory)
+
+
+def _manifest_target(name: str, sharded: bool, reseal: bool) -> Target:
+    homes: dict[Path, Path] = {}
+
+    def seeds(scratch: Path) -> list[bytes]:
+        home, found = _checkpoints(scratch, sharded)
+        homes[scratch] = home
+        return found
+
+    def parse(data: bytes, scratch: Path) -> None:
+        home = homes[scratch]
+        (home / mf.NAME).write_bytes(_reseal(data) if reseal else data)
+        _read_native(home)
+
+    return Target(name, seeds, parse, tokens=MANIFEST_TOKENS, text=True)
+
+
+register(_manifest_target("manifest", sharded=False, reseal=True))
+register(_manifest_target("manifest:raw", sharded=False, reseal=False))
+register(_manifest_target("manifest:v2", sharded=True, reseal=True))
+
+
+# -- a native checkpoint's data file -----------------------------------------------------------
+
+_NATIVE: dict[Path, tuple[Path, dict[str, str], str]] = {}
+
+
+def _head(members: dict[str, str]) -> bytes:
+    """The head of a manifest from its top-level members (raw JSON text), as dumps lays it out."""
+    return ("{\n" + ",\n".join(f" {json.dumps(k)}: {v}" for k, v in members.items())).encode()
+
+
+def _native_seeds(scratch: Path) -> list[bytes]:
+    home = scratch / "native"
+    shutil.rmtree(home, ignore_errors=True)
+    state, metadata = _states()[0]
+    sp.save(home, state, metadata=metadata)
+    raw = (home / mf.NAME).read_bytes()
+    doc = json.loads(raw[: raw.rfind(_TRAILER)] + b"\n}")
+    members = {k: json.dumps(v, separators=(",", ":")) for k, v in doc.items()}
+    (data_file,) = doc["files"]
+    _NATIVE[scratch] = (home, members, data_file)
+    original = (home / data_file).read_bytes()
+    n = struct.unpack("<Q", original[:8])[0]
+    # The committed file, and one whose header lists its tensors in another order.
+    header = json.loads(original[8 : 8 + n])
+    reordered = json.dumps(dict(reversed(list(header.items()))), separators=(",", ":")).encode()
+    reordered += b" " * (n - len(reordered))
+    seeds = [original]
+    if len(reordered) == n:
+        seeds.append(original[:8] + reordered + original[8 + n :])
+    return seeds
+
+
+def _parse_native_data(data: bytes, scratch: Path) -> None:
+    home, members, data_file = _NATIVE[scratch]
+    (home / data_file).write_bytes(data)
+    manifests = [_seal(_head(members))]
+    # Also against a manifest whose record of the file matches the mutated one, so mutations of
+    # the header and the data reach the checks behind the size and header checksum.
+    if len(data) >= 8:
+        header_size = 8 + struct.unpack("<Q", data[:8])[0]
+        if header_size <= len(data):
+            record = {
+                "size": len(data),
+                "header_size": header_size,
+                "header_xxh3": checksum.digest(data[:header_size]),
+            }
+            files = json.dumps({data_file: record}, separators=(",", ":"))
+            manifests.append(_seal(_head({**members, "files": files})))
+    for i, raw in enumerate(manifests):
+        (home / mf.NAME).write_bytes(raw)
+        try:
+            _read_native(home)
+        except sp.CheckpointError:
+            if i == len(manifests) - 1:
+                raise
+
+
+register(
+    Target(
+        "native_data_file",
+        _native_seeds,
+        _parse_native_data,
+        tokens=(b'"dtype":"F16"', b'"shape":[', b'"data_offsets":[', b"__metadata__"),
+        text=True,
+    )
+)
+
+
+# -- safetensors -------------------------------------------------------------------------------
+
+SAFETENSORS_TOKENS = (
+    b'"__metadata__":{"format":"pt"}',
+    b'"dtype":"BF16"',
+    b'"dtype":"F8_E4M3"',
+    b'"shape":[]',
+    b'"data_offsets":[0,0]',
+    b"\xff\xff\xff\xff\xff\xff\xff\x7f",
+    b"\x08\x00\x00\x00\x00\x00\x00\x00",
+)
+
+
+def _safetensors_seeds(scratch: Path) -> list[bytes]:
+    from safetensors.numpy import save as hf_save
+
+    model = {k: v for k, v in _model().items() if v.dtype != _BF16}
+    seeds = [hf_save(model, metadata={"format": "np", "note": "é"}), hf_save({"x": model["mask"]})]
+    for i, meta in enumerate(({"producer": "savepoint"}, None)):
+        path = scratch / f"seed{i}.safetensors"
+        path.unlink(missing_ok=True)
+        items = [(k, _files.ArrayTensor.of(v, k)) for k, v in _model(i).items()]
+        _files.write_safetensors(str(path), [(k, t) for k, t in items if t is not None], meta)
+        seeds.append(path.read_bytes())
+    return seeds
+
+
+def _parse_safetensors_header(data: bytes, scratch: Path) -> None:
+    n = st_format.header_length(data[:8], len(data))
+    st_format.parse_header(data[8 : 8 + n], len(data))
+
+
+def _parse_safetensors_file(data: bytes, scratch: Path) -> None:
+    path = scratch / "fuzz.safetensors"
+    path.write_bytes(data)
+    detect.inspect_any(path)
+    detect.verify_any(path)
+    sp.convert(path, scratch / "converted", overwrite=True)
+
+
+register(
+    Target(
+        "safetensors_header",
+        _safetensors_seeds,
+        _parse_safetensors_header,
+        tokens=SAFETENSORS_TOKENS,
+        text=True,
+    )
+)
+register(
+    Target(
+        "safetensors_file",
+        _safetensors_seeds,
+        _parse_safetensors_file,
+        tokens=SAFETENSORS_TOKENS,
+        text=True,
+    )
+)
+
+
+# -- boostr JSON documents ---------------------------------------------------------------------
+
+BOOSTR_TOKENS = (
+    b'"version": 2',
+    b'"version": 1',
+    b'"step": 18446744073709551615',
+    b'"step": 18446744073709551616',
+    b'"learning_rate": 1e400',
+    b'"learning_rate": -0',
+    b'"epoch": 1.0',
+    b'"metadata": {"k": 1}',
+    b'"strategy": "TensorParallel"',
+    b'"strategy": {"ZeroPartitioned": {"stage": 3}}',
+    b'"strategy": {"Replicated": null}',
+    b'"split_dims": {"w": 0}',
+    b'"owned_params": ["w", "b"]',
+    b'"rank": 1',
+    b'"world_size": 2',
+)
+
+_BOOSTR: dict[Path, Path] = {}
+
+
+def _boostr_home(scratch: Path) -> Path:
+    """A single checkpoint and a distributed one of 2 ranks, built once per scratch directory."""
+    home = _BOOSTR.get(scratch)
+    if home is not None:
+        return home
+    home = scratch / "boostr"
+    shutil.rmtree(home, ignore_errors=True)
+    model = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float16)}
+    optimizer = {"w.m": np.zeros((2, 3), np.float32), "b.m": np.zeros(3, np.float16)}
+    state = boostr.TrainingState(step=50, epoch=2, learning_rate=3e-4, metadata={"run": "é"})
+    boostr.save(home / "single", model, optimizer, state)
+    for r in range(2):
+        boostr.save(home / "dist" / f"rank_{r}", model, optimizer, state)
+    _BOOSTR[scratch] = home
+    return home
+
+
+def _state_seeds(scratch: Path) -> list[bytes]:
+    _boostr_home(scratch)
+    state = boostr.TrainingState(step=50, epoch=2, learning_rate=3e-4, metadata={"a": "b", "é": ""})
+    return [
+        state.to_json(),
+        b'{"step": 7}',
+        b'{"step": 7, "epoch": 1, "learning_rate": 1, "metadata": {}}',
+        b'{"version": 2, "step": 18446744073709551615, "learning_rate": 1e-08, "extra": [1, 2]}',
+        b'{\n  "version": 1,\n  "step": 0,\n  "learning_rate": -0.0\n}',
+    ]
+
+
+def _config(rank: int, strategy: Any, owned: list[str], split: dict[str, int] | None) -> Any:
+    doc: dict[str, Any] = {"world_size": 2, "rank": rank, "owned_params": owned}
+    doc["strategy"] = strategy
+    if split is not None:
+        doc["split_dims"] = split
+    return doc
+
+
+def _meta_seeds(scratch: Path) -> list[bytes]:
+    _boostr_home(scratch)
+    docs = [
+        [_config(r, "Replicated", [], None) for r in range(2)],
+        [_config(r, {"ZeroPartitioned": {"stage": 2}}, [["w"], ["b"]][r], {}) for r in range(2)],
+        [_config(r, "TensorParallel", [], {"w": 0}) for r in range(2)],
+        [_config(r, {"Replicated": None}, ["w", "b"] if r == 0 else [], None) for r in range(2)],
+    ]
+    return [
+        json.dumps({"version": 2, "world_size": 2, "shards": shards}, indent=2).encode()
+        for shards in docs
+    ]
+
+
+def _parse_training_state(data: bytes, scratch: Path) -> None:
+    single = _boostr_home(scratch) / "single"
+    (single / boostr.STATE).write_bytes(data)
+    detect.inspect_any(single)
+    boostr.load(single)
+
+
+def _parse_sharding_meta(data: bytes, scratch: Path) -> None:
+    dist = _boostr_home(scratch) / "dist"
+    (dist / boostr.SHARDING).write_bytes(data)
+    boostr.read_sharding_meta(dist)
+    detect.verify_any(dist)
+    boostr.load_distributed(dist, 1)
+
+
+register(
+    Target(
+        "boostr_json:training_state",
+        _state_seeds,
+        _parse_training_state,
+        tokens=BOOSTR_TOKENS,
+        text=True,
+    )
+)
+register(
+    Target(
+        "boostr_json:sharding_meta",
+        _meta_seeds,
+        _parse_sharding_meta,
+        tokens=BOOSTR_TOKENS,
+        text=True,
+    )
+)
