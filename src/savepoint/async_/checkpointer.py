@@ -14,11 +14,20 @@ One save is in flight at a time. A ``save()`` while the previous one is still wr
 ``save()``, ``wait()`` or ``close()`` (its ``PendingSave.wait()`` raises it too), always as a
 CheckpointError: an OSError (a full disk) as a CheckpointWriteError carrying its ``errno``. At
 interpreter exit a pending save is finished; if it fails, the error is printed to stderr.
+
+``save_boostr(path, model, optimizer, state)`` writes the boostr single layout instead
+(``model.safetensors`` + ``optimizer.safetensors`` + ``training_state.json``, as
+``savepoint.formats.boostr.save``), under exactly the same rules: the seed's async writer writes
+boostr files. It is a separate method rather than a ``format=`` option because the two take
+different arguments (a state tree and a JSON metadata mapping, against two flat tensor maps and a
+``TrainingState``) and resolve to different descriptions (CheckpointInfo, FormatInfo); one
+checkpointer can interleave both kinds of save, one in flight at a time.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import errno
 import os
 import sys
@@ -33,6 +42,8 @@ from savepoint import _writer, checkpoint
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.staging import StagingArena
 from savepoint.errors import CheckpointError, CheckpointWriteError
+from savepoint.formats._boostr_single import TrainingState
+from savepoint.formats._files import FormatInfo
 from savepoint.state import tree
 
 OnBusy = Literal["wait", "skip"]
@@ -95,14 +106,39 @@ class AsyncCheckpointer:
 
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
         with self._save_lock:
-            return self._save(path, state, metadata, on_commit)
+            return self._save(path, on_commit, lambda target: self._native(target, state, metadata))
+
+    def save_boostr(
+        self,
+        path: str | os.PathLike[str],
+        model: Mapping[str, Any],
+        optimizer: Mapping[str, Any] | None = None,
+        state: TrainingState | None = None,
+        *,
+        on_commit: Callable[[FormatInfo], Any] | None = None,
+    ) -> PendingSave:
+        """Snapshot a boostr checkpoint now and write it to ``path`` in the background, as
+        ``savepoint.formats.boostr.save(path, model, optimizer, state)`` would (the seed's
+        ``AsyncCheckpointer::save``): the same one-in-flight, ``on_busy`` and error rules as
+        :meth:`save`. The blocking part copies every tensor into host memory owned by the save
+        (a fresh copy per save: the staging arena is laid out as native files) and checks
+        ``state``; the PendingSave resolves to the written checkpoint's ``FormatInfo``. Not
+        available with a process group (use ``boostr.save_distributed``)."""
+        if self.process_group is not None:
+            raise ValueError(
+                "save_boostr writes a single boostr checkpoint; with a process group use "
+                "savepoint.formats.boostr.save_distributed(..., process_group=...)"
+            )
+        with self._save_lock:
+            return self._save(
+                path, on_commit, lambda target: _boostr_commit(target, model, optimizer, state)
+            )
 
     def _save(
         self,
         path: str | os.PathLike[str],
-        state: Any,
-        metadata: Mapping[str, Any] | None,
-        on_commit: Callable[[checkpoint.CheckpointInfo], Any] | None,
+        on_commit: Callable[[Any], Any] | None,
+        prepare: Callable[[str], Callable[[], Any]],
     ) -> PendingSave:
         if self._forked:
             raise RuntimeError(
@@ -123,34 +159,9 @@ class AsyncCheckpointer:
                 return PendingSave.finished(None, skipped=True)
             previous.exception()  # wait; its error is reported below
             self._raise_background_error()
-        meta = checkpoint._check_metadata(metadata)
         pending = PendingSave(target)
-        commit: Callable[[], checkpoint.CheckpointInfo]
-        if self.process_group is not None:
-            from savepoint.distributed import save as distributed_save
-
-            frozen = distributed_save.snapshot(state)
-
-            def commit() -> checkpoint.CheckpointInfo:
-                return distributed_save.save_flat(
-                    target,
-                    frozen,
-                    meta,
-                    process_group=self.process_group,
-                    timeout=self.timeout,
-                    max_file_bytes=self.max_file_bytes,
-                )
-        else:
-            # The previous save is finished (waited for above), so its arena may be overwritten.
-            staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
-
-            def commit() -> checkpoint.CheckpointInfo:
-                return checkpoint.commit_checkpoint(
-                    target,
-                    staged.tree,
-                    meta,
-                    lambda directory: _writer.write_staged(directory, staged, direct=self.direct),
-                )
+        # The snapshot: when prepare() returns, training may change the state.
+        commit = prepare(target)
 
         def write() -> None:
             try:
@@ -172,6 +183,39 @@ class AsyncCheckpointer:
         _UNFINISHED.add(self)
         self._executor.submit(write)
         return pending
+
+    def _native(
+        self, target: str, state: Any, metadata: Mapping[str, Any] | None
+    ) -> Callable[[], checkpoint.CheckpointInfo]:
+        meta = checkpoint._check_metadata(metadata)
+        if self.process_group is not None:
+            from savepoint.distributed import save as distributed_save
+
+            frozen = distributed_save.snapshot(state)
+
+            def commit() -> checkpoint.CheckpointInfo:
+                return distributed_save.save_flat(
+                    target,
+                    frozen,
+                    meta,
+                    process_group=self.process_group,
+                    timeout=self.timeout,
+                    max_file_bytes=self.max_file_bytes,
+                )
+
+            return commit
+        # The previous save is finished (waited for above), so its arena may be overwritten.
+        staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
+
+        def commit_staged() -> checkpoint.CheckpointInfo:
+            return checkpoint.commit_checkpoint(
+                target,
+                staged.tree,
+                meta,
+                lambda directory: _writer.write_staged(directory, staged, direct=self.direct),
+            )
+
+        return commit_staged
 
     def _raise_background_error(self) -> None:
         with self._lock:
@@ -206,6 +250,28 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _boostr_commit(
+    target: str,
+    model: Mapping[str, Any],
+    optimizer: Mapping[str, Any] | None,
+    state: TrainingState | None,
+) -> Callable[[], FormatInfo]:
+    """Check and copy a boostr checkpoint now; the returned function writes it (background)."""
+    from savepoint.formats import _boostr_single, _boostr_write, boostr
+
+    given = state if state is not None else TrainingState()
+    given.to_json()  # refuse what cannot be written now, in the caller, not in the background
+    frozen = dataclasses.replace(given, metadata=dict(given.metadata))
+    model_copy = _boostr_write.snapshot(model, "model")
+    opt_copy = None if optimizer is None else _boostr_write.snapshot(optimizer, "optimizer")
+
+    def commit() -> FormatInfo:
+        _boostr_single.write(target, model_copy, opt_copy, frozen)
+        return boostr.inspect(target)
+
+    return commit
 
 
 def _reported(exc: BaseException, target: str) -> CheckpointError:

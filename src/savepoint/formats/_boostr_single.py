@@ -352,9 +352,11 @@ def load(path: str | os.PathLike[str], *, framework: Framework = "numpy") -> Boo
         return d.load(framework)
 
 
-def _sources(
+def tensor_sources(
     tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], what: str
 ) -> list[tuple[str, TensorSource]]:
+    """``tensors`` as (name, source) pairs, in order; UnsupportedStateError for a name that is
+    not a str, is repeated or is ``__metadata__``, or a value that is not an array or tensor."""
     pairs = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     out: list[tuple[str, TensorSource]] = []
     seen: set[str] = set()
@@ -394,7 +396,12 @@ def write(
     try:
         foreign = os.path.lexists(target) and (
             not os.path.isdir(target)
-            or (bool(os.listdir(target)) and not os.path.isfile(os.path.join(target, STATE)))
+            or (
+                bool(os.listdir(target))
+                # a single or a distributed boostr checkpoint may be replaced
+                and not os.path.isfile(os.path.join(target, STATE))
+                and not os.path.isfile(os.path.join(target, SHARDING))
+            )
         )
     except OSError as exc:
         raise _files.write_error(target, exc) from None
@@ -403,8 +410,8 @@ def write(
             f"{target} exists and is not a boostr checkpoint directory; refusing to replace it",
             path=target,
         )
-    model_items = _sources(model, "model")
-    opt_items = _sources(optimizer, "optimizer") if optimizer is not None else []
+    model_items = tensor_sources(model, "model")
+    opt_items = tensor_sources(optimizer, "optimizer") if optimizer is not None else []
     document = state.to_json()
     with _files.atomic_directory(target) as staging:
         _files.write_safetensors(os.path.join(staging, MODEL), model_items)

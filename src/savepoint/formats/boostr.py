@@ -54,6 +54,10 @@ and epoch. Then, by strategy:
   tensors come from rank 0, and a rank holding a model tensor that rank 0 lacks is an error.
   (The seed silently keeps rank 0's slice, or drops the tensor, where shards are missing.)
 
+Writing: :func:`save_distributed` (specified in ``savepoint.formats._boostr_write``) from a list
+of per-rank checkpoints or from a process group; ``sharding_meta.json`` is written last, into a
+staging directory that is committed atomically once every rank has fsynced its ``rank_{r}/``.
+
 Every error is a CorruptCheckpointError naming the directory and what to fix. Tensors are read
 lazily from the mapped files; a concatenated tensor is the only thing ever held in memory.
 """
@@ -87,6 +91,7 @@ from savepoint.formats._boostr_single import (
     save,
     write,
 )
+from savepoint.formats._boostr_write import Strategy, save_distributed
 from savepoint.formats._files import FormatInfo
 
 __all__ = [
@@ -99,6 +104,7 @@ __all__ = [
     "BoostrDirectory",
     "ShardingConfig",
     "ShardingMeta",
+    "Strategy",
     "TrainingState",
     "consolidate",
     "inspect",
@@ -112,6 +118,7 @@ __all__ = [
     "read_sharding_meta",
     "read_training_state",
     "save",
+    "save_distributed",
     "verify",
     "write",
 ]

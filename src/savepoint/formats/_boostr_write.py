@@ -1,0 +1,437 @@
+"""Writing distributed boostr checkpoints (``rank_{r}/`` + ``sharding_meta.json``), and the host
+snapshots behind background boostr saves. The layout is specified in
+:mod:`savepoint.formats.boostr`; :func:`save_distributed` is the public entry point.
+
+Commit protocol (both forms): every ``rank_{r}/`` is written, each file fsynced, into one hidden
+staging sibling of the target (``savepoint.commit.atomic.staging_path``); only then does rank 0
+write ``sharding_meta.json``, open the staging directory with the reader's own checks
+(:func:`open_distributed`: what was written consolidates) and commit it with
+``savepoint.commit.atomic.commit``. A crash or an error at any point leaves the previous
+checkpoint at the path (or nothing) and never a ``sharding_meta.json`` next to incomplete ranks.
+With a process group the two steps run through :mod:`savepoint.distributed.collectives`, so a
+failure on any rank raises one DistributedCheckpointError on every rank and rank 0 removes the
+staging directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from savepoint.commit import atomic
+from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from savepoint.formats import _files
+from savepoint.formats._boostr_distributed import ShardingConfig, ShardingMeta, open_distributed
+from savepoint.formats._boostr_single import (
+    CHECKPOINT_VERSION,
+    MODEL,
+    OPTIMIZER,
+    SHARDING,
+    STATE,
+    BoostrCheckpoint,
+    TrainingState,
+    tensor_sources,
+)
+from savepoint.formats._files import LazyTensor
+from savepoint.state.arrays import TensorSource
+from savepoint.storage import local
+
+Strategy = Literal["Replicated", "ZeroPartitioned", "TensorParallel"]
+STRATEGIES = ("Replicated", "ZeroPartitioned", "TensorParallel")
+_PIECE = 16 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# host snapshots
+# ---------------------------------------------------------------------------------------------
+
+
+class HostTensor(LazyTensor):
+    """A private host copy of a tensor's bytes, taken when constructed: later changes to the
+    original (in-place training updates, a GPU tensor being overwritten) do not reach it."""
+
+    def __init__(self, source: TensorSource) -> None:
+        super().__init__(source.dtype, source.shape, kind=source.kind)
+        self._data = np.empty(source.nbytes, dtype=np.uint8)
+        try:
+            for pos in range(0, source.nbytes, _PIECE):
+                source.copy_to(self._data[pos : pos + _PIECE], pos)
+        finally:
+            source.release()
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        np.copyto(dst, self._data[start : start + dst.size])
+
+
+def snapshot(
+    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], what: str
+) -> list[tuple[str, LazyTensor]]:
+    """``tensors`` checked (names, types) and copied to host memory owned by the result."""
+    return [(name, HostTensor(source)) for name, source in tensor_sources(tensors, what)]
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank
+# ---------------------------------------------------------------------------------------------
+
+
+class _Rank:
+    """One rank's checkpoint, checked but not yet written."""
+
+    def __init__(self, rank: int, shard: Any) -> None:
+        if not isinstance(shard, BoostrCheckpoint):
+            raise TypeError(
+                f"rank {rank}: expected a boostr.BoostrCheckpoint(model, optimizer, state), got "
+                f"{type(shard).__name__}"
+            )
+        self.rank = rank
+        self.model = tensor_sources(shard.model, "model")
+        self.optimizer = (
+            tensor_sources(shard.optimizer, "optimizer") if shard.optimizer is not None else []
+        )
+        state = shard.state if shard.state is not None else TrainingState()
+        self.document = state.to_json()
+        self.step, self.epoch = state.step, state.epoch
+
+    def summary(self) -> dict[str, Any]:
+        """Plain data rank 0 needs to build the sharding configs (travels between ranks)."""
+
+        def describe(items: list[tuple[str, TensorSource]]) -> dict[str, Any]:
+            return {n: (s.dtype.name, tuple(s.shape)) for n, s in items}
+
+        return {
+            "model": describe(self.model),
+            "optimizer": describe(self.optimizer),
+            "step": self.step,
+            "epoch": self.epoch,
+        }
+
+    def write(self, staging: str) -> None:
+        """Write ``rank_{r}/`` into ``staging``, every file and both directories fsynced."""
+        directory = os.path.join(staging, f"rank_{self.rank}")
+        os.mkdir(directory)
+        _files.write_safetensors(os.path.join(directory, MODEL), self.model)
+        if self.optimizer:  # the seed writes optimizer.safetensors only for a non-empty state
+            _files.write_safetensors(os.path.join(directory, OPTIMIZER), self.optimizer)
+        local.write_small(os.path.join(directory, STATE), self.document)
+        local.fsync_dir(directory)
+        local.fsync_dir(staging)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sharding configs
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_strategy(
+    strategy: str, stage: int | None, split_dims: Mapping[str, int] | None
+) -> tuple[int | None, dict[str, int]]:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+    if strategy == "ZeroPartitioned":
+        if type(stage) is not int or not 0 <= stage < 256:
+            raise ValueError("ZeroPartitioned needs stage= (the ZeRO stage, an integer 0-255)")
+    elif stage is not None:
+        raise ValueError(f"stage= is for ZeroPartitioned only, not {strategy}")
+    split = dict(split_dims or {})
+    for name, dim in split.items():
+        if not isinstance(name, str) or type(dim) is not int or dim < 0:
+            raise ValueError(f"split_dims must map parameter names to dimensions, got {name!r}")
+    if strategy == "TensorParallel" and not split:
+        raise ValueError(
+            "TensorParallel needs split_dims= (which parameter is split along which dimension): "
+            "consolidation concatenates the ranks' slices along it"
+        )
+    if strategy != "TensorParallel" and split:
+        raise ValueError(f"split_dims= is for TensorParallel only, not {strategy}")
+    return stage, split
+
+
+def _owned_list(value: Any, what: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ValueError(f"{what} must be a list of parameter names")
+    names = tuple(value)
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{what} must be a list of parameter names")
+    return names
+
+
+def _default_owners(summaries: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """ZeroPartitioned without ``owned_params``: a parameter belongs to the lowest rank holding
+    optimizer state for it (``<param>`` or ``<param>.<suffix>``), else to the lowest rank holding
+    it. Every parameter gets exactly one owner, which holds it (what consolidation requires)."""
+    owners: dict[str, int] = {}
+    params = {p for s in summaries for p in s["model"]}
+    for r, s in enumerate(summaries):
+        for name in s["optimizer"]:
+            cut = len(name)
+            while cut > 0:
+                param = name[:cut]
+                if param in params and param in s["model"]:
+                    owners.setdefault(param, r)
+                    break
+                cut = name.rfind(".", 0, cut)
+    for r, s in enumerate(summaries):
+        for param in s["model"]:
+            owners.setdefault(param, r)
+    out: list[list[str]] = [[] for _ in summaries]
+    for r, s in enumerate(summaries):
+        out[r] = [p for p in s["model"] if owners[p] == r]
+    return [tuple(o) for o in out]
+
+
+def build_meta(
+    target: str,
+    summaries: list[dict[str, Any]],
+    strategy: str,
+    stage: int | None,
+    split: dict[str, int],
+    owned: list[tuple[str, ...] | None],
+) -> ShardingMeta:
+    """The ``sharding_meta.json`` for these ranks, after the checks only the writer can make
+    (the reader's own checks run on the written files before the commit)."""
+    world = len(summaries)
+    if strategy == "Replicated":
+        for r, s in enumerate(summaries[1:], start=1):
+            for kind in ("model", "optimizer"):
+                if s[kind] != summaries[0][kind]:
+                    differ = sorted(set(s[kind].items()) ^ set(summaries[0][kind].items()))
+                    raise CheckpointError(
+                        f"{target}: Replicated ranks must hold the same tensors, but rank {r}'s "
+                        f"{kind} differs from rank 0's at {differ[0][0]!r} (consolidation reads "
+                        "rank 0 alone, so the difference would be lost)",
+                        path=target,
+                    )
+    defaults = _default_owners(summaries) if strategy == "ZeroPartitioned" else None
+    shards = []
+    for r, s in enumerate(summaries):
+        mine = owned[r]
+        if mine is None:
+            mine = defaults[r] if defaults is not None else tuple(s["model"])
+        shards.append(
+            ShardingConfig(
+                world_size=world,
+                rank=r,
+                owned_params=mine,
+                strategy=strategy,
+                stage=stage,
+                split_dims=dict(split),
+            )
+        )
+    return ShardingMeta(version=CHECKPOINT_VERSION, world_size=world, shards=tuple(shards))
+
+
+def meta_json(meta: ShardingMeta) -> bytes:
+    """``sharding_meta.json`` as the seed's serde writes it (externally tagged strategy enum)."""
+
+    def config(c: ShardingConfig) -> dict[str, Any]:
+        strategy: Any = (
+            {"ZeroPartitioned": {"stage": c.stage}}
+            if c.strategy == "ZeroPartitioned"
+            else c.strategy
+        )
+        return {
+            "world_size": c.world_size,
+            "rank": c.rank,
+            "owned_params": list(c.owned_params),
+            "strategy": strategy,
+            "split_dims": dict(c.split_dims),
+        }
+
+    doc = {
+        "version": meta.version,
+        "world_size": meta.world_size,
+        "shards": [config(c) for c in meta.shards],
+    }
+    return json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# staging and commit (rank 0)
+# ---------------------------------------------------------------------------------------------
+
+
+def begin(target: str) -> str:
+    """Check ``target`` may be replaced and create the staging directory next to it."""
+    try:
+        foreign = os.path.lexists(target) and (
+            not os.path.isdir(target)
+            or (
+                bool(os.listdir(target))
+                and not os.path.isfile(os.path.join(target, SHARDING))
+                and not os.path.isfile(os.path.join(target, STATE))
+            )
+        )
+        if foreign:
+            raise CheckpointWriteError(
+                f"{target} exists and is not a boostr checkpoint directory; refusing to replace it",
+                path=target,
+            )
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        atomic.clean_stale(target)
+        staging = atomic.staging_path(target)
+        os.mkdir(staging)
+    except OSError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise _files.write_error(target, exc) from None
+    return staging
+
+
+def finish(target: str, staging: str, meta: ShardingMeta) -> None:
+    """Write ``sharding_meta.json`` last, check the result consolidates, commit atomically."""
+    try:
+        local.write_small(os.path.join(staging, SHARDING), meta_json(meta))
+    except OSError as exc:
+        raise _files.write_error(target, exc) from None
+    try:
+        with open_distributed(staging):
+            pass
+    except CorruptCheckpointError as exc:
+        raise CheckpointError(
+            str(exc).replace(staging, target)
+            + " (nothing was written: the previous checkpoint is intact)",
+            path=target,
+        ) from None
+    try:
+        atomic.commit(staging, target)
+    except OSError as exc:
+        raise _files.write_error(target, exc) from None
+    atomic.clean_stale(target)
+
+
+# ---------------------------------------------------------------------------------------------
+# the entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def save_distributed(
+    path: str | os.PathLike[str],
+    shards: Sequence[BoostrCheckpoint] | BoostrCheckpoint,
+    *,
+    strategy: Strategy = "Replicated",
+    stage: int | None = None,
+    split_dims: Mapping[str, int] | None = None,
+    owned_params: Sequence[Sequence[str] | None] | Sequence[str] | None = None,
+    process_group: Any = None,
+    timeout: float | None = None,
+) -> ShardingMeta:
+    """Write a distributed boostr checkpoint (the seed's ``save_distributed_checkpoint`` for every
+    rank), atomically; returns what ``sharding_meta.json`` says.
+
+    Without ``process_group``, ``shards`` lists every rank's :class:`BoostrCheckpoint` (rank ``r``
+    is ``shards[r]``) and this process writes them all. With ``process_group`` (every rank of the
+    group calls this), ``shards`` is this rank's checkpoint: each rank writes its own ``rank_{r}/``
+    (``r``: its rank in the group) and rank 0 writes ``sharding_meta.json`` once every rank has
+    fsynced; a failure anywhere raises DistributedCheckpointError on every rank (``timeout``
+    seconds for a rank that stops answering) and commits nothing.
+
+    What each rank holds, by ``strategy``: ``"Replicated"``, a full copy (every rank the same
+    tensors); ``"ZeroPartitioned"`` (``stage=`` required), any subsets whose union is the state,
+    each parameter owned by one rank (``owned_params``, per rank without a process group or this
+    rank's list with one; by default the lowest rank holding optimizer state for it, else the
+    lowest holding it); ``"TensorParallel"`` (``split_dims=`` required), for each parameter in
+    ``split_dims`` the rank's slice along that dimension, in rank order, and full copies of the
+    rest. Before committing, the written files are checked with the reader's consolidation rules;
+    shards that would not consolidate raise CheckpointError and commit nothing.
+
+    Tensor arguments are streamed from the given arrays (numpy, torch, lazy tensors of an opened
+    checkpoint): do not modify them until this returns (AsyncCheckpointer copies them first).
+    """
+    target = os.path.abspath(os.fspath(path))
+    stage, split = _check_strategy(strategy, stage, split_dims)
+    if process_group is not None:
+        return _save_group(
+            target, shards, strategy, stage, split, owned_params, process_group, timeout
+        )
+    if isinstance(shards, BoostrCheckpoint) or not isinstance(shards, Sequence):
+        raise TypeError(
+            "without process_group, shards must list every rank's BoostrCheckpoint (rank r is "
+            "shards[r])"
+        )
+    if not shards:
+        raise ValueError("shards is empty: a distributed checkpoint has at least one rank")
+    if owned_params is None:
+        owned: list[tuple[str, ...] | None] = [None] * len(shards)
+    else:
+        if isinstance(owned_params, str) or len(owned_params) != len(shards):
+            raise ValueError("owned_params must hold one list of parameter names per rank")
+        owned = [
+            None if o is None else _owned_list(o, f"owned_params[{r}]")
+            for r, o in enumerate(owned_params)
+        ]
+    ranks = [_Rank(r, s) for r, s in enumerate(shards)]
+    meta = build_meta(target, [r.summary() for r in ranks], strategy, stage, split, owned)
+    staging = begin(target)
+    try:
+        for rank in ranks:
+            rank.write(staging)
+        finish(target, staging, meta)
+    except BaseException as exc:
+        atomic.remove_tree(staging)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise _files.write_error(target, exc) from exc
+        raise
+    return meta
+
+
+def _save_group(
+    target: str,
+    shard: Any,
+    strategy: str,
+    stage: int | None,
+    split: dict[str, int],
+    owned_params: Any,
+    process_group: Any,
+    timeout: float | None,
+) -> ShardingMeta:
+    """The process-group form of :func:`save_distributed`, in two collective steps: (1) every
+    rank checks its checkpoint and sends rank 0 a summary; rank 0 builds the configs, checks the
+    target and creates the staging directory; (2) every rank writes and fsyncs its ``rank_{r}/``;
+    rank 0, once every rank reported success, writes ``sharding_meta.json`` and commits."""
+    from savepoint.distributed import collectives
+
+    coord = collectives.coordinator(process_group, timeout)
+    mine = None if owned_params is None else _owned_list(owned_params, "owned_params")
+    held: dict[str, Any] = {}  # this rank's _Rank; on rank 0 also the meta and the staging path
+
+    def prepare() -> tuple[dict[str, Any], tuple[str, ...] | None]:
+        held["rank"] = _Rank(coord.rank, shard)
+        return held["rank"].summary(), mine
+
+    def plan(results: list[tuple[dict[str, Any], tuple[str, ...] | None]]) -> str:
+        held["meta"] = build_meta(
+            target, [s for s, _ in results], strategy, stage, split, [o for _, o in results]
+        )
+        held["staging"] = begin(target)
+        return str(held["staging"])
+
+    def write(staging: str) -> None:
+        try:
+            held["rank"].write(staging)
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise _files.write_error(target, exc) from exc
+
+    def commit(_: list[None]) -> ShardingMeta:
+        finish(target, held["staging"], held["meta"])
+        del held["staging"]
+        meta: ShardingMeta = held["meta"]
+        return meta
+
+    def cleanup() -> None:
+        staging = held.pop("staging", None)
+        if staging is not None:
+            atomic.remove_tree(staging)
+
+    with coord.exclusive():
+        staging = coord.step("saving", target, prepare, plan, cleanup=cleanup)
+        meta: ShardingMeta = coord.step(
+            "saving", target, lambda: write(staging), commit, cleanup=cleanup
+        )
+        return meta
