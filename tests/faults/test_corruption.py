@@ -404,3 +404,76 @@ def test_sparse_oversized_manifest_is_refused_without_reading_it(ckpt: Path) -> 
     finally:
         file.write_bytes(original)
     assert_same(sp.load(ckpt), make_state())
+
+
+def _forge_bool_byte(path: Path, value: int) -> None:
+    """Put ``value`` in the first byte of tensor ``mask`` and fix every checksum to match."""
+    from savepoint.formats import checksum
+
+    from ._util import forge, write_manifest
+
+    doc = read_doc(path)
+    rec = doc["tensors"]["mask"]
+    file = path / rec["file"]
+    data = bytearray(file.read_bytes())
+    start, end = rec["offsets"]  # from the start of the file
+    data[start] = value
+    file.write_bytes(bytes(data))
+    rec["xxh3"] = checksum.digest(bytes(data[start:end]))
+    write_manifest(path, forge(doc))
+
+
+@pytest.mark.parametrize("value", [2, 0x80, 0xFF])
+def test_bool_tensor_with_a_byte_other_than_0_or_1_is_refused(tmp_path: Path, value: int) -> None:
+    """A crafted data file whose BOOL tensor holds another byte, with matching checksums, is
+    refused naming the tensor (it used to load, and then differ from its own round trip)."""
+    path = tmp_path / "ckpt"
+    mask = np.array([True, False, True] * 1000)
+    sp.save(path, {"mask": mask, "w": np.arange(4.0)})
+    _forge_bool_byte(path, 1)  # the same checksum machinery with a legal byte still loads
+    np.testing.assert_array_equal(sp.load(path)["mask"], mask)
+    _forge_bool_byte(path, value)
+    with pytest.raises(sp.CorruptCheckpointError, match="'mask' is BOOL"):
+        sp.load(path)
+    target = {"mask": np.zeros_like(mask), "w": np.zeros(4)}
+    with pytest.raises(sp.CorruptCheckpointError, match="'mask' is BOOL"):
+        sp.load(path, into=target)
+
+
+def test_sharded_bool_tensor_with_a_byte_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
+    """The same for a BOOL tensor split over shards, checked or not (verify=False)."""
+    from savepoint.distributed import Shard, plan
+    from savepoint.distributed import save as dsave
+    from savepoint.formats import checksum
+    from savepoint.state import tree
+
+    from ._util import forge, write_manifest
+
+    mask = np.arange(40).reshape(4, 10) % 3 == 0
+    path = tmp_path / "sharded"
+    # What two ranks write (as tests/distributed/test_local.py::save_ranks does, in-process).
+    states = [{"mask": Shard(mask[2 * r : 2 * r + 2].copy(), (4, 10), (2 * r, 0))} for r in (0, 1)]
+    described = [dsave.describe(tree.flatten(st), str(path)) for st in states]
+    merged = plan.merge([d[0] for d in described])
+    staging = tmp_path / ".staging"
+    staging.mkdir()
+    results = [
+        dsave.write_pieces(
+            str(path), str(staging), r, merged.writes[r], d[1], max_file_bytes=1 << 30, writers=1
+        )
+        for r, d in enumerate(described)
+    ]
+    (staging / MANIFEST).write_bytes(mf.dumps(dsave._manifest(merged, results, {}, 2)))
+    staging.rename(path)
+    doc = read_doc(path)
+    shard = doc["tensors"]["mask"]["shards"][1]
+    file = path / shard["file"]
+    data = bytearray(file.read_bytes())
+    start, end = shard["offsets"]
+    data[end - 1] = 7
+    file.write_bytes(bytes(data))
+    shard["xxh3"] = checksum.digest(bytes(data[start:end]))
+    write_manifest(path, forge(doc))
+    for verify in (True, False):
+        with pytest.raises(sp.CorruptCheckpointError, match="'mask' is BOOL"):
+            sp.load(path, verify=verify)

@@ -838,3 +838,23 @@ def test_dense_metadata_is_refused_before_data_within_the_memory_bound(
         assert "too many values for its size" in str(result)
         assert not rec.non_manifest_opens() and not rec.maps, name
         assert peak <= 24 * size + (32 << 20), f"{name}: {peak / size:.1f} x"
+
+
+@pytest.mark.parametrize(("kind", "cap"), [("dict", 170), ("list", 255), ("stateful", 510)])
+def test_tree_depths_around_the_save_cap_load_or_are_refused_as_corrupt(
+    ckpt: Path, doc: dict[str, Any], kind: str, cap: int
+) -> None:
+    """The deepest tree sp.save writes (tree.flatten's cap, in JSON levels) loads through every
+    entry point; one level deeper, 990 and 100,000 levels are CorruptCheckpointError, never a
+    RecursionError."""
+    leaf = '{"t":"tensor","ref":"v","kind":"numpy"}'
+    for depth in (100, cap, cap + 1, 990, 100_000):
+        write_manifest(
+            ckpt, seal(head_from_members(_replace_member(doc, "tree", _chain(kind, depth, leaf))))
+        )
+        for name, op in OPS.items():
+            result = run_op(op, ckpt, f"{name} at depth {depth}")
+            if depth <= cap:
+                assert result == "returned without an error", (kind, depth, name, result)
+            else:
+                assert isinstance(result, sp.CorruptCheckpointError), (kind, depth, name, result)

@@ -606,3 +606,39 @@ def test_select_does_not_mutate_the_tree() -> None:
     before = json.dumps(flat.tree)
     tree.select(flat.tree, ["a/1/1/k", "0/w"])
     assert json.dumps(flat.tree) == before
+
+
+def _nested(kind: str, depth: int) -> Any:
+    x: Any = np.zeros(2)
+    for _ in range(depth):
+        x = {"k": x} if kind == "dict" else [x]
+    return x
+
+
+# The manifest reader accepts 512 levels of JSON: 170 nested dicts (3 levels each) or 255 lists.
+CAPS = {"dict": 170, "list": 255}
+
+
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_nesting_up_to_the_cap_saves_and_loads_and_deeper_is_refused(
+    kind: str, tmp_path: Any
+) -> None:
+    """Whatever sp.save accepts, sp.load reads; deeper (990 used to raise RecursionError, and
+    100,000 too) is an UnsupportedStateError saying how deep savepoint goes."""
+    cap = CAPS[kind]
+    for depth in (100, cap):
+        path = tmp_path / f"{kind}-{depth}"
+        sp.save(path, _nested(kind, depth))
+        got = sp.load(path)
+        for _ in range(depth):
+            got = got["k"] if kind == "dict" else got[0]
+        np.testing.assert_array_equal(got, np.zeros(2))
+    for depth in (cap + 1, 990, 100_000):
+        with pytest.raises(sp.UnsupportedStateError, match="savepoint stores at most 512"):
+            sp.save(tmp_path / f"{kind}-{depth}", _nested(kind, depth))
+        assert not (tmp_path / f"{kind}-{depth}").exists()
+
+
+def test_flatten_refuses_deep_nesting_before_recursing() -> None:
+    with pytest.raises(sp.UnsupportedStateError, match="nested 171 levels deep"):
+        tree.flatten(_nested("dict", 100_000))

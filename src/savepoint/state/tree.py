@@ -33,12 +33,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from savepoint.errors import UnsupportedStateError
+from savepoint.formats._json import MAX_DEPTH
 from savepoint.state.arrays import TensorSource, make_source
 from savepoint.state.stateful import is_stateful
 from savepoint.state.wrappers import unwrap
 
 Node = dict[str, Any]
 Key = str | int
+
+# JSON nesting a node adds above its parent: a dict node nests its child in an object, the items
+# array and a [key, node] pair; a list in the object and the items array; a stateful node in the
+# object. The root node sits at level 2 (inside the manifest's object) and the manifest reader
+# accepts ``MAX_DEPTH`` levels, so a dict-only tree holds 170 levels, a list-only tree 255, and
+# a chain of stateful objects 510 (see :func:`flatten`).
+ROOT_LEVEL = 2
+DICT_COST, LIST_COST, STATEFUL_COST = 3, 2, 1
 
 
 def escape(component: Key) -> str:
@@ -63,7 +72,13 @@ class Flat:
 
 
 def flatten(state: Any) -> Flat:
-    """Walk ``state`` once, calling ``state_dict()`` on every Stateful it meets."""
+    """Walk ``state`` once, calling ``state_dict()`` on every Stateful it meets.
+
+    Raises UnsupportedStateError, before recursing any further, when the tree would nest deeper
+    than the manifest reader's JSON cap (``MAX_DEPTH`` levels, counted as in ``ROOT_LEVEL`` and
+    the ``*_COST`` constants): whatever ``flatten`` accepts, ``sp.load`` can read. The walk
+    recurses at most about ``MAX_DEPTH`` Python frames deep, well within the default limit.
+    """
     flat = Flat(tree={})
     by_identity: dict[tuple[Any, ...], str] = {}
     active: set[int] = set()  # ids on the current path, to refuse reference cycles
@@ -84,7 +99,7 @@ def flatten(state: Any) -> Flat:
             by_identity[ident] = name
         return {"t": "tensor", "ref": name, "kind": source.kind}
 
-    def dataclass_items(obj: Any, path: tuple[Key, ...]) -> list[list[Any]]:
+    def dataclass_items(obj: Any, path: tuple[Key, ...], level: int) -> list[list[Any]]:
         items: list[list[Any]] = []
         for f in dataclasses.fields(obj):
             if not hasattr(obj, f.name):  # an init=False field nothing has set yet
@@ -93,11 +108,20 @@ def flatten(state: Any) -> Flat:
                     f"{key}: field {f.name!r} of {type(obj).__qualname__} has no value to save",
                     key=key,
                 )
-            items.append([f.name, walk(getattr(obj, f.name), (*path, f.name))])
+            items.append([f.name, walk(getattr(obj, f.name), (*path, f.name), level + DICT_COST)])
         return items
 
-    def walk(obj: Any, path: tuple[Key, ...]) -> Node:
+    def walk(obj: Any, path: tuple[Key, ...], level: int) -> Node:
         key = join(path)
+        if level > MAX_DEPTH:
+            raise UnsupportedStateError(
+                f"{key if len(key) <= 60 else '...' + key[-57:]}: the state is nested "
+                f"{len(path)} levels deep here, {level} levels of JSON "
+                f"in the manifest; savepoint stores at most {MAX_DEPTH} (a dict level takes "
+                f"{DICT_COST}, a list or tuple {LIST_COST}, an object with state_dict() "
+                f"{STATEFUL_COST}; at most {(MAX_DEPTH - ROOT_LEVEL) // DICT_COST} nested dicts)",
+                key=key,
+            )
         source = make_source(obj, key)
         if source is not None:
             return leaf_tensor(source, path)
@@ -126,22 +150,31 @@ def flatten(state: Any) -> Flat:
                             "stored; keys must be str or int",
                             key=key,
                         )
-                    items.append([k if isinstance(k, str) else int(k), walk(v, (*path, k))])
+                    items.append(
+                        [
+                            k if isinstance(k, str) else int(k),
+                            walk(v, (*path, k), level + DICT_COST),
+                        ]
+                    )
                 return {"t": "dict", "items": items}
             if isinstance(obj, (list, tuple)):
                 kind = "list" if isinstance(obj, list) else "tuple"
-                return {"t": kind, "items": [walk(v, (*path, i)) for i, v in enumerate(obj)]}
+                deeper = level + LIST_COST
+                return {
+                    "t": kind,
+                    "items": [walk(v, (*path, i), deeper) for i, v in enumerate(obj)],
+                }
             if is_stateful(obj):
                 bare = unwrap(obj)  # a compiled or DDP model saves the keys of the model inside
                 cls = type(bare)
-                inner = walk(bare.state_dict(), path)
+                inner = walk(bare.state_dict(), path, level + STATEFUL_COST)
                 return {
                     "t": "stateful",
                     "type": f"{cls.__module__}.{cls.__qualname__}",
                     "state": inner,
                 }
             if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-                return {"t": "dict", "items": dataclass_items(obj, path)}
+                return {"t": "dict", "items": dataclass_items(obj, path, level)}
         finally:
             active.discard(id(obj))
         raise UnsupportedStateError(
@@ -151,7 +184,7 @@ def flatten(state: Any) -> Flat:
             key=key,
         )
 
-    flat.tree = walk(state, ())
+    flat.tree = walk(state, (), ROOT_LEVEL)
     return flat
 
 
