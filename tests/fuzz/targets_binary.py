@@ -1,10 +1,12 @@
 """Fuzz targets for the binary and inference-snapshot parsers: ``.shrew`` v1/v2, kizzasi JSON and
-MessagePack, savepoint's snapshot bytes, and format detection (with inspect/verify) on files.
+MessagePack (in memory and through the seed's file helpers), savepoint's snapshot bytes, burn
+records (``.mpk``, in memory and as files), training-artifact directories (one file of a copy of
+the golden artifact replaced by the input), and format detection (with inspect/verify) on files.
 
 Each target calls the entry points a user calls and lets only CheckpointError through as a
 rejection. Beyond "no other exception", the targets check what a parser must agree with:
 
-- a path and the same bytes in memory give the same outcome (shrew);
+- a path and the same bytes in memory give the same outcome (shrew, kizzasi, burn);
 - whatever decodes re-encodes and decodes to an equal value (a BOOL byte of 2 would break this:
   it decodes, then differs from its own round trip);
 - snapshot bytes: the input is tried as mutated and again with its checksum repaired, so that
@@ -254,6 +256,7 @@ def _roundtrip(snap: InferenceSnapshot, size: int) -> None:
         return
     for encode, decode in (
         (InferenceSnapshot.to_json, InferenceSnapshot.from_json),
+        (InferenceSnapshot.to_seed_bytes, InferenceSnapshot.from_seed_bytes),
         (InferenceSnapshot.to_msgpack, InferenceSnapshot.from_msgpack),
         (InferenceSnapshot.to_bytes, InferenceSnapshot.from_bytes),
     ):
@@ -262,7 +265,15 @@ def _roundtrip(snap: InferenceSnapshot, size: int) -> None:
 
 
 def _parse_kizzasi_json(data: bytes, scratch: Path) -> None:
-    snap = InferenceSnapshot.from_json(data, framework="numpy")
+    # The seed's load_json (a file) and from_bytes (memory) agree with from_json.
+    path = scratch / "fuzz.json"
+    path.write_bytes(data)
+    snap, from_file = _both(
+        lambda: InferenceSnapshot.from_json(data, framework="numpy"),
+        lambda: InferenceSnapshot.load_json(path, framework="numpy"),
+    )
+    assert from_file == snap, "load_json and from_json disagree"
+    assert InferenceSnapshot.from_seed_bytes(data, framework="numpy") == snap
     _roundtrip(snap, len(data))
 
 
@@ -312,7 +323,13 @@ def _msgpack_seeds(scratch: Path) -> list[bytes]:
 
 
 def _parse_kizzasi_msgpack(data: bytes, scratch: Path) -> None:
-    snap = InferenceSnapshot.from_msgpack(data, framework="numpy")
+    path = scratch / "fuzz.msgpack"
+    path.write_bytes(data)
+    snap, from_file = _both(
+        lambda: InferenceSnapshot.from_msgpack(data, framework="numpy"),
+        lambda: InferenceSnapshot.load_msgpack(path, framework="numpy"),
+    )
+    assert from_file == snap, "load_msgpack and from_msgpack disagree"
     _roundtrip(snap, len(data))
 
 
@@ -443,5 +460,164 @@ register(
         _parse_detect,
         tokens=(*SHREW_TOKENS, b"{", b'"__metadata__":{', b'"dtype":"F32",'),
         memory_slack=64 << 20,  # safetensors headers go through _json (its slack: 64 MiB)
+    )
+)
+
+
+# -- burn records ------------------------------------------------------------------------------
+
+BURN_GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "burn"
+BURN_TOKENS = (
+    b"\x83\xa8metadata",
+    b"\xa4item",
+    b"\xa2_b\x90",
+    b"\x82\xa2id\xad",
+    b"\xa5param\x83",
+    b"\xa5bytes\xc4",
+    b"\xa5shape\x92\x02\x03",
+    b"\xa5dtype\xa3F32",
+    b"\xa5dtype\xa4Bool",
+    b"\x81\xa4Bool\xa3U32",
+    b"\x81\xa6QFloat\xc0",
+    b"\xa5value\x93\xca",
+    b"\xc6\xff\xff\xff\xff",
+    b"\xdf\xff\xff\xff\xff",
+    b"\xc1",
+    b"\xd6\xff\x00\x00\x00\x00",
+)
+
+
+def _burn_tensors() -> list[dict[str, Any]]:
+    rng = np.random.default_rng(11)
+    return [
+        {
+            "encoder.layers.0.weight": rng.standard_normal((3, 2)).astype(np.float32),
+            "encoder.layers.1.weight": rng.standard_normal((2, 2)).astype(np.float64),
+            "encoder.norm.scale": np.linspace(-1, 1, 4).astype(np.float16),
+            "head.bias": np.linspace(-1, 1, 3).astype(_BF16),
+            "mask": np.array([[True, False], [False, True]]),
+            "steps": np.array([-(2**63), 2**63 - 1], dtype=np.int64),
+            "tokens": np.arange(5, dtype=np.uint8),
+            "empty": np.zeros((0, 3), dtype=np.float32),
+            "scalar": np.array(2.5, dtype=np.float32),
+        },
+        {"w": np.ones(1, np.float32)},
+    ]
+
+
+def _burn_seeds(scratch: Path) -> list[bytes]:
+    from savepoint.formats import burn
+
+    seeds = [p.read_bytes() for p in sorted(BURN_GOLDEN.glob("*.mpk"))]
+    for i, tensors in enumerate(_burn_tensors()):
+        path = scratch / f"seed{i}.mpk"
+        burn.save_record(path, tensors)
+        seeds.append(path.read_bytes())
+        path.unlink()
+    # A record field named "value" holding numbers (not a legacy tensor: no "shape" beside it).
+    # Regression: the reader bulk-decoded it into a numpy array, which the writer then wrote
+    # back as a tensor, so decode -> encode changed the record.
+    numbers = {
+        "f32": [np.float32(1.5), np.float32(-2.0)],
+        "f64": [0.25, -1e300],
+        "ints": [1, 300, -70000, 2**63 - 1],
+        "flags": [True, False],
+        "empty": [],
+    }
+    tree = {"cfg": {k: {"value": v, "name": k} for k, v in numbers.items()}}
+    tree["w"] = burn.Param(np.ones(2, np.float32))
+    seeds.append(burn.encode(tree))
+    path = scratch / "seed_v0_21.mpk"
+    burn.save_record(path, _burn_tensors()[0], metadata=burn.Metadata(version="0.21.0"))
+    seeds.append(path.read_bytes())
+    path.unlink()
+    return seeds
+
+
+def _burn_flat(tree: Any) -> dict[str, np.ndarray[Any, Any]]:
+    from savepoint.formats import burn
+
+    return {name: np.asarray(leaf.value) for name, leaf in burn.flatten(tree).items()}
+
+
+def _parse_burn(data: bytes, scratch: Path) -> None:
+    from savepoint.formats import burn
+
+    path = scratch / "fuzz.mpk"
+    path.write_bytes(data)
+    decoded, loaded = _both(lambda: burn.decode(data), lambda: burn.load_record(path))
+    tree, metadata = decoded
+    flat = _burn_flat(tree)
+    assert _same_tensors(flat, loaded), "decode and load_record disagree"
+    # The lazy reader (inspect, verify) accepts what the eager one accepts, with the same tensors.
+    info = burn.verify(path)
+    assert [t.key for t in info.tensors] == list(loaded)
+    if len(data) <= ROUNDTRIP_LIMIT:
+        # What decodes re-encodes (as the version it claims) and decodes to the same tensors.
+        again, _ = burn.decode(burn.encode(tree, metadata))
+        assert _same_tensors(_burn_flat(again), flat), "burn round trip differs"
+
+
+register(
+    Target(
+        "burn",
+        _burn_seeds,
+        _parse_burn,
+        tokens=BURN_TOKENS,
+        memory_slack=64 << 20,
+    )
+)
+
+
+# -- training-artifact directories ----------------------------------------------------------------
+
+ARTIFACT_GOLDEN = BURN_GOLDEN / "artifact"
+# The first byte of an input picks the artifact file the rest replaces (mutations that change it
+# move the bytes to another file, which is fine: every file must survive any bytes).
+ARTIFACT_FILES = ("manifest.json", "training_report.json", "model.mpk")
+
+
+def _artifact_seeds(scratch: Path) -> list[bytes]:
+    return [
+        bytes([i]) + (ARTIFACT_GOLDEN / name).read_bytes() for i, name in enumerate(ARTIFACT_FILES)
+    ]
+
+
+def _parse_training_artifact(data: bytes, scratch: Path) -> None:
+    import shutil
+
+    from savepoint.formats import training_artifact
+
+    directory = scratch / "artifact"
+    if directory.exists():
+        shutil.rmtree(directory)
+    shutil.copytree(ARTIFACT_GOLDEN, directory)
+    name = ARTIFACT_FILES[data[0] % len(ARTIFACT_FILES)] if data else ARTIFACT_FILES[0]
+    (directory / name).write_bytes(data[1:])
+    loaded = training_artifact.load(directory)
+    # verify (every byte read) accepts what load accepts and lists the same tensors.
+    keys = {t.key for t in training_artifact.verify(directory).tensors}
+    expected = {f"model/{k}" for k in loaded.model}
+    if loaded.best_validation_model is not None:
+        expected |= {f"best_validation_model/{k}" for k in loaded.best_validation_model}
+    assert keys == expected, f"verify lists {sorted(keys)}, load gave {sorted(expected)}"
+    assert loaded.manifest.weights_stem
+    # Loading writes nothing: the directory holds exactly what was put there.
+    assert (directory / name).read_bytes() == data[1:]
+
+
+register(
+    Target(
+        "training_artifact",
+        _artifact_seeds,
+        _parse_training_artifact,
+        tokens=(
+            *BURN_TOKENS,
+            b'"weights_stem":"../x"',
+            b'"num_params":',
+            b'"best_validation":null',
+        ),
+        text=True,
+        memory_slack=64 << 20,
     )
 )

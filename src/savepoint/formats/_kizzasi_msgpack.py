@@ -10,8 +10,8 @@ Contract of the walker (:class:`_Reader`), whatever the input:
   their dtype is known (vectorised for the layouts the seed and savepoint write:
   :func:`_scalar_run`, :func:`_convert`); ``nonfinite`` lists go straight into integer arrays;
   unknown keys are passed over without building anything (:meth:`_Reader.skip`, iterative);
-- everything it builds is charged to a :class:`_Budget` of :data:`BUDGET_FACTOR` x the input's
-  size + :data:`BUDGET_SLACK` bytes; conversion temporaries stay under 1 MiB (:data:`_CHUNK`,
+- everything it builds is charged to the :class:`_Budget` it is given (``BUDGET_FACTOR`` x the
+  input's size + ``BUDGET_SLACK`` bytes, set in :mod:`savepoint.formats.kizzasi`); conversion temporaries stay under 1 MiB (:data:`_CHUNK`,
   :data:`_VCHUNK`);
 - nesting is counted (at most :data:`MAX_DEPTH` levels), so no input reaches Python's recursion
   limit; a length running past the end, trailing bytes, duplicate keys, non-string keys, invalid
@@ -58,15 +58,6 @@ _HEX = re.compile(r"[0-9a-f]+")
 MAX_DEPTH = MAX_CONFIG_DEPTH + 8
 """Deepest nesting the MessagePack reader accepts, counted from the document (config's own
 limit is 64 levels below its key)."""
-BUDGET_FACTOR = 16
-JSON_BUDGET_FACTOR = 8
-BUDGET_SLACK = 64 << 20
-"""What decoding may build, in bytes of Python objects and arrays: ``BUDGET_FACTOR`` x the
-input's size + ``BUDGET_SLACK`` for MessagePack (everything but the input), and
-``JSON_BUDGET_FACTOR`` x the size + the slack for what a JSON document (already parsed by the
-bounded :mod:`savepoint.formats._json`) becomes. A real snapshot (numbers as the seed or savepoint
-write them) uses about 1 x its size; only input that packs millions of tiny containers, strings
-or arrays into a few bytes each reaches the limit."""
 
 
 class _Malformed(ValueError):
@@ -74,19 +65,21 @@ class _Malformed(ValueError):
 
 
 class _Budget:
-    """Bytes of objects and arrays a decoder may still build (see :data:`BUDGET_FACTOR`)."""
+    """Bytes of objects and arrays a decoder may still build: ``factor`` x the input's ``size``
+    + ``slack`` (the limits are :mod:`savepoint.formats.kizzasi`'s ``BUDGET_*`` constants)."""
 
-    def __init__(self, size: int, factor: int) -> None:
+    def __init__(self, size: int, factor: int, slack: int) -> None:
         self.size = size
         self.factor = factor
-        self.left = factor * size + BUDGET_SLACK
+        self.slack = slack
+        self.left = factor * size + slack
 
     def charge(self, nbytes: int) -> None:
         self.left -= nbytes
         if self.left < 0:
             raise _Malformed(
                 f"the document decodes to more than {self.factor} x its {self.size} bytes "
-                f"+ {BUDGET_SLACK >> 20} MiB of objects and arrays (millions of tiny containers, "
+                f"+ {self.slack >> 20} MiB of objects and arrays (millions of tiny containers, "
                 "strings or arrays?)"
             )
 
@@ -251,11 +244,11 @@ class _Reader:
     no input reaches Python's recursion limit.
     """
 
-    def __init__(self, buf: memoryview) -> None:
+    def __init__(self, buf: memoryview, budget: _Budget) -> None:
         self.buf = buf
         self.pos = 0
         self.end = len(buf)
-        self.budget = _Budget(len(buf), BUDGET_FACTOR)
+        self.budget = budget
         self.charge = self.budget.charge
 
     # -- primitives --------------------------------------------------------------------------

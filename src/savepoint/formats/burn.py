@@ -486,6 +486,14 @@ class _Parser:
             if not isinstance(node["id"], str):
                 raise _Bad(f"{_dotted(where)}: a Param's id is not a string")
             return Param(node["param"].value, node["id"])
+        values = node.get("value")
+        if isinstance(values, np.ndarray):
+            # Not a legacy tensor after all (a record field named "value" holding numbers): the
+            # bulk-decoded array goes back to the list value() builds, each element counted, so
+            # the tree says what the file says and writes back as the same numbers, not a tensor.
+            self.values += len(values) - 1
+            self.count()
+            node["value"] = list(values) if values.dtype == np.float32 else values.tolist()
         return node
 
     def shape(self, node: dict[str, Any], where: tuple[str, ...]) -> tuple[int, ...]:

@@ -26,6 +26,12 @@ holds the same values with every struct written as an array of its fields in the
 ignore unknown keys; its reader fails on a missing field, on a ``null``, a string or a boolean
 where it wants a number, and on NaN/Infinity in JSON.
 
+The seed's ``to_bytes`` / ``from_bytes`` are :func:`to_bytes` / :func:`from_bytes` here (the
+compact JSON as UTF-8 bytes) and ``InferenceSnapshot.to_seed_bytes`` / ``from_seed_bytes``: not
+``InferenceSnapshot.to_bytes``, which is savepoint's own binary encoding
+(:mod:`savepoint.formats.snapshot`). Its files are ``InferenceSnapshot.save_json`` /
+``load_json`` / ``save_msgpack`` / ``load_msgpack``.
+
 What savepoint writes (``to_json`` / ``to_msgpack``) is that layout with extra keys for what the
 seed cannot express, so the seed still reads every document (as f32 matrices):
 
@@ -82,7 +88,8 @@ Reading is bounded, whatever the input:
 
 - nesting deeper than :data:`MAX_DEPTH` (72) levels is a CorruptCheckpointError at any depth
   (1,000 or 1,000,000 levels: never a RecursionError); error messages show values briefly;
-- MessagePack is read by a reader that walks the known layout (:class:`_Reader`), not by
+- MessagePack is read by a reader that walks the known layout (``_Reader`` in
+  :mod:`savepoint.formats._kizzasi_msgpack`, which states its contract), not by
   ``msgpack.unpackb``: numeric arrays go straight from the input into numpy arrays (vectorised
   for the layouts the seed and savepoint write), unknown keys are passed over without building
   anything, and everything built is charged to a budget. Peak traced memory <= 16 x input + 64 MiB
@@ -114,12 +121,9 @@ from savepoint.formats import _json
 from savepoint.formats._kizzasi_msgpack import (
     _FLOATS,
     _INTS,
-    BUDGET_FACTOR,
-    BUDGET_SLACK,
     CHECKPOINT_FIELDS,
     CHECKPOINT_VERSION,
     CONTEXT_CONFIG_FIELDS,
-    JSON_BUDGET_FACTOR,
     MAX_DEPTH,
     METADATA_FIELDS,
     STATE_FIELDS,
@@ -158,8 +162,20 @@ __all__ = [
     "decode_msgpack",
     "encode_json",
     "encode_msgpack",
+    "from_bytes",
     "seed_dims",
+    "to_bytes",
 ]
+
+BUDGET_FACTOR = 16
+JSON_BUDGET_FACTOR = 8
+BUDGET_SLACK = 64 << 20
+"""What decoding may build, in bytes of Python objects and arrays: ``BUDGET_FACTOR`` x the
+input's size + ``BUDGET_SLACK`` for MessagePack (everything but the input), and
+``JSON_BUDGET_FACTOR`` x the size + the slack for what a JSON document (already parsed by the
+bounded :mod:`savepoint.formats._json`) becomes. A real snapshot (numbers as the seed or savepoint
+write them) uses about 1 x its size; only input that packs millions of tiny containers, strings
+or arrays into a few bytes each reaches the limit. Read at each call (tests lower the slack)."""
 
 _MSGPACK_INT = {
     "U8": (0xCC, ">u1"),
@@ -301,6 +317,23 @@ def encode_json(record: SnapshotRecord, *, indent: int | None = None) -> str:
     )
 
 
+def to_bytes(record: SnapshotRecord) -> bytes:
+    """The seed's ``Checkpoint::to_bytes`` (``serde_json::to_vec``): the compact JSON document
+    of ``record`` as UTF-8 bytes. ``InferenceSnapshot.to_seed_bytes`` calls this; the snapshot's
+    own ``to_bytes`` is savepoint's binary encoding (:mod:`savepoint.formats.snapshot`)."""
+    return encode_json(record).encode("utf-8")
+
+
+def from_bytes(data: bytes | bytearray | memoryview) -> SnapshotRecord:
+    """The seed's ``Checkpoint::from_bytes``: the record held by JSON bytes (what
+    :func:`to_bytes` or the seed wrote; the pretty layout too), read as :func:`decode_json`."""
+    if isinstance(data, memoryview):
+        data = bytes(data)
+    if not isinstance(data, (bytes, bytearray)):
+        raise TypeError(f"expected bytes, got {type(data).__name__}")
+    return decode_json(data)
+
+
 def encode_msgpack(record: SnapshotRecord) -> bytes:
     """The MessagePack bytes of ``record``: the JSON document as maps, numbers fixed width."""
     packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -343,19 +376,20 @@ def decode_json(text: str | bytes | bytearray) -> SnapshotRecord:
         raise TypeError(f"expected str or bytes, got {type(text).__name__}")
     doc = _json.loads(raw, CorruptCheckpointError, "kizzasi JSON")
     # The document is built (bounded by _json); what it becomes is charged to its own budget.
-    return _parse(doc, "kizzasi JSON", _Budget(len(raw), JSON_BUDGET_FACTOR))
+    return _parse(doc, "kizzasi JSON", _Budget(len(raw), JSON_BUDGET_FACTOR, BUDGET_SLACK))
 
 
 def decode_msgpack(data: bytes | bytearray | memoryview) -> SnapshotRecord:
     """The record held by MessagePack ``data``: savepoint's maps or the seed's arrays.
 
-    Bounded (see :class:`_Reader`): nesting deeper than :data:`MAX_DEPTH` levels, more decoded
+    Bounded (see :mod:`savepoint.formats._kizzasi_msgpack`): nesting deeper than :data:`MAX_DEPTH` levels, more decoded
     objects than :data:`BUDGET_FACTOR` x ``len(data)`` + :data:`BUDGET_SLACK` bytes, a length
     running past the end and trailing bytes are CorruptCheckpointError.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"expected bytes, got {type(data).__name__}")
-    reader = _Reader(memoryview(data).cast("B"))
+    buf = memoryview(data).cast("B")
+    reader = _Reader(buf, _Budget(len(buf), BUDGET_FACTOR, BUDGET_SLACK))
     try:
         doc = reader.document()
     except _Malformed as exc:

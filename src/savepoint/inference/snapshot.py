@@ -35,9 +35,27 @@ to_bytes /          one safetensors blob: compact, fastest,    :mod:`savepoint.f
 from_bytes          zero-copy decode
 to_json /           the seed's serde JSON layout, readable by  :mod:`savepoint.formats.kizzasi`
 from_json           the seed for float32 states
+to_seed_bytes /     the seed's ``to_bytes`` / ``from_bytes``:  :mod:`savepoint.formats.kizzasi`
+from_seed_bytes     that JSON, compact, as UTF-8 bytes
 to_msgpack /        the same document as MessagePack           :mod:`savepoint.formats.kizzasi`
 from_msgpack
+save_json /         the seed's files: pretty JSON (its         :mod:`savepoint.inference._files`
+load_json,          ``save_json``) or MessagePack (its
+save_msgpack /      ``save_msgpack``), written atomically
+load_msgpack
 ==================  =========================================  ==================================
+
+Why ``to_seed_bytes`` and not ``to_bytes``: in the seed, ``Checkpoint::to_bytes`` is
+``serde_json::to_vec`` (the compact JSON document), while savepoint's ``to_bytes`` is its own
+binary encoding (a safetensors blob, about 4x smaller for float32 and decoded without copying)
+that pickling and ``SnapshotHistory`` rely on. One name cannot mean both, so the seed's bytes get
+the seed's name with ``seed`` in it; :func:`savepoint.formats.kizzasi.to_bytes` and
+:func:`savepoint.formats.kizzasi.from_bytes` are the same encoding on a record, under the seed's
+own names in the module that is the seed's layout.
+
+Metadata builders (the seed's ``with_description``, ``with_model_id``, ``with_tag``, plus
+``with_metadata``) return a new snapshot with the metadata changed and the very same arrays: no
+array is copied (snapshot arrays are never modified, so sharing them is safe).
 
 Native layout (``save``): ``sp.save(path, {"states": [...], "history": [...]}, metadata=...)``
 with the manifest metadata ``{"inference_snapshot": {"version": 1, "step_count": n, "config":
@@ -72,7 +90,7 @@ from savepoint.errors import (
 from savepoint.formats import kizzasi
 from savepoint.formats import snapshot as snapshot_format
 from savepoint.formats.snapshot import RecordError, SnapshotRecord
-from savepoint.inference import _arrays
+from savepoint.inference import _arrays, _files
 from savepoint.state import arrays
 from savepoint.state.dtypes import DType
 
@@ -282,6 +300,39 @@ class InferenceSnapshot:
             for a in self._states + self._history
         )
 
+    # -- metadata builders (the seed's with_*) ----------------------------------------------
+
+    def with_metadata(
+        self, metadata: SnapshotMetadata | Mapping[str, Any] | None
+    ) -> InferenceSnapshot:
+        """A new snapshot with ``metadata`` (as the constructor takes it) and this one's arrays,
+        step count and config: the arrays are shared, not copied."""
+        meta = SnapshotMetadata.coerce(metadata)
+        snap = type(self).__new__(type(self))
+        # The new snapshot made no copies of its own: nothing of it may be refilled (_buffers),
+        # and this one is held by the caller, so no history refills it either.
+        snap._buffers = None
+        snap._states = self._states
+        snap._history = self._history
+        snap._step_count = self._step_count
+        snap._config = self._config  # never modified in place (config returns copies)
+        snap._metadata = meta
+        return snap
+
+    def with_description(self, description: str) -> InferenceSnapshot:
+        """The seed's ``with_description``: a new snapshot sharing this one's arrays."""
+        return self.with_metadata(dataclasses.replace(self._metadata, description=description))
+
+    def with_model_id(self, model_id: str) -> InferenceSnapshot:
+        """The seed's ``with_model_id``: a new snapshot sharing this one's arrays."""
+        return self.with_metadata(dataclasses.replace(self._metadata, model_id=model_id))
+
+    def with_tag(self, tag: str) -> InferenceSnapshot:
+        """The seed's ``with_tag``: a new snapshot with ``tag`` appended to the tags (as the seed
+        pushes it), sharing this one's arrays."""
+        tags = (*self._metadata.tags, tag)
+        return self.with_metadata(dataclasses.replace(self._metadata, tags=tags))
+
     # -- restoring ---------------------------------------------------------------------------
 
     def restore_into(
@@ -411,6 +462,44 @@ class InferenceSnapshot:
         """Read ``to_bytes`` output. numpy arrays are read-only views of ``data`` when it is
         ``bytes`` (no copy); copies otherwise."""
         return cls._from_record(snapshot_format.decode(data), framework)
+
+    def to_seed_bytes(self) -> bytes:
+        """The seed's ``to_bytes``: the compact JSON document (``to_json()``) as UTF-8 bytes.
+        Not :meth:`to_bytes`, which is savepoint's own binary encoding."""
+        return kizzasi.to_bytes(self._record())
+
+    @classmethod
+    def from_seed_bytes(
+        cls, data: bytes | bytearray | memoryview, *, framework: Framework = "auto"
+    ) -> InferenceSnapshot:
+        """Read the seed's ``to_bytes`` output (or ``to_seed_bytes``): JSON as UTF-8 bytes."""
+        return cls._from_record(kizzasi.from_bytes(data), framework)
+
+    # -- files in the seed's encodings -------------------------------------------------------
+
+    def save_json(self, path: PathLike) -> None:
+        """Write the seed's ``save_json`` file: the JSON document laid out as serde_json's
+        ``to_writer_pretty`` (``to_json(indent=2)``), atomically; see
+        :mod:`savepoint.inference._files` for the guarantees and errors."""
+        data = kizzasi.encode_json(self._record(), indent=2).encode("utf-8")
+        _files.write(path, data, "kizzasi JSON snapshot")
+
+    @classmethod
+    def load_json(cls, path: PathLike, *, framework: Framework = "auto") -> InferenceSnapshot:
+        """Read a file written by ``save_json`` (this one's or the seed's), or any JSON that
+        ``from_json`` reads; errors are CheckpointError subclasses."""
+        data = _files.read(path, "kizzasi JSON snapshot")
+        return cls._from_record(kizzasi.decode_json(data), framework)
+
+    def save_msgpack(self, path: PathLike) -> None:
+        """Write ``to_msgpack()`` to ``path`` atomically (the seed's ``save_msgpack``)."""
+        _files.write(path, kizzasi.encode_msgpack(self._record()), "kizzasi MessagePack snapshot")
+
+    @classmethod
+    def load_msgpack(cls, path: PathLike, *, framework: Framework = "auto") -> InferenceSnapshot:
+        """Read a file written by ``save_msgpack`` (this one's or the seed's, maps or arrays)."""
+        data = _files.read(path, "kizzasi MessagePack snapshot")
+        return cls._from_record(kizzasi.decode_msgpack(data), framework)
 
     def save(self, path: PathLike) -> checkpoint.CheckpointInfo:
         """Save as a savepoint checkpoint directory (atomic, durable, checksummed)."""
