@@ -640,5 +640,5 @@ def test_nesting_up_to_the_cap_saves_and_loads_and_deeper_is_refused(
 
 
 def test_flatten_refuses_deep_nesting_before_recursing() -> None:
-    with pytest.raises(sp.UnsupportedStateError, match="nested 171 levels deep"):
+    with pytest.raises(sp.UnsupportedStateError, match="nested deeper than 512 levels of JSON"):
         tree.flatten(_nested("dict", 100_000))

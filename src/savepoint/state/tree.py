@@ -115,9 +115,9 @@ def flatten(state: Any) -> Flat:
         key = join(path)
         if level > MAX_DEPTH:
             raise UnsupportedStateError(
-                f"{key if len(key) <= 60 else '...' + key[-57:]}: the state is nested "
-                f"{len(path)} levels deep here, {level} levels of JSON "
-                f"in the manifest; savepoint stores at most {MAX_DEPTH} (a dict level takes "
+                f"{(key if len(key) <= 60 else '...' + key[-57:]) or '<root>'}: the state is "
+                f"nested deeper than {MAX_DEPTH} levels of JSON in the manifest here ({level}); "
+                f"savepoint stores at most {MAX_DEPTH} (a dict level takes "
                 f"{DICT_COST}, a list or tuple {LIST_COST}, an object with state_dict() "
                 f"{STATEFUL_COST}; at most {(MAX_DEPTH - ROOT_LEVEL) // DICT_COST} nested dicts)",
                 key=key,
