@@ -25,6 +25,7 @@ ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "DistributedCheckpointError": (RuntimeError,),
     "MissingCheckpointError": (ValueError, sp.CorruptCheckpointError),
     "RunMismatchError": (ValueError, sp.IncompatibleCheckpointError),
+    "UnsupportedStorageError": (ValueError,),
 }
 
 
@@ -79,6 +80,8 @@ def _instance(name: str) -> sp.CheckpointError:
         return cls("a/b: cannot store a value of type builtins.object", key="a/b")
     if name == "CorruptCheckpointError":
         return cls("/ck: checksum mismatch in tensor 'w'", path="/ck", key="w")
+    if name == "UnsupportedStorageError":
+        return cls("s3:// is not supported yet", path=Path("/ck"), scheme="s3")
     return cls(f"{name} happened at /ck", path=Path("/ck"))
 
 
@@ -110,7 +113,7 @@ def test_errors_survive_pickle(name: str) -> None:
     assert copy.message == err.message
     assert copy.path == err.path
     assert copy.args == err.args
-    for attr in ("key", "problems"):
+    for attr in ("key", "problems", "scheme"):
         if hasattr(err, attr):
             assert getattr(copy, attr) == getattr(err, attr)
 

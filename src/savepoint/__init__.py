@@ -33,6 +33,7 @@ from savepoint.errors import (
     RunMismatchError,
     StateMismatchError,
     UnsupportedStateError,
+    UnsupportedStorageError,
 )
 from savepoint.inference import InferenceSnapshot, SnapshotHistory, SnapshotMetadata
 from savepoint.runs import policies as policies
@@ -82,6 +83,7 @@ __all__ = [
     "Sweep",
     "TensorInfo",
     "UnsupportedStateError",
+    "UnsupportedStorageError",
     "__version__",
     "convert",
     "inspect",

@@ -45,6 +45,7 @@ from savepoint.formats import manifest as mf
 from savepoint.formats._files import jsonable
 from savepoint.state import arrays, restore, tree
 from savepoint.storage import local
+from savepoint.storage.paths import local_path
 
 PathLike = str | os.PathLike[str]
 Framework = Literal["auto", "numpy", "torch"]
@@ -95,6 +96,7 @@ def save(
     DistributedCheckpointError on every rank, after ``timeout`` seconds at most for a rank that
     stopped answering. See ``docs/distributed.md``.
     """
+    path = local_path(path, what="checkpoint path")
     if process_group is not None:
         from savepoint.distributed import save as distributed_save
 
@@ -325,6 +327,7 @@ def load(
     rank reads only the byte ranges of the shards that overlap the parts it holds; a failure on
     any rank raises DistributedCheckpointError on all of them. See ``docs/distributed.md``.
     """
+    path = local_path(path, what="checkpoint path")
     if verify not in (True, False, "first"):
         raise ValueError(f"verify must be True, False or 'first', not {verify!r}")
     if framework not in ("auto", "numpy", "torch"):
@@ -597,7 +600,8 @@ def _info(directory: str, manifest: mf.Manifest) -> CheckpointInfo:
 
 def inspect(path: PathLike) -> CheckpointInfo:
     """Keys, dtypes, shapes, sizes, plain values and metadata, from the manifest alone."""
-    with _reader.Reader.open(os.path.abspath(os.fspath(path)), needs=lambda d, m: ()) as reader:
+    path = local_path(path, what="checkpoint path")
+    with _reader.Reader.open(os.path.abspath(path), needs=lambda d, m: ()) as reader:
         return _info(reader.path, reader.manifest)
 
 
@@ -607,7 +611,8 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
     Raises a CheckpointError subclass describing the first problem; returns the checkpoint's
     description when everything is intact.
     """
-    with _reader.Reader.open(os.path.abspath(os.fspath(path))) as reader:
+    path = local_path(path, what="checkpoint path")
+    with _reader.Reader.open(os.path.abspath(path)) as reader:
         directory, manifest = reader.path, reader.manifest
         counter = _counter(progress, manifest, set(manifest.tensors))
         expected_sharded = _expected_entries(manifest) if manifest.sharded else {}

@@ -21,6 +21,7 @@ from savepoint._text import table as _table
 from savepoint._version import __version__
 from savepoint.distributed.cli import consolidate_cmd
 from savepoint.errors import CheckpointError
+from savepoint.storage.paths import local_path
 
 
 @contextmanager
@@ -51,6 +52,15 @@ def _fail(exc: CheckpointError) -> None:
     sys.exit(1)
 
 
+def _local(path: str, what: str = "path") -> str:
+    """``path`` as a local path (file:// mapped); a URL savepoint cannot use exits 1 with why."""
+    try:
+        return local_path(path, what=what)
+    except CheckpointError as exc:
+        _fail(exc)
+        raise  # unreachable: _fail exits
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="savepoint")
 def main() -> None:
@@ -69,6 +79,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 
     PATH may be a savepoint checkpoint, a .shrew file, a .safetensors file, or a boostr directory.
     """
+    path = _local(path)
     if _cli_formats.handles(path):
         _cli_formats.inspect_other(path, as_json)
         return
@@ -121,6 +132,7 @@ def verify_cmd(path: str, quiet: bool) -> None:
     """
     from savepoint.runs import layout
 
+    path = _local(path)
     if layout.is_run(path) or layout.lost_run_file(path):
         _verify_run(path, quiet)
         return
@@ -272,6 +284,7 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
 
     from savepoint.runs import layout, policies
 
+    run_dir = _local(run_dir, "run directory")
     _run_dir(run_dir)
     report = _load_report(run_dir)
     on_disk = _committed_steps(run_dir)
@@ -368,6 +381,7 @@ def diff_cmd(a: str, b: str, c: str | None, as_json: bool, show_all: bool) -> No
     (a step may be a number, 'latest' or 'best'). Exit status 0 when identical, 1 otherwise."""
     from savepoint.diff import diff
 
+    a, b = _local(a), (b if c is not None else _local(b))
     if c is not None:
         a, b = _resolve_step(a, b), _resolve_step(a, c)
     try:
@@ -415,6 +429,7 @@ def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
     from savepoint.runs import layout
     from savepoint.runs.sweep import Sweep
 
+    path, plot_path = _local(path), (_local(plot_path, "plot path") if plot_path else None)
     if layout.is_run(path):
         reports = [_load_report(path)]
         r = reports[0]

@@ -77,6 +77,7 @@ from savepoint.formats.detect import detect
 from savepoint.state import dtypes
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import TensorSource
+from savepoint.storage.paths import local_path
 
 __all__ = ["TARGETS", "ConversionError", "ConversionReport", "convert"]
 
@@ -747,8 +748,8 @@ def convert(
     """
     if format is not None and format not in TARGETS:
         raise ValueError(f"unknown target format {format!r}; choose one of {', '.join(TARGETS)}")
-    source_path = os.path.abspath(os.fspath(src))
-    target_path = os.path.abspath(os.fspath(dst))
+    source_path = os.path.abspath(local_path(src, what="source"))
+    target_path = os.path.abspath(local_path(dst, what="target"))
     kind = detect(source_path)
     if os.path.lexists(target_path):
         if os.path.realpath(target_path) == os.path.realpath(source_path):

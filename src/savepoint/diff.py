@@ -19,6 +19,7 @@ import numpy as np
 
 from savepoint import _reader
 from savepoint.state import dtypes, tree
+from savepoint.storage.paths import local_path
 
 _PIECE = 1 << 22  # elements per piece of the float64 computation
 
@@ -82,10 +83,8 @@ def _leaves(root: tree.Node) -> dict[str, tree.Node]:
 
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
     """Compare the checkpoints at ``a`` and ``b`` (see the module docstring)."""
-    with (
-        _reader.Reader.open(os.path.abspath(os.fspath(a))) as ra,
-        _reader.Reader.open(os.path.abspath(os.fspath(b))) as rb,
-    ):
+    a, b = (os.path.abspath(local_path(p, what="checkpoint path")) for p in (a, b))
+    with _reader.Reader.open(a) as ra, _reader.Reader.open(b) as rb:
         report = DiffReport(ra.path, rb.path)
         la, lb = _leaves(ra.manifest.tree), _leaves(rb.manifest.tree)
         report.removed = [k for k in la if k not in lb]

@@ -12,6 +12,8 @@
     │   └── RunMismatchError             run.json, report.json and the caller disagree about a run
     ├── CheckpointPermissionError        (also PermissionError) a file or directory cannot be read
     ├── UnsupportedStateError            (also TypeError) a leaf or key savepoint cannot store
+    ├── UnsupportedStorageError          (also ValueError) a URL (s3://, gs://, ...) where only
+    │                                    local paths and file:// are supported yet
     ├── CheckpointWriteError             (also OSError) the save failed (disk full, fsync error, ...)
     │   └── RunLockedError               another process holds the run directory's writer lock
     └── DistributedCheckpointError       (also RuntimeError) a sharded save or load failed on some
@@ -41,6 +43,7 @@ __all__ = [
     "RunMismatchError",
     "StateMismatchError",
     "UnsupportedStateError",
+    "UnsupportedStorageError",
 ]
 
 
@@ -151,6 +154,25 @@ class UnsupportedStateError(CheckpointError, TypeError):
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+class UnsupportedStorageError(CheckpointError, ValueError):
+    """A path argument is a URL whose scheme savepoint cannot read or write (yet).
+
+    ``scheme`` is the URL's scheme, lowercased (``"s3"``); ``path`` is the URL as given. Only local
+    paths and ``file://`` URLs are supported; object stores (s3, gs, az) are planned. Nothing was
+    created anywhere: pass a local path, or mount the bucket and pass a path inside the mount.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        scheme: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.scheme = scheme
 
 
 class CheckpointWriteError(CheckpointError, OSError):

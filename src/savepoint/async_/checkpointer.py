@@ -45,6 +45,7 @@ from savepoint.errors import CheckpointError, CheckpointWriteError
 from savepoint.formats._boostr_single import TrainingState
 from savepoint.formats._files import FormatInfo
 from savepoint.state import tree
+from savepoint.storage.paths import local_path
 
 OnBusy = Literal["wait", "skip"]
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
@@ -105,6 +106,7 @@ class AsyncCheckpointer:
         """Snapshot ``state`` now and write it to ``path`` in the background.
 
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
+        path = local_path(path, what="checkpoint path")
         with self._save_lock:
             return self._save(path, on_commit, lambda target: self._native(target, state, metadata))
 
@@ -124,6 +126,7 @@ class AsyncCheckpointer:
         (a fresh copy per save: the staging arena is laid out as native files) and checks
         ``state``; the PendingSave resolves to the written checkpoint's ``FormatInfo``. Not
         available with a process group (use ``boostr.save_distributed``)."""
+        path = local_path(path, what="checkpoint path")
         if self.process_group is not None:
             raise ValueError(
                 "save_boostr writes a single boostr checkpoint; with a process group use "

@@ -17,6 +17,7 @@ import numpy as np
 from savepoint import _reader, checkpoint
 from savepoint.state import dtypes, tree
 from savepoint.state.arrays import TensorSource
+from savepoint.storage.paths import local_path
 
 
 class _AssembledSource:
@@ -58,7 +59,8 @@ def consolidate(
     progress: checkpoint.Progress | None = None,
 ) -> checkpoint.CheckpointInfo:
     """Write the checkpoint at ``src`` (sharded or not) to ``dst`` as an unsharded checkpoint."""
-    with _reader.Reader.open(os.path.abspath(os.fspath(src))) as reader:
+    dst = local_path(dst, what="target")
+    with _reader.Reader.open(os.path.abspath(local_path(src, what="source"))) as reader:
         manifest = reader.manifest
         kinds = checkpoint._kinds(manifest.tree)
         reader.prepare(manifest.tensors, check_header=verify)

@@ -29,6 +29,7 @@ from savepoint.formats._boostr_single import (
 )
 from savepoint.formats._files import ConcatTensor, LazyTensor, SafetensorsFile
 from savepoint.storage import local
+from savepoint.storage.paths import local_path
 
 
 @dataclass(frozen=True)
@@ -329,7 +330,7 @@ def _tensor_parallel(
 
 def open_distributed(path: str | os.PathLike[str]) -> BoostrDirectory:
     """Open a distributed boostr checkpoint as one consolidated checkpoint (lazy tensors)."""
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.abspath(local_path(path, what="boostr checkpoint"))
     require_dir(directory)
     meta = read_sharding_meta(directory)
     _check_layout(directory, meta)
@@ -377,7 +378,7 @@ def load_distributed(
 ) -> BoostrCheckpoint:
     """One rank's shard, as the seed's ``load_distributed_checkpoint``: the metadata must exist
     and ``rank`` be below its world size."""
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.abspath(local_path(path, what="boostr checkpoint"))
     require_dir(directory)
     meta = read_sharding_meta(directory)
     if not 0 <= rank < meta.world_size:
@@ -396,5 +397,6 @@ def load_distributed(
 def consolidate(sharded_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str]) -> None:
     """The seed's ``consolidate_checkpoint``: write the consolidated single checkpoint, one
     tensor at a time."""
+    output_dir = local_path(output_dir, what="consolidation target")
     with open_distributed(sharded_dir) as d:
         write(output_dir, d.model, d.optimizer, d.state)

@@ -25,6 +25,7 @@ from savepoint.formats._files import FormatInfo, LazyTensor, SafetensorsFile, Te
 from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
+from savepoint.storage.paths import local_path
 
 if TYPE_CHECKING:
     from savepoint.formats._boostr_distributed import ShardingMeta
@@ -338,7 +339,7 @@ def all_tensors(file: SafetensorsFile | None) -> dict[str, LazyTensor] | None:
 
 def open_checkpoint(path: str | os.PathLike[str]) -> BoostrDirectory:
     """Open a single boostr checkpoint directory (structure checked, no tensor data read)."""
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.abspath(local_path(path, what="boostr checkpoint"))
     require_dir(directory)
     rank = Rank(directory)
     model = all_tensors(rank.model)
@@ -392,7 +393,7 @@ def write(
     An existing boostr checkpoint at ``path`` is replaced in one step; any other non-empty
     directory there is refused.
     """
-    target = os.path.abspath(os.fspath(path))
+    target = os.path.abspath(local_path(path, what="boostr checkpoint"))
     try:
         foreign = os.path.lexists(target) and (
             not os.path.isdir(target)

@@ -39,6 +39,7 @@ from savepoint.formats._boostr_single import (
 from savepoint.formats._files import LazyTensor
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
+from savepoint.storage.paths import local_path
 
 Strategy = Literal["Replicated", "ZeroPartitioned", "TensorParallel"]
 STRATEGIES = ("Replicated", "ZeroPartitioned", "TensorParallel")
@@ -342,7 +343,7 @@ def save_distributed(
     Tensor arguments are streamed from the given arrays (numpy, torch, lazy tensors of an opened
     checkpoint): do not modify them until this returns (AsyncCheckpointer copies them first).
     """
-    target = os.path.abspath(os.fspath(path))
+    target = os.path.abspath(local_path(path, what="boostr checkpoint"))
     stage, split = _check_strategy(strategy, stage, split_dims)
     if process_group is not None:
         return _save_group(

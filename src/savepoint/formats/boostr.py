@@ -93,6 +93,7 @@ from savepoint.formats._boostr_single import (
 )
 from savepoint.formats._boostr_write import Strategy, save_distributed
 from savepoint.formats._files import FormatInfo
+from savepoint.storage.paths import local_path
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -129,6 +130,7 @@ def is_distributed(path: str | os.PathLike[str]) -> bool:
 
 
 def open_any(path: str | os.PathLike[str]) -> BoostrDirectory:
+    path = local_path(path, what="boostr checkpoint")
     return open_distributed(path) if is_distributed(path) else open_checkpoint(path)
 
 

@@ -114,6 +114,7 @@ from savepoint.formats._files import FormatInfo, LazyTensor, MappedTensor, Tenso
 from savepoint.state import arrays, dtypes
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
+from savepoint.storage.paths import local_path
 
 __all__ = [
     "BURN_VERSION",
@@ -717,7 +718,7 @@ class RecordFile:
     Close it (or use ``with``) when done; arrays from ``load()`` keep the mapping alive."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = os.path.abspath(local_path(path, what="burn record"))
         try:
             fd = local.open_read(self.path)
         except FileNotFoundError:
@@ -1038,8 +1039,8 @@ def write_record(
     strings, :class:`Param` / :class:`Data`, and bare arrays or tensors (written as Params with
     an id derived from their dotted name). ``metadata`` defaults to burn 0.20.1's
     ``DefaultRecorder``'s."""
+    target = local_path(path, what="burn record")
     pieces = _pieces(item, metadata or Metadata())
-    target = os.fspath(path)
     with _files.atomic_file(target) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
         try:

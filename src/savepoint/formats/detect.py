@@ -35,6 +35,7 @@ from savepoint.formats import manifest as mf
 from savepoint.formats import safetensors as st_format
 from savepoint.formats._files import FormatInfo, TensorEntry
 from savepoint.formats._shrew_codec import open_file
+from savepoint.storage.paths import local_path
 
 __all__ = ["FORMATS", "FormatInfo", "detect", "inspect_any", "verify_any"]
 
@@ -69,7 +70,7 @@ def detect(path: str | os.PathLike[str]) -> str:
     path holds something else (a FIFO, socket or device is refused without being opened for a
     blocking read) and CheckpointPermissionError when a file cannot be read.
     """
-    p = os.path.abspath(os.fspath(path))
+    p = os.path.abspath(local_path(path, what="checkpoint path"))
     if os.path.isdir(p):
         if training_artifact.is_artifact(p):
             return "training-artifact"
@@ -155,7 +156,7 @@ def _native(path: str, verify: bool) -> FormatInfo:
 def inspect_any(path: str | os.PathLike[str]) -> FormatInfo:
     """Describe the checkpoint at ``path`` (keys, dtypes, shapes, sizes, values, metadata)
     without reading tensor data; every structural rule of its format is checked."""
-    p = os.path.abspath(os.fspath(path))
+    p = os.path.abspath(local_path(path, what="checkpoint path"))
     kind = detect(p)
     if kind == "savepoint":
         return _native(p, verify=False)
@@ -173,7 +174,7 @@ def inspect_any(path: str | os.PathLike[str]) -> FormatInfo:
 def verify_any(path: str | os.PathLike[str]) -> FormatInfo:
     """Check the checkpoint at ``path`` as far as its format allows; raises a CheckpointError
     subclass on the first problem, returns its description when intact."""
-    p = os.path.abspath(os.fspath(path))
+    p = os.path.abspath(local_path(path, what="checkpoint path"))
     kind = detect(p)
     if kind == "savepoint":
         return _native(p, verify=True)

@@ -107,6 +107,7 @@ from savepoint.formats._shrew_codec import (
 )
 from savepoint.state import arrays
 from savepoint.state.optimizer import OptimizerState
+from savepoint.storage.paths import local_path
 
 __all__ = [
     "DTYPE_TAGS",
@@ -212,7 +213,7 @@ def _input(source: PathOrStream | bytes | bytearray | memoryview) -> Iterator[In
         yield Input(io.BytesIO(bytes(source)), "<bytes>")
         return
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
+        path = local_path(source, what="shrew file")
         with open_file(path) as f:
             yield Input(f, path)
         return
@@ -312,7 +313,8 @@ def training_from_bytes(
 
 def _write(target: PathOrStream, write: Any) -> None:
     if isinstance(target, (str, os.PathLike)):
-        with _files.atomic_file(os.fspath(target)) as tmp, open(tmp, "xb") as f:
+        path = local_path(target, what="shrew file")
+        with _files.atomic_file(path) as tmp, open(tmp, "xb") as f:
             write(f)
             _files.fsync_file(f)
     elif callable(getattr(target, "write", None)):
@@ -479,7 +481,7 @@ class ShrewFile:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
+        self.path = local_path(path, what="shrew file")
         self._file = open_file(self.path)
         try:
             inp = Input(self._file, self.path)

@@ -78,6 +78,7 @@ from savepoint.formats import _files, _json, burn
 from savepoint.formats._files import FormatInfo, LazyTensor, MappedTensor, TensorEntry
 from savepoint.state import dtypes
 from savepoint.storage import local
+from savepoint.storage.paths import local_path
 
 __all__ = [
     "ArtifactDirectory",
@@ -350,7 +351,7 @@ class ArtifactDirectory:
     ``with``) when done."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = os.path.abspath(local_path(path, what="training artifact"))
         _require_dir(self.path)
         self.report, fields = _read_report(self.path)
         self._main = _Checkpoint(self.path)
@@ -559,7 +560,7 @@ def load_checkpoint(
 ) -> tuple[CheckpointManifest, dict[str, Any]]:
     """A manifest and its weights alone (the seed's ``load_checkpoint``: ``best_validation/``,
     say); no report is read."""
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.abspath(local_path(path, what="training artifact"))
     _require_dir(directory)
     checkpoint = _Checkpoint(directory)
     try:
@@ -676,7 +677,7 @@ def save(
     holds something other than a training artifact, or the write fails (the previous artifact is
     then intact).
     """
-    target = os.path.abspath(os.fspath(path))
+    target = os.path.abspath(local_path(path, what="training artifact"))
     doc = dict(report)
     try:
         fields = _report(doc)
@@ -740,7 +741,7 @@ class Sweep:
 def save_comparison(path: str | os.PathLike[str], comparison: Mapping[str, Any]) -> None:
     """Write ``training_comparison.json`` into the directory ``path`` (created if needed),
     atomically."""
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.abspath(local_path(path, what="training artifact"))
     data = _pretty(dict(comparison))
     try:
         os.makedirs(directory, exist_ok=True)
@@ -750,7 +751,7 @@ def save_comparison(path: str | os.PathLike[str], comparison: Mapping[str, Any])
 
 
 def load_comparison(path: str | os.PathLike[str]) -> dict[str, Any]:
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.abspath(local_path(path, what="training artifact"))
     _require_dir(directory)
     return _document(directory, COMPARISON_FILE, "every sweep has one")
 
@@ -770,7 +771,7 @@ def save_sweep(
     subdirectory named by its variant's slug (the keys of ``outcomes``)."""
     for slug in outcomes:
         _check_slug(slug)
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.abspath(local_path(path, what="training artifact"))
     save_comparison(directory, comparison)
     return [
         save(
@@ -789,7 +790,7 @@ def save_sweep(
 
 def load_sweep(path: str | os.PathLike[str], *, framework: Framework = "numpy") -> Sweep:
     """The comparison report and every subdirectory that is a training artifact, by name."""
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.abspath(local_path(path, what="training artifact"))
     comparison = load_comparison(directory)
     artifacts = {
         name: load(os.path.join(directory, name), framework=framework)

@@ -23,13 +23,14 @@ import os
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 from savepoint.storage import local
+from savepoint.storage.paths import local_path
 
 PathLike = str | os.PathLike[str]
 
 
 def write(path: PathLike, data: bytes, what: str) -> None:
     """Replace the file at ``path`` by ``data`` atomically (see the module docstring)."""
-    target = os.path.abspath(os.fspath(path))
+    target = os.path.abspath(local_path(path, what=what))
     try:
         atomic.replace_file(target, data)
     except CheckpointError:
@@ -47,7 +48,7 @@ def write(path: PathLike, data: bytes, what: str) -> None:
 
 def read(path: PathLike, what: str) -> bytes:
     """The whole content of the regular file at ``path`` (see the module docstring)."""
-    shown = os.fspath(path)
+    shown = local_path(path, what=what)
     try:
         fd = local.open_read(os.path.realpath(shown), shown=shown)
     except FileNotFoundError:

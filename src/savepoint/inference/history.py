@@ -51,6 +51,7 @@ from savepoint.commit import atomic
 from savepoint.errors import CheckpointWriteError
 from savepoint.formats import manifest as mf
 from savepoint.inference.snapshot import InferenceSnapshot, SnapshotMetadata
+from savepoint.storage.paths import local_path
 
 PathLike = str | os.PathLike[str]
 PREFIX = "snapshot-"
@@ -75,7 +76,11 @@ class SnapshotHistory:
         self._max = max_snapshots
         self._entries: deque[_Entry] = deque()
         self._next_seq = 0
-        self._dir = os.path.abspath(os.fspath(directory)) if directory is not None else None
+        self._dir = (
+            os.path.abspath(local_path(directory, what="snapshot directory"))
+            if directory is not None
+            else None
+        )
         if self._dir is not None:
             self._open(self._dir)
 

@@ -93,6 +93,7 @@ from savepoint.formats.snapshot import RecordError, SnapshotRecord
 from savepoint.inference import _arrays, _files
 from savepoint.state import arrays
 from savepoint.state.dtypes import DType
+from savepoint.storage.paths import local_path
 
 VERSION = snapshot_format.VERSION
 NATIVE_KEY = "inference_snapshot"
@@ -520,7 +521,7 @@ class InferenceSnapshot:
         cls, path: PathLike, *, framework: Framework = "auto", verify: bool = True
     ) -> InferenceSnapshot:
         """Load what ``save`` wrote; the layout is checked before any data is read."""
-        where = os.path.abspath(os.fspath(path))
+        where = os.path.abspath(local_path(path, what="snapshot path"))
         info = checkpoint.inspect(where)
         record = _native_record(info, where)
         if framework not in ("auto", "numpy", "torch"):

@@ -114,6 +114,7 @@ from savepoint.runs.report import (
     read_json,
     write_json,
 )
+from savepoint.storage.paths import local_path
 
 StepSpec = int | Literal["latest", "best"]
 _RESTORE_TRIES = 20
@@ -176,7 +177,7 @@ class CheckpointManager:
         strict_config: bool = False,
         **save_options: Any,
     ) -> None:
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(local_path(directory, what="run directory"))
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
         if best_mode not in ("min", "max"):

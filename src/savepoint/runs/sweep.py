@@ -23,6 +23,7 @@ from savepoint.runs import layout
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.policies import Entry, Mode, metric_value
 from savepoint.runs.report import REPORT_FILE, RUN_FILE, Report, RunInfo, read_json, write_json
+from savepoint.storage.paths import local_path
 
 COMPARISON_FILE = "comparison.json"
 
@@ -33,7 +34,7 @@ class Sweep:
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(local_path(directory, what="sweep directory"))
         self.metric = metric
         self.mode: Mode = mode
         os.makedirs(self.directory, exist_ok=True)

@@ -25,6 +25,7 @@ from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, Ru
 from savepoint.runs import aliases, layout
 from savepoint.runs.manager import CheckpointManager, StepSpec
 from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
+from savepoint.storage.paths import local_path
 
 
 def run_problems(
@@ -56,7 +57,7 @@ class RunView:
     the checkpoints that are part of the run, ``metrics(step)`` the metrics saved with one."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(local_path(directory, what="run directory"))
         if not (layout.is_run(self.directory) or layout.lost_run_file(self.directory)):
             raise CheckpointNotFoundError(
                 f"{self.directory} is not a savepoint run directory (no run.json or report.json)",
