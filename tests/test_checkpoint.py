@@ -995,3 +995,5 @@ def test_fifo_manifest_or_path_is_refused_without_blocking(ckpt: Path, where: st
         assert isinstance(got, (sp.IncompleteCheckpointError, sp.CorruptCheckpointError)), (
             f"{op.__name__}: {got!r}"
         )
+        if where != "manifest":  # says what it found, not "a file"
+            assert "is a FIFO, not a savepoint checkpoint directory" in str(got)

@@ -94,8 +94,11 @@ def locate(path: str) -> str:
                 f"cannot look at {path}: {exc.strerror or exc}", path=path
             ) from exc
         if not stat.S_ISDIR(st.st_mode):
+            kind = "a regular file" if stat.S_ISREG(st.st_mode) else _special_kind(st.st_mode)
             raise IncompleteCheckpointError(
-                f"{path} is a file, not a checkpoint directory", path=path
+                f"{path} is {kind}, not a savepoint checkpoint directory (files of other formats, "
+                ".shrew, .safetensors, burn .mpk, are read with sp.convert or `savepoint inspect`)",
+                path=path,
             )
         try:
             os.stat(os.path.join(path, mf.NAME))
@@ -656,3 +659,13 @@ def _torch_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _special_kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a directory"

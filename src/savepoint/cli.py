@@ -77,7 +77,8 @@ main.add_command(consolidate_cmd)
 def inspect_cmd(path: str, as_json: bool) -> None:
     """List the tensors, values and metadata of the checkpoint at PATH (reads no tensor data).
 
-    PATH may be a savepoint checkpoint, a .shrew file, a .safetensors file, or a boostr directory.
+    PATH may be a savepoint checkpoint, a .shrew file, a .safetensors file, a boostr directory
+    (single or distributed), a burn record (.mpk) or a seed-001 training-artifact directory.
     """
     path = _local(path)
     if _cli_formats.handles(path):
@@ -126,7 +127,8 @@ def verify_cmd(path: str, quiet: bool) -> None:
     """Check the structure and every checksum of the checkpoint at PATH.
 
     Exits 0 when it is intact, 1 (with the reason) otherwise. PATH may also be a .shrew file, a
-    .safetensors file or a boostr directory (checked as far as each format allows), or a run
+    .safetensors file, a boostr directory, a burn record (.mpk) or a training-artifact directory
+    (checked as far as each format allows), or a run
     directory: then every checkpoint is verified, and report.json, the committed checkpoints and
     the latest/ and best/ aliases must agree (any disagreement is listed, exit status 1).
     """
