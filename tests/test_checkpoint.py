@@ -18,6 +18,7 @@ import pytest
 
 import savepoint as sp
 from _compare import same
+from _support import in_thread
 
 # The dtypes savepoint stores, by their safetensors name.
 DTYPES: dict[str, Any] = {
@@ -962,25 +963,6 @@ def test_a_parent_that_is_a_file_is_a_clear_write_error(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
-def _in_thread(fn: Any, timeout: float = 10.0) -> Any:
-    """``fn()``'s result or exception, from a thread; fails the test if it blocks."""
-    import threading
-
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["value"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "the read blocked"
-    return box["value"]
-
-
 @pytest.mark.parametrize("where", ["manifest", "path"])
 def test_fifo_manifest_or_path_is_refused_without_blocking(ckpt: Path, where: str) -> None:
     # Opening a FIFO for reading blocks until a writer appears: readers must refuse it at once.
@@ -991,7 +973,7 @@ def test_fifo_manifest_or_path_is_refused_without_blocking(ckpt: Path, where: st
     else:
         os.mkfifo(ckpt)
     for op in (sp.load, sp.verify, sp.inspect):
-        got = _in_thread(lambda op=op: op(ckpt))
+        got = in_thread(lambda op=op: op(ckpt))
         assert isinstance(got, (sp.IncompleteCheckpointError, sp.CorruptCheckpointError)), (
             f"{op.__name__}: {got!r}"
         )

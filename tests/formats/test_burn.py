@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import base64
-import importlib.util
 import os
 import struct
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _support import in_thread, load_generator
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -29,15 +28,7 @@ from savepoint.formats import burn, detect
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "burn"
 
 
-def _generator() -> Any:
-    spec = importlib.util.spec_from_file_location("burn_golden", GOLDEN / "make_golden.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _generator()
+gen = load_generator(GOLDEN / "make_golden.py", "burn_golden")
 
 
 def same(a: Any, b: Any, where: str = "") -> None:
@@ -489,26 +480,10 @@ def test_damaged_bytes_give_checkpoint_errors_only(tmp_path: Path, data: Any) ->
         pass
 
 
-def _in_thread(fn: Any, timeout: float = 10.0) -> Any:
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["value"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "the read blocked"
-    return box["value"]
-
-
 def test_fifo_symlink_directory_and_missing_file_are_refused(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "fifo.mpk")
     for op in (burn.load_record, burn.inspect, burn.verify):
-        got = _in_thread(lambda op=op: op(tmp_path / "fifo.mpk"))
+        got = in_thread(lambda op=op: op(tmp_path / "fifo.mpk"))
         assert isinstance(got, CorruptCheckpointError), repr(got)
     (tmp_path / "link.mpk").symlink_to(GOLDEN / "artifact" / "model.mpk")
     with pytest.raises(CorruptCheckpointError, match="symlink"):
@@ -615,5 +590,5 @@ def test_detect_and_convert_burn_records(tmp_path: Path) -> None:
         convert(tmp_path / "c", tmp_path / "c.mpk")
     assert [p.split(":")[0] for p in info.value.problems] == ["model/c", "step"]
     os.mkfifo(tmp_path / "fifo.mpk")
-    got = _in_thread(lambda: detect.inspect_any(tmp_path / "fifo.mpk"))
+    got = in_thread(lambda: detect.inspect_any(tmp_path / "fifo.mpk"))
     assert isinstance(got, CheckpointError), repr(got)

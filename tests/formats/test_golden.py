@@ -7,7 +7,6 @@ same state.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import shutil
@@ -20,6 +19,7 @@ import pytest
 import safetensors
 
 import savepoint as sp
+from _support import load_generator
 from savepoint.formats import manifest as mf
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
@@ -27,17 +27,7 @@ GOLDEN = GOLDEN_ROOT / "v1"
 DATA = "data-00000.safetensors"
 
 
-def _load_generator() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "savepoint_make_golden", GOLDEN_ROOT / "make_golden.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_generator(GOLDEN_ROOT / "make_golden.py", "savepoint_make_golden")
 
 
 def assert_same(actual: Any, expected: Any, where: str = "<root>") -> None:

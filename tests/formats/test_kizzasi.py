@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
 import tracemalloc
@@ -18,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import savepoint as sp
+from _support import load_generator
 from inference._snapshots import (
     CONTEXT_CONFIG,
     SeedRejects,
@@ -32,15 +32,7 @@ from savepoint.state import dtypes
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "kizzasi"
 
 
-def _load_generator() -> Any:
-    spec = importlib.util.spec_from_file_location("kizzasi_make_golden", GOLDEN / "make_golden.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_generator(GOLDEN / "make_golden.py", "kizzasi_make_golden")
 
 
 def compact_snapshot() -> InferenceSnapshot:

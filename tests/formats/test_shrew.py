@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import math
 import os
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import savepoint as sp
+from _support import load_generator
 from savepoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -32,15 +32,7 @@ from savepoint.state import dtypes
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "shrew"
 
 
-def _load_generator() -> Any:
-    spec = importlib.util.spec_from_file_location("shrew_golden", GOLDEN / "make_shrew_golden.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_generator(GOLDEN / "make_shrew_golden.py", "shrew_golden")
 GOLDEN_FILES = sorted(gen.files())
 V1_FILES = [n for n in GOLDEN_FILES if n.startswith("v1")]
 V2_FILES = [n for n in GOLDEN_FILES if n.startswith("v2")]

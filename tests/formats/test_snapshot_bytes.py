@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import struct
@@ -17,6 +16,7 @@ import xxhash
 from hypothesis import given, settings
 
 import savepoint as sp
+from _support import load_generator
 from inference._snapshots import assert_records_equal, snapshots
 from savepoint.formats import snapshot as snapshot_format
 from savepoint.inference import InferenceSnapshot
@@ -24,17 +24,7 @@ from savepoint.inference import InferenceSnapshot
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "kizzasi"
 
 
-def _load_generator() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "kizzasi_make_golden_b", GOLDEN / "make_golden.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_generator(GOLDEN / "make_golden.py", "kizzasi_make_golden_b")
 
 
 def craft(header: dict[str, Any], data: bytes, meta: dict[str, str] | None = None) -> bytes:

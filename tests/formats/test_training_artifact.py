@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import filecmp
-import importlib.util
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _support import in_thread, load_generator
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,15 +31,7 @@ from savepoint.formats import training_artifact as ta
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "burn"
 
 
-def _generator() -> Any:
-    spec = importlib.util.spec_from_file_location("burn_golden", GOLDEN / "make_golden.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _generator()
+gen = load_generator(GOLDEN / "make_golden.py", "burn_golden")
 IDS = {"embed.weight": gen.pid(11), "head.weight": gen.pid(12), "head.steps": gen.pid(13)}
 
 
@@ -365,22 +356,6 @@ def test_optimizer_state_is_optional(tmp_path: Path) -> None:
     assert ta.inspect(tmp_path / "a").values["optimizer_state_bytes"] is None
 
 
-def _in_thread(fn: Any, timeout: float = 10.0) -> Any:
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["value"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "the read blocked"
-    return box["value"]
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -396,7 +371,7 @@ def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(tmp_path: Path, n
     (tmp_path / "a" / name).unlink()
     os.mkfifo(tmp_path / "a" / name)
     for op in (ta.load, ta.inspect, ta.verify):
-        got = _in_thread(lambda op=op: op(tmp_path / "a"))
+        got = in_thread(lambda op=op: op(tmp_path / "a"))
         assert isinstance(got, CorruptCheckpointError), repr(got)
         assert "not a regular file" in str(got)
 

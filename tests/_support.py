@@ -1,0 +1,34 @@
+"""Small helpers several test modules share (not collected: no ``test_`` prefix)."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def load_generator(script: Path, name: str) -> Any:
+    """Import a golden-file generator script (``tests/golden/.../make_golden.py``) as a module."""
+    spec = importlib.util.spec_from_file_location(name, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def in_thread(fn: Any, timeout: float = 10.0) -> Any:
+    """``fn()``'s result or exception, from a thread; fails the test if it blocks."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["value"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the read blocked"
+    return box["value"]
