@@ -61,14 +61,6 @@ REPLACE_WAIT = 2.0  # seconds to wait for a live fallback replace to put its new
 Needs = Callable[[str, mf.Manifest], Iterable[str]]
 
 
-def _checked(path: str, probe: Callable[[], Any]) -> Any:
-    """``probe()`` with EACCES/EPERM turned into CheckpointPermissionError naming ``path``."""
-    try:
-        return probe()
-    except PermissionError as exc:
-        raise local.permission_error(exc, exc.filename or path) from None
-
-
 def locate(path: str) -> str:
     """The directory holding the committed checkpoint for ``path``, or a clear error.
 
@@ -82,8 +74,7 @@ def locate(path: str) -> str:
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
-            siblings = _checked(path, lambda: atomic._siblings(path, atomic.OLD_TAG))
-            if not siblings or attempt == ATTEMPTS - 1:
+            if not atomic._siblings(path, atomic.OLD_TAG) or attempt == ATTEMPTS - 1:
                 raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path) from None
             time.sleep(0.001)  # a replace is between its renames: look again
             continue
@@ -116,20 +107,13 @@ def locate(path: str) -> str:
 
 
 def _resolve(path: str) -> str | None:
-    """:func:`atomic.resolve`, waiting out a live fallback replace between its two renames."""
+    """:func:`atomic.resolve`, waiting out a live fallback replace between its two renames.
+
+    ``atomic.resolve`` itself raises no OSError: a path it may not look at, or a hidden sibling
+    deleted while it looks, reads as absent (:func:`locate` stats the path to tell which)."""
     deadline = None
-    vanished = 0
     while True:
-        try:
-            found: str | None = _checked(path, lambda: atomic.resolve(path))
-        except (FileNotFoundError, NotADirectoryError):
-            # A hidden previous checkpoint was deleted between resolve's listing and its stat
-            # of it: a replace just finished. Look again.
-            vanished += 1
-            if vanished >= ATTEMPTS:
-                raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path) from None
-            time.sleep(0.001)
-            continue
+        found = atomic.resolve(path)
         if found is None or found == path:
             return found
         # ``path`` is missing and a fallback replace (two renames, where the filesystem cannot
@@ -153,14 +137,8 @@ def _read_manifest_bytes(path: str, dir_fd: int | None) -> bytes:
     """The manifest's bytes; FileNotFoundError passes through (the caller knows what it means)."""
     file = os.path.join(path, mf.NAME)
     # local.SymlinkError and NotRegularFileError are CorruptCheckpointErrors naming the file.
-    fd = local.open_read(mf.NAME if dir_fd is not None else file, dir_fd=dir_fd, shown=file)
-    try:
-        size = os.fstat(fd).st_size
-        if size > mf.MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{file} is {size} bytes, over the 1 GiB cap", path=path)
-        return local.read_exact(fd, 0, size)
-    finally:
-        os.close(fd)
+    name = mf.NAME if dir_fd is not None else file
+    return local.read_small(name, dir_fd, cap=mf.MAX_MANIFEST_BYTES, shown=file)
 
 
 def _parse_manifest(path: str, raw: bytes) -> mf.Manifest:
@@ -202,8 +180,11 @@ class _Replaced(Exception):
     """The generation being opened was replaced or deleted before it was pinned: start again."""
 
 
-def _same_generation(path: str, dir_fd: int) -> bool:
-    """Whether ``path`` still resolves to the directory behind ``dir_fd``."""
+def _same_generation(path: str, dir_fd: int | None) -> bool:
+    """Whether ``path`` still resolves to the directory behind ``dir_fd`` (True where the platform
+    has no directory descriptors: nothing to compare, so a missing file is taken as damage)."""
+    if dir_fd is None:
+        return True
     try:
         mine = os.fstat(dir_fd)
         now = atomic.resolve(path)
@@ -292,7 +273,7 @@ class Reader:
             try:
                 raw = _read_manifest_bytes(directory, dir_fd)
             except FileNotFoundError:
-                if dir_fd is not None and not _same_generation(path, dir_fd):
+                if not _same_generation(path, dir_fd):
                     raise _Replaced from None
                 raise IncompleteCheckpointError(
                     f"{directory} has no {mf.NAME}", path=directory
@@ -303,7 +284,7 @@ class Reader:
                 try:
                     pinned[name] = _open_data(directory, dir_fd, name)
                 except FileNotFoundError:
-                    if dir_fd is not None and not _same_generation(path, dir_fd):
+                    if not _same_generation(path, dir_fd):
                         raise _Replaced from None
                     # Missing from a stable generation: damage, reported by the load that reads
                     # it (``needs`` may name more files than a partial ``into`` reads).
@@ -354,7 +335,7 @@ class Reader:
             try:
                 fd = _open_data(self.path, self.dir_fd, name)
             except FileNotFoundError:
-                if self.dir_fd is not None and not _same_generation(self.source, self.dir_fd):
+                if not _same_generation(self.source, self.dir_fd):
                     raise CheckpointError(
                         f"{self.path} was replaced or deleted while it was being read (data "
                         f"file {name} was not opened in time); load again",
@@ -400,8 +381,7 @@ class Reader:
     def prepare(self, refs: Iterable[str], *, check_header: bool = True) -> None:
         """Open, size-check and header-check every file holding ``refs``, before any allocation:
         a manifest that claims more data than the files hold fails here, not in ``np.empty``."""
-        names = {s.file for r in refs for s in self.manifest.tensors[r].layout()}
-        self.prepare_files(names, check_header=check_header)
+        self.prepare_files(files_of(self.manifest, refs), check_header=check_header)
 
     def prepare_files(self, names: Iterable[str], *, check_header: bool = True) -> None:
         for name in sorted(names):

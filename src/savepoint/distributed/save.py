@@ -28,8 +28,6 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
 from savepoint import _writer, checkpoint
 from savepoint.commit import atomic
 from savepoint.distributed import collectives, plan, shard
@@ -37,7 +35,7 @@ from savepoint.errors import CheckpointError, UnsupportedStateError
 from savepoint.formats import boxes
 from savepoint.formats import manifest as mf
 from savepoint.state import tree
-from savepoint.state.arrays import TensorSource
+from savepoint.state.arrays import HostCopy, TensorSource
 from savepoint.storage import local
 
 Progress = Callable[[int, int], None]
@@ -63,43 +61,13 @@ def save(
     return _save(path, flatten, process_group, timeout, max_file_bytes, writers, progress)
 
 
-class _HostCopy:
-    """A host copy of a tensor's bytes, standing in for it when the write happens later."""
-
-    __slots__ = ("_data", "dtype", "kind", "nbytes", "shape")
-
-    def __init__(self, source: TensorSource) -> None:
-        self.dtype = source.dtype
-        self.shape = source.shape
-        self.nbytes = source.nbytes
-        self.kind = source.kind
-        self._data = np.empty(source.nbytes, dtype=np.uint8)
-        try:
-            for pos in range(0, source.nbytes, _PIECE):
-                source.copy_to(self._data[pos : pos + _PIECE], pos)
-        finally:
-            source.release()
-
-    def identity(self) -> tuple[Any, ...] | None:
-        return None
-
-    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
-        np.copyto(dst, self._data[start : start + dst.size])
-
-    def release(self) -> None:
-        pass
-
-
-_PIECE = 16 << 20
-
-
 def snapshot(state: Any) -> tree.Flat:
     """``state`` flattened (DTensors read as Shards) with every tensor's bytes copied to host
     memory owned by the result: the blocking part of a background sharded save. Training may
     change ``state`` as soon as this returns; pass the result to :func:`save_flat` (from any
     thread; one save in flight per process group)."""
     flat = tree.flatten(shard.from_dtensors(state))
-    copies: dict[str, TensorSource] = {name: _HostCopy(s) for name, s in flat.tensors.items()}
+    copies: dict[str, TensorSource] = {name: HostCopy(s) for name, s in flat.tensors.items()}
     return tree.Flat(tree=flat.tree, tensors=copies)
 
 

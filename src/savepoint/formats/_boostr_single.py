@@ -68,22 +68,9 @@ def read_json(path: str, what: str) -> Any:
     refuses symlinks; an unreadable file is CheckpointPermissionError) and the bounded JSON
     reader, with serde's number rules (see :func:`savepoint.formats._json.loads`)."""
     try:
-        fd = local.open_read(path)
+        raw = local.read_small(path, cap=MAX_JSON_BYTES)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing ({what})", path=path) from None
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_JSON_BYTES:
-            raise CorruptCheckpointError(f"{path} is {size} bytes, over the 64 MiB cap", path=path)
-        raw = local.read_exact(fd, 0, size)
-    except EOFError:
-        raise CorruptCheckpointError(f"{path} shrank while being read", path=path) from None
-    except OSError as exc:
-        raise CorruptCheckpointError(
-            f"{path} cannot be read: {exc.strerror or exc}", path=path
-        ) from None
-    finally:
-        os.close(fd)
     doc = _json.loads(raw, CorruptCheckpointError, str(path), serde=True)
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path} is not a JSON object", path=path)
@@ -382,6 +369,27 @@ def tensor_sources(
     return out
 
 
+def check_replaceable(target: str) -> None:
+    """Refuse (CheckpointWriteError) to write over ``target`` unless it is absent, an empty
+    directory, or a single or distributed boostr checkpoint."""
+    try:
+        foreign = os.path.lexists(target) and (
+            not os.path.isdir(target)
+            or (
+                bool(os.listdir(target))
+                and not os.path.isfile(os.path.join(target, STATE))
+                and not os.path.isfile(os.path.join(target, SHARDING))
+            )
+        )
+    except OSError as exc:
+        raise _files.write_error(target, exc) from None
+    if foreign:
+        raise CheckpointWriteError(
+            f"{target} exists and is not a boostr checkpoint directory; refusing to replace it",
+            path=target,
+        )
+
+
 def write(
     path: str | os.PathLike[str],
     model: Mapping[str, Any] | Iterable[tuple[str, Any]],
@@ -394,23 +402,7 @@ def write(
     directory there is refused.
     """
     target = os.path.abspath(local_path(path, what="boostr checkpoint"))
-    try:
-        foreign = os.path.lexists(target) and (
-            not os.path.isdir(target)
-            or (
-                bool(os.listdir(target))
-                # a single or a distributed boostr checkpoint may be replaced
-                and not os.path.isfile(os.path.join(target, STATE))
-                and not os.path.isfile(os.path.join(target, SHARDING))
-            )
-        )
-    except OSError as exc:
-        raise _files.write_error(target, exc) from None
-    if foreign:
-        raise CheckpointWriteError(
-            f"{target} exists and is not a boostr checkpoint directory; refusing to replace it",
-            path=target,
-        )
+    check_replaceable(target)
     model_items = tensor_sources(model, "model")
     opt_items = tensor_sources(optimizer, "optimizer") if optimizer is not None else []
     document = state.to_json()

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from savepoint.commit import atomic
-from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from savepoint.errors import CheckpointError, CorruptCheckpointError
 from savepoint.formats import _files
 from savepoint.formats._boostr_distributed import ShardingConfig, ShardingMeta, open_distributed
 from savepoint.formats._boostr_single import (
@@ -34,16 +34,16 @@ from savepoint.formats._boostr_single import (
     STATE,
     BoostrCheckpoint,
     TrainingState,
+    check_replaceable,
     tensor_sources,
 )
 from savepoint.formats._files import LazyTensor
-from savepoint.state.arrays import TensorSource
+from savepoint.state.arrays import HostCopy, TensorSource
 from savepoint.storage import local
 from savepoint.storage.paths import local_path
 
 Strategy = Literal["Replicated", "ZeroPartitioned", "TensorParallel"]
 STRATEGIES = ("Replicated", "ZeroPartitioned", "TensorParallel")
-_PIECE = 16 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,19 +53,16 @@ _PIECE = 16 << 20
 
 class HostTensor(LazyTensor):
     """A private host copy of a tensor's bytes, taken when constructed: later changes to the
-    original (in-place training updates, a GPU tensor being overwritten) do not reach it."""
+    original (in-place training updates, a GPU tensor being overwritten) do not reach it. The
+    copy is :class:`savepoint.state.arrays.HostCopy`, as in sharded saves; this makes it a LazyTensor,
+    which the boostr writers take as is."""
 
     def __init__(self, source: TensorSource) -> None:
         super().__init__(source.dtype, source.shape, kind=source.kind)
-        self._data = np.empty(source.nbytes, dtype=np.uint8)
-        try:
-            for pos in range(0, source.nbytes, _PIECE):
-                source.copy_to(self._data[pos : pos + _PIECE], pos)
-        finally:
-            source.release()
+        self._copy = HostCopy(source)
 
     def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
-        np.copyto(dst, self._data[start : start + dst.size])
+        self._copy.copy_to(dst, start)
 
 
 def snapshot(
@@ -258,27 +255,13 @@ def meta_json(meta: ShardingMeta) -> bytes:
 
 def begin(target: str) -> str:
     """Check ``target`` may be replaced and create the staging directory next to it."""
+    check_replaceable(target)
     try:
-        foreign = os.path.lexists(target) and (
-            not os.path.isdir(target)
-            or (
-                bool(os.listdir(target))
-                and not os.path.isfile(os.path.join(target, SHARDING))
-                and not os.path.isfile(os.path.join(target, STATE))
-            )
-        )
-        if foreign:
-            raise CheckpointWriteError(
-                f"{target} exists and is not a boostr checkpoint directory; refusing to replace it",
-                path=target,
-            )
         os.makedirs(os.path.dirname(target), exist_ok=True)
         atomic.clean_stale(target)
         staging = atomic.staging_path(target)
         os.mkdir(staging)
     except OSError as exc:
-        if isinstance(exc, CheckpointError):
-            raise
         raise _files.write_error(target, exc) from None
     return staging
 

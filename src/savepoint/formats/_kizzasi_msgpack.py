@@ -448,14 +448,22 @@ class _Reader:
             return self.value(1)
         return _SKIP
 
-    def listed(self, item: Callable[[int], Any]) -> Any:
+    def array_length(self) -> int | None:
+        """Consume an array header and return its length; None (position unchanged) for any
+        other value, which the caller then builds as it is for the layout check to report."""
         start = self.pos
         header = self.container()
         if header is None or header[0] != "array":
-            self.pos = start  # not a list: built as it is, for the layout check to report
+            self.pos = start
+            return None
+        return header[1]
+
+    def listed(self, item: Callable[[int], Any]) -> Any:
+        n = self.array_length()
+        if n is None:
             return self.value(1)
-        self.charge(64 + 8 * header[1])
-        return [item(i) for i in range(header[1])]
+        self.charge(64 + 8 * n)
+        return [item(i) for i in range(n)]
 
     def state(self, where: str) -> Any:
         header = self.container()
@@ -495,24 +503,18 @@ class _Reader:
 
     def numbers(self, where: str) -> Any:
         """A numeric array, located and checked without building its values (:class:`_Packed`)."""
-        start = self.pos
-        header = self.container()
-        if header is None or header[0] != "array":
-            self.pos = start
+        n = self.array_length()
+        if n is None:
             return self.value(3)
-        n = header[1]
         self.charge(_PACKED_COST)
         packed = _Packed(self, self.pos, n)
         self.pos = packed.scan(where)
         return packed
 
     def nonfinite(self, where: str) -> Any:
-        start = self.pos
-        header = self.container()
-        if header is None or header[0] != "array":
-            self.pos = start
+        n = self.array_length()
+        if n is None:
             return self.value(3)
-        n = header[1]
         self.need(5 * n)  # [index, "hex"] takes at least 5 bytes
         self.budget.array(n, 16)
         indices = np.empty(n, dtype=np.int64)

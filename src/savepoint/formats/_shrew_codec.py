@@ -20,9 +20,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from savepoint.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
-    CheckpointPermissionError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     UnsupportedStateError,
@@ -74,22 +72,8 @@ def open_file(path: str) -> BinaryIO:
     """
     try:
         fd = local.open_read(os.path.realpath(path), shown=path)
-    except CheckpointError:
-        raise
-    except FileNotFoundError:
+    except FileNotFoundError:  # open_read raises CheckpointErrors for everything else
         raise CheckpointNotFoundError(f"no file at {path}", path=path) from None
-    except PermissionError as exc:
-        raise CheckpointPermissionError(
-            f"{path}: permission denied ({exc.strerror}); fix its mode or read it as its owner",
-            path=path,
-            errno=exc.errno,
-        ) from None
-    except OSError as exc:
-        raise IncompatibleCheckpointError(
-            f"{path} cannot be read as a checkpoint file: {exc.strerror or exc} (a FIFO, device "
-            "or directory is refused without reading it)",
-            path=path,
-        ) from None
     return os.fdopen(fd, "rb")
 
 

@@ -134,27 +134,11 @@ class MissingBestValidationArtifact(MissingCheckpointError):
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_bytes(path: str, what: str, *, cap: int | None) -> bytes:
+def _read_json(path: str, what: str) -> dict[str, Any]:
     try:
-        fd = local.open_read(path)
+        raw = local.read_small(path, cap=MAX_JSON_BYTES)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing ({what})", path=path) from None
-    try:
-        size = os.fstat(fd).st_size
-        if cap is not None and size > cap:
-            raise CorruptCheckpointError(
-                f"{path} is {size} bytes, over the {cap >> 20} MiB cap", path=path
-            )
-        try:
-            return local.read_exact(fd, 0, size)
-        except (OSError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{path} cannot be read: {exc}", path=path) from None
-    finally:
-        os.close(fd)
-
-
-def _read_json(path: str, what: str) -> dict[str, Any]:
-    raw = _read_bytes(path, what, cap=MAX_JSON_BYTES)
     try:
         doc = _json.loads(raw, CorruptCheckpointError, path)
     except CorruptCheckpointError as exc:

@@ -50,20 +50,6 @@ def read(path: PathLike, what: str) -> bytes:
     """The whole content of the regular file at ``path`` (see the module docstring)."""
     shown = local_path(path, what=what)
     try:
-        fd = local.open_read(os.path.realpath(shown), shown=shown)
+        return local.read_small(os.path.realpath(shown), cap=None, shown=shown)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no {what} at {shown}", path=shown) from None
-    try:
-        chunks = []
-        while True:
-            chunk = os.read(fd, 1 << 24)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    except OSError as exc:
-        raise CheckpointError(
-            f"{shown} cannot be read: {exc.strerror or exc}", path=shown
-        ) from None
-    finally:
-        os.close(fd)
-    return b"".join(chunks)

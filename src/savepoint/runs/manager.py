@@ -244,8 +244,9 @@ class CheckpointManager:
                 release = weakref.finalize(self, self._writer.release)
                 release.atexit = False
                 self._release = release
-            self.run, new_run_file = self._open_run(name, variant, config, num_params)
-            self.report = self._open_report()
+            self.run, new_run_file, report = self._open_run(name, variant, config, num_params)
+            on_disk = layout.committed_steps(self.directory)
+            self.report = self._open_report(report, on_disk)
             lagging = lagging_run(self.run, self.report)
             if lagging is not None:  # a writer was stopped between report.json and run.json
                 self.run, new_run_file = lagging, True
@@ -259,10 +260,10 @@ class CheckpointManager:
             self._wall_before = self.report.wall_time_s
             pending = set(self.report.discarding) - set(self.report.checkpoints)
             self._discarding_on_disk = frozenset(self.report.discarding)
-            self._discarding = frozenset(pending & set(layout.committed_steps(self.directory)))
+            self._discarding = frozenset(pending & set(on_disk))
             self._metrics: dict[int, dict[str, Any]] = {}
             self._metrics_seen: dict[int, tuple[int, int] | None] = {}  # read-only managers
-            for step in self.steps():
+            for step in (s for s in on_disk if s not in self._discarding):
                 if self.read_only:
                     self._metrics_seen[step] = self._manifest_id(step)
                 self._metrics[step] = self._read_metrics(step)
@@ -336,10 +337,11 @@ class CheckpointManager:
         variant: str | None,
         config: Mapping[str, Any] | None,
         num_params: int | None,
-    ) -> tuple[RunInfo, bool]:
-        """What the run is, and whether ``run.json`` must be written (the caller writes it once
-        the whole open has succeeded). A run that lost its ``run.json`` (its report remains) gets
-        back the identity its report records; a new run gets the one given here."""
+    ) -> tuple[RunInfo, bool, Report | None]:
+        """What the run is, whether ``run.json`` must be written (the caller writes it once
+        the whole open has succeeded), and ``report.json`` as read (None: the run has none yet).
+        A run that lost its ``run.json`` (its report remains) gets back the identity its report
+        records; a new run gets the one given here."""
         path = os.path.join(self.directory, RUN_FILE)
         doc = read_json(path)
         wanted = RunInfo(
@@ -361,7 +363,7 @@ class CheckpointManager:
         else:
             report = load_report(self.directory)
             if report is None:
-                return wanted, True
+                return wanted, True, None
             source = REPORT_FILE
             run = RunInfo(
                 name=report.name,
@@ -389,7 +391,7 @@ class CheckpointManager:
                 "another directory for a different run",
                 path=self.directory,
             )
-        return run, stale
+        return run, stale, report
 
     def _finish_open_run(self) -> None:
         """Write the ``run.json`` that :meth:`_open_run` decided on (the books' writer only)."""
@@ -401,15 +403,12 @@ class CheckpointManager:
         except OSError as exc:
             raise _write_error(f"cannot create {path}", exc) from exc
 
-    def _open_report(self) -> Report:
-        report = load_report(self.directory)
+    def _open_report(self, report: Report | None, on_disk: list[int]) -> Report:
         if report is None:
             self._dirty = True  # close() writes the first report.json
             return Report.for_run(self.run)
         if self._check_on_open:
-            check_consistent(
-                self.directory, self.run, report, layout.committed_steps(self.directory)
-            )
+            check_consistent(self.directory, self.run, report, on_disk)
         return report
 
     def _record_config_change(self) -> None:
@@ -786,7 +785,7 @@ class CheckpointManager:
             self._discarding = discarding
             self._finish_discards()
             if self._discarding != self._discarding_on_disk:
-                self._fill_report(self.steps())
+                self._fill_report(keep)  # = steps(): the rest on disk is still in _discarding
                 with contextlib.suppress(OSError):  # the next save writes it again
                     self._store_report()
             if verify_error is not None:
@@ -830,7 +829,9 @@ class CheckpointManager:
             if alias in staged:
                 aliases.commit(self.directory, alias, staged.pop(alias))
             elif os.path.lexists(aliases.path_of(self.directory, alias)) and (
-                step is None or not aliases.holds(self.directory, alias, step)
+                # (with aliases on, _stage_aliases found an unstaged one holding its step)
+                step is None
+                or (not self.aliases and not aliases.holds(self.directory, alias, step))
             ):
                 # The report names no such checkpoint (a best pruned with an abandoned
                 # timeline), or aliases are off: a stale alias must not outlive the report.

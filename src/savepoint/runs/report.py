@@ -42,7 +42,6 @@ import datetime as _dt
 import json
 import math
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -56,6 +55,7 @@ from savepoint.errors import (
     MissingCheckpointError,
     RunMismatchError,
 )
+from savepoint.storage import local
 
 RUN_FILE = "run.json"
 REPORT_FILE = "report.json"
@@ -249,45 +249,22 @@ def read_json(path: str) -> Any:
 
     Errors: CheckpointPermissionError when it may not be read (mode, owner); CorruptCheckpointError
     when it is not a regular file (a FIFO is refused, never waited on), is larger than
-    :data:`MAX_JSON_BYTES`, or is not valid UTF-8 JSON. Nothing else escapes."""
+    :data:`MAX_JSON_BYTES`, cannot be read, or is not valid UTF-8 JSON; CheckpointError for any
+    other failure to open it (:func:`savepoint.storage.local.read_small`). Nothing else escapes."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # A run file may be reached through a symlink: resolve it (open_read refuses one).
+        raw = local.read_small(os.path.realpath(path), cap=MAX_JSON_BYTES, shown=path)
     except FileNotFoundError:
         return None
-    except PermissionError as exc:
+    except CheckpointPermissionError as exc:
         raise CheckpointPermissionError(
             f"{path}: permission denied; the run itself may be intact: make the file readable "
             "by this user (or read it as one who may) and try again",
             path=path,
             errno=exc.errno,
         ) from None
-    except OSError as exc:
-        raise CorruptCheckpointError(
-            f"cannot open {path}: {exc.strerror or exc}", path=path
-        ) from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file", path=path)
-        chunks, size = [], 0
-        while size <= MAX_JSON_BYTES:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        raise CorruptCheckpointError(
-            f"cannot read {path}: {exc.strerror or exc}", path=path
-        ) from None
-    finally:
-        os.close(fd)
-    if size > MAX_JSON_BYTES:
-        raise CorruptCheckpointError(
-            f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; not a savepoint run file", path=path
-        )
-    try:
-        return json.loads(b"".join(chunks).decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON: {exc}", path=path) from None
 

@@ -95,17 +95,20 @@ class RunView:
     def checkpoint_path(self, step: StepSpec = "latest") -> str:
         """The directory of checkpoint ``step`` ("latest", "best" or a number); loadable with
         ``sp.load``. CheckpointNotFoundError when the run has no such checkpoint."""
-        number = self.latest_step() if step == "latest" else step
-        if step == "best":
-            number = self.best_step()
+        steps = self.steps()  # one listing for the choice, the check and the message
+        number: object = step
+        if step == "latest":
+            number = steps[-1] if steps else None
+        elif step == "best":
+            number = self._manager._best_among(steps)
             if number is None:
                 raise MissingCheckpointError(
                     f"{self.directory} has no best checkpoint (no metric ranks its checkpoints)",
                     path=self.directory,
                 )
-        if not isinstance(number, int) or number not in self.steps():
+        if not isinstance(number, int) or number not in steps:
             raise CheckpointNotFoundError(
-                f"{self.directory} has no checkpoint for step {step!r} (it has {self.steps()})",
+                f"{self.directory} has no checkpoint for step {step!r} (it has {steps})",
                 path=self.directory,
             )
         return self._manager.step_path(number)

@@ -120,3 +120,35 @@ def describe(target: Any) -> tuple[str, tuple[int, ...]] | None:
         except Exception:
             return f"torch {target.dtype}", tuple(target.shape)
     return None
+
+
+class HostCopy:
+    """A host copy of a tensor's bytes, taken when constructed, standing in for the tensor when
+    the write happens later (background and sharded saves): later changes to the original do not
+    reach it. Copied in 16 MiB pieces, so a GPU source is staged a piece at a time."""
+
+    __slots__ = ("_data", "dtype", "kind", "nbytes", "shape")
+
+    def __init__(self, source: TensorSource) -> None:
+        self.dtype = source.dtype
+        self.shape = source.shape
+        self.nbytes = source.nbytes
+        self.kind = source.kind
+        self._data = np.empty(source.nbytes, dtype=np.uint8)
+        try:
+            for pos in range(0, source.nbytes, _PIECE):
+                source.copy_to(self._data[pos : pos + _PIECE], pos)
+        finally:
+            source.release()
+
+    def identity(self) -> tuple[Any, ...] | None:
+        return None
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        np.copyto(dst, self._data[start : start + dst.size])
+
+    def release(self) -> None:
+        pass
+
+
+_PIECE = 16 << 20

@@ -17,9 +17,10 @@ may not be a symlink) and ``O_NONBLOCK`` (a FIFO is refused at once instead of b
 writer appears), and only a regular file is accepted. Its refusals and failures are CheckpointError
 subclasses (a symlink or a FIFO: CorruptCheckpointError; EACCES/EPERM: CheckpointPermissionError
 with the path and errno), so a parser may let them escape; only FileNotFoundError is left for the
-caller to word. Sizes are checked against the manifest before anything is mapped, and data is read
-through a read-only ``mmap``: a warm 1 GiB copy out of the page cache took 0.067 s against 0.16 s
-for ``preadv``.
+caller to word. A small document (a manifest, a JSON file) is read whole by :func:`read_small`,
+its size checked against a cap first. Data files' sizes are checked against the manifest before
+anything is mapped, and data is read through a read-only ``mmap``: a warm 1 GiB copy out of the
+page cache took 0.067 s against 0.16 s for ``preadv``.
 """
 
 from __future__ import annotations
@@ -389,6 +390,45 @@ def read_exact(fd: int, offset: int, length: int) -> bytes:
     if len(data) != length:
         raise EOFError(f"wanted {length} bytes at {offset}, file ended after {len(data)}")
     return data
+
+
+_PIECE = 1 << 30  # Linux reads at most 2 GiB - 4 KiB per call
+
+
+def _amount(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift and not n % (1 << shift):
+            return f"{n >> shift} {unit}"
+    return f"{n}-byte"
+
+
+def read_small(
+    path: str, dir_fd: int | None = None, *, cap: int | None, shown: str | None = None
+) -> bytes:
+    """The whole content of the regular file at ``path``, opened by :func:`open_read` (same
+    ``path``, ``dir_fd`` and ``shown``) and read in one piece.
+
+    Errors: those of :func:`open_read` (FileNotFoundError is left to the caller);
+    CorruptCheckpointError when the file is larger than ``cap`` bytes (checked before anything is
+    read), shrinks while being read, or a read fails. No other exception escapes."""
+    fd = open_read(path, dir_fd, shown=shown)
+    where = shown if shown is not None else path
+    try:
+        size = os.fstat(fd).st_size
+        if cap is not None and size > cap:
+            raise CorruptCheckpointError(
+                f"{where} is {size} bytes, over the {_amount(cap)} cap", path=where
+            )
+        parts = [read_exact(fd, pos, min(_PIECE, size - pos)) for pos in range(0, size, _PIECE)]
+    except EOFError:
+        raise CorruptCheckpointError(f"{where} shrank while being read", path=where) from None
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"{where} cannot be read: {exc.strerror or exc}", path=where
+        ) from None
+    finally:
+        os.close(fd)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class MappedFile:
