@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from savepoint import _parallel
+from savepoint.codecs import boxes, checksum, dtypes, safetensors
+from savepoint.codecs import manifest as mf
 from savepoint.commit import atomic
 from savepoint.errors import (
     CheckpointError,
@@ -48,9 +50,7 @@ from savepoint.errors import (
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
 )
-from savepoint.formats import boxes, checksum, safetensors
-from savepoint.formats import manifest as mf
-from savepoint.state import arrays, dtypes
+from savepoint.state import arrays
 from savepoint.storage import local
 
 PIECE = 4 << 20  # hash-then-copy granularity: stays in cache between the two

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from savepoint import _parallel
 from savepoint._version import __version__
-from savepoint.formats import checksum, safetensors
-from savepoint.formats import manifest as mf
+from savepoint.codecs import checksum, safetensors
+from savepoint.codecs import manifest as mf
 from savepoint.state.arrays import TensorSource
 from savepoint.state.tree import Flat
 from savepoint.storage import local

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from savepoint import _reader, _writer
+from savepoint.codecs import manifest as mf
 from savepoint.commit import atomic
 from savepoint.errors import (
     CheckpointError,
@@ -41,7 +42,6 @@ from savepoint.errors import (
     StateMismatchError,
     UnsupportedStateError,
 )
-from savepoint.formats import manifest as mf
 from savepoint.formats._files import jsonable
 from savepoint.state import arrays, restore, tree
 from savepoint.storage import local

@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from savepoint import _reader, checkpoint
+from savepoint.codecs import dtypes
 from savepoint.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -74,7 +75,6 @@ from savepoint.errors import (
 from savepoint.formats import _files, boostr, burn, shrew, training_artifact
 from savepoint.formats._files import LazyTensor, MappedTensor, SafetensorsFile
 from savepoint.formats.detect import detect
-from savepoint.state import dtypes
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import TensorSource
 from savepoint.storage.paths import local_path

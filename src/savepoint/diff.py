@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from savepoint import _reader
-from savepoint.state import dtypes, tree
+from savepoint.codecs import dtypes
+from savepoint.state import tree
 from savepoint.storage.paths import local_path
 
 _PIECE = 1 << 22  # elements per piece of the float64 computation

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import savepoint as sp
+from savepoint.codecs import manifest as mf
 from savepoint.distributed import FlatShard, Partitioned, Shard, plan
 from savepoint.distributed import save as dsave
-from savepoint.formats import manifest as mf
 from savepoint.state import tree
 
 W = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from savepoint.codecs import boxes
+from savepoint.codecs.boxes import Flat
 from savepoint.distributed import plan
 from savepoint.distributed.plan import Item, LocalPlan, PlanError
-from savepoint.formats import boxes
-from savepoint.formats.boxes import Flat
 
 # ---------------------------------------------------------------------------------------------
 # geometry

@@ -10,14 +10,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from _compare import same
-from savepoint.formats import checksum
-from savepoint.formats import manifest as mf
+from savepoint.codecs import checksum
+from savepoint.codecs import manifest as mf
 
 MANIFEST = mf.NAME
 
 
 # ---------------------------------------------------------------------------------------------
-# forging manifests exactly as savepoint.formats.manifest.dumps lays them out
+# forging manifests exactly as savepoint.codecs.manifest.dumps lays them out
 # ---------------------------------------------------------------------------------------------
 
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.formats import manifest as mf
-from savepoint.formats import safetensors as stf
+from savepoint.codecs import manifest as mf
+from savepoint.codecs import safetensors as stf
 
 from ._util import MANIFEST, Hang, assert_same, deadline, read_doc
 
@@ -408,7 +408,7 @@ def test_sparse_oversized_manifest_is_refused_without_reading_it(ckpt: Path) -> 
 
 def _forge_bool_byte(path: Path, value: int) -> None:
     """Put ``value`` in the first byte of tensor ``mask`` and fix every checksum to match."""
-    from savepoint.formats import checksum
+    from savepoint.codecs import checksum
 
     from ._util import forge, write_manifest
 
@@ -442,9 +442,9 @@ def test_bool_tensor_with_a_byte_other_than_0_or_1_is_refused(tmp_path: Path, va
 
 def test_sharded_bool_tensor_with_a_byte_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
     """The same for a BOOL tensor split over shards, checked or not (verify=False)."""
+    from savepoint.codecs import checksum
     from savepoint.distributed import Shard, plan
     from savepoint.distributed import save as dsave
-    from savepoint.formats import checksum
     from savepoint.state import tree
 
     from ._util import forge, write_manifest

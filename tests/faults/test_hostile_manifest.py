@@ -799,7 +799,7 @@ def test_zero_element_tensor_with_absurd_dimensions_is_refused(
     tmp_path: Path, shape: list[int]
 ) -> None:
     # A 0 in the shape makes any byte count match; the other dimensions must still be sane.
-    from savepoint.formats import checksum
+    from savepoint.codecs import checksum
 
     ck = tmp_path / "ck"
     sp.save(ck, {"x": np.zeros((0, 2), np.float32)})

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from savepoint.formats import boxes
-from savepoint.formats.boxes import Box
+from savepoint.codecs import boxes
+from savepoint.codecs.boxes import Box
 
 
 def reference_overlap(bs: Sequence[Box]) -> tuple[Box, Box] | None:

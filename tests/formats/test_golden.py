@@ -20,7 +20,7 @@ import safetensors
 
 import savepoint as sp
 from _support import load_generator
-from savepoint.formats import manifest as mf
+from savepoint.codecs import manifest as mf
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
 GOLDEN = GOLDEN_ROOT / "v1"

@@ -25,9 +25,8 @@ from inference._snapshots import (
     seed_read,
     snapshots,
 )
-from savepoint.formats import kizzasi
+from savepoint.codecs import dtypes, kizzasi
 from savepoint.inference import InferenceSnapshot, SnapshotMetadata
-from savepoint.state import dtypes
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "kizzasi"
 

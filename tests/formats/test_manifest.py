@@ -1,4 +1,4 @@
-"""savepoint.formats.manifest: serialisation, the checksum trailer, and every validation rule."""
+"""savepoint.codecs.manifest: serialisation, the checksum trailer, and every validation rule."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from savepoint.codecs import checksum
+from savepoint.codecs import manifest as mf
 from savepoint.errors import UnsupportedStateError
-from savepoint.formats import checksum
-from savepoint.formats import manifest as mf
 
 FILE = "data-00000.safetensors"
 DIGEST = "0123456789abcdef"

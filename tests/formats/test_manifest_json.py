@@ -1,6 +1,6 @@
 """The bounded JSON reader under every manifest and JSON document: memory, nesting and numbers.
 
-``savepoint.formats._json`` promises, for any text it parses::
+``savepoint.codecs.bounded_json`` promises, for any text it parses::
 
     peak traced memory <= 24 x len(text) + 32 MiB
 
@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.formats import _json, checksum
-from savepoint.formats import manifest as mf
+from savepoint.codecs import bounded_json as _json
+from savepoint.codecs import checksum
+from savepoint.codecs import manifest as mf
 
 MiB = 1 << 20
 BOUND_FACTOR = _json.MEMORY_FACTOR

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from savepoint.formats import boxes
-from savepoint.formats import manifest as mf
+from savepoint.codecs import boxes
+from savepoint.codecs import manifest as mf
 
 from .test_manifest import encode
 

@@ -1,4 +1,4 @@
-"""savepoint.formats.safetensors: the layout savepoint writes, checked against the real safetensors
+"""savepoint.codecs.safetensors: the layout savepoint writes, checked against the real safetensors
 library, and the hostile-input header parser."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import safetensors.numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from savepoint.formats import safetensors as fmt
-from savepoint.state import dtypes
+from savepoint.codecs import dtypes
+from savepoint.codecs import safetensors as fmt
 
 NAMES = sorted(dtypes.BY_NAME)
 # dtypes safetensors.numpy can hand back (it has no bfloat16 / float8 numpy types)

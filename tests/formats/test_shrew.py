@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import savepoint as sp
 from _support import load_generator
+from savepoint.codecs import dtypes
 from savepoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -27,7 +28,6 @@ from savepoint.errors import (
 )
 from savepoint.formats import shrew
 from savepoint.formats._files import LazyTensor
-from savepoint.state import dtypes
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "shrew"
 

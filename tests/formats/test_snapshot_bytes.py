@@ -18,7 +18,7 @@ from hypothesis import given, settings
 import savepoint as sp
 from _support import load_generator
 from inference._snapshots import assert_records_equal, snapshots
-from savepoint.formats import snapshot as snapshot_format
+from savepoint.codecs import snapshot as snapshot_format
 from savepoint.inference import InferenceSnapshot
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "kizzasi"
@@ -98,7 +98,7 @@ def test_arrays_are_aligned_to_their_itemsize() -> None:
 
 
 def snap_dtype(name: str) -> Any:
-    from savepoint.state import dtypes
+    from savepoint.codecs import dtypes
 
     return dtypes.BY_NAME[name].numpy
 

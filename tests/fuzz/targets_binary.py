@@ -25,10 +25,10 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from fuzz._harness import Target, register
+from savepoint.codecs import checksum, dtypes
 from savepoint.errors import CheckpointError
-from savepoint.formats import checksum, detect, shrew
+from savepoint.formats import detect, shrew
 from savepoint.inference.snapshot import InferenceSnapshot
-from savepoint.state import dtypes
 from savepoint.state.optimizer import OptimizerState
 
 _BF16 = dtypes.BY_NAME["BF16"].numpy

@@ -26,12 +26,13 @@ import numpy as np
 
 import savepoint as sp
 from fuzz._harness import Target, register
+from savepoint.codecs import checksum, dtypes
+from savepoint.codecs import manifest as mf
+from savepoint.codecs import safetensors as st_format
 from savepoint.distributed import FlatShard, Partitioned, Shard, plan
 from savepoint.distributed import save as dsave
-from savepoint.formats import _files, boostr, checksum, detect
-from savepoint.formats import manifest as mf
-from savepoint.formats import safetensors as st_format
-from savepoint.state import dtypes, tree
+from savepoint.formats import _files, boostr, detect
+from savepoint.state import tree
 
 _BF16 = dtypes.BY_NAME["BF16"].numpy
 _TRAILER = b',\n "manifest_xxh3"'

@@ -106,7 +106,7 @@ def golden_state() -> dict[Any, Any]:
 def main() -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "src"))
     import savepoint as sp
-    from savepoint.formats import manifest as mf
+    from savepoint.codecs import manifest as mf
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "v1")

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from savepoint.formats.snapshot import SnapshotRecord
+from savepoint.codecs import dtypes
+from savepoint.codecs.snapshot import SnapshotRecord
 from savepoint.inference import InferenceSnapshot, SnapshotMetadata
-from savepoint.state import dtypes
 
 DTYPE_NAMES = sorted(dtypes.BY_NAME)
 TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8)

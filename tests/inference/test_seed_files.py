@@ -16,8 +16,8 @@ import pytest
 
 import savepoint as sp
 from _privileges import call_unprivileged, workspace
+from savepoint.codecs import kizzasi
 from savepoint.commit import atomic
-from savepoint.formats import kizzasi
 from savepoint.inference import InferenceSnapshot, SnapshotMetadata
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "kizzasi"

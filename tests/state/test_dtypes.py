@@ -1,4 +1,4 @@
-"""savepoint.state.dtypes and the numpy side of savepoint.state.arrays: the dtype table."""
+"""savepoint.codecs.dtypes and the numpy side of savepoint.state.arrays: the dtype table."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.state import dtypes, tree
+from savepoint.codecs import dtypes
+from savepoint.state import tree
 from savepoint.state.arrays import NumpySource, describe
 
 NAMES = sorted(dtypes.BY_NAME)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from savepoint.formats.manifest import TensorRecord
+from savepoint.codecs.manifest import TensorRecord
 from savepoint.state import arrays, restore, tree
 
 # ---------------------------------------------------------------------------------------------

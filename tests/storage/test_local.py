@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import _privileges
+from savepoint.codecs import checksum
 from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
-from savepoint.formats import checksum
 from savepoint.state.arrays import NumpySource
 from savepoint.storage import local
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from savepoint import _parallel
 from savepoint._writer import plan_files
-from savepoint.formats import safetensors
+from savepoint.codecs import safetensors
 from savepoint.state.arrays import TensorSource
 from savepoint.state.tree import Flat, Node
 

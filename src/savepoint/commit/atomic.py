@@ -31,7 +31,7 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from savepoint.formats import manifest as manifest_format
+from savepoint.codecs import manifest as manifest_format
 from savepoint.storage.local import fsync_dir, write_small
 
 TMP_TAG = ".savepoint-tmp-"

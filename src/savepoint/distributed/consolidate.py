@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from savepoint import _reader, checkpoint
-from savepoint.state import dtypes, tree
+from savepoint.codecs import dtypes
+from savepoint.state import tree
 from savepoint.state.arrays import TensorSource
 from savepoint.storage.paths import local_path
 

@@ -28,10 +28,10 @@ from typing import Any, Literal
 import numpy as np
 
 from savepoint import _reader, checkpoint
+from savepoint.codecs import boxes, dtypes
 from savepoint.distributed import collectives, plan, shard
 from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
-from savepoint.formats import boxes
-from savepoint.state import arrays, dtypes, restore, tree
+from savepoint.state import arrays, restore, tree
 
 Progress = Callable[[int, int], None]
 

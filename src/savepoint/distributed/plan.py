@@ -24,8 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from savepoint.formats import boxes
-from savepoint.state import dtypes
+from savepoint.codecs import boxes, dtypes
 from savepoint.state import tree as tree_mod
 
 Node = dict[str, Any]

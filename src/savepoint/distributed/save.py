@@ -29,11 +29,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from savepoint import _writer, checkpoint
+from savepoint.codecs import boxes
+from savepoint.codecs import manifest as mf
 from savepoint.commit import atomic
 from savepoint.distributed import collectives, plan, shard
 from savepoint.errors import CheckpointError, UnsupportedStateError
-from savepoint.formats import boxes
-from savepoint.formats import manifest as mf
 from savepoint.state import tree
 from savepoint.state.arrays import HostCopy, TensorSource
 from savepoint.storage import local

@@ -32,9 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from savepoint.codecs import boxes, dtypes
 from savepoint.errors import UnsupportedStateError
-from savepoint.formats import boxes
-from savepoint.state import dtypes
 from savepoint.state.stateful import is_stateful
 from savepoint.state.wrappers import unwrap
 

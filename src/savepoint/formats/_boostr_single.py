@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from savepoint.codecs import bounded_json as _json
 from savepoint.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -20,7 +21,7 @@ from savepoint.errors import (
     IncompatibleCheckpointError,
     UnsupportedStateError,
 )
-from savepoint.formats import _files, _json
+from savepoint.formats import _files
 from savepoint.formats._files import FormatInfo, LazyTensor, SafetensorsFile, TensorEntry
 from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
@@ -66,7 +67,7 @@ def show(value: Any) -> str:
 def read_json(path: str, what: str) -> Any:
     """The JSON object in ``path``, read through ``local.open_read`` (never blocks on a FIFO,
     refuses symlinks; an unreadable file is CheckpointPermissionError) and the bounded JSON
-    reader, with serde's number rules (see :func:`savepoint.formats._json.loads`)."""
+    reader, with serde's number rules (see :func:`savepoint.codecs.bounded_json.loads`)."""
     try:
         raw = local.read_small(path, cap=MAX_JSON_BYTES)
     except FileNotFoundError:

@@ -6,7 +6,7 @@
   therefore holds at most one tensor in memory, and usually not even that: a file range is read
   straight into the writer's staging buffer.
 - safetensors files: :class:`SafetensorsFile` checks the whole header with the strict parser of
-  :mod:`savepoint.formats.safetensors` (size cap, dtypes, shape x dtype sizes, offsets that tile
+  :mod:`savepoint.codecs.safetensors` (size cap, dtypes, shape x dtype sizes, offsets that tile
   the data exactly) before mapping the file; :func:`write_safetensors` streams sources to disk with
   the caller's ``__metadata__``, keeping the caller's tensor order in the header.
 - Atomic single files: :func:`atomic_file` writes under a hidden sibling name, fsyncs, renames
@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from savepoint.codecs import checksum, dtypes
+from savepoint.codecs import safetensors as st_format
+from savepoint.codecs.dtypes import DType
 from savepoint.commit import atomic
 from savepoint.errors import (
     CheckpointError,
@@ -35,11 +38,8 @@ from savepoint.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
 )
-from savepoint.formats import checksum
-from savepoint.formats import safetensors as st_format
-from savepoint.state import arrays, dtypes
+from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
-from savepoint.state.dtypes import DType
 from savepoint.storage import local
 
 CHUNK = 4 << 20  # bytes per read or write when a tensor is streamed through a bounded buffer

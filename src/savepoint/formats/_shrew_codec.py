@@ -19,6 +19,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from savepoint.codecs import dtypes
+from savepoint.codecs.dtypes import DType
 from savepoint.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -27,9 +29,8 @@ from savepoint.errors import (
 )
 from savepoint.formats import _files
 from savepoint.formats._files import LazyTensor
-from savepoint.state import arrays, dtypes
+from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
-from savepoint.state.dtypes import DType
 from savepoint.state.optimizer import OptimizerState
 from savepoint.storage import local
 

@@ -15,7 +15,7 @@ reads them: ``step``/``epoch`` are u64 (a float such as ``5.0``, and ``-0``, whi
 as the float -0.0, are refused); ``learning_rate`` takes any JSON number as the nearest f64, and
 one out of its range (``1e400``, or an integer of 400 digits) is refused by name. Both JSON files
 are read through ``storage.local.open_read`` (a FIFO is refused without blocking; an unreadable
-file is CheckpointPermissionError) and the bounded JSON reader (``savepoint.formats._json``). The writer always writes
+file is CheckpointPermissionError) and the bounded JSON reader (``savepoint.codecs.bounded_json``). The writer always writes
 version 2 (the seed's current version), pretty-printed with two-space indents as
 ``serde_json::to_string_pretty`` does, refuses non-finite learning rates (serde would write
 ``null``, which no reader accepts), and writes ``optimizer.safetensors`` only for a non-empty

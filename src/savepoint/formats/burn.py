@@ -103,6 +103,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from savepoint.codecs import dtypes
 from savepoint.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -111,7 +112,7 @@ from savepoint.errors import (
 )
 from savepoint.formats import _files
 from savepoint.formats._files import FormatInfo, LazyTensor, MappedTensor, TensorEntry
-from savepoint.state import arrays, dtypes
+from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
 from savepoint.storage.paths import local_path

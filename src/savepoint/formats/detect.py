@@ -28,11 +28,11 @@ from __future__ import annotations
 import os
 import struct
 
+from savepoint.codecs import manifest as mf
+from savepoint.codecs import safetensors as st_format
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
 from savepoint.formats import _files, boostr, burn, shrew, training_artifact
-from savepoint.formats import manifest as mf
-from savepoint.formats import safetensors as st_format
 from savepoint.formats._files import FormatInfo, TensorEntry
 from savepoint.formats._shrew_codec import open_file
 from savepoint.storage.paths import local_path

@@ -64,6 +64,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from savepoint.codecs import bounded_json as _json
+from savepoint.codecs import dtypes
 from savepoint.commit import atomic
 from savepoint.errors import (
     CheckpointNotFoundError,
@@ -74,9 +76,8 @@ from savepoint.errors import (
     RunMismatchError,
     UnsupportedStateError,
 )
-from savepoint.formats import _files, _json, burn
+from savepoint.formats import _files, burn
 from savepoint.formats._files import FormatInfo, LazyTensor, MappedTensor, TensorEntry
-from savepoint.state import dtypes
 from savepoint.storage import local
 from savepoint.storage.paths import local_path
 

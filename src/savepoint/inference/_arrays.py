@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from savepoint.codecs import dtypes
+from savepoint.codecs.dtypes import DType
 from savepoint.errors import UnsupportedStateError
-from savepoint.state import arrays, dtypes
-from savepoint.state.dtypes import DType
+from savepoint.state import arrays
 
 Framework = str  # "auto" | "numpy" | "torch", checked by the callers
 

@@ -47,9 +47,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from savepoint.codecs import manifest as mf
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointWriteError
-from savepoint.formats import manifest as mf
 from savepoint.inference.snapshot import InferenceSnapshot, SnapshotMetadata
 from savepoint.storage.paths import local_path
 

@@ -31,13 +31,13 @@ method              what                                       see
 ==================  =========================================  ==================================
 save / load         a savepoint checkpoint directory (atomic,  below
                     checksummed); ``savepoint inspect`` reads it
-to_bytes /          one safetensors blob: compact, fastest,    :mod:`savepoint.formats.snapshot`
+to_bytes /          one safetensors blob: compact, fastest,    :mod:`savepoint.codecs.snapshot`
 from_bytes          zero-copy decode
-to_json /           the seed's serde JSON layout, readable by  :mod:`savepoint.formats.kizzasi`
+to_json /           the seed's serde JSON layout, readable by  :mod:`savepoint.codecs.kizzasi`
 from_json           the seed for float32 states
-to_seed_bytes /     the seed's ``to_bytes`` / ``from_bytes``:  :mod:`savepoint.formats.kizzasi`
+to_seed_bytes /     the seed's ``to_bytes`` / ``from_bytes``:  :mod:`savepoint.codecs.kizzasi`
 from_seed_bytes     that JSON, compact, as UTF-8 bytes
-to_msgpack /        the same document as MessagePack           :mod:`savepoint.formats.kizzasi`
+to_msgpack /        the same document as MessagePack           :mod:`savepoint.codecs.kizzasi`
 from_msgpack
 save_json /         the seed's files: pretty JSON (its         :mod:`savepoint.inference._files`
 load_json,          ``save_json``) or MessagePack (its
@@ -49,8 +49,8 @@ Why ``to_seed_bytes`` and not ``to_bytes``: in the seed, ``Checkpoint::to_bytes`
 ``serde_json::to_vec`` (the compact JSON document), while savepoint's ``to_bytes`` is its own
 binary encoding (a safetensors blob, about 4x smaller for float32 and decoded without copying)
 that pickling and ``SnapshotHistory`` rely on. One name cannot mean both, so the seed's bytes get
-the seed's name with ``seed`` in it; :func:`savepoint.formats.kizzasi.to_bytes` and
-:func:`savepoint.formats.kizzasi.from_bytes` are the same encoding on a record, under the seed's
+the seed's name with ``seed`` in it; :func:`savepoint.codecs.kizzasi.to_bytes` and
+:func:`savepoint.codecs.kizzasi.from_bytes` are the same encoding on a record, under the seed's
 own names in the module that is the seed's layout.
 
 Metadata builders (the seed's ``with_description``, ``with_model_id``, ``with_tag``, plus
@@ -81,18 +81,18 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from savepoint import checkpoint
+from savepoint.codecs import kizzasi
+from savepoint.codecs import snapshot as snapshot_format
+from savepoint.codecs.dtypes import DType
+from savepoint.codecs.snapshot import RecordError, SnapshotRecord
 from savepoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     StateMismatchError,
     UnsupportedStateError,
 )
-from savepoint.formats import kizzasi
-from savepoint.formats import snapshot as snapshot_format
-from savepoint.formats.snapshot import RecordError, SnapshotRecord
 from savepoint.inference import _arrays, _files
 from savepoint.state import arrays
-from savepoint.state.dtypes import DType
 from savepoint.storage.paths import local_path
 
 VERSION = snapshot_format.VERSION
@@ -431,7 +431,7 @@ class InferenceSnapshot:
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The seed's serde JSON layout (compact; ``indent=2`` lays it out as the seed's
-        ``save_json``), with savepoint's extra keys; see :mod:`savepoint.formats.kizzasi`."""
+        ``save_json``), with savepoint's extra keys; see :mod:`savepoint.codecs.kizzasi`."""
         return kizzasi.encode_json(self._record(), indent=indent)
 
     @classmethod
@@ -453,7 +453,7 @@ class InferenceSnapshot:
         return cls._from_record(kizzasi.decode_msgpack(data), framework)
 
     def to_bytes(self) -> bytes:
-        """The compact binary encoding (a safetensors blob); see :mod:`savepoint.formats.snapshot`."""
+        """The compact binary encoding (a safetensors blob); see :mod:`savepoint.codecs.snapshot`."""
         return snapshot_format.encode(self._record())
 
     @classmethod

@@ -21,9 +21,9 @@ import stat
 from collections.abc import Iterable
 
 from savepoint import checkpoint
+from savepoint.codecs import manifest as mf
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointError
-from savepoint.formats import manifest as mf
 from savepoint.runs import layout
 from savepoint.runs.report import Report
 

@@ -26,8 +26,8 @@ import errno
 import os
 import re
 
+from savepoint.codecs import manifest as mf
 from savepoint.errors import CheckpointPermissionError, CorruptCheckpointError
-from savepoint.formats import manifest as mf
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

@@ -84,6 +84,7 @@ from typing import Any, ClassVar, Literal
 from savepoint import checkpoint
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
+from savepoint.codecs import manifest as mf
 from savepoint.commit import atomic
 from savepoint.errors import (
     CheckpointError,
@@ -95,7 +96,6 @@ from savepoint.errors import (
     RunLockedError,
     RunMismatchError,
 )
-from savepoint.formats import manifest as mf
 from savepoint.runs import aliases, layout, policies
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.policies import Entry, Mode, RetentionPolicy, SavePolicy

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from savepoint.codecs import dtypes
+from savepoint.codecs.dtypes import DType
 from savepoint.errors import UnsupportedStateError
-from savepoint.state import dtypes
-from savepoint.state.dtypes import DType
 
 
 def _plain(t: torch.Tensor, key: str) -> torch.Tensor:

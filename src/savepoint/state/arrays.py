@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from savepoint.state import dtypes
-from savepoint.state.dtypes import DType
+from savepoint.codecs import dtypes
+from savepoint.codecs.dtypes import DType
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
     raise ImportError("savepoint writes little-endian data and supports little-endian hosts only")

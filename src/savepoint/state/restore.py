@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from savepoint.formats.manifest import TensorRecord
+from savepoint.codecs.manifest import TensorRecord
 from savepoint.state import scalars, wrappers
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import describe

@@ -25,7 +25,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from savepoint.state import dtypes
+from savepoint.codecs import dtypes
 
 _INT_RANGE = {
     name: (int(np.iinfo(d.numpy).min), int(np.iinfo(d.numpy).max))

@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from savepoint.codecs.bounded_json import MAX_DEPTH
 from savepoint.errors import UnsupportedStateError
-from savepoint.formats._json import MAX_DEPTH
 from savepoint.state.arrays import TensorSource, make_source
 from savepoint.state.stateful import is_stateful
 from savepoint.state.wrappers import unwrap

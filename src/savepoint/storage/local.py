@@ -37,9 +37,10 @@ from typing import Any
 
 import numpy as np
 
+from savepoint.codecs import checksum
 from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
-from savepoint.formats import checksum
 from savepoint.state.arrays import TensorSource
+from savepoint.storage.base import Capabilities, Kind, Stat, Store
 
 BLOCK = 4096
 DEFAULT_BUFFER_BYTES = 32 << 20
@@ -480,3 +481,244 @@ def write_image(
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The local filesystem as a Store (see savepoint.storage.base)
+# ---------------------------------------------------------------------------------------------
+
+
+class LocalBlobReader:
+    """An open local file: ``pread`` reads and a lazy ``mmap`` for zero-copy views."""
+
+    def __init__(self, fd: int, name: str, *, copy_on_write: bool = False) -> None:
+        self.name = name
+        self._fd: int | None = fd
+        self._copy_on_write = copy_on_write
+        self._map: MappedFile | None = None
+        try:
+            self.size = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _descriptor(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"{self.name} is closed")
+        return self._fd
+
+    def read(self, offset: int, out: Any) -> None:
+        view = memoryview(out).cast("B")
+        fd = self._descriptor()
+        while len(view):
+            n = os.preadv(fd, [view[:_PIECE]], offset)
+            if n == 0:
+                raise EOFError(f"{self.name} ended at {offset}")
+            view, offset = view[n:], offset + n
+
+    def view(self, start: int, end: int) -> np.ndarray[Any, Any] | None:
+        if self._map is None:
+            self._map = MappedFile(self._descriptor(), self.size, copy_on_write=self._copy_on_write)
+        return self._map.slice(start, end)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class LocalBlobWriter:
+    """A new local file, written with O_DIRECT where the filesystem takes it (see the top)."""
+
+    def __init__(self, path: str, size: int | None, direct: bool) -> None:
+        self.path = path
+        self._size = size
+        self._fd: int | None
+        self._fd, self._direct = _open_for_write(path, direct)
+        self._opened_direct = self._direct
+        self.alignment = BLOCK if self._direct else 1
+        self._written = 0
+
+    def write(self, data: memoryview) -> None:
+        assert self._fd is not None, "write after finish or abort"
+        self._direct = write_all(self._fd, data, self._direct)
+        self._written += len(data)
+
+    def finish(self) -> None:
+        fd = self._fd
+        assert fd is not None, "finish after finish or abort"
+        try:
+            if self._size is not None and self._written != self._size:
+                os.ftruncate(fd, self._size)  # cut an aligned tail's padding
+            os.fsync(fd)
+        finally:
+            self._fd = None
+            os.close(fd)
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+class LocalPinned:
+    """A directory pinned by its descriptor (see savepoint.storage.base.Pinned)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = open_dir(path)
+
+    def __enter__(self) -> LocalPinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _where(self, name: str) -> tuple[str, int | None]:
+        return (name if self._fd is not None else os.path.join(self.path, name)), self._fd
+
+    def open_blob(self, name: str, *, copy_on_write: bool = False) -> LocalBlobReader:
+        where, fd = self._where(name)
+        shown = os.path.join(self.path, name)
+        return LocalBlobReader(
+            open_read(where, fd, shown=shown), shown, copy_on_write=copy_on_write
+        )
+
+    def read_small(self, name: str, *, cap: int | None) -> bytes:
+        where, fd = self._where(name)
+        return read_small(where, fd, cap=cap, shown=os.path.join(self.path, name))
+
+    def identity(self) -> Any:
+        if self._fd is None:
+            return _identity(os.stat(self.path))
+        st = os.fstat(self._fd)
+        return None if st.st_nlink == 0 else _identity(st)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return (st.st_dev, st.st_ino)
+
+
+class LocalStore(Store):
+    """The local filesystem: O_DIRECT writes, mmap reads, directory descriptors, renameat2."""
+
+    scheme = "file"
+    capabilities = Capabilities(
+        atomic_rename=True,
+        create_only_put=True,
+        direct_io=bool(_O_DIRECT),
+        hard_links=True,
+        zero_copy=True,
+        durable=True,
+        locks=True,
+    )
+
+    def abspath(self, path: str) -> str:
+        return os.path.abspath(path)
+
+    def realpath(self, path: str) -> str:
+        return os.path.realpath(path)
+
+    def url(self, path: str) -> str:
+        return path
+
+    def join(self, path: str, *names: str) -> str:  # type: ignore[override]
+        return os.path.join(path, *names)
+
+    def parent(self, path: str) -> str:  # type: ignore[override]
+        return os.path.dirname(os.path.abspath(path))
+
+    def basename(self, path: str) -> str:  # type: ignore[override]
+        return os.path.basename(os.path.abspath(path))
+
+    def open_blob(self, path: str, *, copy_on_write: bool = False) -> LocalBlobReader:
+        return LocalBlobReader(open_read(path), path, copy_on_write=copy_on_write)
+
+    def create_blob(
+        self, path: str, *, size: int | None = None, direct: bool = True
+    ) -> LocalBlobWriter:
+        return LocalBlobWriter(path, size, direct)
+
+    def read_small(self, path: str, *, cap: int | None) -> bytes:
+        return read_small(path, cap=cap)
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
+        if exclusive:
+            write_small(path, data)
+            return
+        from savepoint.commit import atomic
+
+        atomic.replace_file(path, data)
+
+    def remove(self, path: str) -> None:
+        os.unlink(path)
+
+    def stat(self, path: str) -> Stat | None:
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        mode = st.st_mode
+        kind: Kind = (
+            "dir"
+            if stat.S_ISDIR(mode)
+            else "file"
+            if stat.S_ISREG(mode)
+            else "link"
+            if stat.S_ISLNK(mode)
+            else "other"
+        )
+        return Stat(kind, st.st_size, _identity(st), st.st_mtime)
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def mkdir(self, path: str) -> None:
+        os.mkdir(path)
+
+    def remove_tree(self, path: str) -> None:
+        from savepoint.commit import atomic
+
+        atomic.remove_tree(path)
+
+    def sync_dir(self, path: str) -> None:
+        fsync_dir(path)
+
+    def pin(self, path: str) -> LocalPinned:
+        return LocalPinned(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "File exists", dst)
+        os.rename(src, dst)
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def exchange(self, a: str, b: str) -> bool:
+        from savepoint.commit import atomic
+
+        return atomic.exchange(a, b)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst, follow_symlinks=False)
+
+
+STORE = LocalStore()

@@ -1,28 +1,95 @@
-"""Path arguments: local paths and ``file://`` URLs are accepted; other URLs are refused.
+"""Path arguments: a local path, a URL, or a :class:`Location` (a store and a path in it).
 
-Every public entry point that takes a path passes it through :func:`local_path` first. Without
-it, ``sp.save("s3://bucket/run")`` would quietly write ``./s3:/bucket/run`` on the local disk.
-No object-store backend exists yet, so a URL with any other scheme raises
-:class:`~savepoint.errors.UnsupportedStorageError` before anything is created.
+Every public entry point that takes a path passes it through :func:`resolve` (or, for formats
+that exist only as local files, :func:`local_path`) first. Without it,
+``sp.save("s3://bucket/run")`` would quietly write ``./s3:/bucket/run`` on the local disk.
+
+- a plain path, ``pathlib.Path`` or ``file:///abs/path``: the local filesystem;
+- ``memory://name/...``: the process's in-memory store (:func:`savepoint.storage.memory.shared`);
+- ``s3://``, ``gs://``, ``az://`` and other schemes: refused with
+  :class:`~savepoint.errors.UnsupportedStorageError` naming the extra that will carry their
+  backend, before anything is created;
+- a :class:`Location` (``store.at(path)``): any store object, such as the fault-injecting one of
+  the tests or an object store configured by hand.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 from urllib.parse import unquote, urlsplit
 
 from savepoint.errors import UnsupportedStorageError
 
-__all__ = ["local_path"]
+if TYPE_CHECKING:
+    from savepoint.storage.base import Store
+
+__all__ = ["Location", "PathArg", "local_path", "resolve"]
+
+
+@dataclass(frozen=True)
+class Location:
+    """A path inside a particular store; accepted wherever savepoint takes a path."""
+
+    store: Store
+    path: str
+
+    def __str__(self) -> str:
+        return self.store.url(self.path)
+
+    def join(self, *names: str) -> Location:
+        return Location(self.store, self.store.join(self.path, *names))
+
+    @property
+    def is_local(self) -> bool:
+        return self.store.scheme == "file"
+
+
+PathArg = Union[str, "os.PathLike[str]", Location]
 
 # RFC 3986 scheme followed by "://". A relative path with a colon later ("runs/a:b") or a first
 # component such as "a:b" without "//" does not match and stays a local path.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_PLANNED = "s3, gs, az"
+# The extras that will carry the backends of schemes savepoint does not handle yet (issue 15).
+_EXTRAS = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "abfss": "azure",
+    "azure": "azure",
+}
 
 
-def local_path(path: str | os.PathLike[str], *, what: str = "path") -> str:
+def resolve(path: PathArg, *, what: str = "path") -> Location:
+    """The store and the absolute path in it that ``path`` names (see the module docstring)."""
+    if isinstance(path, Location):
+        return Location(path.store, path.store.abspath(path.path))
+    text = os.fspath(path)
+    if isinstance(text, str):
+        match = _URL.match(text)
+        if match is not None and match.group(1).lower() == "memory":
+            from savepoint.storage import memory
+
+            store = memory.shared()
+            parts = urlsplit(text)
+            if parts.query or parts.fragment:
+                raise UnsupportedStorageError(
+                    f"{what} {text!r}: a memory:// URL takes no query or fragment",
+                    path=text,
+                    scheme="memory",
+                )
+            return Location(store, store.abspath(unquote(parts.netloc + parts.path)))
+    from savepoint.storage import local
+
+    return Location(local.STORE, os.path.abspath(local_path(path, what=what)))
+
+
+def local_path(path: PathArg, *, what: str = "path") -> str:
     """Return ``path`` as a local filesystem path string (unchanged when it is not a URL).
 
     ``file:///abs/path`` (or ``file://localhost/abs/path``) becomes ``/abs/path``, percent-escapes
@@ -30,6 +97,14 @@ def local_path(path: str | os.PathLike[str], *, what: str = "path") -> str:
     scheme; ``what`` names the argument in the message ("checkpoint path", "run directory", ...).
     A ``pathlib.Path`` built from a URL has already collapsed ``//`` to ``/`` and is a local path.
     """
+    if isinstance(path, Location):
+        if path.is_local:
+            return path.path
+        raise UnsupportedStorageError(
+            f"{what} {path}: this reads and writes local files only; copy it to a local path",
+            path=str(path),
+            scheme=path.store.scheme,
+        )
     text = os.fspath(path)
     if not isinstance(text, str):
         raise TypeError(f"{what} must be a str or os.PathLike[str], not {type(text).__name__}")
@@ -49,10 +124,25 @@ def local_path(path: str | os.PathLike[str], *, what: str = "path") -> str:
             path=text,
             scheme=scheme,
         )
+    if scheme == "memory":
+        raise UnsupportedStorageError(
+            f"{what} {text!r}: this reads and writes local files only (memory:// holds savepoint "
+            "checkpoints, runs and snapshot histories); pass a local path",
+            path=text,
+            scheme=scheme,
+        )
+    extra = _EXTRAS.get(scheme)
+    needs = (
+        f"its backend will come with the `savepoint[{extra}]` extra (pip install "
+        f"'savepoint[{extra}]'), which this version does not have yet"
+        if extra
+        else "other schemes will be read through fsspec with the `savepoint[fsspec]` extra, "
+        "which this version does not have yet"
+    )
     raise UnsupportedStorageError(
-        f"{what} {text!r}: savepoint does not support {scheme}:// URLs yet; it reads and writes "
-        f"local paths only. Object stores ({_PLANNED}) are planned. For now pass a local path, "
-        f"or mount the bucket (s3fs, gcsfuse, blobfuse2, ...) and pass a path inside the mount.",
+        f"{what} {text!r}: savepoint has no backend for {scheme}:// URLs here; {needs}. For now "
+        "pass a local path, or mount the bucket (s3fs, gcsfuse, blobfuse2, ...) and pass a path "
+        "inside the mount; memory:// URLs work everywhere.",
         path=text,
         scheme=scheme,
     )

@@ -36,9 +36,9 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from savepoint.formats import kizzasi
-from savepoint.formats import snapshot as snapshot_format
-from savepoint.formats.snapshot import SnapshotRecord
+from savepoint.codecs import kizzasi
+from savepoint.codecs import snapshot as snapshot_format
+from savepoint.codecs.snapshot import SnapshotRecord
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,15 +1,13 @@
-"""``savepoint consolidate SRC DST``: a sharded checkpoint as an ordinary one, on one machine.
-
-Registered on the main command group by ``savepoint.cli`` (``main.add_command(consolidate_cmd)``).
-"""
+"""``savepoint consolidate SRC DST``: a sharded checkpoint as an ordinary one, on one machine."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import click
 
+from savepoint._text import size as _size
+from savepoint.cli._common import fail, progress
 from savepoint.errors import CheckpointError
 
 
@@ -27,23 +25,20 @@ from savepoint.errors import CheckpointError
 def consolidate_cmd(src: str, dst: str, max_file_gib: float, no_verify: bool) -> None:
     """Write the sharded checkpoint SRC as an unsharded checkpoint DST (one tensor in memory at
     a time). DST is replaced atomically if it is a checkpoint; SRC is never modified."""
-    from savepoint._text import size as _size
-    from savepoint.cli import _progress
     from savepoint.distributed.consolidate import consolidate
 
     start = time.perf_counter()
     try:
-        with _progress("consolidating") as progress:
+        with progress("consolidating") as update:
             info = consolidate(
                 src,
                 dst,
                 verify=not no_verify,
                 max_file_bytes=max(1, int(max_file_gib * (1 << 30))),
-                progress=progress,
+                progress=update,
             )
     except CheckpointError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        fail(exc)
     click.echo(
         f"ok: {info.path}: {len(info.tensors)} tensors, {_size(info.total_bytes)} in "
         f"{len(info.files)} file(s), written in {time.perf_counter() - start:.2f} s"

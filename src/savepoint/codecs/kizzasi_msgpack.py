@@ -1,4 +1,4 @@
-"""Bounded reading for the kizzasi layout (see :mod:`savepoint.formats.kizzasi`): the budget,
+"""Bounded reading for the kizzasi layout (see :mod:`savepoint.codecs.kizzasi`): the budget,
 the checked number conversion shared by the JSON and MessagePack readers, and the MessagePack
 walker.
 
@@ -11,16 +11,16 @@ Contract of the walker (:class:`_Reader`), whatever the input:
   :func:`_scalar_run`, :func:`_convert`); ``nonfinite`` lists go straight into integer arrays;
   unknown keys are passed over without building anything (:meth:`_Reader.skip`, iterative);
 - everything it builds is charged to the :class:`_Budget` it is given (``BUDGET_FACTOR`` x the
-  input's size + ``BUDGET_SLACK`` bytes, set in :mod:`savepoint.formats.kizzasi`); conversion temporaries stay under 1 MiB (:data:`_CHUNK`,
+  input's size + ``BUDGET_SLACK`` bytes, set in :mod:`savepoint.codecs.kizzasi`); conversion temporaries stay under 1 MiB (:data:`_CHUNK`,
   :data:`_VCHUNK`);
 - nesting is counted (at most :data:`MAX_DEPTH` levels), so no input reaches Python's recursion
   limit; a length running past the end, trailing bytes, duplicate keys, non-string keys, invalid
   UTF-8 and extension values where a value is built are malformed;
 - every failure is a :class:`_Malformed` (a ValueError), which the public readers in
-  :mod:`savepoint.formats.kizzasi` turn into CorruptCheckpointError; nothing here is public.
+  :mod:`savepoint.codecs.kizzasi` turn into CorruptCheckpointError; nothing here is public.
 
 The values it returns (plain dicts and lists, :class:`_Packed`, :class:`_NonFinite`) are then
-checked against the layout by :func:`savepoint.formats.kizzasi._parse_document`, the same code
+checked against the layout by :func:`savepoint.codecs.kizzasi._parse_document`, the same code
 that checks a JSON document.
 """
 
@@ -35,10 +35,10 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from savepoint.formats.snapshot import MAX_CONFIG_DEPTH, is_count, show
-from savepoint.state.dtypes import DType
+from savepoint.codecs.dtypes import DType
+from savepoint.codecs.snapshot import MAX_CONFIG_DEPTH, is_count, show
 
-# The layout's names (documented in savepoint.formats.kizzasi, which re-exports them).
+# The layout's names (documented in savepoint.codecs.kizzasi, which re-exports them).
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FIELDS = ("version", "config", "states", "history", "step_count", "metadata")
@@ -66,7 +66,7 @@ class _Malformed(ValueError):
 
 class _Budget:
     """Bytes of objects and arrays a decoder may still build: ``factor`` x the input's ``size``
-    + ``slack`` (the limits are :mod:`savepoint.formats.kizzasi`'s ``BUDGET_*`` constants)."""
+    + ``slack`` (the limits are :mod:`savepoint.codecs.kizzasi`'s ``BUDGET_*`` constants)."""
 
     def __init__(self, size: int, factor: int, slack: int) -> None:
         self.size = size

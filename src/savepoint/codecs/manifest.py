@@ -35,7 +35,7 @@ saved it), and each tensor entry gives the global ``dtype`` and ``shape`` and wh
 A shard holds either a ``box`` (``[start, stop)`` on every dimension, stored contiguously in C order
 with shape ``stop - start``: tensor-parallel pieces, replicated tensors as the full box, ``[]`` for
 a 0-d tensor) or a ``flat`` range ``[start, stop)`` of the tensor flattened in C order (stored as a
-1-D run: FSDP-style flat shards). See :mod:`savepoint.formats.boxes`. Rules checked by the parser:
+1-D run: FSDP-style flat shards). See :mod:`savepoint.codecs.boxes`. Rules checked by the parser:
 every box lies inside the shape and has one ``[start, stop]`` per dimension; a tensor's shards are
 all boxes or all flat ranges, none empty (a tensor without elements has exactly one shard), no two
 share an element and together they hold every element; each shard's byte count is its element count
@@ -49,7 +49,7 @@ an IncompatibleCheckpointError. Version 1 is the first; version 2 adds sharding.
 A manifest is hostile input: :func:`parse` checks it completely (file names that could leave the
 directory, ranges past the recorded file sizes, sizes that disagree with shape x dtype, unknown
 tree nodes, dangling references, duplicate JSON keys) before any data file is opened. Its JSON is
-read by the bounded reader of :mod:`savepoint.formats._json`: at most 512 levels of nesting, and
+read by the bounded reader of :mod:`savepoint.codecs.bounded_json`: at most 512 levels of nesting, and
 peak memory at most 24 x the manifest's size + 32 MiB (a real manifest takes about 6.5 x); numbers
 are JSON integers where integers belong (no bool, no ``2.0``; sizes and offsets below 2**63,
 dimensions below 2**62), and floats are finite (``1e400``, NaN and Infinity are refused).
@@ -71,13 +71,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from savepoint.codecs import bounded_json as _json
+from savepoint.codecs import boxes, checksum, dtypes
 from savepoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     UnsupportedStateError,
 )
-from savepoint.formats import _json, boxes, checksum
-from savepoint.state import dtypes
 
 FORMAT = "savepoint"
 UNSHARDED = 1  # what an unsharded checkpoint is written as
@@ -204,7 +204,7 @@ def _shard_json(s: ShardRecord) -> dict[str, Any]:
 def dumps(m: Manifest) -> bytes:
     """The manifest's bytes. Raises UnsupportedStateError when readers would refuse them: larger
     than ``MAX_MANIFEST_BYTES``, nested deeper than the JSON reader's depth cap, or denser than
-    its memory bound allows (see :mod:`savepoint.formats._json`); a checkpoint that cannot be
+    its memory bound allows (see :mod:`savepoint.codecs.bounded_json`); a checkpoint that cannot be
     loaded is never written."""
     body: dict[str, Any] = {
         "format": FORMAT,

@@ -13,7 +13,7 @@ every tensor then starts at a multiple of its own itemsize, so mmap'd views are 
 
 Edge cases, as the reader enforces them:
 - ``N`` is capped (100 MB, like safetensors) and must fit in the file; the JSON is read by the
-  bounded reader of :mod:`savepoint.formats._json` (512 levels of nesting at most, peak memory at
+  bounded reader of :mod:`savepoint.codecs.bounded_json` (512 levels of nesting at most, peak memory at
   most 24 x ``N`` + 32 MiB);
 - duplicate names, unknown dtypes, negative or non-integer dims (a bool or ``2.0`` too) are
   errors; a shape has at most 64 dimensions, each below 2**62, and at most 2**62 bytes;
@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from savepoint.codecs import bounded_json as _json
+from savepoint.codecs import dtypes
 from savepoint.errors import CorruptCheckpointError
-from savepoint.formats import _json
-from savepoint.state import dtypes
 
 MAX_HEADER_BYTES = 100_000_000
 PRODUCER = {"producer": "savepoint"}
@@ -93,7 +93,7 @@ def header_length(prefix: bytes, file_size: int) -> int:
 def parse_header(raw: bytes, file_size: int) -> tuple[list[Entry], dict[str, str]]:
     """Validate header JSON ``raw`` (without its length prefix) for a file of ``file_size`` bytes.
 
-    The JSON is read by the bounded reader of :mod:`savepoint.formats._json` (nesting, memory
+    The JSON is read by the bounded reader of :mod:`savepoint.codecs.bounded_json` (nesting, memory
     per byte of header); every number must be a JSON integer (no bool, no ``2.0``), shapes have
     at most 64 dimensions whose product times the itemsize stays below 2**62.
     """

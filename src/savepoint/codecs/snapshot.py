@@ -1,7 +1,7 @@
 """Inference snapshots as plain data (:class:`SnapshotRecord`), and their compact binary encoding.
 
 Every snapshot encoding (this one, the kizzasi JSON/MessagePack layout in
-:mod:`savepoint.formats.kizzasi`, the native checkpoint written by ``InferenceSnapshot.save``)
+:mod:`savepoint.codecs.kizzasi`, the native checkpoint written by ``InferenceSnapshot.save``)
 reads and writes a :class:`SnapshotRecord`: host numpy arrays plus plain values. The value checks
 shared by every encoding live here too (:func:`check_config`, :func:`check_metadata`,
 :func:`check_shape`), so that what one encoding accepts, every other can write.
@@ -31,7 +31,7 @@ leading zeros), plus ``"__metadata__"``, a str -> str map::
 padded to 8 bytes each starts at a multiple of its own itemsize.
 
 Rules the reader enforces (hostile input): the safetensors rules of
-:mod:`savepoint.formats.safetensors` (header size cap, offsets inside the input that tile the
+:mod:`savepoint.codecs.safetensors` (header size cap, offsets inside the input that tile the
 data exactly, sizes equal to shape x itemsize: nothing is allocated that the input does not hold);
 ``format`` must match (else CorruptCheckpointError) and ``version`` must be ``"1"`` (else
 IncompatibleCheckpointError); the array names must be exactly ``states/0..n-1`` and
@@ -61,9 +61,9 @@ from typing import Any
 
 import numpy as np
 
+from savepoint.codecs import bounded_json as _json
+from savepoint.codecs import checksum, dtypes, safetensors
 from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from savepoint.formats import _json, checksum, safetensors
-from savepoint.state import dtypes
 
 VERSION = 1
 FORMAT = "savepoint.inference_snapshot"

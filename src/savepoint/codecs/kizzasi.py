@@ -29,7 +29,7 @@ where it wants a number, and on NaN/Infinity in JSON.
 The seed's ``to_bytes`` / ``from_bytes`` are :func:`to_bytes` / :func:`from_bytes` here (the
 compact JSON as UTF-8 bytes) and ``InferenceSnapshot.to_seed_bytes`` / ``from_seed_bytes``: not
 ``InferenceSnapshot.to_bytes``, which is savepoint's own binary encoding
-(:mod:`savepoint.formats.snapshot`). Its files are ``InferenceSnapshot.save_json`` /
+(:mod:`savepoint.codecs.snapshot`). Its files are ``InferenceSnapshot.save_json`` /
 ``load_json`` / ``save_msgpack`` / ``load_msgpack``.
 
 What savepoint writes (``to_json`` / ``to_msgpack``) is that layout with extra keys for what the
@@ -72,7 +72,7 @@ The seed's reader also requires its ContextConfig fields in ``config``; savepoin
 snapshot's config verbatim, so give it those fields when the seed is to read the result.
 
 Cost: both readers build Python lists before arrays (about 100 ms per MiB of float32 for JSON,
-20 for MessagePack, on the development machine); :mod:`savepoint.formats.snapshot` is the fast
+20 for MessagePack, on the development machine); :mod:`savepoint.codecs.snapshot` is the fast
 encoding.
 
 Version: ``1``, the only one the seed knows; savepoint's extra keys are additions within it. A
@@ -89,7 +89,7 @@ Reading is bounded, whatever the input:
 - nesting deeper than :data:`MAX_DEPTH` (72) levels is a CorruptCheckpointError at any depth
   (1,000 or 1,000,000 levels: never a RecursionError); error messages show values briefly;
 - MessagePack is read by a reader that walks the known layout (``_Reader`` in
-  :mod:`savepoint.formats._kizzasi_msgpack`, which states its contract), not by
+  :mod:`savepoint.codecs.kizzasi_msgpack`, which states its contract), not by
   ``msgpack.unpackb``: numeric arrays go straight from the input into numpy arrays (vectorised
   for the layouts the seed and savepoint write), unknown keys are passed over without building
   anything, and everything built is charged to a budget. Peak traced memory <= 16 x input + 64 MiB
@@ -97,7 +97,7 @@ Reading is bounded, whatever the input:
   that would need more (millions of empty containers, one-letter strings or tiny arrays packed a
   few bytes each: a numpy array costs about 150 bytes however small, so a history of more than
   about 300,000 one-value entries is refused) is a CorruptCheckpointError;
-- JSON is parsed by :mod:`savepoint.formats._json` (24 x input + 64 MiB, nesting <= 512) and what
+- JSON is parsed by :mod:`savepoint.codecs.bounded_json` (24 x input + 64 MiB, nesting <= 512) and what
   the parsed document becomes is held to :data:`JSON_BUDGET_FACTOR` (8) x input + 64 MiB, so peak
   <= 32 x input + 128 MiB.
 
@@ -116,9 +116,10 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from savepoint.formats import _json
-from savepoint.formats._kizzasi_msgpack import (
+from savepoint.codecs import bounded_json as _json
+from savepoint.codecs import dtypes
+from savepoint.codecs.dtypes import DType
+from savepoint.codecs.kizzasi_msgpack import (
     _FLOATS,
     _INTS,
     CHECKPOINT_FIELDS,
@@ -135,7 +136,7 @@ from savepoint.formats._kizzasi_msgpack import (
     _Packed,
     _Reader,
 )
-from savepoint.formats.snapshot import (
+from savepoint.codecs.snapshot import (
     KINDS,
     RecordError,
     SnapshotRecord,
@@ -145,8 +146,7 @@ from savepoint.formats.snapshot import (
     is_count,
     show,
 )
-from savepoint.state import dtypes
-from savepoint.state.dtypes import DType
+from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = [
     "BUDGET_FACTOR",
@@ -173,7 +173,7 @@ BUDGET_SLACK = 64 << 20
 """What decoding may build, in bytes of Python objects and arrays: ``BUDGET_FACTOR`` x the
 input's size + ``BUDGET_SLACK`` for MessagePack (everything but the input), and
 ``JSON_BUDGET_FACTOR`` x the size + the slack for what a JSON document (already parsed by the
-bounded :mod:`savepoint.formats._json`) becomes. A real snapshot (numbers as the seed or savepoint
+bounded :mod:`savepoint.codecs.bounded_json`) becomes. A real snapshot (numbers as the seed or savepoint
 write them) uses about 1 x its size; only input that packs millions of tiny containers, strings
 or arrays into a few bytes each reaches the limit. Read at each call (tests lower the slack)."""
 
@@ -320,7 +320,7 @@ def encode_json(record: SnapshotRecord, *, indent: int | None = None) -> str:
 def to_bytes(record: SnapshotRecord) -> bytes:
     """The seed's ``Checkpoint::to_bytes`` (``serde_json::to_vec``): the compact JSON document
     of ``record`` as UTF-8 bytes. ``InferenceSnapshot.to_seed_bytes`` calls this; the snapshot's
-    own ``to_bytes`` is savepoint's binary encoding (:mod:`savepoint.formats.snapshot`)."""
+    own ``to_bytes`` is savepoint's binary encoding (:mod:`savepoint.codecs.snapshot`)."""
     return encode_json(record).encode("utf-8")
 
 
@@ -382,7 +382,7 @@ def decode_json(text: str | bytes | bytearray) -> SnapshotRecord:
 def decode_msgpack(data: bytes | bytearray | memoryview) -> SnapshotRecord:
     """The record held by MessagePack ``data``: savepoint's maps or the seed's arrays.
 
-    Bounded (see :mod:`savepoint.formats._kizzasi_msgpack`): nesting deeper than :data:`MAX_DEPTH` levels, more decoded
+    Bounded (see :mod:`savepoint.codecs.kizzasi_msgpack`): nesting deeper than :data:`MAX_DEPTH` levels, more decoded
     objects than :data:`BUDGET_FACTOR` x ``len(data)`` + :data:`BUDGET_SLACK` bytes, a length
     running past the end and trailing bytes are CorruptCheckpointError.
     """

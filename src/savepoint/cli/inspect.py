@@ -1,0 +1,104 @@
+"""``savepoint inspect PATH``: what a checkpoint holds, from its headers alone (no tensor data).
+
+savepoint's own checkpoints are described by :func:`savepoint.checkpoint.inspect`; every other
+format it reads (.shrew, safetensors, boostr, burn, training artifacts) by
+:func:`savepoint.formats.detect.inspect_any`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+from savepoint import checkpoint
+from savepoint._text import size as _size
+from savepoint._text import table as _table
+from savepoint.cli._common import echo_json, fail, is_foreign, local
+from savepoint.errors import CheckpointError
+from savepoint.formats import detect
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
+def inspect_cmd(path: str, as_json: bool) -> None:
+    """List the tensors, values and metadata of the checkpoint at PATH (reads no tensor data).
+
+    PATH may be a savepoint checkpoint, a .shrew file, a .safetensors file, a boostr directory
+    (single or distributed), a burn record (.mpk) or a seed-001 training-artifact directory.
+    """
+    path = local(path)
+    if is_foreign(path):
+        _inspect_other(path, as_json)
+        return
+    try:
+        info = checkpoint.inspect(path)
+    except CheckpointError as exc:
+        fail(exc)
+    if as_json:
+        echo_json(info.to_dict())
+        return
+    click.echo(f"checkpoint  {info.path}")
+    click.echo(f"written by  {info.writer}, format {info.format_version}, {info.created}")
+    click.echo(
+        f"data        {_size(info.total_bytes)} in {len(info.tensors)} tensors, "
+        f"{len(info.files)} file(s)"
+    )
+    if info.metadata:
+        click.echo(f"metadata    {json.dumps(info.metadata, sort_keys=True)}")
+    for key, kind in info.stateful.items():
+        click.echo(f"stateful    {key or '<root>'}: {kind}")
+    if info.tensors:
+        rows: list[tuple[str, ...]] = [("key", "dtype", "shape", "size", "file")]
+        for t in info.tensors:
+            note = f"{t.file}" + (f" (tied to {t.tied_to})" if t.tied_to else "")
+            rows.append((t.key, t.dtype, _shape(t.shape), _size(t.nbytes), note))
+        click.echo("")
+        click.echo(_table(rows))
+    if info.values:
+        click.echo("")
+        click.echo(_table(_value_rows(info.values)))
+
+
+def _inspect_other(path: str, as_json: bool) -> None:
+    """``inspect`` for a checkpoint in another format."""
+    try:
+        info = detect.inspect_any(path)
+    except CheckpointError as exc:
+        fail(exc)
+    if as_json:
+        echo_json(info.to_dict())
+        return
+    click.echo(f"checkpoint  {info.path}")
+    click.echo(f"format      {info.label}")
+    click.echo(
+        f"data        {_size(info.total_bytes)} in {len(info.tensors)} tensors, "
+        f"{len(info.files)} file(s)"
+    )
+    if info.metadata:
+        click.echo(f"metadata    {json.dumps(info.metadata, sort_keys=True, ensure_ascii=False)}")
+    if info.tensors:
+        rows: list[tuple[str, ...]] = [("key", "dtype", "shape", "size", "file")]
+        rows += [(t.key, t.dtype, _shape(t.shape), _size(t.nbytes), t.file) for t in info.tensors]
+        click.echo("")
+        click.echo(_table(rows))
+    if info.values:
+        click.echo("")
+        click.echo(_table(_value_rows(info.values)))
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    """A shape as Python writes a tuple: ``()``, ``(3,)``, ``(2, 3)``."""
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _value_rows(values: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """The plain values as a key/value table, each repr cut to 60 characters."""
+    rows: list[tuple[str, ...]] = [("key", "value")]
+    for key, value in values.items():
+        text = repr(value)
+        rows.append((key, text if len(text) <= 60 else text[:57] + "..."))
+    return rows

@@ -1,0 +1,95 @@
+"""``savepoint ls RUN_DIR``: the checkpoints of a run, and which retention rule keeps each."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+
+from savepoint import checkpoint
+from savepoint._text import size as _size
+from savepoint._text import table as _table
+from savepoint.cli._common import echo_json, local
+from savepoint.cli._runs import (
+    committed_steps,
+    load_report,
+    metrics_text,
+    require_run,
+    run_problems,
+)
+from savepoint.errors import CheckpointError
+
+
+@click.command("ls")
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
+def ls_cmd(run_dir: str, as_json: bool) -> None:
+    """List the checkpoints of the run at RUN_DIR: steps, sizes, metrics, and why each is kept."""
+    from savepoint.runs import layout, policies
+
+    run_dir = local(run_dir, "run directory")
+    require_run(run_dir)
+    report = load_report(run_dir)
+    on_disk = committed_steps(run_dir)
+    problems = run_problems(run_dir, report, on_disk)
+    leaving = set(report.discarding) - set(report.checkpoints)
+    steps = [s for s in on_disk if s not in leaving]
+    entries: list[tuple[int, int | None, dict[str, Any], str]] = []
+    for step in steps:
+        try:
+            info = checkpoint.inspect(layout.step_path(run_dir, step))
+        except (CheckpointError, OSError) as exc:
+            entries.append((step, None, {}, f"unreadable: {exc}"))
+            continue
+        meta = info.metadata.get("savepoint_run") or {}
+        size = sum(info.files.values())
+        entries.append((step, size, dict(meta.get("metrics") or {}), info.created))
+    policy = policies.from_spec(report.retention)
+    reasons = policies.explain(policy, [policies.Entry(s, m) for s, _, m, _ in entries])
+    latest = steps[-1] if steps else None
+    best = (report.best or {}).get("step")
+    resumed = {item.get("resumed_from") for item in report.lineage}
+    rows_json: list[dict[str, Any]] = []
+    for step, nbytes, metrics, created in entries:
+        tags = []
+        if step == latest:
+            tags.append("latest")
+        if step == best:
+            tags.append("best")
+        if step in resumed:
+            tags.append("resumed-from")
+        rows_json.append(
+            {
+                "step": step,
+                "bytes": nbytes,
+                "metrics": metrics,
+                "created": created,
+                "tags": tags,
+                "kept_by": reasons.get(step, []),
+            }
+        )
+    if as_json:
+        echo_json({"run": os.path.abspath(run_dir), "checkpoints": rows_json, "problems": problems})
+        return
+    click.echo(
+        f"run {report.name}"
+        + (f" ({report.variant})" if report.variant else "")
+        + f": {len(steps)} checkpoint(s), {report.steps_completed} steps completed"
+    )
+    for problem in problems:
+        click.echo(f"warning: {problem}", err=True)
+    if not rows_json:
+        return
+    rows: list[tuple[str, ...]] = [("step", "size", "metrics", "tags", "kept by")]
+    for r in rows_json:
+        rows.append(
+            (
+                str(r["step"]),
+                _size(r["bytes"]) if r["bytes"] is not None else "?",
+                metrics_text(r["metrics"]) or "-",
+                ",".join(r["tags"]) or "-",
+                ",".join(r["kept_by"]) or "-",
+            )
+        )
+    click.echo(_table(rows))

@@ -1,0 +1,131 @@
+"""``savepoint verify PATH``: is the checkpoint (or every checkpoint of a run) intact?
+
+A savepoint checkpoint has its structure and every checksum checked; another format is checked as
+far as it allows (structure and sizes, every byte read); a run directory has every checkpoint
+verified and its report.json, checkpoints and latest/ and best/ aliases compared.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import click
+
+from savepoint import checkpoint
+from savepoint._text import size as _size
+from savepoint.cli._common import fail, is_foreign, local, progress
+from savepoint.cli._runs import committed_steps, load_report
+from savepoint.errors import CheckpointError
+from savepoint.formats import detect
+
+
+@click.command("verify")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing when the checkpoint is intact.")
+def verify_cmd(path: str, quiet: bool) -> None:
+    """Check the structure and every checksum of the checkpoint at PATH.
+
+    Exits 0 when it is intact, 1 (with the reason) otherwise. PATH may also be a .shrew file, a
+    .safetensors file, a boostr directory, a burn record (.mpk) or a training-artifact directory
+    (checked as far as each format allows), or a run
+    directory: then every checkpoint is verified, and report.json, the committed checkpoints and
+    the latest/ and best/ aliases must agree (any disagreement is listed, exit status 1).
+    """
+    from savepoint.runs import layout
+
+    path = local(path)
+    if layout.is_run(path) or layout.lost_run_file(path):
+        _verify_run(path, quiet)
+        return
+    if is_foreign(path):
+        _verify_other(path, quiet)
+        return
+    start = time.perf_counter()
+    try:
+        with progress("verifying") as update:
+            info = checkpoint.verify(path, progress=update)
+    except CheckpointError as exc:
+        fail(exc)
+    if not quiet:
+        elapsed = time.perf_counter() - start
+        click.echo(
+            f"ok: {info.path}: {len(info.tensors)} tensors, {_size(info.total_bytes)} in "
+            f"{len(info.files)} file(s) verified in {elapsed:.2f} s"
+        )
+
+
+def _verify_other(path: str, quiet: bool) -> None:
+    """``verify`` for a checkpoint in another format."""
+    start = time.perf_counter()
+    try:
+        info = detect.verify_any(path)
+    except CheckpointError as exc:
+        fail(exc)
+    if not quiet:
+        click.echo(
+            f"ok: {info.path}: {info.label}, {len(info.tensors)} tensors, "
+            f"{_size(info.total_bytes)} in {len(info.files)} file(s) checked in "
+            f"{time.perf_counter() - start:.2f} s (the format has no checksums: structure and "
+            "sizes were checked and every byte read)"
+        )
+
+
+def _verify_run(run_dir: str, quiet: bool) -> None:
+    """``verify RUN``: every checkpoint's checksums, and report, checkpoints and aliases agree."""
+    from savepoint.runs import aliases, layout
+    from savepoint.runs.report import REPORT_FILE, RUN_FILE, Report, RunInfo, read_json
+    from savepoint.runs.view import run_problems
+
+    start = time.perf_counter()
+    problems: list[str] = []
+    has_report = os.path.lexists(os.path.join(run_dir, REPORT_FILE))
+    run_path = os.path.join(run_dir, RUN_FILE)
+    try:
+        doc = read_json(run_path)
+        if doc is None:  # a run that lost it (lost_run_file): its report has the identity
+            report = load_report(run_dir)
+            run = RunInfo(report.name, report.variant, report.config, report.num_params)
+            problems.append(
+                f"{RUN_FILE} is missing; opening the run with a CheckpointManager rebuilds it "
+                f"from {REPORT_FILE}"
+            )
+        else:
+            run = RunInfo.from_json(doc, run_path)
+            report = load_report(run_dir) if has_report else Report.for_run(run)
+    except CheckpointError as exc:
+        fail(exc)
+    steps = committed_steps(run_dir)
+    problems += run_problems(run_dir, run, report, steps)
+    leaving = set(report.discarding) - set(report.checkpoints)
+    checked = [s for s in steps if s not in leaving]
+    paths = [(f"step {s}", layout.step_path(run_dir, s)) for s in checked]
+    paths += [
+        (f"{a}/", os.path.join(run_dir, a))
+        for a in aliases.NAMES
+        if os.path.lexists(os.path.join(run_dir, a))
+    ]
+    for what, ckpt in paths:
+        try:
+            checkpoint.verify(ckpt)
+        except (CheckpointError, OSError) as exc:
+            problems.append(f"{what} does not verify: {exc}")
+    if problems:
+        for problem in problems:
+            click.echo(f"error: {run_dir}: {problem}", err=True)
+        click.echo(
+            "(opening the run with a CheckpointManager repairs disagreements between report.json, "
+            "the checkpoints and the aliases; it cannot repair a checkpoint that does not verify)",
+            err=True,
+        )
+        sys.exit(1)
+    if not quiet:
+        held = ", ".join(
+            f"{a}/ = step {s}" for a, s in aliases.targets(report).items() if s is not None
+        )
+        click.echo(
+            f"ok: run {run.name}: {len(checked)} checkpoint(s) verified in "
+            f"{time.perf_counter() - start:.2f} s; report.json agrees with them"
+            + (f" and with {held}" if held else "")
+        )
