@@ -32,7 +32,11 @@ import numpy as np
 import torch
 
 import savepoint as sp
-from savepoint.storage import local
+
+try:  # the write pipeline's staging buffers: savepoint.engine since issue 14, storage.local before
+    from savepoint.engine.pipeline import POOL
+except ImportError:  # pragma: no cover - an older tree, measured for comparison
+    from savepoint.storage.local import POOL  # type: ignore[attr-defined,no-redef]
 
 MiB = 1 << 20
 
@@ -229,7 +233,7 @@ def main() -> None:
         print(f"  savepoint / dcp.save            {med['savepoint'] / med['dcp.save']:.2f}")
 
     # Peak extra memory of one save, staging buffers released first so their cost is counted.
-    local.POOL.clear()
+    POOL.clear()
     with PeakRSS() as mem:
         sp_save()
     limit = 64 * MiB + 0.05 * nbytes

@@ -79,16 +79,29 @@ def _kill_inside(phase: str, at_step: int) -> None:
     """Arrange a SIGKILL inside a save: "write" kills the save of ``at_step`` after its data files
     are written but before the commit; "prune" kills the first deletion of an old checkpoint by
     retention from the save of ``at_step`` on (the new checkpoint is committed by then)."""
-    from savepoint.commit import atomic
+    from savepoint.storage.local import LocalStore
 
-    original = atomic.commit if phase == "write" else atomic.discard
+    rename, exchange = LocalStore.rename, LocalStore.exchange
+    step = f"step-{at_step:010d}"
 
-    def killer(*args: str) -> None:
-        if f"step-{at_step:010d}" in " ".join(map(str, args)) or phase == "prune":
+    def armed(src: str, dst: str) -> bool:
+        if phase == "write":  # the commit: the staging directory renamed (or swapped) into place
+            return os.path.basename(dst) == step
+        # a deletion by retention: a committed step renamed away to a hidden temporary name
+        return os.path.basename(src).startswith("step-") and os.path.basename(dst).startswith(".")
+
+    def kill_rename(store: LocalStore, src: str, dst: str) -> None:
+        if armed(src, dst):
             _die(f"inside a save ({phase}, armed at step {at_step})")
-        original(*args)  # type: ignore[arg-type]
+        rename(store, src, dst)
 
-    setattr(atomic, "commit" if phase == "write" else "discard", killer)
+    def kill_exchange(store: LocalStore, a: str, b: str) -> bool:
+        if armed(a, b):
+            _die(f"inside a save ({phase}, armed at step {at_step})")
+        return exchange(store, a, b)
+
+    LocalStore.rename = kill_rename  # type: ignore[method-assign]
+    LocalStore.exchange = kill_exchange  # type: ignore[method-assign]
 
 
 def train(run_dir: str, kill_at: int | None = None, kill_in: str | None = None) -> None:
@@ -162,7 +175,7 @@ def main() -> None:
 
     print(f"\nComparison of the final checkpoints (step {STEPS}):")
     ref_mgr, res_mgr = sp.CheckpointManager(reference), sp.CheckpointManager(resumed)
-    from savepoint.diff import diff
+    from savepoint.formats.diff import diff
 
     d = diff(ref_mgr.step_path(STEPS), res_mgr.step_path(STEPS))
     groups: dict[str, list[bool]] = {}

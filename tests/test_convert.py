@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import click
 import ml_dtypes
 import numpy as np
 import pytest
@@ -23,10 +22,12 @@ import safetensors.numpy
 from click.testing import CliRunner
 
 import savepoint as sp
-from savepoint import _cli_formats
-from savepoint.conversion import ConversionError, convert
+from savepoint.cli import main
+from savepoint.cli._common import is_foreign
+from savepoint.errors import ConversionError
 from savepoint.formats import boostr, detect, shrew
 from savepoint.formats._files import SafetensorsFile
+from savepoint.formats.convert import convert
 
 MODEL = {
     "w": (np.arange(6, dtype=np.float32) / 3).reshape(2, 3),
@@ -417,32 +418,8 @@ def test_consolidating_tensor_parallel_holds_one_tensor(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@click.group()
-def cli() -> None:
-    """The wiring savepoint.cli does: convert, and inspect/verify handing foreign formats over."""
-
-
-cli.add_command(_cli_formats.convert_cmd)
-
-
-@cli.command("inspect")
-@click.argument("path")
-@click.option("--json", "as_json", is_flag=True)
-def inspect_cmd(path: str, as_json: bool) -> None:
-    assert _cli_formats.handles(path)
-    _cli_formats.inspect_other(path, as_json)
-
-
-@cli.command("verify")
-@click.argument("path")
-@click.option("-q", "--quiet", is_flag=True)
-def verify_cmd(path: str, quiet: bool) -> None:
-    assert _cli_formats.handles(path)
-    _cli_formats.verify_other(path, quiet)
-
-
 def run(*args: str) -> Any:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 def test_cli_convert_inspect_verify(tmp_path: Path) -> None:
@@ -484,8 +461,8 @@ def test_cli_convert_inspect_verify(tmp_path: Path) -> None:
     (tmp_path / "bad.shrew").write_bytes(b"SHRW\x01\x00\x00\x00\x05")
     result = run("verify", str(tmp_path / "bad.shrew"))
     assert result.exit_code == 1 and "error:" in result.stderr
-    assert not _cli_formats.handles(str(tmp_path / "n"))
-    assert not _cli_formats.handles(str(tmp_path / "missing"))
+    assert not is_foreign(str(tmp_path / "n"))
+    assert not is_foreign(str(tmp_path / "missing"))
 
 
 def test_docs_formats_md_runs(tmp_path: Path) -> None:
@@ -523,8 +500,6 @@ def _special(tmp_path: Path, kind: str, name: str) -> Path:
 
 
 def _cli(*args: str) -> None:
-    from savepoint.cli import main
-
     result = CliRunner().invoke(main, list(args))
     if result.exit_code == 1 and "error:" in result.output:
         raise sp.CheckpointError(result.output)

@@ -159,3 +159,81 @@ def test_write_error_pickles_with_errno(tmp_path: Path) -> None:
     copy = pickle.loads(pickle.dumps(full))
     assert copy.path == "/ck" and str(copy) == str(full)
     assert copy.errno == errno.ENOSPC
+
+
+# Errors that lived next to the code raising them until every public error moved to errors.py:
+# their constructors, messages and pickling are unchanged; each is exported from savepoint.
+MOVED: dict[str, tuple[tuple[type[BaseException], ...], Any, str]] = {
+    "SymlinkError": (
+        (sp.CorruptCheckpointError,),
+        lambda: sp.SymlinkError("/real/ck/a", "/ck/a"),
+        "/ck/a is a symlink; refusing to follow it",
+    ),
+    "NotRegularFileError": (
+        (sp.CorruptCheckpointError,),
+        lambda: sp.NotRegularFileError("/real/ck/a", "/ck/a"),
+        "/ck/a is not a regular file (a FIFO, socket, device or directory); refusing to read it",
+    ),
+    "ConversionError": (
+        (sp.UnsupportedStateError, TypeError),
+        lambda: sp.ConversionError("shrew-v1", ["a: bool"], label=".shrew v1"),
+        "cannot convert to .shrew v1 without losing data; 1 part(s) it cannot hold:\n  - a: bool\n",
+    ),
+    "OptimizerStateError": (
+        (sp.IncompatibleCheckpointError,),
+        lambda: sp.OptimizerStateError("cannot load", ["x", "y"]),
+        "cannot load, 2 problem(s):\n  - x\n  - y",
+    ),
+    "DataStateError": (
+        (sp.IncompatibleCheckpointError,),
+        lambda: sp.DataStateError("cannot restore", ["x"]),
+        "cannot restore, 1 problem(s):\n  - x",
+    ),
+    "RNGStateError": (
+        (sp.IncompatibleCheckpointError,),
+        lambda: sp.RNGStateError(["x"]),
+        "cannot restore the random generators, 1 problem(s); no generator was changed:\n  - x\n",
+    ),
+    "ArtifactMismatchError": (
+        (sp.RunMismatchError,),
+        lambda: sp.ArtifactMismatchError("mismatch", path="/ck"),
+        "mismatch",
+    ),
+    "MissingBestValidationArtifact": (
+        (sp.MissingCheckpointError,),
+        lambda: sp.MissingBestValidationArtifact("missing", path="/ck"),
+        "missing",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MOVED))
+def test_moved_errors_are_public_and_pickle(name: str) -> None:
+    import savepoint.errors
+
+    bases, make, message = MOVED[name]
+    cls = getattr(sp, name)
+    assert name in sp.__all__ and name in savepoint.errors.__all__
+    assert cls.__module__ == "savepoint.errors"
+    assert all(issubclass(cls, base) for base in bases)
+    err = make()
+    assert str(err).startswith(message)
+    copy = pickle.loads(pickle.dumps(err))
+    assert type(copy) is cls and str(copy) == str(err) and copy.path == err.path
+    for attr in ("problems", "target", "filename", "errno", "strerror"):
+        if hasattr(err, attr):
+            assert getattr(copy, attr) == getattr(err, attr), attr
+
+
+def test_every_error_class_is_in_errors_and_exported() -> None:
+    import savepoint.errors
+
+    defined = {
+        name
+        for name, value in vars(savepoint.errors).items()
+        if isinstance(value, type)
+        and issubclass(value, BaseException)
+        and value.__module__ == "savepoint.errors"
+    }
+    assert defined == set(savepoint.errors.__all__)
+    assert defined <= set(sp.__all__)

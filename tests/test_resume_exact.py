@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import savepoint as sp
-from savepoint.diff import diff
+from savepoint.formats.diff import diff
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 STEPS = 240

@@ -16,26 +16,36 @@ objects or ask for torch output.
 from savepoint._version import __version__
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
-from savepoint.checkpoint import CheckpointInfo, TensorInfo, inspect, load, save, verify
-from savepoint.conversion import ConversionError, ConversionReport, convert
+from savepoint.checkpoint import inspect, load, save, verify
 from savepoint.distributed import FlatShard, Partitioned, Shard
 from savepoint.errors import (
+    ArtifactMismatchError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointPermissionError,
     CheckpointWriteError,
+    ConversionError,
     CorruptCheckpointError,
+    DataStateError,
     DistributedCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
+    MissingBestValidationArtifact,
     MissingCheckpointError,
+    NotRegularFileError,
+    OptimizerStateError,
+    RNGStateError,
     RunLockedError,
     RunMismatchError,
     StateMismatchError,
+    SymlinkError,
     UnsupportedStateError,
     UnsupportedStorageError,
 )
+from savepoint.formats.convert import ConversionReport, convert
+from savepoint.formats.diff import DiffReport, diff
 from savepoint.inference import InferenceSnapshot, SnapshotHistory, SnapshotMetadata
+from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.runs import policies as policies
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.sweep import Sweep
@@ -50,6 +60,7 @@ from savepoint.state.rng import RNGState
 from savepoint.state.stateful import Stateful
 
 __all__ = [
+    "ArtifactMismatchError",
     "AsyncCheckpointer",
     "CheckpointError",
     "CheckpointInfo",
@@ -61,16 +72,22 @@ __all__ = [
     "ConversionReport",
     "CorruptCheckpointError",
     "DataPosition",
+    "DataStateError",
+    "DiffReport",
     "DistributedCheckpointError",
     "FlatShard",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "InferenceSnapshot",
+    "MissingBestValidationArtifact",
     "MissingCheckpointError",
+    "NotRegularFileError",
     "OptimizerState",
+    "OptimizerStateError",
     "Partitioned",
     "PendingSave",
     "RNGState",
+    "RNGStateError",
     "ResumableSampler",
     "RunLockedError",
     "RunMismatchError",
@@ -81,11 +98,13 @@ __all__ = [
     "StateMismatchError",
     "Stateful",
     "Sweep",
+    "SymlinkError",
     "TensorInfo",
     "UnsupportedStateError",
     "UnsupportedStorageError",
     "__version__",
     "convert",
+    "diff",
     "inspect",
     "load",
     "open_run",

@@ -6,12 +6,20 @@
     ├── CheckpointNotFoundError          (also FileNotFoundError) nothing at that path
     ├── IncompleteCheckpointError        (also FileNotFoundError) a directory without a committed manifest
     ├── CorruptCheckpointError           (also ValueError) checksum, truncation, bad header or manifest
-    │   └── MissingCheckpointError       a checkpoint a run relies on (its best) is not on disk
+    │   ├── MissingCheckpointError       a checkpoint a run relies on (its best) is not on disk
+    │   │   └── MissingBestValidationArtifact  a training artifact's best_validation/ is missing
+    │   ├── SymlinkError                 a checkpoint file is a symlink (never followed)
+    │   └── NotRegularFileError          a FIFO, socket, device or directory where a file belongs
     ├── IncompatibleCheckpointError      (also ValueError) format version, shape or dtype disagreement
     │   ├── StateMismatchError           ``load(into=...)`` found keys, shapes or dtypes that disagree
-    │   └── RunMismatchError             run.json, report.json and the caller disagree about a run
+    │   ├── RunMismatchError             run.json, report.json and the caller disagree about a run
+    │   │   └── ArtifactMismatchError    a training artifact's report and manifest disagree
+    │   ├── OptimizerStateError          an OptimizerState cannot be loaded as asked
+    │   ├── DataStateError               a DataPosition / ResumableSampler cannot be restored
+    │   └── RNGStateError                random generator states cannot be restored
     ├── CheckpointPermissionError        (also PermissionError) a file or directory cannot be read
     ├── UnsupportedStateError            (also TypeError) a leaf or key savepoint cannot store
+    │   └── ConversionError              ``convert`` target cannot hold part of the source
     ├── UnsupportedStorageError          (also ValueError) a URL (s3://, gs://, ...) where only
     │                                    local paths and file:// are supported yet
     ├── CheckpointWriteError             (also OSError) the save failed (disk full, fsync error, ...)
@@ -25,23 +33,32 @@ Each error subclasses the built-in a caller would naturally catch, so ``except F
 
 from __future__ import annotations
 
+import errno as _errno
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "ArtifactMismatchError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointPermissionError",
     "CheckpointWriteError",
+    "ConversionError",
     "CorruptCheckpointError",
+    "DataStateError",
     "DistributedCheckpointError",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
+    "MissingBestValidationArtifact",
     "MissingCheckpointError",
+    "NotRegularFileError",
+    "OptimizerStateError",
+    "RNGStateError",
     "RunLockedError",
     "RunMismatchError",
     "StateMismatchError",
+    "SymlinkError",
     "UnsupportedStateError",
     "UnsupportedStorageError",
 ]
@@ -108,8 +125,81 @@ class MissingCheckpointError(CorruptCheckpointError):
     """A checkpoint the run's report relies on (its best, say) is not on disk."""
 
 
+class MissingBestValidationArtifact(MissingCheckpointError):
+    """A training artifact's report has a best validation that is not the last step, and
+    ``best_validation/`` has no manifest (the seed's ``MissingBestValidationArtifact``); ``path``
+    is that directory."""
+
+
+class SymlinkError(CorruptCheckpointError):
+    """A checkpoint file was a symlink, which savepoint refuses to follow (a checkpoint's files are
+    never links).
+
+    ``filename``, ``errno`` (``ELOOP``) and ``strerror`` are kept for callers that word their own
+    message; ``path`` is the file as shown to the user."""
+
+    def __init__(self, filename: str, shown: str) -> None:
+        super().__init__(f"{shown} is a symlink; refusing to follow it", path=shown)
+        self.filename = filename
+        self.errno = _errno.ELOOP
+        self.strerror = "is a symlink"
+
+
+class NotRegularFileError(CorruptCheckpointError):
+    """Something that is not a regular file was found where a file belongs: a FIFO (whose open
+    would block until a writer appears), a socket, a device or a directory. It is refused without
+    being opened for a blocking read; ``errno`` is ``EINVAL``."""
+
+    def __init__(self, filename: str, shown: str) -> None:
+        super().__init__(
+            f"{shown} is not a regular file (a FIFO, socket, device or directory); refusing to "
+            "read it",
+            path=shown,
+        )
+        self.filename = filename
+        self.errno = _errno.EINVAL
+        self.strerror = "is not a regular file"
+
+
 class RunMismatchError(IncompatibleCheckpointError):
     """What a run directory claims (run.json, report.json, the caller) does not agree."""
+
+
+class ArtifactMismatchError(RunMismatchError):
+    """A training artifact's report and its manifest (or ``best_validation/``'s manifest)
+    disagree (the seed's ``ArtifactMismatch``)."""
+
+
+def _problem_lines(problems: Sequence[str]) -> str:
+    return "\n".join(f"  - {p}" for p in problems)
+
+
+class OptimizerStateError(IncompatibleCheckpointError):
+    """An optimizer state cannot be loaded as asked; ``problems`` lists every reason."""
+
+    def __init__(self, what: str, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(f"{what}, {len(self.problems)} problem(s):\n{_problem_lines(problems)}")
+
+
+class DataStateError(IncompatibleCheckpointError):
+    """A data position cannot be restored as asked; ``problems`` lists every reason."""
+
+    def __init__(self, what: str, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(f"{what}, {len(self.problems)} problem(s):\n{_problem_lines(problems)}")
+
+
+class RNGStateError(IncompatibleCheckpointError):
+    """Random generator states cannot be restored as asked; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            f"cannot restore the random generators, {len(self.problems)} problem(s); no generator "
+            f"was changed:\n{_problem_lines(problems)}\n(RNGState(strict=False) restores what it "
+            "can)"
+        )
 
 
 class StateMismatchError(IncompatibleCheckpointError):
@@ -154,6 +244,27 @@ class UnsupportedStateError(CheckpointError, TypeError):
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+class ConversionError(UnsupportedStateError):
+    """``convert`` cannot write part of the source in the ``target`` format without losing it;
+    ``problems`` lists every part (all of them, found before anything is written).
+
+    ``label`` is how the message names the target (``".shrew v1"``); the target's name otherwise.
+    """
+
+    def __init__(self, target: str, problems: list[str], *, label: str | None = None) -> None:
+        self.target = target
+        self.problems = list(problems)
+        shown = self.problems[:25]
+        more = len(self.problems) - len(shown)
+        lines = _problem_lines(shown) + (f"\n  ... and {more} more" if more else "")
+        super().__init__(
+            f"cannot convert to {label or target} without losing data; "
+            f"{len(self.problems)} part(s) it cannot hold:\n{lines}\n"
+            "Convert with lossy=True (savepoint convert --lossy) to leave them out, or choose a "
+            "format that holds them (savepoint's own format holds everything)."
+        )
 
 
 class UnsupportedStorageError(CheckpointError, ValueError):
@@ -208,8 +319,6 @@ class RunLockedError(CheckpointWriteError):
         path: str | os.PathLike[str] | None = None,
         holder: str | None = None,
     ) -> None:
-        import errno as _errno
-
         super().__init__(message, path=path, errno=_errno.EWOULDBLOCK)
         self.holder = holder
 

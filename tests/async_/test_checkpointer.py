@@ -21,7 +21,9 @@ import pytest
 
 import savepoint as sp
 import savepoint.checkpoint
+import savepoint.engine.save
 from _compare import same
+from _concurrency import CountingStore
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 
@@ -29,39 +31,39 @@ from savepoint.async_.pending import PendingSave
 
 
 class Gate:
-    """Replaces ``savepoint.checkpoint.commit_checkpoint``: background writes wait until ``open()``."""
+    """Replaces ``savepoint.engine.save.save_staged``: background writes wait until ``open()``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.real = savepoint.checkpoint.commit_checkpoint
+        self.real = savepoint.engine.save.save_staged
         self.opened = threading.Event()
         self.entered = threading.Event()
         self.calls: list[str] = []
-        monkeypatch.setattr(savepoint.checkpoint, "commit_checkpoint", self)
+        monkeypatch.setattr(savepoint.engine.save, "save_staged", self)
 
-    def __call__(self, path: Any, tree: Any, meta: Any, write: Any) -> Any:
-        self.calls.append(os.fspath(path))
+    def __call__(self, location: Any, staged: Any, meta: Any, **kwargs: Any) -> Any:
+        self.calls.append(location.path)
         self.entered.set()
         assert self.opened.wait(20), "the test never opened the gate"
-        return self.real(path, tree, meta, write)
+        return self.real(location, staged, meta, **kwargs)
 
     def open(self) -> None:
         self.opened.set()
 
 
 class FailOnce:
-    """Replaces ``savepoint.checkpoint.commit_checkpoint``: the first call raises ``exc``."""
+    """Replaces ``savepoint.engine.save.save_staged``: the first call raises ``exc``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
-        self.real = savepoint.checkpoint.commit_checkpoint
+        self.real = savepoint.engine.save.save_staged
         self.exc = exc
         self.calls = 0
-        monkeypatch.setattr(savepoint.checkpoint, "commit_checkpoint", self)
+        monkeypatch.setattr(savepoint.engine.save, "save_staged", self)
 
-    def __call__(self, path: Any, tree: Any, meta: Any, write: Any) -> Any:
+    def __call__(self, location: Any, staged: Any, meta: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
             raise self.exc
-        return self.real(path, tree, meta, write)
+        return self.real(location, staged, meta, **kwargs)
 
 
 FAILURES = [
@@ -408,6 +410,33 @@ def test_save_options_are_passed_to_the_writer(tmp_path: Path) -> None:
         info = ck.save(tmp_path / "a", make_state(1)).wait()
     assert len(info.files) > 1
     same(sp.load(tmp_path / "a"), expected(make_state(1)))
+
+
+@pytest.mark.parametrize("writers", [1, 3])
+def test_writers_write_file_images_at_once(writers: int) -> None:
+    store = CountingStore()
+    state = {f"w{i}": np.full(1000, i, np.float32) for i in range(6)}
+    with AsyncCheckpointer(max_file_bytes=4000, writers=writers) as ck:
+        info = ck.save(store.at("/run/ckpt"), state).wait()
+    assert len(info.files) == 6
+    assert store.most == writers
+    same(sp.load(store.at("/run/ckpt")), state)
+
+
+def test_progress_counts_tensor_bytes_from_the_background() -> None:
+    store = CountingStore()
+    seen: list[tuple[int, int]] = []
+    state = {f"w{i}": np.full(1000, i, np.float32) for i in range(5)}
+    with AsyncCheckpointer(max_file_bytes=8000, progress=lambda d, t: seen.append((d, t))) as ck:
+        ck.save(store.at("/run/ckpt"), state).wait()
+    assert seen[-1] == (20_000, 20_000)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+@pytest.mark.parametrize("options", [{"writers": 0}, {"max_file_bytes": 0}])
+def test_invalid_save_options(options: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        AsyncCheckpointer(**options)  # type: ignore[arg-type]
 
 
 def test_invalid_on_busy() -> None:

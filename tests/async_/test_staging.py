@@ -157,10 +157,10 @@ def test_a_save_failing_at_exit_is_reported_not_dropped(tmp_path: Path) -> None:
     proc = _run(
         """
         import numpy as np, savepoint as sp
-        from savepoint import checkpoint
+        from savepoint.engine import save
         def fail(*args, **kwargs):
             raise OSError(28, "No space left on device")
-        checkpoint.commit_checkpoint = fail
+        save.save_staged = fail
         ck = sp.AsyncCheckpointer()
         ck.save("ckpt", {"w": np.zeros(4)})
         """,

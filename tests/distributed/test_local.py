@@ -295,13 +295,13 @@ def test_consolidate_streams_one_tensor_at_a_time(sharded: Path, tmp_path: Path)
 def test_consolidate_command(sharded: Path, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from savepoint.distributed.cli import consolidate_cmd
+    from savepoint.cli import main
 
     runner = CliRunner()
-    result = runner.invoke(consolidate_cmd, [str(sharded), str(tmp_path / "out")])
+    result = runner.invoke(main, ["consolidate", str(sharded), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert result.output.startswith("ok: ") and "tensors" in result.output
-    result = runner.invoke(consolidate_cmd, [str(tmp_path / "missing"), str(tmp_path / "x")])
+    result = runner.invoke(main, ["consolidate", str(tmp_path / "missing"), str(tmp_path / "x")])
     assert result.exit_code == 1 and "no checkpoint" in result.output
 
 

@@ -180,7 +180,7 @@ def test_verify_inspect_and_consolidate_without_the_topology(
 ) -> None:
     from click.testing import CliRunner
 
-    from savepoint.distributed.cli import consolidate_cmd
+    from savepoint.cli import main
 
     info = sp.verify(workdir / name)
     assert info.world_size == int(name[-1]) and info.format_version == 2
@@ -191,7 +191,7 @@ def test_verify_inspect_and_consolidate_without_the_topology(
     assert info.to_dict()["world_size"] == int(name[-1])
 
     out = tmp_path / "whole"
-    result = CliRunner().invoke(consolidate_cmd, [str(workdir / name), str(out)])
+    result = CliRunner().invoke(main, ["consolidate", str(workdir / name), str(out)])
     assert result.exit_code == 0, result.output
     consolidated = sp.verify(out)
     assert consolidated.format_version == 1 and consolidated.world_size is None

@@ -6,8 +6,9 @@ MODE  "loop": save FIRST, then the other state, alternating forever; "once": sav
 FIRST "A" or "B".
 HOOK  optional: the child SIGKILLs itself at one precise step of the save (see HOOKS).
 
-Environment: SAVEPOINT_TEST_NO_EXCHANGE=1 disables renameat2(RENAME_EXCHANGE), so replaces use
-the two-rename fallback.
+The child saves through a FaultyStore around the local disk: its hooks mark the phases and kill
+at the chosen call. Environment: SAVEPOINT_TEST_NO_EXCHANGE=1 (and the "fallback-" hooks) make
+the store answer that it cannot exchange, so replaces use the two-rename fallback.
 
 After importing, the child prints "ready"; then, on entering each step of a save, a phase marker
 ("phase data", "phase manifest", ...), flushed at once, so the parent can aim its kills.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -49,7 +49,7 @@ def metadata(which: str) -> dict[str, Any]:
     return {"which": which}
 
 
-def _kill_self() -> None:
+def _kill_self(call: object = None) -> None:
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -59,102 +59,79 @@ def main() -> None:
     hook = sys.argv[4] if len(sys.argv) > 4 else ""
 
     import savepoint as sp
-    from savepoint import _writer
-    from savepoint.commit import atomic
-    from savepoint.storage import local
+    from savepoint.codecs import manifest as mf
+    from savepoint.commit import names
+    from savepoint.storage.faults import Call, FaultyStore
+    from savepoint.storage.local import LocalStore
 
+    target = os.path.abspath(path)
+    exchange = os.environ.get("SAVEPOINT_TEST_NO_EXCHANGE") != "1" and not hook.startswith(
+        "fallback-"
+    )
+    store = FaultyStore(LocalStore(), exchange=exchange)
     states = {w: make_state(w) for w in "AB"}
 
     def mark(phase: str) -> None:
         sys.stdout.write(f"phase {phase}\n")
         sys.stdout.flush()
 
-    def wrap(module: Any, name: str, phase: str, after: Callable[..., None] | None = None) -> None:
-        real = getattr(module, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            mark(phase)
-            result = real(*args, **kwargs)
-            if after is not None:
-                after(result, *args)
-            return result
-
-        setattr(module, name, wrapper)
-
-    if os.environ.get("SAVEPOINT_TEST_NO_EXCHANGE") == "1":
-        atomic.exchange = lambda a, b: False  # type: ignore[assignment]
-
-    # Hooks that kill at one precise step.
-    if hook == "mid-data":
-        calls = {"n": 0}
-
-        def after_file(result: Any, *args: Any) -> None:
-            calls["n"] += 1
-            if calls["n"] == 2:  # two data files complete, the others not started
-                _kill_self()
-
-        wrap(local, "write_file", "data-file", after_file)
+    # Hooks that kill at one precise step (the store's calls are the steps).
+    staging = f"*/.{os.path.basename(target)}{names.TMP_TAG}*"
+    if hook == "mid-data":  # two data files complete, the others not started
+        store.hook("finish", _kill_self, nth=2, path="*/data-*", after=True)
     elif hook == "mid-manifest":
 
-        def half_manifest(path_: str, data: bytes) -> None:
-            fd = os.open(path_, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.write(fd, data[: len(data) // 2])
+        def half_manifest(call: Call) -> None:
+            # A torn manifest where a put wrote in place (filesystems without hard links).
+            with open(call.path, "xb") as f:
+                f.write(b'{"format": "savepoint"'[: (call.nbytes or 2) // 2])
             _kill_self()
 
-        local.write_small = half_manifest  # type: ignore[assignment]
-    elif hook == "before-commit":
-        atomic.commit = lambda staging, target: _kill_self()  # type: ignore[assignment]
+        store.hook("put", half_manifest, path=f"*/{mf.NAME}")
+    elif hook == "before-commit":  # every byte written, the staging directory not yet synced
+        store.hook("sync_dir", _kill_self, path=staging)
     elif hook == "after-exchange":
-        real_exchange = atomic.exchange
-
-        def exchange_then_die(a: str, b: str) -> bool:
-            if real_exchange(a, b):
-                _kill_self()
-            return False
-
-        atomic.exchange = exchange_then_die  # type: ignore[assignment]
+        store.hook("exchange", _kill_self, after=True)
     elif hook == "mid-cleanup":
-        real_remove = atomic.remove_tree
 
-        def remove_some(p: str) -> None:
+        def remove_some(call: Call) -> None:
             # The replaced checkpoint (a complete one, under its hidden name) loses its manifest
             # and one data file, then the process dies.
-            if os.path.isfile(os.path.join(p, "manifest.json")):
-                os.unlink(os.path.join(p, "manifest.json"))
-                os.unlink(os.path.join(p, sorted(os.listdir(p))[0]))
+            if os.path.isfile(os.path.join(call.path, mf.NAME)):
+                os.unlink(os.path.join(call.path, mf.NAME))
+                os.unlink(os.path.join(call.path, sorted(os.listdir(call.path))[0]))
                 _kill_self()
-            real_remove(p)
 
-        atomic.remove_tree = remove_some  # type: ignore[assignment]
-    elif hook in ("fallback-between-renames", "fallback-after-renames"):
-        atomic.exchange = lambda a, b: False  # type: ignore[assignment]
-        real_rename = os.rename
-        target = os.path.abspath(path)
-
-        def rename_then_die(src: str, dst: str) -> None:
-            real_rename(src, dst)
-            if hook == "fallback-between-renames" and src == target:
-                _kill_self()  # the old checkpoint is hidden away, the new one not yet in place
-            if hook == "fallback-after-renames" and dst == target:
-                _kill_self()  # the new one is in place, the old one not yet removed
-
-        atomic.os.rename = rename_then_die  # type: ignore[attr-defined]
+        store.hook("remove_tree", remove_some, times=None)
+    elif hook == "fallback-between-renames":
+        # The old checkpoint is hidden away, the new one not yet in place.
+        store.hook("rename", _kill_self, path=target, after=True)
+    elif hook == "fallback-after-renames":
+        # The new one is in place, the old one not yet removed.
+        store.hook("rename", _kill_self, nth=2, path=target, after=True)
     elif hook:
         raise SystemExit(f"unknown hook {hook!r}")
 
     # Phase markers for the parent's aimed kills.
-    wrap(atomic, "clean_stale", "clean-stale")
-    wrap(_writer, "write_files", "data")
-    wrap(local, "write_small", "manifest")
-    wrap(atomic, "commit", "commit")
-    wrap(atomic, "exchange", "exchange")
-    wrap(atomic, "remove_tree", "cleanup")
+    for kind, pattern, phase in [
+        ("create_blob", "*/data-*", "data"),
+        ("put", f"*/{mf.NAME}", "manifest"),
+        ("sync_dir", staging, "commit"),
+        ("exchange", None, "exchange"),
+        ("remove_tree", None, "cleanup"),
+    ]:
+        store.hook(kind, lambda call, phase=phase: mark(phase), path=pattern, times=None)
 
     print("ready", flush=True)
     which = first
     while True:
         mark("save")
-        sp.save(path, states[which], metadata=metadata(which), max_file_bytes=MAX_FILE_BYTES)
+        sp.save(
+            store.at(target),
+            states[which],
+            metadata=metadata(which),
+            max_file_bytes=MAX_FILE_BYTES,
+        )
         mark("saved " + which)
         if mode == "once":
             return

@@ -361,12 +361,12 @@ def failure_site(exc: BaseException) -> str:
 
 def litter(root: Path) -> list[str]:
     """Hidden temporaries of savepoint's commit protocol anywhere under ``root``."""
-    from savepoint.commit import atomic
+    from savepoint.commit import names as commit_names
 
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
-            if atomic.TMP_TAG in name or atomic.OLD_TAG in name:
+            if commit_names.TMP_TAG in name or commit_names.OLD_TAG in name:
                 found.append(os.path.relpath(os.path.join(dirpath, name), root))
     return sorted(found)
 

@@ -9,7 +9,8 @@ alternates between, and none raises.
 
 The timed races run a writer process (this file run as a script) against reader threads and a
 reader process; ``SAVEPOINT_TORTURE_SECONDS`` (``make torture``) makes them long. The injected
-races below replace the checkpoint at one precise moment of a load, deterministically.
+races below replace the checkpoint at one precise moment of a load, deterministically (a hook of
+a FaultyStore around the local disk, at the reader's call).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import numpy as np
 import pytest
 
 import savepoint as sp
+from savepoint.commit import names
+from savepoint.commit.transaction import discard
+from savepoint.storage import local
+from savepoint.storage.faults import Call, Fault, FaultyStore
+from savepoint.storage.local import LocalStore
+from savepoint.storage.paths import Location
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="renameat2 and unlink-while-open semantics"
@@ -52,7 +59,7 @@ def make_state(which: int) -> dict[str, Any]:
 STATES = {w: make_state(w) for w in (0, 1)}
 
 
-def save(path: str | os.PathLike[str], which: int) -> None:
+def save(path: str | os.PathLike[str] | Location, which: int) -> None:
     sp.save(path, STATES[which], metadata={"which": which}, max_file_bytes=MAX_FILE_BYTES)
 
 
@@ -88,11 +95,11 @@ def check_info(info: sp.CheckpointInfo, where: str) -> int:
     return int(which)
 
 
-def op_load(path: str, held: collections.deque[tuple[int, Any]]) -> int:
+def op_load(path: Any, held: collections.deque[tuple[int, Any]]) -> int:
     return check_tree(sp.load(path), "load")
 
 
-def op_load_keys(path: str, held: collections.deque[tuple[int, Any]]) -> int:
+def op_load_keys(path: Any, held: collections.deque[tuple[int, Any]]) -> int:
     # Two tensors in two data files, plus a plain value from the manifest.
     got = sp.load(path, keys=["which", "model/w1", "model/w3"])
     which = got["which"]
@@ -103,7 +110,7 @@ def op_load_keys(path: str, held: collections.deque[tuple[int, Any]]) -> int:
     return int(which)
 
 
-def op_load_into(path: str, held: collections.deque[tuple[int, Any]]) -> int:
+def op_load_into(path: Any, held: collections.deque[tuple[int, Any]]) -> int:
     into = {
         "which": -1,
         "model": {k: np.zeros_like(v) for k, v in STATES[0]["model"].items()},
@@ -113,7 +120,7 @@ def op_load_into(path: str, held: collections.deque[tuple[int, Any]]) -> int:
     return check_tree(into, "load(into=)")
 
 
-def op_load_mmap(path: str, held: collections.deque[tuple[int, Any]]) -> int:
+def op_load_mmap(path: Any, held: collections.deque[tuple[int, Any]]) -> int:
     tree = sp.load(path, mmap=True)
     which = check_tree(tree, "load(mmap=True)")
     # Look again at an mmap load from a few iterations ago: by now the writer has most likely
@@ -125,23 +132,23 @@ def op_load_mmap(path: str, held: collections.deque[tuple[int, Any]]) -> int:
     return which
 
 
-def op_load_first(path: str, held: collections.deque[tuple[int, Any]]) -> int:
+def op_load_first(path: Any, held: collections.deque[tuple[int, Any]]) -> int:
     return check_tree(sp.load(path, verify="first"), "load(verify='first')")
 
 
-def op_load_unverified(path: str, held: collections.deque[tuple[int, Any]]) -> int:
+def op_load_unverified(path: Any, held: collections.deque[tuple[int, Any]]) -> int:
     return check_tree(sp.load(path, verify=False), "load(verify=False)")
 
 
-def op_verify(path: str, held: collections.deque[tuple[int, Any]]) -> int:
+def op_verify(path: Any, held: collections.deque[tuple[int, Any]]) -> int:
     return check_info(sp.verify(path), "verify")
 
 
-def op_inspect(path: str, held: collections.deque[tuple[int, Any]]) -> int:
+def op_inspect(path: Any, held: collections.deque[tuple[int, Any]]) -> int:
     return check_info(sp.inspect(path), "inspect")
 
 
-OPS: dict[str, Callable[[str, collections.deque[tuple[int, Any]]], int]] = {
+OPS: dict[str, Callable[[Any, collections.deque[tuple[int, Any]]], int]] = {
     "load": op_load,
     "load(keys=)": op_load_keys,
     "load(into=)": op_load_into,
@@ -185,15 +192,13 @@ def read_loop(path: str, seconds: float, offset: int = 0) -> dict[str, Any]:
 
 def writer_main(path: str, stop: str, mode: str, limit: float) -> None:
     """Replace ``path`` with state 0, 1, 0, ... until ``stop`` exists; print the count."""
-    if mode == "rename":
-        from savepoint.commit import atomic
-
-        atomic.exchange = lambda a, b: False  # the two-rename fallback of filesystems without it
+    # "rename": the two-rename fallback of filesystems that cannot exchange.
+    where = FaultyStore(LocalStore(), exchange=False).at(path) if mode == "rename" else path
     saves = 0
     end = time.monotonic() + limit
     print("ready", flush=True)
     while not os.path.exists(stop) and time.monotonic() < end:
-        save(path, (saves + 1) % 2)
+        save(where, (saves + 1) % 2)
         saves += 1
     print(json.dumps({"saves": saves}), flush=True)
 
@@ -310,95 +315,69 @@ def ckpt0(tmp_path: Path) -> Path:
     return path
 
 
-def replace_once_at(
-    monkeypatch: pytest.MonkeyPatch, target: Any, name: str, path: Path, which: int, when: Any
-) -> list[int]:
-    """Wrap ``target.name`` so that the first call for which ``when(*args)`` holds first
-    replaces ``path`` with state ``which`` (deleting the generation a reader may hold)."""
-    real = getattr(target, name)
-    fired: list[int] = []
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not fired and when(*args):
-            fired.append(1)
-            save(path, which)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(target, name, wrapper)
-    return fired
+def faulty() -> FaultyStore:
+    return FaultyStore(LocalStore())
 
 
-def is_data(file: Any, *rest: Any) -> bool:
-    return str(file).endswith(".safetensors")
+def replace_once_at(store: FaultyStore, kind: str, pattern: str, path: Path, which: int) -> Fault:
+    """At the first ``kind`` call of ``store`` on a path matching ``pattern``, replace ``path``
+    with state ``which`` first (deleting the generation a reader may hold)."""
+    return store.hook(kind, lambda call: save(path, which), path=pattern)
 
 
-def is_manifest(file: Any, *rest: Any) -> bool:
-    return os.path.basename(str(file)) == "manifest.json"
-
-
+DATA = "*.safetensors"
+MANIFEST = "*/manifest.json"
 DATA_OPS = [name for name in OPS if name != "inspect"]  # the ops that read data files
 
 
 @pytest.mark.parametrize("name", DATA_OPS)
-def test_generation_replaced_before_its_data_files_were_opened(
-    ckpt0: Path, monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
+def test_generation_replaced_before_its_data_files_were_opened(ckpt0: Path, name: str) -> None:
     # The reader has the old generation's manifest; its data files are deleted before it opens
     # them. Before the fix: "data file ... is missing" (CorruptCheckpointError).
-    from savepoint.storage import local
-
-    fired = replace_once_at(monkeypatch, local, "open_read", ckpt0, 1, is_data)
-    assert OPS[name](str(ckpt0), collections.deque()) == 1  # retried on the new generation
-    assert fired
+    store = faulty()
+    fired = replace_once_at(store, "open_blob", DATA, ckpt0, 1)
+    assert OPS[name](store.at(str(ckpt0)), collections.deque()) == 1  # retried on the new one
+    assert fired.fired
 
 
 @pytest.mark.parametrize("name", list(OPS))
-def test_generation_replaced_before_its_manifest_was_read(
-    ckpt0: Path, monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
+def test_generation_replaced_before_its_manifest_was_read(ckpt0: Path, name: str) -> None:
     # The reader holds the old generation's directory; its manifest is deleted before it is read.
     # Before the fix: "has no manifest.json" (IncompleteCheckpointError).
-    from savepoint.storage import local
-
-    fired = replace_once_at(monkeypatch, local, "open_read", ckpt0, 1, is_manifest)
-    assert OPS[name](str(ckpt0), collections.deque()) == 1
-    assert fired
+    store = faulty()
+    fired = replace_once_at(store, "read_small", MANIFEST, ckpt0, 1)
+    assert OPS[name](store.at(str(ckpt0)), collections.deque()) == 1
+    assert fired.fired
 
 
 @pytest.mark.parametrize("name", DATA_OPS)
-def test_generation_replaced_after_it_was_pinned_loads_whole(
-    ckpt0: Path, monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
+def test_generation_replaced_after_it_was_pinned_loads_whole(ckpt0: Path, name: str) -> None:
     # The replace (and deletion of the old generation) lands after the first data file is mapped:
     # everything the load needs is already pinned, so it returns the generation it opened.
-    from savepoint.storage import local
-
-    fired = replace_once_at(monkeypatch, local, "MappedFile", ckpt0, 1, lambda *a: True)
-    assert OPS[name](str(ckpt0), collections.deque()) == 0
-    assert fired
+    store = faulty()
+    fired = replace_once_at(store, "view", DATA, ckpt0, 1)
+    assert OPS[name](store.at(str(ckpt0)), collections.deque()) == 0
+    assert fired.fired
     assert sorted(os.listdir(ckpt0.parent)) == ["ckpt"], "the old generation was not deleted"
 
 
 @pytest.mark.parametrize("step", ["latest", 1])
-def test_manager_restore_retries_on_the_new_generation(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: Any
-) -> None:
+def test_manager_restore_retries_on_the_new_generation(tmp_path: Path, step: Any) -> None:
     # CheckpointManager.restore reads through sp.load: the step's checkpoint replaced (and its
     # previous generation deleted) before its data files are opened. Before the fix, "latest"
     # skipped the intact checkpoint as corrupt (with a warning) and an explicit step raised.
-    from savepoint.storage import local
-
-    mgr = sp.CheckpointManager(tmp_path / "run")
+    store = faulty()
+    mgr = sp.CheckpointManager(store.at(str(tmp_path / "run")))
     try:
         mgr.save(1, STATES[0]).wait()
-        fired = replace_once_at(monkeypatch, local, "open_read", Path(mgr.step_path(1)), 1, is_data)
+        fired = replace_once_at(store, "open_blob", DATA, Path(str(mgr.step_path(1))), 1)
         into = {
             "which": -1,
             "model": {k: np.zeros_like(v) for k, v in STATES[0]["model"].items()},
             "step": np.zeros((), dtype=np.int64),
         }
         assert mgr.restore(into, step=step, resume=False) == 1
-        assert fired
+        assert fired.fired
         assert check_tree(into, "restore") == 1
     finally:
         mgr.close()
@@ -429,76 +408,48 @@ def test_a_missing_data_file_on_a_stable_generation_is_still_corrupt(ckpt0: Path
     assert got["model"]["w0"].tobytes() == STATES[0]["model"]["w0"].tobytes()
 
 
-def test_a_checkpoint_deleted_while_opening_is_not_found(
-    ckpt0: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from savepoint.commit import atomic
-    from savepoint.storage import local
-
-    real = local.open_read
-
-    def delete_then_open(file: Any, *args: Any, **kwargs: Any) -> int:
-        if is_data(file) and ckpt0.exists():
-            atomic.discard(str(ckpt0))
-        return real(file, *args, **kwargs)
-
-    monkeypatch.setattr(local, "open_read", delete_then_open)
+def test_a_checkpoint_deleted_while_opening_is_not_found(ckpt0: Path) -> None:
+    store = faulty()
+    store.hook("open_blob", lambda call: discard(local.STORE, str(ckpt0)), path=DATA)
     with pytest.raises(sp.CheckpointNotFoundError):
-        sp.load(ckpt0)
+        sp.load(store.at(str(ckpt0)))
 
 
 def test_a_checkpoint_replaced_on_every_attempt_gives_up_without_calling_it_corrupt(
-    ckpt0: Path, monkeypatch: pytest.MonkeyPatch
+    ckpt0: Path,
 ) -> None:
-    from savepoint.storage import local
-
-    real = local.open_read
-    replaces = [0]
-
-    def replace_then_open(file: Any, *args: Any, **kwargs: Any) -> int:
-        if is_data(file):
-            replaces[0] += 1
-            save(ckpt0, replaces[0] % 2)
-        return real(file, *args, **kwargs)
-
-    monkeypatch.setattr(local, "open_read", replace_then_open)
+    store = faulty()
+    replaces = store.hook(
+        "open_blob", lambda call: save(ckpt0, replaces.fired % 2), path=DATA, times=None
+    )
     start = time.monotonic()
     with pytest.raises(sp.CheckpointError, match="replaced") as info:
-        sp.load(ckpt0)
+        sp.load(store.at(str(ckpt0)))
     assert not isinstance(info.value, (sp.CorruptCheckpointError, sp.IncompleteCheckpointError))
-    assert 2 < replaces[0] <= 100
+    assert 2 < replaces.fired <= 100
     assert time.monotonic() - start < 30
 
 
-def test_a_hidden_previous_generation_vanishing_while_resolved(
-    ckpt0: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_hidden_previous_generation_vanishing_while_resolved(ckpt0: Path) -> None:
     # A fallback replace between its two renames: ``path`` is missing and the previous checkpoint
     # is hidden. The replace finishes (and deletes that one) while resolve looks at it. Before
     # the fix: a raw FileNotFoundError from the stat of the vanished directory.
     import shutil
 
-    from savepoint.commit import atomic
+    hidden = ckpt0.parent / f".ckpt{names.OLD_TAG}{names.HOST}-{os.getpid()}-0badf00d"
 
-    hidden = ckpt0.parent / f".ckpt{atomic.OLD_TAG}{atomic._HOST}-{os.getpid()}-0badf00d"
-    real = os.path.getmtime
-    fired: list[int] = []
+    def replace_finishes(call: Call) -> None:
+        save(ckpt0, 1)
+        shutil.rmtree(hidden)
 
-    def replace_finishes(p: Any) -> float:
-        if not fired and str(p) == str(hidden):
-            fired.append(1)
-            save(ckpt0, 1)
-            shutil.rmtree(hidden)
-        return real(p)
-
-    monkeypatch.setattr(os.path, "getmtime", replace_finishes)
     for name, op in OPS.items():
-        fired.clear()
         shutil.rmtree(ckpt0)
         save(ckpt0, 0)
         os.rename(ckpt0, hidden)
-        assert op(str(ckpt0), collections.deque()) == 1, name
-        assert fired, name
+        store = faulty()
+        fired = store.hook("stat", replace_finishes, path=str(hidden))  # ranking the candidates
+        assert op(store.at(str(ckpt0)), collections.deque()) == 1, name
+        assert fired.fired, name
 
 
 def test_a_file_read_without_being_pinned_after_a_replace_is_not_called_corrupt(
@@ -506,9 +457,9 @@ def test_a_file_read_without_being_pinned_after_a_replace_is_not_called_corrupt(
 ) -> None:
     # A caller that names fewer files than it reads opens the rest late; if the generation is
     # gone by then, that is a replace, not damage.
-    from savepoint import _reader
+    from savepoint.engine.read import Reader
 
-    with _reader.Reader.open(str(ckpt0), needs=lambda d, m: ()) as reader:
+    with Reader.open(str(ckpt0), needs=lambda d, m: ()) as reader:
         save(ckpt0, 1)
         with pytest.raises(sp.CheckpointError, match="replaced or deleted") as info:
             reader.raw("model/w0")

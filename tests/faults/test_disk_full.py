@@ -2,19 +2,18 @@
 
 Expected every time: CheckpointWriteError (also an OSError) with a clear message and ``.errno``,
 the previous checkpoint intact and loadable exactly, and nothing else left in the parent
-directory. Failures are injected (os.write raising ENOSPC after N bytes, os.fsync raising EIO at
-a chosen file or directory, os.mkdir raising ENOSPC); where this container lets us mount a small
-tmpfs, the real thing too (and test_disk_full_tmpfs.py sweeps every write operation there).
+directory. Failures are injected through a FaultyStore around the local disk (a disk with N
+bytes of room left, an fsync failing with EIO at a chosen file or directory, mkdir failing with
+ENOSPC, a filesystem that cannot exchange); where this container lets us mount a small tmpfs, the
+real thing too (and test_disk_full_tmpfs.py sweeps every write operation there).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import shutil
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,19 +23,20 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.commit import atomic
+from savepoint.commit import names
+from savepoint.storage.faults import Fault, FaultyStore
+from savepoint.storage.local import LocalStore
 
 from . import _tmpfs
 from ._util import assert_same, deadline, read_doc
 
 pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="identifies files through /proc/self/fd"
+    not sys.platform.startswith("linux"), reason="Linux filesystem semantics (and tmpfs)"
 )
 
 NAME = "ckpt"
 SAVE_DEADLINE_S = 60.0
 MAX_FILE_BYTES = 256 << 10
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def make_state(seed: int, scale: int = 1) -> dict[str, Any]:
@@ -56,16 +56,9 @@ OLD = make_state(1)
 NEW = make_state(2)
 
 
-def save(path: Path, state: dict[str, Any], **kwargs: Any) -> sp.CheckpointInfo:
+def save(path: Any, state: dict[str, Any], **kwargs: Any) -> sp.CheckpointInfo:
     kwargs.setdefault("max_file_bytes", MAX_FILE_BYTES)
     return sp.save(path, state, metadata={"tag": state["tag"]}, **kwargs)
-
-
-def fd_target(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
 
 
 def assert_failed_cleanly(
@@ -102,46 +95,12 @@ def path(tmp_path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# injected ENOSPC from os.write
+# injected ENOSPC: a FaultyStore around the local disk with a few bytes of room left
 # ---------------------------------------------------------------------------------------------
 
 
-class WriteBudget:
-    """os.write that lets ``budget`` bytes reach files under ``root``, then fails with ENOSPC.
-
-    Like the kernel, it first returns a short count (block-aligned for O_DIRECT descriptors)
-    for the write that crosses the limit, then raises on the next one. With budget None it only
-    records (target, length) of each write.
-    """
-
-    def __init__(self, root: Path, budget: int | None) -> None:
-        self.root = str(root)
-        self.budget = budget
-        self.written = 0
-        self.log: list[tuple[str, int]] = []
-        self.lock = threading.Lock()
-        self.real = os.write
-
-    def __call__(self, fd: int, data: Any) -> int:
-        target = fd_target(fd)
-        if not target.startswith(self.root):
-            return self.real(fd, data)
-        view = memoryview(data)
-        with self.lock:
-            n = len(view)
-            if self.budget is not None:
-                left = self.budget - self.written
-                if left <= 0:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                if n > left:
-                    direct = bool(_O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT)
-                    n = left - left % 4096 if direct else left
-                    if n == 0:
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            done = self.real(fd, view[:n])
-            self.written += done
-            self.log.append((os.path.basename(target), done))
-            return done
+def faulty(**options: Any) -> FaultyStore:
+    return FaultyStore(LocalStore(), **options)
 
 
 def write_plan(tmp_path: Path, writers: int) -> tuple[list[tuple[str, int]], int]:
@@ -149,18 +108,16 @@ def write_plan(tmp_path: Path, writers: int) -> tuple[list[tuple[str, int]], int
     probe = tmp_path / "probe" / NAME
     probe.parent.mkdir()
     save(probe, OLD)
-    recorder = WriteBudget(tmp_path / "probe", None)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(os, "write", recorder)
-    try:
-        save(probe, NEW, writers=writers)
-    finally:
-        mp.undo()
+    store = faulty()
+    save(store.at(str(probe)), NEW, writers=writers)
     shutil.rmtree(probe.parent)
-    data = sum(n for name, n in recorder.log if name != "manifest.json")
-    assert recorder.log[-1][0] == "manifest.json", recorder.log
-    return recorder.log, data
+    log = [(os.path.basename(c.path), c.nbytes or 0) for c in store.calls if c.kind in SPENDS]
+    data = sum(n for name, n in log if name != "manifest.json")
+    assert log[-1][0] == "manifest.json", log
+    return log, data
 
+
+SPENDS = ("write", "put")  # the calls that take disk space (FaultyStore.space counts them)
 
 BUDGETS: dict[str, Callable[[list[tuple[str, int]], int], int]] = {
     "first-write": lambda log, data: 0,
@@ -176,18 +133,15 @@ BUDGETS: dict[str, Callable[[list[tuple[str, int]], int], int]] = {
 
 @pytest.mark.parametrize("writers", [1, 3])
 @pytest.mark.parametrize("case", list(BUDGETS))
-def test_enospc_from_write(
-    tmp_path: Path, path: Path, monkeypatch: pytest.MonkeyPatch, case: str, writers: int
-) -> None:
+def test_enospc_from_write(tmp_path: Path, path: Path, case: str, writers: int) -> None:
     log, data = write_plan(tmp_path, writers)
     assert len({name for name, _ in log}) >= 4, log  # several data files plus the manifest
     save(path, OLD)
-    budget = WriteBudget(path.parent, BUDGETS[case](log, data))
-    monkeypatch.setattr(os, "write", budget)
+    store = faulty()
+    space = store.space(BUDGETS[case](log, data))
     with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
-        save(path, NEW, writers=writers)
-    monkeypatch.undo()
-    assert budget.written <= (budget.budget or 0)
+        save(store.at(str(path)), NEW, writers=writers)
+    assert space.fired >= 1
     assert_failed_cleanly(exc_info, path, OLD, errno.ENOSPC)
     # Once space is back, the same save works.
     save(path, NEW, writers=writers)
@@ -195,126 +149,76 @@ def test_enospc_from_write(
     assert sorted(os.listdir(path.parent)) == [NAME]
 
 
-def test_enospc_on_a_first_save_leaves_nothing(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "write", WriteBudget(path.parent, 10_000))
+def test_enospc_on_a_first_save_leaves_nothing(path: Path) -> None:
+    store = faulty()
+    store.space(10_000)
     with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
-        save(path, NEW)
-    monkeypatch.undo()
+        save(store.at(str(path)), NEW)
     assert_failed_cleanly(exc_info, path, None, errno.ENOSPC)
 
 
-def test_enospc_creating_the_staging_directory(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_enospc_creating_the_staging_directory(path: Path) -> None:
     save(path, OLD)
-    real_mkdir = os.mkdir
-
-    def full_mkdir(p: Any, *args: Any, **kwargs: Any) -> None:
-        if atomic.TMP_TAG in os.fspath(p):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(p))
-        real_mkdir(p, *args, **kwargs)
-
-    monkeypatch.setattr(os, "mkdir", full_mkdir)
+    store = faulty()
+    fault = store.fail("mkdir", path=f"*{names.TMP_TAG}*")
     with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
-        save(path, NEW)
-    monkeypatch.undo()
+        save(store.at(str(path)), NEW)
+    assert fault.fired == 1
     assert_failed_cleanly(exc_info, path, OLD, errno.ENOSPC)
 
 
 # ---------------------------------------------------------------------------------------------
-# injected fsync failures
+# injected fsync failures: the call that ends with an fsync fails once it has written
 # ---------------------------------------------------------------------------------------------
 
-
-class FailingFsync:
-    """os.fsync that fails with ``code`` the ``nth`` time a target matching ``which`` is synced."""
-
-    def __init__(self, which: Callable[[str], bool], nth: int, code: int) -> None:
-        self.which, self.nth, self.code = which, nth, code
-        self.seen = 0
-        self.fired = False
-        self.real = os.fsync
-
-    def __call__(self, fd: int) -> None:
-        target = fd_target(fd)
-        if not self.fired and self.which(target):
-            self.seen += 1
-            if self.seen == self.nth:
-                self.fired = True
-                raise OSError(self.code, os.strerror(self.code))
-        self.real(fd)
-
-
-def _is_data(t: str) -> bool:
-    return os.path.basename(t).startswith("data-")
-
-
-def _is_manifest(t: str) -> bool:
-    return os.path.basename(t) == "manifest.json"
-
-
-def _is_staging(t: str) -> bool:
-    return atomic.TMP_TAG in os.path.basename(t)
-
-
-def _is_parent(t: str) -> bool:
-    return os.path.basename(t) == "parent"
-
-
-FSYNC_CASES: dict[str, tuple[Callable[[str], bool], int, int]] = {
-    "first-data-file": (_is_data, 1, errno.EIO),
-    "third-data-file": (_is_data, 3, errno.EIO),
-    "manifest": (_is_manifest, 1, errno.EIO),
-    "staging-directory": (_is_staging, 1, errno.EIO),
-    "parent-directory": (_is_parent, 1, errno.EIO),
-    "data-file-enospc": (_is_data, 2, errno.ENOSPC),
+# case -> (call kind, path pattern, which matching call, errno). A blob's ``finish``, the
+# manifest's ``put`` and ``sync_dir`` each end with an fsync.
+FSYNC_CASES: dict[str, tuple[str, str, int, int]] = {
+    "first-data-file": ("finish", "*/data-*", 1, errno.EIO),
+    "third-data-file": ("finish", "*/data-*", 3, errno.EIO),
+    "manifest": ("put", "*/manifest.json", 1, errno.EIO),
+    "staging-directory": ("sync_dir", f"*/*{names.TMP_TAG}*", 1, errno.EIO),
+    "parent-directory": ("sync_dir", "*/parent", 1, errno.EIO),
+    "data-file-enospc": ("finish", "*/data-*", 2, errno.ENOSPC),
 }
+
+
+def failing_fsync(case: str, **options: Any) -> tuple[FaultyStore, Fault]:
+    kind, pattern, nth, code = FSYNC_CASES[case]
+    store = faulty(**options)
+    return store, store.fail(kind, path=pattern, nth=nth, code=code, after=True)
 
 
 @pytest.mark.parametrize("replace", ["exchange", "two-renames"])
 @pytest.mark.parametrize("case", list(FSYNC_CASES))
-def test_fsync_failure(
-    path: Path, monkeypatch: pytest.MonkeyPatch, case: str, replace: str
-) -> None:
+def test_fsync_failure(path: Path, case: str, replace: str) -> None:
     save(path, OLD)
-    if replace == "two-renames":
-        monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
-    which, nth, code = FSYNC_CASES[case]
-    failing = FailingFsync(which, nth, code)
-    monkeypatch.setattr(os, "fsync", failing)
+    store, fault = failing_fsync(case, exchange=replace == "exchange")
     with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
-        save(path, NEW)
-    monkeypatch.undo()
-    assert failing.fired
-    assert_failed_cleanly(exc_info, path, OLD, code)
+        save(store.at(str(path)), NEW)
+    assert fault.fired == 1
+    assert_failed_cleanly(exc_info, path, OLD, FSYNC_CASES[case][3])
 
 
 @pytest.mark.parametrize(
     "case", ["first-data-file", "manifest", "staging-directory", "parent-directory"]
 )
-def test_fsync_failure_on_a_first_save_leaves_nothing(
-    path: Path, monkeypatch: pytest.MonkeyPatch, case: str
-) -> None:
-    which, nth, code = FSYNC_CASES[case]
-    failing = FailingFsync(which, nth, code)
-    monkeypatch.setattr(os, "fsync", failing)
+def test_fsync_failure_on_a_first_save_leaves_nothing(path: Path, case: str) -> None:
+    store, fault = failing_fsync(case)
     with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
-        save(path, NEW)
-    monkeypatch.undo()
-    assert failing.fired
-    assert_failed_cleanly(exc_info, path, None, code)
+        save(store.at(str(path)), NEW)
+    assert fault.fired == 1
+    assert_failed_cleanly(exc_info, path, None, FSYNC_CASES[case][3])
 
 
-def test_fsync_failure_after_the_parent_was_synced_once(
-    path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fsync_failure_after_the_parent_was_synced_once(path: Path) -> None:
     # Two-rename replace: the parent is synced between the renames and again after the second.
     save(path, OLD)
-    monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
-    failing = FailingFsync(_is_parent, 2, errno.EIO)
-    monkeypatch.setattr(os, "fsync", failing)
+    store = faulty(exchange=False)
+    fault = store.fail("sync_dir", path="*/parent", nth=2, code=errno.EIO, after=True)
     with pytest.raises(sp.CheckpointWriteError) as exc_info, deadline(SAVE_DEADLINE_S, "save"):
-        save(path, NEW)
-    monkeypatch.undo()
-    assert failing.fired
+        save(store.at(str(path)), NEW)
+    assert fault.fired == 1
     assert_failed_cleanly(exc_info, path, OLD, errno.EIO)
 
 
@@ -379,20 +283,13 @@ def test_real_enospc_on_tmpfs_at_the_edge(
 # ---------------------------------------------------------------------------------------------
 
 
-def test_enospc_opening_a_snapshot_history_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real_mkdir = os.mkdir
-
-    def full_mkdir(p: Any, *args: Any, **kwargs: Any) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(p))
-
-    monkeypatch.setattr(os, "mkdir", full_mkdir)
+def test_enospc_opening_a_snapshot_history_directory(tmp_path: Path) -> None:
+    store = faulty()
+    store.fail({"mkdir", "makedirs"}, times=None)
     with pytest.raises(sp.CheckpointWriteError) as exc_info:
-        sp.SnapshotHistory(2, directory=tmp_path / "history")
+        sp.SnapshotHistory(2, directory=store.at(str(tmp_path / "history")))
     assert exc_info.value.errno == errno.ENOSPC, exc_info.value
     assert "free disk space" in str(exc_info.value)
-    monkeypatch.setattr(os, "mkdir", real_mkdir)
     assert os.listdir(tmp_path) == []
     history = sp.SnapshotHistory(2, directory=tmp_path / "history")
     assert len(history) == 0

@@ -45,11 +45,11 @@ import pytest
 
 import _torture
 import savepoint as sp
-from savepoint.commit import atomic
 from savepoint.formats import boostr, shrew
 from savepoint.formats._files import SafetensorsFile
 from savepoint.inference import InferenceSnapshot, SnapshotHistory
 from savepoint.runs import layout
+from savepoint.storage.local import LocalStore
 
 from . import _tmpfs
 from ._tmpfs import BLOCKS, INODES, Scenario, Sweep
@@ -69,8 +69,8 @@ FORCE_NAMESPACE = os.environ.get("SAVEPOINT_TMPFS_USERNS") == "1" and not IN_NAM
 # Failure sites (see _tmpfs.failure_site) of each phase.
 DATA = r"write_all$"
 DATA_OPEN = r"_open_for_write$"
-STAGING_DIR = r"^checkpoint\.commit_checkpoint$"
-MANIFEST = r"commit_checkpoint>local\.write_small$"
+STAGING_DIR = r"^transaction\.begin>local\.mkdir$"
+MANIFEST = r"transaction\.commit>local\.put>local\.write_small$"
 REPORT = r"(?<!_open_run)>report\.write_json>.*write_small$"  # not run.json
 ALIAS = r"link_tree"
 SAVE_PHASES = {
@@ -192,11 +192,11 @@ class SaveOver(Scenario):
 
 class SaveOverTwoRenames(SaveOver):
     """As SaveOver where the filesystem cannot exchange two directories atomically: the
-    replace falls back to two renames (``atomic.exchange`` answers False)."""
+    replace falls back to two renames (the local store's ``exchange`` answers False)."""
 
     def act(self, work: Path) -> None:
         mp = pytest.MonkeyPatch()
-        mp.setattr(atomic, "exchange", lambda a, b: False)
+        mp.setattr(LocalStore, "exchange", lambda self, a, b: False)
         try:
             super().act(work)
         finally:
@@ -374,7 +374,7 @@ class ManagedFirstSave(ManagedSave):
                 "report.json": REPORT,
             },
             INODES: {
-                "run directory": r"^manager\.\w+$",  # its own makedirs
+                "run directory": r"^manager\.\w+(>local\.makedirs)?$",  # its own makedirs
                 "run.json": r"_open_run>",
                 **SAVE_PHASES[INODES],
                 "report.json": REPORT,
@@ -445,7 +445,7 @@ class HistoryFirst(History):
         super().__init__(name, take=False)
         self.phases = {
             BLOCKS: SAVE_PHASES[BLOCKS],
-            INODES: {"its directory": r"^history\.\w+$", **SAVE_PHASES[INODES]},
+            INODES: {"its directory": r"^history\.\w+(>local\.makedirs)?$", **SAVE_PHASES[INODES]},
         }
 
     def prepare(self, work: Path) -> None:
@@ -555,7 +555,7 @@ def _contents(path: Path) -> dict[str, bytes]:
 SHREW_PHASES = {
     # The file goes through a buffered writer: its bytes reach the disk while tensors are
     # written, and the last of them when it is flushed for the fsync.
-    BLOCKS: {"the file's bytes": r"_shrew_codec\.|_files\.fsync_file$"},
+    BLOCKS: {"the file's bytes": r"_shrew_write\.|_files\.fsync_file$"},
     INODES: {"the file": r"shrew\._write$"},
 }
 BOOSTR_PHASES = {

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import mmap
 import os
 import shutil
 import tracemalloc
@@ -22,7 +21,9 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.storage import local
+from savepoint.storage.faults import FaultyStore
+from savepoint.storage.local import LocalStore
+from savepoint.storage.paths import Location
 
 from ._util import (
     MANIFEST,
@@ -69,50 +70,36 @@ def doc(ckpt: Path) -> dict[str, Any]:
 
 
 class Recorder:
-    """Records every os.open, local.open_read and mmap.mmap call while installed, without changing
-    what they do (the os.open wrapper stays in os.supports_dir_fd, so dir_fd paths are kept)."""
+    """A FaultyStore around the local disk, for the ops to read through (``rec.at(ckpt)``): its
+    call log says which blobs they opened and how often they viewed (mapped) one."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.opened: list[str] = []  # os.open of anything but a directory
-        self.open_read: list[str] = []
-        self.maps = 0
-        real_open, real_open_read, real_mmap = os.open, local.open_read, mmap.mmap
-        o_directory = getattr(os, "O_DIRECTORY", 0)
+    def __init__(self) -> None:
+        self.store = FaultyStore(LocalStore())
 
-        def rec_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-            if not (o_directory and flags & o_directory):
-                self.opened.append(os.fsdecode(path))
-            return real_open(path, flags, *args, **kwargs)
-
-        def rec_open_read(path: str, *args: Any, **kwargs: Any) -> int:
-            self.open_read.append(path)
-            return real_open_read(path, *args, **kwargs)
-
-        def rec_mmap(*args: Any, **kwargs: Any) -> mmap.mmap:
-            self.maps += 1
-            return real_mmap(*args, **kwargs)
-
-        if real_open in os.supports_dir_fd:
-            monkeypatch.setattr(os, "supports_dir_fd", os.supports_dir_fd | {rec_open})
-        monkeypatch.setattr(os, "open", rec_open)
-        monkeypatch.setattr(local, "open_read", rec_open_read)
-        monkeypatch.setattr(mmap, "mmap", rec_mmap)
+    def at(self, path: Path) -> Location:
+        return self.store.at(str(path))
 
     def reset(self) -> None:
-        self.opened.clear()
-        self.open_read.clear()
-        self.maps = 0
+        self.store.calls.clear()
+
+    @property
+    def opened(self) -> list[str]:
+        return [c.path for c in self.store.calls if c.kind == "open_blob"]
+
+    @property
+    def maps(self) -> int:
+        return sum(c.kind == "view" for c in self.store.calls)
 
     def non_manifest_opens(self) -> list[str]:
-        return [p for p in self.opened + self.open_read if os.path.basename(p) != MANIFEST]
+        return [p for p in self.opened if os.path.basename(p) != MANIFEST]
 
 
 @pytest.fixture
-def rec(monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    return Recorder(monkeypatch)
+def rec() -> Recorder:
+    return Recorder()
 
 
-OPS: dict[str, Callable[[Path], Any]] = {
+OPS: dict[str, Callable[[Any], Any]] = {
     "load": lambda p: sp.load(p),
     "load(verify=False)": lambda p: sp.load(p, verify=False),
     "load(mmap=True)": lambda p: sp.load(p, mmap=True),
@@ -123,7 +110,7 @@ DATA_OPS = {k: v for k, v in OPS.items() if k != "inspect"}
 
 
 def run_op(
-    op: Callable[[Path], Any], path: Path, what: str, timeout: float = 10.0
+    op: Callable[[Any], Any], path: Path | Location, what: str, timeout: float = 10.0
 ) -> BaseException | str:
     try:
         with deadline(timeout, what):
@@ -142,7 +129,7 @@ def assert_refused_before_data(
     rec: Recorder,
     expected: type[sp.CheckpointError] = sp.CorruptCheckpointError,
     *,
-    ops: dict[str, Callable[[Path], Any]] = OPS,
+    ops: dict[str, Callable[[Any], Any]] = OPS,
     trace: bool = False,
 ) -> list[BaseException]:
     """Every op raises ``expected`` from the manifest alone: no data file opened or mapped."""
@@ -153,7 +140,7 @@ def assert_refused_before_data(
         if trace:
             tracemalloc.start()
         try:
-            result = run_op(op, ckpt, name)
+            result = run_op(op, rec.at(ckpt), name)
             peak = tracemalloc.get_traced_memory()[1] if trace else 0
         finally:
             if trace:
@@ -194,9 +181,9 @@ def test_forged_manifest_matches_dumps_byte_for_byte(ckpt: Path, doc: dict[str, 
 def test_forged_valid_change_is_accepted(ckpt: Path, doc: dict[str, Any], rec: Recorder) -> None:
     doc["metadata"] = {"forged": True}
     write_manifest(ckpt, forge(doc))
-    assert sp.inspect(ckpt).metadata == {"forged": True}
-    assert_same(sp.load(ckpt), make_state())
-    sp.verify(ckpt)
+    assert sp.inspect(rec.at(ckpt)).metadata == {"forged": True}
+    assert_same(sp.load(rec.at(ckpt)), make_state())
+    sp.verify(rec.at(ckpt))
     assert rec.maps >= 1 and any(p.endswith(DATA) for p in rec.opened)  # the recorder records
 
 
@@ -268,7 +255,7 @@ def test_data_file_symlink_is_refused(ckpt: Path, rec: Recorder, target: str) ->
     assert (ckpt / DATA).read_bytes() == outside.read_bytes()
     for name, op in DATA_OPS.items():
         rec.reset()
-        result = run_op(op, ckpt, name)
+        result = run_op(op, rec.at(ckpt), name)
         assert isinstance(result, sp.CorruptCheckpointError), f"{name}: {result!r}"
         assert "symlink" in str(result), f"{name}: {result}"
         assert rec.maps == 0, f"{name} mapped the symlinked file"
@@ -380,7 +367,7 @@ def test_recorded_size_larger_than_the_file_is_refused_unmapped(
     write_manifest(ckpt, forge(doc))
     for name, op in DATA_OPS.items():
         rec.reset()
-        result = run_op(op, ckpt, name)
+        result = run_op(op, rec.at(ckpt), name)
         assert isinstance(result, sp.CorruptCheckpointError), f"{name}: {result!r}"
         assert rec.maps == 0, f"{name} mapped a file whose size disagrees with the manifest"
 
@@ -420,7 +407,7 @@ def test_huge_shape_with_consistent_claims_allocates_nothing(
         rec.reset()
         tracemalloc.start()
         try:
-            result = run_op(op, ckpt, name)
+            result = run_op(op, rec.at(ckpt), name)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -830,7 +817,7 @@ def test_dense_metadata_is_refused_before_data_within_the_memory_bound(
         rec.reset()
         tracemalloc.start()
         try:
-            result = run_op(op, ckpt, name)
+            result = run_op(op, rec.at(ckpt), name)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

@@ -25,7 +25,8 @@ import pytest
 
 import savepoint as sp
 from _torture import scale
-from savepoint.commit import atomic
+from savepoint.commit import names
+from savepoint.storage import local
 
 from ._kill_child import MAX_FILE_BYTES, make_state, metadata
 from ._util import assert_same
@@ -125,7 +126,7 @@ def only_hidden_leftovers(parent: Path) -> list[str]:
         if entry == NAME:
             continue
         assert entry.startswith(f".{NAME}.") and (
-            atomic.TMP_TAG in entry or atomic.OLD_TAG in entry
+            names.TMP_TAG in entry or names.OLD_TAG in entry
         ), f"a kill left {entry!r} next to the checkpoint (only hidden temporaries may remain)"
         hidden.append(entry)
     return hidden
@@ -173,7 +174,7 @@ def exchange_supported(directory: Path) -> bool:
     a.mkdir()
     b.mkdir()
     try:
-        return atomic.exchange(str(a), str(b))
+        return local.STORE.exchange(str(a), str(b))
     finally:
         a.rmdir()
         b.rmdir()
@@ -293,7 +294,7 @@ def test_sigkill_at_each_step_of_a_replace(tmp_path: Path, hook: str) -> None:
     assert hidden, "a save killed half-way must have left its hidden directory"
     if hook == "fallback-between-renames":
         assert not path.exists()
-        assert any(atomic.OLD_TAG in h for h in hidden)
+        assert any(names.OLD_TAG in h for h in hidden)
     assert committed_state(path) == HOOKS[hook]
     # The next save replaces whatever is there and tidies every leftover of the dead child.
     save_and_expect_tidy(path, "B")

@@ -179,7 +179,7 @@ def test_cli_on_unreadable_file_reports_permission(ckpt: Path, which: str, comma
 
 
 def test_unreadable_parent_directory(shared: Path) -> None:
-    # The parent cannot be listed or searched: atomic.resolve's stat and listdir fail.
+    # The parent cannot be listed or searched: transaction.resolve's stat and list fail.
     parent = shared / "runs"
     path = parent / "ckpt"
     sp.save(path, STATE)

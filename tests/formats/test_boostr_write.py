@@ -237,13 +237,17 @@ def test_bad_shards(tmp_path: Path) -> None:
 
 
 class Gate:
-    """Replaces ``_boostr_single.write``: background boostr writes wait until ``open()``."""
+    """Replaces ``boostr.write``: background boostr writes wait until ``open()``.
+
+    Patched in the module that defines it too, whichever of the two the writer looks it up in.
+    """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: BaseException | None = None) -> None:
-        self.real = _boostr_single.write
+        self.real = boostr.write
         self.opened = threading.Event()
         self.entered = threading.Event()
         self.fail = fail
+        monkeypatch.setattr(boostr, "write", self)
         monkeypatch.setattr(_boostr_single, "write", self)
 
     def __call__(self, *args: Any) -> None:

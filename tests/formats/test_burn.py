@@ -574,7 +574,8 @@ plugged = pytest.mark.skipif(
 @plugged
 def test_detect_and_convert_burn_records(tmp_path: Path) -> None:
     import savepoint as sp
-    from savepoint.conversion import ConversionError, convert
+    from savepoint.errors import ConversionError
+    from savepoint.formats.convert import convert
 
     golden = GOLDEN / "model_v0_20.mpk"
     assert detect.detect(golden) == "burn"

@@ -547,7 +547,7 @@ def test_shrew_file_streams_without_reading_data(tmp_path: Path) -> None:
         "optimizer/buffers/m.0",
         "optimizer/buffers/v.0",
     ]
-    assert info.values["global_step"] == 5000 and info.version == 2
+    assert info.values["global_step"] == 5000 and info.format_version == 2
     assert shrew.verify(GOLDEN / "v1_dtypes.shrew").total_bytes == 16 + 24 + 3 + 8 + 24 + 4 + 4
     bad = tmp_path / "bad.shrew"
     bad.write_bytes(golden("v1_dtypes.shrew")[:-1])
@@ -645,7 +645,7 @@ def test_temporaries_of_dead_writers_are_tidied(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from savepoint.commit import atomic
+    from savepoint.commit.names import HOST, TMP_TAG
 
     child = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -654,9 +654,9 @@ def test_temporaries_of_dead_writers_are_tidied(tmp_path: Path) -> None:
         check=True,
     )
     dead = int(child.stdout)
-    leftover = tmp_path / f".w.shrew{atomic.TMP_TAG}{atomic._HOST}-{dead}-0123abcd"
+    leftover = tmp_path / f".w.shrew{TMP_TAG}{HOST}-{dead}-0123abcd"
     leftover.write_bytes(b"half a file")
-    live = tmp_path / f".w.shrew{atomic.TMP_TAG}{atomic._HOST}-{os.getpid()}-0123abcd"
+    live = tmp_path / f".w.shrew{TMP_TAG}{HOST}-{os.getpid()}-0123abcd"
     live.write_bytes(b"someone else's")
     shrew.save_tensors(tmp_path / "w.shrew", {"a": np.ones(1)})
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["w.shrew", live.name])
@@ -713,10 +713,10 @@ def test_memory_is_bounded_by_the_file_size(
     The slack is lowered to 64 KiB so that a 200 KiB file shows the proportional part. Before
     the record budget, a file of empty optimizer buffers with one-letter keys cost 37 x its size.
     """
-    from savepoint.formats import _shrew_codec
+    from savepoint.codecs import shrew as codec
 
     slack = 64 << 10
-    monkeypatch.setattr(_shrew_codec, "BUDGET_SLACK", slack, raising=False)
+    monkeypatch.setattr(codec, "BUDGET_SLACK", slack, raising=False)
     data = _hostile_shrew(kind, 200 << 10)
     path = tmp_path / "hostile.shrew"
     path.write_bytes(data)

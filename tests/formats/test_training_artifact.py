@@ -16,11 +16,13 @@ from hypothesis import strategies as st
 
 from _support import in_thread, load_generator
 from savepoint.errors import (
+    ArtifactMismatchError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    MissingBestValidationArtifact,
     MissingCheckpointError,
     RunMismatchError,
     UnsupportedStateError,
@@ -207,7 +209,7 @@ def test_missing_best_directory_is_an_error(tmp_path: Path, best_step: int | Non
     make(tmp_path / "a")
     shutil.rmtree(tmp_path / "a" / "best_validation")
     edit_json(tmp_path / "a" / "training_report.json", best_validation_step=best_step)
-    with pytest.raises(ta.MissingBestValidationArtifact) as info:
+    with pytest.raises(MissingBestValidationArtifact) as info:
         ta.load(tmp_path / "a")
     assert isinstance(info.value, MissingCheckpointError)
     assert isinstance(info.value, CorruptCheckpointError)
@@ -218,7 +220,7 @@ def test_missing_best_directory_is_an_error(tmp_path: Path, best_step: int | Non
 def test_best_directory_without_manifest_counts_as_missing(tmp_path: Path) -> None:
     make(tmp_path / "a")
     (tmp_path / "a" / "best_validation" / "manifest.json").unlink()
-    with pytest.raises(ta.MissingBestValidationArtifact):
+    with pytest.raises(MissingBestValidationArtifact):
         ta.load(tmp_path / "a")
 
 
@@ -244,7 +246,7 @@ def test_report_and_manifest_must_agree(
 ) -> None:
     make(tmp_path / "a")
     edit_json(tmp_path / "a" / "training_report.json", **change)
-    with pytest.raises(ta.ArtifactMismatchError, match=message) as info:
+    with pytest.raises(ArtifactMismatchError, match=message) as info:
         ta.load(tmp_path / "a")
     assert isinstance(info.value, RunMismatchError)
 
@@ -252,16 +254,14 @@ def test_report_and_manifest_must_agree(
 def test_checks_run_in_the_seeds_order(tmp_path: Path) -> None:
     make(tmp_path / "a")
     edit_json(tmp_path / "a" / "training_report.json", variant="x", num_params=1)
-    with pytest.raises(ta.ArtifactMismatchError, match="variant"):
+    with pytest.raises(ArtifactMismatchError, match="variant"):
         ta.load(tmp_path / "a")
 
 
 def test_best_manifest_must_agree_with_the_main_one(tmp_path: Path) -> None:
     make(tmp_path / "a")
     edit_json(tmp_path / "a" / "best_validation" / "manifest.json", num_params=99)
-    with pytest.raises(
-        ta.ArtifactMismatchError, match=r"best_validation/manifest\.json num_params"
-    ):
+    with pytest.raises(ArtifactMismatchError, match=r"best_validation/manifest\.json num_params"):
         ta.load(tmp_path / "a")
 
 
@@ -270,7 +270,7 @@ def test_verify_checks_the_report_copy(tmp_path: Path) -> None:
     ta.verify(tmp_path / "a")
     edit_json(tmp_path / "a" / "best_validation" / "training_report.json", steps_completed=11)
     ta.load(tmp_path / "a")  # the seed's load does not read the copy
-    with pytest.raises(ta.ArtifactMismatchError, match="differs from the report"):
+    with pytest.raises(ArtifactMismatchError, match="differs from the report"):
         ta.verify(tmp_path / "a")
 
 
@@ -422,7 +422,7 @@ def test_save_replaces_an_existing_best_validation(tmp_path: Path) -> None:
 def test_save_derives_num_params_and_refuses_a_disagreeing_report(tmp_path: Path) -> None:
     m = make(tmp_path / "a")
     assert ta.load(m).manifest.num_params == 12  # float elements only (the int64 one excluded)
-    with pytest.raises(ta.ArtifactMismatchError, match="report num_params 11"):
+    with pytest.raises(ArtifactMismatchError, match="report num_params 11"):
         make(tmp_path / "b", report=report(num_params=11))
     assert not (tmp_path / "b").exists()
     make(tmp_path / "c", report=report(num_params=16), num_params=16)
@@ -430,7 +430,7 @@ def test_save_derives_num_params_and_refuses_a_disagreeing_report(tmp_path: Path
 
 
 def test_save_refuses_an_artifact_that_would_not_load(tmp_path: Path) -> None:
-    with pytest.raises(ta.ArtifactMismatchError, match="could not be loaded"):
+    with pytest.raises(ArtifactMismatchError, match="could not be loaded"):
         make(tmp_path / "a", best_validation_model=None)
     with pytest.raises(UnsupportedStateError, match="'steps_completed'"):
         make(tmp_path / "a", report=report(steps_completed=...))
@@ -580,7 +580,8 @@ def test_detect_inspect_verify_and_the_cli(tmp_path: Path) -> None:
 @plugged
 def test_convert_an_artifact_to_savepoint_and_its_model_to_burn(tmp_path: Path) -> None:
     import savepoint as sp
-    from savepoint.conversion import ConversionError, convert
+    from savepoint.errors import ConversionError
+    from savepoint.formats.convert import convert
 
     convert(GOLDEN / "artifact", tmp_path / "native")
     tree = sp.load(tmp_path / "native")
@@ -602,8 +603,8 @@ def test_public_names_and_errors_survive_pickling() -> None:
         assert module.__all__ == sorted(module.__all__)
         assert all(hasattr(module, name) for name in module.__all__)
     for err in (
-        ta.MissingBestValidationArtifact("missing", path="/run/best_validation"),
-        ta.ArtifactMismatchError("mismatch", path="/run"),
+        MissingBestValidationArtifact("missing", path="/run/best_validation"),
+        ArtifactMismatchError("mismatch", path="/run"),
     ):
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and (back.path, str(back)) == (err.path, str(err))

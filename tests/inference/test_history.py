@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.commit import atomic
+from savepoint.commit import names as commit_names
 from savepoint.inference import InferenceSnapshot, SnapshotHistory
 
 
@@ -251,7 +251,10 @@ def test_foreign_entries_are_left_alone_and_stale_temporaries_removed(tmp_path: 
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "snapshot-abc").mkdir()
     (tmp_path / "snapshot-000000000009").mkdir()  # never committed: no manifest
-    stale = tmp_path / f".snapshot-000000000011{atomic.TMP_TAG}{atomic._HOST}-{dead_pid()}-0badc0de"
+    stale = (
+        tmp_path
+        / f".snapshot-000000000011{commit_names.TMP_TAG}{commit_names.HOST}-{dead_pid()}-0badc0de"
+    )
     stale.mkdir()
     (stale / "data-00000.safetensors").write_bytes(b"partial")
     history = SnapshotHistory(3, directory=tmp_path)

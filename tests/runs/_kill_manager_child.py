@@ -13,9 +13,10 @@ WHERE:STEP makes the child SIGKILL itself at one point inside the save of STEP:
 - ``alias``: after report.json is written, as latest/ or best/ is about to be swapped in;
 - ``discard``: after the report and aliases, as the first old checkpoint is about to be deleted.
 
-Each hook wraps the primitive the manager calls (``atomic.replace_file``, ``atomic.commit`` and
-``atomic.discard``) and fires only for that file, so the point is the same whatever the order of
-the manager's other steps.
+Each hook wraps the local store's call that takes the step (``LocalStore.put`` of report.json,
+the ``rename``/``exchange`` that publishes an alias, the ``rename`` that moves a checkpoint away to
+delete it) and fires only for that file, so the point is the same whatever the order of the
+manager's other steps.
 """
 
 from __future__ import annotations
@@ -66,28 +67,36 @@ def install_kill_hook(where: str, at_step: int, current: list[int]) -> None:
     import os
     import signal
 
-    from savepoint.commit import atomic
+    from savepoint.storage.local import LocalStore
 
     def die() -> None:
         print(f"killed {where} {current[0]}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def wrap(name: str, fires: Any) -> None:
-        real = getattr(atomic, name)
+        real = getattr(LocalStore, name)
 
-        def hooked(*args: Any, **kwargs: Any) -> Any:
+        def hooked(self: LocalStore, *args: Any, **kwargs: Any) -> Any:
             if current[0] == at_step and fires(*args):
                 die()
-            return real(*args, **kwargs)
+            return real(self, *args, **kwargs)
 
-        setattr(atomic, name, hooked)
+        setattr(LocalStore, name, hooked)
+
+    def alias(_staging: str, path: str) -> bool:
+        return os.path.basename(path) in ("latest", "best")
+
+    def moved_away(path: str, hidden: str) -> bool:  # the first step of deleting a checkpoint
+        name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
+        return parent == "checkpoints" and name.startswith("step-") and "-tmp-" in hidden
 
     if where == "report":
-        wrap("replace_file", lambda path, *_: os.path.basename(path) == "report.json")
+        wrap("put", lambda path, *_: os.path.basename(path) == "report.json")
     elif where == "alias":
-        wrap("commit", lambda _staging, path: os.path.basename(path) in ("latest", "best"))
+        wrap("rename", alias)
+        wrap("exchange", alias)
     elif where == "discard":
-        wrap("discard", lambda path: os.path.basename(os.path.dirname(path)) == "checkpoints")
+        wrap("rename", moved_away)
     else:
         raise SystemExit(f"unknown kill point {where!r}")
 

@@ -27,6 +27,8 @@ import savepoint.checkpoint as checkpoint_module
 from _compare import same
 from savepoint.cli import main
 from savepoint.runs import lock as run_lock
+from savepoint.storage import local
+from savepoint.storage.faults import Fault, FaultyStore
 
 from ._util import blank, leftovers, read, state
 
@@ -306,24 +308,23 @@ class _Gap:
         return last_saved is None or step - last_saved >= 10
 
 
-def test_failed_background_commit_does_not_count_as_a_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _failing_commits(step: int) -> tuple[FaultyStore, Fault]:
+    """A local disk seen through a fault-injecting store whose commit of checkpoint ``step`` (the
+    rename that publishes it) fails with ENOSPC."""
+    store = FaultyStore(local.STORE)
+    return store, store.fail("rename", path=f"*/checkpoints/step-{step:010d}", times=None)
+
+
+def test_failed_background_commit_does_not_count_as_a_save(tmp_path: Path) -> None:
     """The save policy counted a background save whose commit failed as done, so the next saves
     were skipped as if step 20 were on disk."""
-    m = sp.CheckpointManager(tmp_path / "run", save_policy=_Gap(), async_save=True)
+    store, fault = _failing_commits(20)
+    m = sp.CheckpointManager(store.at(str(tmp_path / "run")), save_policy=_Gap(), async_save=True)
     m.save(10, state(10)).wait()
-    real = checkpoint_module.commit_checkpoint
-
-    def full(target: Any, *args: Any, **kwargs: Any) -> Any:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(target))
-
-    monkeypatch.setattr(checkpoint_module, "commit_checkpoint", full)
     pending = m.save(20, state(20))
     with pytest.raises(sp.CheckpointWriteError) as info:
         pending.wait()
-    assert info.value.errno == errno.ENOSPC
-    monkeypatch.setattr(checkpoint_module, "commit_checkpoint", real)
+    assert info.value.errno == errno.ENOSPC and fault.fired == 1
     with pytest.raises(sp.CheckpointWriteError):  # raised once more, by the next save
         m.save(21, state(21))
     again = m.save(21, state(21))
@@ -336,21 +337,16 @@ def test_failed_background_commit_does_not_count_as_a_save(
 # -- an exception inside ``with`` -------------------------------------------------------------------
 
 
-def test_exception_inside_with_is_not_replaced_by_a_close_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_exception_inside_with_is_not_replaced_by_a_close_error(tmp_path: Path) -> None:
     """A background save failing while the body raises: the body's exception propagates (before,
     close()'s CheckpointWriteError replaced it); the save error is attached as a note (3.11+) or
     printed, the report is written and the lock released."""
     run = tmp_path / "run"
-
-    def full(target: Any, *args: Any, **kwargs: Any) -> Any:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(target))
+    store, _ = _failing_commits(2)
 
     def train() -> None:
-        with sp.CheckpointManager(run, async_save=True) as m:
+        with sp.CheckpointManager(store.at(str(run)), async_save=True) as m:
             m.save(1, state(1)).wait()
-            monkeypatch.setattr(checkpoint_module, "commit_checkpoint", full)
             m.save(2, state(2))
             raise KeyError("the training loop failed")
 

@@ -23,9 +23,10 @@ import savepoint as sp
 import savepoint.checkpoint
 from _compare import same
 from _torture import scale
-from savepoint.commit import atomic
+from savepoint.commit import names, transaction
 from savepoint.runs import aliases, layout
 from savepoint.runs.report import config_diff
+from savepoint.storage import local
 
 from . import _kill_manager_child as child
 from ._util import snapshot
@@ -130,11 +131,11 @@ def test_aliases_survive_the_step_directory(run_dir: Path) -> None:
         m.save(1, state(1), {"val": 0.2})
         m.save(2, state(2), {"val": 0.9})
     # Delete the best step's directory the way retention does: best/ keeps the files alive.
-    atomic.discard(str(run_dir / "checkpoints" / layout.step_name(1)))
+    transaction.discard(local.STORE, str(run_dir / "checkpoints" / layout.step_name(1)))
     assert layout.committed_steps(str(run_dir)) == [2]
     same(sp.load(run_dir / "best"), state(1))
     sp.verify(run_dir / "best")
-    atomic.discard(str(run_dir / "checkpoints" / layout.step_name(2)))
+    transaction.discard(local.STORE, str(run_dir / "checkpoints" / layout.step_name(2)))
     same(sp.load(run_dir / "latest"), state(2))
 
 
@@ -891,8 +892,8 @@ def dead_pid() -> int:
     pytest.skip("the pid of a reaped child was reused at once")
 
 
-def tmp_name(name: str, pid: int, host: str = atomic._HOST) -> str:
-    return f".{name}{atomic.TMP_TAG}{host}-{pid}-0123abcd"
+def tmp_name(name: str, pid: int, host: str = names.HOST) -> str:
+    return f".{name}{names.TMP_TAG}{host}-{pid}-0123abcd"
 
 
 def test_stale_checkpoint_temporaries_removed_at_open(run_dir: Path, dead_pid: int) -> None:

@@ -5,69 +5,77 @@ report.json, its aliases) has not happened: the checkpoint is removed again, rep
 latest/ and best/ are byte for byte as before, and the error is CheckpointWriteError with errno
 ENOSPC whose message says so. A deletion that fails (retention) does not fail the save. Every
 error is a CheckpointError subclass: never a raw OSError, never the bare base class. Faults are
-injected by monkeypatching the primitives the manager writes through; test_full_disk_tmpfs in
-tests/faults sweeps a real full filesystem.
+injected by running the manager on the fault-injecting store (savepoint.storage.faults) wrapped
+around the local filesystem; test_full_disk_tmpfs in tests/faults sweeps a real full filesystem.
 """
 
 from __future__ import annotations
 
 import errno
-import os
-from collections.abc import Callable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import savepoint as sp
 from _compare import same
-from savepoint.commit import atomic
+from savepoint.commit import names
 from savepoint.runs import aliases, layout
-from savepoint.runs import lock as run_lock
+from savepoint.storage import local
+from savepoint.storage.faults import MUTATIONS, Fault, FaultyStore
+from savepoint.storage.paths import Location, PathArg
 
 from ._util import blank, leftovers, read, snapshot, state
 
-ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
 
 class Full:
-    """Make ``atomic.<name>`` raise ENOSPC whenever ``when(*args)`` holds, while armed."""
+    """A local disk seen through a fault-injecting store whose calls of ``kinds`` on paths
+    matching ``path`` (fnmatch, against the call's path or its destination) raise ENOSPC while
+    armed. Open the run on :meth:`at` for the faults to apply."""
 
-    def __init__(
-        self, monkeypatch: pytest.MonkeyPatch, name: str, when: Callable[..., bool]
-    ) -> None:
-        self.armed = False
-        self.hits = 0
-        real = getattr(atomic, name)
+    def __init__(self, kinds: str | Iterable[str], path: str | None = None) -> None:
+        self.store = FaultyStore(local.STORE)
+        self._kinds = kinds
+        self._path = path
+        self._fault: Fault | None = None
+        self._fired = 0
 
-        def fake(*args: Any, **kwargs: Any) -> Any:
-            if self.armed and when(*args):
-                self.hits += 1
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(args[-1]))
-            return real(*args, **kwargs)
+    def at(self, run: Path) -> Location:
+        return self.store.at(str(run))
 
-        monkeypatch.setattr(atomic, name, fake)
+    @property
+    def armed(self) -> bool:
+        return self._fault is not None
 
+    @armed.setter
+    def armed(self, on: bool) -> None:
+        if on and self._fault is None:
+            self._fault = self.store.fail(self._kinds, path=self._path, times=None)
+        elif not on and self._fault is not None:
+            self._fired += self._fault.fired
+            self.store.disarm()
+            self._fault = None
 
-def _base(path: Any) -> str:
-    return os.path.basename(os.fspath(path))
+    @property
+    def hits(self) -> int:
+        return self._fired + (self._fault.fired if self._fault is not None else 0)
 
 
 # Where a managed save writes after its checkpoint is committed; each failure undoes the save.
-UNDONE = {
-    "report.json": ("replace_file", lambda path, *_: _base(path) == "report.json"),
-    "staging latest/": ("link_tree", lambda _src, dst: _base(dst).startswith(".latest.")),
-    "staging best/": ("link_tree", lambda _src, dst: _base(dst).startswith(".best.")),
-    "swapping latest/": ("commit", lambda _staging, path: _base(path) == "latest"),
-    "swapping best/": ("commit", lambda _staging, path: _base(path) == "best"),
+UNDONE: dict[str, tuple[str | tuple[str, ...], str]] = {
+    "report.json": ("put", "*/report.json"),
+    "staging latest/": ("link", f"*/.latest{names.TMP_TAG}*"),
+    "staging best/": ("link", f"*/.best{names.TMP_TAG}*"),
+    "swapping latest/": (("rename", "exchange"), "*/latest"),
+    "swapping best/": (("rename", "exchange"), "*/best"),
 }
 
 
-def _open(run: Path, async_save: bool) -> sp.CheckpointManager:
+def _open(run: PathArg, async_save: bool) -> sp.CheckpointManager:
     return sp.CheckpointManager(run, keep_last=2, best_metric="val", async_save=async_save)
 
 
-def _prepare(run: Path, async_save: bool) -> sp.CheckpointManager:
+def _prepare(run: PathArg, async_save: bool) -> sp.CheckpointManager:
     """Steps 1-3 saved (1 pruned by keep_last=2); val makes step 2 the best so far."""
     m = _open(run, async_save)
     for step, val in ((1, 0.5), (2, 0.2), (3, 0.4)):
@@ -97,13 +105,12 @@ def _save_fails(m: sp.CheckpointManager, step: int, val: float) -> sp.Checkpoint
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("site", sorted(UNDONE))
 def test_enospc_after_the_commit_undoes_the_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: str, async_save: bool
+    tmp_path: Path, site: str, async_save: bool
 ) -> None:
     run = tmp_path / "run"
-    m = _prepare(run, async_save)
+    full = Full(*UNDONE[site])
+    m = _prepare(full.at(run), async_save)
     before = snapshot(run)
-    name, when = UNDONE[site]
-    full = Full(monkeypatch, name, when)
     full.armed = True
     # val=0.1 makes step 4 the new best and latest, and keep_last prunes step 2... had it worked.
     err = _save_fails(m, 4, 0.1)
@@ -131,15 +138,15 @@ def test_enospc_after_the_commit_undoes_the_save(
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_enospc_when_resaving_a_step_puts_the_old_checkpoint_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+    tmp_path: Path, async_save: bool
 ) -> None:
     """Saving a step that exists (resumed from it, say) replaces it; undoing that save must bring
     the old checkpoint back, not delete the step the run resumed from."""
     run = tmp_path / "run"
-    m = _prepare(run, async_save)
+    full = Full("put", "*/report.json")
+    m = _prepare(full.at(run), async_save)
     assert m.restore(blank(), 3) == 3
     before = snapshot(run)
-    full = Full(monkeypatch, "replace_file", lambda path, *_: _base(path) == "report.json")
     full.armed = True
     changed = state(3)
     changed["w"] += 1
@@ -164,18 +171,15 @@ def test_enospc_when_resaving_a_step_puts_the_old_checkpoint_back(
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_enospc_while_pruning_does_not_fail_the_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
-) -> None:
+def test_enospc_while_pruning_does_not_fail_the_save(tmp_path: Path, async_save: bool) -> None:
     """Retention runs after the save is complete: a deletion that fails leaves the old checkpoint
     on disk, outside the run (not listed anywhere), and the next save deletes it."""
     run = tmp_path / "run"
-    m = _prepare(run, async_save)
+    # Deleting a checkpoint starts by moving it away (transaction.discard).
+    full = Full("rename", f"*/{layout.CHECKPOINTS}/{layout.step_name(3)}")
+    m = _prepare(full.at(run), async_save)
     m.save(4, state(4), {"val": 0.3}).wait()
     assert m.steps() == [2, 3, 4]  # keep_last=2 keeps 3 and 4, and the best (2) is protected
-    full = Full(
-        monkeypatch, "discard", lambda path: _base(os.path.dirname(path)) == layout.CHECKPOINTS
-    )
     full.armed = True
     m.save(5, state(5), {"val": 0.9}).wait()  # no error: step 5 is saved; step 3 should go
     m.wait()
@@ -193,10 +197,10 @@ def test_enospc_while_pruning_does_not_fail_the_save(
     m.close()
 
 
-def test_enospc_at_close_is_a_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_enospc_at_close_is_a_write_error(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    m = _prepare(run, False)
-    full = Full(monkeypatch, "replace_file", lambda path, *_: _base(path) == "report.json")
+    full = Full("put", "*/report.json")
+    m = _prepare(full.at(run), False)
     full.armed = True
     m.log(4, loss=0.25)
     with pytest.raises(sp.CheckpointWriteError) as info:
@@ -209,13 +213,11 @@ def test_enospc_at_close_is_a_write_error(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_restore_writes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
-) -> None:
+def test_restore_writes_nothing(tmp_path: Path, async_save: bool) -> None:
     run = tmp_path / "run"
-    m = _prepare(run, async_save)
+    full = Full(MUTATIONS)
+    m = _prepare(full.at(run), async_save)
     before = snapshot(run)
-    full = Full(monkeypatch, "replace_file", lambda *_: True)
     full.armed = True
     into = blank()
     assert m.restore(into) == 3
@@ -228,44 +230,33 @@ def test_restore_writes_nothing(
     m.close()
 
 
-def test_enospc_writing_run_json_at_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    full = Full(monkeypatch, "replace_file", lambda path, *_: _base(path) == "run.json")
+def test_enospc_writing_run_json_at_open(tmp_path: Path) -> None:
+    full = Full("put", "*/run.json")
     full.armed = True
     with pytest.raises(sp.CheckpointWriteError) as info:
-        sp.CheckpointManager(tmp_path / "run")
+        sp.CheckpointManager(full.at(tmp_path / "run"))
     assert info.value.errno == errno.ENOSPC and "run.json" in str(info.value)
     full.armed = False
     with sp.CheckpointManager(tmp_path / "run") as m:  # the lock was not left held
         m.save(1, state(1))
 
 
-def test_enospc_creating_the_run_directory_or_its_lock(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def no_space(*args: Any, **kwargs: Any) -> Any:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(args[0]))
-
-    with monkeypatch.context() as patch:
-        patch.setattr(run_lock, "_open_lock_file", no_space)
+def test_enospc_creating_the_run_directory_or_its_lock(tmp_path: Path) -> None:
+    for kind, run in (("lock", "run"), ("makedirs", "other")):
+        full = Full(kind)
+        full.armed = True
         with pytest.raises(sp.CheckpointWriteError) as info:
-            sp.CheckpointManager(tmp_path / "run")
-        assert info.value.errno == errno.ENOSPC
-    with monkeypatch.context() as patch:
-        patch.setattr(os, "makedirs", no_space)
-        with pytest.raises(sp.CheckpointWriteError) as info:
-            sp.CheckpointManager(tmp_path / "other")
-        assert info.value.errno == errno.ENOSPC
+            sp.CheckpointManager(full.at(tmp_path / run))
+        assert info.value.errno == errno.ENOSPC, kind
 
 
-def test_enospc_preparing_a_resave_changes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_enospc_preparing_a_resave_changes_nothing(tmp_path: Path) -> None:
     """Re-saving a step first hard-links the old checkpoint aside; if even that fails, nothing
     was written."""
     run = tmp_path / "run"
-    m = _prepare(run, False)
+    full = Full("link", f"*/.{layout.step_name(3)}{names.TMP_TAG}*")
+    m = _prepare(full.at(run), False)
     before = snapshot(run)
-    full = Full(monkeypatch, "link_tree", lambda _src, dst: ".step-0000000003." in _base(dst))
     full.armed = True
     with pytest.raises(sp.CheckpointWriteError) as info:
         m.save(3, state(4), {"val": 0.1})
@@ -275,15 +266,13 @@ def test_enospc_preparing_a_resave_changes_nothing(
     m.close()
 
 
-def test_cleanup_of_stale_temporaries_is_best_effort(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cleanup_of_stale_temporaries_is_best_effort(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _prepare(run, False).close()
-    stale = run / "checkpoints" / f".step-0000000009{atomic.TMP_TAG}{atomic._HOST}-999999999-ab"
+    stale = run / "checkpoints" / f".step-0000000009{names.TMP_TAG}{names.HOST}-999999999-ab"
     stale.mkdir()
-    full = Full(monkeypatch, "remove_tree", lambda path: ".step-0000000009." in _base(path))
+    full = Full("remove_tree", "*/.step-0000000009.*")
     full.armed = True
-    with _open(run, False) as m:  # opening does not fail because tidying did
+    with _open(full.at(run), False) as m:  # opening does not fail because tidying did
         assert m.steps() == [2, 3]
     assert full.hits >= 1 and stale.exists()

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.state.data import DataPosition, DataStateError, ResumableSampler, epoch_order
+from savepoint.errors import DataStateError
+from savepoint.state.data import DataPosition, ResumableSampler, epoch_order
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import savepoint as sp
+from savepoint.errors import OptimizerStateError
 from savepoint.state.optimizer import (
     OptimizerState,
-    OptimizerStateError,
     optimizer_state_from_torch,
     optimizer_state_to_torch,
 )

@@ -62,9 +62,9 @@ class Saved:
             self.fresh_calls.append((ref, kind))
             a = self.array(ref)
             if kind == "torch":
-                from savepoint.state import _torch
+                from savepoint.state import torch_tensors
 
-                return _torch.from_numpy(a, self.flat.tensors[ref].dtype)
+                return torch_tensors.from_numpy(a, self.flat.tensors[ref].dtype)
             return a[()] if kind == "numpy_scalar" else a
 
         return p.finish(get)

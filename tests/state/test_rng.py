@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.state.rng import RNGState, RNGStateError
+from savepoint.errors import RNGStateError
+from savepoint.state.rng import RNGState
 
 
 def _python_draws() -> list[Any]:
@@ -293,7 +294,8 @@ def test_torch_state_on_a_machine_without_torch(ckpt: Path) -> None:
 import sys
 sys.modules["torch"] = None  # as if torch were not installed
 import savepoint as sp
-from savepoint.state.rng import RNGState, RNGStateError
+from savepoint.errors import RNGStateError
+from savepoint.state.rng import RNGState
 tree = sp.load({str(ckpt)!r}, framework="numpy")
 try:
     RNGState().load_state_dict(tree)

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from savepoint.state import scalars
+from savepoint.state import _scalars
 from state.test_restore import Saved, f32
 
 # ---------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ from state.test_restore import Saved, f32
     ],
 )
 def test_holds(src: str, dst: str, holds: bool) -> None:
-    assert scalars.holds(src, dst) is holds
+    assert _scalars.holds(src, dst) is holds
 
 
 def _every_value(name: str) -> np.ndarray:
@@ -80,9 +80,9 @@ def test_holds_agrees_with_exhaustive_round_trips(src: str, dst: str) -> None:
     values = _every_value(src)
     with np.errstate(all="ignore"):
         wide = values.astype(np.float64)
-        back = values.astype(scalars.dtypes.from_name(dst).numpy).astype(np.float64)
+        back = values.astype(_scalars.dtypes.from_name(dst).numpy).astype(np.float64)
     exact = bool(np.all((back == wide) | (np.isnan(back) & np.isnan(wide))))
-    assert scalars.holds(src, dst) is exact
+    assert _scalars.holds(src, dst) is exact
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_holds_agrees_with_exhaustive_round_trips(src: str, dst: str) -> None:
     ],
 )
 def test_value_into_tensor(value: Any, dst: str, problem: str | None) -> None:
-    got = scalars.value_into_tensor(value, dst)
+    got = _scalars.value_into_tensor(value, dst)
     if value == 2**2000:
         assert got is not None and got.endswith("(603 digits) in the checkpoint does not fit F64")
         return

@@ -1,4 +1,5 @@
-"""Path arguments: local paths and file:// URLs work; other URLs are refused before anything exists.
+"""Path arguments: local paths and file:// URLs work; URLs of schemes without a backend are refused
+before anything exists.
 
 At the parent commit ``sp.save("s3://b/x")`` wrote ``./s3:/b/x`` (os.path collapses the ``//``),
 so every refusal test below also asserts that the working directory stays empty.
@@ -18,14 +19,14 @@ import pytest
 from click.testing import CliRunner
 
 import savepoint as sp
-import savepoint.diff
 from savepoint.cli import main
 from savepoint.distributed.consolidate import consolidate
-from savepoint.formats import boostr, burn, detect, shrew, training_artifact
+from savepoint.formats import boostr, burn, detect, diff, shrew, training_artifact
 from savepoint.inference import InferenceSnapshot
 from savepoint.storage.paths import local_path
 
-URLS = ["s3://bucket/x", "gs://b/x", "az://c/x", "memory://x", "https://h/x"]
+# memory:// is not refused: it names the in-memory store (tests/storage/test_resolve.py).
+URLS = ["s3://bucket/x", "gs://b/x", "az://c/x", "https://h/x"]
 
 STATE = {"w": np.arange(4, dtype=np.float32)}
 
@@ -52,8 +53,8 @@ ENTRY_POINTS: dict[str, Callable[[str], Any]] = {
     "sp.load": lambda u: sp.load(u),
     "sp.verify": lambda u: sp.verify(u),
     "sp.inspect": lambda u: sp.inspect(u),
-    "savepoint.diff.diff a": lambda u: savepoint.diff.diff(u, "missing"),
-    "savepoint.diff.diff b": lambda u: savepoint.diff.diff("missing", u),
+    "formats.diff.diff a": lambda u: diff.diff(u, "missing"),
+    "formats.diff.diff b": lambda u: diff.diff("missing", u),
     "sp.convert source": lambda u: sp.convert(u, "missing"),
     "sp.convert target": lambda u: sp.convert("missing", u),
     "AsyncCheckpointer.save": _async_save,
@@ -120,11 +121,14 @@ def empty_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cwd
 
 
+EXTRAS = {"s3": "s3", "gs": "gcs", "az": "azure"}
+
+
 def _refused_message(text: str, scheme: str) -> None:
-    assert f"does not support {scheme}:// URLs yet" in text
-    assert "s3, gs, az" in text and "mount" in text and "local path" in text
-    # No backend and no extra exist yet: the message must not send users to install one.
-    assert "install" not in text and "pip" not in text
+    assert f"no backend for {scheme}:// URLs" in text
+    assert "mount" in text and "local path" in text
+    # It names the extra that will carry the backend, and says this version does not have it.
+    assert f"savepoint[{EXTRAS.get(scheme, 'fsspec')}]" in text and "not have" in text
 
 
 @pytest.mark.parametrize("url", URLS)

@@ -3,8 +3,10 @@
 What blocks the caller in ``save()``: calling ``state_dict()`` on Stateful objects and copying
 every tensor into the staging arena, laid out as the files to be written (a parallel memcpy for a
 CPU state; for CUDA tensors only the queueing of non-blocking copies, see
-:mod:`savepoint.async_.staging`). What runs in the background: checksums, the O_DIRECT writes
-straight from the arena, fsync, the atomic commit, then an optional ``on_commit`` callback. When
+:mod:`savepoint.async_.staging`). What runs in the background
+(:func:`savepoint.engine.save.save_staged`): checksums, the writes straight from the arena
+(O_DIRECT on local disks; ``writers`` files at once), fsync, the atomic commit, then an optional
+``on_commit`` callback. When
 ``save()`` returns, training may modify the state freely: what gets saved is the state at that
 moment. The arena is reused by every save, so async saving holds one staging copy, no more.
 
@@ -20,7 +22,7 @@ interpreter exit a pending save is finished; if it fails, the error is printed t
 ``savepoint.formats.boostr.save``), under exactly the same rules: the seed's async writer writes
 boostr files. It is a separate method rather than a ``format=`` option because the two take
 different arguments (a state tree and a JSON metadata mapping, against two flat tensor maps and a
-``TrainingState``) and resolve to different descriptions (CheckpointInfo, FormatInfo); one
+``TrainingState``) and resolve to different descriptions (a manifest's and a boostr directory's); one
 checkpointer can interleave both kinds of save, one in flight at a time.
 """
 
@@ -38,14 +40,19 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from savepoint import _writer, checkpoint
+from savepoint import info
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.staging import StagingArena
+from savepoint.engine import save as save_engine
+from savepoint.engine.describe import describe
 from savepoint.errors import CheckpointError, CheckpointWriteError
-from savepoint.formats._boostr_single import TrainingState
-from savepoint.formats._files import FormatInfo
+from savepoint.formats import boostr
+from savepoint.options import DEFAULT_MAX_FILE_BYTES, DEFAULT_WRITERS, Progress, SaveOptions
 from savepoint.state import tree
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import Location, PathArg, local_path
+from savepoint.storage.paths import resolve as resolve_path
+
+__all__ = ["AsyncCheckpointer", "OnBusy"]
 
 OnBusy = Literal["wait", "skip"]
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
@@ -55,35 +62,59 @@ _UNFINISHED: set[AsyncCheckpointer] = set()
 
 
 class AsyncCheckpointer:
+    """Saves in the background, one at a time (see the module docstring).
+
+    ``max_file_bytes`` splits the data files as ``sp.save`` does; ``writers`` files are written
+    at once from the arena; ``direct=False`` asks for buffered writes (plus fsync) even where
+    O_DIRECT works; ``progress(done, total)`` is called from the background thread as each save's
+    tensor bytes are written; ``process_group`` and ``timeout`` make every save a sharded one
+    (every rank calls ``save``). ``options`` (a :class:`~savepoint.options.SaveOptions`) gives
+    them all at once; keyword arguments given as well override it. Every option is checked
+    here, so a bad one fails at construction, not at the first save."""
+
     def __init__(
         self,
         *,
         on_busy: OnBusy = "wait",
-        max_file_bytes: int = checkpoint.DEFAULT_MAX_FILE_BYTES,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         direct: bool = True,
-        writers: int = 1,
+        writers: int = DEFAULT_WRITERS,
+        progress: Progress | None = None,
         process_group: Any = None,
         timeout: float | None = None,
+        options: SaveOptions | None = None,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
-        if process_group is not None and on_busy == "skip":
+        if on_busy == "skip" and (
+            process_group is not None or (options is not None and options.process_group is not None)
+        ):
             raise ValueError(
                 "on_busy='skip' cannot be used with a process group: ranks could disagree about "
                 "which saves to skip"
             )
+        given = {
+            "max_file_bytes": max_file_bytes,
+            "direct": direct,
+            "writers": writers,
+            "progress": progress,
+            "process_group": process_group,
+            "timeout": timeout,
+        }
+        defaults = SaveOptions()
+        # Keyword arguments given explicitly override ``options``; checked here, not at a save.
+        self.options = SaveOptions.of(
+            {k: v for k, v in given.items() if v is not getattr(defaults, k)}, base=options
+        )
         # Sharded saves (process_group): each rank snapshots its part to host memory, and the
         # background thread runs the two-phase distributed commit (savepoint.distributed.save).
-        self.process_group = process_group
-        self.timeout = timeout
-        if max_file_bytes <= 0:
-            raise ValueError("max_file_bytes must be positive")
+        self.process_group = self.options.process_group
+        self.timeout = self.options.timeout
         self.on_busy = on_busy
-        self.max_file_bytes = max_file_bytes
-        self.direct = direct  # False: buffered writes + fsync even where O_DIRECT works
-        # ``writers`` is accepted for symmetry with sp.save: file images are written one at a time
-        # from the arena, each in large aligned writes, which kept this disk busy on its own.
-        del writers
+        self.max_file_bytes = self.options.max_file_bytes
+        self.direct = self.options.direct  # False: buffered writes + fsync even with O_DIRECT
+        self.writers = self.options.writers  # files written at once (sharded: per rank)
+        self.progress = self.options.progress
         self._arena = StagingArena()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
         self._pending: PendingSave | None = None
@@ -97,36 +128,41 @@ class AsyncCheckpointer:
 
     def save(
         self,
-        path: str | os.PathLike[str],
+        path: PathArg,
         state: Any,
         *,
         metadata: Mapping[str, Any] | None = None,
-        on_commit: Callable[[checkpoint.CheckpointInfo], Any] | None = None,
+        on_commit: Callable[[info.CheckpointInfo], Any] | None = None,
     ) -> PendingSave:
-        """Snapshot ``state`` now and write it to ``path`` in the background.
+        """Snapshot ``state`` now and write it to ``path`` (a local path, a ``file://`` or
+        ``memory://`` URL, a ``Location``) in the background.
 
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
-        path = local_path(path, what="checkpoint path")
+        location = resolve_path(path, what="checkpoint path")
         with self._save_lock:
-            return self._save(path, on_commit, lambda target: self._native(target, state, metadata))
+            return self._save(
+                location.store.url(location.path),
+                on_commit,
+                lambda: self._native(location, state, metadata),
+            )
 
     def save_boostr(
         self,
         path: str | os.PathLike[str],
         model: Mapping[str, Any],
         optimizer: Mapping[str, Any] | None = None,
-        state: TrainingState | None = None,
+        state: boostr.TrainingState | None = None,
         *,
-        on_commit: Callable[[FormatInfo], Any] | None = None,
+        on_commit: Callable[[info.CheckpointInfo], Any] | None = None,
     ) -> PendingSave:
         """Snapshot a boostr checkpoint now and write it to ``path`` in the background, as
         ``savepoint.formats.boostr.save(path, model, optimizer, state)`` would (the seed's
         ``AsyncCheckpointer::save``): the same one-in-flight, ``on_busy`` and error rules as
         :meth:`save`. The blocking part copies every tensor into host memory owned by the save
         (a fresh copy per save: the staging arena is laid out as native files) and checks
-        ``state``; the PendingSave resolves to the written checkpoint's ``FormatInfo``. Not
+        ``state``; the PendingSave resolves to the written checkpoint's description (``CheckpointInfo``). Not
         available with a process group (use ``boostr.save_distributed``)."""
-        path = local_path(path, what="checkpoint path")
+        target = os.path.abspath(local_path(path, what="checkpoint path"))
         if self.process_group is not None:
             raise ValueError(
                 "save_boostr writes a single boostr checkpoint; with a process group use "
@@ -134,15 +170,17 @@ class AsyncCheckpointer:
             )
         with self._save_lock:
             return self._save(
-                path, on_commit, lambda target: _boostr_commit(target, model, optimizer, state)
+                target, on_commit, lambda: _boostr_commit(target, model, optimizer, state)
             )
 
     def _save(
         self,
-        path: str | os.PathLike[str],
+        target: str,
         on_commit: Callable[[Any], Any] | None,
-        prepare: Callable[[str], Callable[[], Any]],
+        prepare: Callable[[], Callable[[], Any]],
     ) -> PendingSave:
+        """Run ``prepare()`` (the snapshot) now and the function it returns (the commit) in the
+        background; ``target`` is how messages name the destination."""
         if self._forked:
             raise RuntimeError(
                 "this AsyncCheckpointer belongs to the parent process (it was created before "
@@ -151,7 +189,6 @@ class AsyncCheckpointer:
         if self._closed:
             raise RuntimeError("this AsyncCheckpointer is closed")
         self._raise_background_error()
-        target = os.path.abspath(os.fspath(path))
         previous = self._pending
         if previous is not None and not previous.done():
             if self.on_busy == "skip":
@@ -164,7 +201,7 @@ class AsyncCheckpointer:
             self._raise_background_error()
         pending = PendingSave(target)
         # The snapshot: when prepare() returns, training may change the state.
-        commit = prepare(target)
+        commit = prepare()
 
         def write() -> None:
             try:
@@ -188,35 +225,31 @@ class AsyncCheckpointer:
         return pending
 
     def _native(
-        self, target: str, state: Any, metadata: Mapping[str, Any] | None
-    ) -> Callable[[], checkpoint.CheckpointInfo]:
-        meta = checkpoint._check_metadata(metadata)
+        self, location: Location, state: Any, metadata: Mapping[str, Any] | None
+    ) -> Callable[[], info.CheckpointInfo]:
+        meta = save_engine.check_metadata(metadata)
         if self.process_group is not None:
             from savepoint.distributed import save as distributed_save
 
             frozen = distributed_save.snapshot(state)
 
-            def commit() -> checkpoint.CheckpointInfo:
-                return distributed_save.save_flat(
-                    target,
-                    frozen,
-                    meta,
-                    process_group=self.process_group,
-                    timeout=self.timeout,
-                    max_file_bytes=self.max_file_bytes,
-                )
+            def commit() -> info.CheckpointInfo:
+                return distributed_save.save_flat(location, frozen, meta, self.options)
 
             return commit
         # The previous save is finished (waited for above), so its arena may be overwritten.
         staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
 
-        def commit_staged() -> checkpoint.CheckpointInfo:
-            return checkpoint.commit_checkpoint(
-                target,
-                staged.tree,
+        def commit_staged() -> info.CheckpointInfo:
+            directory, manifest = save_engine.save_staged(
+                location,
+                staged,
                 meta,
-                lambda directory: _writer.write_staged(directory, staged, direct=self.direct),
+                direct=self.direct,
+                writers=self.writers,
+                progress=self.progress,
             )
+            return describe(location.store.url(directory), manifest)
 
         return commit_staged
 
@@ -259,19 +292,17 @@ def _boostr_commit(
     target: str,
     model: Mapping[str, Any],
     optimizer: Mapping[str, Any] | None,
-    state: TrainingState | None,
-) -> Callable[[], FormatInfo]:
+    state: boostr.TrainingState | None,
+) -> Callable[[], info.CheckpointInfo]:
     """Check and copy a boostr checkpoint now; the returned function writes it (background)."""
-    from savepoint.formats import _boostr_single, _boostr_write, boostr
-
-    given = state if state is not None else TrainingState()
+    given = state if state is not None else boostr.TrainingState()
     given.to_json()  # refuse what cannot be written now, in the caller, not in the background
     frozen = dataclasses.replace(given, metadata=dict(given.metadata))
-    model_copy = _boostr_write.snapshot(model, "model")
-    opt_copy = None if optimizer is None else _boostr_write.snapshot(optimizer, "optimizer")
+    model_copy = boostr.snapshot(model, "model")
+    opt_copy = None if optimizer is None else boostr.snapshot(optimizer, "optimizer")
 
-    def commit() -> FormatInfo:
-        _boostr_single.write(target, model_copy, opt_copy, frozen)
+    def commit() -> info.CheckpointInfo:
+        boostr.write(target, model_copy, opt_copy, frozen)
         return boostr.inspect(target)
 
     return commit

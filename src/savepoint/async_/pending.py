@@ -10,6 +10,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+__all__ = ["PendingSave"]
+
 
 class PendingSave:
     def __init__(self, path: str | None, step: int | None = None, *, skipped: bool = False) -> None:

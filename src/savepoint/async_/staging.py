@@ -2,14 +2,17 @@
 
 ``StagingArena.stage(flat)`` plans the data files (same split as a synchronous save), then copies
 every tensor into one host buffer at the very position it will have in its file, header included,
-each file starting on a 4 KiB boundary. The background writer then writes each file image straight
-from the arena with ``O_DIRECT`` (no second copy) and computes the checksums from it. What blocks
-the caller is only the copy into the arena, spread over all cores.
+each file starting on a 4 KiB boundary. The background writer
+(:func:`savepoint.engine.save.save_staged`) then computes the checksums from the images and writes
+each image straight from the arena through the store's blob writer (with ``O_DIRECT`` on local
+disks: no second copy). What blocks the caller is only the copy into the arena, spread over all
+cores.
 
 The arena is allocated once, the size of the state, and reused by every later save (touched at
 allocation: first-touch page faults cost more than the copy itself on the development machine);
-when a state outgrows it, it is replaced by one with 25% headroom; it is never shrunk. There is one arena per AsyncCheckpointer and one
-save in flight, so async saving holds exactly one staging copy.
+when a state outgrows it, it is replaced by one with 25% headroom; it is never shrunk. There is
+one arena per AsyncCheckpointer and one save in flight, so async saving holds exactly one staging
+copy.
 
 CUDA tensors are staged into pinned host memory with non-blocking copies on a side stream. The
 side stream first waits for the current stream, so the copies see every kernel queued before
@@ -28,11 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from savepoint import _parallel
-from savepoint._writer import plan_files
 from savepoint.codecs import safetensors
+from savepoint.engine import parallel
+from savepoint.engine.plan import plan_files
 from savepoint.state.arrays import TensorSource
 from savepoint.state.tree import Flat, Node
+
+__all__ = ["Staged", "StagedFile", "StagingArena"]
 
 BLOCK = 4096
 _PIECE = 16 << 20
@@ -92,7 +97,7 @@ class StagingArena:
         else:
             m = mmap.mmap(-1, size)
             a = np.frombuffer(m, dtype=np.uint8)
-            _parallel.run_all(lambda i: a[i : i + _PIECE].fill(0), range(0, size, _PIECE))
+            parallel.run_all(lambda i: a[i : i + _PIECE].fill(0), range(0, size, _PIECE))
             self._keep, self._array = m, a
         self.pinned = pinned
         return self._array
@@ -102,19 +107,11 @@ class StagingArena:
 
     def stage(self, flat: Flat, max_file_bytes: int) -> Staged:
         """Copy ``flat``'s tensors into the arena, laid out as the files they will be written to."""
-        plans = plan_files(flat, max_file_bytes)
         layouts = []
         total = 0
-        for fp in plans:
-            header, entries = safetensors.layout(
-                [
-                    (n, flat.tensors[n].dtype.name, flat.tensors[n].shape, flat.tensors[n].nbytes)
-                    for n in fp.tensors
-                ]
-            )
-            size = entries[-1].end if entries else len(header)
-            layouts.append((fp.name, header, entries, total, size))
-            total += _round(size)
+        for fp in plan_files(flat.tensors, max_file_bytes):
+            layouts.append((fp.name, fp.header, list(fp.entries), total, fp.size))
+            total += _round(fp.size)
         cuda = [s for s in flat.tensors.values() if _on_cuda(s)]
         arena = self._reserve(max(total, BLOCK), pinned=bool(cuda))
         files = []
@@ -130,11 +127,11 @@ class StagingArena:
             files.append(StagedFile(name, header, entries, image, size))
         wait: Callable[[], None] = _nothing
         if device_jobs:
-            from savepoint.state import _torch
+            from savepoint.state import torch_tensors
 
             base = arena.__array_interface__["data"][0]
             pinned = self._keep  # the pinned torch tensor behind ``arena``
-            wait = _torch.stage_to_pinned(
+            wait = torch_tensors.stage_to_pinned(
                 [
                     (s, pinned[(o := d.__array_interface__["data"][0] - base) : o + len(d)])
                     for s, d in device_jobs
@@ -142,7 +139,7 @@ class StagingArena:
             )
         for source, dst in host_jobs:
             source.copy_to(dst[:0], 0)  # make any contiguous copy once, before the threads
-        _parallel.run_all(_copy_piece, _pieces(host_jobs))
+        parallel.run_all(_copy_piece, _pieces(host_jobs))
         for source, _ in host_jobs:
             source.release()
         return Staged(flat.tree, files, list(flat.tensors), wait)
@@ -166,7 +163,7 @@ def _pieces(
         for pos in range(0, max(len(dst), 1), _PIECE)
         if len(dst)
     ]
-    return _parallel.bundles(pieces, lambda p: len(p[1]))
+    return parallel.bundles(pieces, lambda p: len(p[1]))
 
 
 def _copy_piece(bundle: list[tuple[TensorSource, np.ndarray[Any, Any], int]]) -> None:

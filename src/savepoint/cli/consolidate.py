@@ -6,8 +6,8 @@ import time
 
 import click
 
-from savepoint._text import size as _size
 from savepoint.cli._common import fail, progress
+from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
 
 

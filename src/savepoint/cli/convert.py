@@ -1,6 +1,6 @@
 """``savepoint convert SRC DST``: a checkpoint in another format, one tensor at a time.
 
-The formats and the rules for what each can hold live in :mod:`savepoint.conversion`; this module
+The formats and the rules for what each can hold live in :mod:`savepoint.formats.convert`; this module
 only parses the options and prints the outcome.
 """
 
@@ -10,10 +10,10 @@ import time
 
 import click
 
-from savepoint._text import size as _size
 from savepoint.cli._common import fail
-from savepoint.conversion import TARGETS, convert
+from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
+from savepoint.formats.convert import TARGETS, convert
 
 
 @click.command("convert")

@@ -9,9 +9,9 @@ import sys
 
 import click
 
-from savepoint._text import table as _table
 from savepoint.cli._common import echo_json, fail, local
 from savepoint.cli._runs import load_report, require_run
+from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
 
 
@@ -24,7 +24,7 @@ from savepoint.errors import CheckpointError
 def diff_cmd(a: str, b: str, c: str | None, as_json: bool, show_all: bool) -> None:
     """Compare two checkpoints: `diff CKPT_A CKPT_B`, or two steps of a run: `diff RUN STEP STEP`
     (a step may be a number, 'latest' or 'best'). Exit status 0 when identical, 1 otherwise."""
-    from savepoint.diff import diff
+    from savepoint.formats.diff import diff
 
     a, b = local(a), (b if c is not None else local(b))
     if c is not None:

@@ -14,9 +14,9 @@ from typing import Any
 import click
 
 from savepoint import checkpoint
-from savepoint._text import size as _size
-from savepoint._text import table as _table
 from savepoint.cli._common import echo_json, fail, is_foreign, local
+from savepoint.cli._text import size as _size
+from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
 from savepoint.formats import detect
 

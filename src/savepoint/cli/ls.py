@@ -8,8 +8,6 @@ from typing import Any
 import click
 
 from savepoint import checkpoint
-from savepoint._text import size as _size
-from savepoint._text import table as _table
 from savepoint.cli._common import echo_json, local
 from savepoint.cli._runs import (
     committed_steps,
@@ -18,6 +16,8 @@ from savepoint.cli._runs import (
     require_run,
     run_problems,
 )
+from savepoint.cli._text import size as _size
+from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
 
 

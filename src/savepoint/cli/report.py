@@ -9,9 +9,9 @@ from typing import Literal
 
 import click
 
-from savepoint._text import table as _table
 from savepoint.cli._common import echo_json, local
 from savepoint.cli._runs import committed_steps, load_report, metrics_text, run_problems
+from savepoint.cli._text import table as _table
 
 
 @click.command("report")

@@ -14,9 +14,9 @@ import time
 import click
 
 from savepoint import checkpoint
-from savepoint._text import size as _size
 from savepoint.cli._common import fail, is_foreign, local, progress
 from savepoint.cli._runs import committed_steps, load_report
+from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
 from savepoint.formats import detect
 

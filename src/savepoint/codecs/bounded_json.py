@@ -44,6 +44,17 @@ from typing import Any
 
 import numpy as np
 
+__all__ = [
+    "Census",
+    "MAX_DEPTH",
+    "MEMORY_FACTOR",
+    "MEMORY_SLACK",
+    "StrictJSONError",
+    "census",
+    "check",
+    "loads",
+]
+
 MAX_DEPTH = 512
 MEMORY_FACTOR = 24
 MEMORY_SLACK = 32 << 20

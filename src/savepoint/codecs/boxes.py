@@ -26,6 +26,27 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+__all__ = [
+    "Box",
+    "Flat",
+    "Piece",
+    "Region",
+    "check_cover",
+    "extents",
+    "full",
+    "inside",
+    "intersect",
+    "is_full",
+    "overlaps",
+    "pieces",
+    "relative",
+    "show",
+    "size",
+    "span",
+    "split",
+    "volume",
+]
+
 Box = tuple[tuple[int, int], ...]
 
 

@@ -11,6 +11,14 @@ from typing import Any
 
 import xxhash
 
+__all__ = [
+    "ALGORITHM",
+    "digest",
+    "hexdigest",
+    "is_digest",
+    "new",
+]
+
 ALGORITHM = "xxh3-64"
 
 

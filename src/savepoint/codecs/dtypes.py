@@ -16,6 +16,15 @@ import numpy as np
 
 from savepoint.errors import UnsupportedStateError
 
+__all__ = [
+    "BY_NAME",
+    "DType",
+    "from_name",
+    "from_numpy",
+    "from_torch",
+    "torch_dtype",
+]
+
 
 @dataclass(frozen=True)
 class DType:

@@ -88,8 +88,8 @@ Reading is bounded, whatever the input:
 
 - nesting deeper than :data:`MAX_DEPTH` (72) levels is a CorruptCheckpointError at any depth
   (1,000 or 1,000,000 levels: never a RecursionError); error messages show values briefly;
-- MessagePack is read by a reader that walks the known layout (``_Reader`` in
-  :mod:`savepoint.codecs.kizzasi_msgpack`, which states its contract), not by
+- MessagePack is read by a reader that walks the known layout (``Reader`` in
+  :mod:`savepoint.codecs._kizzasi_msgpack`, which states its contract), not by
   ``msgpack.unpackb``: numeric arrays go straight from the input into numpy arrays (vectorised
   for the layouts the seed and savepoint write), unknown keys are passed over without building
   anything, and everything built is charged to a budget. Peak traced memory <= 16 x input + 64 MiB
@@ -118,24 +118,24 @@ import numpy as np
 
 from savepoint.codecs import bounded_json as _json
 from savepoint.codecs import dtypes
-from savepoint.codecs.dtypes import DType
-from savepoint.codecs.kizzasi_msgpack import (
-    _FLOATS,
-    _INTS,
+from savepoint.codecs._kizzasi_msgpack import (
     CHECKPOINT_FIELDS,
     CHECKPOINT_VERSION,
     CONTEXT_CONFIG_FIELDS,
+    FLOAT_DTYPES,
+    INT_DTYPES,
     MAX_DEPTH,
     METADATA_FIELDS,
     STATE_FIELDS,
-    _Budget,
-    _flat,
-    _Malformed,
-    _need,
-    _NonFinite,
-    _Packed,
-    _Reader,
+    Budget,
+    Malformed,
+    NonFinite,
+    Packed,
+    Reader,
+    flat_array,
+    require,
 )
+from savepoint.codecs.dtypes import DType
 from savepoint.codecs.snapshot import (
     KINDS,
     RecordError,
@@ -205,7 +205,7 @@ class _Numbers:
         name = self.dtype.name
         if name == "BOOL":
             return self.flat.astype(np.uint8).tolist()  # type: ignore[no-any-return]
-        if name in _INTS or name in ("F32", "F64", "C64"):
+        if name in INT_DTYPES or name in ("F32", "F64", "C64"):
             return self.flat.tolist()  # type: ignore[no-any-return]
         return self.flat.astype(np.float64).tolist()  # type: ignore[no-any-return]
 
@@ -231,7 +231,7 @@ def _numbers(array: np.ndarray[Any, Any], d: DType) -> tuple[_Numbers, list[list
     if d.name == "C64":
         flat = flat.view(np.float32)
     nonfinite: list[list[Any]] = []
-    if d.name in _FLOATS:
+    if d.name in FLOAT_DTYPES:
         with np.errstate(invalid="ignore"):
             wide = flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float32)
         bad = ~np.isfinite(wide)
@@ -376,44 +376,44 @@ def decode_json(text: str | bytes | bytearray) -> SnapshotRecord:
         raise TypeError(f"expected str or bytes, got {type(text).__name__}")
     doc = _json.loads(raw, CorruptCheckpointError, "kizzasi JSON")
     # The document is built (bounded by _json); what it becomes is charged to its own budget.
-    return _parse(doc, "kizzasi JSON", _Budget(len(raw), JSON_BUDGET_FACTOR, BUDGET_SLACK))
+    return _parse(doc, "kizzasi JSON", Budget(len(raw), JSON_BUDGET_FACTOR, BUDGET_SLACK))
 
 
 def decode_msgpack(data: bytes | bytearray | memoryview) -> SnapshotRecord:
     """The record held by MessagePack ``data``: savepoint's maps or the seed's arrays.
 
-    Bounded (see :mod:`savepoint.codecs.kizzasi_msgpack`): nesting deeper than :data:`MAX_DEPTH` levels, more decoded
+    Bounded (see :mod:`savepoint.codecs._kizzasi_msgpack`): nesting deeper than :data:`MAX_DEPTH` levels, more decoded
     objects than :data:`BUDGET_FACTOR` x ``len(data)`` + :data:`BUDGET_SLACK` bytes, a length
     running past the end and trailing bytes are CorruptCheckpointError.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"expected bytes, got {type(data).__name__}")
     buf = memoryview(data).cast("B")
-    reader = _Reader(buf, _Budget(len(buf), BUDGET_FACTOR, BUDGET_SLACK))
+    reader = Reader(buf, Budget(len(buf), BUDGET_FACTOR, BUDGET_SLACK))
     try:
         doc = reader.document()
-    except _Malformed as exc:
+    except Malformed as exc:
         raise CorruptCheckpointError(f"kizzasi MessagePack: {exc}") from None
     return _parse(doc, "kizzasi MessagePack", reader.budget)
 
 
-def _parse(doc: Any, what: str, budget: _Budget) -> SnapshotRecord:
+def _parse(doc: Any, what: str, budget: Budget) -> SnapshotRecord:
     try:
         return _parse_document(doc, budget)
-    except (_Malformed, RecordError) as exc:
+    except (Malformed, RecordError) as exc:
         raise CorruptCheckpointError(f"{what}: {exc}") from None
 
 
 def _is_values(x: Any) -> bool:
-    return isinstance(x, (list, _Packed))
+    return isinstance(x, (list, Packed))
 
 
-def _parse_document(doc: Any, budget: _Budget) -> SnapshotRecord:
-    _need(isinstance(doc, dict), "the document is not an object")
-    _need("version" in doc, "missing field version")
+def _parse_document(doc: Any, budget: Budget) -> SnapshotRecord:
+    require(isinstance(doc, dict), "the document is not an object")
+    require("version" in doc, "missing field version")
     version = doc["version"]
     if not is_count(version):
-        raise _Malformed(f"version must be a non-negative integer, got {show(version)}")
+        raise Malformed(f"version must be a non-negative integer, got {show(version)}")
     if version != CHECKPOINT_VERSION:
         # Before anything else: another version may lay its fields out differently.
         raise IncompatibleCheckpointError(
@@ -421,34 +421,34 @@ def _parse_document(doc: Any, budget: _Budget) -> SnapshotRecord:
             "(the only version the seed defines)"
         )
     missing = [f for f in CHECKPOINT_FIELDS if f not in doc]
-    _need(not missing, f"missing field(s) {', '.join(missing)}")
-    _need(isinstance(doc["config"], dict), "config must be an object")
+    require(not missing, f"missing field(s) {', '.join(missing)}")
+    require(isinstance(doc["config"], dict), "config must be an object")
     # The document was just decoded: check its config where it is, without a second copy.
     config = check_config(doc["config"], copy=False)
     metadata = doc["metadata"]
-    _need(isinstance(metadata, dict), "metadata must be an object")
+    require(isinstance(metadata, dict), "metadata must be an object")
     missing = [f for f in METADATA_FIELDS if f not in metadata]
-    _need(not missing, f"metadata: missing field(s) {', '.join(missing)}")
-    _need(isinstance(metadata["tags"], list), "metadata tags must be a list")
+    require(not missing, f"metadata: missing field(s) {', '.join(missing)}")
+    require(isinstance(metadata["tags"], list), "metadata tags must be a list")
     raw_states, raw_history = doc["states"], doc["history"]
-    _need(isinstance(raw_states, list), "states must be a list")
-    _need(isinstance(raw_history, list), "history must be a list")
+    require(isinstance(raw_states, list), "states must be a list")
+    require(isinstance(raw_history, list), "history must be a list")
 
     states, state_kinds = [], []
     for i, entry in enumerate(raw_states):
         where = f"states[{i}]"
-        _need(isinstance(entry, dict), f"{where} is not an object")
+        require(isinstance(entry, dict), f"{where} is not an object")
         missing = [f for f in STATE_FIELDS if f not in entry]
-        _need(not missing, f"{where}: missing field(s) {', '.join(missing)}")
+        require(not missing, f"{where}: missing field(s) {', '.join(missing)}")
         hidden_dim, state_dim = entry["hidden_dim"], entry["state_dim"]
-        _need(
+        require(
             is_count(hidden_dim) and is_count(state_dim),
             f"{where}: hidden_dim and state_dim must be non-negative integers",
         )
-        _need(isinstance(entry["updated"], bool), f"{where}: updated must be a boolean")
+        require(isinstance(entry["updated"], bool), f"{where}: updated must be a boolean")
         array, kind = _array(entry["state_data"], entry, (hidden_dim, state_dim), where, budget)
         d = dtypes.from_numpy(array.dtype, where)
-        _need(
+        require(
             seed_dims(tuple(array.shape), d) == (hidden_dim, state_dim),
             f"{where}: hidden_dim x state_dim {hidden_dim} x {state_dim} disagrees with shape "
             f"{list(array.shape)}",
@@ -459,15 +459,15 @@ def _parse_document(doc: Any, budget: _Budget) -> SnapshotRecord:
     layout = doc.get("history_layout")
     if layout is None:
         layout = [None] * len(raw_history)
-    _need(
+    require(
         isinstance(layout, list) and len(layout) == len(raw_history),
         "history_layout must be a list with one entry per history element",
     )
     history, history_kinds = [], []
     for i, (values, extras) in enumerate(zip(raw_history, layout)):
         where = f"history[{i}]"
-        _need(extras is None or isinstance(extras, dict), f"history_layout[{i}] is not an object")
-        _need(_is_values(values), f"{where} is not a list of numbers")
+        require(extras is None or isinstance(extras, dict), f"history_layout[{i}] is not an object")
+        require(_is_values(values), f"{where} is not a list of numbers")
         array, kind = _array(values, extras or {}, (len(values),), where, budget)
         history.append(array)
         history_kinds.append(kind)
@@ -494,32 +494,32 @@ def _array(
     extras: dict[str, Any],
     default_shape: tuple[int, ...],
     where: str,
-    budget: _Budget,
+    budget: Budget,
 ) -> tuple[np.ndarray[Any, Any], str]:
     """One array from its flat values and its extra keys (dtype, shape, kind, nonfinite)."""
     name = extras.get("dtype", "F32")
     if not (isinstance(name, str) and name in dtypes.BY_NAME):
-        raise _Malformed(f"{where}: unknown dtype {show(name)}")
+        raise Malformed(f"{where}: unknown dtype {show(name)}")
     d = dtypes.BY_NAME[name]
     shape = check_shape(extras["shape"], d.itemsize, where) if "shape" in extras else default_shape
     kind = extras.get("kind", "numpy")
     if kind not in KINDS:
-        raise _Malformed(f"{where}: kind must be 'numpy' or 'torch', got {show(kind)}")
-    _need(_is_values(values), f"{where}: values must be a list of numbers")
+        raise Malformed(f"{where}: kind must be 'numpy' or 'torch', got {show(kind)}")
+    require(_is_values(values), f"{where}: values must be a list of numbers")
     pair = 2 if name == "C64" else 1
     expected = math.prod(shape) * pair
-    _need(
+    require(
         len(values) == expected,
         f"{where}: {len(values)} values for shape {list(shape)} of {name} ({expected} needed)",
     )
     target = np.dtype(np.float32) if name == "C64" else np.dtype(d.numpy)
     budget.array(len(values), target.itemsize, len(shape))
-    flat = values.decode(d, where) if isinstance(values, _Packed) else _flat(values, d, where)
+    flat = values.decode(d, where) if isinstance(values, Packed) else flat_array(values, d, where)
     nonfinite = extras.get("nonfinite")
-    if nonfinite is not None and not isinstance(nonfinite, _NonFinite):
-        nonfinite = _NonFinite.of_list(nonfinite, where, budget)
+    if nonfinite is not None and not isinstance(nonfinite, NonFinite):
+        nonfinite = NonFinite.of_list(nonfinite, where, budget)
     if nonfinite is not None and len(nonfinite):
-        _need(name in _FLOATS, f"{where}: nonfinite values in an array of {name}")
+        require(name in FLOAT_DTYPES, f"{where}: nonfinite values in an array of {name}")
         nonfinite.patch(flat, where)
     if name == "C64":
         flat = flat.view(np.complex64)

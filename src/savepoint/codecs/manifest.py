@@ -79,6 +79,26 @@ from savepoint.errors import (
     UnsupportedStateError,
 )
 
+__all__ = [
+    "FORMAT",
+    "FileRecord",
+    "MAX_MANIFEST_BYTES",
+    "Manifest",
+    "ManifestError",
+    "ManifestVersionError",
+    "NAME",
+    "SHARDED",
+    "ShardRecord",
+    "TensorRecord",
+    "UNSHARDED",
+    "VERSION",
+    "dumps",
+    "parse",
+    "shard_name",
+    "shard_shape",
+    "whole",
+]
+
 FORMAT = "savepoint"
 UNSHARDED = 1  # what an unsharded checkpoint is written as
 SHARDED = 2  # what a sharded checkpoint is written as

@@ -27,13 +27,24 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from savepoint.codecs import bounded_json as _json
 from savepoint.codecs import dtypes
 from savepoint.errors import CorruptCheckpointError
+
+__all__ = [
+    "Entry",
+    "HeaderError",
+    "MAX_HEADER_BYTES",
+    "PRODUCER",
+    "header_length",
+    "layout",
+    "ordered_layout",
+    "parse_header",
+]
 
 MAX_HEADER_BYTES = 100_000_000
 PRODUCER = {"producer": "savepoint"}
@@ -77,6 +88,37 @@ def layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple[by
     prefix = struct.pack("<Q", len(raw)) + raw
     base = len(prefix)
     return prefix, [Entry(n, d, s, base + b, base + e) for n, d, s, b, e in spans]
+
+
+def ordered_layout(
+    tensors: Sequence[tuple[str, str, tuple[int, ...], int]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, list[int]]:
+    """Header bytes (length prefix included) for ``(name, dtype, shape, nbytes)`` listed in the
+    given order, with ``metadata`` as ``__metadata__`` when given, and the data order as indices
+    into ``tensors``.
+
+    For files other tools read (a conversion keeps its source's tensor order in the header); the
+    data is laid out largest itemsize first (stable), so with the 8-byte-padded header every
+    tensor is aligned to its itemsize. ValueError for a name that is reserved or repeated.
+    """
+    order = sorted(range(len(tensors)), key=lambda i: -dtypes.from_name(tensors[i][1]).itemsize)
+    offsets: dict[int, tuple[int, int]] = {}
+    position = 0
+    for i in order:
+        n = tensors[i][3]
+        offsets[i] = (position, position + n)
+        position += n
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    for i, (name, dtype, shape, _) in enumerate(tensors):
+        if name == "__metadata__" or name in header:
+            raise ValueError(f"tensor name {name!r} is reserved or repeated")
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets[i])}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, order
 
 
 def header_length(prefix: bytes, file_size: int) -> int:

@@ -65,6 +65,29 @@ from savepoint.codecs import bounded_json as _json
 from savepoint.codecs import checksum, dtypes, safetensors
 from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 
+__all__ = [
+    "FORMAT",
+    "I64_MIN",
+    "KINDS",
+    "MAX_CONFIG_DEPTH",
+    "MAX_DIMS",
+    "MAX_NOMINAL_BYTES",
+    "RecordError",
+    "SnapshotRecord",
+    "U64_LIMIT",
+    "VERSION",
+    "check_config",
+    "check_count",
+    "check_metadata",
+    "check_record",
+    "check_shape",
+    "check_text",
+    "decode",
+    "encode",
+    "is_count",
+    "show",
+]
+
 VERSION = 1
 FORMAT = "savepoint.inference_snapshot"
 MAX_DIMS = 64

@@ -1,0 +1,11 @@
+"""When bytes become a checkpoint: one transaction, two strategies, and how to find the result.
+
+- :mod:`~savepoint.commit.transaction`: :class:`~savepoint.commit.transaction.Transaction`
+  (every save path commits through it), ``resolve`` (the committed checkpoint of a path, in either
+  layout) and ``discard`` (a crash-safe delete);
+- :mod:`~savepoint.commit.names`: the hidden and generation names, and who may tidy them;
+- :mod:`~savepoint.commit.atomic`: the rename strategy for plain local paths, for callers not yet
+  ported to the transaction.
+"""
+
+__all__: list[str] = []

@@ -42,6 +42,18 @@ from typing import Any, TypeVar
 from savepoint.distributed.plan import PlanError
 from savepoint.errors import CheckpointError, DistributedCheckpointError, UnsupportedStateError
 
+__all__ = [
+    "CollectiveError",
+    "Coordinator",
+    "DEFAULT_TIMEOUT",
+    "LocalCoordinator",
+    "NAMING_GRACE",
+    "TorchCoordinator",
+    "coordinator",
+    "describe",
+    "gc_paused",
+]
+
 T = TypeVar("T")
 R = TypeVar("R")
 

@@ -9,16 +9,23 @@ entry in ordinary data files, and is committed atomically like any save.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-from savepoint import _reader, checkpoint
 from savepoint.codecs import dtypes
+from savepoint.engine import load as load_engine
+from savepoint.engine import save as save_engine
+from savepoint.engine.describe import describe
+from savepoint.engine.read import Reader
+from savepoint.info import CheckpointInfo
+from savepoint.options import DEFAULT_MAX_FILE_BYTES, Progress
 from savepoint.state import tree
 from savepoint.state.arrays import TensorSource
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import PathArg
+from savepoint.storage.paths import resolve as resolve_path
+
+__all__ = ["consolidate"]
 
 
 class _AssembledSource:
@@ -26,7 +33,7 @@ class _AssembledSource:
 
     __slots__ = ("_data", "_reader", "_verify", "dtype", "kind", "nbytes", "ref", "shape")
 
-    def __init__(self, reader: _reader.Reader, ref: str, kind: str, verify: bool) -> None:
+    def __init__(self, reader: Reader, ref: str, kind: str, verify: bool) -> None:
         rec = reader.manifest.tensors[ref]
         self._reader = reader
         self._verify = verify
@@ -52,18 +59,18 @@ class _AssembledSource:
 
 
 def consolidate(
-    src: checkpoint.PathLike,
-    dst: checkpoint.PathLike,
+    src: PathArg,
+    dst: PathArg,
     *,
     verify: bool = True,
-    max_file_bytes: int = checkpoint.DEFAULT_MAX_FILE_BYTES,
-    progress: checkpoint.Progress | None = None,
-) -> checkpoint.CheckpointInfo:
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    progress: Progress | None = None,
+) -> CheckpointInfo:
     """Write the checkpoint at ``src`` (sharded or not) to ``dst`` as an unsharded checkpoint."""
-    dst = local_path(dst, what="target")
-    with _reader.Reader.open(os.path.abspath(local_path(src, what="source"))) as reader:
+    target = resolve_path(dst, what="target")
+    with Reader.open(resolve_path(src, what="source")) as reader:
         manifest = reader.manifest
-        kinds = checkpoint._kinds(manifest.tree)
+        kinds = load_engine.kinds(manifest.tree)
         reader.prepare(manifest.tensors, check_header=verify)
         sources: dict[str, TensorSource] = {
             ref: _AssembledSource(reader, ref, kinds.get(ref, "numpy"), verify)
@@ -72,11 +79,12 @@ def consolidate(
         # Manifest order, as a save of the consolidated state would write them.
         ordered = {ref: sources[ref] for ref in manifest.tensors if ref in sources}
         flat = tree.Flat(tree=manifest.tree, tensors=ordered)
-        return checkpoint.save_flat(
-            dst,
+        directory, written = save_engine.save_flat(
+            target,
             flat,
             dict(manifest.metadata),
             max_file_bytes=max_file_bytes,
             writers=1,
             progress=progress,
         )
+        return describe(target.store.url(directory), written)

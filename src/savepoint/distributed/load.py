@@ -21,17 +21,21 @@ whole on every rank.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import numpy as np
 
-from savepoint import _reader, checkpoint
 from savepoint.codecs import boxes, dtypes
 from savepoint.distributed import collectives, plan, shard
+from savepoint.engine import load as load_engine
+from savepoint.engine.read import Reader, RegionCopy, ShardTask
 from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
 from savepoint.state import arrays, restore, tree
+from savepoint.storage.paths import PathArg
+from savepoint.storage.paths import resolve as resolve_path
+
+__all__ = ["load"]
 
 Progress = Callable[[int, int], None]
 
@@ -56,12 +60,12 @@ class _Target:
 
 
 def load(
-    path: checkpoint.PathLike,
+    path: PathArg,
     *,
     into: Any = None,
     keys: Iterable[str] | str | None = None,
     verify: bool | Literal["first"] = True,
-    framework: checkpoint.Framework = "auto",
+    framework: load_engine.Framework = "auto",
     device: Any = None,
     mmap: bool = False,
     progress: Progress | None = None,
@@ -69,38 +73,39 @@ def load(
     timeout: float | None = None,
 ) -> Any:
     """``sp.load`` with a process group or sharded targets: see the module docstring."""
-    target = os.path.abspath(os.fspath(path))
+    location = resolve_path(path, what="checkpoint path")
+    target = location.store.url(location.path)
     coord = collectives.coordinator(process_group, timeout)
     held: dict[str, Any] = {}
     swaps: list[shard.Swap] = []
 
     def plan_local() -> None:
-        reader = _reader.Reader.open(
-            target, copy_on_write=mmap and into is None, needs=checkpoint.files_needed(keys)
+        reader = Reader.open(
+            location, copy_on_write=mmap and into is None, needs=load_engine.files_needed(keys)
         )
         held["reader"] = reader
-        root = checkpoint._select(reader.path, reader.manifest, keys)
+        root = load_engine.select(reader.shown, reader.manifest, keys)
         held["root"] = root
         if into is not None:
             planned, new_swaps, specs = shard.swap_targets(into)
             swaps.extend(new_swaps)
             p = restore.plan(root, planned, reader.manifest.tensors)
             if p.problems:
-                raise StateMismatchError(p.problems, path=reader.path)
+                raise StateMismatchError(p.problems, path=reader.shown)
             held["plan"] = p
             held["targets"] = _targets(reader, p, specs, root, framework, held)
 
     def read_local() -> Any:
-        reader: _reader.Reader = held["reader"]
+        reader: Reader = held["reader"]
         root = held["root"]
         if into is None:
-            counter = checkpoint._counter(progress, reader.manifest, tree.refs(root))
-            return checkpoint._load_tree(reader, root, verify, framework, device, mmap, counter)
+            counter = load_engine.counter(progress, reader.manifest, tree.refs(root))
+            return load_engine.load_tree(reader, root, verify, framework, device, mmap, counter)
         targets: list[_Target] = held["targets"]
         tasks = _tasks(reader, targets)
         counter = None
         if progress is not None:
-            counter = checkpoint._Counter(progress, sum(t.dst.nbytes for t in targets))
+            counter = load_engine.Counter(progress, sum(t.dst.nbytes for t in targets))
         reader.prepare_files(
             {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks},
             check_header=bool(verify),
@@ -111,7 +116,7 @@ def load(
         for t in targets:
             if t.after is not None:
                 t.after()
-        return held["plan"].finish(checkpoint._getter(held["made"], device))
+        return held["plan"].finish(load_engine.getter(held["made"], device))
 
     def read_and_keep() -> None:
         # The loaded tree stays on this rank; only success or failure travels between ranks.
@@ -130,11 +135,11 @@ def load(
 
 
 def _targets(
-    reader: _reader.Reader,
+    reader: Reader,
     p: restore.Plan,
     specs: dict[int, shard.Shard | shard.FlatShard],
     root: tree.Node,
-    framework: checkpoint.Framework,
+    framework: load_engine.Framework,
     held: dict[str, Any],
 ) -> list[_Target]:
     """Every tensor to fill, with the region of the saved tensor it receives."""
@@ -155,7 +160,7 @@ def _targets(
         else:
             region, local = spec.region, spec.local
         out.append(_target(reader, ref, key, region, local))
-    kinds = checkpoint._kinds(root)
+    kinds = load_engine.kinds(root)
     made = {ref: reader.allocate(ref, kinds[ref], framework) for ref in p.fresh}
     held["made"] = made
     for ref, obj in made.items():
@@ -165,18 +170,16 @@ def _targets(
     return out
 
 
-def _target(
-    reader: _reader.Reader, ref: str, key: str, region: boxes.Region, local: Any
-) -> _Target:
+def _target(reader: Reader, ref: str, key: str, region: boxes.Region, local: Any) -> _Target:
     rec = reader.manifest.tensors[ref]
     d = dtypes.from_name(rec.dtype)
     described = arrays.describe(local)
     expected = boxes.size(region, rec.shape)
     if described is None or described[0] != rec.dtype or int(np.prod(described[1])) != expected:
         raise IncompatibleCheckpointError(
-            f"{reader.path}: {key}: the local part ({described}) does not hold "
+            f"{reader.shown}: {key}: the local part ({described}) does not hold "
             f"{boxes.show(region)} of {rec.dtype}{list(rec.shape)}",
-            path=reader.path,
+            path=reader.shown,
         )
     view = arrays.byte_view(local)
     if view is not None:
@@ -188,21 +191,21 @@ def _target(
         if isinstance(local, np.ndarray):
             if not local.flags.writeable:
                 raise IncompatibleCheckpointError(
-                    f"{reader.path}: cannot restore {key!r} into a read-only numpy array",
-                    path=reader.path,
+                    f"{reader.shown}: cannot restore {key!r} into a read-only numpy array",
+                    path=reader.shown,
                 )
             np.copyto(local, shaped, casting="no")
         else:
-            from savepoint.state import _torch
+            from savepoint.state import torch_tensors
 
-            _torch.copy_into(local, shaped, d)
+            torch_tensors.copy_into(local, shaped, d)
 
     return _Target(ref, region, host, copy_back)
 
 
-def _tasks(reader: _reader.Reader, targets: list[_Target]) -> list[_reader.ShardTask]:
+def _tasks(reader: Reader, targets: list[_Target]) -> list[ShardTask]:
     """One task per shard touched, holding every copy out of it."""
-    by_shard: dict[tuple[str, int], list[_reader.RegionCopy]] = {}
+    by_shard: dict[tuple[str, int], list[RegionCopy]] = {}
     for t in targets:
         rec = reader.manifest.tensors[t.ref]
         typed = t.dst.view(dtypes.from_name(rec.dtype).numpy)
@@ -211,6 +214,6 @@ def _tasks(reader: _reader.Reader, targets: list[_Target]) -> list[_reader.Shard
             dst = typed[op.dst.offset : op.dst.offset + boxes.volume(op.dst.box)]
             dst = dst.reshape(boxes.extents(op.dst.box))
             origin = tuple(start for start, _ in op.dst.box)
-            copy = _reader.RegionCopy(op.src, op.region, dst, origin)
+            copy = RegionCopy(op.src, op.region, dst, origin)
             by_shard.setdefault((t.ref, op.shard), []).append(copy)
     return [(ref, i, copies) for (ref, i), copies in by_shard.items()]

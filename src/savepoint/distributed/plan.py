@@ -27,6 +27,20 @@ from typing import Any
 from savepoint.codecs import boxes, dtypes
 from savepoint.state import tree as tree_mod
 
+__all__ = [
+    "GlobalPlan",
+    "Item",
+    "LocalPlan",
+    "PARTITIONED_NODE",
+    "PlanError",
+    "ReadOp",
+    "elements",
+    "merge",
+    "plan_reads",
+    "region_order",
+    "shards_needed",
+]
+
 Node = dict[str, Any]
 PARTITIONED_NODE = "partitioned"  # a LocalPlan tree node: {"t": "partitioned", "items": [...]}
 

@@ -8,57 +8,58 @@ Call order (``save(path, state, process_group=pg)`` on every rank of ``pg``):
    gets one writer), checks the target path, creates the staging directory next to it and sends
    each rank its list of pieces and the staging path;
 2. **write** (all ranks): each rank writes its pieces as ``data-r<rank>-<i>.safetensors`` files
-   into the shared staging directory (through the same streaming, checksumming, fsyncing writer
-   as an unsharded save, in a private subdirectory, then renamed into place) and fsyncs them and
-   the directory; rank 0 gathers every rank's file and shard records, builds the version 2
-   manifest, checks it with the reader's own parser, writes it, and commits the staging
-   directory atomically (``commit.atomic``); every rank gets the committed manifest back.
+   into the shared staging directory (through the same streaming, checksumming writer as an
+   unsharded save, :func:`savepoint.engine.save.write_files`, each file finished: durable) and
+   syncs the directory; rank 0 gathers every rank's file and shard records, builds the version 2
+   manifest and commits it through its :class:`~savepoint.commit.transaction.Transaction` (the
+   manifest last, then the rename, or on stores without rename the manifest's create-only put);
+   every rank gets the committed manifest back.
 
 A failure anywhere, in either step, raises one DistributedCheckpointError on every rank naming
-the failing ranks; rank 0 removes the staging directory; the previous checkpoint at ``path`` is
-untouched. No manifest exists until every rank has fsynced its files (two-phase commit). The data
-directory must be shared by all ranks (one filesystem, or a network filesystem across nodes).
+the failing ranks; rank 0 aborts the transaction (the staging directory is removed); the previous
+checkpoint at ``path`` is untouched. No manifest exists until every rank has finished its files
+(two-phase commit). The store must be shared by all ranks (one filesystem, a network filesystem
+across nodes, or an object store; ``memory://`` serves the ranks of one process only).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from savepoint import _writer, checkpoint
 from savepoint.codecs import boxes
 from savepoint.codecs import manifest as mf
-from savepoint.commit import atomic
+from savepoint.commit.transaction import Transaction, write_error
 from savepoint.distributed import collectives, plan, shard
+from savepoint.engine import save as save_engine
+from savepoint.engine.describe import describe as describe_checkpoint
+from savepoint.engine.plan import FilePlan, plan_files
 from savepoint.errors import CheckpointError, UnsupportedStateError
+from savepoint.info import CheckpointInfo
+from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
 from savepoint.state.arrays import HostCopy, TensorSource
-from savepoint.storage import local
+from savepoint.storage.paths import Location, PathArg
+from savepoint.storage.paths import resolve as resolve_path
 
-Progress = Callable[[int, int], None]
+__all__ = ["describe", "file_name", "save", "save_flat", "snapshot", "write_pieces"]
 
 
 def save(
-    path: checkpoint.PathLike,
+    path: PathArg,
     state: Any,
     metadata: Mapping[str, Any] | None,
-    *,
-    process_group: Any,
-    timeout: float | None = None,
-    max_file_bytes: int = checkpoint.DEFAULT_MAX_FILE_BYTES,
-    writers: int = checkpoint.DEFAULT_WRITERS,
-    progress: Progress | None = None,
-) -> checkpoint.CheckpointInfo:
+    options: SaveOptions,
+) -> CheckpointInfo:
     """``sp.save(path, state, process_group=...)``: see the module docstring."""
 
     def flatten() -> tuple[tree.Flat, dict[str, Any]]:
-        meta = checkpoint._check_metadata(metadata)
+        meta = save_engine.check_metadata(metadata)
         return tree.flatten(shard.from_dtensors(state)), meta
 
-    return _save(path, flatten, process_group, timeout, max_file_bytes, writers, progress)
+    return _save(path, flatten, options)
 
 
 def snapshot(state: Any) -> tree.Flat:
@@ -72,40 +73,29 @@ def snapshot(state: Any) -> tree.Flat:
 
 
 def save_flat(
-    path: checkpoint.PathLike,
+    path: PathArg,
     flat: tree.Flat,
     metadata: dict[str, Any],
-    *,
-    process_group: Any,
-    timeout: float | None = None,
-    max_file_bytes: int = checkpoint.DEFAULT_MAX_FILE_BYTES,
-    writers: int = checkpoint.DEFAULT_WRITERS,
-    progress: Progress | None = None,
-) -> checkpoint.CheckpointInfo:
+    options: SaveOptions,
+) -> CheckpointInfo:
     """A sharded save of a state flattened (and snapshotted) earlier: the background writer of
-    ``AsyncCheckpointer`` calls ``checkpoint.save_flat`` with ``process_group``, which lands here.
-    Without a process group this is a one-rank sharded save (a state holding Shard descriptions
-    saved by a single process): its pieces must cover every tensor."""
-    return _save(
-        path, lambda: (flat, metadata), process_group, timeout, max_file_bytes, writers, progress
-    )
+    ``AsyncCheckpointer`` calls this with its process group, and ``checkpoint.save_flat`` of a
+    state holding Shard descriptions lands here. Without a process group
+    (``options.process_group`` None) this is a one-rank sharded save (a state holding Shard
+    descriptions saved by a single process): its pieces must cover every tensor."""
+    return _save(path, lambda: (flat, metadata), options)
 
 
 def _save(
-    path: checkpoint.PathLike,
+    path: PathArg,
     flatten: Callable[[], tuple[tree.Flat, dict[str, Any]]],
-    process_group: Any,
-    timeout: float | None,
-    max_file_bytes: int,
-    writers: int,
-    progress: Progress | None,
-) -> checkpoint.CheckpointInfo:
-    if max_file_bytes <= 0 or writers < 1:
-        raise ValueError("max_file_bytes must be positive and writers at least 1")
-    coord = collectives.coordinator(process_group, timeout)
-    run = _Save(os.path.abspath(os.fspath(path)), coord, flatten)
+    options: SaveOptions,
+) -> CheckpointInfo:
+    location = resolve_path(path, what="checkpoint path")
+    coord = collectives.coordinator(options.process_group, options.timeout)
+    run = _Save(location, coord, flatten)
     with coord.exclusive():
-        return run.run(max_file_bytes, writers, progress)
+        return run.run(options.max_file_bytes, options.writers, options.direct, options.progress)
 
 
 Records = tuple[dict[str, mf.FileRecord], list[tuple[str, mf.ShardRecord]]]
@@ -116,83 +106,71 @@ class _Save:
 
     def __init__(
         self,
-        target: str,
+        location: Location,
         coord: collectives.Coordinator,
         flatten: Callable[[], tuple[tree.Flat, dict[str, Any]]],
     ) -> None:
-        self.target = target
+        self.location = location
+        self.shown = location.store.url(location.path)
         self.coord = coord
         self.flatten = flatten
         self.sources: dict[str, TensorSource] = {}
         self.metadata: dict[str, Any] = {}
         self.plan: plan.GlobalPlan | None = None  # rank 0
-        self.staging: str | None = None  # rank 0, until committed
+        self.tx: Transaction | None = None  # rank 0, until committed or aborted
 
     def run(
-        self, max_file_bytes: int, writers: int, progress: Progress | None
-    ) -> checkpoint.CheckpointInfo:
+        self, max_file_bytes: int, writers: int, direct: bool, progress: Progress | None
+    ) -> CheckpointInfo:
         staging, items = self.coord.step(
             "saving",
-            self.target,
+            self.shown,
             self.plan_local,
             self.plan_global,
             each=True,
-            cleanup=self.remove_staging,
+            cleanup=self.abort,
         )
 
         def write_local() -> Records:
             return write_pieces(
-                self.target,
+                self.location,
                 staging,
                 self.coord.rank,
                 items,
                 self.sources,
                 max_file_bytes=max_file_bytes,
                 writers=writers,
+                direct=direct,
                 progress=progress,
             )
 
         # Every rank gets the committed manifest (in memory, from rank 0) to describe it.
-        manifest = self.coord.step(
-            "saving", self.target, write_local, self.commit, cleanup=self.remove_staging
+        directory, manifest = self.coord.step(
+            "saving", self.shown, write_local, self.commit, cleanup=self.abort
         )
-        return checkpoint._info(self.target, manifest)
+        return describe_checkpoint(self.location.store.url(directory), manifest)
 
     def plan_local(self) -> plan.LocalPlan:
         flat, self.metadata = self.flatten()
-        local_plan, self.sources = describe(flat, self.target)
+        local_plan, self.sources = describe(flat, self.shown)
         return local_plan
 
     def plan_global(self, plans: list[plan.LocalPlan]) -> list[tuple[str, tuple[plan.Item, ...]]]:
         self.plan = plan.merge(plans)
-        checkpoint._check_target(self.target)
-        try:
-            os.makedirs(os.path.dirname(self.target), exist_ok=True)
-            atomic.clean_stale(self.target)
-            staging = atomic.staging_path(self.target)
-            os.mkdir(staging)
-        except OSError as exc:
-            raise checkpoint._write_error(self.target, exc) from exc
-        self.staging = staging
-        return [(staging, items) for items in self.plan.writes]
+        self.tx = Transaction(self.location.store, self.location.path).begin()
+        return [(self.tx.staging, items) for items in self.plan.writes]
 
-    def commit(self, results: list[Records]) -> mf.Manifest:
-        assert self.plan is not None and self.staging is not None
+    def commit(self, results: list[Records]) -> tuple[str, mf.Manifest]:
+        assert self.plan is not None and self.tx is not None
         manifest = _manifest(self.plan, results, self.metadata, self.coord.world_size)
-        try:
-            local.write_small(os.path.join(self.staging, mf.NAME), mf.dumps(manifest))
-            atomic.commit(self.staging, self.target)
-        except OSError as exc:
-            raise checkpoint._write_error(self.target, exc) from exc
-        self.staging = None  # committed: nothing to clean up any more
-        # A replace that died between its two renames left "-old-" behind; it is stale now.
-        atomic.clean_stale(self.target)
-        return manifest
+        directory = self.tx.commit(mf.dumps(manifest))
+        self.tx = None  # committed: nothing to clean up any more
+        return directory, manifest
 
-    def remove_staging(self) -> None:
-        if self.staging is not None:
-            atomic.remove_tree(self.staging)
-            self.staging = None
+    def abort(self) -> None:
+        if self.tx is not None:
+            self.tx.abort()
+            self.tx = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +251,7 @@ def file_name(rank: int, index: int) -> str:
 
 
 def write_pieces(
-    target: str,
+    target: PathArg,
     staging: str,
     rank: int,
     items: tuple[plan.Item, ...],
@@ -281,11 +259,15 @@ def write_pieces(
     *,
     max_file_bytes: int,
     writers: int,
+    direct: bool = True,
     progress: Progress | None = None,
 ) -> Records:
-    """Write ``items`` into ``staging`` as this rank's data files; return their records."""
+    """Write ``items`` into the staging directory ``staging`` of a save to ``target`` as this
+    rank's data files (planned as an unsharded save plans its files, named
+    ``data-r<rank>-<i>``); return their records."""
     if not items:
         return {}, []
+    where = resolve_path(target, what="checkpoint path")
     names: dict[str, plan.Item] = {}
     for item in items:
         name = base = mf.shard_name(item.key, item.region, item.shape)
@@ -302,35 +284,31 @@ def write_pieces(
         if progress is not None:
             progress(min(done, total), total)
 
-    private = os.path.join(staging, f".rank-{rank:05d}")
+    tensors = {name: sources[item.key] for name, item in names.items()}
+    plans: list[FilePlan] = plan_files(tensors, max_file_bytes, lambda i: file_name(rank, i))
     try:
-        os.mkdir(private)
-        flat = tree.Flat(tree={}, tensors={name: sources[item.key] for name, item in names.items()})
-        files, records = _writer.write_files(
-            private,
-            flat,
-            max_file_bytes=max_file_bytes,
+        files, records = save_engine.write_files(
+            Location(where.store, staging),
+            plans,
+            tensors,
             writers=writers,
+            direct=direct,
             progress=on_bytes if progress is not None else None,
         )
-        renamed = {old: file_name(rank, i) for i, old in enumerate(sorted(files))}
-        for old, new in renamed.items():
-            os.rename(os.path.join(private, old), os.path.join(staging, new))
-        os.rmdir(private)
-        local.fsync_dir(staging)
+        where.store.sync_dir(staging)
     except OSError as exc:
         if isinstance(exc, CheckpointError):
             raise
-        raise checkpoint._write_error(target, exc) from exc
+        raise write_error(where.store, where.path, exc) from exc
     shards = [
         (
             item.key,
-            mf.ShardRecord(renamed[rec.file], rec.start, rec.end, rec.xxh3, item.region),
+            mf.ShardRecord(rec.file, rec.start, rec.end, rec.xxh3, item.region),
         )
         for name, item in names.items()
         for rec in [records[name]]
     ]
-    return {renamed[k]: v for k, v in files.items()}, shards
+    return files, shards
 
 
 def _manifest(
@@ -356,7 +334,7 @@ def _manifest(
         files=dict(sorted(files.items())),
         tensors=tensors,
         metadata=metadata,
-        writer=_writer.writer_version(),
+        writer=save_engine.writer_version(),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
         format_version=mf.SHARDED,
         world_size=world,

@@ -37,7 +37,25 @@ from savepoint.errors import UnsupportedStateError
 from savepoint.state.stateful import is_stateful
 from savepoint.state.wrappers import unwrap
 
-__all__ = ["FlatShard", "Partitioned", "Shard", "from_dtensors"]
+__all__ = [
+    "FLAT_SHARD",
+    "FlatShard",
+    "PARTITIONED",
+    "Partitioned",
+    "SHARD",
+    "Shard",
+    "Swap",
+    "from_dtensor",
+    "from_dtensors",
+    "has_targets",
+    "is_dtensor",
+    "numel",
+    "parse_layout",
+    "placeholder",
+    "restore",
+    "swap_targets",
+    "type_name",
+]
 
 
 def _int(x: Any, what: str) -> int:

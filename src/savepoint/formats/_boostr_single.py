@@ -22,7 +22,8 @@ from savepoint.errors import (
     UnsupportedStateError,
 )
 from savepoint.formats import _files
-from savepoint.formats._files import FormatInfo, LazyTensor, SafetensorsFile, TensorEntry
+from savepoint.formats._files import LazyTensor, SafetensorsFile
+from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
@@ -230,18 +231,14 @@ class BoostrDirectory:
             state=self.state,
         )
 
-    def info(self) -> FormatInfo:
-        def entries(prefix: str, tensors: dict[str, LazyTensor], file: str) -> list[TensorEntry]:
-            return [
-                TensorEntry(
-                    f"{prefix}/{k}",
-                    t.dtype.name,
-                    t.shape,
-                    t.nbytes,
-                    self._sources.get(f"{prefix}/{k}", file),
-                )
-                for k, t in tensors.items()
-            ]
+    def info(self) -> CheckpointInfo:
+        def entries(prefix: str, tensors: dict[str, LazyTensor], file: str) -> list[TensorInfo]:
+            out = []
+            for k, t in tensors.items():
+                key = f"{prefix}/{k}"
+                source = self._sources.get(key, file)
+                out.append(TensorInfo(key, t.dtype.name, t.shape, t.nbytes, source, key))
+            return out
 
         tensors = entries("model", self.model, MODEL)
         if self.optimizer is not None:
@@ -252,16 +249,21 @@ class BoostrDirectory:
             "learning_rate": self.state.learning_rate,
         }
         files = {os.path.relpath(f.path, self.path): f.size for f in self.files}
+        no_checksums = (
+            "boostr checkpoints have no checksums: verify checks structure and sizes only"
+        )
         if self.meta is None:
-            return FormatInfo(
-                self.path,
-                "boostr",
-                self.state.version,
-                tuple(tensors),
-                values,
-                dict(self.state.metadata),
-                files,
-                ("boostr checkpoints have no checksums: verify checks structure and sizes only",),
+            return CheckpointInfo(
+                path=self.path,
+                format_version=self.state.version,
+                writer="",
+                created="",
+                metadata=dict(self.state.metadata),
+                tensors=tuple(tensors),
+                values=values,
+                files=files,
+                format="boostr",
+                notes=(no_checksums,),
             )
         first = self.meta.shards[0] if self.meta.shards else None
         values["world_size"] = self.meta.world_size
@@ -269,17 +271,19 @@ class BoostrDirectory:
             values["strategy"] = first.strategy + (
                 f" (stage {first.stage})" if first.stage is not None else ""
             )
-        return FormatInfo(
-            self.path,
-            "boostr-distributed",
-            self.meta.version,
-            tuple(tensors),
-            values,
-            dict(self.state.metadata),
-            files,
-            (
+        return CheckpointInfo(
+            path=self.path,
+            format_version=self.meta.version,
+            writer="",
+            created="",
+            metadata=dict(self.state.metadata),
+            tensors=tuple(tensors),
+            values=values,
+            files=files,
+            format="boostr-distributed",
+            notes=(
                 "tensors as consolidated from the ranks (file: where they come from)",
-                "boostr checkpoints have no checksums: verify checks structure and sizes only",
+                no_checksums,
             ),
         )
 

@@ -11,20 +11,17 @@
   the caller's ``__metadata__``, keeping the caller's tensor order in the header.
 - Atomic single files: :func:`atomic_file` writes under a hidden sibling name, fsyncs, renames
   over the target and fsyncs the parent, so readers see the old file or the new one.
-- :class:`FormatInfo`: what ``inspect`` and ``verify`` report for any format.
+- Opening a user's file: :func:`open_file` never blocks (a FIFO named ``x.shrew`` is refused).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import json
 import math
 import os
-import struct
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -32,6 +29,7 @@ from savepoint.codecs import checksum, dtypes
 from savepoint.codecs import safetensors as st_format
 from savepoint.codecs.dtypes import DType
 from savepoint.commit import atomic
+from savepoint.engine import pipeline
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -41,6 +39,7 @@ from savepoint.errors import (
 from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
+from savepoint.storage.local import STORE as LOCAL
 
 CHUNK = 4 << 20  # bytes per read or write when a tensor is streamed through a bounded buffer
 U8 = np.dtype(np.uint8)
@@ -255,11 +254,27 @@ def to_framework(array: np.ndarray[Any, Any], dtype: DType, framework: str) -> A
         return array
     if framework != "torch":
         raise ValueError(f"framework must be 'numpy' or 'torch', not {framework!r}")
-    from savepoint.state import _torch
+    from savepoint.state import torch_tensors
 
     if not array.flags.writeable:
         array = array.copy()
-    return _torch.from_numpy(array, dtype)
+    return torch_tensors.from_numpy(array, dtype)
+
+
+def open_file(path: str) -> BinaryIO:
+    """A user's file opened for reading, without ever blocking.
+
+    The path is resolved first (a user may name a symlink, the Hugging Face cache is made of
+    them), then opened through :func:`savepoint.storage.local.open_read`: ``O_NONBLOCK``, then
+    ``fstat``. A FIFO, a socket, a device or a directory is refused with a CheckpointError
+    subclass instead of hanging in ``open`` or ``read``; a missing file is a
+    CheckpointNotFoundError, an unreadable one a CheckpointPermissionError.
+    """
+    try:
+        fd = local.open_read(os.path.realpath(path), shown=path)
+    except FileNotFoundError:  # open_read raises CheckpointErrors for everything else
+        raise CheckpointNotFoundError(f"no file at {path}", path=path) from None
+    return os.fdopen(fd, "rb")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,45 +347,16 @@ class SafetensorsFile:
         )
 
 
-def safetensors_header(
-    tensors: Sequence[tuple[str, TensorSource]], metadata: Mapping[str, str] | None = None
-) -> tuple[bytes, list[TensorSource]]:
-    """The header (length prefix included) for ``tensors`` and the sources in data order.
-
-    The header lists tensors in the given order; the data is laid out largest itemsize first
-    (stable), so with the 8-byte-padded header every tensor is aligned to its itemsize.
-    """
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i][1].dtype.itemsize)
-    offsets: dict[int, tuple[int, int]] = {}
-    position = 0
-    for i in order:
-        n = tensors[i][1].nbytes
-        offsets[i] = (position, position + n)
-        position += n
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    for i, (name, source) in enumerate(tensors):
-        if name == "__metadata__" or name in header:
-            raise ValueError(f"tensor name {name!r} is reserved or repeated")
-        header[name] = {
-            "dtype": source.dtype.name,
-            "shape": list(source.shape),
-            "data_offsets": list(offsets[i]),
-        }
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, [tensors[i][1] for i in order]
-
-
 def write_safetensors(
     path: str,
     tensors: Sequence[tuple[str, TensorSource]],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Stream ``tensors`` into a new safetensors file at ``path`` (which must not exist), fsynced."""
-    header, ordered = safetensors_header(tensors, metadata)
-    local.write_file(path, header, ordered)
+    header, order = st_format.ordered_layout(
+        [(name, s.dtype.name, s.shape, s.nbytes) for name, s in tensors], metadata
+    )
+    pipeline.write_blob(LOCAL, os.path.abspath(path), header, [tensors[i][1] for i in order])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,77 +418,3 @@ def atomic_directory(path: str) -> Iterator[str]:
 def fsync_file(f: Any) -> None:
     f.flush()
     os.fsync(f.fileno())
-
-
-# ---------------------------------------------------------------------------------------------
-# what inspect / verify report
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    file: str
-
-
-@dataclass(frozen=True)
-class FormatInfo:
-    """A checkpoint described without reading its tensor data, for any supported format.
-
-    ``format`` is one of ``savepoint``, ``shrew``, ``safetensors``, ``boostr``,
-    ``boostr-distributed``; ``version`` is the format's own version number where it has one.
-    ``tensors`` and ``values`` use the flat keys a conversion to savepoint's format would give.
-    """
-
-    path: str
-    format: str
-    version: int | None
-    tensors: tuple[TensorEntry, ...]
-    values: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    files: dict[str, int] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-    @property
-    def label(self) -> str:
-        return self.format if self.version is None else f"{self.format} v{self.version}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "format": self.format,
-            "version": self.version,
-            "metadata": self.metadata,
-            "total_bytes": self.total_bytes,
-            "files": self.files,
-            "tensors": [
-                {
-                    "key": t.key,
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "nbytes": t.nbytes,
-                    "file": t.file,
-                }
-                for t in self.tensors
-            ],
-            "values": {k: jsonable(v) for k, v in self.values.items()},
-            "notes": list(self.notes),
-        }
-
-
-def jsonable(value: Any) -> Any:
-    """A plain value as JSON can show it: non-finite floats as text, bytes as their length."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, bytes):
-        return {"bytes": len(value)}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value

@@ -91,18 +91,18 @@ from savepoint.formats._boostr_single import (
     save,
     write,
 )
-from savepoint.formats._boostr_write import Strategy, save_distributed
-from savepoint.formats._files import FormatInfo
+from savepoint.formats._boostr_write import Strategy, save_distributed, snapshot
+from savepoint.info import CheckpointInfo
 from savepoint.storage.paths import local_path
 
 __all__ = [
+    "BoostrCheckpoint",
+    "BoostrDirectory",
     "CHECKPOINT_VERSION",
     "MODEL",
     "OPTIMIZER",
     "SHARDING",
     "STATE",
-    "BoostrCheckpoint",
-    "BoostrDirectory",
     "ShardingConfig",
     "ShardingMeta",
     "Strategy",
@@ -120,6 +120,7 @@ __all__ = [
     "read_training_state",
     "save",
     "save_distributed",
+    "snapshot",
     "verify",
     "write",
 ]
@@ -134,12 +135,12 @@ def open_any(path: str | os.PathLike[str]) -> BoostrDirectory:
     return open_distributed(path) if is_distributed(path) else open_checkpoint(path)
 
 
-def inspect(path: str | os.PathLike[str]) -> FormatInfo:
+def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     with open_any(path) as d:
         return d.info()
 
 
-def verify(path: str | os.PathLike[str]) -> FormatInfo:
+def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Check every document and safetensors header, the consolidation plan, and read every byte
     of tensor data once (the format has no checksums)."""
     with open_any(path) as d:

@@ -111,7 +111,8 @@ from savepoint.errors import (
     UnsupportedStateError,
 )
 from savepoint.formats import _files
-from savepoint.formats._files import FormatInfo, LazyTensor, MappedTensor, TensorEntry
+from savepoint.formats._files import LazyTensor, MappedTensor
+from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
@@ -122,6 +123,7 @@ __all__ = [
     "DTYPES",
     "Data",
     "EXTENSION",
+    "Framework",
     "MAX_DEPTH",
     "MAX_VALUES",
     "Metadata",
@@ -766,23 +768,23 @@ class RecordFile:
         leaves = flatten(self.item).items()
         return {n: p.id for n, p in leaves if isinstance(p, Param) and p.id is not None}
 
-    def info(self) -> FormatInfo:
+    def info(self) -> CheckpointInfo:
         name = os.path.basename(self.path)
         tensors = tuple(
-            TensorEntry(k, t.dtype.name, t.shape, t.nbytes, name) for k, t in self.tensors().items()
+            TensorInfo(k, t.dtype.name, t.shape, t.nbytes, name, k)
+            for k, t in self.tensors().items()
         )
-        return FormatInfo(
+        return CheckpointInfo(
             path=self.path,
-            format="burn",
-            version=None,
+            format_version=None,
+            writer=f"burn {self.metadata.version} ({self.metadata.format})",
+            created="",
+            metadata=self.metadata.to_dict(),
             tensors=tensors,
             values=_values(self.item),
-            metadata=self.metadata.to_dict(),
             files={name: self.size},
-            notes=(
-                f"written by burn {self.metadata.version} ({self.metadata.format})",
-                "burn records have no checksums: verify checks structure and sizes only",
-            ),
+            format="burn",
+            notes=("burn records have no checksums: verify checks structure and sizes only",),
         )
 
 
@@ -822,12 +824,12 @@ def decode(data: bytes | bytearray | memoryview) -> tuple[Any, Metadata]:
     return materialize(parsed.item), parsed.metadata
 
 
-def inspect(path: str | os.PathLike[str]) -> FormatInfo:
+def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     with open_record(path) as f:
         return f.info()
 
 
-def verify(path: str | os.PathLike[str]) -> FormatInfo:
+def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Check the structure and read every data byte once (booleans checked to be 0 or 1)."""
     with open_record(path) as f:
         for tensor in f.tensors().values():

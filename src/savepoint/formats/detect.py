@@ -18,8 +18,9 @@ safetensors         any other file named ``*.safetensors``, or whose first 8 byt
                     plausible header length followed by ``{``
 ==================  ===================================================================
 
-``inspect_any`` and ``verify_any`` describe any of them as a :class:`FormatInfo`; for savepoint's
-own format they run ``sp.inspect`` / ``sp.verify`` (every checksum). The other formats have no
+``inspect_any`` and ``verify_any`` describe any of them as a
+:class:`~savepoint.info.CheckpointInfo`; for savepoint's own format they are ``sp.inspect`` /
+``sp.verify`` (every checksum). The other formats have no
 checksums, so ``verify_any`` checks their whole structure and reads every data byte once.
 """
 
@@ -33,11 +34,11 @@ from savepoint.codecs import safetensors as st_format
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
 from savepoint.formats import _files, boostr, burn, shrew, training_artifact
-from savepoint.formats._files import FormatInfo, TensorEntry
-from savepoint.formats._shrew_codec import open_file
+from savepoint.formats._files import open_file
+from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.storage.paths import local_path
 
-__all__ = ["FORMATS", "FormatInfo", "detect", "inspect_any", "verify_any"]
+__all__ = ["FORMATS", "detect", "inspect_any", "verify_any"]
 
 FORMATS = (
     "savepoint",
@@ -116,44 +117,38 @@ def detect(path: str | os.PathLike[str]) -> str:
     )
 
 
-def _safetensors(path: str, read_all: bool) -> FormatInfo:
+def _safetensors(path: str, read_all: bool) -> CheckpointInfo:
     with _files.SafetensorsFile(path) as f:
         if read_all:
             for e in f.entries:
                 _files.drain(f.tensor(e.name))
         name = os.path.basename(path)
-        return FormatInfo(
+        return CheckpointInfo(
             path=path,
-            format="safetensors",
-            version=None,
-            tensors=tuple(
-                TensorEntry(e.name, e.dtype, e.shape, e.end - e.start, name) for e in f.entries
-            ),
+            format_version=None,
+            writer="",
+            created="",
             metadata=dict(f.metadata),
+            tensors=tuple(
+                TensorInfo(e.name, e.dtype, e.shape, e.end - e.start, name, e.name)
+                for e in f.entries
+            ),
+            values={},
             files={name: f.size},
+            format="safetensors",
             notes=("safetensors files have no checksums: verify checks structure and sizes only",),
         )
 
 
-def _native(path: str, verify: bool) -> FormatInfo:
+def _native(path: str, verify: bool) -> CheckpointInfo:
     # The one reference upwards (formats -> checkpoint): savepoint's own format is described by
-    # the layer that composes it.
+    # the facade that reads it.
     from savepoint import checkpoint
 
-    info = checkpoint.verify(path) if verify else checkpoint.inspect(path)
-    return FormatInfo(
-        path=info.path,
-        format="savepoint",
-        version=info.format_version,
-        tensors=tuple(TensorEntry(t.key, t.dtype, t.shape, t.nbytes, t.file) for t in info.tensors),
-        values=dict(info.values),
-        metadata=dict(info.metadata),
-        files=dict(info.files),
-        notes=(f"written by {info.writer} at {info.created}",),
-    )
+    return checkpoint.verify(path) if verify else checkpoint.inspect(path)
 
 
-def inspect_any(path: str | os.PathLike[str]) -> FormatInfo:
+def inspect_any(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` (keys, dtypes, shapes, sizes, values, metadata)
     without reading tensor data; every structural rule of its format is checked."""
     p = os.path.abspath(local_path(path, what="checkpoint path"))
@@ -171,7 +166,7 @@ def inspect_any(path: str | os.PathLike[str]) -> FormatInfo:
     return boostr.inspect(p)
 
 
-def verify_any(path: str | os.PathLike[str]) -> FormatInfo:
+def verify_any(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Check the checkpoint at ``path`` as far as its format allows; raises a CheckpointError
     subclass on the first problem, returns its description when intact."""
     p = os.path.abspath(local_path(path, what="checkpoint path"))

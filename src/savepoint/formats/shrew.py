@@ -79,45 +79,50 @@ from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
-from savepoint.errors import (
-    IncompatibleCheckpointError,
-    StateMismatchError,
-)
-from savepoint.formats import _files
-from savepoint.formats._files import FileRangeTensor, FormatInfo, LazyTensor, TensorEntry
-from savepoint.formats._shrew_codec import (
+from savepoint.codecs.shrew import (
     DTYPE_TAGS,
     MAGIC,
     TAG_OF,
     VERSION_TENSORS,
     VERSION_TRAINING,
     Input,
-    OptimizerSection,
     Parsed,
     Record,
-    Tensors,
-    as_source,
     check_source,
-    open_file,
-    pairs,
     parse,
     read_header,
+)
+from savepoint.errors import (
+    IncompatibleCheckpointError,
+    StateMismatchError,
+)
+from savepoint.formats import _files
+from savepoint.formats._files import FileRangeTensor, LazyTensor, open_file
+from savepoint.formats._shrew_write import (
+    OptimizerSection,
+    Tensors,
+    as_source,
+    pairs,
     write_tensors,
     write_training,
 )
+from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.state import arrays
 from savepoint.state.optimizer import OptimizerState
 from savepoint.storage.paths import local_path
 
 __all__ = [
     "DTYPE_TAGS",
+    "Framework",
     "MAGIC",
     "OptimizerSection",
+    "PathOrStream",
     "ShrewFile",
     "TAG_OF",
     "TrainingCheckpoint",
     "check_source",
     "from_bytes",
+    "inspect",
     "load",
     "load_params",
     "load_tensors",
@@ -130,6 +135,7 @@ __all__ = [
     "to_bytes",
     "training_from_bytes",
     "training_to_bytes",
+    "verify",
     "write_tensors",
     "write_training",
 ]
@@ -433,13 +439,13 @@ def load_params(model: Any, params: Mapping[str, Any]) -> int:
         else:
             import torch
 
-            from savepoint.state import _torch
+            from savepoint.state import torch_tensors
 
             if arrays.is_torch_tensor(value):
                 with torch.no_grad():
                     target.copy_(value)
             else:
-                _torch.copy_into(target, _host(value, name), as_source(value, name).dtype)
+                torch_tensors.copy_into(target, _host(value, name), as_source(value, name).dtype)
     return len(pairs)
 
 
@@ -554,15 +560,17 @@ class ShrewFile:
         )
         return tree
 
-    def info(self) -> FormatInfo:
+    def info(self) -> CheckpointInfo:
         name = os.path.basename(self.path)
         prefix = "" if self.version == VERSION_TENSORS else "model/"
         entries = [
-            TensorEntry(prefix + k, r.dtype.name, r.shape, r.nbytes, name)
+            TensorInfo(prefix + k, r.dtype.name, r.shape, r.nbytes, name, prefix + k)
             for k, r in self._records.items()
         ]
         entries += [
-            TensorEntry(f"optimizer/buffers/{k}", "F64", r.shape, r.nbytes, name)
+            TensorInfo(
+                f"optimizer/buffers/{k}", "F64", r.shape, r.nbytes, name, f"optimizer/buffers/{k}"
+            )
             for k, r in self._buffer_records.items()
         ]
         values: dict[str, Any] = {}
@@ -576,23 +584,26 @@ class ShrewFile:
                 best_loss=self.best_loss,
                 loss_history=list(self.loss_history),
             )
-        return FormatInfo(
+        return CheckpointInfo(
             path=self.path,
-            format="shrew",
-            version=self.version,
+            format_version=self.version,
+            writer="",
+            created="",
+            metadata={},
             tensors=tuple(entries),
             values=values,
             files={name: self.size},
+            format="shrew",
             notes=("the .shrew format has no checksums: verify checks structure and sizes only",),
         )
 
 
-def inspect(path: str | os.PathLike[str]) -> FormatInfo:
+def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     with ShrewFile(path) as f:
         return f.info()
 
 
-def verify(path: str | os.PathLike[str]) -> FormatInfo:
+def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Check the whole structure and read every data byte (the format has no checksums)."""
     with ShrewFile(path) as f:
         f.drain()

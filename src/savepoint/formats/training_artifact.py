@@ -68,27 +68,28 @@ from savepoint.codecs import bounded_json as _json
 from savepoint.codecs import dtypes
 from savepoint.commit import atomic
 from savepoint.errors import (
+    ArtifactMismatchError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    MissingCheckpointError,
-    RunMismatchError,
+    MissingBestValidationArtifact,
     UnsupportedStateError,
 )
 from savepoint.formats import _files, burn
-from savepoint.formats._files import FormatInfo, LazyTensor, MappedTensor, TensorEntry
+from savepoint.formats._files import LazyTensor, MappedTensor
+from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.storage import local
 from savepoint.storage.paths import local_path
 
 __all__ = [
     "ArtifactDirectory",
-    "ArtifactMismatchError",
     "BEST_VALIDATION_DIR",
     "COMPARISON_FILE",
     "CheckpointManifest",
+    "Framework",
     "MANIFEST_FILE",
-    "MissingBestValidationArtifact",
+    "MAX_JSON_BYTES",
     "OPTIMIZER_STATE_FILE",
     "Outcome",
     "REPORT_FILE",
@@ -118,16 +119,6 @@ BEST_VALIDATION_DIR = "best_validation"
 MAX_JSON_BYTES = 64 << 20
 _U64 = 1 << 64
 Framework = Literal["numpy", "torch"]
-
-
-class ArtifactMismatchError(RunMismatchError):
-    """The report and the manifest (or best_validation/'s manifest) disagree (the seed's
-    ``ArtifactMismatch``)."""
-
-
-class MissingBestValidationArtifact(MissingCheckpointError):
-    """The report has a best validation that is not the last step, and ``best_validation/``
-    has no manifest (the seed's ``MissingBestValidationArtifact``); ``path`` is that directory."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,10 +442,10 @@ class ArtifactDirectory:
         tree["report"] = self.report
         return tree
 
-    def info(self) -> FormatInfo:
-        def entries(prefix: str, tensors: Mapping[str, LazyTensor], file: str) -> list[TensorEntry]:
+    def info(self) -> CheckpointInfo:
+        def entries(prefix: str, tensors: Mapping[str, LazyTensor], file: str) -> list[TensorInfo]:
             return [
-                TensorEntry(f"{prefix}/{k}", t.dtype.name, t.shape, t.nbytes, file)
+                TensorInfo(f"{prefix}/{k}", t.dtype.name, t.shape, t.nbytes, file, f"{prefix}/{k}")
                 for k, t in tensors.items()
             ]
 
@@ -471,24 +462,23 @@ class ArtifactDirectory:
             "best_validation_model": self.best_validation_source,
             "optimizer_state_bytes": self.optimizer_size,
         }
-        notes = [
-            f"weights written by burn {self._main.record.metadata.version}",
-            "burn records have no checksums: verify checks structure and sizes only",
-        ]
+        notes = ["burn records have no checksums: verify checks structure and sizes only"]
         if self.best_validation_source == "model":
             notes.append(
                 "no best_validation/: the best step is the last, the final model stands in"
             )
         if self.is_best_copy:
             notes.append("the best-validation checkpoint of the artifact in the parent directory")
-        return FormatInfo(
+        return CheckpointInfo(
             path=self.path,
-            format="training-artifact",
-            version=None,
+            format_version=None,
+            writer=f"burn {self._main.record.metadata.version} (the weights)",
+            created="",
+            metadata={"config": self.manifest.config, "burn": self._main.record.metadata.to_dict()},
             tensors=tuple(tensors),
             values=values,
-            metadata={"config": self.manifest.config, "burn": self._main.record.metadata.to_dict()},
             files=self.files(),
+            format="training-artifact",
             notes=tuple(notes),
         )
 
@@ -554,13 +544,13 @@ def load_checkpoint(
         checkpoint.close()
 
 
-def inspect(path: str | os.PathLike[str]) -> FormatInfo:
+def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe the artifact at ``path`` (every check of :func:`load`, no tensor data read)."""
     with open_artifact(path) as d:
         return d.info()
 
 
-def verify(path: str | os.PathLike[str]) -> FormatInfo:
+def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     """:func:`load`'s checks, every byte read once, and ``best_validation/``'s report copy (where
     present) equal to the report."""
     with open_artifact(path) as d:

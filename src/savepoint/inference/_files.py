@@ -2,15 +2,15 @@
 
 Contract:
 
-- writing is atomic and durable: the bytes go to a hidden temporary sibling, which is fsynced
-  and renamed over the target, then the parent directory is fsynced
-  (:func:`savepoint.commit.atomic.replace_file`). A reader sees the old file or the new one,
+- paths are local paths or URLs (``memory://``): the bytes go through the path's store;
+- writing is atomic and durable (``Store.put(exclusive=False)``; on local disks a hidden temporary
+  sibling, fsynced and renamed over the target, then the parent directory fsynced). A reader sees the old file or the new one,
   never a torn one; a failed write leaves the old file as it was and no temporary behind. Any
   failure is a CheckpointWriteError with the failing call's ``errno`` (``errno.ENOSPC`` for a
   full disk). The parent directory must exist (as for the seed's ``File::create``); a symlink
   at the target is replaced by the file, not written through;
-- reading goes through :func:`savepoint.storage.local.open_read` on the resolved path (a user
-  may name a symlink): a FIFO, socket, device or directory is refused without blocking
+- reading goes through ``Store.read_small`` on the resolved path (a user may name a symlink;
+  on local disks :func:`savepoint.storage.local.open_read`): a FIFO, socket, device or directory is refused without blocking
   (CorruptCheckpointError), a missing file is CheckpointNotFoundError, an unreadable one
   CheckpointPermissionError, a read error CheckpointError. No OSError escapes.
 """
@@ -20,19 +20,18 @@ from __future__ import annotations
 import errno
 import os
 
-from savepoint.commit import atomic
 from savepoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
-from savepoint.storage import local
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import PathArg, resolve
 
-PathLike = str | os.PathLike[str]
+PathLike = PathArg
 
 
 def write(path: PathLike, data: bytes, what: str) -> None:
     """Replace the file at ``path`` by ``data`` atomically (see the module docstring)."""
-    target = os.path.abspath(local_path(path, what=what))
+    loc = resolve(path, what=what)
+    target = loc.store.url(loc.path)
     try:
-        atomic.replace_file(target, data)
+        loc.store.put(loc.path, data, exclusive=False)
     except CheckpointError:
         raise
     except OSError as exc:
@@ -48,8 +47,9 @@ def write(path: PathLike, data: bytes, what: str) -> None:
 
 def read(path: PathLike, what: str) -> bytes:
     """The whole content of the regular file at ``path`` (see the module docstring)."""
-    shown = local_path(path, what=what)
+    loc = resolve(path, what=what)
+    shown = str(path) if loc.is_local else loc.store.url(loc.path)
     try:
-        return local.read_small(os.path.realpath(shown), cap=None, shown=shown)
+        return loc.store.read_small(loc.store.realpath(loc.path), cap=None)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no {what} at {shown}", path=shown) from None

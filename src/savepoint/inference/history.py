@@ -25,35 +25,38 @@ A failed ``take`` (an unsupported array, a bad config) changes nothing; a failur
 Directory-backed (``directory=...``). Each pushed snapshot is first committed as a savepoint
 checkpoint named ``snapshot-<seq>`` (``seq`` a zero-padded sequence number, one more than the
 largest in the directory) with :meth:`InferenceSnapshot.save` (atomic, fsynced), then added to the
-ring; the snapshots beyond the bound are then deleted with ``commit.atomic.discard`` (renamed
-away in one step, then removed). ``rollback`` loads the newest, deletes its directory the same
-way, and returns it; ``clear`` deletes them all, oldest first. Opening a history on a directory
-that already holds snapshots rebuilds the ring from their sequence numbers (newest first; they
-are loaded lazily, when asked for), prunes those beyond ``max_snapshots``, and removes
-temporaries of interrupted saves by dead processes. A crash at any point leaves committed
+ring; the snapshots beyond the bound are then deleted with ``commit.transaction.discard`` (renamed
+away in one step, then removed; manifests first on an object store). ``rollback`` loads the
+newest, deletes its directory the same way, and returns it; ``clear`` deletes them all, oldest
+first. Opening a history on a directory that already holds snapshots rebuilds the ring from their
+sequence numbers (newest first; they are loaded lazily, when asked for), prunes those beyond
+``max_snapshots``, and removes temporaries of interrupted saves by dead processes. A crash at any point leaves committed
 snapshots only, so a restarted process can roll back. Every write failure is a
 CheckpointWriteError carrying the failing call's ``errno`` (``errno.ENOSPC`` for a full disk);
 a ``push`` or ``take`` whose save fails leaves the history as it was. One process writes a
-directory at a time; a history is not thread-safe.
+directory at a time; a history is not thread-safe. The directory may be a local path or a URL
+(``memory://h``) or a :class:`~savepoint.storage.paths.Location`: everything goes through its
+store.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from savepoint.codecs import manifest as mf
-from savepoint.commit import atomic
+from savepoint.commit.transaction import discard
+from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import CheckpointWriteError
 from savepoint.inference.snapshot import InferenceSnapshot, SnapshotMetadata
-from savepoint.storage.paths import local_path
+from savepoint.runs.layout import checkpoint_arg, clean_stale_in
+from savepoint.storage.paths import Location, PathArg, resolve
 
-PathLike = str | os.PathLike[str]
+__all__ = ["PREFIX", "SnapshotHistory"]
+
 PREFIX = "snapshot-"
 _NAME = re.compile(r"snapshot-([0-9]{1,30})")
 
@@ -68,7 +71,7 @@ class _Entry:
 class SnapshotHistory:
     """A bounded ring of snapshots, newest first; optionally backed by a directory."""
 
-    def __init__(self, max_snapshots: int, directory: PathLike | None = None) -> None:
+    def __init__(self, max_snapshots: int, directory: PathArg | None = None) -> None:
         if isinstance(max_snapshots, bool) or not isinstance(max_snapshots, int):
             raise TypeError(f"max_snapshots must be an int, got {type(max_snapshots).__name__}")
         if max_snapshots < 1:
@@ -76,13 +79,10 @@ class SnapshotHistory:
         self._max = max_snapshots
         self._entries: deque[_Entry] = deque()
         self._next_seq = 0
-        self._dir = (
-            os.path.abspath(local_path(directory, what="snapshot directory"))
-            if directory is not None
-            else None
-        )
-        if self._dir is not None:
-            self._open(self._dir)
+        self._loc = None if directory is None else resolve(directory, what="snapshot directory")
+        self._dir = None if self._loc is None else str(self._loc)
+        if self._loc is not None:
+            self._open(self._loc)
 
     # -- properties --------------------------------------------------------------------------
 
@@ -95,9 +95,10 @@ class SnapshotHistory:
         return self._dir
 
     def path(self, index: int = 0) -> str | None:
-        """The directory holding snapshot ``index`` (0 = newest), or None in memory / if absent."""
+        """The directory holding snapshot ``index`` (0 = newest; a URL off the local disk), or
+        None in memory / if absent."""
         entry = self._entry(index)
-        return self._path(entry.seq) if entry is not None and self._dir is not None else None
+        return str(self._where(entry.seq)) if entry is not None and self._loc is not None else None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -131,15 +132,15 @@ class SnapshotHistory:
             oldest = self._entries[-1]
             if oldest.private and oldest.snapshot is not None:
                 donor, oldest.snapshot, oldest.private = oldest.snapshot, None, False
-                if self._dir is None:
+                if self._loc is None:
                     # Leaving anyway; on disk it stays until the new snapshot is committed.
                     self._entries.pop()
         self._add(InferenceSnapshot._build(prepared, donor), private=True)
 
     def _add(self, snapshot: InferenceSnapshot, *, private: bool) -> None:
         seq = self._next_seq
-        if self._dir is not None:
-            snapshot.save(self._path(seq))
+        if self._loc is not None:
+            snapshot.save(self._arg(seq))
         self._next_seq = seq + 1
         self._entries.appendleft(_Entry(seq, snapshot, private))
         self._prune()
@@ -147,7 +148,7 @@ class SnapshotHistory:
     def _prune(self) -> None:
         while len(self._entries) > self._max:
             oldest = self._entries[-1]
-            if self._dir is not None:
+            if self._loc is not None:
                 self._discard(oldest.seq)
             self._entries.pop()
 
@@ -162,8 +163,7 @@ class SnapshotHistory:
 
     def _snapshot(self, entry: _Entry) -> InferenceSnapshot:
         if entry.snapshot is None:
-            assert self._dir is not None
-            entry.snapshot = InferenceSnapshot.load(self._path(entry.seq))
+            entry.snapshot = InferenceSnapshot.load(self._arg(entry.seq))
         entry.private = False  # handed out: never written into again
         return entry.snapshot
 
@@ -184,7 +184,7 @@ class SnapshotHistory:
             return None
         entry = self._entries[0]
         snapshot = self._snapshot(entry)
-        if self._dir is not None:
+        if self._loc is not None:
             self._discard(entry.seq)
         self._entries.popleft()
         return snapshot
@@ -192,37 +192,42 @@ class SnapshotHistory:
     def clear(self) -> None:
         """Remove every snapshot (on a directory: delete them, oldest first)."""
         while self._entries:
-            if self._dir is not None:
+            if self._loc is not None:
                 self._discard(self._entries[-1].seq)
             self._entries.pop()
 
     # -- directory ---------------------------------------------------------------------------
 
-    def _path(self, seq: int) -> str:
-        assert self._dir is not None
-        return os.path.join(self._dir, f"{PREFIX}{seq:012d}")
+    def _where(self, seq: int) -> Location:
+        assert self._loc is not None
+        return self._loc.join(f"{PREFIX}{seq:012d}")
+
+    def _arg(self, seq: int) -> str | Location:
+        """Snapshot ``seq`` as the path argument of InferenceSnapshot.save/load."""
+        return checkpoint_arg(self._where(seq))
 
     def _discard(self, seq: int) -> None:
-        path = self._path(seq)
+        where = self._where(seq)
         try:
-            atomic.discard(path)
+            discard(where.store, where.path)
         except OSError as exc:
             raise CheckpointWriteError(
-                f"deleting snapshot {path} failed: {exc}; the history is unchanged",
-                path=path,
+                f"deleting snapshot {where} failed: {exc}; the history is unchanged",
+                path=str(where),
                 errno=exc.errno,
             ) from exc
 
-    def _open(self, directory: str) -> None:
+    def _open(self, directory: Location) -> None:
+        store = directory.store
         try:
-            os.makedirs(directory, exist_ok=True)
-            atomic.clean_stale_in(directory)
-            names = os.listdir(directory)
+            store.makedirs(directory.path)
+            clean_stale_in(store, directory.path)
+            names = store.list(directory.path)
         except OSError as exc:
             hint = "; free disk space and try again" if exc.errno == errno.ENOSPC else ""
             raise CheckpointWriteError(
                 f"cannot open the snapshot directory {directory}: {exc}{hint}",
-                path=directory,
+                path=str(directory),
                 errno=exc.errno,
             ) from exc
         seqs = []
@@ -233,10 +238,8 @@ class SnapshotHistory:
                 continue
             seq = int(match.group(1))
             seqs.append(seq)
-            path = os.path.join(directory, name)
-            if name == os.path.basename(self._path(seq)) and os.path.isfile(
-                os.path.join(path, mf.NAME)
-            ):
+            canonical = name == f"{PREFIX}{seq:012d}"
+            if canonical and resolve_commit(store, directory.join(name).path) is not None:
                 committed.append(seq)
         # Past any name in the directory, committed or not, so a new snapshot never collides.
         self._next_seq = max(seqs, default=-1) + 1

@@ -72,7 +72,6 @@ force one. Pickling goes through ``to_bytes``, so a snapshot crosses process bou
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Iterable, Mapping, MutableSequence
 from dataclasses import dataclass, field
@@ -92,13 +91,23 @@ from savepoint.errors import (
     UnsupportedStateError,
 )
 from savepoint.inference import _arrays, _files
+from savepoint.info import CheckpointInfo
 from savepoint.state import arrays
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import PathArg, resolve
+
+__all__ = [
+    "Framework",
+    "InferenceSnapshot",
+    "NATIVE_KEY",
+    "PathLike",
+    "SnapshotMetadata",
+    "VERSION",
+]
 
 VERSION = snapshot_format.VERSION
 NATIVE_KEY = "inference_snapshot"
 Framework = Literal["auto", "numpy", "torch"]
-PathLike = str | os.PathLike[str]
+PathLike = PathArg
 
 
 def _now() -> int:
@@ -502,7 +511,7 @@ class InferenceSnapshot:
         data = _files.read(path, "kizzasi MessagePack snapshot")
         return cls._from_record(kizzasi.decode_msgpack(data), framework)
 
-    def save(self, path: PathLike) -> checkpoint.CheckpointInfo:
+    def save(self, path: PathLike) -> CheckpointInfo:
         """Save as a savepoint checkpoint directory (atomic, durable, checksummed)."""
         meta = self._metadata
         record = {
@@ -521,12 +530,13 @@ class InferenceSnapshot:
         cls, path: PathLike, *, framework: Framework = "auto", verify: bool = True
     ) -> InferenceSnapshot:
         """Load what ``save`` wrote; the layout is checked before any data is read."""
-        where = os.path.abspath(local_path(path, what="snapshot path"))
-        info = checkpoint.inspect(where)
+        loc = resolve(path, what="snapshot path")
+        where = loc.store.url(loc.path)
+        info = checkpoint.inspect(loc)
         record = _native_record(info, where)
         if framework not in ("auto", "numpy", "torch"):
             raise ValueError(f"framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
-        tree = checkpoint.load(where, framework=framework, verify=verify)
+        tree = checkpoint.load(loc, framework=framework, verify=verify)
         loaded: dict[str, list[Any]] = {}
         for role in ("states", "history"):
             items = tree.get(role) if isinstance(tree, dict) else None
@@ -594,7 +604,7 @@ def _adopt_loaded(a: Any) -> Any:
     raise CorruptCheckpointError(f"expected an array, found {type(a).__name__}")
 
 
-def _native_record(info: checkpoint.CheckpointInfo, where: str) -> dict[str, Any]:
+def _native_record(info: CheckpointInfo, where: str) -> dict[str, Any]:
     """The checked ``inference_snapshot`` record of a checkpoint's manifest."""
     record = info.metadata.get(NATIVE_KEY)
     if not isinstance(record, dict):

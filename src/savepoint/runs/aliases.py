@@ -1,37 +1,74 @@
 """``latest/`` and ``best/``: copies of checkpoints that must agree with ``report.json``.
 
 An alias is an ordinary checkpoint directory whose files are hard links to one step's files
-(:func:`savepoint.commit.atomic.link_tree`). It *agrees* with the report when it is absent, or
-when it holds exactly the checkpoint the report names (``latest_step``, ``best.step``): the same
-``manifest.json`` (the same inode, or the same bytes where the filesystem had no hard links), and
-the manifest holds every tensor's checksum, so the same manifest means the same checkpoint.
+(copies where the store has no hard links: :func:`link_tree`). It *agrees* with the report when
+it is absent, or when it holds exactly the checkpoint the report names (``latest_step``,
+``best.step``): the same ``manifest.json`` (the same blob, or the same bytes where the store had no
+hard links), and the manifest holds every tensor's checksum, so the same manifest means the same
+checkpoint.
 
-The manager changes an alias only by :func:`stage` (link the files under a hidden temporary name:
-the only step that needs free space) and :func:`commit` (one atomic exchange), or :func:`remove`
-(atomic rename away, then delete), so a reader of ``run/best`` sees the old checkpoint or the new
-one, never a mixture. :func:`disagreements` and :func:`run_problems` are what ``savepoint ls``
-and ``savepoint verify RUN`` report.
+The manager changes an alias only through a commit transaction
+(:class:`savepoint.commit.transaction.Transaction`): :func:`stage` begins one and fills its
+staging directory (the only step that needs free space), :meth:`Staged.publish` commits it (one
+atomic exchange, or the manifest-last commit on object stores), and :func:`remove` discards an
+alias, so a reader of ``run/best`` sees the old checkpoint or the new one, never a mixture.
+:func:`copy_aside` and :func:`put_back` use the same copies to keep a checkpoint that a new save of
+its step replaces until that save is complete. :func:`disagreements` and :func:`run_problems` are
+what ``savepoint ls`` and ``savepoint verify RUN`` report.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import stat
+import errno
 from collections.abc import Iterable
 
 from savepoint import checkpoint
 from savepoint.codecs import manifest as mf
-from savepoint.commit import atomic
+from savepoint.commit import names
+from savepoint.commit.transaction import Transaction, discard
+from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import CheckpointError
 from savepoint.runs import layout
 from savepoint.runs.report import Report
+from savepoint.storage.base import BlobReader, Store
+from savepoint.storage.paths import Location, PathArg, resolve
+
+__all__ = [
+    "NAMES",
+    "Staged",
+    "copy_aside",
+    "disagreements",
+    "holds",
+    "link_tree",
+    "path_of",
+    "publish",
+    "put_back",
+    "recorded_step",
+    "remove",
+    "run_problems",
+    "stage",
+    "targets",
+]
 
 NAMES = (layout.LATEST, layout.BEST)
+_COPY_CHUNK = 64 << 20
+# What a link raises where a filesystem (or this pair of paths) has no hard links, or a file has
+# too many: then a copy is made instead. Anything else (a full disk, a quota, an I/O error) is
+# raised: a copy would need more of what just ran out.
+_NO_HARD_LINKS = frozenset(
+    getattr(errno, name)
+    for name in ("EPERM", "EXDEV", "EMLINK", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EACCES")
+    if hasattr(errno, name)
+)
 
 
-def path_of(directory: str, alias: str) -> str:
-    return os.path.join(directory, alias)
+def _run(directory: PathArg) -> Location:
+    return resolve(directory, what="run directory")
+
+
+def path_of(directory: PathArg, alias: str) -> Location:
+    return _run(directory).join(alias)
 
 
 def targets(report: Report) -> dict[str, int | None]:
@@ -43,72 +80,182 @@ def targets(report: Report) -> dict[str, int | None]:
     }
 
 
-def holds(directory: str, alias: str, step: int) -> bool:
+def holds(directory: PathArg, alias: str, step: int) -> bool:
     """Whether ``alias`` is a copy of checkpoint ``step`` (False if either is missing)."""
-    mine = os.path.join(path_of(directory, alias), mf.NAME)
-    theirs = os.path.join(layout.step_path(directory, step), mf.NAME)
+    run = _run(directory)
+    store = run.store
+    mine, theirs = (
+        _manifest(store, path_of(run, alias).path),
+        _manifest(store, layout.step_location(run, step).path),
+    )
+    if mine is None or theirs is None:
+        return False
     try:
-        a, b = os.stat(mine), os.stat(theirs)
+        a, b = store.stat(mine), store.stat(theirs)
     except OSError:
         return False
-    if not (stat.S_ISREG(a.st_mode) and stat.S_ISREG(b.st_mode)):
+    if a is None or b is None or a.kind != "file" or b.kind != "file":
         return False  # never open a FIFO (it would block) or a device
-    if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+    if a.identity == b.identity:
         return True
-    if a.st_size != b.st_size:
-        return False
+    return a.size == b.size and _same_bytes(store, mine, theirs, a.size)
+
+
+def _manifest(store: Store, path: str) -> str | None:
+    where = resolve_commit(store, path)
+    return None if where is None else store.join(where, mf.NAME)
+
+
+def _same_bytes(store: Store, a: str, b: str, size: int) -> bool:
     try:
-        with open(mine, "rb") as fa, open(theirs, "rb") as fb:
-            while True:
-                x, y = fa.read(1 << 20), fb.read(1 << 20)
-                if x != y:
-                    return False
-                if not x:
-                    return True
-    except OSError:
+        first = store.open_blob(a)
+        try:
+            second = store.open_blob(b)
+            try:
+                return _equal(first, second, size)
+            finally:
+                second.close()
+        finally:
+            first.close()
+    except (OSError, EOFError, CheckpointError):
         return False
 
 
-def recorded_step(directory: str, alias: str) -> int | None:
+def _equal(first: BlobReader, second: BlobReader, size: int) -> bool:
+    x, y = _buffer(size), _buffer(size)
+    for pos in range(0, size, len(x)):
+        n = min(len(x), size - pos)
+        first.read(pos, x[:n])
+        second.read(pos, y[:n])
+        if x[:n] != y[:n]:
+            return False
+    return True
+
+
+def _buffer(size: int) -> memoryview:
+    return memoryview(bytearray(max(1, min(size, _COPY_CHUNK))))
+
+
+def recorded_step(directory: PathArg, alias: str) -> int | None:
     """The step an alias's checkpoint says it was saved as (its manifest metadata), or None."""
     with contextlib.suppress(CheckpointError, OSError):
-        meta = checkpoint.inspect(path_of(directory, alias)).metadata.get("savepoint_run")
-        step = meta.get("step") if isinstance(meta, dict) else None
+        meta = checkpoint.inspect(layout.checkpoint_arg(path_of(directory, alias))).metadata
+        run_meta = meta.get("savepoint_run")
+        step = run_meta.get("step") if isinstance(run_meta, dict) else None
         if isinstance(step, int) and not isinstance(step, bool):
             return step
     return None
 
 
-def stage(directory: str, alias: str, step: int) -> str:
-    """Hard-link checkpoint ``step`` under a hidden temporary name next to ``alias``; returns it.
-    Nothing visible changes; on failure nothing is left behind."""
-    staging = atomic.staging_path(path_of(directory, alias))
+def link_tree(store: Store, source: str, staging: str, *, manifest: bool = True) -> str:
+    """Fill the existing directory ``staging`` with hard links to the files of the checkpoint at
+    ``source`` (in either commit layout), ``manifest.json`` last (or not at all: ``manifest``
+    False); copies where the store has no hard links (or a link fails with one of
+    :data:`_NO_HARD_LINKS`). Returns the path of the source's manifest. Committed files are
+    never modified in place, so a linked copy costs no space and stays valid after ``source`` is
+    deleted. Other errors (ENOSPC: no inode or directory block left for the link) are raised;
+    ``staging`` is the caller's to remove."""
+    found = resolve_commit(store, source)
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, "no committed checkpoint", store.url(source))
+    entries = [name for name in sorted(store.list(found)) if name != mf.NAME]
+    for name in [*entries, mf.NAME] if manifest else entries:
+        src, dst = store.join(found, name), store.join(staging, name)
+        if store.capabilities.hard_links:
+            try:
+                store.link(src, dst)
+                continue
+            except OSError as exc:
+                if exc.errno not in _NO_HARD_LINKS:
+                    raise
+        _copy_blob(store, src, dst)
+    return store.join(found, mf.NAME)
+
+
+def _copy_blob(store: Store, src: str, dst: str) -> None:
+    reader = store.open_blob(src)
     try:
-        atomic.link_tree(layout.step_path(directory, step), staging)
+        writer = store.create_blob(dst, size=reader.size, direct=False)
+        try:
+            chunk = _buffer(reader.size)
+            for pos in range(0, reader.size, len(chunk)):
+                part = chunk[: min(len(chunk), reader.size - pos)]
+                reader.read(pos, part)
+                writer.write(part)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+    finally:
+        reader.close()
+
+
+class Staged:
+    """An alias being replaced: a transaction whose staging holds links to one checkpoint;
+    nothing visible changes until :meth:`publish`. (With the manifest-last strategy the manifest
+    is the commit point, so it is put by :meth:`publish`, not staged.)"""
+
+    def __init__(self, store: Store, target: str, source: str, what: str) -> None:
+        self._tx = Transaction(store, target, what=what).begin()
+        self._manifest: bytes | None = None
+        try:
+            linked = self._tx.strategy == "rename"
+            manifest = link_tree(store, source, self._tx.staging, manifest=linked)
+            if not linked:
+                self._manifest = store.read_small(manifest, cap=None)
+        except BaseException:
+            self._tx.abort()
+            raise
+
+    def publish(self) -> None:
+        """Make the staged copy the alias, atomically."""
+        self._tx.commit(self._manifest)
+
+    def abort(self) -> None:
+        """Remove the staged copy (never raises)."""
+        self._tx.abort()
+
+
+def stage(directory: PathArg, alias: str, step: int) -> Staged:
+    """Begin replacing ``alias`` by a copy of checkpoint ``step`` (see :class:`Staged`); on
+    failure nothing is left behind."""
+    run = _run(directory)
+    source = layout.step_location(run, step).path
+    return Staged(run.store, path_of(run, alias).path, source, f"{alias}/ alias")
+
+
+def publish(directory: PathArg, alias: str, step: int) -> None:
+    stage(directory, alias, step).publish()
+
+
+def remove(directory: PathArg, alias: str) -> None:
+    """Remove an alias so that no crash leaves it half-deleted (``transaction.discard``)."""
+    where = path_of(directory, alias)
+    discard(where.store, where.path)
+
+
+def copy_aside(checkpoint_dir: Location) -> str:
+    """A hidden copy (hard links where the store has them) of the committed checkpoint at
+    ``checkpoint_dir``, beside it; returns its path. Nothing visible changes; on failure
+    nothing is left behind. A copy a dead process left is tidied like any other temporary."""
+    store = checkpoint_dir.store
+    copy = names.hidden(store, checkpoint_dir.path, names.TMP_TAG)
+    store.mkdir(copy)
+    try:
+        link_tree(store, checkpoint_dir.path, copy)
     except BaseException:
         with contextlib.suppress(OSError):
-            atomic.remove_tree(staging)
+            store.remove_tree(copy)
         raise
-    return staging
+    return copy
 
 
-def commit(directory: str, alias: str, staging: str) -> None:
-    """Make a staged copy the alias, atomically (see :func:`savepoint.commit.atomic.commit`)."""
-    try:
-        atomic.commit(staging, path_of(directory, alias))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            atomic.remove_tree(staging)
-        raise
-
-
-def publish(directory: str, alias: str, step: int) -> None:
-    commit(directory, alias, stage(directory, alias, step))
-
-
-def remove(directory: str, alias: str) -> None:
-    """Remove an alias: renamed away first (atomic), then deleted."""
-    atomic.discard(path_of(directory, alias))
+def put_back(store: Store, copy: str, target: str) -> None:
+    """Make the copy made by :func:`copy_aside` the checkpoint at ``target`` again, atomically,
+    and remove the copy."""
+    Staged(store, target, copy, "checkpoint").publish()
+    with contextlib.suppress(OSError):
+        store.remove_tree(copy)
 
 
 def _steps(steps: Iterable[int]) -> str:
@@ -116,21 +263,22 @@ def _steps(steps: Iterable[int]) -> str:
     return ("step " if len(items) == 1 else "steps ") + ", ".join(map(str, items))
 
 
-def disagreements(directory: str, report: Report) -> list[str]:
+def disagreements(directory: PathArg, report: Report) -> list[str]:
     """How ``latest/`` and ``best/`` disagree with ``report`` (empty when they agree)."""
+    run = _run(directory)
     problems = []
     for alias, step in targets(report).items():
-        if not os.path.lexists(path_of(directory, alias)):
+        if run.store.stat(path_of(run, alias).path) is None:
             continue  # aliases are optional (aliases=False); a missing one misleads nobody
-        if step is not None and holds(directory, alias, step):
+        if step is not None and holds(run, alias, step):
             continue
-        held = recorded_step(directory, alias)
+        held = recorded_step(run, alias)
         what = f"a copy of step {held}" if held is not None else "not a copy of any step"
         if step is None:
             problems.append(
                 f"{alias}/ is {what}, but report.json has no {alias} checkpoint: it should not exist"
             )
-        elif not os.path.isdir(layout.step_path(directory, step)):
+        elif not layout.is_dir(layout.step_location(run, step)):
             problems.append(
                 f"{alias}/ is {what}, and report.json's {alias} checkpoint (step {step}) is not "
                 "on disk"
@@ -140,7 +288,7 @@ def disagreements(directory: str, report: Report) -> list[str]:
     return problems
 
 
-def run_problems(directory: str, report: Report, steps: list[int]) -> list[str]:
+def run_problems(directory: PathArg, report: Report, steps: list[int]) -> list[str]:
     """Every disagreement between ``report``, the committed ``steps`` and the aliases.
 
     Opening the run with a (writable) ``CheckpointManager`` repairs each of them: it finishes

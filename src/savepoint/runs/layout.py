@@ -22,12 +22,33 @@ manager that opens the run repairs any disagreement an interrupted save left (se
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 
-from savepoint.codecs import manifest as mf
+from savepoint.commit import names
+from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import CheckpointPermissionError, CorruptCheckpointError
+from savepoint.storage import local
+from savepoint.storage.base import Store
+from savepoint.storage.paths import Location, PathArg, resolve
+
+__all__ = [
+    "BEST",
+    "CHECKPOINTS",
+    "LATEST",
+    "checkpoint_arg",
+    "clean_stale_in",
+    "committed",
+    "committed_steps",
+    "is_dir",
+    "is_run",
+    "lost_run_file",
+    "step_location",
+    "step_name",
+    "step_path",
+]
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -41,50 +62,101 @@ def step_name(step: int) -> str:
     return f"step-{step:010d}"
 
 
-def step_path(directory: str, step: int) -> str:
-    return os.path.join(directory, CHECKPOINTS, step_name(step))
+def step_location(run: Location, step: int) -> Location:
+    return run.join(CHECKPOINTS, step_name(step))
 
 
-def committed_steps(directory: str) -> list[int]:
+def step_path(directory: PathArg, step: int) -> str:
+    """Checkpoint ``step`` of the run at ``directory``, as messages and ``sp.load`` name it (a
+    plain path on the local disk, a URL elsewhere)."""
+    return str(step_location(resolve(directory, what="run directory"), step))
+
+
+def checkpoint_arg(where: Location) -> str | Location:
+    """``where`` as the path argument of ``sp.save``/``load``/...: a plain path on the local
+    filesystem store (what callers and their hooks have always been given), the Location itself
+    on any other store (so a store given by hand, a fault-injecting one say, is the one used)."""
+    return where.path if where.store is local.STORE else where
+
+
+def committed(where: Location) -> bool:
+    """Whether ``where`` holds a committed checkpoint (its manifest, in either commit layout)."""
+    return resolve_commit(where.store, where.path) is not None
+
+
+def committed_steps(directory: PathArg) -> list[int]:
     """Steps with a committed checkpoint (a manifest), ascending. Hidden temporaries are ignored.
 
     An unlistable ``checkpoints/`` is CheckpointPermissionError (EACCES/EPERM) or
     CorruptCheckpointError (not a directory, or any other failure); a missing one has no steps."""
-    root = os.path.join(directory, CHECKPOINTS)
+    run = resolve(directory, what="run directory")
+    root = run.join(CHECKPOINTS)
+    store = root.store
     try:
-        entries = os.listdir(root)
-    except FileNotFoundError:
-        return []
+        # Followed if it is a symlink (checkpoints kept on another disk).
+        found = store.stat(store.realpath(root.path))
+        entries = store.list(root.path) if found is None or found.kind == "dir" else None
     except PermissionError as exc:
         raise CheckpointPermissionError(
             f"{root}: permission denied; make it readable by this user and try again",
-            path=root,
+            path=str(root),
             errno=exc.errno,
         ) from None
     except OSError as exc:
-        hint = (
-            ": the run keeps its checkpoints in that directory; move what is there out of the way"
-            if exc.errno == errno.ENOTDIR
-            else ""
-        )
         raise CorruptCheckpointError(
-            f"cannot list {root}: {exc.strerror or exc}{hint}", path=root
+            f"cannot list {root}: {exc.strerror or exc}", path=str(root)
         ) from None
+    if entries is None:
+        raise CorruptCheckpointError(
+            f"cannot list {root}: {os.strerror(errno.ENOTDIR)}: the run keeps its checkpoints in "
+            "that directory; move what is there out of the way",
+            path=str(root),
+        )
     steps = []
     for entry in entries:
         m = _STEP_DIR.fullmatch(entry)
-        if m and os.path.isfile(os.path.join(root, entry, mf.NAME)):
+        if m and committed(root.join(entry)):
             steps.append(int(m.group(1)))
     return sorted(steps)
 
 
-def is_run(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, "run.json"))
+def is_run(directory: PathArg) -> bool:
+    return _is_file(resolve(directory, what="run directory").join("run.json"))
 
 
-def lost_run_file(directory: str) -> bool:
+def lost_run_file(directory: PathArg) -> bool:
     """A run directory whose ``run.json`` is gone but whose ``report.json`` (which records the
     same identity) is still there: a manager that opens it rebuilds ``run.json``."""
-    return not os.path.lexists(os.path.join(directory, "run.json")) and os.path.isfile(
-        os.path.join(directory, "report.json")
-    )
+    run = resolve(directory, what="run directory")
+    return run.store.stat(run.join("run.json").path) is None and _is_file(run.join("report.json"))
+
+
+def is_dir(where: Location) -> bool:
+    """Whether a directory is at ``where``, following a symlink (as ``os.path.isdir``)."""
+    return _kind(where) == "dir"
+
+
+def _is_file(where: Location) -> bool:
+    """Whether a regular file is at ``where``, following a symlink (as ``os.path.isfile``)."""
+    return _kind(where) == "file"
+
+
+def _kind(where: Location) -> str | None:
+    store = where.store
+    try:
+        found = store.stat(store.realpath(where.path))
+    except OSError:
+        return None
+    return None if found is None else found.kind
+
+
+def clean_stale_in(store: Store, parent: str) -> None:
+    """Remove every hidden savepoint temporary in the directory ``parent`` that a dead process of
+    this host left (an interrupted save, deletion, alias update or backup: the names of
+    :mod:`savepoint.commit.names`); best effort. A live process's temporaries, and another
+    host's on a shared filesystem, are never touched."""
+    tag = names.TMP_TAG
+    for entry in store.list(parent):
+        if entry.startswith(".") and tag in entry and names.dead_here(entry.rsplit(tag, 1)[1]):
+            with contextlib.suppress(OSError):  # tidying is best effort; the next open retries
+                store.remove_tree(store.join(parent, entry))

@@ -2,15 +2,17 @@
 
 A run directory has one writer. Two writers would each prune by their own view of the run, so one
 process's retention could delete the checkpoint the other has just committed. A writing manager
-therefore holds an exclusive ``flock(2)`` on ``run/.writer.lock`` from the moment it opens until
-``close()`` (or until it is garbage collected, or its process dies: the kernel drops the lock with
-the last descriptor, so a SIGKILLed writer never leaves a stale lock behind). A second writer, in
-this process or another, gets :class:`~savepoint.errors.RunLockedError` naming the holder.
+therefore holds the lock ``store.lock(run/.writer.lock)`` of the run's store from the moment it
+opens until ``close()`` (or until it is garbage collected, or its process dies). A second writer,
+in this process or another, gets :class:`~savepoint.errors.RunLockedError` naming the holder.
 
-While held, the lock file holds one JSON line describing the holder
-(``{"pid": 123, "host": "node7", "since": "2026-11-25T12:00:00Z"}``); it is only informative, the
-lock itself is the ``flock``. Readers (``sp.load``, a read-only manager, ``savepoint ls``,
-``report`` and ``verify``) never take the lock.
+On a local disk that is an exclusive ``flock(2)`` on ``run/.writer.lock``
+(:class:`savepoint.storage.local.LocalLock`, which says why ``flock`` and how it behaves across
+``fork`` and ``SIGKILL``); while held, the lock file holds one JSON line describing the holder
+(``{"pid": 123, "host": "node7", "since": "2026-11-25T12:00:00Z"}``), only informative. On the
+in-memory store (which lives in one process) it is an in-process lock, and the description is a
+blob at the same name. Readers (``sp.load``, a read-only manager, ``savepoint ls``, ``report``
+and ``verify``) never take the lock.
 
 Why ``fcntl.flock`` directly rather than the ``filelock`` package: ``filelock``'s
 ``UnixFileLock._acquire`` opens the lock file with ``O_RDWR | O_TRUNC`` *before* trying the lock
@@ -18,19 +20,13 @@ in the 3.x releases (checked in their ``_unix.py``), so each refused contender w
 holder description written into the file, and the error could no longer say who holds the run.
 The 4.3.1 release installed here opens without ``O_TRUNC``, but it unlinks the lock file on
 release unless ``preserve_lock_file`` is set, can fall back to "soft" marker files where
-``flock`` is missing, and these details have changed between releases. What savepoint needs is a
-few lines of ``flock`` with the behaviour pinned here, and no new dependency: never truncate
-before holding the lock, never delete the lock file (deleting a flock'ed file lets two processes
-lock two different inodes), and never unlock explicitly (``LOCK_UN`` on a descriptor a forked
-child inherited would release the parent's lock too; closing our copy does not).
+``flock`` is missing, and these details have changed between releases.
 
-A forked child (a data-loader worker, say) closes its inherited copy of the descriptor at once
-(``os.register_at_fork``): otherwise a child outliving a killed writer would keep the run locked.
-The child's manager then no longer holds the lock, and :meth:`WriterLock.check` refuses to let it
-write (RunLockedError naming the parent).
+A forked child (a data-loader worker, say) does not hold the lock: :meth:`WriterLock.check`
+refuses to let its manager write (RunLockedError naming the parent).
 
-The lock file is an ordinary file anyone may delete or replace. Deleting it under a live writer
-would let a second writer lock a new file of the same name, so the writer calls
+The local lock file is an ordinary file anyone may delete or replace. Deleting it under a live
+writer would let a second writer lock a new file of the same name, so the writer calls
 :meth:`WriterLock.check` before every save: a lock file that is simply gone is recreated and locked
 again (no other writer can have opened the run, or the file would exist; only deleting it a second
 time, after such a writer closed, would hide that writer), while one replaced by
@@ -44,57 +40,40 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import socket
-import stat
 import time
-import weakref
 
-from savepoint.errors import CheckpointWriteError, RunLockedError
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    NotRegularFileError,
+    RunLockedError,
+)
 from savepoint.runs.report import now_iso
+from savepoint.storage.base import Lock
+from savepoint.storage.local import LocalLock
+from savepoint.storage.paths import Location, PathArg, resolve
+
+__all__ = ["LOCK_FILE", "WriterLock", "read_holder"]
 
 LOCK_FILE = ".writer.lock"
 _HOLDER_MAX = 4096
-_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()
 
 
-def _open_lock_file(path: str, *, exclusive: bool = False) -> int:
-    """Open (or create) the lock file; raises CheckpointWriteError when something that is not a
-    regular file is in the way, OSError for anything else (no permission, read-only media)."""
-    # No O_TRUNC: the file may describe the current holder, which a refused writer must read.
-    # O_NOFOLLOW: a symbolic link is refused, never followed; O_NONBLOCK: a FIFO never blocks.
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    try:
-        fd = os.open(path, flags | (os.O_EXCL if exclusive else 0), 0o644)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
-            raise _wrong_kind(path, exc.errno) from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-    except OSError:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _wrong_kind(path, errno.EINVAL)
-    return fd
-
-
-def _wrong_kind(path: str, code: int) -> CheckpointWriteError:
+def _wrong_kind(shown: str) -> CheckpointWriteError:
     return CheckpointWriteError(
-        f"{path} is not a regular file, so it cannot be this run's writer lock (a directory, "
+        f"{shown} is not a regular file, so it cannot be this run's writer lock (a directory, "
         "symbolic link or FIFO put there by hand?): remove it, and savepoint creates it again (at "
         "the writer's next save, or when a manager next opens the run)",
-        path=path,
-        errno=code,
+        path=shown,
+        errno=errno.EINVAL,
     )
 
 
 class WriterLock:
-    """An exclusive, non-blocking lock on a run directory (see the module docstring).
+    """The writer lock of the run at a :class:`Location` (see the module docstring).
 
     :meth:`acquire` raises RunLockedError when another writer holds it, CheckpointWriteError when
     something other than a regular file is at the lock file's path, and OSError when the lock file
@@ -103,18 +82,53 @@ class WriterLock:
     idempotent.
     """
 
-    def __init__(self, path: str, fd: int) -> None:
-        self.path = path
-        self.directory = os.path.dirname(path)
-        self._fd: int | None = fd
+    def __init__(self, run: Location, lock: Lock) -> None:
+        self.run = run
+        self.directory = str(run)
+        self.path = run.store.join(run.path, LOCK_FILE)
+        self._lock: Lock | None = lock
         self._pid = os.getpid()
         self._lost: str | None = None  # why this writer stopped for good (see check())
-        _HELD.add(self)
 
     @classmethod
-    def acquire(cls, directory: str) -> WriterLock:
-        path = os.path.join(directory, LOCK_FILE)
-        return cls(path, _lock(path, _open_lock_file(path)))
+    def acquire(cls, run: Location) -> WriterLock:
+        store = run.store
+        path = store.join(run.path, LOCK_FILE)
+        lock = store.lock(path)
+        try:
+            taken = lock.acquire()
+        except NotRegularFileError:
+            raise _wrong_kind(store.url(path)) from None
+        if not taken:
+            holder = _wait_for_holder(run)
+            raise RunLockedError(
+                f"{run} is being written by another CheckpointManager "
+                f"({holder or 'holder unknown'}); a run directory has one writer at a time. "
+                "Close the other manager (or stop that process), open this one read-only "
+                "(read_only=True) to only restore, or give this run its own directory",
+                path=str(run),
+                holder=holder,
+            )
+        writer = cls(run, lock)
+        writer._describe()
+        return writer
+
+    def _describe(self) -> None:
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}
+        data = (json.dumps(record) + "\n").encode("utf-8")
+        if isinstance(self._lock, LocalLock):
+            self._lock.describe(data)  # inside the locked file: replacing it would lose the lock
+        elif self._in_process:
+            with contextlib.suppress(OSError):  # informative only
+                self.run.store.put(self.path, data, exclusive=False)
+        # Else a lock across processes this module cannot describe (a wrapped local lock): a
+        # description put at its name would replace the very file that is locked.
+
+    @property
+    def _in_process(self) -> bool:
+        """Whether the lock lives in this process only (memory stores): then its name is free
+        for the holder's description."""
+        return not self.run.store.capabilities.locks
 
     def check(self) -> None:
         """Raise unless this process still holds the run's lock through the file at its path.
@@ -132,17 +146,18 @@ class WriterLock:
                 path=self.directory,
                 holder=f"pid {self._pid} (the parent of this process)",
             )
-        if self._lost is None and self._fd is not None:
+        if self._lost is None and isinstance(self._lock, LocalLock):
             try:
-                self._still_mine(self._fd)
-            except CheckpointWriteError:
-                # Not a regular file in the way: no other writer can have taken the run through
-                # it either; once it is removed, the next check recreates the lock file.
-                raise
+                self._lost = self._lock.check()
+            except NotRegularFileError:
+                # No other writer can have taken the run through it either; once it is removed,
+                # the next check recreates the lock file.
+                raise _wrong_kind(self.run.store.url(self.path)) from None
             except OSError as exc:
-                self._lost = f"its lock file {self.path} cannot be checked ({exc.strerror or exc})"
+                shown = self.run.store.url(self.path)
+                self._lost = f"its lock file {shown} cannot be checked ({exc.strerror or exc})"
         if self._lost is not None:
-            holder = read_holder(self.directory)
+            holder = read_holder(self.run)
             raise RunLockedError(
                 f"this CheckpointManager no longer writes {self.directory}: {self._lost}, so "
                 f"another writer may have changed the run since (now holding it: "
@@ -152,118 +167,40 @@ class WriterLock:
                 holder=holder,
             )
 
-    def _still_mine(self, fd: int) -> None:
-        """Set ``_lost`` when the lock file is no longer ours; relock a deleted one."""
-        mine = os.fstat(fd)
-        try:
-            there = os.lstat(self.path)
-        except FileNotFoundError:
-            # Gone, and nobody created a new one: no other writer can have opened the run.
-            # O_EXCL: if one appears meanwhile, it is someone else's (replaced, below).
-            try:
-                new = _lock(self.path, _open_lock_file(self.path, exclusive=True))
-            except FileExistsError:
-                self._lost = f"its lock file {self.path} was deleted and created again by another"
-                return
-            except RunLockedError:
-                self._lost = f"its lock file {self.path} was deleted and taken by another writer"
-                return
-            self._fd = new
-            with contextlib.suppress(OSError):
-                os.close(fd)  # the deleted inode's lock: nobody else can reach it
-            return
-        if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
-            return
-        if not stat.S_ISREG(there.st_mode):
-            raise _wrong_kind(self.path, errno.EINVAL)
-        self._lost = f"its lock file {self.path} was deleted or replaced while it held the run"
-
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._lock is not None
 
     def release(self) -> None:
-        """Drop the lock (closing the descriptor; see the module docstring for why not LOCK_UN)."""
-        fd, self._fd = self._fd, None
-        if fd is None:
+        """Drop the lock and its description; idempotent."""
+        lock, self._lock = self._lock, None
+        if lock is None:
             return
-        _HELD.discard(self)
-        if os.getpid() == self._pid:
-            with contextlib.suppress(OSError):  # the description must not outlive the lock
-                os.ftruncate(fd, 0)
-        with contextlib.suppress(OSError):  # the kernel drops the lock whatever close() says
-            os.close(fd)
-
-    def _forget(self) -> None:
-        """In a forked child: close the inherited descriptor; the parent keeps the lock."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
+        if self._in_process and os.getpid() == self._pid:
             with contextlib.suppress(OSError):
-                os.close(fd)
+                self.run.store.remove(self.path)
+        if os.getpid() == self._pid or isinstance(lock, LocalLock):
+            lock.release()
 
 
-def _lock(path: str, fd: int) -> int:
-    """Take the flock on ``fd`` (closed on failure) and describe this process as the holder."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
-        directory = os.path.dirname(path)
-        holder = _wait_for_holder(directory)
-        raise RunLockedError(
-            f"{directory} is being written by another CheckpointManager "
-            f"({holder or 'holder unknown'}); a run directory has one writer at a time. "
-            "Close the other manager (or stop that process), open this one read-only "
-            "(read_only=True) to only restore, or give this run its own directory",
-            path=directory,
-            holder=holder,
-        ) from None
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode("utf-8"), 0)
-    except OSError:
-        # The description is informative only (a full disk, say): the flock is the lock.
-        pass
-    return fd
-
-
-def _after_fork_in_child() -> None:
-    for held in list(_HELD):
-        held._forget()
-    _HELD.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _wait_for_holder(directory: str) -> str | None:
+def _wait_for_holder(run: Location) -> str | None:
     # The holder writes its description just after taking the lock: give it a moment.
     for _ in range(20):
-        holder = read_holder(directory)
+        holder = read_holder(run)
         if holder is not None:
             return holder
         time.sleep(0.005)
     return None
 
 
-def read_holder(directory: str) -> str | None:
-    """Who holds the writer lock, as "pid 123 on host node7 since <time>", or None if unknown."""
+def read_holder(directory: PathArg) -> str | None:
+    """Who holds the writer lock of the run at ``directory``, as "pid 123 on host node7 since
+    <time>", or None if unknown."""
+    run = resolve(directory, what="run directory")
     try:
-        fd = os.open(
-            os.path.join(directory, LOCK_FILE), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
-        )
-    except OSError:
+        raw = run.store.read_small(run.store.join(run.path, LOCK_FILE), cap=_HOLDER_MAX)
+    except (OSError, CheckpointError):
         return None
-    try:
-        raw = os.read(fd, _HOLDER_MAX)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     try:
         doc = json.loads(raw.decode("utf-8"))
         pid, host, since = int(doc["pid"]), str(doc["host"]), str(doc["since"])

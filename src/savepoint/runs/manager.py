@@ -23,19 +23,20 @@ have written the run since), raises RunLockedError and writes nothing more, not 
 Sequence of ``save(step, state, metrics)``:
 
 1. the save policy decides whether this step is written (``force=True`` always writes);
-2. the checkpoint is written with the foundation's protocol to ``checkpoints/step-<step>``
+2. the checkpoint is written with the commit protocol to ``checkpoints/step-<step>``
    (synchronously, or snapshotted and written in the background with ``async_save=True``). If a
-   checkpoint of that step already exists it is first hard-linked aside, so a failed save can put
-   it back;
+   checkpoint of that step already exists it is first hard-linked aside (copied where the store
+   has no hard links), so a failed save can put it back;
 3. once committed, the run's books: after a resume, checkpoints newer than this step (the
    abandoned timeline) leave the run; retention picks the checkpoints to delete, after reading the
    new one back and verifying it (manifest and every checksum; if that fails nothing is deleted
    and, once the save is otherwise complete, CorruptCheckpointError is raised). Retention never
    deletes the newest checkpoint, the current best, or the checkpoint this run resumed from;
-4. the aliases that change are staged (hard links under hidden names: the last step that needs
-   free space), then ``report.json`` is replaced atomically: it lists the new checkpoint, no longer
-   lists the ones being deleted, and names them under ``discarding``;
-5. the staged aliases are swapped in atomically (an alias the report no longer names is removed);
+4. the aliases that change are staged (a commit transaction each, its staging filled with hard
+   links: the last step that needs free space), then ``report.json`` is replaced atomically: it
+   lists the new checkpoint, no longer lists the ones being deleted, and names them under
+   ``discarding``;
+5. the staged aliases are committed (an alias the report no longer names is removed);
 6. the checkpoints under ``discarding`` are deleted, and the report is rewritten without them.
 
 Failure semantics. Every error out of the manager (``save``, ``PendingSave.wait()`` and
@@ -85,7 +86,8 @@ from savepoint import checkpoint
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.codecs import manifest as mf
-from savepoint.commit import atomic
+from savepoint.commit.transaction import discard
+from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -96,6 +98,8 @@ from savepoint.errors import (
     RunLockedError,
     RunMismatchError,
 )
+from savepoint.info import CheckpointInfo
+from savepoint.options import SaveOptions
 from savepoint.runs import aliases, layout, policies
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.policies import Entry, Mode, RetentionPolicy, SavePolicy
@@ -114,7 +118,7 @@ from savepoint.runs.report import (
     read_json,
     write_json,
 )
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import Location, PathArg, resolve
 
 StepSpec = int | Literal["latest", "best"]
 _RESTORE_TRIES = 20
@@ -129,6 +133,18 @@ _HINTS = {
 
 class CheckpointManager:
     """Saves, restores and prunes the checkpoints of one training run in ``directory``.
+
+    ``directory`` is a local path, a URL (``memory://run``) or a
+    :class:`~savepoint.storage.paths.Location` (``store.at(path)``): every file of the run is
+    read and written through that store, and ``directory`` and messages show it as its URL (a
+    plain path on the local disk). On a store without atomic renames (an object store) each
+    checkpoint and alias commits manifest-last (:mod:`savepoint.commit.transaction`).
+
+    How checkpoints are written: ``options`` (a :class:`~savepoint.options.SaveOptions`) and/or
+    its fields as keywords (``max_file_bytes``, ``writers``, ``direct``, ``progress``,
+    ``process_group``, ``timeout``), checked here: an unknown or invalid option is a TypeError or
+    ValueError from this constructor, naming it, before anything is touched. ``save_options`` is
+    the result.
 
     Retention (a step is kept if any rule wants it; with no rule, every checkpoint is kept):
     ``keep_last`` newest steps, ``keep_best`` best by ``best_metric`` (``best_mode`` "min" or
@@ -156,7 +172,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: PathArg,
         *,
         keep_last: int | None = None,
         keep_best: int | None = None,
@@ -175,9 +191,14 @@ class CheckpointManager:
         aliases: bool = True,
         read_only: bool | None = None,
         strict_config: bool = False,
+        options: SaveOptions | None = None,
         **save_options: Any,
     ) -> None:
-        self.directory = os.path.abspath(local_path(directory, what="run directory"))
+        self._run = resolve(directory, what="run directory")
+        self._store = self._run.store
+        self.directory = str(self._run)
+        # Every save option is checked here, not at the first save (savepoint.options).
+        self.save_options = SaveOptions.of(save_options, base=options)
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
         if best_mode not in ("min", "max"):
@@ -201,16 +222,15 @@ class CheckpointManager:
         self.save_policy = save_policy
         self.verify_before_prune = verify_before_prune
         self.aliases = aliases
-        self.save_options = save_options
         # With a process group every rank saves its part; the run's bookkeeping (report, aliases,
         # retention, the writer lock) is done by rank 0 alone, so no two processes rewrite the
         # same files.
-        self._leader = _rank(save_options.get("process_group")) == 0
+        self._leader = _rank(self.save_options.process_group) == 0
         self._lock = threading.RLock()
         # save(), restore() and close() run one at a time (threads sharing a manager): two saves
         # at once would stage into one buffer, or verify a checkpoint the other is replacing.
         self._saving = threading.RLock()
-        self._async = AsyncCheckpointer(**save_options) if async_save else None
+        self._async = AsyncCheckpointer(**self.save_options.changed()) if async_save else None
         self._closed = False
         self._pid = os.getpid()
         self._started = time.monotonic()
@@ -245,7 +265,7 @@ class CheckpointManager:
                 release.atexit = False
                 self._release = release
             self.run, new_run_file, report = self._open_run(name, variant, config, num_params)
-            on_disk = layout.committed_steps(self.directory)
+            on_disk = layout.committed_steps(self._run)
             self.report = self._open_report(report, on_disk)
             lagging = lagging_run(self.run, self.report)
             if lagging is not None:  # a writer was stopped between report.json and run.json
@@ -262,7 +282,7 @@ class CheckpointManager:
             self._discarding_on_disk = frozenset(self.report.discarding)
             self._discarding = frozenset(pending & set(on_disk))
             self._metrics: dict[int, dict[str, Any]] = {}
-            self._metrics_seen: dict[int, tuple[int, int] | None] = {}  # read-only managers
+            self._metrics_seen: dict[int, Any] = {}  # manifest identities (read-only managers)
             for step in (s for s in on_disk if s not in self._discarding):
                 if self.read_only:
                     self._metrics_seen[step] = self._manifest_id(step)
@@ -284,21 +304,23 @@ class CheckpointManager:
         if read_only:
             self.read_only_reason = "opened with read_only=True"
             return True, None
-        checkpoints = os.path.join(self.directory, layout.CHECKPOINTS)
-        if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
+        store, checkpoints = self._store, self._run.join(layout.CHECKPOINTS)
+        found = store.stat(checkpoints.path)
+        if found is not None and not layout.is_dir(checkpoints):
             raise CheckpointWriteError(
                 f"{checkpoints} is not a directory, but a run keeps its checkpoints there: move it "
                 "out of the way and open the run again",
-                path=checkpoints,
+                path=str(checkpoints),
                 errno=errno.ENOTDIR,
             )
         if not self._leader:
             # Other ranks write only their part of each checkpoint, never the run's books.
             with contextlib.suppress(OSError):
-                os.makedirs(checkpoints, exist_ok=True)
+                store.makedirs(checkpoints.path)
             return False, None
-        if os.path.isdir(self.directory):
-            problem = _not_writable(self.directory, checkpoints)
+        exists = layout.is_dir(self._run)
+        if exists and self._run.is_local:
+            problem = _not_writable(self._run.path, checkpoints.path)
             if problem is not None and read_only is None:
                 self.read_only_reason = problem[1]
                 return True, None
@@ -309,19 +331,18 @@ class CheckpointManager:
                     errno=problem[0],
                 )
         try:
-            os.makedirs(checkpoints, exist_ok=True)
-            writer = WriterLock.acquire(self.directory)
+            store.makedirs(checkpoints.path)
+            writer = WriterLock.acquire(self._run)
         except CheckpointError:
             raise
         except OSError as exc:
-            auto = read_only is None and os.path.isdir(self.directory)
-            if auto and exc.errno in _READ_ONLY_ERRNOS:
+            if read_only is None and exists and exc.errno in _READ_ONLY_ERRNOS:
                 self.read_only_reason = f"{os.strerror(exc.errno or 0)} ({exc.filename})"
                 return True, None
             raise _write_error(f"cannot open the run directory {self.directory}", exc) from exc
         with contextlib.suppress(OSError, CheckpointError):  # tidying is best effort
-            atomic.clean_stale_in(checkpoints)
-            atomic.clean_stale_in(self.directory)
+            layout.clean_stale_in(store, checkpoints.path)
+            layout.clean_stale_in(store, self._run.path)
         return False, writer
 
     def _writes_books(self) -> bool:
@@ -330,6 +351,12 @@ class CheckpointManager:
     def _release_lock(self) -> None:
         if self._release is not None:
             self._release()
+
+    def _drop(self, path: str | None) -> None:
+        """Remove a temporary (a backup) without letting cleanup hide an error."""
+        if path is not None:
+            with contextlib.suppress(OSError):
+                self._store.remove_tree(path)
 
     def _open_run(
         self,
@@ -342,10 +369,11 @@ class CheckpointManager:
         the whole open has succeeded), and ``report.json`` as read (None: the run has none yet).
         A run that lost its ``run.json`` (its report remains) gets back the identity its report
         records; a new run gets the one given here."""
-        path = os.path.join(self.directory, RUN_FILE)
-        doc = read_json(path)
+        where = self._run.join(RUN_FILE)
+        path = str(where)
+        doc = read_json(where)
         wanted = RunInfo(
-            name=name or os.path.basename(self.directory),
+            name=name or self._store.basename(self._run.path),
             variant=variant,
             config=_plain(dict(config or {})),
             num_params=num_params,
@@ -356,12 +384,12 @@ class CheckpointManager:
             # Compare with what the run really is: a writer stopped between report.json and
             # run.json left run.json behind (report.lagging_run); the caller's config is checked
             # against the caught-up one, and run.json is rewritten once the open succeeds.
-            report = load_report(self.directory)
+            report = load_report(self._run)
             caught_up = lagging_run(run, report) if report is not None else None
             if caught_up is not None:
                 run, stale = caught_up, True
         else:
-            report = load_report(self.directory)
+            report = load_report(self._run)
             if report is None:
                 return wanted, True, None
             source = REPORT_FILE
@@ -397,11 +425,11 @@ class CheckpointManager:
         """Write the ``run.json`` that :meth:`_open_run` decided on (the books' writer only)."""
         if not self._writes_books():
             return
-        path = os.path.join(self.directory, RUN_FILE)
+        where = self._run.join(RUN_FILE)
         try:
-            write_json(path, self.run.to_json())
+            write_json(where, self.run.to_json())
         except OSError as exc:
-            raise _write_error(f"cannot create {path}", exc) from exc
+            raise _write_error(f"cannot create {where}", exc) from exc
 
     def _open_report(self, report: Report | None, on_disk: list[int]) -> Report:
         if report is None:
@@ -447,7 +475,7 @@ class CheckpointManager:
 
     def _read_metrics(self, step: int) -> dict[str, Any]:
         try:
-            meta = checkpoint.inspect(layout.step_path(self.directory, step)).metadata
+            meta = checkpoint.inspect(self._checkpoint(step)).metadata
         except (CheckpointError, OSError):
             return {}
         run_meta = meta.get("savepoint_run")
@@ -480,19 +508,19 @@ class CheckpointManager:
         """Make each alias hold the checkpoint the report names: republish it, or remove it when
         the report names none (or republishing fails: a missing alias misleads nobody)."""
         for alias, step in aliases.targets(self.report).items():
-            path = aliases.path_of(self.directory, alias)
-            if step is not None and aliases.holds(self.directory, alias, step):
+            path = aliases.path_of(self._run, alias)
+            if step is not None and aliases.holds(self._run, alias, step):
                 continue
-            if not os.path.lexists(path) and (step is None or not self.aliases):
+            if self._store.stat(path.path) is None and (step is None or not self.aliases):
                 continue
             if step is not None and self.aliases:
                 try:
-                    aliases.publish(self.directory, alias, step)
+                    aliases.publish(self._run, alias, step)
                     continue
                 except OSError:
                     pass
             try:
-                aliases.remove(self.directory, alias)
+                aliases.remove(self._run, alias)
             except OSError as exc:
                 raise _write_error(
                     f"{path} disagrees with {REPORT_FILE} and cannot be removed", exc
@@ -502,7 +530,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint that is part of the run, ascending."""
-        return [s for s in layout.committed_steps(self.directory) if s not in self._discarding]
+        return [s for s in layout.committed_steps(self._run) if s not in self._discarding]
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -520,7 +548,15 @@ class CheckpointManager:
         return best[0].step if best else None
 
     def step_path(self, step: int) -> str:
-        return layout.step_path(self.directory, step)
+        """Checkpoint ``step``'s directory, as ``sp.load`` takes it (a URL off the local disk)."""
+        return str(self._step(step))
+
+    def _step(self, step: int) -> Location:
+        return layout.step_location(self._run, step)
+
+    def _checkpoint(self, step: int) -> str | Location:
+        """Checkpoint ``step`` as the path argument of ``savepoint.checkpoint``'s functions."""
+        return layout.checkpoint_arg(self._step(step))
 
     def metrics(self, step: int) -> dict[str, Any]:
         return dict(self._metrics.get(step, {}))
@@ -586,7 +622,7 @@ class CheckpointManager:
         self._check_writer()
         self._dirty = True
         clean = _plain(dict(metrics or {}))
-        path = self.step_path(step)
+        target = self._checkpoint(step)
         meta = {"savepoint_run": {"step": step, "epoch": epoch, "metrics": clean}}
         # A run given no num_params records the size of its state (report.json, then run.json).
         derived = None
@@ -596,7 +632,7 @@ class CheckpointManager:
         previous, self._last_saved = self._last_saved, step
         flight = _AsyncSave(step, previous)
 
-        def committed(info: checkpoint.CheckpointInfo) -> None:
+        def committed(info: CheckpointInfo) -> None:
             flight.committed = True
             self._after_commit(step, clean, epoch, backup, previous, derived)
             if derived is not None and self.run.num_params is None:
@@ -606,26 +642,26 @@ class CheckpointManager:
 
         if self._async is not None:
             try:
-                pending = self._async.save(path, state, metadata=meta, on_commit=committed)
+                pending = self._async.save(target, state, metadata=meta, on_commit=committed)
             except BaseException:
-                _drop(backup)
+                self._drop(backup)
                 self._last_saved = previous
                 raise
             if backup is not None:  # a failed background commit leaves it; committed() uses it
-                pending._future.add_done_callback(lambda _: _drop(backup))
+                pending._future.add_done_callback(lambda _: self._drop(backup))
             pending.step = step
             flight.pending = pending
             self._last_async = flight
             self._inflight = step
             return pending
         try:
-            info = checkpoint.save(path, state, metadata=meta, **self.save_options)
+            info = checkpoint.save(target, state, metadata=meta, **self.save_options.changed())
         except BaseException:
-            _drop(backup)
+            self._drop(backup)
             self._last_saved = previous
             raise
         committed(info)
-        return PendingSave.finished(path, step, info)
+        return PendingSave.finished(self.step_path(step), step, info)
 
     def _raise_background_error(self) -> None:
         """Raise the error of a background save that failed (once), after forgetting it as the
@@ -671,7 +707,7 @@ class CheckpointManager:
         failed save can put it back. Raises CheckpointWriteError with nothing changed."""
 
         def exists() -> bool:
-            return os.path.isfile(os.path.join(self.step_path(step), mf.NAME))
+            return layout.committed(self._step(step))
 
         pending = self._discarding | self._discarding_on_disk
         if not exists() and step not in pending and step != self._inflight:
@@ -681,7 +717,7 @@ class CheckpointManager:
         with self._lock:
             try:
                 if step in self._discarding:
-                    atomic.discard(self.step_path(step))
+                    discard(self._store, self._step(step).path)
                     self._discarding = self._discarding - {step}
                     self._metrics.pop(step, None)
                 if step in self._discarding_on_disk:
@@ -691,13 +727,7 @@ class CheckpointManager:
                     self._store_report()
                 if not exists():
                     return None
-                backup = atomic.staging_path(self.step_path(step))
-                try:
-                    atomic.link_tree(self.step_path(step), backup)
-                except BaseException:
-                    _drop(backup)
-                    raise
-                return backup
+                return aliases.copy_aside(self._step(step))
             except OSError as exc:
                 raise _write_error(
                     f"cannot save step {step} to {self.directory}: preparing its directory failed; "
@@ -749,10 +779,10 @@ class CheckpointManager:
                 r.epoch = epoch
             if num_params is not None and r.num_params is None:
                 r.num_params = num_params
-            staged: dict[str, str] = {}
+            staged: dict[str, aliases.Staged] = {}
             phase = "updating the run's books"
             try:
-                on_disk = layout.committed_steps(self.directory)
+                on_disk = layout.committed_steps(self._run)
                 abandoned: set[int] = set()
                 if self._resumed_from is not None:
                     # After a resume, checkpoints past this step belong to the abandoned timeline
@@ -771,17 +801,17 @@ class CheckpointManager:
                 phase = f"writing {REPORT_FILE}"
                 self._store_report()
             except (OSError, CheckpointError) as exc:
-                _drop(*staged.values())
+                _abort(staged)
                 raise self._undo(step, backup, saved, phase, exc, report_written=False) from exc
             try:
                 self._swap_aliases(staged)
             except (OSError, CheckpointError) as exc:
-                _drop(*staged.values())
+                _abort(staged)
                 raise self._undo(
                     step, backup, saved, "updating latest/ and best/", exc, report_written=True
                 ) from exc
             # Done: the checkpoint is saved. Deleting is tidying, retried until it succeeds.
-            _drop(backup)
+            self._drop(backup)
             self._discarding = discarding
             self._finish_discards()
             if self._discarding != self._discarding_on_disk:
@@ -799,7 +829,7 @@ class CheckpointManager:
         doomed = {s for s in live if s not in keep}
         if doomed and self.verify_before_prune and newest not in self._verified:
             try:
-                checkpoint.verify(self.step_path(newest))
+                checkpoint.verify(self._checkpoint(newest))
             except (CheckpointError, OSError) as exc:
                 err = CorruptCheckpointError(
                     f"checkpoint {newest} did not verify after saving ({exc}); it is saved but "
@@ -811,31 +841,30 @@ class CheckpointManager:
             self._verified.add(newest)
         return doomed, None
 
-    def _stage_aliases(self) -> dict[str, str]:
-        staged: dict[str, str] = {}
+    def _stage_aliases(self) -> dict[str, aliases.Staged]:
+        staged: dict[str, aliases.Staged] = {}
         if not self.aliases:
             return staged
         try:
             for alias, step in aliases.targets(self.report).items():
-                if step is not None and not aliases.holds(self.directory, alias, step):
-                    staged[alias] = aliases.stage(self.directory, alias, step)
+                if step is not None and not aliases.holds(self._run, alias, step):
+                    staged[alias] = aliases.stage(self._run, alias, step)
         except BaseException:
-            _drop(*staged.values())
+            _abort(staged)
             raise
         return staged
 
-    def _swap_aliases(self, staged: dict[str, str]) -> None:
+    def _swap_aliases(self, staged: dict[str, aliases.Staged]) -> None:
         for alias, step in aliases.targets(self.report).items():
             if alias in staged:
-                aliases.commit(self.directory, alias, staged.pop(alias))
-            elif os.path.lexists(aliases.path_of(self.directory, alias)) and (
+                staged.pop(alias).publish()
+            elif self._store.stat(aliases.path_of(self._run, alias).path) is not None and (
                 # (with aliases on, _stage_aliases found an unstaged one holding its step)
-                step is None
-                or (not self.aliases and not aliases.holds(self.directory, alias, step))
+                step is None or (not self.aliases and not aliases.holds(self._run, alias, step))
             ):
                 # The report names no such checkpoint (a best pruned with an abandoned
                 # timeline), or aliases are off: a stale alias must not outlive the report.
-                aliases.remove(self.directory, alias)
+                aliases.remove(self._run, alias)
 
     def _undo(
         self,
@@ -852,9 +881,9 @@ class CheckpointManager:
         problems = []
         try:
             if backup is not None:
-                atomic.commit(backup, self.step_path(step))
+                aliases.put_back(self._store, backup, self._step(step).path)
             else:
-                atomic.discard(self.step_path(step))
+                discard(self._store, self._step(step).path)
         except OSError as undo_exc:
             problems.append(
                 f"checkpoint {step} could not be removed again ({undo_exc.strerror or undo_exc}): "
@@ -904,7 +933,7 @@ class CheckpointManager:
         remaining: set[int] = set()
         for step in sorted(self._discarding):
             try:
-                atomic.discard(self.step_path(step))
+                discard(self._store, self._step(step).path)
             except OSError:
                 remaining.add(step)
                 continue
@@ -934,7 +963,7 @@ class CheckpointManager:
 
     def _store_report(self) -> None:
         """Replace report.json with ``self.report`` (atomic); raises OSError."""
-        write_json(os.path.join(self.directory, REPORT_FILE), self.report.to_json())
+        write_json(self._run.join(REPORT_FILE), self.report.to_json())
         self._discarding_on_disk = frozenset(self.report.discarding)
 
     # -- restoring -----------------------------------------------------------------------------
@@ -1061,18 +1090,22 @@ class CheckpointManager:
         that must not be taken for corruption)."""
         before = self._manifest_id(step)
         try:
-            return checkpoint.load(self.step_path(step), **load_options)
+            return checkpoint.load(self._checkpoint(step), **load_options)
         except (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError):
             if before is None or self._manifest_id(step) != before:
                 raise _Moved from None
             raise
 
-    def _manifest_id(self, step: int) -> tuple[int, int] | None:
+    def _manifest_id(self, step: int) -> Any:
+        """The identity of checkpoint ``step``'s manifest (None: no checkpoint): it changes when
+        the writer saves the step again."""
+        store = self._store
         try:
-            info = os.stat(os.path.join(self.step_path(step), mf.NAME))
+            where = resolve_commit(store, self._step(step).path)
+            found = None if where is None else store.stat(store.join(where, mf.NAME))
         except OSError:
             return None
-        return info.st_dev, info.st_ino
+        return None if found is None else found.identity
 
     def _refresh_view(self) -> None:
         """A read-only manager rereads which steps the writer is deleting (and, if it has none,
@@ -1080,7 +1113,7 @@ class CheckpointManager:
         if not self.read_only:
             return
         try:
-            report = load_report(self.directory)
+            report = load_report(self._run)
         except CheckpointError:
             return  # restoring needs only the checkpoints: keep the view from opening
         if report is None:
@@ -1244,12 +1277,10 @@ def _write_error(what: str, exc: OSError) -> CheckpointWriteError:
     )
 
 
-def _drop(*paths: str | None) -> None:
-    """Remove temporaries (staged aliases, a backup) without letting cleanup hide an error."""
-    for path in paths:
-        if path is not None:
-            with contextlib.suppress(OSError):
-                atomic.remove_tree(path)
+def _abort(staged: Mapping[str, aliases.Staged]) -> None:
+    """Abandon staged aliases without letting cleanup hide an error."""
+    for alias in staged.values():
+        alias.abort()
 
 
 def _rank(process_group: Any) -> int:

@@ -47,7 +47,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from savepoint._version import __version__
-from savepoint.commit import atomic
 from savepoint.errors import (
     CheckpointPermissionError,
     CorruptCheckpointError,
@@ -55,7 +54,7 @@ from savepoint.errors import (
     MissingCheckpointError,
     RunMismatchError,
 )
-from savepoint.storage import local
+from savepoint.storage.paths import PathArg, resolve
 
 RUN_FILE = "run.json"
 REPORT_FILE = "report.json"
@@ -200,15 +199,16 @@ REBUILD_HINT = (
 )
 
 
-def load_report(directory: str) -> Report | None:
+def load_report(directory: PathArg) -> Report | None:
     """The ``report.json`` of the run at ``directory``, or None when it has none.
 
     A damaged one is CorruptCheckpointError saying how to rebuild it (:data:`REBUILD_HINT`); an
     unreadable one CheckpointPermissionError; one written by a newer savepoint
     IncompatibleCheckpointError."""
-    path = os.path.join(directory, REPORT_FILE)
+    where = resolve(directory, what="run directory").join(REPORT_FILE)
+    path = str(where)
     try:
-        doc = read_json(path)
+        doc = read_json(where)
         return None if doc is None else Report.from_json(doc, path)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{exc}; {REBUILD_HINT}", path=path) from exc
@@ -244,38 +244,44 @@ def plain_value(v: Any) -> Any:
     return v
 
 
-def read_json(path: str) -> Any:
-    """The JSON document at ``path``, or None when there is no file there.
+def read_json(path: PathArg) -> Any:
+    """The JSON document at ``path`` (a local path, URL or Location), or None when there is no
+    file there.
 
     Errors: CheckpointPermissionError when it may not be read (mode, owner); CorruptCheckpointError
     when it is not a regular file (a FIFO is refused, never waited on), is larger than
     :data:`MAX_JSON_BYTES`, cannot be read, or is not valid UTF-8 JSON; CheckpointError for any
-    other failure to open it (:func:`savepoint.storage.local.read_small`). Nothing else escapes."""
+    other failure to open it (``Store.read_small``). Nothing else escapes."""
+    where = resolve(path, what="run file")
+    store, shown = where.store, str(where)
     try:
-        # A run file may be reached through a symlink: resolve it (open_read refuses one).
-        raw = local.read_small(os.path.realpath(path), cap=MAX_JSON_BYTES, shown=path)
-    except FileNotFoundError:
+        # A run file may be reached through a symlink: resolve it (reads refuse one).
+        raw = store.read_small(store.realpath(where.path), cap=MAX_JSON_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except CheckpointPermissionError as exc:
         raise CheckpointPermissionError(
-            f"{path}: permission denied; the run itself may be intact: make the file readable "
+            f"{shown}: permission denied; the run itself may be intact: make the file readable "
             "by this user (or read it as one who may) and try again",
-            path=path,
+            path=shown,
             errno=exc.errno,
         ) from None
     try:
         return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {exc}", path=path) from None
+        raise CorruptCheckpointError(f"{shown} is not valid JSON: {exc}", path=shown) from None
 
 
-def write_json(path: str, doc: Mapping[str, Any]) -> None:
-    """One top-level member per line, values compact: readable, and small for long histories."""
+def write_json(path: PathArg, doc: Mapping[str, Any]) -> None:
+    """Replace the file at ``path`` atomically (``Store.put``, readers see the old document or the
+    new one). One top-level member per line, values compact: readable, and small for long
+    histories. Raises OSError."""
     members = ",\n".join(
         f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), default=_jsonable)}"
         for k, v in doc.items()
     )
-    atomic.replace_file(path, ("{\n" + members + "\n}\n").encode("utf-8"))
+    where = resolve(path, what="run file")
+    where.store.put(where.path, ("{\n" + members + "\n}\n").encode("utf-8"), exclusive=False)
 
 
 def _jsonable(value: Any) -> Any:

@@ -23,39 +23,45 @@ from savepoint.runs import layout
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.policies import Entry, Mode, metric_value
 from savepoint.runs.report import REPORT_FILE, RUN_FILE, Report, RunInfo, read_json, write_json
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import PathArg, resolve
+
+__all__ = ["COMPARISON_FILE", "Sweep"]
 
 COMPARISON_FILE = "comparison.json"
 
 
 class Sweep:
+    """The runs of one experiment under ``directory`` (a local path or a URL such as
+    ``memory://sweep``), compared by ``metric`` (``mode`` "min" or "max")."""
+
     def __init__(
-        self, directory: str | os.PathLike[str], *, metric: str | None = None, mode: Mode = "min"
+        self, directory: PathArg, *, metric: str | None = None, mode: Mode = "min"
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
-        self.directory = os.path.abspath(local_path(directory, what="sweep directory"))
+        self._root = resolve(directory, what="sweep directory")
+        self.directory = str(self._root)
         self.metric = metric
         self.mode: Mode = mode
-        os.makedirs(self.directory, exist_ok=True)
+        self._root.store.makedirs(self._root.path)
 
     def run(self, name: str, **manager_options: Any) -> CheckpointManager:
         """The CheckpointManager of run ``name`` (created on first use); ``variant`` defaults to
         the name and ``best_metric``/``best_mode`` to the sweep's."""
-        if not name or name.startswith(".") or os.sep in name or (os.altsep and os.altsep in name):
+        separators = ("/", os.sep, os.altsep)
+        if not name or name.startswith(".") or any(sep and sep in name for sep in separators):
             raise ValueError(f"run name {name!r} must be a plain directory name")
         manager_options.setdefault("variant", name)
         manager_options.setdefault("name", name)
         if self.metric is not None:
             manager_options.setdefault("best_metric", self.metric)
             manager_options.setdefault("best_mode", self.mode)
-        return CheckpointManager(os.path.join(self.directory, name), **manager_options)
+        return CheckpointManager(self._root.join(name), **manager_options)
 
     def runs(self) -> list[str]:
         """Names of the runs in the sweep (subdirectories with a run.json), sorted."""
-        return sorted(
-            e for e in os.listdir(self.directory) if layout.is_run(os.path.join(self.directory, e))
-        )
+        store = self._root.store
+        return sorted(e for e in store.list(self._root.path) if layout.is_run(self._root.join(e)))
 
     def compare(self) -> list[dict[str, Any]]:
         """Rank the runs, write ``comparison.json``, and return its rows."""
@@ -73,18 +79,19 @@ class Sweep:
             "mode": self.mode,
             "runs": rows,
         }
-        write_json(os.path.join(self.directory, COMPARISON_FILE), doc)
+        write_json(self._root.join(COMPARISON_FILE), doc)
         return rows
 
     def _row(self, name: str) -> dict[str, Any]:
-        directory = os.path.join(self.directory, name)
-        run = RunInfo.from_json(read_json(os.path.join(directory, RUN_FILE)), directory)
-        doc = read_json(os.path.join(directory, REPORT_FILE))
+        where = self._root.join(name)
+        directory = str(where)
+        run = RunInfo.from_json(read_json(where.join(RUN_FILE)), directory)
+        doc = read_json(where.join(REPORT_FILE))
         if doc is None:
             raise CheckpointNotFoundError(f"{directory} has no {REPORT_FILE} yet", path=directory)
         report = Report.from_json(doc, directory)
         metric = self.metric or (report.best or {}).get("metric")
-        saved = set(report.checkpoints) & set(layout.committed_steps(directory))
+        saved = set(report.checkpoints) & set(layout.committed_steps(where))
         best_value, best_step = _best(report, metric, self.mode, saved)
         return {
             "rank": 0,

@@ -17,7 +17,6 @@ snapshot: a save in progress may show a disagreement that its next step resolves
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -25,11 +24,13 @@ from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, Ru
 from savepoint.runs import aliases, layout
 from savepoint.runs.manager import CheckpointManager, StepSpec
 from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import PathArg, resolve
+
+__all__ = ["RunView", "open_run", "run_problems"]
 
 
 def run_problems(
-    directory: str, run: RunInfo, report: Report | None, steps: list[int]
+    directory: PathArg, run: RunInfo, report: Report | None, steps: list[int]
 ) -> list[str]:
     """Every disagreement between ``run.json`` (``run``), ``report.json`` (``report``; None when
     the run has none yet), the committed checkpoints (``steps``) and the aliases; empty when the
@@ -37,7 +38,7 @@ def run_problems(
     if report is None:
         return []
     problems = identity_problems(run, report)
-    missing = missing_best(directory, report, steps)
+    missing = missing_best(str(resolve(directory, what="run directory")), report, steps)
     if missing is not None:
         problems.append(missing)
     return problems + aliases.run_problems(directory, report, steps)
@@ -56,14 +57,15 @@ class RunView:
     ``report`` the current ``report.json`` (None before the first one is written), ``steps()``
     the checkpoints that are part of the run, ``metrics(step)`` the metrics saved with one."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = os.path.abspath(local_path(directory, what="run directory"))
-        if not (layout.is_run(self.directory) or layout.lost_run_file(self.directory)):
+    def __init__(self, directory: PathArg) -> None:
+        self._run = resolve(directory, what="run directory")
+        self.directory = str(self._run)
+        if not (layout.is_run(self._run) or layout.lost_run_file(self._run)):
             raise CheckpointNotFoundError(
                 f"{self.directory} is not a savepoint run directory (no run.json or report.json)",
                 path=self.directory,
             )
-        self._manager = _Reader(self.directory, read_only=True)
+        self._manager = _Reader(self._run, read_only=True)
 
     @property
     def info(self) -> RunInfo:
@@ -72,7 +74,7 @@ class RunView:
     @property
     def report(self) -> Report | None:
         """``report.json`` as it is now (reread at each access: a live writer rewrites it)."""
-        return load_report(self.directory)
+        return load_report(self._run)
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint that is part of the run, ascending."""
@@ -141,9 +143,7 @@ class RunView:
     def problems(self) -> list[str]:
         """Every disagreement between run.json, report.json, the checkpoints and the aliases
         (:func:`run_problems`); empty when the run is consistent."""
-        return run_problems(
-            self.directory, self.info, self.report, layout.committed_steps(self.directory)
-        )
+        return run_problems(self._run, self.info, self.report, layout.committed_steps(self._run))
 
     def check(self) -> None:
         """Raise RunMismatchError listing :meth:`problems`, if there are any."""
@@ -168,7 +168,7 @@ class RunView:
         return f"open_run({self.directory!r})"
 
 
-def open_run(directory: str | os.PathLike[str]) -> RunView:
+def open_run(directory: PathArg) -> RunView:
     """A read-only view of the run at ``directory``: its info, report, steps and metrics, its
     checkpoints on demand, and its consistency checks. Writes nothing (see :class:`RunView`)."""
     return RunView(directory)

@@ -1,0 +1,9 @@
+"""What is saved: the user's state tree flattened into tensors and plain values
+(:mod:`~savepoint.state.tree`), tensor sources for writers (:mod:`~savepoint.state.arrays`, torch
+in :mod:`~savepoint.state.torch_tensors`, imported only when torch objects are present), restoring
+in place (:mod:`~savepoint.state.restore`), and the training-state building blocks
+(:mod:`~savepoint.state.optimizer`, :mod:`~savepoint.state.rng`, :mod:`~savepoint.state.data`,
+:mod:`~savepoint.state.stateful`).
+"""
+
+__all__: list[str] = []

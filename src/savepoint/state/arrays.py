@@ -2,7 +2,7 @@
 
 A ``TensorSource`` is the save side: dtype, shape, and ``copy_to(dst, start)`` which writes the
 tensor's raw little-endian bytes ``[start, start + len(dst))`` into a uint8 buffer. numpy sources
-live here; torch sources live in :mod:`savepoint.state._torch` and are only built when the state
+live here; torch sources live in :mod:`savepoint.state.torch_tensors` and are only built when the state
 holds torch tensors (so torch is never imported by savepoint itself).
 """
 
@@ -15,6 +15,16 @@ import numpy as np
 
 from savepoint.codecs import dtypes
 from savepoint.codecs.dtypes import DType
+
+__all__ = [
+    "HostCopy",
+    "NumpySource",
+    "TensorSource",
+    "byte_view",
+    "describe",
+    "is_torch_tensor",
+    "make_source",
+]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
     raise ImportError("savepoint writes little-endian data and supports little-endian hosts only")
@@ -88,9 +98,9 @@ def make_source(leaf: Any, key: str) -> TensorSource | None:
     if isinstance(leaf, np.generic) and not isinstance(leaf, (np.str_, np.bytes_, np.object_)):
         return NumpySource(np.asarray(leaf), key, scalar=True)
     if is_torch_tensor(leaf):
-        from savepoint.state import _torch
+        from savepoint.state import torch_tensors
 
-        return _torch.TorchSource(leaf, key)
+        return torch_tensors.TorchSource(leaf, key)
     return None
 
 
@@ -102,9 +112,9 @@ def byte_view(target: Any) -> np.ndarray[Any, Any] | None:
         return None
     if not is_torch_tensor(target):
         return None
-    from savepoint.state import _torch
+    from savepoint.state import torch_tensors
 
-    return _torch.byte_view(target)
+    return torch_tensors.byte_view(target)
 
 
 def describe(target: Any) -> tuple[str, tuple[int, ...]] | None:

@@ -29,18 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from savepoint.errors import IncompatibleCheckpointError
+from savepoint.errors import DataStateError
 
-__all__ = ["DataPosition", "DataStateError", "ResumableSampler", "epoch_order"]
-
-
-class DataStateError(IncompatibleCheckpointError):
-    """A data position cannot be restored as asked; ``problems`` lists every reason."""
-
-    def __init__(self, what: str, problems: list[str]) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{what}, {len(self.problems)} problem(s):\n{lines}")
+__all__ = ["DataPosition", "ResumableSampler", "epoch_order"]
 
 
 def _count(value: Any, name: str, problems: list[str]) -> int:

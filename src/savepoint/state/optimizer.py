@@ -54,26 +54,17 @@ from typing import Any
 
 import numpy as np
 
-from savepoint.errors import IncompatibleCheckpointError, UnsupportedStateError
+from savepoint.errors import OptimizerStateError, UnsupportedStateError
 
 __all__ = [
+    "F64Array",
     "OptimizerState",
-    "OptimizerStateError",
     "optimizer_state_from_torch",
     "optimizer_state_to_torch",
 ]
 
 F64Array = np.ndarray[Any, np.dtype[np.float64]]
 _STATE_KEYS = ("optimizer_type", "scalars", "buffers")
-
-
-class OptimizerStateError(IncompatibleCheckpointError):
-    """An optimizer state cannot be loaded as asked; ``problems`` lists every reason."""
-
-    def __init__(self, what: str, problems: list[str]) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{what}, {len(self.problems)} problem(s):\n{lines}")
 
 
 def _torch() -> Any:

@@ -27,7 +27,7 @@ What training scripts hold (see docs/training-state.md, "State from real trainin
   read-only mapping, that is a problem unless nothing differs. Tuples (and namedtuples) are
   immutable values too, and are remade the same way;
 - a saved 0-d tensor restores into a Python (or numpy) scalar, and a saved scalar fills a 0-d
-  tensor, when the conversion is exact (:mod:`savepoint.state.scalars`).
+  tensor, when the conversion is exact (:mod:`savepoint.state._scalars`).
 """
 
 from __future__ import annotations
@@ -39,11 +39,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from savepoint.codecs.manifest import TensorRecord
-from savepoint.state import scalars, wrappers
+from savepoint.state import _scalars, wrappers
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import describe
 from savepoint.state.stateful import is_stateful
 from savepoint.state.tree import Key, Node
+
+__all__ = [
+    "Getter",
+    "Mode",
+    "Plan",
+    "Thunk",
+    "needs_new",
+    "plan",
+]
 
 Getter = Callable[[str, str], Any]
 # False: partial (outside any Stateful). Inside one: "checked" (torch modules and optimizers:
@@ -182,7 +191,7 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             rec = tensors[ref]
             if found is None:
                 if not complete and target is not None:
-                    if rec.shape == () and scalars.target_dtype(target) is not None:
+                    if rec.shape == () and _scalars.target_dtype(target) is not None:
                         return tensor_to_scalar(node, target, path, rec.dtype)
                     p.problems.append(
                         (key, f"the checkpoint holds a tensor here, found {_type(target)}")
@@ -218,14 +227,14 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
     def tensor_to_scalar(node: Node, target: Any, path: tuple[Key, ...], dtype: str) -> Thunk:
         """A saved 0-d tensor into a Python or numpy scalar: exact by dtype, or a problem."""
         key = tree_mod.join(path)
-        why = scalars.tensor_into_scalar(dtype, target)
+        why = _scalars.tensor_into_scalar(dtype, target)
         if why is None and not path:
             why = "a plain value cannot be restored in place; use sp.load()"
         if why is not None:
             p.problems.append((key, why))
             return lambda get: target
         read = fresh(node)
-        return lambda get: scalars.to_scalar(read(get), target)
+        return lambda get: _scalars.to_scalar(read(get), target)
 
     def scalar_to_tensor(value: Any, target: Any, key: str) -> Thunk:
         """A saved plain value into an existing array or tensor: only a 0-d one it fits exactly."""
@@ -238,13 +247,13 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         elif getattr(getattr(target, "flags", None), "writeable", True) is False:
             why = "the target array is read-only"
         else:
-            why = scalars.value_into_tensor(value, dtype)
+            why = _scalars.value_into_tensor(value, dtype)
         if why is not None:
             p.problems.append((key, why))
             return lambda get: target
 
         def put(get: Getter) -> Any:
-            scalars.fill(target, value, dtype)
+            _scalars.fill(target, value, dtype)
             return target
 
         return put

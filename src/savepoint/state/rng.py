@@ -47,24 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from savepoint.errors import IncompatibleCheckpointError
+from savepoint.errors import RNGStateError
 
-__all__ = ["RNGState", "RNGStateError"]
+__all__ = ["RNGState"]
 
 _SOURCES = ("python", "numpy", "torch", "cuda", "generators")
 _NUMPY_GENERATORS = (np.random.Generator, np.random.BitGenerator, np.random.RandomState)
-
-
-class RNGStateError(IncompatibleCheckpointError):
-    """Random generator states cannot be restored as asked; ``problems`` lists every reason."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(
-            f"cannot restore the random generators, {len(self.problems)} problem(s); no generator "
-            f"was changed:\n{lines}\n(RNGState(strict=False) restores what it can)"
-        )
 
 
 def _torch_imported() -> Any:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+__all__ = [
+    "Stateful",
+    "is_stateful",
+]
+
 
 @runtime_checkable
 class Stateful(Protocol):

@@ -38,6 +38,21 @@ from savepoint.state.arrays import TensorSource, make_source
 from savepoint.state.stateful import is_stateful
 from savepoint.state.wrappers import unwrap
 
+__all__ = [
+    "Flat",
+    "Key",
+    "Node",
+    "ROOT_LEVEL",
+    "build",
+    "escape",
+    "flatten",
+    "join",
+    "leaves",
+    "plain_value",
+    "refs",
+    "select",
+]
+
 Node = dict[str, Any]
 Key = str | int
 

@@ -21,6 +21,13 @@ import sys
 from collections.abc import Collection
 from typing import Any
 
+__all__ = [
+    "PREFIXES",
+    "align",
+    "common_prefix",
+    "unwrap",
+]
+
 PREFIXES = ("module.", "_orig_mod.")
 # (module that defines the class, class name, attribute holding the wrapped model)
 _WRAPPERS = (

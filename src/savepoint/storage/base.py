@@ -8,38 +8,58 @@ filesystem, ``/bucket/run/step-1`` in memory). Nothing above ``storage/`` calls 
 
 Writing a blob, in this order::
 
-    w = store.create_blob(path, size=n)   # exclusive: the blob must not exist
+    w = store.create_blob(path, size=n)   # exclusive: the blob must not exist (FileExistsError);
+                                          # the parent directory must (FileNotFoundError)
     w.write(view); w.write(view); ...     # sequential; fastest when every view but the last
                                           # starts and ends on ``w.alignment`` bytes
-    w.finish()                            # durable when it returns (fsync on local disks)
-    # or, on any failure: w.abort()       # nothing remains at ``path``; never raises
+    w.finish()                            # the bytes are durable and whole at ``path``
+    # or, on any failure (finish's own included): w.abort()   # nothing remains; never raises
 
 ``write`` takes the view synchronously: the caller may reuse the buffer when it returns (the
-engine overlaps copying with writing by calling ``write`` from its own writer thread). A final
-write may be padded up to ``alignment`` with zeros: ``finish`` cuts the blob back to ``size``.
+engine overlaps copying with writing by calling ``write`` from its own writer thread). The last
+write may be padded with zeros up to ``alignment`` (or any multiple of it): ``finish`` cuts the
+blob back to ``size``; fewer than ``size`` bytes written is a caller's bug that ``finish``
+refuses with ValueError. A partly written blob may be visible at ``path`` before ``finish``
+(local files) or not (memory, object stores); a second writer of the same path fails, at
+``create_blob`` or at the latest at its ``finish``. After ``finish`` or ``abort`` the writer
+takes no more calls (ValueError), except ``abort`` (a no-op after ``abort``; after a successful
+``finish`` it deletes the blob).
 
 Reading a blob::
 
-    r = store.open_blob(path)             # FileNotFoundError passes through; refusals are
+    r = store.open_blob(path)             # FileNotFoundError passes through (also for a path
+                                          # through a non-directory); refusals are
                                           # CheckpointErrors (a symlink, a FIFO, EACCES)
     r.size                                # bytes, from the open blob (not a second lookup)
-    r.read(offset, out)                   # fill ``out`` (a writable uint8 buffer) exactly
-    r.view(start, end)                    # a zero-copy uint8 array where the backend has one
+    r.read(offset, out)                   # fill ``out`` (a writable contiguous buffer) exactly;
+                                          # EOFError when the blob ends first
+    r.view(start, end)                    # a zero-copy uint8 array where ``zero_copy``, else None
     r.close()
 
-A checkpoint directory is read through a :class:`Pinned` directory (``store.pin(path)``): names
-opened through it resolve inside that very directory even if ``path`` is renamed, replaced or
-deleted meanwhile (a directory descriptor on local disks, the directory node in memory), so a
-reader never mixes two generations of a checkpoint (see :mod:`savepoint.engine.read`).
+A reader keeps serving the bytes it opened after ``path`` is replaced or deleted. Committed blobs
+are never modified in place, so a reader never sees a mixture.
 
-Directories: ``makedirs``, ``mkdir`` (exclusive), ``list`` (child names; ``[]`` when absent),
-``stat``, ``remove`` (a blob), ``remove_tree``, ``sync_dir`` (make entries durable). Where
-``capabilities.atomic_rename``: ``rename`` (the destination must not exist) and ``exchange``
-(swap two directories in one step; False where the filesystem cannot). Where
-``capabilities.hard_links``: ``link`` shares a committed blob's bytes under a second name.
-``put`` writes a small blob in one call: ``exclusive=True`` is a create-only put (FileExistsError
-if it exists), atomic where ``capabilities.create_only_put``; ``exclusive=False`` replaces the blob
-atomically (readers see the old bytes or the new ones, never a mixture).
+A checkpoint directory is read through a :class:`Pinned` directory (``store.pin(path)``): names
+opened through it resolve inside that very directory even if ``path`` is renamed or replaced
+meanwhile (a directory descriptor on local disks, the directory node in memory), so a reader
+never mixes two generations of a checkpoint (see :mod:`savepoint.engine.read`). Once the
+directory itself is deleted its ``identity()`` is None and names no longer open (blobs already
+open stay readable).
+
+Directories: ``makedirs``, ``mkdir`` (exclusive), ``list`` (child names, sorted; ``[]`` when
+absent), ``stat``, ``remove`` (a blob), ``remove_tree``, ``sync_dir`` (make entries durable).
+Where ``capabilities.atomic_rename``: ``rename`` (the destination must not exist), ``replace``
+(a blob over a blob) and ``exchange`` (swap two directories in one step; False where the
+filesystem cannot); elsewhere they raise NotImplementedError (``exchange``: returns False).
+Where ``capabilities.hard_links``: ``link`` shares a committed blob's bytes under a second name
+(it may still raise OSError where one filesystem has none: EXDEV, EPERM; callers copy then).
+``put`` writes a small blob in one call: ``exclusive=True`` is a create-only put
+(FileExistsError if it exists; atomic against concurrent creators and readers where
+``capabilities.create_only_put``); ``exclusive=False`` replaces the blob atomically (readers see
+the old bytes or the new ones, never a mixture). A failed ``put`` leaves the previous state.
+
+Durability: ``finish`` and ``put`` make a blob's bytes durable; its name, like every new,
+renamed or removed entry, is durable once ``sync_dir`` of its directory returns.
 
 Errors: FileNotFoundError where the protocol says it passes through; other OSErrors (ENOSPC, EIO,
 EROFS, ...) propagate with their errno for the layer above to word; the read side's refusals are
@@ -62,9 +82,13 @@ __all__ = [
     "BlobReader",
     "BlobWriter",
     "Capabilities",
+    "Kind",
+    "Lock",
     "Pinned",
+    "PinnedContext",
     "Stat",
     "Store",
+    "walk",
 ]
 
 Kind = Literal["file", "dir", "link", "other"]
@@ -96,9 +120,13 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Stat:
+    """What is at a path: ``kind``; ``size`` in bytes (meaningful for a ``file``); ``identity``,
+    equal for the same directory or blob (device and inode, a node's id; hard links share it);
+    ``mtime`` in seconds since the epoch."""
+
     kind: Kind
     size: int
-    identity: Any  # equal for the same directory or blob (device and inode, a node's id)
+    identity: Any
     mtime: float
 
 
@@ -109,14 +137,16 @@ class BlobReader(Protocol):
     size: int
 
     def read(self, offset: int, out: Any) -> None:
-        """Fill ``out`` (a writable uint8 buffer) with the bytes at ``offset``; EOFError when
-        the blob ends first."""
+        """Fill ``out`` (a writable C-contiguous buffer, taken as bytes) with the bytes at
+        ``offset``; EOFError when the blob ends first (nothing is promised about ``out`` then),
+        ValueError for a negative offset."""
         ...
 
     def view(self, start: int, end: int) -> np.ndarray[Any, Any] | None:
         """A zero-copy read-only (or, opened ``copy_on_write``, private writable) uint8 array of
         ``[start, end)``, valid until the reader is closed (a copy-on-write view outlives it);
-        None where the backend has none (read into a buffer instead)."""
+        None where the backend has none (read into a buffer instead). EOFError unless
+        ``0 <= start <= end <= size``."""
         ...
 
     def close(self) -> None: ...
@@ -184,8 +214,12 @@ class Store(abc.ABC):
         return path
 
     def url(self, path: str) -> str:
-        """How messages and reports show ``path`` (a plain path for the local filesystem)."""
-        return f"{self.scheme}://{path.lstrip('/')}"
+        """How messages and reports show ``path`` (a plain path for the local filesystem).
+
+        :func:`savepoint.storage.paths.resolve` of the URL names ``path`` again: ``%``, ``?``
+        and ``#`` are percent-escaped, everything else is shown as it is."""
+        escaped = path.lstrip("/").replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+        return f"{self.scheme}://{escaped}"
 
     def at(self, path: str) -> Location:
         """``path`` in this store, as an argument any savepoint function takes."""
@@ -226,10 +260,12 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def list(self, path: str) -> list[str]:
-        """Names in the directory ``path``; [] when it does not exist."""
+        """Names in the directory ``path``, sorted; [] when it does not exist."""
 
     @abc.abstractmethod
-    def makedirs(self, path: str) -> None: ...
+    def makedirs(self, path: str) -> None:
+        """Create directory ``path`` and its missing parents; an existing directory is fine,
+        anything else there is FileExistsError."""
 
     @abc.abstractmethod
     def mkdir(self, path: str) -> None:
@@ -250,7 +286,9 @@ class Store(abc.ABC):
     # -- optional: by capability ---------------------------------------------------------------
 
     def rename(self, src: str, dst: str) -> None:
-        """Atomically move ``src`` to ``dst``, which must not exist (``atomic_rename``)."""
+        """Atomically move ``src`` (a blob or a directory) to ``dst``, which must not exist
+        (FileExistsError; ``atomic_rename``). A missing ``src`` is FileNotFoundError; a
+        directory moved into itself is OSError(EINVAL)."""
         raise NotImplementedError(f"{self.scheme} storage cannot rename")
 
     def replace(self, src: str, dst: str) -> None:
@@ -258,7 +296,8 @@ class Store(abc.ABC):
         raise NotImplementedError(f"{self.scheme} storage cannot rename")
 
     def exchange(self, a: str, b: str) -> bool:
-        """Atomically swap two existing paths; False where this store cannot."""
+        """Atomically swap two existing paths (FileNotFoundError if one is missing); False,
+        with nothing changed, where this store or filesystem cannot."""
         return False
 
     def link(self, src: str, dst: str) -> None:
@@ -271,12 +310,16 @@ class Store(abc.ABC):
 
 
 class PinnedContext(Pinned, Protocol):
+    """A :class:`Pinned` directory that closes when its ``with`` block ends."""
+
     def __enter__(self) -> PinnedContext: ...
 
     def __exit__(self, *exc: object) -> None: ...
 
 
 class Lock(Protocol):
+    """An exclusive lock (``Store.lock``): ``acquire`` never blocks."""
+
     def acquire(self) -> bool:
         """True if taken; False if another holder has it."""
         ...

@@ -1,16 +1,14 @@
-"""Local files: a streaming writer that is durable at close to disk speed, and a hostile-safe reader.
+"""Local files: the per-file primitives of the local store, and a hostile-safe reader.
 
-Writing. Bytes flow source -> page-aligned staging buffer -> disk. The caller's thread copies and
-hashes one buffer while a writer thread writes the previous one, so copying, checksumming and I/O
-overlap. Files are opened with ``O_DIRECT`` where the filesystem accepts it: on the development
-machine an O_DIRECT write of 1 GiB from aligned buffers plus fsync takes 0.30-0.38 s against 0.45-0.51 s
-buffered, and it does not fill the page cache with dirty pages (buffered writes slow down about 5x
-past the dirty threshold). When O_DIRECT is refused (tmpfs, some network filesystems, EINVAL on a
-write), the same pipeline writes buffered. The tail of a file is padded to the 4 KiB block for the
-last direct write and then truncated to its real length. Every file is fsynced before it counts.
-
-Staging buffers are allocated once per process (``mmap``: page-aligned, touched at allocation,
-since first-touch page faults cost more than the copy itself here) and reused by later saves.
+Writing. A data file is opened by :func:`_open_for_write` with ``O_DIRECT`` where the filesystem
+accepts it: on the development machine an O_DIRECT write of 1 GiB from aligned buffers plus fsync
+takes 0.30-0.38 s against 0.45-0.51 s buffered, and it does not fill the page cache with dirty
+pages (buffered writes slow down about 5x past the dirty threshold). When O_DIRECT is refused
+(tmpfs, some network filesystems, EINVAL on a write: :func:`write_all`), the file is written
+buffered. The tail of a file is padded to the 4 KiB block for the last direct write and then
+truncated to its real length (:class:`LocalBlobWriter`). Every file is fsynced before it counts.
+The pipeline that fills aligned buffers and overlaps copying with these writes is the engine's
+(:mod:`savepoint.engine.pipeline`).
 
 Reading. Every file savepoint reads is opened by :func:`open_read`: ``O_NOFOLLOW`` (a data file
 may not be a symlink) and ``O_NONBLOCK`` (a FIFO is refused at once instead of blocking until a
@@ -29,75 +27,20 @@ import contextlib
 import errno
 import mmap
 import os
-import queue
 import stat
-import threading
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from savepoint.codecs import checksum
 from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
-from savepoint.state.arrays import TensorSource
 from savepoint.storage.base import Capabilities, Kind, Stat, Store
 
 BLOCK = 4096
-DEFAULT_BUFFER_BYTES = 32 << 20
-DEFAULT_BUFFER_COUNT = 2
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
-
-
-class _Buffer:
-    __slots__ = ("array", "map")
-
-    def __init__(self, size: int) -> None:
-        self.map = mmap.mmap(-1, size)
-        self.array = np.frombuffer(self.map, dtype=np.uint8)
-        self.array.fill(0)  # touch every page now, not during the first save
-
-
-class StagingPool:
-    """Reusable aligned buffers. Concurrent savers each get their own set."""
-
-    def __init__(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, count: int = DEFAULT_BUFFER_COUNT):
-        if buffer_bytes % BLOCK or buffer_bytes <= 0 or count < 2:
-            raise ValueError("staging buffers must be positive multiples of 4096, at least 2")
-        self.buffer_bytes = buffer_bytes
-        self.count = count
-        self._free: list[list[_Buffer]] = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def acquire(self, needed: int) -> Iterator[list[_Buffer]]:
-        """A set of buffers; small saves get small temporary buffers and leave the pool alone."""
-        if needed + BLOCK < self.buffer_bytes:
-            size = max(BLOCK, -(-(needed + BLOCK) // BLOCK) * BLOCK)
-            yield [_Buffer(size) for _ in range(2)]
-            return
-        with self._lock:
-            buffers = self._free.pop() if self._free else None
-        if buffers is None:
-            buffers = [_Buffer(self.buffer_bytes) for _ in range(self.count)]
-        try:
-            yield buffers
-        finally:
-            with self._lock:
-                if len(self._free) < 2:
-                    self._free.append(buffers)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
-POOL = StagingPool()
-
-if hasattr(os, "register_at_fork"):
-    # The pool's lock may be held by another thread at fork time; a child starts with a fresh pool.
-    os.register_at_fork(after_in_child=lambda: globals().__setitem__("POOL", StagingPool()))
 
 
 def write_all(fd: int, view: memoryview, direct: bool) -> bool:
@@ -123,44 +66,6 @@ def write_all(fd: int, view: memoryview, direct: bool) -> bool:
     return direct
 
 
-class _Writer:
-    """Writes full buffers from a background thread; the first error stops it and is re-raised."""
-
-    def __init__(self, fd: int, direct: bool) -> None:
-        self.fd = fd
-        self.direct = direct
-        self.jobs: queue.Queue[tuple[_Buffer, int] | None] = queue.Queue()
-        self.done: queue.Queue[_Buffer] = queue.Queue()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="savepoint-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            buf, length = job
-            if self.error is None:
-                try:
-                    self._write(memoryview(buf.map)[:length])
-                except BaseException as exc:
-                    self.error = exc
-            self.done.put(buf)
-
-    def _write(self, view: memoryview) -> None:
-        self.direct = write_all(self.fd, view, self.direct)
-
-    def submit(self, buf: _Buffer, length: int) -> None:
-        self.jobs.put((buf, length))
-
-    def wait_buffer(self) -> _Buffer:
-        return self.done.get()
-
-    def finish(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 def _open_for_write(path: str, direct: bool) -> tuple[int, bool]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY
     if direct and _O_DIRECT:
@@ -170,88 +75,6 @@ def _open_for_write(path: str, direct: bool) -> tuple[int, bool]:
             if exc.errno != errno.EINVAL:
                 raise
     return os.open(path, flags, 0o644), False
-
-
-def write_file(
-    path: str,
-    header: bytes,
-    sources: Sequence[TensorSource],
-    *,
-    pool: StagingPool | None = None,
-    direct: bool = True,
-    progress: Callable[[int], None] | None = None,
-) -> list[str]:
-    """Write ``header`` then every source's bytes, fsync, and return each source's checksum.
-
-    The file must not exist. On any error the partial file is left for the caller to remove.
-    """
-    pool = pool or POOL
-    total = len(header) + sum(s.nbytes for s in sources)
-    fd, direct = _open_for_write(path, direct)
-    digests: list[str] = []
-    try:
-        with pool.acquire(total) as buffers:
-            writer = _Writer(fd, direct)
-            free = list(buffers)
-            try:
-                buf = free.pop()
-                fill = 0
-                size = len(buf.array)
-                header_left = len(header)
-
-                def report(written: int) -> None:
-                    # Progress counts tensor bytes only: the header is not part of the total.
-                    nonlocal header_left
-                    skip = min(header_left, written)
-                    header_left -= skip
-                    if progress is not None and written > skip:
-                        progress(written - skip)
-
-                def flush(length: int) -> None:
-                    nonlocal buf, fill
-                    writer.submit(buf, length)
-                    report(fill)
-                    buf = free.pop() if free else writer.wait_buffer()
-                    fill = 0
-
-                hb = np.frombuffer(header, dtype=np.uint8)
-                pos = 0
-                while pos < len(hb):
-                    n = min(size - fill, len(hb) - pos)
-                    buf.array[fill : fill + n] = hb[pos : pos + n]
-                    fill += n
-                    pos += n
-                    if fill == size:
-                        flush(size)
-                for source in sources:
-                    hasher = checksum.new()
-                    pos = 0
-                    try:
-                        while pos < source.nbytes:
-                            n = min(size - fill, source.nbytes - pos)
-                            dst = buf.array[fill : fill + n]
-                            source.copy_to(dst, pos)
-                            hasher.update(dst)
-                            fill += n
-                            pos += n
-                            if fill == size:
-                                flush(size)
-                    finally:
-                        source.release()
-                    digests.append(checksum.hexdigest(hasher))
-                if fill:
-                    padded = -(-fill // BLOCK) * BLOCK if writer.direct else fill
-                    buf.array[fill:padded] = 0
-                    writer.submit(buf, padded)
-                    report(fill)
-            finally:
-                writer.finish()
-        if direct:
-            os.ftruncate(fd, total)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return digests
 
 
 def write_small(path: str, data: bytes) -> None:
@@ -280,32 +103,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class SymlinkError(CorruptCheckpointError):
-    """:func:`open_read` refused a symlink (a checkpoint's files are never links).
-
-    A CheckpointError, so it may escape to the caller as it is; ``filename``, ``errno`` and
-    ``strerror`` are kept for callers that word their own message."""
-
-    def __init__(self, filename: str, shown: str) -> None:
-        super().__init__(f"{shown} is a symlink; refusing to follow it", path=shown)
-        self.filename = filename
-        self.errno = errno.ELOOP
-        self.strerror = "is a symlink"
-
-
-class NotRegularFileError(CorruptCheckpointError):
-    """:func:`open_read` refused something that is not a regular file: a FIFO (whose open would
-    block until a writer appears), a socket, a device or a directory."""
-
-    def __init__(self, filename: str, shown: str) -> None:
-        super().__init__(
-            f"{shown} is not a regular file (a FIFO, socket, device or directory); refusing to "
-            "read it",
-            path=shown,
-        )
-        self.filename = filename
-        self.errno = errno.EINVAL
-        self.strerror = "is not a regular file"
+from savepoint.errors import NotRegularFileError, SymlinkError  # noqa: E402
 
 
 def permission_error(exc: OSError, shown: str) -> CheckpointPermissionError:
@@ -452,37 +250,6 @@ class MappedFile:
             self.map.close()
 
 
-def write_image(
-    path: str,
-    image: np.ndarray[Any, Any],
-    size: int,
-    *,
-    direct: bool = True,
-    chunk: int = 64 << 20,
-) -> None:
-    """Write the first ``size`` bytes of a prepared file image, then fsync.
-
-    ``image`` must start on a 4 KiB boundary and extend to ``size`` rounded up to 4 KiB, so every
-    ``O_DIRECT`` write is aligned (the padding past ``size`` is cut off by ``ftruncate``). It is
-    written straight from that memory: no copy. The file must not exist.
-    """
-    fd, opened_direct = _open_for_write(path, direct)
-    try:
-        view = memoryview(image.data).cast("B")
-        mode = opened_direct
-        pos = 0
-        while pos < size:
-            # Direct writes go in aligned blocks (the last one padded); buffered ones stop at size.
-            stop = min(pos + chunk, -(-size // BLOCK) * BLOCK if mode else size)
-            mode = write_all(fd, view[pos:stop], mode)
-            pos = stop
-        if opened_direct:
-            os.ftruncate(fd, size)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------------
 # The local filesystem as a Store (see savepoint.storage.base)
 # ---------------------------------------------------------------------------------------------
@@ -510,6 +277,12 @@ class LocalBlobReader:
     def read(self, offset: int, out: Any) -> None:
         view = memoryview(out).cast("B")
         fd = self._descriptor()
+        if offset < 0:
+            raise ValueError(f"negative offset {offset} into {self.name}")
+        if offset + len(view) > self.size:
+            raise EOFError(
+                f"wanted {len(view)} bytes at {offset} of {self.name}, it has {self.size}"
+            )
         while len(view):
             n = os.preadv(fd, [view[:_PIECE]], offset)
             if n == 0:
@@ -517,8 +290,13 @@ class LocalBlobReader:
             view, offset = view[n:], offset + n
 
     def view(self, start: int, end: int) -> np.ndarray[Any, Any] | None:
+        if not 0 <= start <= end <= self.size:
+            raise EOFError(f"wanted bytes [{start}, {end}) of {self.name}, it has {self.size}")
+        fd = self._descriptor()
+        if self.size == 0:  # mmap cannot map an empty file
+            return np.empty(0, dtype=np.uint8)
         if self._map is None:
-            self._map = MappedFile(self._descriptor(), self.size, copy_on_write=self._copy_on_write)
+            self._map = MappedFile(fd, self.size, copy_on_write=self._copy_on_write)
         return self._map.slice(start, end)
 
     def close(self) -> None:
@@ -538,31 +316,42 @@ class LocalBlobWriter:
         self._size = size
         self._fd: int | None
         self._fd, self._direct = _open_for_write(path, direct)
-        self._opened_direct = self._direct
         self.alignment = BLOCK if self._direct else 1
         self._written = 0
+        self._state = "open"  # "open", "finished", "aborted"
+
+    def _open_fd(self, what: str) -> int:
+        if self._fd is None:
+            raise ValueError(f"{what} after the writer of {self.path} was {self._state}")
+        return self._fd
 
     def write(self, data: memoryview) -> None:
-        assert self._fd is not None, "write after finish or abort"
-        self._direct = write_all(self._fd, data, self._direct)
+        self._direct = write_all(self._open_fd("write"), data, self._direct)
         self._written += len(data)
 
     def finish(self) -> None:
-        fd = self._fd
-        assert fd is not None, "finish after finish or abort"
+        fd = self._open_fd("finish")
+        if self._size is not None and self._written < self._size:
+            raise ValueError(
+                f"{self.path}: {self._written} bytes written of the {self._size} announced"
+            )
         try:
             if self._size is not None and self._written != self._size:
                 os.ftruncate(fd, self._size)  # cut an aligned tail's padding
             os.fsync(fd)
         finally:
             self._fd = None
+            self._state = "finished"
             os.close(fd)
 
     def abort(self) -> None:
+        if self._state == "aborted":
+            return
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+        self._state = "aborted"
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
@@ -596,7 +385,10 @@ class LocalPinned:
 
     def identity(self) -> Any:
         if self._fd is None:
-            return _identity(os.stat(self.path))
+            try:
+                return _identity(os.stat(self.path))
+            except FileNotFoundError:
+                return None
         st = os.fstat(self._fd)
         return None if st.st_nlink == 0 else _identity(st)
 
@@ -608,6 +400,227 @@ class LocalPinned:
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
+
+
+# renameat2(2) (Linux 3.15+, glibc 2.28+): RENAME_NOREPLACE makes ``rename`` refuse an existing
+# destination in the same atomic step, RENAME_EXCHANGE swaps two paths. Looked up at first use.
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_UNSUPPORTED = frozenset(
+    getattr(errno, name)
+    for name in ("ENOSYS", "EINVAL", "ENOTSUP", "EOPNOTSUPP")
+    if hasattr(errno, name)
+)
+_libc_renameat2: list[Callable[..., int] | None] = []
+
+
+def _renameat2() -> Callable[..., int] | None:
+    if not _libc_renameat2:
+        import ctypes
+        import ctypes.util
+
+        function: Callable[..., int] | None = None
+        with contextlib.suppress(OSError, AttributeError):  # other C libraries: fall back
+            function = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).renameat2
+            function.argtypes = [
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_uint,
+            ]
+            function.restype = ctypes.c_int
+        _libc_renameat2.append(function)
+    return _libc_renameat2[0]
+
+
+def _rename2(src: str, dst: str, flags: int) -> bool:
+    """renameat2 with ``flags``: True when done, False where this platform or filesystem lacks
+    it (nothing changed); any other failure raises OSError naming the paths."""
+    function = _renameat2()
+    if function is None:
+        return False
+    import ctypes
+
+    if function(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED and not (err == errno.EINVAL and _into_itself(src, dst)):
+        return False
+    raise OSError(err, os.strerror(err), src, None, dst)
+
+
+def _into_itself(src: str, dst: str) -> bool:
+    a, b = os.path.abspath(src), os.path.abspath(dst)
+    return a != b and (b + os.sep).startswith(a.rstrip(os.sep) + os.sep)
+
+
+# A temporary of this store (an atomic put) is named like the commit layer's temporaries,
+# ``.<name>.savepoint-tmp-<host>-<pid>-<random>``, so its sweep of dead processes' leftovers
+# (savepoint.commit) removes one a crash left behind.
+_TMP_TAG = ".savepoint-tmp-"
+
+# What os.link raises where a filesystem has no hard links: a create-only put then writes in place.
+_NO_LINKS = frozenset(
+    getattr(errno, name)
+    for name in ("EPERM", "EXDEV", "EMLINK", "ENOTSUP", "EOPNOTSUPP", "ENOSYS")
+    if hasattr(errno, name)
+)
+
+
+def _temporary(path: str) -> str:
+    import socket
+
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}{_TMP_TAG}{host}-{os.getpid()}-{os.urandom(4).hex()}")
+
+
+class LocalLock:
+    """An exclusive, non-blocking ``flock(2)`` on a lock file: :meth:`LocalStore.lock`.
+
+    It excludes other processes as well as other threads of this one (each lock opens its own
+    file description). The lock file is created if absent and is never truncated before the lock
+    is held (a refused contender must not wipe the holder's description), never deleted (deleting
+    a locked file lets two processes lock two different inodes of one name) and never unlocked
+    explicitly: ``LOCK_UN`` on a descriptor a forked child inherited would release the parent's
+    lock too, while closing our copy does not. A forked child closes its inherited copy at once,
+    so a child outliving its parent never keeps the lock; the kernel drops the lock when the
+    holder dies, so a SIGKILLed holder leaves no stale lock.
+
+    Beyond ``acquire``/``release``: :meth:`describe` writes a description of the holder into the
+    file while it is held (``release`` empties it), and :meth:`check` says whether the file at the
+    path is still the one locked. Something other than a regular file at the path (a directory,
+    symlink, FIFO) is refused with :class:`NotRegularFileError`, never opened as the lock.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._pid = os.getpid()
+        self._description = b""
+
+    def acquire(self) -> bool:
+        if self._fd is not None:
+            return False
+        fd = self._open()
+        if not _flock(fd):
+            return False
+        self._fd, self._pid = fd, os.getpid()
+        _HELD_LOCKS.add(self)
+        self._write_description()
+        return True
+
+    def describe(self, data: bytes) -> None:
+        """Record ``data`` in the lock file (informative only: failures are ignored)."""
+        self._description = data
+        self._write_description()
+
+    def check(self) -> str | None:
+        """None while this process holds the lock through the file at :attr:`path`, else why
+        not. A lock file that is simply gone is recreated (create-only) and locked again: nobody
+        else can have locked it meanwhile, or the file would exist. OSError when the file cannot
+        be checked; NotRegularFileError when something other than a regular file is there now."""
+        fd = self._fd
+        if fd is None:
+            return f"its lock file {self.path} is not held"
+        mine = os.fstat(fd)
+        try:
+            there = os.lstat(self.path)
+        except FileNotFoundError:
+            try:
+                new = self._open(exclusive=True)
+            except FileExistsError:
+                return f"its lock file {self.path} was deleted and created again by another"
+            if not _flock(new):
+                return f"its lock file {self.path} was deleted and taken by another writer"
+            self._fd = new
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the deleted inode's lock: nobody else can reach it
+            self._write_description()
+            return None
+        if _identity(there) == _identity(mine):
+            return None
+        if not stat.S_ISREG(there.st_mode):
+            raise NotRegularFileError(self.path, self.path)
+        return f"its lock file {self.path} was deleted or replaced while it held the lock"
+
+    def release(self) -> None:
+        """Drop the lock by closing the descriptor (see the class docstring for why not LOCK_UN);
+        idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        _HELD_LOCKS.discard(self)
+        if os.getpid() == self._pid:
+            with contextlib.suppress(OSError):  # the description must not outlive the lock
+                os.ftruncate(fd, 0)
+        with contextlib.suppress(OSError):  # the kernel drops the lock whatever close() says
+            os.close(fd)
+
+    def _forget(self) -> None:
+        """In a forked child: close the inherited descriptor; the parent keeps the lock."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _open(self, *, exclusive: bool = False) -> int:
+        # No O_TRUNC: the file may describe the current holder, which a refused one must read.
+        # O_NOFOLLOW: a symlink is refused, never followed; O_NONBLOCK: a FIFO never blocks.
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(self.path, flags | (os.O_EXCL if exclusive else 0), 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
+                raise NotRegularFileError(self.path, self.path) from None
+            raise
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not regular:
+            os.close(fd)
+            raise NotRegularFileError(self.path, self.path)
+        return fd
+
+    def _write_description(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):  # informative only (a full disk, say)
+            os.ftruncate(self._fd, 0)
+            if self._description:
+                os.pwrite(self._fd, self._description, 0)
+
+
+def _flock(fd: int) -> bool:
+    """Take an exclusive flock on ``fd`` without blocking; False (``fd`` closed) if another
+    holds it. Other failures close ``fd`` and raise."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+_HELD_LOCKS: weakref.WeakSet[LocalLock] = weakref.WeakSet()
+
+
+def _forget_locks_in_child() -> None:
+    for held in list(_HELD_LOCKS):
+        held._forget()
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 class LocalStore(Store):
@@ -654,12 +667,37 @@ class LocalStore(Store):
         return read_small(path, cap=cap)
 
     def put(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
-        if exclusive:
-            write_small(path, data)
-            return
-        from savepoint.commit import atomic
+        """Write ``data`` under a temporary name, fsync, then publish it whole: ``link`` for a
+        create-only put (EEXIST if ``path`` exists, atomically), ``replace`` otherwise (then
+        the parent is synced too). The temporary is removed whatever happens."""
+        tmp = _temporary(path)
+        try:
+            write_small(tmp, data)
+            if not exclusive:
+                os.replace(tmp, path)
+                fsync_dir(os.path.dirname(os.path.abspath(path)))
+                return
+            try:
+                os.link(tmp, path, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in _NO_LINKS:
+                    raise
+                self._put_in_place(path, data)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
-        atomic.replace_file(path, data)
+    @staticmethod
+    def _put_in_place(path: str, data: bytes) -> None:
+        """A create-only put where hard links are missing: O_EXCL, removed again on failure."""
+        try:
+            write_small(path, data)
+        except FileExistsError:
+            raise
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
 
     def remove(self, path: str) -> None:
         os.unlink(path)
@@ -683,7 +721,7 @@ class LocalStore(Store):
 
     def list(self, path: str) -> list[str]:
         try:
-            return os.listdir(path)
+            return sorted(os.listdir(path))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -694,31 +732,64 @@ class LocalStore(Store):
         os.mkdir(path)
 
     def remove_tree(self, path: str) -> None:
-        from savepoint.commit import atomic
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if stat.S_ISDIR(st.st_mode):
+            import shutil
 
-        atomic.remove_tree(path)
+            with contextlib.suppress(FileNotFoundError):  # a racing remover finishes the job
+                shutil.rmtree(path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a symlink (never its target), or a file
 
     def sync_dir(self, path: str) -> None:
-        fsync_dir(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            raise
+        except OSError:  # pragma: no cover - platforms without directory descriptors
+            return
+        try:
+            os.fsync(fd)
+        except OSError as exc:  # some filesystems refuse a directory fsync: nothing to do
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+        finally:
+            os.close(fd)
 
     def pin(self, path: str) -> LocalPinned:
         return LocalPinned(path)
 
     def rename(self, src: str, dst: str) -> None:
+        if _rename2(src, dst, _RENAME_NOREPLACE):
+            return
+        # Without renameat2 the check and the rename are two steps (a racing creator can slip
+        # in between: the commit layer never races itself on one path).
         if os.path.lexists(dst):
             raise FileExistsError(errno.EEXIST, "File exists", dst)
+        if _into_itself(src, dst):
+            raise OSError(errno.EINVAL, "Invalid argument (a directory into itself)", dst)
         os.rename(src, dst)
 
     def replace(self, src: str, dst: str) -> None:
         os.replace(src, dst)
 
     def exchange(self, a: str, b: str) -> bool:
-        from savepoint.commit import atomic
-
-        return atomic.exchange(a, b)
+        if not (os.path.lexists(a) and os.path.lexists(b)):
+            raise FileNotFoundError(
+                errno.ENOENT, "No such file or directory", b if os.path.lexists(a) else a
+            )
+        return _rename2(a, b, _RENAME_EXCHANGE)
 
     def link(self, src: str, dst: str) -> None:
         os.link(src, dst, follow_symlinks=False)
+
+    def lock(self, path: str) -> LocalLock:
+        """A :class:`LocalLock` on the lock file ``path`` (not taken yet: call ``acquire``)."""
+        return LocalLock(path)
 
 
 STORE = LocalStore()

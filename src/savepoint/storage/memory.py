@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from savepoint.errors import CorruptCheckpointError
-from savepoint.storage.base import BlobReader, Capabilities, PinnedContext, Stat, Store
+from savepoint.errors import CorruptCheckpointError, NotRegularFileError
+from savepoint.storage.base import BlobReader, Capabilities, Stat, Store
 
 __all__ = ["MemoryStore", "shared"]
 
@@ -63,13 +63,20 @@ class _Reader:
         self._copy = copy_on_write
 
     def read(self, offset: int, out: Any) -> None:
-        dst = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) else out
+        dst = memoryview(out).cast("B")
         n = len(dst)
+        if offset < 0:
+            raise ValueError(f"negative offset {offset} into {self.name}")
         if offset + n > self.size:
             raise EOFError(f"wanted {n} bytes at {offset} of {self.name}, it has {self.size}")
-        dst[:] = np.frombuffer(self._data, dtype=np.uint8, count=n, offset=offset)
+        if n:
+            np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(
+                self._data, dtype=np.uint8, count=n, offset=offset
+            )
 
     def view(self, start: int, end: int) -> np.ndarray[Any, Any] | None:
+        if not 0 <= start <= end <= self.size:
+            raise EOFError(f"wanted bytes [{start}, {end}) of {self.name}, it has {self.size}")
         array = np.frombuffer(self._data, dtype=np.uint8)[start:end]
         return array.copy() if self._copy else array
 
@@ -78,6 +85,8 @@ class _Reader:
 
 
 class _Writer:
+    """Collects the writes; ``finish`` publishes them as one immutable blob (create-only)."""
+
     alignment = 1
 
     def __init__(self, store: MemoryStore, path: str, size: int | None) -> None:
@@ -85,25 +94,38 @@ class _Writer:
         self._path = path
         self._size = size
         self._parts: list[bytes] = []
-        self._done = False
+        self._written = 0
+        self._state = "open"  # "open", "finished", "aborted"
+
+    def _need_open(self, what: str) -> None:
+        if self._state != "open":
+            raise ValueError(f"{what} after the writer of {self._path} was {self._state}")
 
     def write(self, data: memoryview) -> None:
-        self._store._charge(len(data))
+        self._need_open("write")
+        self._store._charge(self._written + len(data))
         self._parts.append(bytes(data))
+        self._written += len(data)
 
     def finish(self) -> None:
+        self._need_open("finish")
+        if self._size is not None and self._written < self._size:
+            raise ValueError(
+                f"{self._path}: {self._written} bytes written of the {self._size} announced"
+            )
         data = b"".join(self._parts)
-        self._parts = []
         if self._size is not None:
             data = data[: self._size]
         self._store._publish(self._path, data, exclusive=True)
-        self._done = True
+        self._parts = []
+        self._state = "finished"
 
     def abort(self) -> None:
         self._parts = []
-        if self._done:
+        if self._state == "finished":
             with contextlib.suppress(OSError):
                 self._store.remove(self._path)
+        self._state = "aborted"
 
 
 class _Pinned:
@@ -119,14 +141,18 @@ class _Pinned:
         self.close()
 
     def _blob(self, name: str) -> _Blob:
+        """The blob ``name`` (a path relative to the pinned directory, which it cannot leave:
+        ``..`` resolves to nothing) names."""
+        node: _Dir | _Blob | None = self._node
         with self._store._lock:
-            node = self._node.entries.get(name)
+            for part in name.split("/"):
+                if part in ("", "."):
+                    continue
+                node = node.entries.get(part) if isinstance(node, _Dir) and part != ".." else None
         shown = Store.join(self.path, name)
         if node is None:
             raise _missing(shown)
         if not isinstance(node, _Blob):
-            from savepoint.storage.local import NotRegularFileError
-
             raise NotRegularFileError(shown, self._store.url(shown))
         return node
 
@@ -195,19 +221,24 @@ class MemoryStore(Store):
         return None if found is None else found[0].entries.get(found[1])
 
     def _used(self) -> int:
+        """Bytes held by the blobs reachable from the root (a hard-linked blob counts once)."""
+        seen: set[int] = set()
         total, stack = 0, [self._root]
         while stack:
             for child in stack.pop().entries.values():
                 if isinstance(child, _Dir):
                     stack.append(child)
-                else:
+                elif child.id not in seen:
+                    seen.add(child.id)
                     total += len(child.data)
         return total
 
-    def _charge(self, n: int) -> None:
+    def _charge(self, pending: int) -> None:
+        """ENOSPC if a blob of ``pending`` bytes would not fit (checked at every write, as a
+        full disk fails the write that crosses it)."""
         if self.capacity is not None:
             with self._lock:
-                if self._used() + n > self.capacity:
+                if self._used() + pending > self.capacity:
                     raise OSError(errno.ENOSPC, "No space left on device (memory store capacity)")
 
     def _publish(self, path: str, data: bytes, *, exclusive: bool) -> None:
@@ -227,9 +258,21 @@ class MemoryStore(Store):
 
     # -- blobs ---------------------------------------------------------------------------------
 
+    def _parent_pin(self, path: str) -> _Pinned:
+        """The pinned parent of blob ``path``; FileNotFoundError also when a parent is a blob,
+        as ``open(2)`` says of a path through a non-directory."""
+        try:
+            return self.pin(self.parent(path))
+        except NotADirectoryError:
+            raise _missing(path) from None
+
     def open_blob(self, path: str, *, copy_on_write: bool = False) -> BlobReader:
-        with self.pin(self.parent(path)) as pinned:
+        with self._parent_pin(path) as pinned:
             return pinned.open_blob(self.basename(path), copy_on_write=copy_on_write)
+
+    def read_small(self, path: str, *, cap: int | None) -> bytes:
+        with self._parent_pin(path) as pinned:
+            return pinned.read_small(self.basename(path), cap=cap)
 
     def create_blob(self, path: str, *, size: int | None = None, direct: bool = True) -> _Writer:
         with self._lock:
@@ -267,7 +310,7 @@ class MemoryStore(Store):
     def list(self, path: str) -> list[str]:
         with self._lock:
             node = self._get(path)
-            return list(node.entries) if isinstance(node, _Dir) else []
+            return sorted(node.entries) if isinstance(node, _Dir) else []
 
     def makedirs(self, path: str) -> None:
         with self._lock:
@@ -293,16 +336,27 @@ class MemoryStore(Store):
         with self._lock:
             found = self._walk(path)
             node = None if found is None else found[0].entries.pop(found[1], None)
+        # As on a disk, a directory pinned by a reader empties: names no longer open through it
+        # (blobs already open keep their bytes).
         stack = [node] if isinstance(node, _Dir) else []
         while stack:
             d = stack.pop()
             d.alive = False
             stack.extend(c for c in d.entries.values() if isinstance(c, _Dir))
+            d.entries = {}
 
     def sync_dir(self, path: str) -> None:
-        pass
+        """Nothing to make durable; a missing directory is still the caller's error."""
+        with self._lock:
+            node = self._get(path)
+        if not isinstance(node, _Dir):
+            raise (
+                _missing(path)
+                if node is None
+                else NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
+            )
 
-    def pin(self, path: str) -> PinnedContext:
+    def pin(self, path: str) -> _Pinned:
         with self._lock:
             node = self._get(path)
         if node is None:
@@ -317,6 +371,12 @@ class MemoryStore(Store):
         if not self.capabilities.atomic_rename:
             raise NotImplementedError("this memory store behaves as an object store: no rename")
 
+    def _not_inside(self, src: str, dst: str) -> None:
+        """EINVAL, as rename(2) says, when directory ``src`` would move into its own subtree."""
+        a, b = self.abspath(src), self.abspath(dst)
+        if a != b and (b + "/").startswith(a.rstrip("/") + "/"):
+            raise OSError(errno.EINVAL, "Invalid argument (a directory into itself)", dst)
+
     def rename(self, src: str, dst: str) -> None:
         self._need_rename()
         with self._lock:
@@ -327,6 +387,7 @@ class MemoryStore(Store):
                 raise _missing(dst)
             if b[1] in b[0].entries:
                 raise FileExistsError(errno.EEXIST, "File exists", dst)
+            self._not_inside(src, dst)
             b[0].entries[b[1]] = a[0].entries.pop(a[1])
 
     def replace(self, src: str, dst: str) -> None:
@@ -339,6 +400,7 @@ class MemoryStore(Store):
                 raise _missing(dst)
             if isinstance(b[0].entries.get(b[1]), _Dir):
                 raise IsADirectoryError(errno.EISDIR, "Is a directory", dst)
+            self._not_inside(src, dst)
             b[0].entries[b[1]] = a[0].entries.pop(a[1])
 
     def exchange(self, a: str, b: str) -> bool:
@@ -348,6 +410,8 @@ class MemoryStore(Store):
             x, y = self._walk(a), self._walk(b)
             if x is None or y is None or x[1] not in x[0].entries or y[1] not in y[0].entries:
                 raise _missing(a if x is None or x[1] not in x[0].entries else b)
+            self._not_inside(a, b)
+            self._not_inside(b, a)
             x[0].entries[x[1]], y[0].entries[y[1]] = y[0].entries[y[1]], x[0].entries[x[1]]
         return True
 

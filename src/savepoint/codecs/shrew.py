@@ -1,10 +1,16 @@
-"""Byte-level reading and writing of ``.shrew`` files; the format and its rules are specified in
-:mod:`savepoint.formats.shrew`, which is the public interface.
+"""The ``.shrew`` byte codec: parsing a file from a binary stream, and laying one out.
 
-Reading goes through :class:`Input`, which checks every length against what is left of the input
-before reading or allocating; :func:`parse` reads a whole file, eagerly (data into arrays) or not
-(data skipped, offsets recorded). Writing validates everything (keys, dtypes, sizes, counts)
-before the first byte, then streams each tensor through one bounded buffer.
+The layout and every rule the reader enforces are specified in :mod:`savepoint.formats.shrew`,
+the format's public interface; this module is the part with no file I/O and no knowledge of
+tensors beyond ``dtype``, ``shape`` and ``nbytes``:
+
+- Reading: :class:`Input` wraps any binary stream (a file, ``io.BytesIO``, a one-way pipe) and
+  checks every length against what is left before it reads or allocates; :func:`parse` reads a
+  whole file, eagerly (data into arrays) or not (data skipped, offsets recorded).
+- Writing: :func:`key_bytes`, :func:`check_source`, :func:`checked_training` validate everything
+  a file will hold before its first byte exists; :func:`tensors_layout` and
+  :func:`training_layout` then give the file as a list of pieces, each either the bytes to write
+  or a tensor whose raw bytes go there (the caller streams those from wherever they are).
 """
 
 from __future__ import annotations
@@ -13,26 +19,51 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from savepoint.codecs import dtypes
 from savepoint.codecs.dtypes import DType
 from savepoint.errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     UnsupportedStateError,
 )
-from savepoint.formats import _files
-from savepoint.formats._files import LazyTensor
-from savepoint.state import arrays
-from savepoint.state.arrays import TensorSource
-from savepoint.state.optimizer import OptimizerState
-from savepoint.storage import local
+
+__all__ = [
+    "BUDGET_FACTOR",
+    "BUDGET_SLACK",
+    "CheckedOptimizer",
+    "DTYPE_TAGS",
+    "Input",
+    "MAGIC",
+    "MAX_NDIM",
+    "MAX_NOMINAL_BYTES",
+    "Optimizer",
+    "Parsed",
+    "Record",
+    "SECTION_NAMES",
+    "TAG_EOF",
+    "TAG_METADATA",
+    "TAG_MODEL",
+    "TAG_OF",
+    "TAG_OPTIMIZER",
+    "Tensor",
+    "Training",
+    "VERSION_TENSORS",
+    "VERSION_TRAINING",
+    "check_source",
+    "checked_optimizer",
+    "checked_training",
+    "key_bytes",
+    "parse",
+    "read_header",
+    "tensors_layout",
+    "training_layout",
+]
 
 MAGIC = b"SHRW"
 VERSION_TENSORS = 1
@@ -53,29 +84,17 @@ MAX_NOMINAL_BYTES = 1 << 62  # product of the dims (zeros counted as 1) x itemsi
 # data, use a small fraction of it.
 BUDGET_FACTOR = 16
 BUDGET_SLACK = 16 << 20
-_RECORD_COST = 256  # Record, dict slots, array or FileRangeTensor, TensorEntry (measured: <= 200)
+_RECORD_COST = 256  # Record, dict slots, array or lazy tensor, inspect entry (measured: <= 200)
 _SCALAR_COST = 96  # dict slots, float, inspect value slot
+_READ_CHUNK = 4 << 20  # bytes per read call: a hostile length never becomes one huge read
 _U32 = 1 << 32
 _U64 = 1 << 64
 _F64 = dtypes.from_name("F64")
 
-Tensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
 
-
-def open_file(path: str) -> BinaryIO:
-    """A user's file opened for reading, without ever blocking.
-
-    The path is resolved first (a user may name a symlink, the Hugging Face cache is made of
-    them), then opened through :func:`savepoint.storage.local.open_read`: ``O_NONBLOCK``, then
-    ``fstat``. A FIFO, a socket, a device or a directory is refused with a CheckpointError
-    subclass instead of hanging in ``open`` or ``read``; a missing file is a
-    CheckpointNotFoundError, an unreadable one a CheckpointPermissionError.
-    """
-    try:
-        fd = local.open_read(os.path.realpath(path), shown=path)
-    except FileNotFoundError:  # open_read raises CheckpointErrors for everything else
-        raise CheckpointNotFoundError(f"no file at {path}", path=path) from None
-    return os.fdopen(fd, "rb")
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
 
 
 class Input:
@@ -129,7 +148,7 @@ class Input:
         parts: list[bytes] = []
         got = 0
         while got < n:
-            chunk = self.stream.read(min(n - got, _files.CHUNK))
+            chunk = self.stream.read(min(n - got, _READ_CHUNK))
             if not chunk:
                 raise self._ended(what, got)
             parts.append(chunk)
@@ -152,7 +171,7 @@ class Input:
         view = out.reshape(-1).view(np.uint8).data
         got = 0
         while got < n:
-            k = readinto(view[got : got + _files.CHUNK])
+            k = readinto(view[got : got + _READ_CHUNK])
             if not k:
                 raise self._ended(what, got)
             got += k
@@ -167,7 +186,7 @@ class Input:
             return
         left = n
         while left:
-            left -= len(self.read(min(left, _files.CHUNK), what))
+            left -= len(self.read(min(left, _READ_CHUNK), what))
 
     def at_end(self) -> bool:
         if self.size is not None:
@@ -367,21 +386,29 @@ def parse(inp: Input, *, eager: bool) -> Parsed:
     return parsed
 
 
-def pairs(tensors: Tensors) -> list[tuple[Any, Any]]:
-    if isinstance(tensors, Mapping):
-        return list(tensors.items())
-    pairs = []
-    for item in tensors:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise UnsupportedStateError(
-                f"expected (name, tensor) pairs, got {type(item).__name__}; pass a mapping or a "
-                "sequence of pairs"
-            )
-        pairs.append(item)
-    return pairs
+# ---------------------------------------------------------------------------------------------
+# writing: checks, then the layout as pieces
+# ---------------------------------------------------------------------------------------------
+
+
+class Tensor(Protocol):
+    """What the layout needs of a tensor; its bytes are the caller's to stream."""
+
+    @property
+    def dtype(self) -> DType: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+_S = TypeVar("_S", bound=Tensor)
 
 
 def key_bytes(key: Any, what: str) -> bytes:
+    """``key`` as the UTF-8 a ``str`` field holds; UnsupportedStateError if it cannot be one."""
     if not isinstance(key, str):
         raise UnsupportedStateError(f"{what} {key!r} is not a str", key=str(key))
     try:
@@ -397,20 +424,7 @@ def key_bytes(key: Any, what: str) -> bytes:
     return raw
 
 
-def as_source(value: Any, key: str) -> TensorSource:
-    if isinstance(value, LazyTensor):
-        return value
-    source = arrays.make_source(value, key)
-    if source is None:
-        raise UnsupportedStateError(
-            f"{key}: a {type(value).__module__}.{type(value).__qualname__} is not a numpy array "
-            "or torch tensor; .shrew holds tensors only",
-            key=key,
-        )
-    return source
-
-
-def check_source(key: str, source: TensorSource) -> None:
+def check_source(key: str, source: Tensor) -> None:
     """Raise UnsupportedStateError if ``source`` cannot be stored in .shrew."""
     if source.dtype.name not in TAG_OF:
         raise UnsupportedStateError(
@@ -423,99 +437,6 @@ def check_source(key: str, source: TensorSource) -> None:
         raise UnsupportedStateError(
             f"{key}: shape {source.shape} does not fit .shrew's u32 dimensions", key=key
         )
-
-
-def checked_items(tensors: Tensors) -> list[tuple[bytes, TensorSource]]:
-    items: list[tuple[bytes, TensorSource]] = []
-    seen: set[str] = set()
-    for key, value in pairs(tensors):
-        raw = key_bytes(key, "tensor key")
-        if key in seen:
-            raise UnsupportedStateError(
-                f"tensor key {key!r} appears twice; a .shrew file holds each key once", key=key
-            )
-        seen.add(key)
-        source = as_source(value, key)
-        check_source(key, source)
-        items.append((raw, source))
-    if len(items) >= _U32:
-        raise UnsupportedStateError(f"{len(items)} tensors do not fit .shrew's u32 count")
-    return items
-
-
-class _Output:
-    def __init__(self, stream: BinaryIO) -> None:
-        self.stream = stream
-
-    def raw(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        while len(view):
-            n = self.stream.write(view)
-            if n is None or n >= len(view):
-                return
-            view = view[n:]
-
-    def pack(self, fmt: str, *values: Any) -> None:
-        self.raw(struct.pack("<" + fmt, *values))
-
-    def string(self, raw: bytes) -> None:
-        self.pack("I", len(raw))
-        self.raw(raw)
-
-    def tensors(self, items: list[tuple[bytes, TensorSource]]) -> None:
-        self.pack("I", len(items))
-        for raw, source in items:
-            self.string(raw)
-            self.pack("BI", TAG_OF[source.dtype.name], len(source.shape))
-            self.pack(f"{len(source.shape)}I", *source.shape)
-            self.pack("Q", source.nbytes)
-            self.data(source)
-
-    def data(self, source: TensorSource) -> None:
-        # A function scope, so the chunk buffer is freed before the next tensor's is made.
-        for chunk in _files.chunks(source):
-            self.raw(chunk)
-
-
-@dataclass
-class OptimizerSection:
-    """An optimizer section ready to write: scalars and buffers in file order, buffers as F64
-    sources (any shape; written flattened)."""
-
-    optimizer_type: str
-    scalars: list[tuple[str, float]]
-    buffers: list[tuple[str, TensorSource]]
-
-    @classmethod
-    def of(cls, state: OptimizerState) -> OptimizerSection:
-        if not isinstance(state, OptimizerState):
-            raise UnsupportedStateError(
-                f"optimizer_state must be an sp.OptimizerState or None, got "
-                f"{type(state).__name__} (sp.optimizer_state_from_torch converts a torch optimizer)"
-            )
-        return cls(
-            state.optimizer_type,
-            sorted(state.scalars.items()),
-            [(k, arrays.NumpySource(v, k)) for k, v in sorted(state.buffers.items())],
-        )
-
-    def check(self) -> tuple[bytes, list[tuple[bytes, float]], list[tuple[bytes, TensorSource]]]:
-        kind = key_bytes(self.optimizer_type, "optimizer type")
-        scalars = [(key_bytes(k, "optimizer scalar key"), float(v)) for k, v in self.scalars]
-        buffers = []
-        for k, source in self.buffers:
-            if source.dtype.name != "F64":
-                raise UnsupportedStateError(f"optimizer buffer {k!r} is not float64", key=k)
-            buffers.append((key_bytes(k, "optimizer buffer key"), source))
-        for what, keys in (
-            ("scalar", [k for k, _ in self.scalars]),
-            ("buffer", [k for k, _ in self.buffers]),
-        ):
-            if len(set(keys)) != len(keys):
-                raise UnsupportedStateError(f"an optimizer {what} key appears twice")
-            if len(keys) >= _U32:
-                raise UnsupportedStateError(f"too many optimizer {what}s for .shrew's u32 count")
-        return kind, scalars, buffers
 
 
 def _count(value: Any, what: str) -> int:
@@ -537,53 +458,109 @@ def _real(value: Any, what: str) -> float:
     return out
 
 
-def write_tensors(stream: BinaryIO, tensors: Tensors) -> None:
-    """Write a v1 file to ``stream``; everything is checked before the first byte is written."""
-    items = checked_items(tensors)
-    out = _Output(stream)
-    out.raw(MAGIC)
-    out.pack("I", VERSION_TENSORS)
-    out.tensors(items)
+@dataclass(frozen=True)
+class CheckedOptimizer(Generic[_S]):
+    """An optimizer section whose keys and buffers passed the checks: UTF-8 type name, scalars
+    ``(key, value)`` and F64 buffers ``(key, tensor)`` (written flattened), in file order."""
+
+    kind: bytes
+    scalars: list[tuple[bytes, float]]
+    buffers: list[tuple[bytes, _S]]
 
 
-def write_training(
-    stream: BinaryIO,
-    model: Tensors,
-    optimizer: OptimizerSection | None,
-    *,
-    epoch: int,
-    global_step: int,
-    best_loss: float,
-    loss_history: Iterable[float],
-) -> None:
-    """Write a v2 file to ``stream``; everything is checked before the first byte is written."""
-    items = checked_items(model)
-    opt = optimizer.check() if optimizer is not None else None
-    epoch = _count(epoch, "epoch")
-    global_step = _count(global_step, "global_step")
-    best = _real(best_loss, "best_loss")
-    history = [_real(v, "loss_history value") for v in loss_history]
-    if len(history) >= _U32:
+@dataclass(frozen=True)
+class Training:
+    """The v2 metadata section, checked: counts in ``[0, 2**64)``, exact f64 values."""
+
+    epoch: int
+    global_step: int
+    best_loss: float
+    loss_history: list[float]
+
+
+def checked_optimizer(
+    optimizer_type: str, scalars: Sequence[tuple[str, float]], buffers: Sequence[tuple[str, _S]]
+) -> CheckedOptimizer[_S]:
+    """Check an optimizer section (keys, F64 buffers, no key twice, counts that fit a u32)."""
+    kind = key_bytes(optimizer_type, "optimizer type")
+    raw_scalars = [(key_bytes(k, "optimizer scalar key"), float(v)) for k, v in scalars]
+    raw_buffers = []
+    for k, source in buffers:
+        if source.dtype.name != "F64":
+            raise UnsupportedStateError(f"optimizer buffer {k!r} is not float64", key=k)
+        raw_buffers.append((key_bytes(k, "optimizer buffer key"), source))
+    for what, keys in (("scalar", [k for k, _ in scalars]), ("buffer", [k for k, _ in buffers])):
+        if len(set(keys)) != len(keys):
+            raise UnsupportedStateError(f"an optimizer {what} key appears twice")
+        if len(keys) >= _U32:
+            raise UnsupportedStateError(f"too many optimizer {what}s for .shrew's u32 count")
+    return CheckedOptimizer(kind, raw_scalars, raw_buffers)
+
+
+def checked_training(
+    epoch: Any, global_step: Any, best_loss: Any, loss_history: Iterable[Any]
+) -> Training:
+    """Check the metadata section's fields (UnsupportedStateError naming the first bad one)."""
+    checked = Training(
+        _count(epoch, "epoch"),
+        _count(global_step, "global_step"),
+        _real(best_loss, "best_loss"),
+        [_real(v, "loss_history value") for v in loss_history],
+    )
+    if len(checked.loss_history) >= _U32:
         raise UnsupportedStateError("the loss history is too long for .shrew's u32 count")
-    out = _Output(stream)
-    out.raw(MAGIC)
-    out.pack("I", VERSION_TRAINING)
-    out.pack("B", TAG_MODEL)
-    out.tensors(items)
-    if opt is not None:
-        kind, scalars, buffers = opt
-        out.pack("B", TAG_OPTIMIZER)
-        out.string(kind)
-        out.pack("I", len(scalars))
-        for raw, value in scalars:
-            out.string(raw)
-            out.pack("d", value)
-        out.pack("I", len(buffers))
-        for raw, source in buffers:
-            out.string(raw)
-            out.pack("Q", source.nbytes // 8)
-            out.data(source)
-    out.pack("B", TAG_METADATA)
-    out.pack("QQdI", epoch, global_step, best, len(history))
-    out.raw(np.asarray(history, dtype="<f8").tobytes())
-    out.pack("B", TAG_EOF)
+    return checked
+
+
+def _string(raw: bytes) -> bytes:
+    return struct.pack("<I", len(raw)) + raw
+
+
+def _tensor_pieces(items: Sequence[tuple[bytes, _S]]) -> list[bytes | _S]:
+    if len(items) >= _U32:
+        raise UnsupportedStateError(f"{len(items)} tensors do not fit .shrew's u32 count")
+    pieces: list[bytes | _S] = [struct.pack("<I", len(items))]
+    for raw, source in items:
+        shape = source.shape
+        tag = TAG_OF[source.dtype.name]
+        head = struct.pack(f"<BI{len(shape)}IQ", tag, len(shape), *shape, source.nbytes)
+        pieces += [_string(raw) + head, source]
+    return pieces
+
+
+def tensors_layout(items: Sequence[tuple[bytes, _S]]) -> list[bytes | _S]:
+    """A v1 file as pieces: bytes to write, or a tensor whose raw bytes go there.
+
+    ``items`` are ``(key_bytes(key), tensor)`` with every tensor passed by :func:`check_source`.
+    """
+    return [MAGIC + struct.pack("<I", VERSION_TENSORS), *_tensor_pieces(items)]
+
+
+def training_layout(
+    model: Sequence[tuple[bytes, _S]], optimizer: CheckedOptimizer[_S] | None, training: Training
+) -> list[bytes | _S]:
+    """A v2 file as pieces (see :func:`tensors_layout`): model, optimizer when given, metadata,
+    end, in the seed's section order."""
+    pieces: list[bytes | _S] = [MAGIC + struct.pack("<IB", VERSION_TRAINING, TAG_MODEL)]
+    pieces += _tensor_pieces(model)
+    if optimizer is not None:
+        head = struct.pack("<B", TAG_OPTIMIZER) + _string(optimizer.kind)
+        head += struct.pack("<I", len(optimizer.scalars))
+        head += b"".join(_string(raw) + struct.pack("<d", v) for raw, v in optimizer.scalars)
+        pieces.append(head + struct.pack("<I", len(optimizer.buffers)))
+        for raw, source in optimizer.buffers:
+            pieces += [_string(raw) + struct.pack("<Q", source.nbytes // 8), source]
+    history = training.loss_history
+    pieces.append(
+        struct.pack(
+            "<BQQdI",
+            TAG_METADATA,
+            training.epoch,
+            training.global_step,
+            training.best_loss,
+            len(history),
+        )
+        + np.asarray(history, dtype="<f8").tobytes()
+        + struct.pack("<B", TAG_EOF)
+    )
+    return pieces

@@ -65,11 +65,13 @@ from typing import Any
 
 import numpy as np
 
-from savepoint import _reader, checkpoint
+from savepoint import checkpoint
 from savepoint.codecs import dtypes
+from savepoint.engine.read import Reader
 from savepoint.errors import (
     CheckpointError,
     CheckpointWriteError,
+    ConversionError,
     UnsupportedStateError,
 )
 from savepoint.formats import _files, boostr, burn, shrew, training_artifact
@@ -79,7 +81,11 @@ from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import TensorSource
 from savepoint.storage.paths import local_path
 
-__all__ = ["TARGETS", "ConversionError", "ConversionReport", "convert"]
+__all__ = [
+    "ConversionReport",
+    "TARGETS",
+    "convert",
+]
 
 TARGETS = ("savepoint", "shrew", "shrew-v1", "shrew-v2", "safetensors", "boostr", "burn")
 _V2_FIELDS = ("optimizer", "epoch", "global_step", "step", "best_loss", "loss_history")
@@ -95,23 +101,6 @@ _LABELS = {
     "boostr": "a boostr checkpoint",
     "burn": "a burn record",
 }
-
-
-class ConversionError(UnsupportedStateError):
-    """The target format cannot hold part of the source; ``problems`` lists every part."""
-
-    def __init__(self, target: str, problems: list[str]) -> None:
-        self.target = target
-        self.problems = list(problems)
-        shown = self.problems[:25]
-        more = len(self.problems) - len(shown)
-        lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
-        super().__init__(
-            f"cannot convert to {_LABELS.get(target, target)} without losing data; "
-            f"{len(self.problems)} part(s) it cannot hold:\n{lines}\n"
-            "Convert with lossy=True (savepoint convert --lossy) to leave them out, or choose a "
-            "format that holds them (savepoint's own format holds everything)."
-        )
 
 
 @dataclass(frozen=True)
@@ -146,7 +135,7 @@ class _Assembled(LazyTensor):
     """A native tensor stored as several shards: read (and checked) whole on the first copy,
     dropped on release."""
 
-    def __init__(self, reader: _reader.Reader, ref: str, kind: str) -> None:
+    def __init__(self, reader: Reader, ref: str, kind: str) -> None:
         rec = reader.manifest.tensors[ref]
         super().__init__(dtypes.from_name(rec.dtype), rec.shape, kind=kind)
         self._reader = reader
@@ -167,7 +156,7 @@ class _Assembled(LazyTensor):
 @contextlib.contextmanager
 def _open(path: str, kind: str) -> Iterator[_Source]:
     if kind == "savepoint":
-        reader = _reader.Reader.open(path)
+        reader = Reader.open(path)
         try:
             manifest = reader.manifest
             made: dict[str, LazyTensor] = {}
@@ -778,7 +767,7 @@ def convert(
         else:
             write = _write_boostr(source, target_path, plan)
         if plan.problems and not lossy:
-            raise ConversionError(target, plan.problems)
+            raise ConversionError(target, plan.problems, label=_LABELS.get(target, target))
         count, total = write()
         label = source.label
     return ConversionReport(

@@ -17,10 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from savepoint import _reader
 from savepoint.codecs import dtypes
+from savepoint.engine.read import Reader
 from savepoint.state import tree
 from savepoint.storage.paths import local_path
+
+__all__ = [
+    "DiffReport",
+    "TensorDiff",
+    "diff",
+]
 
 _PIECE = 1 << 22  # elements per piece of the float64 computation
 
@@ -85,7 +91,7 @@ def _leaves(root: tree.Node) -> dict[str, tree.Node]:
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
     """Compare the checkpoints at ``a`` and ``b`` (see the module docstring)."""
     a, b = (os.path.abspath(local_path(p, what="checkpoint path")) for p in (a, b))
-    with _reader.Reader.open(a) as ra, _reader.Reader.open(b) as rb:
+    with Reader.open(a) as ra, Reader.open(b) as rb:
         report = DiffReport(ra.path, rb.path)
         la, lb = _leaves(ra.manifest.tree), _leaves(rb.manifest.tree)
         report.removed = [k for k in la if k not in lb]
@@ -111,7 +117,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
         return report
 
 
-def _describe(r: _reader.Reader, node: tree.Node) -> str:
+def _describe(r: Reader, node: tree.Node) -> str:
     if node["t"] != "tensor":
         return f"value {tree.plain_value(node)!r}"
     rec = r.manifest.tensors[node["ref"]]
@@ -124,7 +130,7 @@ def _same_value(x: Any, y: Any) -> bool:
     return type(x) is type(y) and bool(x == y)
 
 
-def _read(r: _reader.Reader, ref: str) -> np.ndarray[Any, Any]:
+def _read(r: Reader, ref: str) -> np.ndarray[Any, Any]:
     rec = r.manifest.tensors[ref]
     out = np.empty(rec.nbytes, dtype=np.uint8)
     r.transfer([(ref, out)])
@@ -136,9 +142,7 @@ def _pieces(x: np.ndarray[Any, Any]) -> Iterator[np.ndarray[Any, Any]]:
         yield x[i : i + _PIECE]
 
 
-def _compare(
-    key: str, ra: _reader.Reader, ref_a: str, rb: _reader.Reader, ref_b: str
-) -> TensorDiff:
+def _compare(key: str, ra: Reader, ref_a: str, rb: Reader, ref_b: str) -> TensorDiff:
     rec = ra.manifest.tensors[ref_a]
     xa, xb = _read(ra, ref_a), _read(rb, ref_b)
     equal = xa.view(np.uint8).tobytes() == xb.view(np.uint8).tobytes()

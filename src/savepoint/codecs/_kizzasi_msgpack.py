@@ -2,24 +2,24 @@
 the checked number conversion shared by the JSON and MessagePack readers, and the MessagePack
 walker.
 
-Contract of the walker (:class:`_Reader`), whatever the input:
+Contract of the walker (:class:`Reader`), whatever the input:
 
 - it walks the document's known layout and never calls ``msgpack.unpackb`` on the whole input:
   numeric arrays (``state_data``, history entries) are located and checked without building a
-  Python object per value (:class:`_Packed`) and converted straight into numpy arrays once
+  Python object per value (:class:`Packed`) and converted straight into numpy arrays once
   their dtype is known (vectorised for the layouts the seed and savepoint write:
   :func:`_scalar_run`, :func:`_convert`); ``nonfinite`` lists go straight into integer arrays;
-  unknown keys are passed over without building anything (:meth:`_Reader.skip`, iterative);
-- everything it builds is charged to the :class:`_Budget` it is given (``BUDGET_FACTOR`` x the
+  unknown keys are passed over without building anything (:meth:`Reader.skip`, iterative);
+- everything it builds is charged to the :class:`Budget` it is given (``BUDGET_FACTOR`` x the
   input's size + ``BUDGET_SLACK`` bytes, set in :mod:`savepoint.codecs.kizzasi`); conversion temporaries stay under 1 MiB (:data:`_CHUNK`,
   :data:`_VCHUNK`);
 - nesting is counted (at most :data:`MAX_DEPTH` levels), so no input reaches Python's recursion
   limit; a length running past the end, trailing bytes, duplicate keys, non-string keys, invalid
   UTF-8 and extension values where a value is built are malformed;
-- every failure is a :class:`_Malformed` (a ValueError), which the public readers in
+- every failure is a :class:`Malformed` (a ValueError), which the public readers in
   :mod:`savepoint.codecs.kizzasi` turn into CorruptCheckpointError; nothing here is public.
 
-The values it returns (plain dicts and lists, :class:`_Packed`, :class:`_NonFinite`) are then
+The values it returns (plain dicts and lists, :class:`Packed`, :class:`NonFinite`) are then
 checked against the layout by :func:`savepoint.codecs.kizzasi._parse_document`, the same code
 that checks a JSON document.
 """
@@ -46,8 +46,18 @@ STATE_FIELDS = ("hidden_dim", "state_dim", "state_data", "updated")
 METADATA_FIELDS = ("timestamp", "description", "model_id", "tags")
 CONTEXT_CONFIG_FIELDS = ("max_context", "store_history", "num_layers", "hidden_dim", "state_dim")
 
-_FLOATS = {"F16", "BF16", "F32", "F64", "C64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
-_INTS = {"U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}
+FLOAT_DTYPES = {
+    "F16",
+    "BF16",
+    "F32",
+    "F64",
+    "C64",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+}
+INT_DTYPES = {"U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}
 _HEX = re.compile(r"[0-9a-f]+")
 
 
@@ -60,11 +70,11 @@ MAX_DEPTH = MAX_CONFIG_DEPTH + 8
 limit is 64 levels below its key)."""
 
 
-class _Malformed(ValueError):
+class Malformed(ValueError):
     pass
 
 
-class _Budget:
+class Budget:
     """Bytes of objects and arrays a decoder may still build: ``factor`` x the input's ``size``
     + ``slack`` (the limits are :mod:`savepoint.codecs.kizzasi`'s ``BUDGET_*`` constants)."""
 
@@ -77,7 +87,7 @@ class _Budget:
     def charge(self, nbytes: int) -> None:
         self.left -= nbytes
         if self.left < 0:
-            raise _Malformed(
+            raise Malformed(
                 f"the document decodes to more than {self.factor} x its {self.size} bytes "
                 f"+ {self.slack >> 20} MiB of objects and arrays (millions of tiny containers, "
                 "strings or arrays?)"
@@ -88,33 +98,33 @@ class _Budget:
         self.charge(128 + 16 * ndim + count * itemsize)
 
 
-def _need(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
-        raise _Malformed(message)
+        raise Malformed(message)
 
 
-def _flat(values: list[Any], d: DType, where: str) -> np.ndarray[Any, Any]:
+def flat_array(values: list[Any], d: DType, where: str) -> np.ndarray[Any, Any]:
     """``values`` as a flat array of ``d`` (its float32 components for complex), checked."""
     types = set(map(type, values))
     name = d.name
     if name == "BOOL":
-        _need(types <= {int, bool}, f"{where}: boolean values must be 0 or 1")
-        _need(all(v in (0, 1) for v in values), f"{where}: boolean values must be 0 or 1")
+        require(types <= {int, bool}, f"{where}: boolean values must be 0 or 1")
+        require(all(v in (0, 1) for v in values), f"{where}: boolean values must be 0 or 1")
         return np.array(values, dtype=np.uint8).astype(np.bool_)
-    if name in _INTS:
-        _need(types <= {int}, f"{where}: {name} values must be integers")
+    if name in INT_DTYPES:
+        require(types <= {int}, f"{where}: {name} values must be integers")
         if values:
             info = np.iinfo(d.numpy)
-            _need(
+            require(
                 info.min <= min(values) and max(values) <= info.max,
                 f"{where}: a value lies outside the range of {name}",
             )
         return np.array(values, dtype=d.numpy)
-    _need(types <= {int, float}, f"{where}: {name} values must be numbers")
+    require(types <= {int, float}, f"{where}: {name} values must be numbers")
     try:
         wide = np.array(values, dtype=np.float64)
     except (OverflowError, ValueError, TypeError):
-        raise _Malformed(f"{where}: a value is not a float64 number") from None
+        raise Malformed(f"{where}: a value is not a float64 number") from None
     return _narrow(wide, d, where)
 
 
@@ -127,14 +137,14 @@ def _narrow(wide: np.ndarray[Any, Any], d: DType, where: str) -> np.ndarray[Any,
     with np.errstate(over="ignore", invalid="ignore"):
         narrow = wide.astype(target)
         check = narrow if target == np.float32 else narrow.astype(np.float32)
-    _need(
+    require(
         not (~np.isfinite(check) & np.isfinite(wide)).any(),
         f"{where}: a value lies outside the range of {d.name}",
     )
     return narrow
 
 
-class _NonFinite:
+class NonFinite:
     """An array's ``nonfinite`` list, ``[[index, hex bits], ...]``, as two integer arrays."""
 
     def __init__(self, indices: np.ndarray[Any, Any], bits: np.ndarray[Any, Any], digits: int):
@@ -146,14 +156,14 @@ class _NonFinite:
         return len(self.indices)
 
     @classmethod
-    def of_list(cls, entries: Any, where: str, budget: _Budget) -> _NonFinite:
-        _need(isinstance(entries, list), f"{where}: nonfinite must be a list of [index, bits]")
+    def of_list(cls, entries: Any, where: str, budget: Budget) -> NonFinite:
+        require(isinstance(entries, list), f"{where}: nonfinite must be a list of [index, bits]")
         budget.array(len(entries), 16)
         indices = np.empty(len(entries), dtype=np.int64)
         bits = np.empty(len(entries), dtype=np.uint64)
         digits = 0
         for i, entry in enumerate(entries):
-            _need(
+            require(
                 isinstance(entry, list)
                 and len(entry) == 2
                 and is_count(entry[0], 1 << 62)
@@ -169,11 +179,11 @@ class _NonFinite:
 
     def patch(self, flat: np.ndarray[Any, Any], where: str) -> None:
         width = flat.dtype.itemsize
-        _need(
+        require(
             self.digits == 2 * width and bool((self.indices < flat.size).all()),
             f"{where}: a nonfinite entry is not [index < {flat.size}, {2 * width} hex digits]",
         )
-        _need(
+        require(
             len(np.unique(self.indices)) == len(self.indices),
             f"{where}: a nonfinite index repeats",
         )
@@ -181,12 +191,12 @@ class _NonFinite:
         patch = self.bits.astype(unsigned).view(flat.dtype)
         with np.errstate(invalid="ignore"):
             wide = patch if patch.dtype in (np.float32, np.float64) else patch.astype(np.float32)
-        _need(not np.isfinite(wide).any(), f"{where}: a nonfinite entry holds a finite value")
+        require(not np.isfinite(wide).any(), f"{where}: a nonfinite entry holds a finite value")
         flat.view(unsigned)[self.indices] = patch.view(unsigned)
 
 
 def _hex_bits(text: str, digits: int, where: str) -> int:
-    _need(
+    require(
         0 < len(text) <= 16 and (digits in (0, len(text))) and _HEX.fullmatch(text) is not None,
         f"{where}: a nonfinite entry's bits are not 2, 4, 8 or 16 lowercase hex digits, the same "
         "for every entry",
@@ -224,27 +234,27 @@ _NUMBER_WIDTH = bytes(
 )
 # For skipping: nil, the empty string and empty containers are whole one-byte values too.
 _SKIP_WIDTH = bytes(1 if b in (0xC0, 0xA0, 0x80, 0x90) else w for b, w in enumerate(_NUMBER_WIDTH))
-_PACKED_COST = 96  # a _Packed (slots) and its slot in a list: 88 bytes measured
+_PACKED_COST = 96  # a Packed (slots) and its slot in a list: 88 bytes measured
 _NO_BOUNDS: list[int] = []  # shared by every array that is not on the mixed path
 # str 8/16/32 and bin 8/16/32: the size of their length field.
 _LENGTH_BYTES = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}
 _EXT = {0xC7: 1, 0xC8: 2, 0xC9: 4, 0xD4: -1, 0xD5: -2, 0xD6: -4, 0xD7: -8, 0xD8: -16}
 
 
-class _Reader:
+class Reader:
     """A MessagePack reader for the kizzasi document that never builds more than its budget.
 
     ``msgpack.unpackb`` builds every value before a caller can look at it: 8 MiB of ``0x90``
     (empty arrays) become 8 million lists, about 500 MiB. This reader walks the document's
     known layout instead: numeric arrays (``state_data``, history entries) are located and
     checked without building a Python object per value and decoded straight into numpy arrays
-    once their dtype is known (:class:`_Packed`); ``nonfinite`` lists go straight into integer
+    once their dtype is known (:class:`Packed`); ``nonfinite`` lists go straight into integer
     arrays; unknown keys are skipped without building anything; every other value (config,
     metadata, the small fields) is built and charged to a budget. Nesting depth is counted, so
     no input reaches Python's recursion limit.
     """
 
-    def __init__(self, buf: memoryview, budget: _Budget) -> None:
+    def __init__(self, buf: memoryview, budget: Budget) -> None:
         self.buf = buf
         self.pos = 0
         self.end = len(buf)
@@ -255,7 +265,7 @@ class _Reader:
 
     def need(self, n: int) -> None:
         if n > self.end - self.pos:
-            raise _Malformed(
+            raise Malformed(
                 f"a value needs {n} bytes at offset {self.pos} but only {self.end - self.pos} "
                 "remain (truncated)"
             )
@@ -309,12 +319,12 @@ class _Reader:
             try:
                 return str(raw, "utf-8")
             except UnicodeDecodeError:
-                raise _Malformed(f"a string at offset {self.pos - n} is not valid UTF-8") from None
+                raise Malformed(f"a string at offset {self.pos - n} is not valid UTF-8") from None
         if m in (0xC4, 0xC5, 0xC6):
             return bytes(self.take(self.uint(_LENGTH_BYTES[m])))
         if m in _EXT:
-            raise _Malformed(f"an extension value at offset {self.pos - 1} (not in the layout)")
-        raise _Malformed(f"byte 0x{m:02x} at offset {self.pos - 1} does not start a value")
+            raise Malformed(f"an extension value at offset {self.pos - 1} (not in the layout)")
+        raise Malformed(f"byte 0x{m:02x} at offset {self.pos - 1} does not start a value")
 
     def take(self, n: int) -> memoryview:
         self.need(n)
@@ -324,7 +334,7 @@ class _Reader:
     def value(self, depth: int) -> Any:
         """Any value, built and charged to the budget."""
         if depth > MAX_DEPTH:
-            raise _Malformed(f"nested deeper than {MAX_DEPTH} levels (offset {self.pos})")
+            raise Malformed(f"nested deeper than {MAX_DEPTH} levels (offset {self.pos})")
         header = self.container()
         if header is None:
             v = self.scalar()
@@ -339,16 +349,16 @@ class _Reader:
         for _ in range(n):
             key = self.key()
             if key in out:
-                raise _Malformed(f"duplicate key {show(key)}")
+                raise Malformed(f"duplicate key {show(key)}")
             out[key] = self.value(depth + 1)
         return out
 
     def key(self) -> str:
         if self.container() is not None:
-            raise _Malformed(f"a map key at offset {self.pos} is not a string")
+            raise Malformed(f"a map key at offset {self.pos} is not a string")
         key = self.scalar()
         if not isinstance(key, str):
-            raise _Malformed(f"a map key at offset {self.pos} is not a string, got {show(key)}")
+            raise Malformed(f"a map key at offset {self.pos} is not a string, got {show(key)}")
         return key
 
     def skip(self, depth: int) -> None:
@@ -360,7 +370,7 @@ class _Reader:
                 continue
             left[-1] -= 1
             if depth + len(left) > MAX_DEPTH + 1:
-                raise _Malformed(f"nested deeper than {MAX_DEPTH} levels (offset {self.pos})")
+                raise Malformed(f"nested deeper than {MAX_DEPTH} levels (offset {self.pos})")
             header = self.container()
             if header is not None:
                 kind, n = header
@@ -388,7 +398,7 @@ class _Reader:
             else:
                 width = _NUMBER_WIDTH[m]
                 if width == 0 and m != 0xC0:
-                    raise _Malformed(f"byte 0x{m:02x} at offset {self.pos} does not start a value")
+                    raise Malformed(f"byte 0x{m:02x} at offset {self.pos} does not start a value")
                 self.need(max(width, 1))
                 self.pos += max(width, 1)
 
@@ -403,7 +413,7 @@ class _Reader:
             first = self.value(1) if n else None
             if is_count(first) and first != CHECKPOINT_VERSION:
                 return {"version": first}  # another version may lay its fields out differently
-            _need(
+            require(
                 n == len(CHECKPOINT_FIELDS),
                 f"the checkpoint as an array must have {len(CHECKPOINT_FIELDS)} fields "
                 f"({', '.join(CHECKPOINT_FIELDS)}), got {n}",
@@ -414,7 +424,7 @@ class _Reader:
         else:
             doc = self.fields(header[1], 0, self.field)
         if self.pos != self.end:
-            raise _Malformed(f"{self.end - self.pos} bytes after the document")
+            raise Malformed(f"{self.end - self.pos} bytes after the document")
         return doc
 
     def fields(self, n: int, depth: int, read: Any) -> dict[str, Any]:
@@ -425,7 +435,7 @@ class _Reader:
         for _ in range(n):
             key = self.key()
             if key in seen:
-                raise _Malformed(f"duplicate key {show(key)}")
+                raise Malformed(f"duplicate key {show(key)}")
             seen.add(key)
             value = read(key)
             if value is _SKIP:
@@ -471,7 +481,7 @@ class _Reader:
             return self.value(2)
         kind, n = header
         if kind == "array":
-            _need(
+            require(
                 n == len(STATE_FIELDS),
                 f"{where} as an array must have {len(STATE_FIELDS)} fields "
                 f"({', '.join(STATE_FIELDS)}), got {n}",
@@ -502,12 +512,12 @@ class _Reader:
         return _SKIP
 
     def numbers(self, where: str) -> Any:
-        """A numeric array, located and checked without building its values (:class:`_Packed`)."""
+        """A numeric array, located and checked without building its values (:class:`Packed`)."""
         n = self.array_length()
         if n is None:
             return self.value(3)
         self.charge(_PACKED_COST)
-        packed = _Packed(self, self.pos, n)
+        packed = Packed(self, self.pos, n)
         self.pos = packed.scan(where)
         return packed
 
@@ -522,17 +532,17 @@ class _Reader:
         digits = 0
         for i in range(n):
             entry = self.container()
-            _need(
+            require(
                 entry == ("array", 2),
                 f"{where}: a nonfinite entry is not [index, hex digits]",
             )
             index, text = self.scalar(), self.scalar()
-            _need(
+            require(
                 is_count(index, 1 << 62) and isinstance(text, str),
                 f"{where}: a nonfinite entry is not [index, hex digits]",
             )
             indices[i], bits[i], digits = index, _hex_bits(text, digits, where), len(text)
-        return _NonFinite(indices, bits, digits)
+        return NonFinite(indices, bits, digits)
 
 
 _SKIP: Any = object()
@@ -541,7 +551,7 @@ _SKIP: Any = object()
 def _struct(value: Any, fields: tuple[str, ...], what: str) -> Any:
     """rmp_serde's positional form of a struct (an array of its fields) as the named form."""
     if isinstance(value, list):
-        _need(
+        require(
             len(value) == len(fields),
             f"{what} as an array must have {len(fields)} fields ({', '.join(fields)}), "
             f"got {len(value)}",
@@ -550,7 +560,7 @@ def _struct(value: Any, fields: tuple[str, ...], what: str) -> Any:
     return value
 
 
-class _Packed:
+class Packed:
     """A MessagePack array of numbers, located in the input but not yet decoded.
 
     :meth:`scan` checks every element is a number (or a boolean) and finds the end; once the
@@ -562,7 +572,7 @@ class _Packed:
 
     __slots__ = ("bounds", "count", "layout", "marker", "reader", "start")
 
-    def __init__(self, reader: _Reader, start: int, count: int) -> None:
+    def __init__(self, reader: Reader, start: int, count: int) -> None:
         self.reader = reader
         self.start = start
         self.count = count
@@ -592,19 +602,19 @@ class _Packed:
                     bounds.append(pos)
                 width = table[buf[pos]]
                 if not width:
-                    raise _Malformed(f"{where}: values must be numbers")
+                    raise Malformed(f"{where}: values must be numbers")
                 pos += width
         except IndexError:
-            raise _Malformed(f"{where}: the values run past the end (truncated)") from None
+            raise Malformed(f"{where}: the values run past the end (truncated)") from None
         if pos > len(buf):
-            raise _Malformed(f"{where}: the values run past the end (truncated)")
+            raise Malformed(f"{where}: the values run past the end (truncated)")
         bounds.append(pos)
         self.bounds = bounds
         return pos
 
     def decode(self, d: DType, where: str) -> np.ndarray[Any, Any]:
         """The elements as a flat array of ``d`` (its float32 components for complex), checked
-        as :func:`_flat` checks a JSON list."""
+        as :func:`flat_array` checks a JSON list."""
         n = self.count
         out = np.empty(n, dtype=np.float32 if d.name == "C64" else d.numpy)
         if self.layout == "mixed":
@@ -644,7 +654,7 @@ class _Packed:
         for k, (a, b) in enumerate(zip(self.bounds, self.bounds[1:])):
             count = min(_CHUNK, self.count - k * _CHUNK)
             chunk = msgpack.unpackb(b"\xdd" + count.to_bytes(4, "big") + bytes(buf[a:b]))
-            out[k * _CHUNK : k * _CHUNK + count] = _flat(chunk, d, where)
+            out[k * _CHUNK : k * _CHUNK + count] = flat_array(chunk, d, where)
 
 
 def _scalar_run(
@@ -669,25 +679,25 @@ def _scalar_run(
 
 def _convert(values: np.ndarray[Any, Any], kind: str, d: DType, where: str) -> np.ndarray[Any, Any]:
     """Numbers decoded vectorised (``kind``: "int", "float" or "bool", as the Python values
-    :func:`_flat` would see) as ``d``, under the same rules."""
+    :func:`flat_array` would see) as ``d``, under the same rules."""
     name = d.name
     if name == "BOOL":
-        _need(kind in ("int", "bool"), f"{where}: boolean values must be 0 or 1")
-        _need(
+        require(kind in ("int", "bool"), f"{where}: boolean values must be 0 or 1")
+        require(
             not bool(((values != 0) & (values != 1)).any()),
             f"{where}: boolean values must be 0 or 1",
         )
         return values.astype(np.bool_)
-    if name in _INTS:
-        _need(kind == "int", f"{where}: {name} values must be integers")
+    if name in INT_DTYPES:
+        require(kind == "int", f"{where}: {name} values must be integers")
         if values.size:
             info = np.iinfo(d.numpy)
-            _need(
+            require(
                 info.min <= int(values.min()) and int(values.max()) <= info.max,
                 f"{where}: a value lies outside the range of {name}",
             )
         return values.astype(d.numpy)
-    _need(kind in ("int", "float"), f"{where}: {name} values must be numbers")
+    require(kind in ("int", "float"), f"{where}: {name} values must be numbers")
     with np.errstate(invalid="ignore"):  # a signalling NaN widens quietly, as Python does
         wide = values.astype(np.float64)
     return _narrow(wide, d, where)

@@ -18,6 +18,16 @@ from savepoint.codecs import dtypes
 from savepoint.codecs.dtypes import DType
 from savepoint.errors import UnsupportedStateError
 
+__all__ = [
+    "TorchSource",
+    "byte_view",
+    "copy_into",
+    "empty",
+    "from_numpy",
+    "stage_to_pinned",
+    "to_device",
+]
+
 
 def _plain(t: torch.Tensor, key: str) -> torch.Tensor:
     if t.is_sparse or t.layout != torch.strided:

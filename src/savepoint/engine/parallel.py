@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+__all__ = ["SPLIT", "bundles", "pool", "run_all", "workers"]
+
 T = TypeVar("T")
 R = TypeVar("R")
 SPLIT = 16 << 20  # copies larger than this are cut into pieces of this size

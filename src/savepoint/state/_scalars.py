@@ -153,6 +153,6 @@ def fill(target: Any, value: Any, dst: str) -> None:
     if isinstance(target, np.ndarray):
         np.copyto(target, host, casting="no")
         return
-    from savepoint.state import _torch
+    from savepoint.state import torch_tensors
 
-    _torch.copy_into(target, host, d)
+    torch_tensors.copy_into(target, host, d)

@@ -1,0 +1,219 @@
+"""One commit transaction for every save path; two strategies chosen by the store.
+
+Call order::
+
+    with Transaction(store, target, what="checkpoint") as tx:
+        # begin: the target is checked (absent, an empty directory, or a committed checkpoint),
+        # the parent made, stale temporaries of dead processes removed, ``tx.staging`` created
+        ...write blobs under tx.staging (store.create_blob / put / link), each finished...
+        path = tx.commit(manifest_bytes)    # manifest.json written last, then published
+    # leaving the block without commit (an exception) aborts: staging removed, target untouched
+
+``commit(None)`` publishes a staging directory that already holds its manifest (an alias built
+from hard links). A sharded save spans several collective steps, so it calls :meth:`begin`,
+:meth:`commit` and :meth:`abort` itself instead of using ``with``.
+
+Strategies (``store.capabilities.atomic_rename``):
+
+- "rename" (:mod:`savepoint.commit._rename`): staging is a hidden sibling of the target; after
+  the manifest it is synced and renamed (or exchanged) into place, the parent synced;
+- "manifest-last" (:mod:`savepoint.commit._generations`): staging is a generation directory under
+  the target, unique to the attempt; the manifest's create-only put is the commit point; older
+  generations are deleted afterwards.
+
+Errors: an OSError (not already a CheckpointError) raised in ``begin``, inside the ``with`` block
+or by ``commit`` becomes a :class:`~savepoint.errors.CheckpointWriteError` (with the ``errno``)
+saying that the previous checkpoint is intact; the original is its ``__cause__``.
+
+:func:`resolve` finds the committed checkpoint of a path in either layout, on any store (layout by
+content, not by capability). :func:`discard` deletes one so that no crash leaves it half-deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from typing import Literal
+
+from savepoint.codecs import manifest as mf
+from savepoint.commit import _generations, _rename, names
+from savepoint.errors import CheckpointError, CheckpointWriteError
+from savepoint.storage.base import Store
+
+__all__ = ["Transaction", "check_target", "discard", "resolve", "write_error"]
+
+Strategy = Literal["rename", "manifest-last"]
+
+
+class Transaction:
+    """A save of one checkpoint (see the module docstring)."""
+
+    def __init__(self, store: Store, target: str, *, what: str = "checkpoint") -> None:
+        self.store = store
+        self.target = store.abspath(target)
+        self.what = what
+        self.strategy: Strategy = "rename" if store.capabilities.atomic_rename else "manifest-last"
+        self.staging = ""  # set by begin()
+        self.committed: str | None = None
+        self._begun = False
+        self._made_target = False  # manifest-last: the target directory is this attempt's
+
+    @property
+    def shown(self) -> str:
+        """How messages name the target."""
+        return self.store.url(self.target)
+
+    def begin(self) -> Transaction:
+        """Check the target, make its parent, tidy stale temporaries, create the staging
+        directory; on failure nothing is left behind and the error is raised (OSErrors as
+        CheckpointWriteError)."""
+        assert not self._begun, "a transaction begins once"
+        self._begun = True
+        store = self.store
+        try:
+            st = store.stat(self.target)
+            if st is not None and st.kind == "link":
+                # A symlinked checkpoint path (to another disk, say): replace what it points to.
+                self.target = store.realpath(self.target)
+            if self.strategy == "rename":
+                self.staging = names.hidden(store, self.target, names.TMP_TAG)
+                check_target(store, self.target, self.what)
+                store.makedirs(store.parent(self.target))
+                _rename.clean_stale(store, self.target)
+            else:
+                self.staging = store.join(self.target, names.generation())
+                check_target(store, self.target, self.what)
+                self._made_target = store.stat(self.target) is None
+                store.makedirs(self.target)
+            store.mkdir(self.staging)
+        except BaseException as exc:
+            self.abort()
+            self._reraise(exc)
+        return self
+
+    def commit(self, manifest: bytes | None) -> str:
+        """Write ``manifest`` as ``manifest.json`` (create-only, last), publish, and return the
+        directory that now holds the checkpoint (the target, or its new generation)."""
+        assert self._begun and self.committed is None, "commit once, after begin"
+        store = self.store
+        try:
+            if self.strategy == "rename":
+                if manifest is not None:
+                    store.put(store.join(self.staging, mf.NAME), manifest, exclusive=True)
+                _rename.publish(store, self.staging, self.target)
+                self.committed = self.target
+                # A replace that died between its two renames left "-old-" behind; it is stale.
+                with contextlib.suppress(OSError):
+                    _rename.clean_stale(store, self.target)
+            else:
+                if manifest is not None:
+                    store.sync_dir(self.staging)
+                    store.put(store.join(self.staging, mf.NAME), manifest, exclusive=True)
+                store.sync_dir(self.staging)
+                _generations.switch(store, self.target)
+                self.committed = self.staging
+                _generations.tidy(store, self.staging, self.target)
+        except BaseException as exc:
+            self.abort()
+            self._reraise(exc)
+        return self.target if self.strategy == "rename" else self.staging
+
+    def abort(self) -> None:
+        """Remove the staging directory, and a target directory this transaction created
+        (never raises); a committed transaction keeps everything."""
+        if self.committed is None and self.staging:
+            with contextlib.suppress(OSError):
+                self.store.remove_tree(self.staging)
+                if self._made_target and not self.store.list(self.target):
+                    self.store.remove_tree(self.target)
+
+    def _reraise(self, exc: BaseException) -> None:
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise write_error(self.store, self.target, exc, self.what) from exc
+        raise exc
+
+    def __enter__(self) -> Transaction:
+        return self.begin()
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if self.committed is None:
+            self.abort()
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise write_error(self.store, self.target, exc, self.what) from exc
+
+
+def check_target(store: Store, target: str, what: str = "checkpoint") -> None:
+    """Refuse a target that is not absent, an empty directory or a committed checkpoint (in
+    either layout): a save never replaces anything else."""
+    st = store.stat(target)
+    if st is None:
+        return
+    shown = store.url(target)
+    if st.kind == "link":
+        st = store.stat(store.realpath(target))
+    if st is None or st.kind != "dir":
+        raise CheckpointWriteError(
+            f"{shown} exists and is not a directory; refusing to replace it", path=shown
+        )
+    if (
+        _rename.has_manifest(store, target)
+        or not store.list(target)
+        or _generations.only_generations(store, target)
+        or _generations.newest(store, target) is not None
+    ):
+        return
+    raise CheckpointWriteError(
+        f"{shown} is a non-empty directory that is not a savepoint {what}; refusing to "
+        "replace it (choose another path or remove it)",
+        path=shown,
+    )
+
+
+def write_error(
+    store: Store, target: str, exc: OSError, what: str = "checkpoint"
+) -> CheckpointWriteError:
+    """The CheckpointWriteError for an OSError met while saving ``target``."""
+    shown = store.url(target)
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    hint = {
+        errno.ENOSPC: "free disk space and save again",
+        errno.EDQUOT: "free quota and save again",
+        errno.EACCES: "check the permissions of the parent directory",
+        errno.EROFS: "the filesystem is read-only",
+    }.get(exc.errno or 0, "see the cause below")
+    return CheckpointWriteError(
+        f"saving {shown} failed: {reason} ({exc.filename or shown}); any previous {what} "
+        f"there is intact and no temporary files remain; {hint}",
+        path=shown,
+        errno=exc.errno,
+    )
+
+
+def resolve(store: Store, path: str) -> str | None:
+    """The directory holding the committed checkpoint for ``path``, or None.
+
+    In order: ``path`` itself when it holds a manifest; else its newest generation holding one
+    (manifest-last layout); else, when nothing at all is at ``path``, the previous checkpoint a
+    fallback replace left under an ``-old-`` name when it died between its two renames. Raises no
+    OSError: what may not be looked at reads as absent."""
+    path = store.abspath(path)
+    if _rename.has_manifest(store, path):
+        return path
+    try:
+        st = store.stat(path)
+    except OSError:
+        return None
+    if st is not None:
+        return _generations.newest(store, path)
+    return _rename.old_copy(store, path)
+
+
+def discard(store: Store, path: str) -> None:
+    """Delete the committed checkpoint at ``path`` (absent is fine) so that no crash can leave
+    it half-deleted: renamed away first where the store renames, manifests first elsewhere."""
+    path = store.abspath(path)
+    if store.capabilities.atomic_rename:
+        _rename.discard(store, path)
+    elif store.stat(path) is not None:
+        _generations.discard(store, path)

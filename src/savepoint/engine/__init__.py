@@ -1,0 +1,18 @@
+"""The engine below the facade: what single-process, async and sharded saves and loads share.
+
+- :mod:`~savepoint.engine.plan`: save plans as plain data (which tensors in which file, where);
+- :mod:`~savepoint.engine.pipeline`: the write pipeline (copy and hash into aligned staging
+  buffers while a writer thread hands the previous buffer to the store's blob writer);
+- :mod:`~savepoint.engine.save`: an unsharded save or a staged (async) one, through one
+  :class:`~savepoint.commit.transaction.Transaction`; the file writer sharded saves share;
+- :mod:`~savepoint.engine.read`: the read engine (pin one generation, check sizes and headers,
+  copy with fused checksums, assemble shards), on ``BlobReader.view`` or reads into buffers;
+- :mod:`~savepoint.engine.load`: an unsharded load and ``verify``, and the helpers sharded loads
+  share;
+- :mod:`~savepoint.engine.parallel`: the process-wide thread pool for copies and checksums.
+
+The engine talks to a :class:`~savepoint.storage.base.Store` only, so every backend gets the same
+checks and the same speed paths where its capabilities allow them.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,231 @@
+"""Loading and verifying one checkpoint in this process, on the read engine.
+
+:func:`load` is ``sp.load`` below the facade for an unsharded load (the whole tree, or into
+existing targets); :func:`verify` checks every data file's header against the manifest and every
+checksum. The helpers (:func:`select`, :func:`kinds`, :func:`load_tree`, :func:`getter`,
+:class:`Counter`, :func:`files_needed`) are shared with the sharded loads of
+:mod:`savepoint.distributed.load` and with consolidation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import numpy as np
+
+from savepoint.codecs import manifest as mf
+from savepoint.engine.read import Needs, Reader, files_of
+from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError, StateMismatchError
+from savepoint.state import arrays, restore, tree
+from savepoint.storage.paths import Location
+
+__all__ = [
+    "Counter",
+    "Framework",
+    "Progress",
+    "Verify",
+    "counter",
+    "files_needed",
+    "getter",
+    "kinds",
+    "load",
+    "load_tree",
+    "select",
+    "verify",
+]
+
+Framework = Literal["auto", "numpy", "torch"]
+Progress = Callable[[int, int], None]
+Verify = bool | Literal["first"]
+Keys = Iterable[str] | str | None
+
+
+class Counter:
+    """Turns byte counts into ``progress(done, total)`` calls."""
+
+    def __init__(self, progress: Progress, total: int) -> None:
+        self.progress = progress
+        self.total = total
+        self.done = 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self.progress(min(self.done, self.total), self.total)
+
+
+def counter(
+    progress: Progress | None, manifest: mf.Manifest, refs: set[str] | None
+) -> Counter | None:
+    """A :class:`Counter` over the bytes of ``refs`` (None without ``progress``)."""
+    if progress is None:
+        return None
+    return Counter(progress, sum(manifest.tensors[r].nbytes for r in refs or ()))
+
+
+def kinds(root: tree.Node) -> dict[str, str]:
+    """The kind (numpy, numpy_scalar, torch) of each tensor ref, from its first leaf."""
+    out: dict[str, str] = {}
+    for _, node in tree.leaves(root):
+        if node["t"] == "tensor":
+            out.setdefault(node["ref"], node["kind"])
+    return out
+
+
+def getter(made: dict[str, Any], device: Any) -> Callable[[str, str], Any]:
+    """The tensor supplier for tree.build: each ref once, so tied leaves stay tied."""
+    cache: dict[tuple[str, str], Any] = {}
+
+    def get(ref: str, kind: str) -> Any:
+        key = (ref, kind)
+        if key not in cache:
+            obj = made[ref]
+            if device is not None and arrays.is_torch_tensor(obj):
+                from savepoint.state import torch_tensors
+
+                obj = torch_tensors.to_device(obj, device)
+            cache[key] = obj[()] if kind == "numpy_scalar" and isinstance(obj, np.ndarray) else obj
+        return cache[key]
+
+    return get
+
+
+def select(shown: str, manifest: mf.Manifest, keys: Keys) -> tree.Node:
+    """The part of the saved tree under ``keys`` (all of it for None); a key that is not in the
+    checkpoint raises IncompatibleCheckpointError naming it."""
+    if keys is None:
+        return manifest.tree
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    missing = [k for k in wanted if tree.select(manifest.tree, [k]) is None]
+    if missing:
+        raise IncompatibleCheckpointError(
+            f"{shown}: no such key(s) in the checkpoint: {', '.join(map(repr, missing))}; "
+            "`savepoint inspect` lists the keys",
+            path=shown,
+        )
+    selected = tree.select(manifest.tree, wanted)
+    assert selected is not None
+    return selected
+
+
+def files_needed(keys: Keys) -> Needs:
+    """What a load of ``keys`` reads: the data files of every tensor under them, which
+    ``Reader.open`` pins before the load starts (an ``into`` covering less reads a subset).
+    A key that is not in the checkpoint raises IncompatibleCheckpointError from here."""
+
+    def needs(shown: str, manifest: mf.Manifest) -> set[str]:
+        return files_of(manifest, tree.refs(select(shown, manifest, keys)))
+
+    return needs
+
+
+def load_tree(
+    reader: Reader,
+    root: tree.Node,
+    verify: Verify,
+    framework: Framework,
+    device: Any,
+    share: bool,
+    progress: Counter | None,
+) -> Any:
+    """The saved tree under ``root``, every tensor freshly allocated (or, ``share``, a view of
+    the reader's copy-on-write files) and checked."""
+    found = kinds(root)
+    reader.prepare(found, check_header=bool(verify))
+    made = {
+        ref: reader.allocate(ref, kind, framework, share_memory=share)
+        for ref, kind in found.items()
+    }
+    jobs = [
+        (ref, None if share and not reader.is_split(ref) else arrays.byte_view(obj))
+        for ref, obj in made.items()
+    ]
+    # A fresh tree is only handed over once complete, so "first" needs no separate pass here.
+    reader.transfer(jobs, verify=bool(verify), progress=progress)
+    return tree.build(root, getter(made, device))
+
+
+def load(
+    location: Location,
+    *,
+    into: Any,
+    keys: Keys,
+    verify: Verify,
+    framework: Framework,
+    device: Any,
+    mmap: bool,
+    progress: Progress | None,
+) -> Any:
+    """``sp.load`` of an unsharded load (arguments already checked): see its docstring."""
+    reader = Reader.open(
+        location,
+        copy_on_write=mmap and into is None,
+        needs=files_needed(keys),
+    )
+    try:
+        manifest = reader.manifest
+        root = select(reader.shown, manifest, keys)
+        count = counter(progress, manifest, tree.refs(root) if into is None else None)
+        if into is None:
+            return load_tree(reader, root, verify, framework, device, mmap, count)
+        p = restore.plan(root, into, manifest.tensors)
+        if p.problems:
+            raise StateMismatchError(p.problems, path=reader.shown)
+        if count is not None:
+            count.total = sum(manifest.tensors[r].nbytes for r in p.refs)
+        jobs, after = reader.fill_jobs((ref, target) for ref, target, _ in p.inplace)
+        reader.prepare(p.refs, check_header=bool(verify))
+        found = kinds(root)
+        made = {ref: reader.allocate(ref, found[ref], framework) for ref in p.fresh}
+        jobs += [(ref, arrays.byte_view(obj)) for ref, obj in made.items()]
+        if verify == "first":
+            reader.transfer([(ref, None) for ref, _ in jobs])
+        reader.transfer(jobs, verify=verify is True, progress=count)
+        for step in after:
+            step()
+        return p.finish(getter(made, device))
+    finally:
+        reader.close()
+
+
+def verify(reader: Reader, progress: Progress | None) -> None:
+    """Check every data file's header entries against the manifest and every checksum; raise a
+    CorruptCheckpointError describing the first problem."""
+    manifest = reader.manifest
+    count = counter(progress, manifest, set(manifest.tensors))
+    expected_sharded = _expected_entries(manifest) if manifest.sharded else {}
+    for name in manifest.files:
+        if manifest.sharded:
+            # Shards are matched by position, dtype and shape; their names are informative.
+            expected: Any = sorted(expected_sharded.get(name, []))
+            found: Any = sorted(
+                (e.start, e.end, e.dtype, e.shape) for e in reader.header_entries(name)
+            )
+        else:
+            expected = {
+                ref: (rec.dtype, rec.shape, rec.start, rec.end)
+                for ref, rec in manifest.tensors.items()
+                if rec.file == name
+            }
+            found = {
+                e.name: (e.dtype, e.shape, e.start, e.end) for e in reader.header_entries(name)
+            }
+        if found != expected:
+            raise CorruptCheckpointError(
+                f"{reader.shown}: data file {name} does not hold what the manifest records",
+                path=reader.shown,
+            )
+    reader.transfer([(ref, None) for ref in manifest.tensors], progress=count)
+
+
+def _expected_entries(
+    manifest: mf.Manifest,
+) -> dict[str, list[tuple[int, int, str, tuple[int, ...]]]]:
+    """(start, end, dtype, stored shape) of every shard, by data file."""
+    out: dict[str, list[tuple[int, int, str, tuple[int, ...]]]] = {}
+    for rec in manifest.tensors.values():
+        for shard in rec.layout():
+            out.setdefault(shard.file, []).append(
+                (shard.start, shard.end, rec.dtype, mf.shard_shape(shard.region))
+            )
+    return out

@@ -1,0 +1,249 @@
+"""The write pipeline: one data file streamed into a store, copy and hash overlapping the I/O.
+
+Bytes flow source -> page-aligned staging buffer -> ``BlobWriter.write``. The caller's thread
+copies and hashes one buffer while a writer thread hands the previous one to the store, so
+copying, checksumming and I/O overlap. Every ``write`` but the last is a whole buffer (a multiple
+of 4 KiB, so of any store's ``alignment``); the last is padded with zeros up to the writer's
+``alignment``, which ``finish`` cuts off again (on local disks that is what lets O_DIRECT write
+the tail). ``finish`` makes the blob durable before it counts.
+
+Staging buffers are allocated once per process (``mmap``: page-aligned, touched at allocation,
+since first-touch page faults cost more than the copy itself on the development machine) and
+reused by later saves; concurrent writers each take their own set.
+
+:func:`write_image` writes an already laid-out file image (the async staging arena) straight from
+its memory, with no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from savepoint.codecs import checksum
+from savepoint.state.arrays import TensorSource
+from savepoint.storage.base import BlobWriter, Store
+
+__all__ = ["BLOCK", "POOL", "StagingPool", "write_blob", "write_image"]
+
+BLOCK = 4096
+DEFAULT_BUFFER_BYTES = 32 << 20
+DEFAULT_BUFFER_COUNT = 2
+IMAGE_CHUNK = 64 << 20  # bytes per write when writing a file image
+
+
+class _Buffer:
+    __slots__ = ("array", "map")
+
+    def __init__(self, size: int) -> None:
+        self.map = mmap.mmap(-1, size)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.array.fill(0)  # touch every page now, not during the first save
+
+
+class StagingPool:
+    """Reusable aligned buffers. Concurrent savers each get their own set."""
+
+    def __init__(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, count: int = DEFAULT_BUFFER_COUNT):
+        if buffer_bytes % BLOCK or buffer_bytes <= 0 or count < 2:
+            raise ValueError("staging buffers must be positive multiples of 4096, at least 2")
+        self.buffer_bytes = buffer_bytes
+        self.count = count
+        self._free: list[list[_Buffer]] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def acquire(self, needed: int) -> Iterator[list[_Buffer]]:
+        """A set of buffers; small saves get small temporary buffers and leave the pool alone."""
+        if needed + BLOCK < self.buffer_bytes:
+            size = max(BLOCK, -(-(needed + BLOCK) // BLOCK) * BLOCK)
+            yield [_Buffer(size) for _ in range(2)]
+            return
+        with self._lock:
+            buffers = self._free.pop() if self._free else None
+        if buffers is None:
+            buffers = [_Buffer(self.buffer_bytes) for _ in range(self.count)]
+        try:
+            yield buffers
+        finally:
+            with self._lock:
+                if len(self._free) < 2:
+                    self._free.append(buffers)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+POOL = StagingPool()
+
+if hasattr(os, "register_at_fork"):
+    # The pool's lock may be held by another thread at fork time; a child starts with a fresh pool.
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("POOL", StagingPool()))
+
+
+class _WriterThread:
+    """Hands full buffers to ``BlobWriter.write`` from a background thread; the first error stops
+    it and is re-raised by :meth:`finish`."""
+
+    def __init__(self, blob: BlobWriter) -> None:
+        self.blob = blob
+        self.jobs: queue.Queue[tuple[_Buffer, int] | None] = queue.Queue()
+        self.done: queue.Queue[_Buffer] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="savepoint-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            buf, length = job
+            if self.error is None:
+                try:
+                    self.blob.write(memoryview(buf.map)[:length])
+                except BaseException as exc:
+                    self.error = exc
+            self.done.put(buf)
+
+    def submit(self, buf: _Buffer, length: int) -> None:
+        self.jobs.put((buf, length))
+
+    def wait_buffer(self) -> _Buffer:
+        return self.done.get()
+
+    def finish(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def write_blob(
+    store: Store,
+    path: str,
+    header: bytes,
+    sources: Sequence[TensorSource],
+    *,
+    pool: StagingPool | None = None,
+    direct: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write ``header`` then every source's bytes as the new blob ``path``, finish it (durable),
+    and return each source's checksum. ``progress(n)`` is told of tensor bytes as they are
+    handed to the store. On any error the blob is aborted (nothing remains at ``path``)."""
+    pool = pool or POOL
+    total = len(header) + sum(s.nbytes for s in sources)
+    blob = store.create_blob(path, size=total, direct=direct)
+    try:
+        with pool.acquire(total) as buffers:
+            digests = _stream(blob, header, sources, buffers, progress)
+        blob.finish()
+    except BaseException:
+        blob.abort()
+        raise
+    return digests
+
+
+def _stream(
+    blob: BlobWriter,
+    header: bytes,
+    sources: Sequence[TensorSource],
+    buffers: list[_Buffer],
+    progress: Callable[[int], None] | None,
+) -> list[str]:
+    writer = _WriterThread(blob)
+    free = list(buffers)
+    digests: list[str] = []
+    try:
+        buf = free.pop()
+        fill = 0
+        size = len(buf.array)
+        header_left = len(header)
+
+        def report(written: int) -> None:
+            # Progress counts tensor bytes only: the header is not part of the total.
+            nonlocal header_left
+            skip = min(header_left, written)
+            header_left -= skip
+            if progress is not None and written > skip:
+                progress(written - skip)
+
+        def flush(length: int) -> None:
+            nonlocal buf, fill
+            writer.submit(buf, length)
+            report(fill)
+            buf = free.pop() if free else writer.wait_buffer()
+            fill = 0
+
+        hb = np.frombuffer(header, dtype=np.uint8)
+        pos = 0
+        while pos < len(hb):
+            n = min(size - fill, len(hb) - pos)
+            buf.array[fill : fill + n] = hb[pos : pos + n]
+            fill += n
+            pos += n
+            if fill == size:
+                flush(size)
+        for source in sources:
+            hasher = checksum.new()
+            pos = 0
+            try:
+                while pos < source.nbytes:
+                    n = min(size - fill, source.nbytes - pos)
+                    dst = buf.array[fill : fill + n]
+                    source.copy_to(dst, pos)
+                    hasher.update(dst)
+                    fill += n
+                    pos += n
+                    if fill == size:
+                        flush(size)
+            finally:
+                source.release()
+            digests.append(checksum.hexdigest(hasher))
+        if fill:
+            align = max(1, blob.alignment)
+            padded = -(-fill // align) * align
+            buf.array[fill:padded] = 0
+            writer.submit(buf, padded)
+            report(fill)
+    finally:
+        writer.finish()
+    return digests
+
+
+def write_image(
+    store: Store,
+    path: str,
+    image: np.ndarray[Any, Any],
+    size: int,
+    *,
+    direct: bool = True,
+    chunk: int = IMAGE_CHUNK,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Write the first ``size`` bytes of a prepared file image as the new blob ``path``, straight
+    from that memory (no copy), and finish it; on any error the blob is aborted.
+    ``progress(start, stop)`` is told of each range of the image handed to the store.
+
+    ``image`` must start on a 4 KiB boundary and extend to ``size`` rounded up to 4 KiB, so the
+    last write can be padded to any store's ``alignment`` (``finish`` cuts the padding off)."""
+    blob = store.create_blob(path, size=size, direct=direct)
+    try:
+        view = memoryview(image.data).cast("B")
+        align = max(1, blob.alignment)
+        end = -(-size // align) * align
+        for pos in range(0, end, chunk):
+            stop = min(pos + chunk, end)
+            blob.write(view[pos:stop])
+            if progress is not None:
+                progress(pos, min(stop, size))
+        blob.finish()
+    except BaseException:
+        blob.abort()
+        raise

@@ -1,0 +1,237 @@
+"""Run directories off the local disk: a CheckpointManager, its view and a sweep on the in-memory
+store, both as a filesystem (``memory://``: renames, hard links) and as an object store
+(``MemoryStore(atomic_rename=False)``: no rename, no links, every commit manifest-last).
+
+The same behaviours as on a local disk: retention, the best checkpoint, the report, restore falling
+back past a damaged checkpoint, the writer lock, read-only managers and ``sp.open_run``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import savepoint as sp
+from _compare import same
+from savepoint.codecs import manifest as mf
+from savepoint.commit.transaction import resolve as resolve_commit
+from savepoint.runs import layout
+from savepoint.runs.lock import LOCK_FILE
+from savepoint.storage import memory
+from savepoint.storage.faults import FaultyStore, SimulatedCrash
+from savepoint.storage.memory import MemoryStore
+from savepoint.storage.paths import Location, resolve
+
+from ._util import blank, state
+
+STORES = ["memory-url", "object-store"]
+
+
+@pytest.fixture(params=STORES)
+def run(request: pytest.FixtureRequest) -> Iterator[Location]:
+    """A fresh run directory: on the shared ``memory://`` store, or on a store of its own that
+    behaves as an object store."""
+    name = f"/runs/{uuid.uuid4().hex}"
+    if request.param == "memory-url":
+        yield resolve(f"memory:/{name}")
+    else:
+        yield MemoryStore(atomic_rename=False).at(name)
+
+
+def arg(run: Location) -> str | Location:
+    """How a user names the run: the URL of the shared store, the Location of one made by hand."""
+    return str(run) if run.store is memory.shared() else run
+
+
+def report_of(run: Location) -> dict[str, Any]:
+    return json.loads(run.store.read_small(run.join("report.json").path, cap=None))
+
+
+def damage(run: Location, step: int) -> None:
+    """Flip one data byte of checkpoint ``step`` (in whichever commit layout it has)."""
+    store = run.store
+    where = resolve_commit(store, layout.step_location(run, step).path)
+    assert where is not None
+    manifest = json.loads(store.read_small(store.join(where, mf.NAME), cap=None))
+    record = manifest["tensors"]["w"]
+    path = store.join(where, record["file"])
+    data = bytearray(store.read_small(path, cap=None))
+    data[record["offsets"][0]] ^= 0xFF
+    store.remove(path)
+    store.put(path, bytes(data))
+
+
+def test_retention_best_and_report(run: Location) -> None:
+    vals = {1: 0.5, 2: 0.1, 3: 0.4, 4: 0.3, 5: 0.35}
+    with sp.CheckpointManager(arg(run), keep_last=2, keep_best=1, best_metric="val") as m:
+        assert m.directory == str(run)
+        for step, val in vals.items():
+            m.log(step, loss=1.0 / step)
+            m.save(step, state(step), {"val": val})
+        assert m.steps() == [2, 4, 5]
+        assert m.best_step() == 2 and m.latest_step() == 5
+        assert m.metrics(2) == {"val": 0.1}
+    assert layout.committed_steps(run) == [2, 4, 5]
+    report = report_of(run)
+    assert report["checkpoints"] == [5, 4, 2] and report["latest_step"] == 5
+    assert report["best"]["step"] == 2 and report["discarding"] == []
+    assert [s for s, _ in report["loss_history"]] == [1, 2, 3, 4, 5]
+    same(sp.load(run.join("latest")), state(5))
+    same(sp.load(run.join("best")), state(2))
+    same(sp.load(layout.checkpoint_arg(layout.step_location(run, 4))), state(4))
+
+
+def test_restore_falls_back_past_a_damaged_checkpoint(run: Location) -> None:
+    with sp.CheckpointManager(arg(run)) as m:
+        for step in (1, 2, 3):
+            m.save(step, state(step))
+    damage(run, 3)
+    with sp.CheckpointManager(arg(run)) as m:
+        into = blank()
+        with pytest.warns(UserWarning, match="failed verification"):
+            assert m.restore(into) == 2
+        same(into, state(2))
+        with pytest.raises(sp.CorruptCheckpointError):
+            m.restore(blank(), 3)
+        m.save(3, state(30))  # the resumed run replaces the damaged checkpoint
+        assert m.steps() == [1, 2, 3]
+    same(sp.load(run.join("latest")), state(30))
+    assert report_of(run)["lineage"][0]["resumed_from"] == 2
+
+
+def test_resave_of_a_step_and_peek(run: Location) -> None:
+    with sp.CheckpointManager(arg(run), best_metric="val") as m:
+        m.save(1, state(1), {"val": 1.0})
+        m.save(2, state(2), {"val": 2.0})
+        assert m.restore(blank(), 1) == 1
+        m.save(1, state(10), {"val": 0.5})  # after a resume: step 2 leaves the run
+        assert m.steps() == [1]
+        assert m.peek("step") == {"step": 10}
+    assert layout.committed_steps(run) == [1]
+    same(sp.load(run.join("best")), state(10))
+
+
+def test_one_writer_and_read_only_managers(run: Location) -> None:
+    writer = sp.CheckpointManager(arg(run), keep_last=1)
+    writer.save(1, state(1))
+    with pytest.raises(sp.RunLockedError):
+        sp.CheckpointManager(arg(run))
+    reader = sp.CheckpointManager(arg(run), read_only=True)
+    assert reader.read_only and reader.steps() == [1]
+    with pytest.raises(sp.CheckpointWriteError):
+        reader.save(2, state(2))
+    writer.save(2, state(2))
+    into = blank()
+    assert reader.restore(into) == 2  # sees the writer's new checkpoint
+    same(into, state(2))
+    reader.close()
+    writer.close()
+    with sp.CheckpointManager(arg(run)) as again:  # closing released the lock
+        assert again.steps() == [2]
+
+
+def test_open_run_view(run: Location) -> None:
+    with sp.CheckpointManager(arg(run), best_metric="val", name="mem", variant="v") as m:
+        for step, val in ((1, 0.3), (2, 0.1), (3, 0.2)):
+            m.save(step, state(step), {"val": val})
+    with sp.open_run(arg(run)) as view:
+        assert view.directory == str(run)
+        assert view.info.name == "mem" and view.info.variant == "v"
+        assert view.steps() == [1, 2, 3] and view.best_step() == 2 and view.latest_step() == 3
+        assert view.metrics(2) == {"val": 0.1}
+        assert view.report is not None and view.report.latest_step == 3
+        assert view.problems() == []
+        view.check()
+        same(view.load("best"), state(2))
+        assert view.peek("step", 1) == {"step": 1}
+        assert view.checkpoint_path(3) == layout.step_path(run, 3)
+    # Nothing else: no lock description left behind, no temporaries.
+    assert sorted(run.store.list(run.path)) == [
+        "best",
+        "checkpoints",
+        "latest",
+        "report.json",
+        "run.json",
+    ]
+
+
+def test_async_saves(run: Location) -> None:
+    with sp.CheckpointManager(arg(run), keep_last=2, async_save=True) as m:
+        for step in range(1, 5):
+            pending = m.save(step, state(step))
+            assert pending.step == step
+        m.wait()
+        assert m.steps() == [3, 4]
+    same(sp.load(run.join("latest")), state(4))
+
+
+def test_sweep(run: Location) -> None:
+    sweep = sp.Sweep(arg(run), metric="val")
+    for name, vals in (("wide", (0.5, 0.2)), ("deep", (0.4, 0.3))):
+        with sweep.run(name) as m:
+            for step, val in enumerate(vals, start=1):
+                m.save(step, state(step), {"val": val})
+    assert sweep.runs() == ["deep", "wide"]
+    rows = sweep.compare()
+    assert [(r["name"], r["best_step"], r["rank"]) for r in rows] == [
+        ("wide", 2, 1),
+        ("deep", 2, 2),
+    ]
+    saved = json.loads(run.store.read_small(run.join("comparison.json").path, cap=None))
+    assert [r["name"] for r in saved["runs"]] == ["wide", "deep"]
+
+
+def test_a_run_url_names_the_shared_store() -> None:
+    url = f"memory://runs/{uuid.uuid4().hex}"
+    with sp.CheckpointManager(url) as m:
+        m.save(7, {"w": np.arange(4.0)})
+        assert m.step_path(7) == f"{url}/checkpoints/step-0000000007"
+    assert sp.open_run(url).steps() == [7]
+    same(sp.load(f"{url}/latest"), {"w": np.arange(4.0)})
+
+
+def _crashable(atomic_rename: bool) -> tuple[MemoryStore, FaultyStore, sp.CheckpointManager]:
+    """A run with steps 1 and 2 on a fault-injecting store over a fresh memory store."""
+    inner = MemoryStore(atomic_rename=atomic_rename)
+    store = FaultyStore(inner)
+    m = sp.CheckpointManager(store.at("/run"), keep_last=2, best_metric="val")
+    m.save(1, state(1), {"val": 0.2})
+    m.save(2, state(2), {"val": 0.5})
+    return inner, store, m
+
+
+@pytest.mark.parametrize("atomic_rename", [True, False], ids=["memory", "object-store"])
+def test_a_crash_anywhere_in_a_save_leaves_a_run_the_next_open_repairs(
+    atomic_rename: bool,
+) -> None:
+    """The process dies between any two store calls of ``save(3)`` (which commits step 3, makes
+    it latest/ and best/, and prunes step 1): the next process finds the old run or the new one,
+    and once a writer has opened it the report, the checkpoints and the aliases agree."""
+    _, store, m = _crashable(atomic_rename)
+    before = len(store.mutations())
+    m.save(3, state(3), {"val": 0.1})
+    calls = len(store.mutations()) - before
+    m.close()
+    assert calls > 10
+    for k in range(calls):
+        inner, store, m = _crashable(atomic_rename)
+        store.crash_after(k)
+        with pytest.raises(SimulatedCrash):
+            m.save(3, state(3), {"val": 0.1})
+        assert m._release is not None
+        m._release.detach()  # the dead process's lock goes with it (below), not through `store`
+        inner.lock(f"/run/{LOCK_FILE}").release()
+        with sp.CheckpointManager(inner.at("/run"), keep_last=2, best_metric="val") as again:
+            assert again.steps() in ([1, 2], [1, 2, 3], [2, 3]), k
+            newest = again.steps()[-1]
+            into = blank()
+            assert again.restore(into, resume=False) == newest, k
+            same(into, state(newest))
+        with sp.open_run(inner.at("/run")) as view:
+            assert view.problems() == [], k
+        same(sp.load(inner.at("/run/latest")), state(newest))
