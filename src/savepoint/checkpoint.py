@@ -219,31 +219,22 @@ def load(
         raise ValueError(f"framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
     if keys is not None and not isinstance(keys, str):
         keys = list(keys)  # read twice: to pin the files it needs, then to load
+    options: dict[str, Any] = {
+        "into": into,
+        "keys": keys,
+        "verify": verify,
+        "framework": framework,
+        "device": device,
+        "mmap": mmap,
+        "progress": progress,
+    }
     if process_group is not None or (into is not None and _has_shard_targets(into)):
         from savepoint.distributed import load as distributed_load
 
         return distributed_load.load(
-            location,
-            into=into,
-            keys=keys,
-            verify=verify,
-            framework=framework,
-            device=device,
-            mmap=mmap,
-            progress=progress,
-            process_group=process_group,
-            timeout=timeout,
+            location, process_group=process_group, timeout=timeout, **options
         )
-    return load_engine.load(
-        location,
-        into=into,
-        keys=keys,
-        verify=verify,
-        framework=framework,
-        device=device,
-        mmap=mmap,
-        progress=progress,
-    )
+    return load_engine.load(location, **options)
 
 
 def _has_shard_targets(into: Any) -> bool:

@@ -19,6 +19,7 @@ from savepoint.cli._text import size as _size
 from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
 from savepoint.formats import detect
+from savepoint.info import CheckpointInfo
 
 
 @click.command("inspect")
@@ -31,58 +32,38 @@ def inspect_cmd(path: str, as_json: bool) -> None:
     (single or distributed), a burn record (.mpk) or a seed-001 training-artifact directory.
     """
     path = local(path)
-    if is_foreign(path):
-        _inspect_other(path, as_json)
-        return
     try:
-        info = checkpoint.inspect(path)
+        info = detect.inspect_any(path) if is_foreign(path) else checkpoint.inspect(path)
     except CheckpointError as exc:
         fail(exc)
     if as_json:
         echo_json(info.to_dict())
-        return
-    click.echo(f"checkpoint  {info.path}")
-    click.echo(f"written by  {info.writer}, format {info.format_version}, {info.created}")
-    click.echo(
-        f"data        {_size(info.total_bytes)} in {len(info.tensors)} tensors, "
-        f"{len(info.files)} file(s)"
-    )
-    if info.metadata:
-        click.echo(f"metadata    {json.dumps(info.metadata, sort_keys=True)}")
-    for key, kind in info.stateful.items():
-        click.echo(f"stateful    {key or '<root>'}: {kind}")
-    if info.tensors:
-        rows: list[tuple[str, ...]] = [("key", "dtype", "shape", "size", "file")]
-        for t in info.tensors:
-            note = f"{t.file}" + (f" (tied to {t.tied_to})" if t.tied_to else "")
-            rows.append((t.key, t.dtype, _shape(t.shape), _size(t.nbytes), note))
-        click.echo("")
-        click.echo(_table(rows))
-    if info.values:
-        click.echo("")
-        click.echo(_table(_value_rows(info.values)))
+    else:
+        _show(info)
 
 
-def _inspect_other(path: str, as_json: bool) -> None:
-    """``inspect`` for a checkpoint in another format."""
-    try:
-        info = detect.inspect_any(path)
-    except CheckpointError as exc:
-        fail(exc)
-    if as_json:
-        echo_json(info.to_dict())
-        return
+def _show(info: CheckpointInfo) -> None:
+    """The human-readable description: savepoint's own format says who wrote it and which
+    objects were Stateful; other formats name their format."""
+    native = info.format == "savepoint"
     click.echo(f"checkpoint  {info.path}")
-    click.echo(f"format      {info.label}")
+    if native:
+        click.echo(f"written by  {info.writer}, format {info.format_version}, {info.created}")
+    else:
+        click.echo(f"format      {info.label}")
     click.echo(
         f"data        {_size(info.total_bytes)} in {len(info.tensors)} tensors, "
         f"{len(info.files)} file(s)"
     )
     if info.metadata:
         click.echo(f"metadata    {json.dumps(info.metadata, sort_keys=True, ensure_ascii=False)}")
+    for key, kind in info.stateful.items():
+        click.echo(f"stateful    {key or '<root>'}: {kind}")
     if info.tensors:
         rows: list[tuple[str, ...]] = [("key", "dtype", "shape", "size", "file")]
-        rows += [(t.key, t.dtype, _shape(t.shape), _size(t.nbytes), t.file) for t in info.tensors]
+        for t in info.tensors:
+            note = t.file + (f" (tied to {t.tied_to})" if t.tied_to else "")
+            rows.append((t.key, t.dtype, _shape(t.shape), _size(t.nbytes), note))
         click.echo("")
         click.echo(_table(rows))
     if info.values:

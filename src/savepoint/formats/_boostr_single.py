@@ -253,38 +253,43 @@ class BoostrDirectory:
             "boostr checkpoints have no checksums: verify checks structure and sizes only"
         )
         if self.meta is None:
-            return CheckpointInfo(
-                path=self.path,
-                format_version=self.state.version,
-                writer="",
-                created="",
-                metadata=dict(self.state.metadata),
-                tensors=tuple(tensors),
-                values=values,
-                files=files,
-                format="boostr",
-                notes=(no_checksums,),
-            )
+            return self._info(tensors, values, files, "boostr", self.state.version, no_checksums)
         first = self.meta.shards[0] if self.meta.shards else None
         values["world_size"] = self.meta.world_size
         if first is not None:
             values["strategy"] = first.strategy + (
                 f" (stage {first.stage})" if first.stage is not None else ""
             )
+        return self._info(
+            tensors,
+            values,
+            files,
+            "boostr-distributed",
+            self.meta.version,
+            "tensors as consolidated from the ranks (file: where they come from)",
+            no_checksums,
+        )
+
+    def _info(
+        self,
+        tensors: list[TensorInfo],
+        values: dict[str, Any],
+        files: dict[str, int],
+        fmt: str,
+        version: int,
+        *notes: str,
+    ) -> CheckpointInfo:
         return CheckpointInfo(
             path=self.path,
-            format_version=self.meta.version,
+            format_version=version,
             writer="",
             created="",
             metadata=dict(self.state.metadata),
             tensors=tuple(tensors),
             values=values,
             files=files,
-            format="boostr-distributed",
-            notes=(
-                "tensors as consolidated from the ranks (file: where they come from)",
-                no_checksums,
-            ),
+            format=fmt,
+            notes=notes,
         )
 
 

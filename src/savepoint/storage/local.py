@@ -155,6 +155,12 @@ def open_read(path: str, dir_fd: int | None = None, *, shown: str | None = None)
         if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EISDIR):  # a socket, a device
             raise NotRegularFileError(path, where) from None
         raise CheckpointError(f"cannot open {where}: {exc.strerror or exc}", path=where) from exc
+    return _regular(fd, path, lambda: _shown(path, dir_fd, shown))
+
+
+def _regular(fd: int, path: str, shown: Callable[[], str]) -> int:
+    """``fd`` if it is a regular file; else it is closed and NotRegularFileError raised naming
+    ``shown()`` (only worked out then: it may cost a readlink)."""
     try:
         regular = stat.S_ISREG(os.fstat(fd).st_mode)
     except BaseException:
@@ -162,7 +168,7 @@ def open_read(path: str, dir_fd: int | None = None, *, shown: str | None = None)
         raise
     if not regular:
         os.close(fd)
-        raise NotRegularFileError(path, _shown(path, dir_fd, shown))
+        raise NotRegularFileError(path, shown())
     return fd
 
 
@@ -576,15 +582,7 @@ class LocalLock:
             if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
                 raise NotRegularFileError(self.path, self.path) from None
             raise
-        try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        except BaseException:
-            os.close(fd)
-            raise
-        if not regular:
-            os.close(fd)
-            raise NotRegularFileError(self.path, self.path)
-        return fd
+        return _regular(fd, self.path, lambda: self.path)
 
     def _write_description(self) -> None:
         if self._fd is None:
