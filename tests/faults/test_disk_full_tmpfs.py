@@ -564,7 +564,7 @@ BOOSTR_PHASES = {
         "training_state.json": r"_boostr_single\.write>local\.write_small$",
     },
     INODES: {
-        "staging directory": r"^_files\.atomic_directory$",
+        "staging directory": STAGING_DIR,
         "safetensors files": DATA_OPEN,
         "training_state.json": r"_boostr_single\.write>local\.write_small$",
     },

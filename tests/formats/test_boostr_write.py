@@ -182,10 +182,10 @@ def test_sharding_meta_is_written_after_every_rank(
         real_rank(self, staging)
         order.append(f"rank_{self.rank}")
 
-    def finish(target: str, staging: str, meta: Any) -> None:
-        assert sorted(os.listdir(staging)) == ["rank_0", "rank_1"]
+    def finish(tx: Any, meta: Any) -> None:
+        assert sorted(os.listdir(tx.staging)) == ["rank_0", "rank_1"]
         order.append("meta")
-        real_finish(target, staging, meta)
+        real_finish(tx, meta)
 
     monkeypatch.setattr(_boostr_write._Rank, "write", rank_write)
     monkeypatch.setattr(_boostr_write, "finish", finish)

@@ -4,8 +4,8 @@
   (every save path commits through it), ``resolve`` (the committed checkpoint of a path, in either
   layout) and ``discard`` (a crash-safe delete);
 - :mod:`~savepoint.commit.names`: the hidden and generation names, and who may tidy them;
-- :mod:`~savepoint.commit.atomic`: the rename strategy for plain local paths, for callers not yet
-  ported to the transaction.
+- :mod:`~savepoint.commit.atomic`: the rename strategy by local path, for single files of the
+  foreign formats (directories of every format go through the transaction).
 """
 
 __all__: list[str] = []

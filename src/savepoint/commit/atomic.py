@@ -1,5 +1,11 @@
-"""The commit protocol for plain local paths: what ``formats/`` calls until it commits through
-:class:`savepoint.commit.transaction.Transaction` itself.
+"""The rename strategy for plain local paths, for what is not a directory transaction.
+
+Directory saves of every format commit through :class:`savepoint.commit.transaction.Transaction`.
+What remains here serves single files of the foreign formats (``.shrew``, burn records, a
+converted safetensors file: a hidden temporary sibling, :func:`staging_path` and
+:func:`clean_stale`, then one ``os.replace``), small files replaced whole (:func:`replace_file`),
+and lookups by local path (:func:`resolve`); :func:`commit` publishes a staging directory by path
+(the tests drive the rename strategy's crash cases through it).
 
 Every function here is the rename strategy (:mod:`savepoint.commit._rename`) applied to the local
 filesystem store; see that module for the sequence and its crash guarantees, and

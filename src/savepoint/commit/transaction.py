@@ -10,7 +10,8 @@ Call order::
     # leaving the block without commit (an exception) aborts: staging removed, target untouched
 
 ``commit(None)`` publishes a staging directory that already holds its manifest (an alias built
-from hard links). A sharded save spans several collective steps, so it calls :meth:`begin`,
+from hard links), or a directory of another format that has none (a boostr checkpoint, a
+training artifact: ``check=`` then says what such a save may replace). A sharded save spans several collective steps, so it calls :meth:`begin`,
 :meth:`commit` and :meth:`abort` itself instead of using ``with``.
 
 Strategies (``store.capabilities.atomic_rename``):
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 from typing import Literal
 
 from savepoint.codecs import manifest as mf
@@ -49,10 +51,20 @@ Strategy = Literal["rename", "manifest-last"]
 class Transaction:
     """A save of one checkpoint (see the module docstring)."""
 
-    def __init__(self, store: Store, target: str, *, what: str = "checkpoint") -> None:
+    def __init__(
+        self,
+        store: Store,
+        target: str,
+        *,
+        what: str = "checkpoint",
+        check: Callable[[Store, str], None] | None = None,
+    ) -> None:
         self.store = store
         self.target = store.abspath(target)
         self.what = what
+        # What may be replaced: by default (check_target) nothing but a savepoint checkpoint or
+        # an empty directory; other formats pass their own rule (a boostr directory, say).
+        self.check = check or (lambda store, target: check_target(store, target, what))
         self.strategy: Strategy = "rename" if store.capabilities.atomic_rename else "manifest-last"
         self.staging = ""  # set by begin()
         self.committed: str | None = None
@@ -78,12 +90,12 @@ class Transaction:
                 self.target = store.realpath(self.target)
             if self.strategy == "rename":
                 self.staging = names.hidden(store, self.target, names.TMP_TAG)
-                check_target(store, self.target, self.what)
+                self.check(store, self.target)
                 store.makedirs(store.parent(self.target))
                 _rename.clean_stale(store, self.target)
             else:
                 self.staging = store.join(self.target, names.generation())
-                check_target(store, self.target, self.what)
+                self.check(store, self.target)
                 self._made_target = store.stat(self.target) is None
                 store.makedirs(self.target)
             store.mkdir(self.staging)

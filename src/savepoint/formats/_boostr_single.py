@@ -416,7 +416,7 @@ def write(
     model_items = tensor_sources(model, "model")
     opt_items = tensor_sources(optimizer, "optimizer") if optimizer is not None else []
     document = state.to_json()
-    with _files.atomic_directory(target) as staging:
+    with _files.atomic_directory(target, what="boostr checkpoint") as staging:
         _files.write_safetensors(os.path.join(staging, MODEL), model_items)
         if opt_items:
             _files.write_safetensors(os.path.join(staging, OPTIMIZER), opt_items)

@@ -3,10 +3,10 @@ snapshots behind background boostr saves. The layout is specified in
 :mod:`savepoint.formats.boostr`; :func:`save_distributed` is the public entry point.
 
 Commit protocol (both forms): every ``rank_{r}/`` is written, each file fsynced, into one hidden
-staging sibling of the target (``savepoint.commit.atomic.staging_path``); only then does rank 0
-write ``sharding_meta.json``, open the staging directory with the reader's own checks
-(:func:`open_distributed`: what was written consolidates) and commit it with
-``savepoint.commit.atomic.commit``. A crash or an error at any point leaves the previous
+staging directory of a :class:`~savepoint.commit.transaction.Transaction` (the one every native
+save commits through, rename strategy); only then does rank 0 write ``sharding_meta.json``, open
+the staging directory with the reader's own checks (:func:`open_distributed`: what was written
+consolidates) and commit the transaction. A crash or an error at any point leaves the previous
 checkpoint at the path (or nothing) and never a ``sharding_meta.json`` next to incomplete ranks.
 With a process group the two steps run through :mod:`savepoint.distributed.collectives`, so a
 failure on any rank raises one DistributedCheckpointError on every rank and rank 0 removes the
@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from savepoint.commit import atomic
+from savepoint.commit.transaction import Transaction, write_error
 from savepoint.errors import CheckpointError, CorruptCheckpointError
 from savepoint.formats import _files
 from savepoint.formats._boostr_distributed import ShardingConfig, ShardingMeta, open_distributed
@@ -40,6 +40,7 @@ from savepoint.formats._boostr_single import (
 from savepoint.formats._files import LazyTensor
 from savepoint.state.arrays import HostCopy, TensorSource
 from savepoint.storage import local
+from savepoint.storage.local import STORE as LOCAL
 from savepoint.storage.paths import local_path
 
 Strategy = Literal["Replicated", "ZeroPartitioned", "TensorParallel"]
@@ -253,39 +254,33 @@ def meta_json(meta: ShardingMeta) -> bytes:
 # ---------------------------------------------------------------------------------------------
 
 
-def begin(target: str) -> str:
-    """Check ``target`` may be replaced and create the staging directory next to it."""
-    check_replaceable(target)
-    try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        atomic.clean_stale(target)
-        staging = atomic.staging_path(target)
-        os.mkdir(staging)
-    except OSError as exc:
-        raise _files.write_error(target, exc) from None
-    return staging
+def begin(target: str) -> Transaction:
+    """Check ``target`` may be replaced and open the transaction (its staging directory next to
+    the target); OSErrors are CheckpointWriteErrors."""
+    return Transaction(
+        LOCAL, target, what="boostr checkpoint", check=lambda store, t: check_replaceable(t)
+    ).begin()
 
 
-def finish(target: str, staging: str, meta: ShardingMeta) -> None:
-    """Write ``sharding_meta.json`` last, check the result consolidates, commit atomically."""
+def finish(tx: Transaction, meta: ShardingMeta) -> None:
+    """Write ``sharding_meta.json`` last, check the result consolidates, commit atomically; on
+    any failure the transaction is aborted (the previous checkpoint stays)."""
+    target, staging = tx.target, tx.staging
     try:
         local.write_small(os.path.join(staging, SHARDING), meta_json(meta))
-    except OSError as exc:
-        raise _files.write_error(target, exc) from None
-    try:
         with open_distributed(staging):
             pass
     except CorruptCheckpointError as exc:
+        tx.abort()
         raise CheckpointError(
             str(exc).replace(staging, target)
             + " (nothing was written: the previous checkpoint is intact)",
             path=target,
         ) from None
-    try:
-        atomic.commit(staging, target)
     except OSError as exc:
-        raise _files.write_error(target, exc) from None
-    atomic.clean_stale(target)
+        tx.abort()
+        raise write_error(LOCAL, target, exc, tx.what) from None
+    tx.commit(None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,16 +345,16 @@ def save_distributed(
         ]
     ranks = [_Rank(r, s) for r, s in enumerate(shards)]
     meta = build_meta(target, [r.summary() for r in ranks], strategy, stage, split, owned)
-    staging = begin(target)
+    tx = begin(target)
     try:
         for rank in ranks:
-            rank.write(staging)
-        finish(target, staging, meta)
+            rank.write(tx.staging)
     except BaseException as exc:
-        atomic.remove_tree(staging)
+        tx.abort()
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
-            raise _files.write_error(target, exc) from exc
+            raise write_error(LOCAL, target, exc, tx.what) from exc
         raise
+    finish(tx, meta)
     return meta
 
 
@@ -391,8 +386,8 @@ def _save_group(
         held["meta"] = build_meta(
             target, [s for s, _ in results], strategy, stage, split, [o for _, o in results]
         )
-        held["staging"] = begin(target)
-        return str(held["staging"])
+        held["tx"] = begin(target)
+        return str(held["tx"].staging)
 
     def write(staging: str) -> None:
         try:
@@ -403,15 +398,14 @@ def _save_group(
             raise _files.write_error(target, exc) from exc
 
     def commit(_: list[None]) -> ShardingMeta:
-        finish(target, held["staging"], held["meta"])
-        del held["staging"]
+        finish(held.pop("tx"), held["meta"])
         meta: ShardingMeta = held["meta"]
         return meta
 
     def cleanup() -> None:
-        staging = held.pop("staging", None)
-        if staging is not None:
-            atomic.remove_tree(staging)
+        tx = held.pop("tx", None)
+        if tx is not None:
+            tx.abort()
 
     with coord.exclusive():
         staging = coord.step("saving", target, prepare, plan, cleanup=cleanup)

@@ -29,6 +29,7 @@ from savepoint.codecs import checksum, dtypes
 from savepoint.codecs import safetensors as st_format
 from savepoint.codecs.dtypes import DType
 from savepoint.commit import atomic
+from savepoint.commit.transaction import Transaction
 from savepoint.engine import pipeline
 from savepoint.errors import (
     CheckpointError,
@@ -39,6 +40,7 @@ from savepoint.errors import (
 from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
+from savepoint.storage.base import Store
 from savepoint.storage.local import STORE as LOCAL
 
 CHUNK = 4 << 20  # bytes per read or write when a tensor is streamed through a bounded buffer
@@ -397,22 +399,20 @@ def atomic_file(path: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str) -> Iterator[str]:
-    """Yield an empty staging directory next to ``path``; on success it becomes ``path`` through
-    :func:`savepoint.commit.atomic.commit` (replacing what is there in one step)."""
-    target = os.path.abspath(path)
-    staging = atomic.staging_path(target)
-    try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        atomic.clean_stale(target)
-        os.mkdir(staging)
-        yield staging
-        atomic.commit(staging, target)
-    except BaseException as exc:
-        atomic.remove_tree(staging)
-        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
-            raise write_error(target, exc) from exc
-        raise
+def atomic_directory(path: str, *, what: str = "checkpoint") -> Iterator[str]:
+    """Yield an empty staging directory next to ``path``; on success it becomes ``path`` in one
+    step through the same :class:`~savepoint.commit.transaction.Transaction` as every native
+    save (the caller has checked that what is at ``path`` may be replaced). On any error the
+    staging directory is removed and ``path`` is untouched; OSErrors become
+    CheckpointWriteErrors."""
+    with Transaction(LOCAL, os.path.abspath(path), what=what, check=_replaceable) as tx:
+        yield tx.staging
+        tx.commit(None)
+
+
+def _replaceable(store: Store, target: str) -> None:
+    """The callers of :func:`atomic_directory` check their own targets (a boostr directory, a
+    training artifact) before writing anything."""
 
 
 def fsync_file(f: Any) -> None:

@@ -680,7 +680,7 @@ def save(
     main_tree = _weights(model, ids)
     best_tree = None if best_validation_model is None else _weights(best_validation_model, ids)
     _refuse_foreign(target)
-    with _files.atomic_directory(target) as staging:
+    with _files.atomic_directory(target, what="training artifact") as staging:
         burn.write_record(
             os.path.join(staging, manifest.weights_file), main_tree, metadata=metadata
         )
