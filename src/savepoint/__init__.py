@@ -46,6 +46,7 @@ from savepoint.formats.convert import ConversionReport, convert
 from savepoint.formats.diff import DiffReport, diff
 from savepoint.inference import InferenceSnapshot, SnapshotHistory, SnapshotMetadata
 from savepoint.info import CheckpointInfo, TensorInfo
+from savepoint.options import SaveOptions
 from savepoint.runs import policies as policies
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.sweep import Sweep
@@ -92,6 +93,7 @@ __all__ = [
     "RunLockedError",
     "RunMismatchError",
     "RunView",
+    "SaveOptions",
     "Shard",
     "SnapshotHistory",
     "SnapshotMetadata",
