@@ -19,6 +19,7 @@ import pytest
 import savepoint as sp
 from _compare import same
 from savepoint.codecs import manifest as mf
+from savepoint.commit import pointer
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.runs import layout
 from savepoint.runs.lock import LOCK_FILE
@@ -235,3 +236,50 @@ def test_a_crash_anywhere_in_a_save_leaves_a_run_the_next_open_repairs(
         with sp.open_run(inner.at("/run")) as view:
             assert view.problems() == [], k
         same(sp.load(inner.at("/run/latest")), state(newest))
+
+
+def test_aliases_on_an_object_store_are_pointers_not_copies() -> None:
+    """Without hard links, latest/ and best/ hold one small pointer each (a copy would upload the
+    whole state again at every save), they load as the step they name, follow a re-save of that
+    step, and `savepoint verify RUN`'s consistency check accepts them."""
+    store = MemoryStore(atomic_rename=False)
+    run = store.at("/run")
+    with sp.CheckpointManager(run, keep_last=2, best_metric="val") as m:
+        for step, val in ((1, 0.1), (2, 0.5), (3, 0.4)):
+            m.save(step, state(step), {"val": val})
+        for alias, step in (("latest", 3), ("best", 1)):
+            assert store.list(run.join(alias).path) == [pointer.NAME]
+            doc = json.loads(store.read_small(run.join(alias, pointer.NAME).path, cap=None))
+            assert doc == {"savepoint_alias": 1, "target": f"checkpoints/step-{step:010d}"}
+        same(sp.load(run.join("latest")), state(3))
+        same(sp.load(run.join("best")), state(1))
+        assert sp.inspect(run.join("latest")).metadata["savepoint_run"]["step"] == 3
+        m.save(3, state(30), {"val": 0.6})  # a re-save of the step the alias names
+        same(sp.load(run.join("latest")), state(30))
+    with sp.open_run(run) as view:
+        assert view.problems() == []
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b'{"savepoint_alias": 1, "target": "../other/run/checkpoints/step-0000000001"}',
+        b'{"savepoint_alias": 1, "target": "/run/checkpoints/step-0000000001"}',
+        b'{"savepoint_alias": 1, "target": "checkpoints//step-0000000001"}',
+        b'{"savepoint_alias": 2, "target": "checkpoints/step-0000000001"}',
+        b'{"savepoint_alias": 1, "target": 7}',
+        b"[1, 2]",
+        b"not json",
+        b'{"savepoint_alias": 1, "target": "' + b"a/" * 40000 + b'x"}',
+    ],
+    ids=["dotdot", "absolute", "empty-part", "version", "type", "list", "garbage", "huge"],
+)
+def test_a_hostile_or_damaged_pointer_is_no_checkpoint(doc: bytes) -> None:
+    store = MemoryStore(atomic_rename=False)
+    sp.save(store.at("/other/run/checkpoints/step-0000000001"), state(1))
+    sp.save(store.at("/run/checkpoints/step-0000000001"), state(1))
+    store.makedirs("/run/latest")
+    store.put(f"/run/latest/{pointer.NAME}", doc)
+    assert resolve_commit(store, "/run/latest") is None
+    with pytest.raises(sp.CheckpointError):
+        sp.load(store.at("/run/latest"))

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from savepoint.codecs import manifest as mf
-from savepoint.commit import _generations, _rename, names
+from savepoint.commit import _generations, _rename, names, pointer
 from savepoint.errors import CheckpointError, CheckpointWriteError
 from savepoint.storage.base import Store
 
@@ -207,9 +207,19 @@ def resolve(store: Store, path: str) -> str | None:
 
     In order: ``path`` itself when it holds a manifest; else its newest generation holding one
     (manifest-last layout); else, when nothing at all is at ``path``, the previous checkpoint a
-    fallback replace left under an ``-old-`` name when it died between its two renames. Raises no
+    fallback replace left under an ``-old-`` name when it died between its two renames; else,
+    when ``path`` is an alias pointer (:mod:`savepoint.commit.pointer`: run aliases on stores
+    without hard links), the committed checkpoint it names, found by the same rules. Raises no
     OSError: what may not be looked at reads as absent."""
-    path = store.abspath(path)
+    found = _committed(store, store.abspath(path))
+    if found is not None:
+        return found
+    pointed = pointer.target(store, store.abspath(path))
+    return None if pointed is None else _committed(store, pointed)
+
+
+def _committed(store: Store, path: str) -> str | None:
+    """:func:`resolve` without following an alias pointer."""
     if _rename.has_manifest(store, path):
         return path
     try:

@@ -131,8 +131,8 @@ def _resolve(store: Store, path: str) -> str | None:
     deadline = None
     while True:
         found = resolve(store, path)
-        if found is None or found == path or store.parent(found) == path:
-            return found
+        if found is None or names.OLD_TAG not in store.basename(found):
+            return found  # the checkpoint itself, a generation of it, or what its alias names
         # ``path`` is missing and a fallback replace (two renames, where the filesystem cannot
         # exchange) left the previous checkpoint under a hidden name: either that replace is
         # between its renames right now, or it died there. A live one finishes in moments.

@@ -1,7 +1,12 @@
-"""``latest/`` and ``best/``: copies of checkpoints that must agree with ``report.json``.
+"""``latest/`` and ``best/``: copies of (or pointers to) checkpoints that must agree with
+``report.json``.
 
 An alias is an ordinary checkpoint directory whose files are hard links to one step's files
-(copies where the store has no hard links: :func:`link_tree`). It *agrees* with the report when
+(copies where a filesystem refuses a link: :func:`link_tree`). On stores without hard links
+(object stores) it is instead a pointer naming the step (:mod:`savepoint.commit.pointer`), put in
+one overwriting put after the step is committed: a copy there would upload the whole state a
+second time at every save. Readers resolve either form the same way
+(:func:`savepoint.commit.transaction.resolve`). It *agrees* with the report when
 it is absent, or when it holds exactly the checkpoint the report names (``latest_step``,
 ``best.step``): the same ``manifest.json`` (the same blob, or the same bytes where the store had no
 hard links), and the manifest holds every tensor's checksum, so the same manifest means the same
@@ -25,7 +30,7 @@ from collections.abc import Iterable
 
 from savepoint import checkpoint
 from savepoint.codecs import manifest as mf
-from savepoint.commit import names
+from savepoint.commit import names, pointer
 from savepoint.commit.transaction import Transaction, discard
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import CheckpointError
@@ -37,6 +42,9 @@ from savepoint.storage.paths import Location, PathArg, resolve
 __all__ = [
     "NAMES",
     "Staged",
+    "StagedPointer",
+    "Staging",
+    "by_pointer",
     "copy_aside",
     "disagreements",
     "holds",
@@ -216,12 +224,42 @@ class Staged:
         self._tx.abort()
 
 
-def stage(directory: PathArg, alias: str, step: int) -> Staged:
-    """Begin replacing ``alias`` by a copy of checkpoint ``step`` (see :class:`Staged`); on
-    failure nothing is left behind."""
+class StagedPointer:
+    """An alias being replaced on a store without hard links: a pointer to the step
+    (:mod:`savepoint.commit.pointer`), put by :meth:`publish` in one overwriting put; nothing
+    is written before that, so :meth:`abort` has nothing to undo."""
+
+    def __init__(self, store: Store, target: str, source: str) -> None:
+        if resolve_commit(store, source) is None:
+            raise FileNotFoundError(errno.ENOENT, "no committed checkpoint", store.url(source))
+        self._store, self._target, self._source = store, target, source
+
+    def publish(self) -> None:
+        pointer.write(self._store, self._target, self._source)
+
+    def abort(self) -> None:
+        pass
+
+
+Staging = Staged | StagedPointer
+
+
+def by_pointer(store: Store) -> bool:
+    """Whether aliases on ``store`` are pointers (no hard links: a copy would upload the whole
+    state again) rather than linked copies."""
+    return not store.capabilities.hard_links
+
+
+def stage(directory: PathArg, alias: str, step: int) -> Staging:
+    """Begin replacing ``alias`` by checkpoint ``step``: a linked copy (see :class:`Staged`), or
+    on stores without hard links a pointer (:class:`StagedPointer`); on failure nothing is left
+    behind."""
     run = _run(directory)
     source = layout.step_location(run, step).path
-    return Staged(run.store, path_of(run, alias).path, source, f"{alias}/ alias")
+    target = path_of(run, alias).path
+    if by_pointer(run.store):
+        return StagedPointer(run.store, target, source)
+    return Staged(run.store, target, source, f"{alias}/ alias")
 
 
 def publish(directory: PathArg, alias: str, step: int) -> None:
