@@ -18,6 +18,7 @@ from savepoint.codecs import manifest as mf
 from savepoint.commit import names
 from savepoint.commit.transaction import resolve
 from savepoint.engine.read import Reader
+from savepoint.formats import detect
 from savepoint.storage import memory
 from savepoint.storage.base import BlobReader, PinnedContext
 from savepoint.storage.memory import MemoryStore
@@ -288,3 +289,45 @@ def test_a_generation_prefix_names_the_attempt() -> None:
     gen = info.path.rsplit("/", 1)[-1]
     assert names.is_generation(gen)
     assert f"-{names.HOST}-" in gen
+
+
+def _sibling(where: Any, name: str) -> Any:
+    """Another checkpoint path beside ``where``, on the same store."""
+    if isinstance(where, Location):
+        return where.store.at(where.store.join(where.store.parent(where.path), name))
+    if isinstance(where, str):
+        return where.rsplit("/", 1)[0] + f"/{name}"
+    return where.parent / name
+
+
+def test_convert_and_diff_on_every_store(where: Any, tmp_path: Path) -> None:
+    """savepoint's own format converts and compares on any store, to and from the local disk;
+    other formats stay local files (a clear refusal names why, and nothing is written)."""
+    state = make_state(1)
+    sp.save(where, state, metadata={"seed": 1})
+    copy = _sibling(where, "copy")
+    report = sp.convert(where, copy)
+    assert report.destination_format == "savepoint" and report.tensors == 4
+    same(sp.load(copy), state)
+    assert sp.diff(where, copy).identical
+    local_copy = tmp_path / "local-copy"
+    sp.convert(where, local_copy)
+    same(sp.load(local_copy), state)
+    st_file = tmp_path / "weights.safetensors"
+    sp.convert(where, st_file, lossy=True)  # plain values have no place in a safetensors file
+    assert detect.detect(st_file) == "safetensors"
+    keys = {t.key for t in detect.inspect_any(st_file).tensors}
+    assert keys == {"model/w", "model/tied", "model/b", "step", "flags"}
+    back = _sibling(where, "back")
+    sp.convert(local_copy, back)
+    same(sp.load(back), state)
+    sp.save(copy, make_state(2))
+    assert not sp.diff(where, copy).identical
+    with pytest.raises(sp.CheckpointWriteError, match="already exists"):
+        sp.convert(where, copy)
+    with pytest.raises(sp.CheckpointWriteError, match="the source itself"):
+        sp.convert(where, where, overwrite=True)
+    if not isinstance(where, Path):
+        with pytest.raises(sp.UnsupportedStorageError, match="local paths only"):
+            sp.convert(local_copy, _sibling(where, "x.shrew"), format="shrew")
+        assert sp.diff(where, back).identical

@@ -73,13 +73,15 @@ from savepoint.errors import (
     CheckpointWriteError,
     ConversionError,
     UnsupportedStateError,
+    UnsupportedStorageError,
 )
 from savepoint.formats import _files, boostr, burn, shrew, training_artifact
 from savepoint.formats._files import LazyTensor, MappedTensor, SafetensorsFile
 from savepoint.formats.detect import detect
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import TensorSource
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import Location, PathArg, local_path
+from savepoint.storage.paths import resolve as resolve_path
 
 __all__ = [
     "ConversionReport",
@@ -154,60 +156,71 @@ class _Assembled(LazyTensor):
 
 
 @contextlib.contextmanager
-def _open(path: str, kind: str) -> Iterator[_Source]:
+def _open(path: PathArg, kind: str) -> Iterator[_Source]:
+    """The checkpoint at ``path`` as a lazy tree: savepoint's own on any store, other formats
+    from local files."""
     if kind == "savepoint":
-        reader = Reader.open(path)
-        try:
-            manifest = reader.manifest
-            made: dict[str, LazyTensor] = {}
-
-            def get(ref: str, leaf_kind: str) -> LazyTensor:
-                if ref not in made:
-                    rec = manifest.tensors[ref]
-                    if getattr(rec, "is_split", False):
-                        # A tensor a sharded save stored in pieces: assembled when first copied.
-                        made[ref] = _Assembled(reader, ref, leaf_kind)
-                        return made[ref]
-                    made[ref] = MappedTensor(
-                        reader.raw(ref),
-                        dtypes.from_name(rec.dtype),
-                        rec.shape,
-                        kind=leaf_kind,
-                        xxh3=rec.xxh3,
-                        name=ref,
-                        path=reader.path,
-                    )
-                return made[ref]
-
-            tree = tree_mod.build(manifest.tree, get)
-            used = tree_mod.refs(manifest.tree)
-            refs: dict[str, TensorSource] = {r: made[r] for r in manifest.tensors if r in used}
-            yield _Source(
-                kind,
-                f"savepoint v{manifest.format_version}",
-                tree,
-                dict(manifest.metadata),
-                (manifest.tree, refs),
-            )
-        finally:
-            reader.close()
-    elif kind == "shrew":
-        with shrew.ShrewFile(path) as f:
+        with _open_native(path) as source:
+            yield source
+        return
+    local = local_path(path, what="source")
+    if kind == "shrew":
+        with shrew.ShrewFile(local) as f:
             yield _Source(kind, f"shrew v{f.version}", f.tree(), {})
     elif kind == "burn":
-        with burn.open_record(path) as record:
+        with burn.open_record(local) as record:
             yield _Source(kind, kind, record.tensors(), record.metadata.to_dict())
     elif kind == "training-artifact":
-        with training_artifact.open_artifact(path) as artifact:
+        with training_artifact.open_artifact(local) as artifact:
             yield _Source(kind, kind, artifact.tree(), {})
     elif kind == "safetensors":
         # A top-level file may be a symlink (the Hugging Face cache is made of them).
-        with SafetensorsFile(os.path.realpath(path)) as st:
+        with SafetensorsFile(os.path.realpath(local)) as st:
             yield _Source(kind, kind, {n: st.tensor(n) for n in st.names()}, dict(st.metadata))
     else:
         opened = boostr.open_distributed if kind == "boostr-distributed" else boostr.open_checkpoint
-        with opened(path) as d:
+        with opened(local) as d:
             yield _Source(kind, kind, d.tree(), dict(d.state.metadata))
+
+
+@contextlib.contextmanager
+def _open_native(path: PathArg) -> Iterator[_Source]:
+    kind = "savepoint"
+    reader = Reader.open(path)
+    try:
+        manifest = reader.manifest
+        made: dict[str, LazyTensor] = {}
+
+        def get(ref: str, leaf_kind: str) -> LazyTensor:
+            if ref not in made:
+                rec = manifest.tensors[ref]
+                if getattr(rec, "is_split", False):
+                    # A tensor a sharded save stored in pieces: assembled when first copied.
+                    made[ref] = _Assembled(reader, ref, leaf_kind)
+                    return made[ref]
+                made[ref] = MappedTensor(
+                    reader.raw(ref),
+                    dtypes.from_name(rec.dtype),
+                    rec.shape,
+                    kind=leaf_kind,
+                    xxh3=rec.xxh3,
+                    name=ref,
+                    path=reader.path,
+                )
+            return made[ref]
+
+        tree = tree_mod.build(manifest.tree, get)
+        used = tree_mod.refs(manifest.tree)
+        refs: dict[str, TensorSource] = {r: made[r] for r in manifest.tensors if r in used}
+        yield _Source(
+            kind,
+            f"savepoint v{manifest.format_version}",
+            tree,
+            dict(manifest.metadata),
+            (manifest.tree, refs),
+        )
+    finally:
+        reader.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +507,7 @@ def _sizes(sources: Iterable[TensorSource]) -> tuple[int, int]:
     return len(items), sum(s.nbytes for s in items)
 
 
-def _write_savepoint(src: _Source, dst: str, plan: _Plan) -> Callable[[], tuple[int, int]]:
+def _write_savepoint(src: _Source, dst: PathArg, plan: _Plan) -> Callable[[], tuple[int, int]]:
     if src.native is not None:
         node, refs = src.native
         flat = tree_mod.Flat(tree=node, tensors=dict(refs))
@@ -699,6 +712,48 @@ def _target(dst: str, fmt: str | None, src: _Source) -> str:
     return fmt
 
 
+def _check_local_target(source: Location, target_path: str, overwrite: bool) -> None:
+    """What may be at a local ``target_path``: nothing, or with ``overwrite`` a file or a
+    directory other than the source itself."""
+    if not os.path.lexists(target_path):
+        return
+    if source.is_local and os.path.realpath(target_path) == os.path.realpath(source.path):
+        raise CheckpointWriteError(
+            f"{target_path} is the source itself; convert into another path", path=target_path
+        )
+    if not overwrite:
+        raise CheckpointWriteError(
+            f"{target_path} already exists; pass overwrite=True (savepoint convert "
+            "--overwrite) to replace it",
+            path=target_path,
+        )
+    _check_replaceable(target_path)
+
+
+def _check_store_target(
+    source: Location, target: Location, format: str | None, overwrite: bool
+) -> None:
+    """A target off the local disk (``memory://``, an object store) takes savepoint's own
+    format only, and is not the source, and exists only with ``overwrite``."""
+    if format not in (None, "savepoint"):
+        raise UnsupportedStorageError(
+            f"target {target}: {_LABELS.get(format, format)} files are written to local paths "
+            "only; savepoint's own format is written on every store",
+            path=str(target),
+            scheme=target.store.scheme,
+        )
+    if target.store is source.store and target.path == source.path:
+        raise CheckpointWriteError(
+            f"{target} is the source itself; convert into another path", path=str(target)
+        )
+    if target.store.stat(target.path) is not None and not overwrite:
+        raise CheckpointWriteError(
+            f"{target} already exists; pass overwrite=True (savepoint convert --overwrite) to "
+            "replace it",
+            path=str(target),
+        )
+
+
 def _check_replaceable(path: str) -> None:
     """Refuse to overwrite what is not a checkpoint: a FIFO, a socket, a device (or a link to
     one). Only a regular file or a directory is replaced, each by its own kind, by the writer."""
@@ -737,42 +792,33 @@ def convert(
     """
     if format is not None and format not in TARGETS:
         raise ValueError(f"unknown target format {format!r}; choose one of {', '.join(TARGETS)}")
-    source_path = os.path.abspath(local_path(src, what="source"))
-    target_path = os.path.abspath(local_path(dst, what="target"))
-    kind = detect(source_path)
-    if os.path.lexists(target_path):
-        if os.path.realpath(target_path) == os.path.realpath(source_path):
-            raise CheckpointWriteError(
-                f"{target_path} is the source itself; convert into another path",
-                path=target_path,
-            )
-        if not overwrite:
-            raise CheckpointWriteError(
-                f"{target_path} already exists; pass overwrite=True (savepoint convert "
-                "--overwrite) to replace it",
-                path=target_path,
-            )
-        _check_replaceable(target_path)
-    with _open(source_path, kind) as source:
-        target = _target(target_path, format, source)
+    src_loc, dst_loc = resolve_path(src, what="source"), resolve_path(dst, what="target")
+    # savepoint's own format works on every store; the others are local files.
+    kind = detect(src_loc.path) if src_loc.is_local else "savepoint"
+    if dst_loc.is_local:
+        _check_local_target(src_loc, dst_loc.path, overwrite)
+    else:
+        _check_store_target(src_loc, dst_loc, format, overwrite)
+    with _open(src_loc, kind) as source:
+        target = "savepoint" if not dst_loc.is_local else _target(dst_loc.path, format, source)
         plan = _Plan(target)
         if target == "savepoint":
-            write = _write_savepoint(source, target_path, plan)
+            write = _write_savepoint(source, dst_loc, plan)
         elif target in ("shrew-v1", "safetensors"):
-            write = _write_flat(source, target_path, plan, target)
+            write = _write_flat(source, dst_loc.path, plan, target)
         elif target == "shrew-v2":
-            write = _write_shrew_v2(source, target_path, plan)
+            write = _write_shrew_v2(source, dst_loc.path, plan)
         elif target == "burn":
-            write = _write_burn(source, target_path, plan)
+            write = _write_burn(source, dst_loc.path, plan)
         else:
-            write = _write_boostr(source, target_path, plan)
+            write = _write_boostr(source, dst_loc.path, plan)
         if plan.problems and not lossy:
             raise ConversionError(target, plan.problems, label=_LABELS.get(target, target))
         count, total = write()
         label = source.label
     return ConversionReport(
-        source=source_path,
-        destination=target_path,
+        source=str(src_loc),
+        destination=str(dst_loc),
         source_format=label,
         destination_format=target,
         tensors=count,

@@ -10,7 +10,6 @@ read once each; both checkpoints are verified as they are read.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 from savepoint.codecs import dtypes
 from savepoint.engine.read import Reader
 from savepoint.state import tree
-from savepoint.storage.paths import local_path
+from savepoint.storage.paths import PathArg, resolve
 
 __all__ = [
     "DiffReport",
@@ -88,11 +87,14 @@ def _leaves(root: tree.Node) -> dict[str, tree.Node]:
     return {tree.join(path): node for path, node in tree.leaves(root)}
 
 
-def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
-    """Compare the checkpoints at ``a`` and ``b`` (see the module docstring)."""
-    a, b = (os.path.abspath(local_path(p, what="checkpoint path")) for p in (a, b))
-    with Reader.open(a) as ra, Reader.open(b) as rb:
-        report = DiffReport(ra.path, rb.path)
+def diff(a: PathArg, b: PathArg) -> DiffReport:
+    """Compare the checkpoints at ``a`` and ``b``, each a local path, a URL or a Location (see
+    the module docstring)."""
+    with (
+        Reader.open(resolve(a, what="checkpoint path")) as ra,
+        Reader.open(resolve(b, what="checkpoint path")) as rb,
+    ):
+        report = DiffReport(ra.shown, rb.shown)
         la, lb = _leaves(ra.manifest.tree), _leaves(rb.manifest.tree)
         report.removed = [k for k in la if k not in lb]
         report.added = [k for k in lb if k not in la]
