@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +34,21 @@ def in_thread(fn: Any, timeout: float = 10.0) -> Any:
     t.join(timeout)
     assert not t.is_alive(), "the read blocked"
     return box["value"]
+
+
+@contextlib.contextmanager
+def one_rank_world() -> Iterator[Any]:
+    """torch.distributed initialised in this process as a world of one rank (gloo, in-memory
+    store), for code that needs a real ``ProcessGroup``; yields ``torch.distributed``, destroys
+    the group after. Skips the test without torch.distributed."""
+    import pytest
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    assert not dist.is_initialized(), "torch.distributed is already initialised"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()

@@ -34,3 +34,7 @@ def _flip(path: Path, ref: str, offset: int = 0) -> None:
 def flip_byte() -> Callable[..., None]:
     """``flip_byte(checkpoint_dir, ref, offset=0)`` inverts one data byte of the tensor ``ref``."""
     return _flip
+
+
+# The moto S3 server of the object-store tests (session-scoped) and a fresh bucket per test.
+from storage._s3server import s3, s3_bucket  # noqa: E402, F401

@@ -861,6 +861,55 @@ def test_invalid_verify_argument(ckpt: Path) -> None:
         sp.load(ckpt, verify="sometimes")  # type: ignore[arg-type]
 
 
+# (argument, bad value, the error, what the message says); every one is checked before reading.
+BAD_LOAD: list[tuple[str, Any, type[Exception], str]] = [
+    ("progress", 5, TypeError, r"load argument progress must be a callable .*, not int \(5\)"),
+    ("progress", "print", TypeError, r"load argument progress .*not str"),
+    ("mmap", "yes", TypeError, r"load argument mmap must be a bool, not str \('yes'\)"),
+    ("mmap", 1, TypeError, r"load argument mmap must be a bool"),
+    ("timeout", "x", TypeError, r"load argument timeout must be a number of seconds or None"),
+    ("timeout", 0, ValueError, r"load argument timeout must be a positive, finite number"),
+    ("timeout", float("nan"), ValueError, r"load argument timeout"),
+    ("keys", 5, TypeError, r"load argument keys must be a key \(str\), an iterable of keys"),
+    ("keys", b"a", TypeError, r"load argument keys must be .*, not bytes"),
+    ("keys", ["a", 1], TypeError, r"load argument keys must be .*; it holds int \(1\)"),
+    ("process_group", "nope", TypeError, r"load argument process_group must be a torch"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "error", "pattern"), BAD_LOAD, ids=repr)
+def test_invalid_load_arguments_fail_before_reading(
+    ckpt: Path, name: str, value: Any, error: type, pattern: str
+) -> None:
+    """Before: ``progress=5`` failed mid-load ("'int' object is not callable"), ``keys=5`` with
+    "'int' object is not iterable", and ``mmap="yes"`` or ``timeout="x"`` were accepted."""
+    sp.save(ckpt, {"a": np.arange(3.0)})
+    with pytest.raises(error, match=pattern):
+        sp.load(ckpt, **{name: value})
+    with pytest.raises(error, match=pattern):  # checked before the path is even looked at
+        sp.load(ckpt.parent / "missing", **{name: value})
+
+
+def test_invalid_verify_arguments_fail_before_reading(ckpt: Path) -> None:
+    sp.save(ckpt, {"a": np.arange(3.0)})
+    for path in (ckpt, ckpt.parent / "missing"):
+        with pytest.raises(TypeError, match=r"verify argument progress must be a callable"):
+            sp.verify(path, progress=5)  # type: ignore[arg-type]
+
+
+def test_valid_load_arguments_still_load(ckpt: Path) -> None:
+    sp.save(ckpt, {"a": np.arange(3.0), "b": {"c": 1}})
+    seen: list[tuple[int, int]] = []
+    loaded = sp.load(
+        ckpt, keys=(k for k in ["a", "b/c"]), mmap=True, timeout=5, progress=lambda d, t: None
+    )
+    np.testing.assert_array_equal(loaded["a"], np.arange(3.0))
+    assert loaded["b"] == {"c": 1}
+    assert sp.load(ckpt, keys="b") == {"b": {"c": 1}}
+    sp.verify(ckpt, progress=lambda d, t: seen.append((d, t)))
+    assert seen
+
+
 def test_read_only_target_is_reported_before_anything_is_modified(ckpt: Path) -> None:
     """A read-only array cannot be restored into; that must not leave a half-restored target."""
     sp.save(ckpt, {"a": np.arange(4, dtype=np.float64), "b": np.arange(3, dtype=np.int64)})

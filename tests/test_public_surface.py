@@ -25,27 +25,6 @@ import savepoint
 
 ROOT = Path(savepoint.__file__).parent
 
-# Ported by issue 14's other helpers; the lead empties this list. An entry covers the module and
-# every module under it.
-ALLOWED = {
-    "savepoint._reader",
-    "savepoint._writer",
-    "savepoint.async_",
-    "savepoint.checkpoint",
-    "savepoint.cli",
-    "savepoint.commit",
-    "savepoint.distributed",
-    "savepoint.engine",
-    "savepoint.inference.history",
-    "savepoint.options",
-    "savepoint.runs",
-    "savepoint.storage",
-}
-
-
-def _allowed(module: str) -> bool:
-    return any(module == a or module.startswith(a + ".") for a in ALLOWED)
-
 
 def _name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -70,7 +49,7 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-PUBLIC = [m for m, _ in _modules() if _is_public(m) and not _allowed(m)]
+PUBLIC = [m for m, _ in _modules() if _is_public(m)]
 
 
 @pytest.mark.parametrize("module", PUBLIC)
@@ -153,7 +132,7 @@ def test_no_module_imports_private_names() -> None:
     found = {
         module: problems
         for module, path in _modules()
-        if not _allowed(module) and (problems := list(_violations(module, path)))
+        if (problems := list(_violations(module, path)))
     }
     assert not found, "\n".join(f"{m}: {p}" for m, ps in found.items() for p in ps)
 

@@ -36,7 +36,13 @@ from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
 from savepoint.engine.read import Reader
 from savepoint.info import CheckpointInfo, TensorInfo
-from savepoint.options import DEFAULT_MAX_FILE_BYTES, DEFAULT_WRITERS, Progress, SaveOptions
+from savepoint.options import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_WRITERS,
+    Progress,
+    SaveOptions,
+    check_load,
+)
 from savepoint.state import tree
 from savepoint.storage.paths import PathArg
 from savepoint.storage.paths import resolve as resolve_path
@@ -48,8 +54,8 @@ __all__ = [
     "Framework",
     "PathLike",
     "Progress",
-    "TensorInfo",
     "SaveOptions",
+    "TensorInfo",
     "describe",
     "inspect",
     "load",
@@ -212,13 +218,16 @@ def load(
     rank reads only the byte ranges of the shards that overlap the parts it holds; a failure on
     any rank raises DistributedCheckpointError on all of them. See ``docs/distributed.md``.
     """
+    keys = check_load(
+        keys=keys,
+        verify=verify,
+        framework=framework,
+        mmap=mmap,
+        progress=progress,
+        process_group=process_group,
+        timeout=timeout,
+    )
     location = resolve_path(path, what="checkpoint path")
-    if verify not in (True, False, "first"):
-        raise ValueError(f"verify must be True, False or 'first', not {verify!r}")
-    if framework not in ("auto", "numpy", "torch"):
-        raise ValueError(f"framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
-    if keys is not None and not isinstance(keys, str):
-        keys = list(keys)  # read twice: to pin the files it needs, then to load
     options: dict[str, Any] = {
         "into": into,
         "keys": keys,
@@ -263,6 +272,7 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
     Raises a CheckpointError subclass describing the first problem; returns the checkpoint's
     description when everything is intact.
     """
+    check_load(progress=progress, what="verify")
     location = resolve_path(path, what="checkpoint path")
     with Reader.open(location) as reader:
         load_engine.verify(reader, progress)

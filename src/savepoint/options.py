@@ -13,20 +13,31 @@ Fields:
 - ``writers``: threads writing data files concurrently; an int of at least 1;
 - ``direct``: False asks for buffered writes (plus fsync) even where ``O_DIRECT`` works;
 - ``progress``: ``progress(done, total)`` called with byte counts as data is written, or None;
-- ``process_group``: a ``torch.distributed`` group for a sharded save (every rank calls), or None
-  (not checked here: that would import torch);
+- ``process_group``: a ``torch.distributed.ProcessGroup`` for a sharded save (every rank calls),
+  or None; torch.distributed is imported only to check a group that is given, and its default
+  group must be initialised;
 - ``timeout``: seconds a sharded save waits for a rank that stopped answering (None: no limit);
   positive and finite.
+
+:func:`check_load` checks the arguments of ``sp.load`` and ``sp.verify`` the same way, before
+anything is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_FILE_BYTES", "DEFAULT_WRITERS", "Progress", "SaveOptions"]
+__all__ = [
+    "DEFAULT_MAX_FILE_BYTES",
+    "DEFAULT_WRITERS",
+    "Progress",
+    "SaveOptions",
+    "check_load",
+    "check_process_group",
+]
 
 DEFAULT_MAX_FILE_BYTES = 1 << 30
 DEFAULT_WRITERS = 1
@@ -61,23 +72,21 @@ class SaveOptions:
             raise ValueError(f"save option writers must be at least 1, not {self.writers}")
         if not isinstance(self.direct, bool):
             raise TypeError(_type_error("direct", "a bool", self.direct))
-        if self.progress is not None and not callable(self.progress):
-            raise TypeError(
-                _type_error("progress", "a callable progress(done, total)", self.progress)
-            )
-        if self.timeout is not None:
-            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
-                raise TypeError(_type_error("timeout", "a number of seconds or None", self.timeout))
-            if not (math.isfinite(self.timeout) and self.timeout > 0):
-                raise ValueError(
-                    f"save option timeout must be a positive, finite number of seconds (or None), "
-                    f"not {self.timeout}"
-                )
+        _check_progress(self.progress, _SAVE)
+        _check_timeout(self.timeout, _SAVE)
+        if self.process_group is not None:
+            check_process_group(self.process_group)
 
     @classmethod
     def of(cls, options: Mapping[str, Any], *, base: SaveOptions | None = None) -> SaveOptions:
         """``base`` (default: the defaults) with ``options`` (keyword arguments as given by a
         caller) applied; an unknown name is a TypeError naming it and the known ones."""
+        if base is not None and not isinstance(base, SaveOptions):
+            raise TypeError(
+                f"options must be a savepoint.SaveOptions, not {type(base).__name__} ({base!r}); "
+                "build one with savepoint.SaveOptions(writers=2, ...), or pass the options as "
+                "keyword arguments"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -98,5 +107,93 @@ class SaveOptions:
         }
 
 
-def _type_error(name: str, wanted: str, value: object) -> str:
-    return f"save option {name} must be {wanted}, not {type(value).__name__} ({value!r})"
+def check_load(
+    *,
+    keys: Any = None,
+    verify: Any = True,
+    framework: Any = "auto",
+    mmap: Any = False,
+    progress: Any = None,
+    process_group: Any = None,
+    timeout: Any = None,
+    what: str = "load",
+) -> str | list[str] | None:
+    """Check the arguments of ``sp.load`` (``what``: the function, for messages; ``sp.verify``
+    passes ``progress`` alone) before anything is read: a TypeError or ValueError naming the
+    argument, its value and what is accepted. Returns ``keys`` as the load reads it (twice: to pin
+    the files it needs, then to load): None, one key, or a list of keys."""
+    label = f"{what} argument"
+    if verify not in (True, False, "first"):
+        raise ValueError(f"{label} verify must be True, False or 'first', not {verify!r}")
+    if framework not in ("auto", "numpy", "torch"):
+        raise ValueError(f"{label} framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
+    if not isinstance(mmap, bool):
+        raise TypeError(_type_error("mmap", "a bool", mmap, label))
+    _check_progress(progress, label)
+    if process_group is not None:
+        check_process_group(process_group, label=label)
+    _check_timeout(timeout, label)
+    if keys is None or isinstance(keys, str):
+        return keys
+    wanted = "a key (str), an iterable of keys, or None"
+    if isinstance(keys, (bytes, bytearray)) or not isinstance(keys, Iterable):
+        raise TypeError(_type_error("keys", wanted, keys, label))
+    listed = list(keys)
+    for key in listed:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"{label} keys must be {wanted}; it holds {type(key).__name__} ({key!r})"
+            )
+    return listed
+
+
+_SAVE = "save option"
+
+
+def _check_progress(progress: object, label: str) -> None:
+    if progress is not None and not callable(progress):
+        raise TypeError(
+            _type_error("progress", "a callable progress(done, total) or None", progress, label)
+        )
+
+
+def _check_timeout(timeout: object, label: str) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(_type_error("timeout", "a number of seconds or None", timeout, label))
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(
+            f"{label} timeout must be a positive, finite number of seconds (or None), not {timeout}"
+        )
+
+
+def check_process_group(group: object, *, label: str = _SAVE) -> None:
+    """``group`` is a ``torch.distributed.ProcessGroup`` and torch.distributed is initialised: a
+    TypeError or ValueError saying what is wrong otherwise (``label`` names the argument's kind:
+    "save option", "load argument"). Call it only for a group that is given: it imports
+    torch.distributed (``import savepoint`` never imports torch)."""
+    wanted = "a torch.distributed.ProcessGroup (dist.group.WORLD, dist.new_group(...)) or None"
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise TypeError(
+            _type_error("process_group", wanted, group, label) + "; torch is not installed"
+        ) from None
+    if not dist.is_available():
+        raise ValueError(
+            f"{label} process_group was given ({group!r}) but this build of torch has no "
+            "torch.distributed; pass process_group=None"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(_type_error("process_group", wanted, group, label))
+    if not dist.is_initialized():
+        raise ValueError(
+            f"{label} process_group was given ({group!r}) but torch.distributed is not "
+            "initialised; call torch.distributed.init_process_group first (or pass "
+            "process_group=None)"
+        )
+
+
+def _type_error(name: str, wanted: str, value: object, label: str = _SAVE) -> str:
+    return f"{label} {name} must be {wanted}, not {type(value).__name__} ({value!r})"

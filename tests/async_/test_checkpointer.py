@@ -8,6 +8,7 @@ and by its own PendingSave.wait().
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import json
 import os
@@ -26,6 +27,7 @@ from _compare import same
 from _concurrency import CountingStore
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
+from savepoint.options import DEFAULT_MAX_FILE_BYTES, SaveOptions
 
 # -- helpers ----------------------------------------------------------------------------------------
 
@@ -431,6 +433,46 @@ def test_progress_counts_tensor_bytes_from_the_background() -> None:
         ck.save(store.at("/run/ckpt"), state).wait()
     assert seen[-1] == (20_000, 20_000)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def _report(done: int, total: int) -> None:
+    pass
+
+
+# (options, keyword arguments given as well): the keywords win, even when they are the defaults.
+MERGES: list[tuple[SaveOptions | None, dict[str, Any]]] = [
+    (SaveOptions(writers=3), {"writers": 1}),
+    (SaveOptions(writers=3), {"writers": 2}),
+    (SaveOptions(direct=False), {"direct": True}),
+    (SaveOptions(max_file_bytes=4096), {"max_file_bytes": DEFAULT_MAX_FILE_BYTES}),
+    (SaveOptions(timeout=5.0), {"timeout": None}),
+    (SaveOptions(progress=_report), {"progress": None}),
+    (SaveOptions(writers=3, direct=False), {}),
+    (None, {"writers": 1, "direct": True}),
+]
+
+
+@pytest.mark.parametrize(("options", "keywords"), MERGES, ids=repr)
+def test_keywords_override_options_as_in_the_manager(
+    tmp_path: Path, options: SaveOptions | None, keywords: dict[str, Any]
+) -> None:
+    """Before, a keyword equal to its default was dropped: ``AsyncCheckpointer(options=
+    SaveOptions(writers=3), writers=1).writers`` was 3 where the manager gives 1."""
+    wanted = dataclasses.replace(options or SaveOptions(), **keywords)
+    with AsyncCheckpointer(options=options, **keywords) as ck:
+        assert ck.options == wanted
+        assert (ck.writers, ck.direct, ck.max_file_bytes, ck.timeout, ck.progress) == (
+            wanted.writers,
+            wanted.direct,
+            wanted.max_file_bytes,
+            wanted.timeout,
+            wanted.progress,
+        )
+    with sp.CheckpointManager(tmp_path / "run", options=options, **keywords) as m:
+        assert m.save_options == wanted
+    with sp.CheckpointManager(tmp_path / "run", async_save=True, options=options, **keywords) as m:
+        assert m.save_options == wanted
+        assert m._async is not None and m._async.options == wanted
 
 
 @pytest.mark.parametrize("options", [{"writers": 0}, {"max_file_bytes": 0}])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import savepoint as sp
+from _support import one_rank_world
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.formats import _boostr_single, _boostr_write, boostr
 
@@ -386,7 +387,10 @@ def test_async_boostr_refuses_bad_state_in_the_caller(tmp_path: Path) -> None:
         with pytest.raises(sp.UnsupportedStateError):
             ck.save_boostr(tmp_path / "a", {"w": "text"})
     assert not (tmp_path / "a").exists()
-    with AsyncCheckpointer(process_group=object(), on_busy="wait") as ck:
+
+
+def test_async_boostr_refuses_a_process_group(tmp_path: Path) -> None:
+    with one_rank_world() as dist, AsyncCheckpointer(process_group=dist.group.WORLD) as ck:
         with pytest.raises(ValueError, match="save_distributed"):
             ck.save_boostr(tmp_path / "a", {"w": np.ones(3)})
 

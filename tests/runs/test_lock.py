@@ -22,6 +22,7 @@ import pytest
 
 import savepoint as sp
 import savepoint.runs.manager as manager_module
+from _support import one_rank_world
 from savepoint.runs import lock as run_lock
 
 from ._util import CHILD_ENV, blank, state
@@ -74,13 +75,16 @@ def test_only_rank_zero_of_a_process_group_takes_the_lock(
 ) -> None:
     """Every rank constructs a manager on the same directory; rank 0 keeps the books."""
     run = tmp_path / "run"
-    monkeypatch.setattr(manager_module, "_rank", lambda group: 0 if group == "rank0" else 1)
-    leader = sp.CheckpointManager(run, process_group="rank0")
-    others = [sp.CheckpointManager(run, process_group=f"rank{r}") for r in (1, 2, 3)]
-    assert leader._writer is not None and all(o._writer is None for o in others)
-    for o in others:
-        o.close()
-    leader.close()
+    with one_rank_world() as dist:
+        # Four groups of this one process, each standing for a rank (the first for rank 0).
+        groups = [dist.group.WORLD, *(dist.new_group([0]) for _ in range(3))]
+        monkeypatch.setattr(manager_module, "_rank", lambda group: groups.index(group))
+        leader = sp.CheckpointManager(run, process_group=groups[0])
+        others = [sp.CheckpointManager(run, process_group=g) for g in groups[1:]]
+        assert leader._writer is not None and all(o._writer is None for o in others)
+        for o in others:
+            o.close()
+        leader.close()
 
 
 def test_another_process_is_refused_until_the_holder_dies(tmp_path: Path) -> None:

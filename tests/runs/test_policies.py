@@ -290,6 +290,23 @@ def test_invalid_arguments(make: Any) -> None:
         make()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: KeepLatest("2"),  # type: ignore[arg-type]
+        lambda: KeepLatest(2.0),  # type: ignore[arg-type]
+        lambda: KeepBest(True, "val"),
+        lambda: KeepEvery(None),  # type: ignore[arg-type]
+        lambda: SaveEvery("10"),  # type: ignore[arg-type]
+    ],
+)
+def test_counts_must_be_ints(make: Any) -> None:
+    """Before, ``KeepLatest("2")`` was built and failed at the first prune ("'<' not supported
+    between instances of 'str' and 'int'")."""
+    with pytest.raises(TypeError, match=r"needs an int n >= \d, not (str|float|bool|NoneType)"):
+        make()
+
+
 def test_zero_is_a_valid_count() -> None:
     assert KeepLatest(0).keep(entries(1, 2)) == set()
     assert KeepBest(0, "val").keep(with_metric({1: 1.0})) == set()

@@ -1,5 +1,6 @@
-"""Path arguments: local paths and file:// URLs work; URLs of schemes without a backend are refused
-before anything exists.
+"""Path arguments: local paths and file:// URLs work; URLs of schemes without a backend (object
+stores without the obstore extra installed, https, ...) are refused before anything exists, and so
+are object-store URLs given to what reads and writes local files only (the foreign formats).
 
 At the parent commit ``sp.save("s3://b/x")`` wrote ``./s3:/b/x`` (os.path collapses the ``//``),
 so every refusal test below also asserts that the working directory stays empty.
@@ -23,6 +24,7 @@ from savepoint.cli import main
 from savepoint.distributed.consolidate import consolidate
 from savepoint.formats import boostr, burn, detect, diff, shrew, training_artifact
 from savepoint.inference import InferenceSnapshot
+from savepoint.storage import paths
 from savepoint.storage.paths import local_path
 
 # memory:// is not refused: it names the in-memory store (tests/storage/test_resolve.py).
@@ -115,6 +117,8 @@ ENTRY_POINTS: dict[str, Callable[[str], Any]] = {
 
 @pytest.fixture
 def empty_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working directory, on a machine without the object-store extras installed."""
+    monkeypatch.setattr(paths, "_has_obstore", lambda: False)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
@@ -169,6 +173,43 @@ def test_cli_refuses_urls_with_exit_1(args: list[str], empty_cwd: Path) -> None:
     assert os.listdir(empty_cwd) == []
 
 
+# What reads and writes local files only: the foreign formats and their detection.
+LOCAL_ONLY = [
+    e
+    for e in ENTRY_POINTS
+    if e.split(".")[0] in ("shrew", "boostr", "burn", "training_artifact", "detect")
+    or e == "AsyncCheckpointer.save_boostr"
+]
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_object_store_urls_reach_the_store_or_a_local_only_refusal(
+    entry: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With obstore installed, s3:// URLs go to the object store everywhere savepoint's own
+    formats are read or written (no network here: the store is replaced by a tripwire), and
+    the foreign formats, which are local files, refuse them before anything exists."""
+    pytest.importorskip("obstore")
+    from savepoint.storage import objectstore
+
+    class Reached(Exception):
+        pass
+
+    def tripwire(scheme: str) -> Any:
+        raise Reached(scheme)
+
+    monkeypatch.setattr(objectstore, "shared", tripwire)
+    monkeypatch.chdir(tmp_path)
+    if entry in LOCAL_ONLY:
+        with pytest.raises(sp.UnsupportedStorageError, match="local files only") as excinfo:
+            ENTRY_POINTS[entry]("s3://bucket/x")
+        assert excinfo.value.scheme == "s3"
+    else:
+        with pytest.raises((Reached, sp.CheckpointNotFoundError)):
+            ENTRY_POINTS[entry]("s3://bucket/x")
+    assert os.listdir(tmp_path) == []
+
+
 def test_file_url_saves_and_loads_the_local_path(tmp_path: Path) -> None:
     where = tmp_path / "a dir" / "ck"
     url = "file://" + quote(str(where))
@@ -208,7 +249,7 @@ def test_local_path_refusals(url: str, scheme: str) -> None:
     assert str(excinfo.value).startswith(f"checkpoint path {url!r}: ")
 
 
-def test_refusal_pickles_with_scheme(empty_cwd: Path) -> None:
+def test_refusal_pickles_with_scheme(empty_cwd: Path) -> None:  # (without obstore)
     with pytest.raises(sp.UnsupportedStorageError) as excinfo:
         sp.save("gs://b/x", STATE)
     copy = pickle.loads(pickle.dumps(excinfo.value))

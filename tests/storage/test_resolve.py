@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from savepoint.errors import UnsupportedStorageError
-from savepoint.storage import local, memory
+from savepoint.storage import local, memory, paths
 from savepoint.storage.faults import FaultyStore
 from savepoint.storage.memory import MemoryStore
 from savepoint.storage.paths import Location, local_path, resolve
@@ -102,6 +102,9 @@ def test_location_passes_through() -> None:
 def test_object_store_urls_name_their_extra(
     url: str, extra: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Without obstore installed (the s3, gcs and azure extras), an object-store URL is refused
+    naming the extra to install."""
+    monkeypatch.setattr(paths, "_has_obstore", lambda: False)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError) as info:
         resolve(url, what="checkpoint path")
@@ -129,3 +132,33 @@ def test_local_path_refuses_other_stores() -> None:
     assert local_path(local.STORE.at("/tmp/x")) == "/tmp/x"
     with pytest.raises(TypeError):
         local_path(b"/tmp/x")  # type: ignore[arg-type]
+
+
+def test_a_store_made_by_hand_has_urls_that_name_it_and_no_other() -> None:
+    """A MemoryStore made by hand is not the shared memory:// store: its URLs (in messages,
+    CheckpointInfo.path, step_path) resolve back to it while it lives, never to the shared store,
+    and are refused once it is gone."""
+    import gc
+
+    import numpy as np
+
+    import savepoint as sp
+    from savepoint.storage import memory as memory_mod
+
+    mine = MemoryStore(atomic_rename=False)
+    info = sp.save(mine.at("/x/c"), {"a": np.arange(3)})
+    sp.save("memory://x/c", {"a": np.arange(5)})
+    assert info.path.startswith(f"memory+{mine.number}://x/c/")
+    assert resolve(info.path).store is mine
+    assert list(sp.load(info.path)["a"]) == [0, 1, 2]
+    assert list(sp.load(str(mine.at("/x/c")))["a"]) == [0, 1, 2]
+    assert list(sp.load("memory://x/c")["a"]) == [0, 1, 2, 3, 4]
+    assert memory_mod.shared().url("/x/c") == "memory://x/c"
+    url = str(mine.at("/x/c"))
+    del mine, info
+    gc.collect()
+    with pytest.raises(UnsupportedStorageError, match="no longer exists"):
+        resolve(url)
+    with pytest.raises(UnsupportedStorageError, match="no longer exists"):
+        resolve("memory+x://a/b")
+    memory_mod.shared().remove_tree("/x")

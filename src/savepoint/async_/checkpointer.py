@@ -47,7 +47,7 @@ from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
 from savepoint.errors import CheckpointError, CheckpointWriteError
 from savepoint.formats import boostr
-from savepoint.options import DEFAULT_MAX_FILE_BYTES, DEFAULT_WRITERS, Progress, SaveOptions
+from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
 from savepoint.storage.paths import Location, PathArg, local_path
 from savepoint.storage.paths import resolve as resolve_path
@@ -59,6 +59,8 @@ _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
 # Strong references while a save is in flight or its failure is unreported, so that dropping the
 # last reference to a checkpointer cannot drop an error with it (the exit hook reports it).
 _UNFINISHED: set[AsyncCheckpointer] = set()
+# The default of each save option keyword: not given (typed Any, so ``int = _UNSET`` checks).
+_UNSET: Any = object()
 
 
 class AsyncCheckpointer:
@@ -76,23 +78,16 @@ class AsyncCheckpointer:
         self,
         *,
         on_busy: OnBusy = "wait",
-        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-        direct: bool = True,
-        writers: int = DEFAULT_WRITERS,
-        progress: Progress | None = None,
-        process_group: Any = None,
-        timeout: float | None = None,
+        max_file_bytes: int = _UNSET,
+        direct: bool = _UNSET,
+        writers: int = _UNSET,
+        progress: Progress | None = _UNSET,
+        process_group: Any = _UNSET,
+        timeout: float | None = _UNSET,
         options: SaveOptions | None = None,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
-        if on_busy == "skip" and (
-            process_group is not None or (options is not None and options.process_group is not None)
-        ):
-            raise ValueError(
-                "on_busy='skip' cannot be used with a process group: ranks could disagree about "
-                "which saves to skip"
-            )
         given = {
             "max_file_bytes": max_file_bytes,
             "direct": direct,
@@ -101,11 +96,16 @@ class AsyncCheckpointer:
             "process_group": process_group,
             "timeout": timeout,
         }
-        defaults = SaveOptions()
-        # Keyword arguments given explicitly override ``options``; checked here, not at a save.
+        # Keyword arguments given explicitly (even with their default value) override
+        # ``options``, as in CheckpointManager; every option is checked here, not at a save.
         self.options = SaveOptions.of(
-            {k: v for k, v in given.items() if v is not getattr(defaults, k)}, base=options
+            {k: v for k, v in given.items() if v is not _UNSET}, base=options
         )
+        if on_busy == "skip" and self.options.process_group is not None:
+            raise ValueError(
+                "on_busy='skip' cannot be used with a process group: ranks could disagree about "
+                "which saves to skip"
+            )
         # Sharded saves (process_group): each rank snapshots its part to host memory, and the
         # background thread runs the two-phase distributed commit (savepoint.distributed.save).
         self.process_group = self.options.process_group

@@ -10,6 +10,8 @@ from savepoint.cli._common import fail, progress
 from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
 
+__all__ = ["consolidate_cmd"]
+
 
 @click.command("consolidate")
 @click.argument("src", type=click.Path(path_type=str))

@@ -15,6 +15,8 @@ from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
 from savepoint.formats.convert import TARGETS, convert
 
+__all__ = ["convert_cmd"]
+
 
 @click.command("convert")
 @click.argument("src", type=click.Path(path_type=str))

@@ -14,6 +14,8 @@ from savepoint.cli._runs import load_report, require_run
 from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
 
+__all__ = ["diff_cmd"]
+
 
 @click.command("diff")
 @click.argument("a", type=click.Path(path_type=str))

@@ -21,6 +21,8 @@ from savepoint.errors import CheckpointError
 from savepoint.formats import detect
 from savepoint.info import CheckpointInfo
 
+__all__ = ["inspect_cmd"]
+
 
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=str))

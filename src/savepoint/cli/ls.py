@@ -20,6 +20,8 @@ from savepoint.cli._text import size as _size
 from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
 
+__all__ = ["ls_cmd"]
+
 
 @click.command("ls")
 @click.argument("run_dir", type=click.Path(path_type=str))

@@ -13,6 +13,8 @@ from savepoint.cli._common import echo_json, local
 from savepoint.cli._runs import committed_steps, load_report, metrics_text, run_problems
 from savepoint.cli._text import table as _table
 
+__all__ = ["report_cmd"]
+
 
 @click.command("report")
 @click.argument("path", type=click.Path(path_type=str))

@@ -20,6 +20,8 @@ from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
 from savepoint.formats import detect
 
+__all__ = ["verify_cmd"]
+
 
 @click.command("verify")
 @click.argument("path", type=click.Path(path_type=str))

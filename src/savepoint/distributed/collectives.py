@@ -41,9 +41,9 @@ from typing import Any, TypeVar
 
 from savepoint.distributed.plan import PlanError
 from savepoint.errors import CheckpointError, DistributedCheckpointError, UnsupportedStateError
+from savepoint.options import check_process_group
 
 __all__ = [
-    "CollectiveError",
     "Coordinator",
     "DEFAULT_TIMEOUT",
     "LocalCoordinator",
@@ -61,8 +61,10 @@ DEFAULT_TIMEOUT = 1800.0  # seconds, as torch.distributed's default process grou
 NAMING_GRACE = 3.0  # seconds a slower rank gets to show it finished, before it is named as failed
 
 
-class CollectiveError(RuntimeError):
-    """A collective on savepoint's group failed (a peer died, closed, or timed out)."""
+class _CollectiveError(RuntimeError):
+    """A collective on savepoint's group failed (a peer died, closed, or timed out), or the group
+    could not be set up. Internal: :meth:`TorchCoordinator.step`, the only way in, turns it into
+    the DistributedCheckpointError every rank raises, so users never see it."""
 
 
 class _Failed:
@@ -146,13 +148,9 @@ class TorchCoordinator(Coordinator):
     """The ranks of a torch.distributed process group, talking over savepoint's own gloo group."""
 
     def __init__(self, process_group: Any, timeout: float | None) -> None:
+        check_process_group(process_group, label="argument")
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_initialized():
-            raise CheckpointError(
-                "process_group was given but torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group first (or pass process_group=None)"
-            )
         ranks = tuple(dist.get_process_group_ranks(process_group))
         me = dist.get_rank()
         if me not in ranks:
@@ -178,23 +176,23 @@ class TorchCoordinator(Coordinator):
     def _call(self, fn: Callable[[], R]) -> R:
         try:
             return fn()
-        except CollectiveError:
+        except _CollectiveError:
             raise
         except Exception as exc:  # gloo raises RuntimeError / DistBackendError subclasses
             _forget(self._ranks, self.timeout)
-            raise CollectiveError(_short(exc)) from exc
+            raise _CollectiveError(_short(exc)) from exc
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def _gather_objects(self, obj: Any) -> list[Any] | None:
         if self.world_size == 1:
             return [obj]
         return self._call(lambda: _gather(self._ensure_group(), obj, self.rank, self.world_size))
 
-    def broadcast(self, obj: Any) -> Any:
+    def _broadcast_object(self, obj: Any) -> Any:
         if self.world_size == 1:
             return obj
         return self._call(lambda: _broadcast(self._ensure_group(), obj, self.rank))
 
-    def scatter(self, objs: Sequence[Any] | None) -> Any:
+    def _scatter_objects(self, objs: Sequence[Any] | None) -> Any:
         if self.world_size == 1:
             assert objs is not None
             return objs[0]
@@ -227,7 +225,7 @@ class TorchCoordinator(Coordinator):
         if self._channel is not None:
             self._channel.done(self.rank, number)
         try:
-            gathered = self.gather(outcome)
+            gathered = self._gather_objects(outcome)
             reply: Any = None
             if self.rank == 0:
                 assert gathered is not None
@@ -238,10 +236,10 @@ class TorchCoordinator(Coordinator):
                 replies = None
                 if self.rank == 0:
                     replies = [reply] * self.world_size if isinstance(reply, _Failed) else reply
-                answer = self.scatter(replies)
+                answer = self._scatter_objects(replies)
             else:
-                answer = self.broadcast(reply)
-        except CollectiveError as exc:
+                answer = self._broadcast_object(reply)
+        except _CollectiveError as exc:
             if self.rank == 0 and cleanup is not None:
                 cleanup()
             grace = min(self.timeout, NAMING_GRACE)
@@ -375,7 +373,7 @@ class _Channel:
                     self._default_store(), rank, size, timedelta(seconds=self.timeout)
                 )
             except Exception as exc:
-                raise CollectiveError(
+                raise _CollectiveError(
                     f"could not set up savepoint's gloo group of {size} ranks: {_short(exc)}"
                 ) from exc
         return self._group

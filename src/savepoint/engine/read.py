@@ -35,8 +35,6 @@ check a shard's checksum over the whole shard, fused with the copy where the cop
 from __future__ import annotations
 
 import functools
-import os
-import stat
 import sys
 import threading
 import time
@@ -670,16 +668,10 @@ def _torch_available() -> bool:
 
 def _special_kind(store: Store, path: str) -> str:
     """What a non-directory, non-regular file is, where the store can say (local files)."""
-    if not isinstance(store, local.LocalStore):
-        return "not a directory"
     try:
-        mode = os.stat(path).st_mode
+        st = store.stat(store.realpath(path))
     except OSError:
         return "not a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a directory"
+    if st is None or not st.special:
+        return "not a directory"
+    return f"a {st.special}"

@@ -90,10 +90,8 @@ def _leaves(root: tree.Node) -> dict[str, tree.Node]:
 def diff(a: PathArg, b: PathArg) -> DiffReport:
     """Compare the checkpoints at ``a`` and ``b``, each a local path, a URL or a Location (see
     the module docstring)."""
-    with (
-        Reader.open(resolve(a, what="checkpoint path")) as ra,
-        Reader.open(resolve(b, what="checkpoint path")) as rb,
-    ):
+    first, second = resolve(a, what="checkpoint path"), resolve(b, what="checkpoint path")
+    with Reader.open(first) as ra, Reader.open(second) as rb:
         report = DiffReport(ra.shown, rb.shown)
         la, lb = _leaves(ra.manifest.tree), _leaves(rb.manifest.tree)
         report.removed = [k for k in la if k not in lb]

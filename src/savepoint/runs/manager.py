@@ -120,6 +120,8 @@ from savepoint.runs.report import (
 )
 from savepoint.storage.paths import Location, PathArg, resolve
 
+__all__ = ["CheckpointManager", "StepSpec"]
+
 StepSpec = int | Literal["latest", "best"]
 _RESTORE_TRIES = 20
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -194,31 +196,49 @@ class CheckpointManager:
         options: SaveOptions | None = None,
         **save_options: Any,
     ) -> None:
-        self._run = resolve(directory, what="run directory")
-        self._store = self._run.store
-        self.directory = str(self._run)
-        # Every save option is checked here, not at the first save (savepoint.options).
+        # Every argument is checked before anything is touched; every save option here, not at
+        # the first save (savepoint.options).
         self.save_options = SaveOptions.of(save_options, base=options)
+        flags = {
+            "async_save": async_save,
+            "verify_before_prune": verify_before_prune,
+            "aliases": aliases,
+            "strict_config": strict_config,
+        }
+        for flag, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, not {type(value).__name__} ({value!r})")
+        if read_only is not None and not isinstance(read_only, bool):
+            raise TypeError(
+                f"read_only must be None, True or False, not {type(read_only).__name__} "
+                f"({read_only!r})"
+            )
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
-        self.best_metric = best_metric
-        self.best_mode: Mode = best_mode
         rules: list[RetentionPolicy] = []
         if keep_last is not None:
-            rules.append(policies.KeepLatest(keep_last))
+            rules.append(_policy("keep_last", policies.KeepLatest, keep_last))
         if keep_best is not None and best_metric is not None:
-            rules.append(policies.KeepBest(keep_best, best_metric, best_mode))
+            rules.append(_policy("keep_best", policies.KeepBest, keep_best, best_metric, best_mode))
         if keep_every is not None:
-            rules.append(policies.KeepEvery(keep_every))
+            rules.append(_policy("keep_every", policies.KeepEvery, keep_every))
+        every: SavePolicy | None = None
+        if save_every is not None:
+            every = _policy("save_every", policies.SaveEvery, save_every)
+        self._run = resolve(directory, what="run directory")
+        self._store = self._run.store
+        self.directory = str(self._run)
+        self.best_metric = best_metric
+        self.best_mode: Mode = best_mode
         if retention is not None:
             rules.append(retention)
         self.retention: RetentionPolicy = (
             policies.AnyOf(*rules) if rules else policies.AnyOf(policies.KeepAll())
         )
         if save_policy is None:
-            save_policy = policies.SaveEvery(save_every) if save_every else policies.SaveAlways()
+            save_policy = every if every is not None else policies.SaveAlways()
         self.save_policy = save_policy
         self.verify_before_prune = verify_before_prune
         self.aliases = aliases
@@ -779,7 +799,7 @@ class CheckpointManager:
                 r.epoch = epoch
             if num_params is not None and r.num_params is None:
                 r.num_params = num_params
-            staged: dict[str, aliases.Staged] = {}
+            staged: dict[str, aliases.Staging] = {}
             phase = "updating the run's books"
             try:
                 on_disk = layout.committed_steps(self._run)
@@ -841,8 +861,8 @@ class CheckpointManager:
             self._verified.add(newest)
         return doomed, None
 
-    def _stage_aliases(self) -> dict[str, aliases.Staged]:
-        staged: dict[str, aliases.Staged] = {}
+    def _stage_aliases(self) -> dict[str, aliases.Staging]:
+        staged: dict[str, aliases.Staging] = {}
         if not self.aliases:
             return staged
         try:
@@ -854,7 +874,7 @@ class CheckpointManager:
             raise
         return staged
 
-    def _swap_aliases(self, staged: dict[str, aliases.Staged]) -> None:
+    def _swap_aliases(self, staged: dict[str, aliases.Staging]) -> None:
         for alias, step in aliases.targets(self.report).items():
             if alias in staged:
                 staged.pop(alias).publish()
@@ -1277,10 +1297,19 @@ def _write_error(what: str, exc: OSError) -> CheckpointWriteError:
     )
 
 
-def _abort(staged: Mapping[str, aliases.Staged]) -> None:
+def _abort(staged: Mapping[str, aliases.Staging]) -> None:
     """Abandon staged aliases without letting cleanup hide an error."""
     for alias in staged.values():
         alias.abort()
+
+
+def _policy(argument: str, make: Callable[..., Any], n: Any, *more: Any) -> Any:
+    """``make(n, *more)``, its TypeError or ValueError naming the manager's ``argument`` (the
+    policy checks ``n``: an int, at least its minimum)."""
+    try:
+        return make(n, *more)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{argument}={n!r}: {exc}") from None
 
 
 def _rank(process_group: Any) -> int:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 from savepoint.runs.report import Report
 
+__all__ = ["plot_reports"]
+
 
 def plot_reports(reports: Sequence[Report], out: str | os.PathLike[str], title: str) -> str:
     """Write a PNG with the loss curves (left) and the metric curves (right); returns its path."""

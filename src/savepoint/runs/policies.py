@@ -17,7 +17,36 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+__all__ = [
+    "AnyOf",
+    "Entry",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLatest",
+    "Mode",
+    "RetentionPolicy",
+    "SaveAlways",
+    "SaveAnyOf",
+    "SaveEvery",
+    "SaveEverySeconds",
+    "SavePolicy",
+    "best_entries",
+    "explain",
+    "from_spec",
+    "metric_value",
+    "to_spec",
+]
+
 Mode = Literal["min", "max"]
+
+
+def _check_count(what: str, n: object, minimum: int) -> None:
+    """``n`` is an int (not a bool) of at least ``minimum``: TypeError or ValueError otherwise."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{what} needs an int n >= {minimum}, not {type(n).__name__} ({n!r})")
+    if n < minimum:
+        raise ValueError(f"{what} needs n >= {minimum}, not {n}")
 
 
 @dataclass(frozen=True)
@@ -40,8 +69,7 @@ class KeepLatest:
     n: int
 
     def __post_init__(self) -> None:
-        if self.n < 0:
-            raise ValueError("KeepLatest(n) needs n >= 0")
+        _check_count("KeepLatest(n)", self.n, 0)
 
     def keep(self, entries: Sequence[Entry]) -> set[int]:
         return set(sorted(e.step for e in entries)[::-1][: self.n])
@@ -76,8 +104,7 @@ class KeepBest:
     mode: Mode = "min"
 
     def __post_init__(self) -> None:
-        if self.n < 0:
-            raise ValueError("KeepBest(n) needs n >= 0")
+        _check_count("KeepBest(n)", self.n, 0)
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', not {self.mode!r}")
 
@@ -92,8 +119,7 @@ class KeepEvery:
     n: int
 
     def __post_init__(self) -> None:
-        if self.n <= 0:
-            raise ValueError("KeepEvery(n) needs n >= 1")
+        _check_count("KeepEvery(n)", self.n, 1)
 
     def keep(self, entries: Sequence[Entry]) -> set[int]:
         return {e.step for e in entries if e.step % self.n == 0}
@@ -190,8 +216,7 @@ class SaveEvery:
     n: int
 
     def __post_init__(self) -> None:
-        if self.n <= 0:
-            raise ValueError("SaveEvery(n) needs n >= 1")
+        _check_count("SaveEvery(n)", self.n, 1)
 
     def should_save(self, step: int, last_saved: int | None) -> bool:
         return step % self.n == 0

@@ -56,6 +56,24 @@ from savepoint.errors import (
 )
 from savepoint.storage.paths import PathArg, resolve
 
+__all__ = [
+    "REPORT_FILE",
+    "RUN_FILE",
+    "Report",
+    "RunInfo",
+    "check_consistent",
+    "config_diff",
+    "count_elements",
+    "identity_problems",
+    "lagging_run",
+    "load_report",
+    "missing_best",
+    "now_iso",
+    "plain_value",
+    "read_json",
+    "write_json",
+]
+
 RUN_FILE = "run.json"
 REPORT_FILE = "report.json"
 MAX_JSON_BYTES = 64 << 20

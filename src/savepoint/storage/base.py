@@ -2,9 +2,10 @@
 
 A :class:`Store` is a namespace of blobs (files, objects) and directories (prefixes) addressed by
 ``/``-separated absolute paths in the store's own namespace (``/tmp/run/step-1`` on the local
-filesystem, ``/bucket/run/step-1`` in memory). Nothing above ``storage/`` calls ``os.open``,
-``mmap`` or ``fsync``: it asks a store, and chooses its strategy from the store's
-:class:`Capabilities`.
+filesystem, ``/bucket/run/step-1`` in memory). No layer above ``storage/`` opens, maps or syncs a
+checkpoint's files itself: it asks a store, and chooses its strategy from the store's
+:class:`Capabilities`. (The foreign formats of ``formats/`` are local files by definition and
+do their own file I/O; anonymous memory maps for staging buffers are not files.)
 
 Writing a blob, in this order::
 
@@ -122,12 +123,14 @@ class Capabilities:
 class Stat:
     """What is at a path: ``kind``; ``size`` in bytes (meaningful for a ``file``); ``identity``,
     equal for the same directory or blob (device and inode, a node's id; hard links share it);
-    ``mtime`` in seconds since the epoch."""
+    ``mtime`` in seconds since the epoch; ``special`` names what an ``other`` is where the
+    backend can tell (a local FIFO, socket or device), for messages."""
 
     kind: Kind
     size: int
     identity: Any
     mtime: float
+    special: str = ""  # for kind "other", where the backend can tell: "FIFO", "socket", "device"
 
 
 class BlobReader(Protocol):

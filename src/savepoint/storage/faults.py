@@ -62,11 +62,11 @@ from savepoint.storage.base import (
 )
 
 __all__ = [
-    "KINDS",
-    "MUTATIONS",
     "Call",
     "Fault",
     "FaultyStore",
+    "KINDS",
+    "MUTATIONS",
     "SimulatedCrash",
     "Stall",
 ]

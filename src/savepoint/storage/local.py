@@ -37,6 +37,24 @@ import numpy as np
 from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
 from savepoint.storage.base import Capabilities, Kind, Stat, Store
 
+__all__ = [
+    "LocalBlobReader",
+    "LocalBlobWriter",
+    "LocalLock",
+    "LocalPinned",
+    "LocalStore",
+    "MappedFile",
+    "STORE",
+    "fsync_dir",
+    "open_dir",
+    "open_read",
+    "permission_error",
+    "read_exact",
+    "read_small",
+    "write_all",
+    "write_small",
+]
+
 BLOCK = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -404,6 +422,16 @@ class LocalPinned:
             self._fd = None
 
 
+def _special(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return ""
+
+
 def _identity(st: os.stat_result) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
@@ -715,7 +743,7 @@ class LocalStore(Store):
             if stat.S_ISLNK(mode)
             else "other"
         )
-        return Stat(kind, st.st_size, _identity(st), st.st_mtime)
+        return Stat(kind, st.st_size, _identity(st), st.st_mtime, _special(mode))
 
     def list(self, path: str) -> list[str]:
         try:

@@ -20,6 +20,7 @@ import errno
 import itertools
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -27,9 +28,12 @@ import numpy as np
 from savepoint.errors import CorruptCheckpointError, NotRegularFileError
 from savepoint.storage.base import BlobReader, Capabilities, Stat, Store
 
-__all__ = ["MemoryStore", "shared"]
+__all__ = ["MemoryStore", "by_number", "shared"]
 
 _ids = itertools.count(1)
+_numbers = itertools.count(1)
+# Stores made by hand, by number, while they live: their memory+<number>:// URLs resolve to them.
+_LIVE: weakref.WeakValueDictionary[int, MemoryStore] = weakref.WeakValueDictionary()
 
 
 class _Blob:
@@ -196,9 +200,20 @@ class MemoryStore(Store):
             locks=False,
         )
         self.capacity = capacity
+        self.number = next(_numbers)
+        _LIVE[self.number] = self
         self._root = _Dir()
         self._lock = threading.RLock()
         self._locks: dict[str, threading.Lock] = {}
+
+    def url(self, path: str) -> str:
+        """``memory://...`` for the shared store; ``memory+<number>://...`` for one made by hand,
+        which :func:`savepoint.storage.paths.resolve` finds again while the store lives (a plain
+        ``memory://`` URL would name the shared store, another one)."""
+        shown = super().url(path)
+        if self is _SHARED:
+            return shown
+        return f"memory+{self.number}" + shown[len(self.scheme) :]
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -463,3 +478,9 @@ def shared() -> MemoryStore:
         if _SHARED is None:
             _SHARED = MemoryStore()
         return _SHARED
+
+
+def by_number(number: int) -> MemoryStore | None:
+    """The live store made by hand with this ``number`` (its ``memory+<number>://`` URLs), or
+    None once it is gone."""
+    return _LIVE.get(number)

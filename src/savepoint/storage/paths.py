@@ -6,15 +6,21 @@ that exist only as local files, :func:`local_path`) first. Without it,
 
 - a plain path, ``pathlib.Path`` or ``file:///abs/path``: the local filesystem;
 - ``memory://name/...``: the process's in-memory store (:func:`savepoint.storage.memory.shared`);
-- ``s3://``, ``gs://``, ``az://`` and other schemes: refused with
-  :class:`~savepoint.errors.UnsupportedStorageError` naming the extra that will carry their
-  backend, before anything is created;
+- ``s3://bucket/key`` (also ``s3a://``), ``gs://bucket/key`` (also ``gcs://``) and
+  ``az://container/key``: the path ``/bucket/key`` in the process's object store of that scheme
+  (:func:`savepoint.storage.objectstore.shared`, configured from the environment) when obstore is
+  installed (the ``s3``, ``gcs`` and ``azure`` extras); without it they are refused with
+  :class:`~savepoint.errors.UnsupportedStorageError` naming the extra to install, before
+  anything is created (obstore is imported only then: ``import savepoint`` never imports it);
+- other schemes (``abfs://``, ``https://``, ...): refused the same way, naming the extra that
+  will carry their backend;
 - a :class:`Location` (``store.at(path)``): any store object, such as the fault-injecting one of
   the tests or an object store configured by hand.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -56,7 +62,7 @@ PathArg = Union[str, "os.PathLike[str]", Location]
 # RFC 3986 scheme followed by "://". A relative path with a colon later ("runs/a:b") or a first
 # component such as "a:b" without "//" does not match and stays a local path.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-# The extras that will carry the backends of schemes savepoint does not handle yet (issue 15).
+# The extras that carry (s3, gs, az) or will carry (abfs, ...) the backends of object stores.
 _EXTRAS = {
     "s3": "s3",
     "s3a": "s3",
@@ -76,10 +82,11 @@ def resolve(path: PathArg, *, what: str = "path") -> Location:
     text = os.fspath(path)
     if isinstance(text, str):
         match = _URL.match(text)
-        if match is not None and match.group(1).lower() == "memory":
+        scheme = "" if match is None else match.group(1).lower()
+        if scheme == "memory" or scheme.startswith("memory+"):
             from savepoint.storage import memory
 
-            rest = text[match.end() :]
+            rest = text[match.end() :] if match is not None else ""
             if "?" in rest or "#" in rest:
                 raise UnsupportedStorageError(
                     f"{what} {text!r}: a memory:// URL takes no query or fragment (write a name's "
@@ -87,11 +94,60 @@ def resolve(path: PathArg, *, what: str = "path") -> Location:
                     path=text,
                     scheme="memory",
                 )
-            store = memory.shared()
+            store = memory.shared() if scheme == "memory" else _numbered(scheme, text, what)
             return Location(store, store.abspath(unquote(rest)))
+        if scheme in _OBJECT_SCHEMES and _has_obstore():
+            return _object_store(text, scheme, text[len(scheme) + 3 :], what)
     from savepoint.storage import local
 
     return Location(local.STORE, os.path.abspath(local_path(path, what=what)))
+
+
+def _numbered(scheme: str, text: str, what: str) -> Store:
+    """The in-memory store a ``memory+<number>://`` URL names (see ``MemoryStore.url``)."""
+    from savepoint.storage import memory
+
+    number = scheme.partition("+")[2]
+    store = memory.by_number(int(number)) if number.isdigit() else None
+    if store is None:
+        raise UnsupportedStorageError(
+            f"{what} {text!r} names an in-memory store made by hand that no longer exists (it "
+            "lives as long as its MemoryStore object; memory:// URLs name the process's shared "
+            "store)",
+            path=text,
+            scheme=scheme,
+        )
+    return store
+
+
+# The schemes of the object-store backend (savepoint.storage.objectstore).
+_OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az"})
+
+
+def _has_obstore() -> bool:
+    return importlib.util.find_spec("obstore") is not None
+
+
+def _object_store(text: str, scheme: str, rest: str, what: str) -> Location:
+    """The Location of an object-store URL: ``s3://bucket/key`` is ``/bucket/key``."""
+    from savepoint.storage import objectstore
+
+    if "?" in rest or "#" in rest:
+        raise UnsupportedStorageError(
+            f"{what} {text!r}: a {scheme}:// URL takes no query or fragment (write a name's '?' "
+            "as %3F and '#' as %23)",
+            path=text,
+            scheme=scheme,
+        )
+    store = objectstore.shared(scheme)
+    path = store.abspath(unquote(rest))
+    if path == "/":
+        raise UnsupportedStorageError(
+            f"{what} {text!r}: the URL names no bucket (as in {scheme}://bucket/run)",
+            path=text,
+            scheme=scheme,
+        )
+    return Location(store, path)
 
 
 def local_path(path: PathArg, *, what: str = "path") -> str:
@@ -137,13 +193,28 @@ def local_path(path: PathArg, *, what: str = "path") -> str:
             scheme=scheme,
         )
     extra = _EXTRAS.get(scheme)
-    needs = (
-        f"its backend will come with the `savepoint[{extra}]` extra (pip install "
-        f"'savepoint[{extra}]'), which this version does not have yet"
-        if extra
-        else "other schemes will be read through fsspec with the `savepoint[fsspec]` extra, "
-        "which this version does not have yet"
-    )
+    if scheme in _OBJECT_SCHEMES and _has_obstore():
+        raise UnsupportedStorageError(
+            f"{what} {text!r}: this reads and writes local files only ({scheme}:// holds "
+            "savepoint checkpoints, runs and snapshot histories); pass a local path",
+            path=text,
+            scheme=scheme,
+        )
+    if scheme in _OBJECT_SCHEMES:
+        needs = (
+            f"its backend comes with the `savepoint[{extra}]` extra (pip install "
+            f"'savepoint[{extra}]'), which this installation does not have"
+        )
+    elif extra:
+        needs = (
+            f"its backend will come with the `savepoint[{extra}]` extra (pip install "
+            f"'savepoint[{extra}]'), which this version does not have yet"
+        )
+    else:
+        needs = (
+            "other schemes will be read through fsspec with the `savepoint[fsspec]` extra, "
+            "which this version does not have yet"
+        )
     raise UnsupportedStorageError(
         f"{what} {text!r}: savepoint has no backend for {scheme}:// URLs here; {needs}. For now "
         "pass a local path, or mount the bucket (s3fs, gcsfuse, blobfuse2, ...) and pass a path "

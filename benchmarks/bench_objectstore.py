@@ -1,0 +1,192 @@
+"""Object storage: savepoint's obstore backend against s3fs, on the same moto S3 server.
+
+Both clients move the same bytes to and from one moto server (``ThreadedMotoServer`` in a child
+process on 127.0.0.1): one save's worth of uploads (``--files`` blobs of ``--mib`` MiB in all,
+written in 16 MiB pieces, as the engine hands them to a ``BlobWriter``) and a full load of them
+read back with ranged GETs. savepoint's side is :class:`savepoint.storage.objectstore.ObjectStore`
+(``create_blob``/``write``/``finish``, ``open_blob``/``read``); s3fs's side is
+``S3FileSystem.open(..., "wb")`` with the same block size, and ``open(..., "rb")`` reads of the
+same pieces. Medians of ``--repeat`` rounds, MiB/s, and the ratio s3fs time / obstore time.
+
+A loopback server measures the clients' overhead and concurrency, not a network: moto is the
+bottleneck well before S3 would be, so the ratios matter more than the absolute speeds.
+
+    pip install -e '.[dev,bench]'
+    python benchmarks/bench_objectstore.py [--mib 256] [--files 8] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+
+import numpy as np
+
+SERVE = """
+import os, sys, time
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+server.start()
+parent = os.getppid()
+while os.getppid() == parent:
+    time.sleep(0.2)
+server.stop()
+"""
+KEY, SECRET, REGION = "bench", "bench-secret", "us-east-1"
+PIECE = 16 * 1024 * 1024
+
+
+def start_server() -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE, str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(endpoint + "/moto-api/", timeout=2):
+                return proc, endpoint
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit("the moto server did not start") from None
+            time.sleep(0.1)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="bytes moved per round, in MiB")
+    ap.add_argument("--files", type=int, default=8, help="blobs the bytes are split into")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+
+    import boto3
+    import s3fs
+
+    from savepoint.storage.objectstore import ObjectStore
+
+    proc, endpoint = start_server()
+    try:
+        os.environ.update(
+            {
+                "AWS_ACCESS_KEY_ID": KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_REGION": REGION,
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_ALLOW_HTTP": "true",
+            }
+        )
+        admin = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=REGION,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
+        )
+        admin.create_bucket(Bucket="bench")
+
+        size = args.mib * 1024 * 1024 // args.files
+        rng = np.random.default_rng(0)
+        blobs = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(args.files)]
+
+        store = ObjectStore("s3", part_size=PIECE)
+        fs = s3fs.S3FileSystem(
+            key=KEY,
+            secret=SECRET,
+            endpoint_url=endpoint,
+            client_kwargs={"region_name": REGION},
+            default_block_size=PIECE,
+            default_fill_cache=False,
+            use_listings_cache=False,
+        )
+
+        def clear() -> None:
+            keys = [o["Key"] for o in admin.list_objects_v2(Bucket="bench").get("Contents", [])]
+            if keys:
+                admin.delete_objects(Bucket="bench", Delete={"Objects": [{"Key": k} for k in keys]})
+            fs.invalidate_cache()
+
+        def sp_save(tag: str) -> None:
+            store.makedirs(f"/bench/{tag}")
+            for i, blob in enumerate(blobs):
+                w = store.create_blob(f"/bench/{tag}/f{i}", size=size)
+                for pos in range(0, size, PIECE):
+                    w.write(memoryview(blob[pos : pos + PIECE]))
+                w.finish()
+
+        def sp_load(tag: str) -> None:
+            for i, blob in enumerate(blobs):
+                r = store.open_blob(f"/bench/{tag}/f{i}")
+                out = np.empty(size, dtype=np.uint8)
+                for pos in range(0, size, PIECE):
+                    r.read(pos, out[pos : pos + PIECE])
+                r.close()
+                assert np.array_equal(out, blob)
+
+        def fs_save(tag: str) -> None:
+            for i, blob in enumerate(blobs):
+                with fs.open(f"bench/{tag}/f{i}", "wb", block_size=PIECE) as f:
+                    for pos in range(0, size, PIECE):
+                        f.write(memoryview(blob[pos : pos + PIECE]))
+
+        def fs_load(tag: str) -> None:
+            for i, blob in enumerate(blobs):
+                out = np.empty(size, dtype=np.uint8)
+                with fs.open(f"bench/{tag}/f{i}", "rb", block_size=PIECE, cache_type="none") as f:
+                    for pos in range(0, size, PIECE):
+                        f.seek(pos)
+                        piece = f.read(min(PIECE, size - pos))
+                        out[pos : pos + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+                assert np.array_equal(out, blob)
+
+        times: dict[str, list[float]] = {
+            k: [] for k in ("sp save", "sp load", "fs save", "fs load")
+        }
+        for rnd in range(args.repeat + 1):  # round 0 warms both clients up and is not counted
+            for who, save, load in (("sp", sp_save, sp_load), ("fs", fs_save, fs_load)):
+                tag = f"{who}{rnd}"
+                t_save = timed(lambda save=save, tag=tag: save(tag))
+                t_load = timed(lambda load=load, tag=tag: load(tag))
+                clear()
+                if rnd:
+                    times[f"{who} save"].append(t_save)
+                    times[f"{who} load"].append(t_load)
+        admin.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+    mib = args.mib
+    print(
+        f"{mib} MiB in {args.files} blobs, {args.repeat} rounds, moto server on loopback, "
+        f"{os.cpu_count()} CPUs; median seconds (MiB/s)"
+    )
+    for op in ("save", "load"):
+        sp_t = statistics.median(times[f"sp {op}"])
+        fs_t = statistics.median(times[f"fs {op}"])
+        print(
+            f"  {op}: obstore {sp_t:.3f} s ({mib / sp_t:.0f} MiB/s)   s3fs {fs_t:.3f} s "
+            f"({mib / fs_t:.0f} MiB/s)   s3fs/obstore {fs_t / sp_t:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
