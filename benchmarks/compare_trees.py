@@ -92,7 +92,10 @@ def main() -> None:
         new = statistics.median(results["new"][name])
         if old:
             o = statistics.median(old)
-            print(f"{name[:58]:58s} {o:6.2f} {new:6.2f} {new / o if o else float('nan'):8.2f}")
+            print(
+                f"{name[:58]:58s} {o:6.2f} {new:6.2f} {new / o if o else float('nan'):8.2f}"
+                f"   old {old} new {results['new'][name]}"
+            )
         else:
             print(f"{name[:58]:58s} {'-':>6s} {new:6.2f}")
 
