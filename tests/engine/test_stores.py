@@ -331,3 +331,65 @@ def test_convert_and_diff_on_every_store(where: Any, tmp_path: Path) -> None:
         with pytest.raises(sp.UnsupportedStorageError, match="local paths only"):
             sp.convert(local_copy, _sibling(where, "x.shrew"), format="shrew")
         assert sp.diff(where, back).identical
+
+
+class _Counted:
+    """Byte and call counts of every read through a NoViews store's readers."""
+
+    def __init__(self, store: NoViews, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        self.bytes = 0
+        counted = self
+        real = _ReaderNoViews.read
+
+        def read(self: _ReaderNoViews, offset: int, out: Any) -> None:
+            counted.calls += 1
+            counted.bytes += memoryview(out).nbytes
+            real(self, offset, out)
+
+        monkeypatch.setattr(_ReaderNoViews, "read", read)
+
+    def reset(self) -> None:
+        self.calls = self.bytes = 0
+
+
+def test_ranged_reads_read_what_a_load_needs_and_group_small_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a store without views (an object store) a load reads each tensor's bytes once,
+    straight into its destination: many small tensors in one request per neighbourhood, a
+    ``keys=`` load only the bytes of the keys asked for, and a corrupt byte is still caught."""
+    store = NoViews()
+    where = store.at("/run/ckpt")
+    rng = np.random.default_rng(0)
+    small = {f"s{i:03d}": rng.standard_normal(64).astype(np.float32) for i in range(200)}
+    big = rng.standard_normal(3 << 20).astype(np.float32)  # 12 MiB
+    state = {"small": small, "big": big}
+    sp.save(where, state)
+    tensor_bytes = big.nbytes + sum(a.nbytes for a in small.values())
+    counted = _Counted(store, monkeypatch)
+    into = {"small": {k: np.zeros_like(v) for k, v in small.items()}, "big": np.zeros_like(big)}
+    sp.load(where, into=into)
+    same(into, state)
+    # headers are read once per file on top of the tensors; no byte of a tensor twice
+    assert tensor_bytes <= counted.bytes <= tensor_bytes + (64 << 10), counted.bytes
+    assert counted.calls <= 8, counted.calls  # not one request per small tensor (201 tensors)
+    counted.reset()
+    got = sp.load(where, keys="small/s007")
+    np.testing.assert_array_equal(got["small"]["s007"], small["s007"])
+    assert counted.bytes <= small["s007"].nbytes + (64 << 10), counted.bytes
+    counted.reset()
+    sp.verify(where)
+    assert tensor_bytes <= counted.bytes <= tensor_bytes + (64 << 10)
+    # A flipped byte in the big tensor is caught when it is read this way.
+    found = resolve(store, where.path)
+    assert found is not None
+    manifest = mf.parse(store.read_small(store.join(found, mf.NAME), cap=None))
+    rec = manifest.tensors[next(r for r, t in manifest.tensors.items() if t.nbytes == big.nbytes)]
+    path = store.join(found, rec.file)
+    data = bytearray(store.read_small(path, cap=None))
+    data[rec.start + 12345] ^= 0xFF
+    store.remove(path)
+    store.put(path, bytes(data))
+    with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch"):
+        sp.load(where, into=into)

@@ -38,7 +38,7 @@ import functools
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,11 @@ from savepoint.storage.paths import resolve as resolve_path
 __all__ = ["ATTEMPTS", "Needs", "Reader", "RegionCopy", "ShardTask", "files_of", "locate"]
 
 PIECE = 4 << 20  # hash-then-copy granularity: stays in cache between the two
+# Stores without zero-copy views (object stores): tensors are read with ranged reads straight into
+# their destination; small neighbours are read together, one read per group of at most
+# GROUP_BYTES whose gaps are at most GAP_BYTES (a GET costs about as much as reading that much).
+GROUP_BYTES = 16 << 20
+GAP_BYTES = 256 << 10
 ATTEMPTS = 20  # generations a reader tries to pin before giving up (each try takes microseconds)
 REPLACE_WAIT = 2.0  # seconds to wait for a live fallback replace to put its new checkpoint in place
 
@@ -432,20 +437,142 @@ class Reader:
         # Files are opened (and their sizes and headers checked) here, in order, before any copy.
         work: list[tuple[int, Callable[[], None]]] = []
         split: list[ShardTask] = []
+        ranged: list[tuple[str, np.ndarray[Any, Any] | None]] = []
         lock = threading.Lock()
         for ref, dst in jobs:
-            if self.manifest.tensors[ref].is_split:
+            rec = self.manifest.tensors[ref]
+            if rec.is_split:
                 split.extend(self._assemble(ref, dst))
                 continue
-            src = self.raw(ref, check_header=verify)
+            opened = self.open_file(rec.file, check_header=verify)
+            if opened.array is None:
+                ranged.append((ref, dst))  # read in the pool, straight into dst
+                continue
+            src = opened.array[rec.start : rec.end]
             work.append(
                 (
                     len(src),
                     functools.partial(self._copy_whole, ref, src, dst, verify, progress, lock),
                 )
             )
+        work += self._ranged_work(ranged, verify=verify, progress=progress, lock=lock)
         work += self._shard_work(split, verify=verify, progress=progress, lock=lock)
         self._run(work)
+
+    def _ranged_work(
+        self,
+        jobs: Sequence[tuple[str, np.ndarray[Any, Any] | None]],
+        *,
+        verify: bool,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> list[tuple[int, Callable[[], None]]]:
+        """Work items for tensors of files without a zero-copy view: a big tensor is read into
+        its destination by one ranged read (the store may split it into parallel requests);
+        small neighbours in a file are read by one request for their whole span, then copied."""
+        work: list[tuple[int, Callable[[], None]]] = []
+        by_file: dict[str, list[tuple[int, int, str, np.ndarray[Any, Any] | None]]] = {}
+        for ref, dst in jobs:
+            rec = self.manifest.tensors[ref]
+            by_file.setdefault(rec.file, []).append((rec.start, rec.end, ref, dst))
+        for name, items in by_file.items():
+            blob = self._files[name].blob
+            items.sort(key=lambda item: item[0])
+            group: list[tuple[int, int, str, np.ndarray[Any, Any] | None]] = []
+            for item in [*items, None]:
+                if group and (
+                    item is None
+                    or item[0] - group[-1][1] > GAP_BYTES
+                    or item[1] - group[0][0] > GROUP_BYTES
+                ):
+                    start, end = group[0][0], group[-1][1]
+                    if len(group) == 1:
+                        fn = functools.partial(
+                            self._read_whole, name, blob, group[0], verify, progress, lock
+                        )
+                    else:
+                        fn = functools.partial(
+                            self._read_group, name, blob, group, verify, progress, lock
+                        )
+                    work.append((end - start, fn))
+                    group = []
+                if item is not None:
+                    group.append(item)
+        return work
+
+    def _read_range(
+        self, name: str, blob: BlobReader, start: int, out: np.ndarray[Any, Any]
+    ) -> None:
+        try:
+            blob.read(start, out)
+        except EOFError:
+            raise self._corrupt(f"data file {name} shrank while being read") from None
+
+    def _read_whole(
+        self,
+        name: str,
+        blob: BlobReader,
+        item: tuple[int, int, str, np.ndarray[Any, Any] | None],
+        verify: bool,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> None:
+        """One tensor: read into its destination and checked there, or (no destination: a
+        verify pass) read and checked a piece at a time through a bounded buffer."""
+        start, end, ref, dst = item
+        if dst is not None:
+            self._read_range(name, blob, start, dst)
+            self._check_read(ref, [dst], verify, progress, lock)
+            return
+        scratch = np.empty(min(GROUP_BYTES, end - start), dtype=np.uint8)
+
+        def pieces() -> Iterator[np.ndarray[Any, Any]]:
+            for pos in range(start, end, len(scratch)):
+                piece = scratch[: min(len(scratch), end - pos)]
+                self._read_range(name, blob, pos, piece)
+                yield piece
+
+        self._check_read(ref, pieces(), verify, progress, lock)
+
+    def _read_group(
+        self,
+        name: str,
+        blob: BlobReader,
+        group: Sequence[tuple[int, int, str, np.ndarray[Any, Any] | None]],
+        verify: bool,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> None:
+        """Neighbouring small tensors: one read of their span, then each copied and checked."""
+        base = group[0][0]
+        span = np.empty(group[-1][1] - base, dtype=np.uint8)
+        self._read_range(name, blob, base, span)
+        for start, end, ref, dst in group:
+            self._copy_whole(ref, span[start - base : end - base], dst, verify, progress, lock)
+
+    def _check_read(
+        self,
+        ref: str,
+        pieces: Iterable[np.ndarray[Any, Any]],
+        verify: bool,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> None:
+        """Hash (``verify``), BOOL-check and count bytes already in place, piece by piece."""
+        hasher = checksum.new() if verify else None
+        boolean = self.manifest.tensors[ref].dtype == "BOOL"
+        for data in pieces:
+            for pos in range(0, len(data), PIECE):
+                piece = data[pos : pos + PIECE]
+                if hasher is not None:
+                    hasher.update(piece)
+                if boolean:
+                    self._check_bool(ref, piece)
+                if progress is not None:
+                    with lock:
+                        progress(len(piece))
+        if hasher is not None and checksum.hexdigest(hasher) != self.manifest.tensors[ref].xxh3:
+            raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
 
     def _copy_whole(
         self,
@@ -534,23 +661,26 @@ class Reader:
         work: list[tuple[int, Callable[[], None]]] = []
         for ref, index, copies in tasks:
             shard = self.manifest.tensors[ref].layout()[index]
-            raw = self.open_file(shard.file, check_header=verify).slice(shard.start, shard.end)
+            opened = self.open_file(shard.file, check_header=verify)
+            # Without a view the shard is read when its task runs (not all shards up front).
+            raw = functools.partial(opened.slice, shard.start, shard.end)
             fn = functools.partial(
                 self._copy_shard, ref, index, raw, copies, verify, progress, lock
             )
-            work.append((len(raw), fn))
+            work.append((shard.end - shard.start, fn))
         return work
 
     def _copy_shard(
         self,
         ref: str,
         index: int,
-        raw: np.ndarray[Any, Any],
+        load: Callable[[], np.ndarray[Any, Any]],
         copies: Sequence[RegionCopy],
         verify: bool,
         progress: Callable[[int], None] | None,
         lock: threading.Lock,
     ) -> None:
+        raw = load()
         rec = self.manifest.tensors[ref]
         numpy_dtype = dtypes.from_name(rec.dtype).numpy
         item = numpy_dtype.itemsize
