@@ -283,3 +283,37 @@ def test_a_hostile_or_damaged_pointer_is_no_checkpoint(doc: bytes) -> None:
     assert resolve_commit(store, "/run/latest") is None
     with pytest.raises(sp.CheckpointError):
         sp.load(store.at("/run/latest"))
+
+
+class _ShortListing(MemoryStore):
+    """An object store whose listing of a run's checkpoints/ comes back empty (a paginated
+    listing cut short, an eventually consistent store) while ``short`` is set."""
+
+    short = False
+
+    def list(self, path: str) -> list[str]:
+        if self.short and path.rstrip("/").endswith("/checkpoints"):
+            return []
+        return super().list(path)
+
+
+def test_an_empty_listing_does_not_make_checkpoints_disappear() -> None:
+    """The steps report.json lists are looked up directly when a listing lacks them: opening,
+    saving, retention and restore behave as with the full listing, and nothing is dropped from
+    the report or deleted."""
+    store = _ShortListing(atomic_rename=False)
+    run = store.at("/run")
+    with sp.CheckpointManager(run, keep_last=3) as m:
+        for step in (1, 2, 3):
+            m.save(step, state(step))
+    store.short = True
+    with sp.CheckpointManager(run, keep_last=3) as m:
+        assert m.steps() == [1, 2, 3]
+        into = blank()
+        assert m.restore(into) == 3
+        same(into, state(3))
+        m.save(4, state(4))
+        assert m.steps() == [2, 3, 4]
+    store.short = False
+    assert report_of(run)["checkpoints"] == [4, 3, 2]
+    assert layout.committed_steps(run) == [2, 3, 4]

@@ -26,6 +26,7 @@ import contextlib
 import errno
 import os
 import re
+from collections.abc import Iterable
 
 from savepoint.commit import names
 from savepoint.commit.transaction import resolve as resolve_commit
@@ -84,8 +85,13 @@ def committed(where: Location) -> bool:
     return resolve_commit(where.store, where.path) is not None
 
 
-def committed_steps(directory: PathArg) -> list[int]:
+def committed_steps(directory: PathArg, expected: Iterable[int] = ()) -> list[int]:
     """Steps with a committed checkpoint (a manifest), ascending. Hidden temporaries are ignored.
+
+    ``expected`` (the steps ``report.json`` lists) are not taken on the listing's word: one the
+    listing lacks is looked up directly (its own prefix, its manifest), so an empty or partial
+    listing (a paginated listing cut short, an eventually consistent store) never makes a
+    committed checkpoint look gone.
 
     An unlistable ``checkpoints/`` is CheckpointPermissionError (EACCES/EPERM) or
     CorruptCheckpointError (not a directory, or any other failure); a missing one has no steps."""
@@ -117,6 +123,8 @@ def committed_steps(directory: PathArg) -> list[int]:
         m = _STEP_DIR.fullmatch(entry)
         if m and committed(root.join(entry)):
             steps.append(int(m.group(1)))
+    listed = set(steps)
+    steps += [s for s in set(expected) - listed if committed(step_location(run, s))]
     return sorted(steps)
 
 
