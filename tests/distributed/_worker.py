@@ -458,6 +458,89 @@ def scenario_hang(s: Session) -> None:
     s.check("rank hanging mid-save", hung)
 
 
+def scenario_s3(s: Session) -> None:
+    """World 2, every checkpoint in the moto S3 bucket named by SAVEPOINT_TEST_S3_ROOT: each rank
+    uploads its own part, rank 0 puts the manifest last; loads 2 -> 2, 2 -> 1 and whole; a run
+    with retention and pointer aliases; a background save; a rank whose uploads fail gives one
+    error on every rank, and no manifest."""
+    world, rank = s.world, s.rank
+    root = os.environ["SAVEPOINT_TEST_S3_ROOT"]
+    everyone = list(range(world))
+    pg = dist.group.WORLD
+    s.path = lambda name: f"{root}/{name}"  # type: ignore[method-assign]
+    s.check("save 2", lambda: save_and_load(s, pg, everyone, "ckpt"))
+    s.check("load 2->2 shards", lambda: load_into(s, pg, everyone, "ckpt"))
+    solo = [dist.new_group([r]) for r in everyone]
+    s.check("load 2->1", lambda: load_into(s, solo[rank], [rank], "ckpt"))
+    s.check(
+        "load whole with group",
+        lambda: check_whole(sp.load(s.path("ckpt"), process_group=pg, timeout=60)),
+    )
+
+    def manager() -> None:
+        with sp.CheckpointManager(s.path("run"), keep_last=2, process_group=pg, timeout=60) as m:
+            for step in (1, 2, 3):
+                m.save(step, state(rank, world))
+        dist.barrier()  # rank 0 prunes after every rank has written its part
+        if rank == 0:
+            assert sp.open_run(s.path("run")).steps() == [2, 3]
+        targets = state(rank, world, empty=True)
+        restored = sp.CheckpointManager(s.path("run"), read_only=True).restore(
+            targets, process_group=pg, timeout=60, resume=False
+        )
+        assert restored == 3, restored
+        check_state(targets, rank, world)
+        dist.barrier()
+        if rank == 0:
+            latest = sp.inspect(s.path("run/latest"))
+            assert latest.metadata["savepoint_run"]["step"] == 3
+            assert latest.world_size == world
+
+    s.check("manager", manager)
+
+    def background() -> None:
+        live = state(rank, world)
+        with sp.AsyncCheckpointer(process_group=pg, timeout=60) as ck:
+            pending = ck.save(s.path("async"), live)
+            live["model"]["rep"].add_(1000)  # training goes on; the snapshot must not see it
+            pending.wait()
+        targets = state(rank, world, empty=True)
+        sp.load(s.path("async"), into=targets, process_group=pg)
+        check_state(targets, rank, world)
+
+    s.check("background save", background)
+
+    def failing_uploads() -> None:
+        import errno
+
+        from savepoint.storage import objectstore
+
+        real = objectstore.ObjectStore.create_blob
+
+        def failing(self: Any, path: str, **kwargs: Any) -> Any:
+            if rank == 1:
+                raise OSError(errno.EIO, "injected upload failure", path)
+            return real(self, path, **kwargs)
+
+        objectstore.ObjectStore.create_blob = failing  # type: ignore[method-assign]
+        try:
+            s.data["failing"] = expect_failure(
+                lambda: sp.save(s.path("ckpt"), state(rank, world), process_group=pg, timeout=60),
+                ranks=[1],
+                words=["rank 1", "injected upload failure"],
+            )
+        finally:
+            objectstore.ObjectStore.create_blob = real  # type: ignore[method-assign]
+        dist.barrier()
+        check_whole(sp.load(s.path("ckpt")))  # the previous checkpoint is intact
+        store = objectstore.shared("s3")
+        target = store.abspath(s.path("ckpt").split("://", 1)[1])
+        generations = [n for n in store.list(target) if n.startswith("gen-")]
+        assert len(generations) == 1, generations  # the failed attempt's prefix is gone
+
+    s.check("rank failing its uploads", failing_uploads)
+
+
 def main() -> None:
     scenario, rank, world, port, workdir = sys.argv[1:6]
     torch.set_num_threads(1)

@@ -231,3 +231,20 @@ def _previous_is_intact(directory: Path) -> None:
     sp.verify(directory / "ckpt")
     tree = sp.load(directory / "ckpt")
     assert torch.equal(tree["model"]["tp0"], _global()["tp0"])
+
+
+def test_two_ranks_on_an_object_store(
+    tmp_path: Path, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sharded save, loads on other world sizes, a managed run and a failing rank, with the
+    checkpoints in an S3 bucket (moto on loopback) instead of a shared filesystem."""
+    monkeypatch.setenv("SAVEPOINT_TEST_S3_ROOT", f"s3://{s3_bucket}/sessions")
+    s = _launch.run("s3", 2, tmp_path, timeout=240)
+    for rank in range(2):
+        assert rank in s.results, s.failures()
+        assert all(v == "ok" for v in s.results[rank]["checks"].values()), s.failures()
+        assert len(s.results[rank]["checks"]) == 7, s.results[rank]["checks"]
+    # Checked again from this process, without the topology.
+    tree = sp.load(f"s3://{s3_bucket}/sessions/ckpt")
+    assert torch.equal(tree["model"]["tp0"], _global()["tp0"])
+    assert sp.verify(f"s3://{s3_bucket}/sessions/ckpt").world_size == 2

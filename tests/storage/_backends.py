@@ -7,9 +7,18 @@ Each is built fresh from its name, so a child process can build the same one
 the session's moto server (:mod:`tests.storage._s3server`); the contract suite's root ``/contract``
 is the bucket ``contract``, emptied by every ``make("s3")`` (a child process's ``make`` leaves it
 as it is, so it sees what the test wrote).
+
+``fsspec-memory`` is :class:`savepoint.storage.fsspecstore.FsspecStore` over fsspec's in-memory
+filesystem, which is global to the process: each test gets a root of its own (:func:`root`) and
+removes it afterwards (:func:`cleanup`). ``fsspec-local`` is the same store over fsspec's
+LocalFileSystem, rooted in the test's ``tmp_path`` as ``local`` is.
 """
 
 from __future__ import annotations
+
+import uuid
+import warnings
+from pathlib import Path
 
 from savepoint.storage.base import Store
 from savepoint.storage.faults import FaultyStore
@@ -18,7 +27,14 @@ from savepoint.storage.memory import MemoryStore
 
 from . import _s3server
 
-PLAIN = ["local", "memory", "memory-object", *(["s3"] if _s3server.AVAILABLE else [])]
+PLAIN = [
+    "local",
+    "memory",
+    "memory-object",
+    "fsspec-memory",
+    "fsspec-local",
+    *(["s3"] if _s3server.AVAILABLE else []),
+]
 NAMES = [*PLAIN, *(f"faulty-{name}" for name in PLAIN)]
 # Backends whose HTTP client closes its sockets asynchronously (the fd-leak check waits for it).
 ASYNC_CLOSE = frozenset({"s3", "faulty-s3"})
@@ -49,6 +65,18 @@ def make(name: str) -> Store:
         return MemoryStore()
     if name == "memory-object":
         return MemoryStore(atomic_rename=False)
+    if name in ("fsspec-memory", "fsspec-local"):
+        import fsspec
+
+        from savepoint.storage.fsspecstore import FsspecStore, WeakCreateWarning
+
+        store = FsspecStore(fsspec.filesystem(name.removeprefix("fsspec-")))
+        with warnings.catch_warnings():
+            # The one warning at the filesystem's first write (tests/storage/test_fsspecstore.py
+            # checks it): taken here, so that the suite's warnings-as-errors does not fail on it.
+            warnings.simplefilter("ignore", WeakCreateWarning)
+            store.makedirs("/")
+        return store
     if name == "s3":
         from savepoint.storage.objectstore import ObjectStore
 
@@ -57,6 +85,22 @@ def make(name: str) -> Store:
         server.empty_bucket("contract")
         return ObjectStore("s3", **S3_OPTIONS)  # type: ignore[arg-type]
     raise ValueError(f"no backend {name!r}")
+
+
+def root(name: str, tmp_path: Path) -> str:
+    """The contract suite's root directory in backend ``name`` (made by the suite)."""
+    plain = name.removeprefix("faulty-")
+    if plain in ("local", "fsspec-local"):
+        return str(tmp_path / "root")
+    if plain == "fsspec-memory":  # one filesystem for the whole process: a root of its own
+        return f"/contract-{uuid.uuid4().hex}"
+    return "/contract"
+
+
+def cleanup(name: str, store: Store, root: str) -> None:
+    """Remove what a test left in a backend that outlives it (fsspec's memory filesystem)."""
+    if name.removeprefix("faulty-") == "fsspec-memory":
+        store.remove_tree(root)
 
 
 # What a child process runs first: ``make`` as above, from the installed package only (the
@@ -71,9 +115,18 @@ def _s3():
     from savepoint.storage.objectstore import ObjectStore
     return ObjectStore("s3", part_size=5 * 1024 * 1024)
 
+def _fsspec(protocol):
+    import warnings
+    import fsspec
+    from savepoint.storage.fsspecstore import FsspecStore
+    warnings.simplefilter("ignore")
+    return FsspecStore(fsspec.filesystem(protocol))
+
 def make(name):
     if name.startswith("faulty-"):
         return FaultyStore(make(name[len("faulty-"):]))
     return {"local": LocalStore, "memory": MemoryStore,
-            "memory-object": lambda: MemoryStore(atomic_rename=False), "s3": _s3}[name]()
+            "memory-object": lambda: MemoryStore(atomic_rename=False), "s3": _s3,
+            "fsspec-memory": lambda: _fsspec("memory"),
+            "fsspec-local": lambda: _fsspec("file")}[name]()
 """

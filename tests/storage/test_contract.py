@@ -28,7 +28,8 @@ from savepoint.storage.faults import FaultyStore
 from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import resolve as resolve_path
 
-from ._backends import ASYNC_CLOSE, CHILD_PRELUDE, NAMES, make
+from ._backends import ASYNC_CLOSE, CHILD_PRELUDE, NAMES, cleanup, make
+from ._backends import root as backend_root
 
 RNG = np.random.default_rng(20260101)
 PAGE = 4096
@@ -49,11 +50,12 @@ class Env:
 
 
 @pytest.fixture(params=NAMES)
-def env(request: pytest.FixtureRequest, tmp_path: Path) -> Env:
+def env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
     store = make(request.param)
-    root = str(tmp_path / "root") if store.scheme == "file" else "/contract"
+    root = backend_root(request.param, tmp_path)
     store.makedirs(root)
-    return Env(request.param, store, root)
+    yield Env(request.param, store, root)
+    cleanup(request.param, store, root)
 
 
 def data(n: int) -> bytes:
@@ -757,7 +759,10 @@ def test_capability_atomic_rename(env: Env) -> None:
 
 
 def test_capability_create_only_put(env: Env) -> None:
-    assert env.store.capabilities.create_only_put  # every backend today; object stores too
+    if not env.store.capabilities.create_only_put:
+        # fsspec filesystems without an atomic exclusive create (check, then write): racing
+        # creators are not excluded, and the store says so (a warning at its first write).
+        pytest.skip("create_only_put=False: racing creators are not excluded")
     winners: list[int] = []
     start = threading.Barrier(8)
 

@@ -117,8 +117,10 @@ ENTRY_POINTS: dict[str, Callable[[str], Any]] = {
 
 @pytest.fixture
 def empty_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty working directory, on a machine without the object-store extras installed."""
+    """An empty working directory, on a machine without the object-store and fsspec extras
+    installed."""
     monkeypatch.setattr(paths, "_has_obstore", lambda: False)
+    monkeypatch.setattr(paths, "_has_fsspec", lambda: False)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)

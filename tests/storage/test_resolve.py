@@ -116,7 +116,10 @@ def test_object_store_urls_name_their_extra(
 
 
 @pytest.mark.parametrize("url", ["https://host/x", "hdfs://nn/x", "webdav://h/x"])
-def test_other_schemes_point_at_fsspec(url: str) -> None:
+def test_other_schemes_point_at_fsspec(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without fsspec installed (the fsspec extra), other schemes are refused naming the extra
+    (with it: tests/storage/test_fsspecstore.py)."""
+    monkeypatch.setattr(paths, "_has_fsspec", lambda: False)
     with pytest.raises(UnsupportedStorageError, match=r"savepoint\[fsspec\]") as info:
         resolve(url)
     assert info.value.scheme == url.split(":")[0]

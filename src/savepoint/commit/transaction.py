@@ -187,7 +187,11 @@ def write_error(
 ) -> CheckpointWriteError:
     """The CheckpointWriteError for an OSError met while saving ``target``."""
     shown = store.url(target)
-    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    # The OSError's own text first: an object store's names the request and its cause.
+    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
+    where = exc.filename
+    if isinstance(where, str) and where.startswith("/"):
+        where = store.url(where)  # the store's path as the user names it (a URL off the disk)
     hint = {
         errno.ENOSPC: "free disk space and save again",
         errno.EDQUOT: "free quota and save again",
@@ -195,7 +199,7 @@ def write_error(
         errno.EROFS: "the filesystem is read-only",
     }.get(exc.errno or 0, "see the cause below")
     return CheckpointWriteError(
-        f"saving {shown} failed: {reason} ({exc.filename or shown}); any previous {what} "
+        f"saving {shown} failed: {reason} ({where or shown}); any previous {what} "
         f"there is intact and no temporary files remain; {hint}",
         path=shown,
         errno=exc.errno,

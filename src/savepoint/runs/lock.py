@@ -11,7 +11,9 @@ On a local disk that is an exclusive ``flock(2)`` on ``run/.writer.lock``
 ``fork`` and ``SIGKILL``); while held, the lock file holds one JSON line describing the holder
 (``{"pid": 123, "host": "node7", "since": "2026-11-25T12:00:00Z"}``), only informative. On the
 in-memory store (which lives in one process) it is an in-process lock, and the description is a
-blob at the same name. Readers (``sp.load``, a read-only manager, ``savepoint ls``, ``report``
+blob at the same name. On object stores, which have no locks, it is a lease object put create-only
+at that name and renewed while held (:class:`savepoint.storage.lease.LeaseLock`: a writer that died
+leaves a lease that expires after its ttl, at once where its host sees its pid gone). Readers (``sp.load``, a read-only manager, ``savepoint ls``, ``report``
 and ``verify``) never take the lock.
 
 Why ``fcntl.flock`` directly rather than the ``filelock`` package: ``filelock``'s
@@ -53,6 +55,7 @@ from savepoint.errors import (
 )
 from savepoint.runs.report import now_iso
 from savepoint.storage.base import Lock
+from savepoint.storage.lease import LeaseLock
 from savepoint.storage.local import LocalLock
 from savepoint.storage.paths import Location, PathArg, resolve
 
@@ -118,6 +121,8 @@ class WriterLock:
         data = (json.dumps(record) + "\n").encode("utf-8")
         if isinstance(self._lock, LocalLock):
             self._lock.describe(data)  # inside the locked file: replacing it would lose the lock
+        elif isinstance(self._lock, LeaseLock):
+            pass  # the lease object names its holder itself
         elif self._in_process:
             with contextlib.suppress(OSError):  # informative only
                 self.run.store.put(self.path, data, exclusive=False)
@@ -146,6 +151,8 @@ class WriterLock:
                 path=self.directory,
                 holder=f"pid {self._pid} (the parent of this process)",
             )
+        if self._lost is None and isinstance(self._lock, LeaseLock):
+            self._lost = self._lock.check()  # renews the lease; why it was lost, if it was
         if self._lost is None and isinstance(self._lock, LocalLock):
             try:
                 self._lost = self._lock.check()
@@ -176,7 +183,7 @@ class WriterLock:
         lock, self._lock = self._lock, None
         if lock is None:
             return
-        if self._in_process and os.getpid() == self._pid:
+        if self._in_process and os.getpid() == self._pid and not isinstance(lock, LeaseLock):
             with contextlib.suppress(OSError):
                 self.run.store.remove(self.path)
         if os.getpid() == self._pid or isinstance(lock, LocalLock):

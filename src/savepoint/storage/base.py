@@ -308,7 +308,13 @@ class Store(abc.ABC):
         raise NotImplementedError(f"{self.scheme} storage has no hard links")
 
     def lock(self, path: str) -> Lock:
-        """An exclusive, non-blocking lock named by ``path`` (a run's writer lock)."""
+        """An exclusive, non-blocking lock named by ``path`` (a run's writer lock). By default,
+        where the store can put create-only, a lease object at ``path``
+        (:class:`savepoint.storage.lease.LeaseLock`)."""
+        if self.capabilities.create_only_put:
+            from savepoint.storage.lease import LeaseLock
+
+            return LeaseLock(self, path)
         raise NotImplementedError(f"{self.scheme} storage has no locks")
 
 

@@ -25,9 +25,36 @@ checked with a HEAD at ``create_blob`` and again just before the upload complete
 creates the same key between that HEAD and the completion is overwritten (the race). The commit
 protocol does not depend on it: data blobs go to a generation prefix unique to the attempt, and the
 commit point, the manifest, is a ``put(exclusive=True)``, which is atomic (``If-None-Match: *``).
-One gap is object_store's: when a part upload fails while ``finish`` completes the upload, the
-upload is left open (obstore no longer exposes it to abort). Configure the bucket's lifecycle rule
-``AbortIncompleteMultipartUpload`` as obstore's own documentation advises.
+object_store (0.14.2, in obstore 0.12.1) aborts the upload itself when a part or the completion
+fails while ``finish`` completes it (obstore no longer exposes the upload then); one orphan remains
+possible: when the answer to the request that *creates* an upload is lost, object_store's retry
+creates a second one and the first, empty, stays open (obstore has no call to list or abort it).
+Configure the bucket's lifecycle rule ``AbortIncompleteMultipartUpload`` as obstore's own
+documentation advises. A completion whose answer was lost (it took effect, the client saw an
+error, and S3 answers the retry with 404 NoSuchUpload) is a success when a HEAD finds the object
+with this upload's size and, on S3, an ETag ending in ``-<parts>`` (the key was absent just
+before the completion; nothing else writes a generation's keys).
+
+Create-only puts (``put(exclusive=True)``, blobs smaller than a part, directory markers): a PUT
+with ``If-None-Match: *``. obstore does not retry it after a timeout or a reset (it is not
+idempotent), so this module does, up to the retry policy's ``max_retries``; and after any failure
+it reads back what is at the key: its own bytes are a success (a lost answer: the put took effect,
+the client saw an error, the retry got 412), other bytes are FileExistsError (another writer's),
+nothing is a reason to send it again. Whether the server honours ``If-None-Match`` is probed once
+per bucket, at its first create-only put: a probe object (``.savepoint-probe-<random>`` at the
+bucket's root, never listed) is put create-only twice and deleted; if the second put succeeds, the
+server ignores the precondition, a UserWarning says so once, and create-only puts of that bucket
+become HEAD-then-put (two writers racing on one key between the HEAD and the PUT may both
+succeed).
+
+Timeouts and retries: obstore's ``timeout`` (30 s by default) bounds each request from connect
+to the end of its response; it is a deadline per attempt, not a measure of progress, so it must
+exceed the time a whole part (``part_size``) or read chunk (``read_chunk``) takes at the slowest
+bandwidth expected: a part that stalls is cut off at the deadline and sent again (part uploads,
+completions and reads are retried after a timeout; ``read_timeout``, off by default, bounds only
+the gaps between reads of a response). ``retry_timeout`` bounds one request's retries as a whole.
+Listings are retried here as well when their response body is cut off (obstore retries only
+failures before the answer).
 
 Reading: ``open_blob`` is one ranged GET of the first ``prefetch`` bytes (1 MiB) that also returns
 the size, ETag and version. A blob no larger than that is served from memory from then on (so it
@@ -54,8 +81,13 @@ per scheme configured from the environment; a store configured by hand is passed
 ``store.at("/bucket/run")``.
 
 Errors: a missing object is FileNotFoundError; a refused precondition (the object exists, or changed)
-is FileExistsError; a refused credential is PermissionError; anything else is an OSError (EIO)
-whose message names the object (``s3://bucket/key``) and the cause.
+is FileExistsError; a refused credential is PermissionError. A failed write (PUT, part upload,
+completion, DELETE) is a :class:`~savepoint.errors.CheckpointWriteError` (an OSError, ``errno``
+EIO), a failed read of a blob's bytes a CheckpointError, a failed HEAD or LIST an OSError (EIO);
+every message names the object (``s3://bucket/key``, and the part), the attempts made ("after 4
+attempts", from obstore's error and this module's own retries; "after obstore's retries (up to N
+attempts)" where obstore's error does not say) and the cause (the status and S3's error code, or
+the transport failure).
 """
 
 from __future__ import annotations
@@ -64,7 +96,11 @@ import concurrent.futures
 import contextlib
 import errno
 import os
+import re
+import secrets
 import threading
+import time
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +109,12 @@ import obstore
 import obstore.exceptions as oe
 import obstore.store
 
-from savepoint.errors import CorruptCheckpointError, NotRegularFileError
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    NotRegularFileError,
+)
 from savepoint.storage.base import Capabilities, Stat, Store
 
 if TYPE_CHECKING:
@@ -85,6 +126,7 @@ __all__ = [
     "MAX_PARTS",
     "MIN_PART_SIZE",
     "ObjectStore",
+    "PROBE",
     "part_size_for",
     "shared",
 ]
@@ -133,6 +175,15 @@ _CLIENT_KEYS = frozenset(
     }
 )
 
+# obstore's RetryError: "Error performing PUT <uri> in 12ms, after 2 retries, max_retries: 2,
+# retry_timeout: 10s  - <cause>" (no "after ..." when the request was tried once).
+_PERFORMING = re.compile(
+    r"Error performing \S+ \S+ in [^,\n]*?(?:, after (?P<retries>\d+) retries[^\n]*?)?\s+- "
+    r"(?P<cause>.*)",
+    re.S,
+)
+PROBE = ".savepoint-probe-"  # the prefix of the object that tests a bucket's create-only puts
+
 SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "az": "az"}
 _ENV_PREFIX = {"s3": "AWS", "gs": "GOOGLE", "az": "AZURE"}
 
@@ -152,10 +203,44 @@ def part_size_for(size: int | None, preferred: int = DEFAULT_PART_SIZE) -> int:
 
 
 def _cause(exc: BaseException) -> str:
-    """The first line of an obstore error (they carry a long debug dump after it)."""
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    return line if len(line) <= 400 else line[:400] + "..."
+    """What went wrong, in one line: an obstore error's inner cause (the status and S3's error
+    code, or the transport error's kind and reason), without its request line and debug dump."""
+    text = str(exc).strip()
+    first, _, debug = text.partition("Debug source:")
+    found = _PERFORMING.search(first)
+    cause = found.group("cause") if found else first
+    code = re.search(r"<Code>([^<]*)</Code>", cause)
+    cause = re.sub(r"(status code: \d{3}[^:<]*):.*", r"\1", cause, flags=re.S)
+    lines = cause.strip().splitlines()
+    cause = lines[0].strip() if lines else type(exc).__name__
+    extra = [code.group(1)] if code else []
+    kind = re.search(r"kind: (Timeout|Interrupted|Connect|Decode|Body)\b", debug)
+    reason = re.search(r'message: "([^"]+)"', debug)
+    if kind:
+        extra.append({"Timeout": "timed out"}.get(kind.group(1), kind.group(1).lower()))
+    if reason:
+        extra.append(reason.group(1))
+    if extra:
+        cause += f" ({', '.join(extra)})"
+    return cause if len(cause) <= 400 else cause[:400] + "..."
+
+
+def _retries(exc: BaseException) -> int | None:
+    """How many times obstore retried the request that failed with ``exc`` (0: it was tried
+    once); None when the error does not say (it did not come from an HTTP request)."""
+    found = _PERFORMING.search(str(exc).partition("Debug source:")[0])
+    if found is None:
+        return None
+    return int(found.group("retries") or 0)
+
+
+def _is_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` is a transport failure (a timeout, a reset, a lost response) rather than
+    an answer of the server: the request may or may not have taken effect."""
+    first, _, debug = str(exc).partition("Debug source:")
+    if debug:
+        return "inner: Http(" in debug or "kind: Interrupted" in debug or "kind: Timeout" in debug
+    return "HTTP error:" in first  # an error converted without its debug dump
 
 
 def _is_missing(exc: BaseException) -> bool:
@@ -164,6 +249,15 @@ def _is_missing(exc: BaseException) -> bool:
 
 def _is_precondition(exc: BaseException) -> bool:
     return isinstance(exc, (oe.AlreadyExistsError, oe.PreconditionError, FileExistsError))
+
+
+class _Counted(Exception):
+    """A failure after ``attempts`` attempts, some of them savepoint's own retries."""
+
+    def __init__(self, cause: BaseException, attempts: int) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.attempts = attempts
 
 
 class ObjectStore(Store):
@@ -218,6 +312,8 @@ class ObjectStore(Store):
         self._config = {k: v for k, v in options.items() if k not in _CLIENT_KEYS}
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self._create_only: dict[str, bool] = {}  # bucket -> whether If-None-Match is honoured
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- internals -----------------------------------------------------------------------------
@@ -251,8 +347,26 @@ class ObjectStore(Store):
     def _shown(self, bucket: str, key: str) -> str:
         return self.url(f"/{bucket}/{key}" if key else f"/{bucket}")
 
-    def _error(self, exc: BaseException, bucket: str, key: str, what: str) -> OSError:
-        """The OSError for an obstore failure of ``what`` on ``bucket/key``."""
+    def _tries(self) -> int:
+        """Attempts obstore makes of one request: its first and its retries."""
+        return int(self._retry.get("max_retries", 10)) + 1
+
+    def _error(
+        self,
+        exc: BaseException,
+        bucket: str,
+        key: str,
+        what: str,
+        *,
+        attempts: int | None = None,
+        write: bool = False,
+        read: bool = False,
+    ) -> OSError | CheckpointError:
+        """The OSError for an obstore failure of ``what`` on ``bucket/key``: the message names the
+        object, the attempts made (``attempts``, else what obstore's error says) and the cause. A
+        failed write (``write``) is a CheckpointWriteError (an OSError, ``errno`` EIO): the layers
+        above pass it on as it is, so its message reaches the caller; a failed read of a blob's
+        bytes (``read``) is a CheckpointError, as the local store's is."""
         shown = self._shown(bucket, key)
         if _is_missing(exc):
             return FileNotFoundError(errno.ENOENT, f"No such object ({_cause(exc)})", shown)
@@ -260,7 +374,51 @@ class ObjectStore(Store):
             return FileExistsError(errno.EEXIST, f"Object exists ({_cause(exc)})", shown)
         if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
             return PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
-        return OSError(errno.EIO, f"{what} {shown} failed: {_cause(exc)}", shown)
+        if attempts is None:
+            retries = _retries(exc)
+            attempts = None if retries is None else retries + 1
+        if attempts is not None:
+            tried = f"after {attempts} attempt{'s' if attempts != 1 else ''}"
+        else:
+            tried = f"after obstore's retries (up to {self._tries()} attempts)"
+        part = re.search(r"[?&]partNumber=(\d+)", str(exc).partition("Debug source:")[0])
+        where = f"{shown} (part {part.group(1)})" if part else shown
+        message = f"{what} {where} failed {tried}: {_cause(exc)}"
+        if write:
+            return CheckpointWriteError(message, path=shown, errno=errno.EIO)
+        if read:
+            return CheckpointError(message, path=shown)
+        return OSError(errno.EIO, message, shown)
+
+    def _backoff(self, attempt: int) -> None:
+        """Sleep before retrying, as obstore's backoff would (``attempt`` counts from 1)."""
+        backoff = self._retry.get("backoff", {})
+        first = backoff.get("init_backoff", timedelta(milliseconds=100)).total_seconds()
+        most = backoff.get("max_backoff", timedelta(seconds=15)).total_seconds()
+        time.sleep(min(most, first * float(backoff.get("base", 2)) ** (attempt - 1)))
+
+    def _counted_error(
+        self, exc: BaseException, bucket: str, key: str, what: str, *, write: bool = False
+    ) -> OSError | CheckpointError:
+        """:meth:`_error` of ``exc``, which may be a :class:`_Counted` failure."""
+        if isinstance(exc, _Counted):
+            return self._error(exc.cause, bucket, key, what, attempts=exc.attempts, write=write)
+        return self._error(exc, bucket, key, what, write=write)
+
+    def _read_retrying(self, call: Any) -> Any:
+        """``call()``, retried on a transport failure: obstore retries a request that fails before
+        its answer, but not a listing whose response body is cut off."""
+        attempts = 0
+        while True:
+            try:
+                return call()
+            except Exception as exc:
+                if _is_missing(exc) or not _is_transport(exc):
+                    raise
+                attempts += (_retries(exc) or 0) + 1
+                if attempts >= self._tries():
+                    raise _Counted(exc, attempts) from exc
+                self._backoff(attempts)
 
     def _head(self, bucket: str, key: str) -> dict[str, Any] | None:
         """The object's metadata; None when there is none."""
@@ -275,13 +433,17 @@ class ObjectStore(Store):
 
     def _has_children(self, bucket: str, key: str) -> bool:
         """Whether any object lies under ``key/`` (the whole bucket for key "")."""
-        try:
+
+        def look() -> bool:
             stream = obstore.list(self._client(bucket), prefix=key or None, chunk_size=1)
             return any(len(chunk) for chunk in stream)
+
+        try:
+            return bool(self._read_retrying(look))
         except Exception as exc:
             if _is_missing(exc):
                 return False
-            raise self._error(exc, bucket, key, "LIST") from exc
+            raise self._counted_error(exc, bucket, key, "LIST") from exc
 
     def _is_dir(self, bucket: str, key: str) -> bool:
         return not key or self._has_children(bucket, key)
@@ -297,16 +459,101 @@ class ObjectStore(Store):
             raise FileNotFoundError(errno.ENOENT, "No such directory", self.url(path))
 
     def _put(self, bucket: str, key: str, data: Any, *, create: bool) -> None:
+        """One PUT of ``data``; ``create``: a create-only put (see "Create-only puts" in the
+        module docstring)."""
+        client = self._client(bucket)
+        if create and not self._honours_create_only(bucket):
+            if self._head(bucket, key) is not None:
+                shown = self._shown(bucket, key)
+                raise FileExistsError(errno.EEXIST, "Object exists (found by HEAD)", shown)
+            create = False  # the server would ignore If-None-Match: an overwrite, retried
+        if not create:
+            try:  # idempotent: obstore retries it after any failure
+                obstore.put(client, key, data, mode="overwrite", use_multipart=False)
+            except Exception as exc:
+                raise self._error(exc, bucket, key, "PUT", write=True) from exc
+            return
+        attempts = 0
+        while True:
+            try:
+                obstore.put(client, key, data, mode="create", use_multipart=False)
+                return
+            except Exception as exc:
+                failed = exc
+            attempts += (_retries(failed) or 0) + 1
+            refused = isinstance(failed, (oe.PermissionDeniedError, oe.UnauthenticatedError))
+            if refused or _is_missing(failed):
+                raise self._error(failed, bucket, key, "PUT", write=True) from failed
+            # The put may have taken effect although this client saw it fail (a lost response;
+            # obstore's retry of it then met the object: 412): what is there says.
+            try:
+                there = self._get_all(bucket, key)
+            except Exception:
+                raise self._error(
+                    failed, bucket, key, "PUT", attempts=attempts, write=True
+                ) from failed
+            if there is not None:
+                if there == bytes(data):
+                    return  # ours
+                raise FileExistsError(errno.EEXIST, "Object exists", self._shown(bucket, key))
+            if not (_is_transport(failed) or _is_precondition(failed)) or (
+                attempts >= self._tries()
+            ):
+                raise self._error(
+                    failed, bucket, key, "PUT", attempts=attempts, write=True
+                ) from failed
+            # Not there: it did not take effect (obstore does not retry a put that is not
+            # idempotent after a timeout or a reset). Send it again.
+            self._backoff(attempts)
+
+    def _get_all(self, bucket: str, key: str) -> bytes | None:
+        """The whole object; None when there is none."""
         try:
-            obstore.put(
-                self._client(bucket),
-                key,
-                data,
-                mode="create" if create else "overwrite",
-                use_multipart=False,
-            )
+            return bytes(obstore.get(self._client(bucket), key).bytes())
         except Exception as exc:
-            raise self._error(exc, bucket, key, "PUT") from exc
+            if _is_missing(exc):
+                return None
+            raise
+
+    def _honours_create_only(self, bucket: str) -> bool:
+        """Whether the server of ``bucket`` honours ``If-None-Match: *``, probed once per bucket
+        at its first create-only put: a probe object at the bucket's root is put create-only
+        twice (the second must be refused), then deleted. A server that ignores it is warned
+        about once; a probe that fails is tried again at the next create-only put (True
+        meanwhile), one refused for want of permission is not (True)."""
+        with self._probe_lock:
+            known = self._create_only.get(bucket)
+            if known is not None:
+                return known
+            probe = PROBE + secrets.token_hex(8)  # at the bucket's root: in no checkpoint
+            client = self._client(bucket)
+            try:
+                obstore.put(client, probe, b"", mode="create", use_multipart=False)
+                try:
+                    obstore.put(client, probe, b"", mode="create", use_multipart=False)
+                    honoured = False
+                except Exception as exc:
+                    if not _is_precondition(exc):
+                        raise
+                    honoured = True
+            except Exception as exc:
+                if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
+                    self._create_only[bucket] = True  # may not write there: trust the server
+                return True
+            finally:
+                with contextlib.suppress(Exception):
+                    obstore.delete(client, probe)
+            self._create_only[bucket] = honoured
+        if not honoured:
+            warnings.warn(
+                f"the object store serving bucket {bucket!r} ({self._shown(bucket, '')}) ignores "
+                "If-None-Match, so create-only puts are not atomic there: two writers racing on "
+                "one checkpoint path may both believe they committed. savepoint checks with a "
+                "HEAD before each create-only put instead, which leaves a small race.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return honoured
 
     def _delete(self, bucket: str, keys: list[str]) -> None:
         client = self._client(bucket)
@@ -316,7 +563,7 @@ class ObjectStore(Store):
                 obstore.delete(client, batch)
             except Exception as exc:
                 if not _is_missing(exc):
-                    raise self._error(exc, bucket, batch[0], "DELETE") from exc
+                    raise self._error(exc, bucket, batch[0], "DELETE", write=True) from exc
                 for one in batch:  # a store that reports a missing key in a batch: one by one
                     with contextlib.suppress(FileNotFoundError, oe.NotFoundError):
                         obstore.delete(client, one)
@@ -342,11 +589,13 @@ class ObjectStore(Store):
             if _is_missing(exc):
                 if self._has_children(bucket, key):
                     raise NotRegularFileError(path, shown) from None
-                raise self._error(exc, bucket, key, "GET") from None
+                raise self._error(exc, bucket, key, "GET", read=True) from None
             # An empty object answers a range with 416: its HEAD says so.
-            found = self._head(bucket, key)
+            found = None
+            with contextlib.suppress(OSError):
+                found = self._head(bucket, key)
             if found is None or found["size"] != 0:
-                raise self._error(exc, bucket, key, "GET") from exc
+                raise self._error(exc, bucket, key, "GET", read=True) from exc
             meta, head = found, b""  # type: ignore[assignment]
         return _Reader(self, bucket, key, shown, int(meta["size"]), meta, head)
 
@@ -370,7 +619,7 @@ class ObjectStore(Store):
         except Exception as exc:
             if _is_missing(exc) and self._has_children(bucket, key):
                 raise NotRegularFileError(path, shown) from None
-            raise self._error(exc, bucket, key, "GET") from None
+            raise self._error(exc, bucket, key, "GET", read=True) from None
 
     def create_blob(self, path: str, *, size: int | None = None, direct: bool = True) -> _Writer:
         bucket, key = self._split(path)
@@ -419,17 +668,19 @@ class ObjectStore(Store):
         if not bucket:
             return []
         try:
-            found = obstore.list_with_delimiter(self._client(bucket), prefix=key or None)
+            found = self._read_retrying(
+                lambda: obstore.list_with_delimiter(self._client(bucket), prefix=key or None)
+            )
         except Exception as exc:
             if _is_missing(exc):
                 return []
-            raise self._error(exc, bucket, key, "LIST") from exc
+            raise self._counted_error(exc, bucket, key, "LIST") from exc
         names = {p.rsplit("/", 1)[-1] for p in found["common_prefixes"]}
         for meta in found["objects"]:
             if meta["path"] != key:  # a "key/" marker of another tool reads as "key"
                 names.add(meta["path"].rsplit("/", 1)[-1])
         names.discard(MARKER)
-        return sorted(names)
+        return sorted(n for n in names if not n.startswith(PROBE))
 
     def makedirs(self, path: str) -> None:
         bucket, key = self._split(path)
@@ -461,13 +712,19 @@ class ObjectStore(Store):
         if not bucket:
             return
         client = self._client(bucket)
-        keys = [key] if key else []
-        try:
+
+        def everything() -> list[str]:
+            found = [key] if key else []
             for chunk in obstore.list(client, prefix=key or None, chunk_size=_DELETE_BATCH):
-                keys.extend(meta["path"] for meta in chunk)
+                found.extend(meta["path"] for meta in chunk)
+            return found
+
+        try:
+            keys: list[str] = self._read_retrying(everything)
         except Exception as exc:
             if not _is_missing(exc):
-                raise self._error(exc, bucket, key, "LIST") from exc
+                raise self._counted_error(exc, bucket, key, "LIST", write=True) from exc
+            keys = [key] if key else []
         # The marker last: the directory exists until everything in it is gone.
         keys.sort(key=lambda k: k.endswith("/" + MARKER))
         self._delete(bucket, keys)
@@ -527,7 +784,7 @@ class _Reader:
                     f"[{start}, {end})); load again",
                     path=self.name,
                 ) from None
-            raise self._store._error(exc, self._bucket, self._key, "GET") from exc
+            raise self._store._error(exc, self._bucket, self._key, "GET", read=True) from exc
         if len(data) != len(dst):
             raise CorruptCheckpointError(
                 f"{self.name}: asked for bytes [{start}, {end}), got {len(data)}", path=self.name
@@ -614,7 +871,7 @@ class _Writer:
             self._upload.write(memoryview(self._buf)[: self._fill])
         except Exception as exc:
             self._abort_upload()
-            raise self._store._error(exc, self._bucket, self._key, "upload of") from exc
+            raise self._store._error(exc, self._bucket, self._key, "upload of", write=True) from exc
         self.parts += 1
         self._buf = None
         self._fill = 0
@@ -659,7 +916,9 @@ class _Writer:
                     self.parts += 1
             except Exception as exc:
                 self._abort_upload()
-                raise self._store._error(exc, self._bucket, self._key, "upload of") from exc
+                raise self._store._error(
+                    exc, self._bucket, self._key, "upload of", write=True
+                ) from exc
             # No conditional completion in object_store: check, then complete (the race is
             # described in the module docstring).
             if self._store._head(self._bucket, self._key) is not None:
@@ -667,12 +926,40 @@ class _Writer:
                 raise FileExistsError(errno.EEXIST, "File exists", self._shown)
             upload, self._upload = self._upload, None
             try:
-                upload.close()
+                upload.close()  # the last part, then the completion
             except Exception as exc:
-                # object_store aborts the upload when the completion is refused.
-                raise self._store._error(exc, self._bucket, self._key, "upload of") from exc
+                # object_store aborts the upload itself when a part or the completion fails.
+                # A completion whose answer was lost took effect all the same: what is there says.
+                if not self._completed():
+                    if _is_missing(exc) or _is_precondition(exc):
+                        # The completion's retry found no upload, and the object is not this
+                        # upload's: another writer's, or none.
+                        raise CheckpointWriteError(
+                            f"upload of {self._shown} failed: its completion was refused and "
+                            f"the object there is not this upload's ({_cause(exc)})",
+                            path=self._shown,
+                            errno=errno.EIO,
+                        ) from exc
+                    raise self._store._error(
+                        exc, self._bucket, self._key, "upload of", write=True
+                    ) from exc
         self._buf = None
         self._state = "finished"
+
+    def _completed(self) -> bool:
+        """Whether the object is there as this upload completes it: its size, and on S3 its ETag's
+        part count (``"<md5 of the parts' md5s>-<parts>"``). Nothing else writes the key between
+        the HEAD just before the completion and now, unless two writers race on one key (which
+        the commit protocol never does: data goes to a generation unique to the attempt)."""
+        try:
+            meta = self._store._head(self._bucket, self._key)
+        except OSError:
+            return False
+        if meta is None or int(meta["size"]) != self._written:
+            return False
+        if self._store.scheme == "s3":
+            return str(meta.get("e_tag") or "").strip('"').endswith(f"-{self.parts}")
+        return True
 
     def _abort_upload(self) -> None:
         upload, self._upload = self._upload, None

@@ -12,8 +12,18 @@ that exist only as local files, :func:`local_path`) first. Without it,
   installed (the ``s3``, ``gcs`` and ``azure`` extras); without it they are refused with
   :class:`~savepoint.errors.UnsupportedStorageError` naming the extra to install, before
   anything is created (obstore is imported only then: ``import savepoint`` never imports it);
-- other schemes (``abfs://``, ``https://``, ...): refused the same way, naming the extra that
-  will carry their backend;
+- any other scheme fsspec knows (``hdfs://``, ``sftp://``, ``ftp://``, ``abfs://``,
+  ``webdav://``, ...), and ``fsspec+<protocol>://`` for fsspec's filesystem of any protocol
+  (``fsspec+gs://bucket/run`` through gcsfs): the path in the process's
+  :class:`~savepoint.storage.fsspecstore.FsspecStore` for that protocol and the URL's host, port
+  and user (:func:`savepoint.storage.fsspecstore.shared`; fsspec adds its configuration from the
+  environment when the filesystem is made, at first use: resolving connects nowhere), when fsspec
+  (the ``fsspec`` extra) and the implementation's package are installed; otherwise refused with
+  :class:`~savepoint.errors.UnsupportedStorageError` naming what to install (``savepoint[fsspec]``,
+  or the package fsspec names: ``paramiko`` for sftp, ``adlfs`` for abfs, ...). fsspec's wrappers
+  and archives (``simplecache``, ``dir``, ``zip``, ...) and ``http(s)://`` (read-only, with no
+  directories) are refused: wrap a filesystem by hand and pass ``FsspecStore(fs).at(path)``;
+- other schemes: refused the same way;
 - a :class:`Location` (``store.at(path)``): any store object, such as the fault-injecting one of
   the tests or an object store configured by hand.
 """
@@ -62,7 +72,8 @@ PathArg = Union[str, "os.PathLike[str]", Location]
 # RFC 3986 scheme followed by "://". A relative path with a colon later ("runs/a:b") or a first
 # component such as "a:b" without "//" does not match and stays a local path.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-# The extras that carry (s3, gs, az) or will carry (abfs, ...) the backends of object stores.
+# The extras that carry the backends of object stores (abfs:// goes through fsspec and adlfs;
+# az:// is the same storage through obstore).
 _EXTRAS = {
     "s3": "s3",
     "s3a": "s3",
@@ -98,6 +109,9 @@ def resolve(path: PathArg, *, what: str = "path") -> Location:
             return Location(store, store.abspath(unquote(rest)))
         if scheme in _OBJECT_SCHEMES and _has_obstore():
             return _object_store(text, scheme, text[len(scheme) + 3 :], what)
+        protocol = _fsspec_protocol(scheme)
+        if protocol is not None and _has_fsspec() and _fsspec_knows(protocol):
+            return _fsspec_location(text, scheme, protocol, what)
     from savepoint.storage import local
 
     return Location(local.STORE, os.path.abspath(local_path(path, what=what)))
@@ -150,6 +164,129 @@ def _object_store(text: str, scheme: str, rest: str, what: str) -> Location:
     return Location(store, path)
 
 
+# Schemes savepoint serves itself: fsspec's filesystems of these are named fsspec+<protocol>://.
+_OWN_SCHEMES = frozenset({"file", "local", "asynclocal", "memory", *_OBJECT_SCHEMES})
+# fsspec protocols that are no checkpoint store of their own: wrappers of another filesystem,
+# archives, inline data, and HTTP (read-only, no directories, paths that are whole URLs).
+_FSSPEC_REFUSED = frozenset(
+    {
+        "async_wrapper",
+        "asyncwrapper",
+        "blockcache",
+        "cached",
+        "dask",
+        "data",
+        "dir",
+        "filecache",
+        "generic",
+        "http",
+        "https",
+        "libarchive",
+        "reference",
+        "simplecache",
+        "tar",
+        "zip",
+    }
+)
+
+
+def _has_fsspec() -> bool:
+    return importlib.util.find_spec("fsspec") is not None
+
+
+def _fsspec_protocol(scheme: str) -> str | None:
+    """The fsspec protocol a URL of ``scheme`` would be read through (None: not fsspec's)."""
+    if scheme.startswith("fsspec+"):
+        return scheme.partition("+")[2] or None
+    if not scheme or scheme in _OWN_SCHEMES:
+        return None
+    return scheme
+
+
+def _fsspec_knows(protocol: str) -> bool:
+    from fsspec.registry import known_implementations, registry
+
+    return protocol in known_implementations or protocol in registry
+
+
+def _fsspec_location(text: str, scheme: str, protocol: str, what: str) -> Location:
+    """The Location of a URL read through fsspec (see the module docstring)."""
+    import fsspec
+
+    tail = (
+        " For now pass a local path, or mount the filesystem and pass a path inside the mount; "
+        "memory:// URLs work everywhere."
+    )
+    if protocol in _FSSPEC_REFUSED:
+        reason = (
+            "fsspec's HTTP filesystem is read-only and has no directories"
+            if protocol in ("http", "https")
+            else f"fsspec's {protocol}:// is a wrapper of another filesystem (or an archive), "
+            "not a store of its own"
+        )
+        raise UnsupportedStorageError(
+            f"{what} {text!r}: savepoint has no backend for {scheme}:// URLs: {reason}. Make the "
+            "filesystem yourself and pass FsspecStore(fs).at(path) "
+            "(savepoint.storage.fsspecstore)." + tail,
+            path=text,
+            scheme=scheme,
+        )
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        missing = getattr(exc.__cause__, "name", None)
+        package = f" (the module {missing!r} is missing)" if missing else ""
+        extra = _EXTRAS.get(scheme)
+        hint = (
+            f"; or use az://container/... with the `savepoint[{extra}]` extra"
+            if extra == "azure"
+            else ""
+        )
+        raise UnsupportedStorageError(
+            f"{what} {text!r}: savepoint reads {scheme}:// URLs through fsspec, whose "
+            f"implementation of {protocol}:// cannot be imported here{package}: {exc}. Install "
+            f"that package{hint}." + tail,
+            path=text,
+            scheme=scheme,
+        ) from None
+    rest = text[len(scheme) + 3 :]
+    if "?" in rest or "#" in rest:
+        raise UnsupportedStorageError(
+            f"{what} {text!r}: a {scheme}:// URL takes no query or fragment (write a name's '?' "
+            "as %3F and '#' as %23)",
+            path=text,
+            scheme=scheme,
+        )
+    from savepoint.storage import fsspecstore
+
+    url = f"{protocol}://{rest}"
+    try:
+        options = dict(cls._get_kwargs_from_urls(url))
+        stripped = str(cls._strip_protocol(url)).strip("/")
+    except Exception as exc:
+        raise UnsupportedStorageError(
+            f"{what} {text!r}: fsspec's {protocol} filesystem cannot read this URL: {exc}",
+            path=text,
+            scheme=scheme,
+        ) from None
+    # The URL's path is the store's path; what comes before it (a host, a user) names the store.
+    body = rest.strip("/")
+    if stripped and body.endswith(stripped):
+        head = body[: len(body) - len(stripped)]
+    elif not stripped:
+        head = body
+    else:
+        head = ""
+    head = head.strip("/")
+    if "@" in head.split("/", 1)[0] and ":" in head.split("@", 1)[0]:
+        # user:password@host: the password stays out of messages (the options keep it).
+        user, _, host = head.partition("@")
+        head = user.split(":", 1)[0] + "@" + host
+    base = f"{scheme}://{head}/" if head else f"{scheme}://"
+    store = fsspecstore.shared(protocol, options, base)
+    return Location(store, store.abspath(unquote(stripped)))
+
+
 def local_path(path: PathArg, *, what: str = "path") -> str:
     """Return ``path`` as a local filesystem path string (unchanged when it is not a URL).
 
@@ -193,31 +330,39 @@ def local_path(path: PathArg, *, what: str = "path") -> str:
             scheme=scheme,
         )
     extra = _EXTRAS.get(scheme)
-    if scheme in _OBJECT_SCHEMES and _has_obstore():
+    protocol = _fsspec_protocol(scheme)
+    by_fsspec = (
+        protocol is not None
+        and protocol not in _FSSPEC_REFUSED
+        and _has_fsspec()
+        and _fsspec_knows(protocol)
+    )
+    if (scheme in _OBJECT_SCHEMES and _has_obstore()) or by_fsspec:
         raise UnsupportedStorageError(
             f"{what} {text!r}: this reads and writes local files only ({scheme}:// holds "
             "savepoint checkpoints, runs and snapshot histories); pass a local path",
             path=text,
             scheme=scheme,
         )
+    if protocol is not None and _has_fsspec() and _fsspec_knows(protocol):
+        _fsspec_location(text, scheme, protocol, what)  # raises, saying why
     if scheme in _OBJECT_SCHEMES:
         needs = (
             f"its backend comes with the `savepoint[{extra}]` extra (pip install "
             f"'savepoint[{extra}]'), which this installation does not have"
         )
-    elif extra:
+    elif not _has_fsspec():
         needs = (
-            f"its backend will come with the `savepoint[{extra}]` extra (pip install "
-            f"'savepoint[{extra}]'), which this version does not have yet"
+            "other schemes are read through fsspec with the `savepoint[fsspec]` extra (pip "
+            "install 'savepoint[fsspec]'), which this installation does not have"
         )
     else:
-        needs = (
-            "other schemes will be read through fsspec with the `savepoint[fsspec]` extra, "
-            "which this version does not have yet"
-        )
+        needs = "fsspec, which savepoint reads other schemes through, knows no such filesystem"
+    if extra and scheme not in _OBJECT_SCHEMES:
+        needs += f" (or use az://container/... with the `savepoint[{extra}]` extra)"
     raise UnsupportedStorageError(
         f"{what} {text!r}: savepoint has no backend for {scheme}:// URLs here; {needs}. For now "
-        "pass a local path, or mount the bucket (s3fs, gcsfuse, blobfuse2, ...) and pass a path "
+        "pass a local path, or mount the bucket (s3fs, gcsfs, blobfuse2, ...) and pass a path "
         "inside the mount; memory:// URLs work everywhere.",
         path=text,
         scheme=scheme,
