@@ -268,11 +268,14 @@ class ConversionError(UnsupportedStateError):
 
 
 class UnsupportedStorageError(CheckpointError, ValueError):
-    """A path argument is a URL whose scheme savepoint cannot read or write (yet).
+    """A path argument is a URL savepoint cannot read or write here.
 
-    ``scheme`` is the URL's scheme, lowercased (``"s3"``); ``path`` is the URL as given. Only local
-    paths and ``file://`` URLs are supported; object stores (s3, gs, az) are planned. Nothing was
-    created anywhere: pass a local path, or mount the bucket and pass a path inside the mount.
+    ``scheme`` is the URL's scheme, lowercased (``"s3"``); ``path`` is the URL as given. Raised for
+    a scheme with no backend, for one whose backend's extra is not installed (``s3``, ``gs`` and
+    ``az`` need ``savepoint[s3]`` / ``[gcs]`` / ``[azure]``; other fsspec schemes
+    ``savepoint[fsspec]`` and the scheme's own package), and for an object-store URL given to
+    what reads and writes local files only (the foreign formats). The message names the extra or
+    the reason. Nothing was created anywhere.
     """
 
     def __init__(
