@@ -76,6 +76,11 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="bytes moved per round, in MiB")
     ap.add_argument("--files", type=int, default=8, help="blobs the bytes are split into")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument(
+        "--no-end-to-end",
+        action="store_true",
+        help="skip sp.save/sp.load of a whole state against torch.save and DCP through s3fs",
+    )
     args = ap.parse_args()
 
     import boto3
@@ -169,6 +174,8 @@ def main() -> None:
                 if rnd:
                     times[f"{who} save"].append(t_save)
                     times[f"{who} load"].append(t_load)
+        if not args.no_end_to_end:
+            end_to_end(args.mib, args.repeat, fs, clear)
         admin.close()
     finally:
         proc.terminate()
@@ -186,6 +193,90 @@ def main() -> None:
             f"  {op}: obstore {sp_t:.3f} s ({mib / sp_t:.0f} MiB/s)   s3fs {fs_t:.3f} s "
             f"({mib / fs_t:.0f} MiB/s)   s3fs/obstore {fs_t / sp_t:.2f}x"
         )
+
+
+def end_to_end(mib: int, repeat: int, fs: object, clear: Callable[[], None]) -> None:
+    """A whole state (float32 tensors, ``mib`` MiB) saved and loaded into existing tensors:
+    ``sp.save``/``sp.load`` to ``s3://`` against ``torch.save``/``torch.load`` through an s3fs
+    file and ``torch.distributed.checkpoint`` with its fsspec writer and reader on s3fs, medians
+    of ``repeat``, and the peak extra resident memory of one savepoint save and load."""
+    import torch
+
+    import savepoint as sp
+    from bench_save_load import PeakRSS
+
+    n = mib * 1024 * 1024 // 4 // 16
+    state = {f"layer{i}.weight": torch.randn(n) for i in range(16)}
+    into = {k: torch.empty_like(v) for k, v in state.items()}
+
+    def sp_save() -> None:
+        sp.save("s3://bench/e2e-sp", state)
+
+    def sp_load() -> None:
+        sp.load("s3://bench/e2e-sp", into=into)
+
+    def torch_save() -> None:
+        with fs.open("bench/e2e-torch.pt", "wb", block_size=PIECE) as f:  # type: ignore[attr-defined]
+            torch.save(state, f)
+
+    def torch_load() -> None:
+        with fs.open("bench/e2e-torch.pt", "rb", block_size=PIECE) as f:  # type: ignore[attr-defined]
+            loaded = torch.load(f, weights_only=True)
+        for k, t in into.items():
+            t.copy_(loaded[k])
+
+    runs: dict[str, Callable[[], None]] = {
+        "savepoint save": sp_save,
+        "savepoint load": sp_load,
+        "torch.save via s3fs": torch_save,
+        "torch.load via s3fs": torch_load,
+    }
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        def dcp_save() -> None:
+            dcp.save(state, storage_writer=FsspecWriter("s3://bench/e2e-dcp", overwrite=True))
+
+        def dcp_load() -> None:
+            dcp.load(into, storage_reader=FsspecReader("s3://bench/e2e-dcp"))
+
+        runs["dcp.save via fsspec"] = dcp_save
+        runs["dcp.load via fsspec"] = dcp_load
+    except ImportError as exc:
+        print(f"  (DCP's fsspec writer is not available: {exc})")
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for rnd in range(repeat + 1):
+        for name, fn in runs.items():
+            try:
+                t = timed(fn)
+            except Exception as exc:  # a peer that cannot run here is reported, not fatal
+                print(f"  {name} failed: {exc!r}")
+                times.pop(name, None)
+                continue
+            if rnd and name in times:
+                times[name].append(t)
+        runs = {k: v for k, v in runs.items() if k in times}
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    print(f"\nwhole state: 16 float32 tensors, {mib} MiB; median of {repeat} (s)")
+    for k, v in med.items():
+        print(f"  {k:22s} {v:7.3f}   {mib / v:6.0f} MiB/s")
+    for op, peers in (
+        ("save", ("torch.save via s3fs", "dcp.save via fsspec")),
+        ("load", ("torch.load via s3fs", "dcp.load via fsspec")),
+    ):
+        for peer in peers:
+            if peer in med:
+                print(f"  savepoint {op} / {peer:22s} {med[f'savepoint {op}'] / med[peer]:.2f}")
+    with PeakRSS() as save_mem:
+        sp_save()
+    with PeakRSS() as load_mem:
+        sp_load()
+    print(
+        f"  peak extra memory: save {save_mem.extra / 2**20:.0f} MiB, load "
+        f"{load_mem.extra / 2**20:.0f} MiB, for a {mib} MiB state"
+    )
+    clear()
 
 
 if __name__ == "__main__":
