@@ -48,6 +48,7 @@ from savepoint.inference import InferenceSnapshot, SnapshotHistory, SnapshotMeta
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.options import SaveOptions
 from savepoint.runs import policies as policies
+from savepoint.runs.gc import GcReport
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.sweep import Sweep
 from savepoint.runs.view import RunView, open_run
@@ -77,6 +78,7 @@ __all__ = [
     "DiffReport",
     "DistributedCheckpointError",
     "FlatShard",
+    "GcReport",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "InferenceSnapshot",

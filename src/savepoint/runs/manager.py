@@ -101,6 +101,7 @@ from savepoint.errors import (
 from savepoint.info import CheckpointInfo
 from savepoint.options import SaveOptions
 from savepoint.runs import aliases, layout, policies
+from savepoint.runs.gc import GcReport, collect
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.policies import Entry, Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.report import (
@@ -285,7 +286,8 @@ class CheckpointManager:
                 release.atexit = False
                 self._release = release
             self.run, new_run_file, report = self._open_run(name, variant, config, num_params)
-            on_disk = layout.committed_steps(self._run)
+            listed = report.checkpoints if report is not None else ()
+            on_disk = layout.committed_steps(self._run, expected=listed)
             self.report = self._open_report(report, on_disk)
             lagging = lagging_run(self.run, self.report)
             if lagging is not None:  # a writer was stopped between report.json and run.json
@@ -550,7 +552,11 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint that is part of the run, ascending."""
-        return [s for s in layout.committed_steps(self._run) if s not in self._discarding]
+        return [
+            s
+            for s in layout.committed_steps(self._run, expected=self.report.checkpoints)
+            if s not in self._discarding
+        ]
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -802,7 +808,10 @@ class CheckpointManager:
             staged: dict[str, aliases.Staging] = {}
             phase = "updating the run's books"
             try:
-                on_disk = layout.committed_steps(self._run)
+                # The step just committed counts even if a listing does not show it yet.
+                on_disk = layout.committed_steps(
+                    self._run, expected=[*self.report.checkpoints, step]
+                )
                 abandoned: set[int] = set()
                 if self._resumed_from is not None:
                     # After a resume, checkpoints past this step belong to the abandoned timeline
@@ -1161,6 +1170,30 @@ class CheckpointManager:
         return step
 
     # -- lifecycle -----------------------------------------------------------------------------
+
+    def gc(self, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
+        """Remove what failed or interrupted saves left in the run and no reader can be using:
+        generations without a manifest and superseded ones, step directories holding nothing
+        committed, hidden temporaries of dead processes, open multipart uploads (S3), each only
+        once it is older than ``grace`` seconds (:mod:`savepoint.runs.gc`). Runs after any
+        background save has finished, holding the writer lock; never removes a committed
+        checkpoint, the report, ``run.json`` or an alias. ``dry_run`` removes nothing. A
+        read-only manager (or another rank's) raises CheckpointWriteError."""
+        self._check_open()
+        if not self._writes_books():
+            why = self.read_only_reason if self.read_only else "only rank 0 writes the run's files"
+            raise CheckpointWriteError(
+                f"cannot collect garbage in {self.directory}: this manager does not write the run "
+                f"({why}); nothing was removed",
+                path=self.directory,
+                errno=errno.EROFS,
+            )
+        with self._saving:
+            self.wait()
+            with self._lock:
+                if not dry_run:
+                    self._check_writer()
+                return collect(self._run, grace=grace, dry_run=dry_run, lock=False)
 
     def wait(self) -> None:
         """Block until any background save is committed; raise its error if it failed."""

@@ -316,6 +316,18 @@ class ObjectStore(Store):
         self._create_only: dict[str, bool] = {}  # bucket -> whether If-None-Match is honoured
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
+    @property
+    def config(self) -> dict[str, Any]:
+        """The store options this store was built with (endpoint, region, credentials, ...), as
+        obstore takes them; a copy (other clients of the same bucket, such as garbage collection's,
+        are configured from it)."""
+        return dict(self._config)
+
+    @property
+    def client_options(self) -> dict[str, Any]:
+        """The HTTP client options this store uses (``allow_http``, ``timeout``, ...); a copy."""
+        return dict(self._client_options)
+
     # -- internals -----------------------------------------------------------------------------
 
     def _split(self, path: str) -> tuple[str, str]:
