@@ -5,6 +5,7 @@ and the local disk, all through the same engine."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,7 @@ def test_concurrent_readers_and_a_writer_on_memory() -> None:
     sp.save(at, states[0])
     stop = threading.Event()
     errors: list[BaseException] = []
+    loads: list[int] = []
 
     def read() -> None:
         while not stop.is_set():
@@ -268,9 +270,12 @@ def test_concurrent_readers_and_a_writer_on_memory() -> None:
                 got = sp.load(at)
                 assert got["name"] in ("state-0", "state-1")
                 same(got, states[int(got["name"][-1])])
+                loads.append(1)
             except BaseException as exc:  # pragma: no cover - reported below
                 errors.append(exc)
                 return
+            time.sleep(0.001)  # let the writer have the GIL now and then (two spinning readers
+            # starved it: 30 saves took 80 s); loads still overlap every save
 
     readers = [threading.Thread(target=read) for _ in range(2)]
     for t in readers:
@@ -281,6 +286,7 @@ def test_concurrent_readers_and_a_writer_on_memory() -> None:
     for t in readers:
         t.join()
     assert not errors, errors[:3]
+    assert len(loads) >= 10, len(loads)  # the readers really raced the saves
 
 
 def test_a_generation_prefix_names_the_attempt() -> None:
@@ -330,6 +336,8 @@ def test_convert_and_diff_on_every_store(where: Any, tmp_path: Path) -> None:
     if not isinstance(where, Path):
         with pytest.raises(sp.UnsupportedStorageError, match="local paths only"):
             sp.convert(local_copy, _sibling(where, "x.shrew"), format="shrew")
+        with pytest.raises(sp.UnsupportedStorageError, match="safetensors file is written"):
+            sp.convert(local_copy, _sibling(where, "w.safetensors"))  # the name asks for it
         assert sp.diff(where, back).identical
 
 

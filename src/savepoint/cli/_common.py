@@ -1,5 +1,6 @@
-"""What every ``savepoint`` command shares: failing with exit status 1, local paths, JSON output,
-the progress bar, and telling savepoint's own checkpoints from the other formats it reads."""
+"""What every ``savepoint`` command shares: failing with exit status 1, path arguments (local
+paths and the URLs of every store savepoint reaches), JSON output, the progress bar, and telling
+savepoint's own checkpoints from the other formats it reads (local files only)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from typing import Any, NoReturn
 import click
 
 from savepoint.errors import CheckpointError
-from savepoint.formats import detect, training_artifact
-from savepoint.storage.paths import local_path
+from savepoint.formats import boostr, burn, detect, training_artifact
+from savepoint.storage.paths import Location, local_path, resolve
 
 
 def fail(exc: CheckpointError) -> NoReturn:
@@ -25,11 +26,49 @@ def fail(exc: CheckpointError) -> NoReturn:
 
 
 def local(path: str, what: str = "path") -> str:
-    """``path`` as a local path (file:// mapped); a URL savepoint cannot use exits 1 with why."""
+    """``path`` as the commands pass it on: a local path (a ``file://`` URL mapped to one), or
+    the URL as given when it names a store savepoint reaches (``memory://``, ``s3://``, ...; see
+    :mod:`savepoint.storage.paths`). A URL savepoint cannot use exits 1 with the library's
+    reason (the extra to install, a malformed URL, ...)."""
+    try:
+        return local_path(path, what=what)
+    except CheckpointError:
+        pass  # a URL: usable if it resolves to a store
+    try:
+        resolve(path, what=what)
+    except CheckpointError as exc:
+        fail(exc)
+    return path
+
+
+def local_file(path: str, what: str = "path") -> str:
+    """``path`` as a local path, for what only local files can be (a plot); any URL other than
+    ``file://`` exits 1 with the library's refusal."""
     try:
         return local_path(path, what=what)
     except CheckpointError as exc:
         fail(exc)
+
+
+def location(path: str, what: str = "path") -> Location:
+    """The store and path that ``path`` (as :func:`local` returned it) names."""
+    try:
+        return resolve(path, what=what)
+    except CheckpointError as exc:
+        fail(exc)
+
+
+def shown(path: str) -> str:
+    """How output names ``path``: a local path made absolute, a URL as the store writes it."""
+    return str(location(path))
+
+
+def named(path: str, described: str) -> str:
+    """How output names the checkpoint the user gave as ``path`` and the library ``described``
+    (as ``CheckpointInfo.path`` or a diff names it): on the local disk what the library says,
+    as always; elsewhere the URL as given, not the generation prefix an object store keeps the
+    checkpoint under (nor, for a run's alias, the step its pointer names)."""
+    return described if location(path).is_local else shown(path)
 
 
 def echo_json(doc: Any, *, default: Callable[[Any], Any] | None = None) -> None:
@@ -64,7 +103,10 @@ def is_foreign(path: str) -> bool:
     """True when ``path`` holds a checkpoint in a format other than savepoint's own, or is an
     existing non-directory that detection refuses (a FIFO, a device, an unknown file) or a sweep
     of training artifacts: its reason is the one to report, not the native reader's "not a
-    checkpoint directory"."""
+    checkpoint directory". Always False for a URL (the other formats are local files; see
+    :func:`fail_read`), which is decided without touching the filesystem."""
+    if not location(path).is_local:
+        return False
     try:
         return detect.detect(path) != "savepoint"
     except CheckpointError:
@@ -72,3 +114,48 @@ def is_foreign(path: str) -> bool:
         return (os.path.lexists(path) and not os.path.isdir(path)) or training_artifact.is_sweep(
             path
         )
+
+
+# What names a checkpoint of another format on a store: a file name of a single-file format, or
+# the file that marks a boostr checkpoint or a training artifact.
+_FOREIGN_SUFFIXES = (".shrew", ".safetensors", "." + burn.EXTENSION)
+_FOREIGN_MARKERS = (
+    boostr.STATE,
+    boostr.SHARDING,
+    training_artifact.REPORT_FILE,
+    training_artifact.COMPARISON_FILE,
+)
+
+
+def foreign_url(path: str) -> bool:
+    """True when ``path`` is a URL that names a checkpoint of another format (a ``.shrew``,
+    ``.safetensors`` or ``.mpk`` name, any file: savepoint's checkpoints are directories, or a
+    directory with a boostr or training-artifact marker file); those formats are local files."""
+    where = location(path)
+    if where.is_local:
+        return False
+    if where.path.lower().endswith(_FOREIGN_SUFFIXES):
+        return True
+    store = where.store
+    try:
+        found = store.stat(where.path)
+        if found is None:
+            return False
+        if found.kind != "dir":
+            return True
+        return any(store.stat(store.join(where.path, m)) is not None for m in _FOREIGN_MARKERS)
+    except OSError:
+        return False
+
+
+def fail_read(exc: CheckpointError, *paths: str) -> NoReturn:
+    """Exit 1 after savepoint's reader failed with ``exc`` on ``paths``; when one of them is a
+    URL naming a checkpoint of another format, with the library's refusal of that URL (those
+    formats are read from local files only) instead of the native reader's complaint."""
+    for path in paths:
+        if foreign_url(path):
+            try:
+                detect.detect(path)
+            except CheckpointError as refusal:
+                fail(refusal)
+    fail(exc)

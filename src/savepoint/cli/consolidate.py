@@ -6,7 +6,7 @@ import time
 
 import click
 
-from savepoint.cli._common import fail, progress
+from savepoint.cli._common import fail_read, local, named, progress
 from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
 
@@ -26,9 +26,11 @@ __all__ = ["consolidate_cmd"]
 @click.option("--no-verify", is_flag=True, help="Skip checking each shard's checksum.")
 def consolidate_cmd(src: str, dst: str, max_file_gib: float, no_verify: bool) -> None:
     """Write the sharded checkpoint SRC as an unsharded checkpoint DST (one tensor in memory at
-    a time). DST is replaced atomically if it is a checkpoint; SRC is never modified."""
+    a time). DST is replaced atomically if it is a checkpoint; SRC is never modified. Both may
+    be local paths or URLs (memory://, s3://, ...)."""
     from savepoint.distributed.consolidate import consolidate
 
+    src, dst = local(src, "source"), local(dst, "target")
     start = time.perf_counter()
     try:
         with progress("consolidating") as update:
@@ -40,8 +42,8 @@ def consolidate_cmd(src: str, dst: str, max_file_gib: float, no_verify: bool) ->
                 progress=update,
             )
     except CheckpointError as exc:
-        fail(exc)
+        fail_read(exc, src)
     click.echo(
-        f"ok: {info.path}: {len(info.tensors)} tensors, {_size(info.total_bytes)} in "
+        f"ok: {named(dst, info.path)}: {len(info.tensors)} tensors, {_size(info.total_bytes)} in "
         f"{len(info.files)} file(s), written in {time.perf_counter() - start:.2f} s"
     )

@@ -10,12 +10,16 @@ import time
 
 import click
 
-from savepoint.cli._common import fail
+from savepoint.cli._common import fail_read, local, location
 from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
+from savepoint.formats import burn
 from savepoint.formats.convert import TARGETS, convert
 
 __all__ = ["convert_cmd"]
+
+# The formats a target's file name selects (convert's default, as --format says).
+_BY_NAME = ((".shrew", "shrew"), (".safetensors", "safetensors"), ("." + burn.EXTENSION, "burn"))
 
 
 @click.command("convert")
@@ -40,12 +44,20 @@ def convert_cmd(src: str, dst: str, fmt: str | None, lossy: bool, overwrite: boo
 
     Fails, writing nothing, when DST's format cannot hold part of SRC (plain values in .shrew,
     say), listing every such part; --lossy leaves them out instead.
+
+    SRC and DST may be local paths or URLs (memory://, s3://, ...) where they hold savepoint's
+    own format; the other formats are local files.
     """
+    src, dst = local(src, "source"), local(dst, "target")
+    if fmt is None and not location(dst).is_local:
+        # As on local paths, the name says the format: a *.safetensors URL is refused (those
+        # files are local only) rather than made a savepoint checkpoint of that name.
+        fmt = next((f for suffix, f in _BY_NAME if dst.lower().endswith(suffix)), None)
     start = time.perf_counter()
     try:
         report = convert(src, dst, format=fmt, lossy=lossy, overwrite=overwrite)
     except CheckpointError as exc:
-        fail(exc)
+        fail_read(exc, src)
     click.echo(
         f"converted {report.source} ({report.source_format}) -> {report.destination} "
         f"({report.destination_format}): {report.tensors} tensors, {_size(report.bytes)} in "

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from savepoint.cli._common import echo_json, fail, local
+from savepoint.cli._common import echo_json, fail_read, local, named
 from savepoint.cli._runs import load_report, require_run
 from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
@@ -25,16 +25,18 @@ __all__ = ["diff_cmd"]
 @click.option("--all", "show_all", is_flag=True, help="List identical tensors too.")
 def diff_cmd(a: str, b: str, c: str | None, as_json: bool, show_all: bool) -> None:
     """Compare two checkpoints: `diff CKPT_A CKPT_B`, or two steps of a run: `diff RUN STEP STEP`
-    (a step may be a number, 'latest' or 'best'). Exit status 0 when identical, 1 otherwise."""
+    (a step may be a number, 'latest' or 'best'). Checkpoints and runs may be local paths or URLs
+    (memory://, s3://, ...). Exit status 0 when identical, 1 otherwise."""
     from savepoint.formats.diff import diff
 
-    a, b = local(a), (b if c is not None else local(b))
+    a, b = local(a, "checkpoint path"), (b if c is not None else local(b, "checkpoint path"))
     if c is not None:
         a, b = _resolve_step(a, b), _resolve_step(a, c)
     try:
         report = diff(a, b)
     except CheckpointError as exc:
-        fail(exc)
+        fail_read(exc, a, b)
+    report.a, report.b = named(a, report.a), named(b, report.b)
     if as_json:
         echo_json(report.to_dict(), default=str)
         sys.exit(0 if report.identical else 1)

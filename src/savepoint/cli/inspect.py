@@ -7,6 +7,7 @@ format it reads (.shrew, safetensors, boostr, burn, training artifacts) by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import click
 
 from savepoint import checkpoint
-from savepoint.cli._common import echo_json, fail, is_foreign, local
+from savepoint.cli._common import echo_json, fail_read, is_foreign, local, named
 from savepoint.cli._text import size as _size
 from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
@@ -31,13 +32,16 @@ def inspect_cmd(path: str, as_json: bool) -> None:
     """List the tensors, values and metadata of the checkpoint at PATH (reads no tensor data).
 
     PATH may be a savepoint checkpoint, a .shrew file, a .safetensors file, a boostr directory
-    (single or distributed), a burn record (.mpk) or a seed-001 training-artifact directory.
+    (single or distributed), a burn record (.mpk) or a seed-001 training-artifact directory. A
+    savepoint checkpoint may also be a URL (memory://, s3://, ...); the other formats are local
+    files.
     """
     path = local(path)
     try:
         info = detect.inspect_any(path) if is_foreign(path) else checkpoint.inspect(path)
     except CheckpointError as exc:
-        fail(exc)
+        fail_read(exc, path)
+    info = dataclasses.replace(info, path=named(path, info.path))
     if as_json:
         echo_json(info.to_dict())
     else:

@@ -1,14 +1,14 @@
-"""``savepoint ls RUN_DIR``: the checkpoints of a run, and which retention rule keeps each."""
+"""``savepoint ls RUN_DIR``: the checkpoints of a run (a local path or a URL), and which retention
+rule keeps each."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import click
 
 from savepoint import checkpoint
-from savepoint.cli._common import echo_json, local
+from savepoint.cli._common import echo_json, local, shown
 from savepoint.cli._runs import (
     committed_steps,
     load_report,
@@ -27,7 +27,8 @@ __all__ = ["ls_cmd"]
 @click.argument("run_dir", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
 def ls_cmd(run_dir: str, as_json: bool) -> None:
-    """List the checkpoints of the run at RUN_DIR: steps, sizes, metrics, and why each is kept."""
+    """List the checkpoints of the run at RUN_DIR (a local path or a URL: memory://, s3://, ...):
+    steps, sizes, metrics, and why each is kept."""
     from savepoint.runs import layout, policies
 
     run_dir = local(run_dir, "run directory")
@@ -72,7 +73,7 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
             }
         )
     if as_json:
-        echo_json({"run": os.path.abspath(run_dir), "checkpoints": rows_json, "problems": problems})
+        echo_json({"run": shown(run_dir), "checkpoints": rows_json, "problems": problems})
         return
     click.echo(
         f"run {report.name}"

@@ -3,15 +3,25 @@ optionally plotted to a PNG."""
 
 from __future__ import annotations
 
-import os
 import sys
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import click
 
-from savepoint.cli._common import echo_json, local
-from savepoint.cli._runs import committed_steps, load_report, metrics_text, run_problems
+from savepoint.cli._common import echo_json, local, local_file, location
+from savepoint.cli._runs import (
+    cannot_look,
+    committed_steps,
+    is_run,
+    load_report,
+    lost_run_file,
+    metrics_text,
+    run_problems,
+)
 from savepoint.cli._text import table as _table
+
+if TYPE_CHECKING:
+    from savepoint.storage.paths import Location
 
 __all__ = ["report_cmd"]
 
@@ -23,12 +33,16 @@ __all__ = ["report_cmd"]
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report (or comparison) as JSON.")
 def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
-    """Summarise a run (RUN_DIR) or a sweep (a directory of runs), optionally plotting the curves."""
-    from savepoint.runs import layout
+    """Summarise a run (RUN_DIR) or a sweep (a directory of runs), optionally plotting the curves.
+
+    PATH may be a local path or a URL (memory://, s3://, ...); the plot is a local file."""
     from savepoint.runs.sweep import Sweep
 
-    path, plot_path = local(path), (local(plot_path, "plot path") if plot_path else None)
-    if layout.is_run(path):
+    path, plot_path = local(path), (local_file(plot_path, "plot path") if plot_path else None)
+    where = location(path)
+    run = is_run(path)
+    names = [] if run else _sweep_runs(path, where)
+    if run:
         reports = [load_report(path)]
         r = reports[0]
         for problem in run_problems(path, r, committed_steps(path)):
@@ -54,21 +68,17 @@ def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
             click.echo(f"checkpoints  {', '.join(map(str, r.checkpoints)) or 'none'}")
             for item in r.lineage:
                 click.echo(f"resumed      from step {item.get('resumed_from')} at {item.get('at')}")
-    elif os.path.isdir(path) and Sweep(path).runs():
-        sweep = Sweep(path)
-        names = sweep.runs()
-        reports = [load_report(os.path.join(path, n)) for n in names]
+    elif names:
+        reports = [load_report(str(where.join(n))) for n in names]
         metric = next((r.best.get("metric") for r in reports if r.best), None)
         mode: Literal["min", "max"] = (
             "max" if any((r.best or {}).get("mode") == "max" for r in reports) else "min"
         )
-        rows_data = Sweep(path, metric=metric, mode=mode).compare()
+        rows_data = Sweep(where, metric=metric, mode=mode).compare()
         if as_json:
             echo_json(rows_data)
         else:
-            click.echo(
-                f"sweep {os.path.abspath(path)}: {len(rows_data)} runs ranked by {metric} ({mode})"
-            )
+            click.echo(f"sweep {where}: {len(rows_data)} runs ranked by {metric} ({mode})")
             rows: list[tuple[str, ...]] = [
                 ("rank", "run", "best", "best step", "final loss", "steps", "wall s")
             ]
@@ -88,7 +98,7 @@ def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
     else:
         hint = (
             " (its run.json is missing: opening it with a CheckpointManager rebuilds it)"
-            if layout.lost_run_file(path)
+            if lost_run_file(path)
             else ""
         )
         click.echo(f"error: {path} is neither a run directory nor a sweep of runs{hint}", err=True)
@@ -97,9 +107,18 @@ def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
         from savepoint.runs.plot import plot_reports
 
         title = (
-            reports[0].name
-            if len(reports) == 1
-            else f"sweep: {os.path.basename(os.path.abspath(path))}"
+            reports[0].name if len(reports) == 1 else f"sweep: {where.store.basename(where.path)}"
         )
         written = plot_reports(reports, plot_path, title)
         click.echo(f"plot written to {written}", err=as_json)
+
+
+def _sweep_runs(path: str, where: Location) -> list[str]:
+    """The names of the runs in the sweep directory at ``where`` (empty: not a sweep)."""
+    from savepoint.runs import layout
+    from savepoint.runs.sweep import Sweep
+
+    try:
+        return Sweep(where).runs() if layout.is_dir(where) else []
+    except OSError as exc:
+        cannot_look(path, exc)

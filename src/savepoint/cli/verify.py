@@ -7,18 +7,29 @@ verified and its report.json, checkpoints and latest/ and best/ aliases compared
 
 from __future__ import annotations
 
-import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from savepoint import checkpoint
-from savepoint.cli._common import fail, is_foreign, local, progress
-from savepoint.cli._runs import committed_steps, load_report
+from savepoint.cli._common import (
+    fail,
+    fail_read,
+    is_foreign,
+    local,
+    location,
+    named,
+    progress,
+)
+from savepoint.cli._runs import committed_steps, is_run, load_report, lost_run_file
 from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
 from savepoint.formats import detect
+
+if TYPE_CHECKING:
+    from savepoint.storage.paths import Location
 
 __all__ = ["verify_cmd"]
 
@@ -34,11 +45,12 @@ def verify_cmd(path: str, quiet: bool) -> None:
     (checked as far as each format allows), or a run
     directory: then every checkpoint is verified, and report.json, the committed checkpoints and
     the latest/ and best/ aliases must agree (any disagreement is listed, exit status 1).
-    """
-    from savepoint.runs import layout
 
+    PATH may be a local path or a URL (memory://, s3://, ...) of a savepoint checkpoint or run;
+    the other formats are local files.
+    """
     path = local(path)
-    if layout.is_run(path) or layout.lost_run_file(path):
+    if is_run(path) or lost_run_file(path):
         _verify_run(path, quiet)
         return
     if is_foreign(path):
@@ -49,12 +61,12 @@ def verify_cmd(path: str, quiet: bool) -> None:
         with progress("verifying") as update:
             info = checkpoint.verify(path, progress=update)
     except CheckpointError as exc:
-        fail(exc)
+        fail_read(exc, path)
     if not quiet:
         elapsed = time.perf_counter() - start
         click.echo(
-            f"ok: {info.path}: {len(info.tensors)} tensors, {_size(info.total_bytes)} in "
-            f"{len(info.files)} file(s) verified in {elapsed:.2f} s"
+            f"ok: {named(path, info.path)}: {len(info.tensors)} tensors, "
+            f"{_size(info.total_bytes)} in {len(info.files)} file(s) verified in {elapsed:.2f} s"
         )
 
 
@@ -82,10 +94,11 @@ def _verify_run(run_dir: str, quiet: bool) -> None:
 
     start = time.perf_counter()
     problems: list[str] = []
-    has_report = os.path.lexists(os.path.join(run_dir, REPORT_FILE))
-    run_path = os.path.join(run_dir, RUN_FILE)
+    where = location(run_dir)
+    has_report = _exists(where.join(REPORT_FILE))
+    run_path = str(where.join(RUN_FILE))
     try:
-        doc = read_json(run_path)
+        doc = read_json(where.join(RUN_FILE))
         if doc is None:  # a run that lost it (lost_run_file): its report has the identity
             report = load_report(run_dir)
             run = RunInfo(report.name, report.variant, report.config, report.num_params)
@@ -104,9 +117,9 @@ def _verify_run(run_dir: str, quiet: bool) -> None:
     checked = [s for s in steps if s not in leaving]
     paths = [(f"step {s}", layout.step_path(run_dir, s)) for s in checked]
     paths += [
-        (f"{a}/", os.path.join(run_dir, a))
+        (f"{a}/", str(aliases.path_of(where, a)))
         for a in aliases.NAMES
-        if os.path.lexists(os.path.join(run_dir, a))
+        if _exists(aliases.path_of(where, a))
     ]
     for what, ckpt in paths:
         try:
@@ -131,3 +144,12 @@ def _verify_run(run_dir: str, quiet: bool) -> None:
             f"{time.perf_counter() - start:.2f} s; report.json agrees with them"
             + (f" and with {held}" if held else "")
         )
+
+
+def _exists(where: Location) -> bool:
+    """Whether anything (a dangling link too, as ``os.path.lexists``) is at ``where``; a store
+    that cannot say counts it as there, so that reading it reports why."""
+    try:
+        return where.store.stat(where.path) is not None
+    except OSError:
+        return True

@@ -692,16 +692,22 @@ def _is_training(tree: Any) -> bool:
     return isinstance(tree, Mapping) and any(k in tree for k in ("model", *_V2_FIELDS))
 
 
+def _by_name(dst: str) -> str | None:
+    """The format a target's name asks for (``*.shrew``, ``*.safetensors``, ``*.mpk``), if any."""
+    lower = dst.lower()
+    if lower.endswith(".shrew"):
+        return "shrew"
+    if lower.endswith(".safetensors"):
+        return "safetensors"
+    if lower.endswith("." + burn.EXTENSION):
+        return "burn"
+    return None
+
+
 def _target(dst: str, fmt: str | None, src: _Source) -> str:
     if fmt is None:
-        lower = dst.lower()
-        if lower.endswith(".shrew"):
-            fmt = "shrew"
-        elif lower.endswith(".safetensors"):
-            fmt = "safetensors"
-        elif lower.endswith("." + burn.EXTENSION):
-            fmt = "burn"
-        else:
+        fmt = _by_name(dst)
+        if fmt is None:
             try:
                 found = detect(dst) if os.path.lexists(dst) else "savepoint"
             except CheckpointError:
@@ -735,10 +741,11 @@ def _check_store_target(
 ) -> None:
     """A target off the local disk (``memory://``, an object store) takes savepoint's own
     format only, and is not the source, and exists only with ``overwrite``."""
-    if format not in (None, "savepoint"):
+    wanted = format or _by_name(target.path)
+    if wanted not in (None, "savepoint"):
         raise UnsupportedStorageError(
-            f"target {target}: {_LABELS.get(format, format)} files are written to local paths "
-            "only; savepoint's own format is written on every store",
+            f"target {target}: {_LABELS.get(wanted, wanted)} is written to local paths only; "
+            "savepoint's own format is written on every store",
             path=str(target),
             scheme=target.store.scheme,
         )

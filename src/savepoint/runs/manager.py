@@ -264,6 +264,8 @@ class CheckpointManager:
         # them while the caller's thread reads them.)
         self._discarding: frozenset[int] = frozenset()
         self._discarding_on_disk: frozenset[int] = frozenset()
+        # On object stores retention's deletions run here, behind the save that decided them.
+        self._deleter: threading.Thread | None = None
         self._inflight: int | None = None  # the step an async save is writing
         self._last_async: _AsyncSave | None = None
         self._lock_error_raised = False
@@ -842,13 +844,42 @@ class CheckpointManager:
             # Done: the checkpoint is saved. Deleting is tidying, retried until it succeeds.
             self._drop(backup)
             self._discarding = discarding
-            self._finish_discards()
-            if self._discarding != self._discarding_on_disk:
-                self._fill_report(keep)  # = steps(): the rest on disk is still in _discarding
-                with contextlib.suppress(OSError):  # the next save writes it again
-                    self._store_report()
+            if self._store.capabilities.atomic_rename or not self._discarding:
+                self._tidy(keep)
+            else:
+                # Object stores: deleting a checkpoint is a listing and batched deletes over
+                # the network; the report already names the steps as leaving (a crash now is
+                # repaired at the next open), so the save returns and they go in the background.
+                self._deleter = threading.Thread(
+                    target=self._tidy_in_background, name="savepoint-retention", daemon=True
+                )
+                self._deleter.start()
             if verify_error is not None:
                 raise verify_error
+
+    def _tidy(self, keep: list[int]) -> None:
+        """Delete what is leaving the run and record it in the report (caller holds the lock)."""
+        self._finish_discards()
+        if self._discarding != self._discarding_on_disk:
+            self._fill_report(keep)  # = steps(): the rest on disk is still in _discarding
+            with contextlib.suppress(OSError):  # the next save writes it again
+                self._store_report()
+
+    def _tidy_in_background(self) -> None:
+        with self._lock:
+            try:
+                self._tidy(self.steps())
+            except BaseException:
+                # Tidying only: report.json names what is left, and the next save, close or
+                # open deletes it. (A thread has nobody to raise to.)
+                return
+
+    def _wait_for_deletions(self) -> None:
+        """Let retention's background deletions finish (before the next save's bookkeeping,
+        and at close)."""
+        deleter = self._deleter
+        if deleter is not None and deleter is not threading.current_thread():
+            deleter.join()
 
     def _doomed(self, newest: int, live: list[int]) -> tuple[set[int], CheckpointError | None]:
         """The steps retention deletes, or none (and the error) if ``newest`` fails to verify."""
@@ -1196,12 +1227,17 @@ class CheckpointManager:
                 return collect(self._run, grace=grace, dry_run=dry_run, lock=False)
 
     def wait(self) -> None:
-        """Block until any background save is committed; raise its error if it failed."""
-        if self._async is not None:
-            try:
-                self._async.wait()
-            finally:
-                self._settle_async(wait=True)
+        """Block until any background save is committed, and until the deletions retention
+        started in the background (object stores) are done; raise a save's error if it
+        failed."""
+        try:
+            if self._async is not None:
+                try:
+                    self._async.wait()
+                finally:
+                    self._settle_async(wait=True)
+        finally:
+            self._wait_for_deletions()
 
     def close(self) -> None:
         """Finish pending saves, write the final report, and release the writer lock.
@@ -1220,6 +1256,7 @@ class CheckpointManager:
                         self._settle_async(wait=True)
             finally:
                 self._closed = True
+                self._wait_for_deletions()
                 try:
                     if (
                         self._writes_books()
