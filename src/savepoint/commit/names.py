@@ -22,6 +22,7 @@ import time
 import uuid
 
 from savepoint.storage.base import Store
+from savepoint.storage.lease import pid_gone
 
 __all__ = [
     "GEN_PREFIX",
@@ -80,13 +81,4 @@ def dead_here(rest: str) -> bool:
     parts = rest.split("-")
     if len(parts) != 3 or parts[0] != HOST or not parts[1].isdigit():
         return False
-    pid = int(parts[1])
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):
-        return False
-    return False
+    return pid_gone(int(parts[1]))

@@ -70,7 +70,8 @@ CheckpointErrors naming the path.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+import errno
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -87,6 +88,7 @@ __all__ = [
     "Lock",
     "Pinned",
     "PinnedContext",
+    "PrefixPin",
     "Stat",
     "Store",
     "walk",
@@ -334,6 +336,44 @@ class Lock(Protocol):
         ...
 
     def release(self) -> None: ...
+
+
+class PrefixPin:
+    """The :class:`Pinned` of a store without directory handles (object stores, fsspec
+    filesystems): under the manifest-last layout a generation is never rewritten, so its path
+    is as stable as a handle would be. ``identity()`` is None once ``alive()`` says the
+    directory is gone; names with ``..`` (or none) are FileNotFoundError, never a way out."""
+
+    def __init__(self, store: Store, path: str, identity: Any, alive: Callable[[], bool]) -> None:
+        self.path = path
+        self._store = store
+        self._identity = identity
+        self._alive = alive
+
+    def __enter__(self) -> PrefixPin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _path(self, name: str) -> str:
+        parts = [p for p in name.split("/") if p not in ("", ".")]
+        if ".." in parts or not parts:
+            shown = self._store.url(Store.join(self.path, name))
+            raise FileNotFoundError(errno.ENOENT, "No such blob in the directory", shown)
+        return Store.join(self.path, *parts)
+
+    def open_blob(self, name: str, *, copy_on_write: bool = False) -> BlobReader:
+        return self._store.open_blob(self._path(name))
+
+    def read_small(self, name: str, *, cap: int | None) -> bytes:
+        return self._store.read_small(self._path(name), cap=cap)
+
+    def identity(self) -> Any:
+        return self._identity if self._alive() else None
+
+    def close(self) -> None:
+        pass
 
 
 def walk(store: Store, path: str) -> Iterator[str]:

@@ -87,7 +87,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from savepoint.errors import CorruptCheckpointError, NotRegularFileError
-from savepoint.storage.base import Capabilities, Stat, Store
+from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store
 
 if TYPE_CHECKING:
     from savepoint.storage.paths import Location
@@ -575,13 +575,14 @@ class FsspecStore(Store):
             lock = table.setdefault(key, threading.Lock())
         return _ThreadLock(lock)
 
-    def pin(self, path: str) -> _Pinned:
+    def pin(self, path: str) -> PrefixPin:
         st = self.stat(path)
         if st is None:
             raise FileNotFoundError(errno.ENOENT, "No such directory", self.url(path))
         if st.kind != "dir":
             raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.url(path))
-        return _Pinned(self, self.abspath(path), st.identity)
+        where = self.abspath(path)
+        return PrefixPin(self, where, st.identity, lambda: self._is_dir(where))
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -747,41 +748,6 @@ class _ThreadLock:
 
     def release(self) -> None:
         self._lock.release()
-
-
-class _Pinned:
-    """A directory, pinned: under the manifest-last layout a generation is never rewritten, so
-    the path itself is stable; ``identity()`` is None once the directory is gone."""
-
-    def __init__(self, store: FsspecStore, path: str, identity: Any) -> None:
-        self.path = path
-        self._store = store
-        self._identity = identity
-
-    def __enter__(self) -> _Pinned:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _path(self, name: str) -> str:
-        parts = [p for p in name.split("/") if p not in ("", ".")]
-        if ".." in parts or not parts:
-            shown = self._store.url(Store.join(self.path, name))
-            raise FileNotFoundError(errno.ENOENT, "No such file in the directory", shown)
-        return Store.join(self.path, *parts)
-
-    def open_blob(self, name: str, *, copy_on_write: bool = False) -> _Reader:
-        return self._store.open_blob(self._path(name))
-
-    def read_small(self, name: str, *, cap: int | None) -> bytes:
-        return self._store.read_small(self._path(name), cap=cap)
-
-    def identity(self) -> Any:
-        return self._identity if self._store._is_dir(self.path) else None
-
-    def close(self) -> None:
-        pass
 
 
 _SHARED: dict[tuple[str, str, str], FsspecStore] = {}

@@ -36,7 +36,7 @@ from savepoint.errors import CheckpointError
 if TYPE_CHECKING:
     from savepoint.storage.base import Store
 
-__all__ = ["DEFAULT_TTL", "LeaseLock"]
+__all__ = ["DEFAULT_TTL", "LeaseLock", "pid_gone"]
 
 DEFAULT_TTL = 60.0
 _CAP = 4096
@@ -183,7 +183,12 @@ class LeaseLock:
 def _dead_here(doc: dict[str, Any]) -> bool:
     """Whether the lease's holder is a process of this host that no longer runs."""
     pid = doc.get("pid")
-    if doc.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+    return doc.get("host") == socket.gethostname() and isinstance(pid, int) and pid_gone(pid)
+
+
+def pid_gone(pid: int) -> bool:
+    """True if no process ``pid`` runs on this host (never for this process itself)."""
+    if pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)

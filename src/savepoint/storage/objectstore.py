@@ -115,7 +115,7 @@ from savepoint.errors import (
     CorruptCheckpointError,
     NotRegularFileError,
 )
-from savepoint.storage.base import Capabilities, Stat, Store
+from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store
 
 if TYPE_CHECKING:
     from obstore import WritableFile
@@ -749,13 +749,14 @@ class ObjectStore(Store):
                 raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.url(path))
             raise FileNotFoundError(errno.ENOENT, "No such directory", self.url(path))
 
-    def pin(self, path: str) -> _Pinned:
+    def pin(self, path: str) -> PrefixPin:
         st = self.stat(path)
         if st is None:
             raise FileNotFoundError(errno.ENOENT, "No such directory", self.url(path))
         if st.kind != "dir":
             raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.url(path))
-        return _Pinned(self, self.abspath(path), st.identity)
+        where = self.abspath(path)
+        return PrefixPin(self, where, st.identity, lambda: self._is_dir(*self._split(where)))
 
 
 class _Reader:
@@ -986,42 +987,6 @@ class _Writer:
             with contextlib.suppress(Exception):
                 self._store._delete(self._bucket, [self._key])
         self._state = "aborted"
-
-
-class _Pinned:
-    """A prefix, pinned: under the manifest-last layout generations are never overwritten, so the
-    prefix itself is stable; ``identity()`` is None once nothing is under it any more."""
-
-    def __init__(self, store: ObjectStore, path: str, identity: Any) -> None:
-        self.path = path
-        self._store = store
-        self._identity = identity
-
-    def __enter__(self) -> _Pinned:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _path(self, name: str) -> str:
-        parts = [p for p in name.split("/") if p not in ("", ".")]
-        if ".." in parts or not parts:
-            shown = self._store.url(Store.join(self.path, name))
-            raise FileNotFoundError(errno.ENOENT, "No such object in the directory", shown)
-        return Store.join(self.path, *parts)
-
-    def open_blob(self, name: str, *, copy_on_write: bool = False) -> _Reader:
-        return self._store.open_blob(self._path(name))
-
-    def read_small(self, name: str, *, cap: int | None) -> bytes:
-        return self._store.read_small(self._path(name), cap=cap)
-
-    def identity(self) -> Any:
-        bucket, key = self._store._split(self.path)
-        return self._identity if self._store._is_dir(bucket, key) else None
-
-    def close(self) -> None:
-        pass
 
 
 _SHARED: dict[str, ObjectStore] = {}
