@@ -401,3 +401,23 @@ def test_ranged_reads_read_what_a_load_needs_and_group_small_tensors(
     store.put(path, bytes(data))
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch"):
         sp.load(where, into=into)
+
+
+def test_a_sharded_load_reads_the_rows_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a store without views, a rank restoring part of a saved shard reads only the bytes of
+    that part (plus headers) when it does not verify; verifying hashes, so reads, whole shards."""
+    store = NoViews()
+    where = store.at("/run/ckpt")
+    full = np.random.default_rng(3).standard_normal((256, 1024)).astype(np.float32)  # 1 MiB
+    sp.save(where, {"w": sp.Shard(full, full.shape, (0, 0))})
+    counted = _Counted(store, monkeypatch)
+    needed = full[64:96].nbytes  # a quarter of a rank's worth: 128 KiB
+    target = {"w": sp.Shard(np.zeros((32, 1024), np.float32), full.shape, (64, 0))}
+    sp.load(where, into=target, verify=False)
+    np.testing.assert_array_equal(target["w"].local, full[64:96])
+    assert counted.bytes <= 1.1 * needed + (64 << 10), (counted.bytes, needed)
+    counted.reset()
+    target = {"w": sp.Shard(np.zeros((32, 1024), np.float32), full.shape, (64, 0))}
+    sp.load(where, into=target)  # verified: the whole shard is hashed
+    np.testing.assert_array_equal(target["w"].local, full[64:96])
+    assert counted.bytes >= full.nbytes

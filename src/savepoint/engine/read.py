@@ -662,13 +662,41 @@ class Reader:
         for ref, index, copies in tasks:
             shard = self.manifest.tensors[ref].layout()[index]
             opened = self.open_file(shard.file, check_header=verify)
-            # Without a view the shard is read when its task runs (not all shards up front).
-            raw = functools.partial(opened.slice, shard.start, shard.end)
+            # Without a view the shard is read when its task runs (not all shards up front);
+            # unverified, only the bytes its copies need (verifying hashes the whole shard).
+            raw: Callable[[], np.ndarray[Any, Any]]
+            if opened.array is None and not verify and copies:
+                needed = self._needed(ref, copies)
+                raw = functools.partial(self._read_part, opened, shard.start, shard.end, needed)
+            else:
+                raw = functools.partial(opened.slice, shard.start, shard.end)
             fn = functools.partial(
                 self._copy_shard, ref, index, raw, copies, verify, progress, lock
             )
             work.append((shard.end - shard.start, fn))
         return work
+
+    def _needed(self, ref: str, copies: Sequence[RegionCopy]) -> tuple[int, int]:
+        """The byte range of a shard's buffer that ``copies`` read."""
+        item = dtypes.from_name(self.manifest.tensors[ref].dtype).numpy.itemsize
+        spans = [boxes.span(c.region, c.src) for c in copies if boxes.volume(c.region)]
+        if not spans:
+            return 0, 0
+        return min(lo for lo, _ in spans) * item, max(hi for _, hi in spans) * item
+
+    def _read_part(
+        self, opened: _File, start: int, end: int, needed: tuple[int, int]
+    ) -> np.ndarray[Any, Any]:
+        """A shard's buffer with only ``needed`` (a byte range of it) read; the rest is never
+        looked at (unverified copies touch only what they need)."""
+        buf = np.empty(end - start, dtype=np.uint8)
+        lo, hi = needed
+        if hi > lo:
+            try:
+                opened.blob.read(start + lo, buf[lo:hi])
+            except EOFError:
+                raise self._corrupt(f"a data file shrank while being read ({start + hi})") from None
+        return buf
 
     def _copy_shard(
         self,
