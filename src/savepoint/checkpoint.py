@@ -34,7 +34,7 @@ from typing import Any
 from savepoint.engine import load as load_engine
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
-from savepoint.engine.read import Reader
+from savepoint.engine.read import Reader, rereading
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.options import (
     DEFAULT_MAX_FILE_BYTES,
@@ -274,6 +274,10 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
     """
     check_load(progress=progress, what="verify")
     location = resolve_path(path, what="checkpoint path")
-    with Reader.open(location) as reader:
-        load_engine.verify(reader, progress)
-        return describe(reader.shown, reader.manifest)
+
+    def once() -> CheckpointInfo:
+        with Reader.open(location) as reader:
+            load_engine.verify(reader, progress)
+            return describe(reader.shown, reader.manifest)
+
+    return rereading(once)  # a generation replaced under the read (object stores): again

@@ -55,6 +55,7 @@ __all__ = [
     "NotRegularFileError",
     "OptimizerStateError",
     "RNGStateError",
+    "ReplacedWhileReadingError",
     "RunLockedError",
     "RunMismatchError",
     "StateMismatchError",
@@ -265,6 +266,13 @@ class ConversionError(UnsupportedStateError):
             "Convert with lossy=True (savepoint convert --lossy) to leave them out, or choose a "
             "format that holds them (savepoint's own format holds everything)."
         )
+
+
+class ReplacedWhileReadingError(CorruptCheckpointError):
+    """A checkpoint was replaced or deleted by a writer while it was being read, on a store that
+    keeps no bytes for open readers (object stores). Nothing is wrong with either checkpoint:
+    ``sp.load`` and ``sp.verify`` start again on the checkpoint now at the path, and raise this
+    only when that keeps happening (a writer replacing it faster than it can be read)."""
 
 
 class UnsupportedStorageError(CheckpointError, ValueError):

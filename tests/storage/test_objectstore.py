@@ -313,3 +313,58 @@ def test_save_load_verify_inspect_and_replace(s3_bucket: str, server: _s3server.
     generations = store.list(f"/{s3_bucket}/run/x")
     assert len(generations) == 1 and generations[0].startswith("gen-")
     assert server.open_uploads(s3_bucket) == []
+
+
+def test_loads_racing_a_replacing_writer_never_fail_on_s3(s3_bucket: str) -> None:
+    """A checkpoint of several data files replaced while two threads load and verify it in a
+    loop: every load returns exactly the old state or the new one, and none fails (a
+    generation deleted under a read is read again from the new one)."""
+    import threading
+
+    import savepoint as sp
+
+    url = f"s3://{s3_bucket}/ck"
+    a = {f"t{i}": np.full(1 << 18, 1.0, np.float32) for i in range(6)}  # 6 x 1 MiB
+    b = {f"t{i}": np.full(1 << 18, 2.0, np.float32) for i in range(6)}
+    sp.save(url, a, max_file_bytes=2 << 20)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    loads: list[int] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                got = sp.load(url)
+                first = float(got["t0"][0])
+                assert all(np.all(got[k] == first) for k in got), "a mixture"
+                sp.verify(url)
+                loads.append(1)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for i in range(12):
+        sp.save(url, b if i % 2 == 0 else a, max_file_bytes=2 << 20)
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors, errors[:2]
+    assert loads, "the readers never finished a load"
+
+
+def test_a_run_in_a_missing_bucket_is_a_savepoint_error(s3: object) -> None:
+    """Opening a manager or a view on a bucket that does not exist says so with a savepoint
+    error naming the run, at once (no raw OSError from the store)."""
+    import savepoint as sp
+
+    url = "s3://savepoint-no-such-bucket/run"
+    for open_ in (
+        lambda: sp.CheckpointManager(url),
+        lambda: sp.CheckpointManager(url, read_only=True),
+    ):
+        with pytest.raises(sp.CheckpointError, match="savepoint-no-such-bucket") as info:
+            open_()
+        assert "NoSuchBucket" in str(info.value) or "bucket" in str(info.value).lower()

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -55,6 +55,7 @@ from savepoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
+    ReplacedWhileReadingError,
 )
 from savepoint.state import arrays
 from savepoint.storage import local
@@ -62,7 +63,19 @@ from savepoint.storage.base import BlobReader, PinnedContext, Store
 from savepoint.storage.paths import Location, PathArg
 from savepoint.storage.paths import resolve as resolve_path
 
-__all__ = ["ATTEMPTS", "Needs", "Reader", "RegionCopy", "ShardTask", "files_of", "locate"]
+T = TypeVar("T")
+
+__all__ = [
+    "ATTEMPTS",
+    "Needs",
+    "REREADS",
+    "Reader",
+    "RegionCopy",
+    "ShardTask",
+    "files_of",
+    "locate",
+    "rereading",
+]
 
 PIECE = 4 << 20  # hash-then-copy granularity: stays in cache between the two
 # Stores without zero-copy views (object stores): tensors are read with ranged reads straight into
@@ -71,6 +84,9 @@ PIECE = 4 << 20  # hash-then-copy granularity: stays in cache between the two
 GROUP_BYTES = 16 << 20
 GAP_BYTES = 256 << 10
 ATTEMPTS = 20  # generations a reader tries to pin before giving up (each try takes microseconds)
+# Whole reads started again when a store without kept bytes (an object store) lost the generation
+# being read to a writer's replace (ReplacedWhileReadingError): each is a full read, so few.
+REREADS = 5
 REPLACE_WAIT = 2.0  # seconds to wait for a live fallback replace to put its new checkpoint in place
 
 # Which data files a caller will read, given the pinned directory (as messages show it) and its
@@ -352,7 +368,7 @@ class Reader:
             if self.pinned is not None and not _same_generation(
                 self.store, self.source, self.pinned
             ):
-                raise CheckpointError(
+                raise ReplacedWhileReadingError(
                     f"{self.shown} was replaced or deleted while it was being read (data "
                     f"file {name} was not opened in time); load again",
                     path=self.shown,
@@ -833,3 +849,16 @@ def _special_kind(store: Store, path: str) -> str:
     if st is None or not st.special:
         return "not a directory"
     return f"a {st.special}"
+
+
+def rereading(read: Callable[[], T]) -> T:
+    """``read()``, started again (up to :data:`REREADS` times) when the checkpoint it was
+    reading was replaced or deleted under it on a store that keeps no bytes for open readers;
+    each attempt pins the generation then at the path afresh."""
+    for attempt in range(REREADS):
+        try:
+            return read()
+        except ReplacedWhileReadingError:
+            if attempt == REREADS - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover

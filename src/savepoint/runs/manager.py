@@ -91,6 +91,7 @@ from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -315,10 +316,14 @@ class CheckpointManager:
                 self._record_config_change()
             if self._writes_books():
                 self._repair()
-        except BaseException:
+        except BaseException as exc:
             self._release_lock()
             if self._async is not None:
                 self._async.close()
+            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+                # The store refused to be looked at (no such bucket, a refused credential, an
+                # unreachable endpoint): a savepoint error naming the run, the cause below.
+                raise _open_error(self.directory, exc) from exc
             raise
 
     # -- opening -----------------------------------------------------------------------------
@@ -1356,6 +1361,19 @@ def _not_writable(*paths: str) -> tuple[int, str] | None:
                 return errno.EROFS, f"{path} is on a read-only filesystem"
             return errno.EACCES, f"{path} is not writable by this user"
     return None
+
+
+def _open_error(directory: str, exc: OSError) -> CheckpointError:
+    """The error for a run whose store could not be looked at while opening it."""
+    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
+    if isinstance(exc, PermissionError):
+        return CheckpointPermissionError(
+            f"cannot open the run {directory}: {reason}; check the credentials or permissions "
+            "for it",
+            path=directory,
+            errno=exc.errno,
+        )
+    return CheckpointError(f"cannot open the run {directory}: {reason}", path=directory)
 
 
 def _write_error(what: str, exc: OSError) -> CheckpointWriteError:

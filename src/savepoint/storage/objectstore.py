@@ -76,9 +76,10 @@ access_key_id=..., secret_access_key=..., allow_http=True)``; HTTP client option
 (``allow_http``, ``timeout``, ``connect_timeout``, ``proxy_url``, ...) go to the client, the rest
 to the store's config. ``retry`` replaces the retry policy (obstore's ``RetryConfig``: by default
 10 retries of 5xx answers, connection errors and resets, with exponential backoff and jitter from
-100 ms to 15 s, for at most 3 minutes). ``sp.save("s3://...")`` uses :func:`shared`, one store
-per scheme configured from the environment; a store configured by hand is passed as
-``store.at("/bucket/run")``.
+100 ms to 15 s, for at most 60 s per request, obstore's retries and savepoint's together: an
+endpoint that accepts connections and never answers fails a call in about a minute).
+``sp.save("s3://...")`` uses :func:`shared`, one store per scheme configured from the environment;
+a store configured by hand is passed as ``store.at("/bucket/run")``.
 
 Errors: a missing object is FileNotFoundError; a refused precondition (the object exists, or changed)
 is FileExistsError; a refused credential is PermissionError. A failed write (PUT, part upload,
@@ -114,6 +115,7 @@ from savepoint.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
     NotRegularFileError,
+    ReplacedWhileReadingError,
 )
 from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store
 
@@ -146,7 +148,7 @@ DEFAULT_RETRY: dict[str, Any] = {
         "max_backoff": timedelta(seconds=15),
         "base": 2,
     },
-    "retry_timeout": timedelta(minutes=3),
+    "retry_timeout": timedelta(seconds=60),
 }
 
 # obstore's ClientConfig keys: these keyword arguments configure the HTTP client, not the store.
@@ -421,6 +423,9 @@ class ObjectStore(Store):
         """``call()``, retried on a transport failure: obstore retries a request that fails before
         its answer, but not a listing whose response body is cut off."""
         attempts = 0
+        # One budget for obstore's retries and these: a server that accepts connections and
+        # never answers fails a read after about retry_timeout, not retry_timeout per attempt.
+        deadline = time.monotonic() + self._retry_budget()
         while True:
             try:
                 return call()
@@ -428,9 +433,14 @@ class ObjectStore(Store):
                 if _is_missing(exc) or not _is_transport(exc):
                     raise
                 attempts += (_retries(exc) or 0) + 1
-                if attempts >= self._tries():
+                if attempts >= self._tries() or time.monotonic() >= deadline:
                     raise _Counted(exc, attempts) from exc
                 self._backoff(attempts)
+
+    def _retry_budget(self) -> float:
+        """Seconds of retries one request may take (the retry policy's ``retry_timeout``)."""
+        limit = self._retry.get("retry_timeout")
+        return limit.total_seconds() if isinstance(limit, timedelta) else 180.0
 
     def _head(self, bucket: str, key: str) -> dict[str, Any] | None:
         """The object's metadata; None when there is none."""
@@ -792,7 +802,7 @@ class _Reader:
             data = memoryview(result.bytes())
         except Exception as exc:
             if _is_missing(exc) or _is_precondition(exc):
-                raise CorruptCheckpointError(
+                raise ReplacedWhileReadingError(
                     f"{self.name} was replaced or deleted since it was opened (reading bytes "
                     f"[{start}, {end})); load again",
                     path=self.name,
