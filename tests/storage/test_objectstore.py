@@ -368,3 +368,20 @@ def test_a_run_in_a_missing_bucket_is_a_savepoint_error(s3: object) -> None:
         with pytest.raises(sp.CheckpointError, match="savepoint-no-such-bucket") as info:
             open_()
         assert "NoSuchBucket" in str(info.value) or "bucket" in str(info.value).lower()
+
+
+def test_a_url_without_a_bucket_is_refused() -> None:
+    import savepoint as sp
+
+    for url in ("s3:///x", "s3://", "gs:///run/ckpt"):
+        with pytest.raises(sp.UnsupportedStorageError, match="names no bucket"):
+            sp.save(url, {"w": np.arange(3.0)})
+
+
+def test_gc_on_a_missing_bucket_says_why(s3: object) -> None:
+    """gc reports the store's own failure, not "no run here"."""
+    import savepoint as sp
+    from savepoint.runs.gc import collect
+
+    with pytest.raises(sp.CheckpointError, match=r"cannot look at .*(NoSuchBucket|no-such)"):
+        collect("s3://savepoint-no-such-bucket/run")

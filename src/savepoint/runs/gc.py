@@ -55,7 +55,12 @@ from typing import Any
 from savepoint.codecs import manifest as mf
 from savepoint.commit import names, pointer
 from savepoint.commit.transaction import resolve as resolve_commit
-from savepoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointPermissionError,
+    CheckpointWriteError,
+)
 from savepoint.runs import layout
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.report import REPORT_FILE, RUN_FILE, load_report
@@ -196,14 +201,22 @@ def collect(
 
 
 def _is_run(where: Location) -> bool:
+    """Whether a run's files are at ``where``; a store that cannot be looked at (no such
+    bucket, a refused credential) is that error, not "no run"."""
     store = where.store
     try:
         return any(
             (st := store.stat(store.join(where.path, name))) is not None and st.kind == "file"
             for name in (RUN_FILE, REPORT_FILE)
         )
-    except OSError:
-        return False
+    except PermissionError as exc:
+        raise CheckpointPermissionError(
+            f"cannot look at {where}: {exc.strerror or exc}", path=str(where), errno=exc.errno
+        ) from exc
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot look at {where}: {exc.strerror or exc}", path=str(where)
+        ) from exc
 
 
 def _is_checkpoint(where: Location) -> bool:

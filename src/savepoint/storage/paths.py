@@ -155,7 +155,7 @@ def _object_store(text: str, scheme: str, rest: str, what: str) -> Location:
         )
     store = objectstore.shared(scheme)
     path = store.abspath(unquote(rest))
-    if path == "/":
+    if path == "/" or rest.startswith("/"):  # s3:///x names no bucket (not the bucket "x")
         raise UnsupportedStorageError(
             f"{what} {text!r}: the URL names no bucket (as in {scheme}://bucket/run)",
             path=text,
