@@ -268,7 +268,7 @@ class ConversionError(UnsupportedStateError):
         )
 
 
-class ReplacedWhileReadingError(CorruptCheckpointError):
+class ReplacedWhileReadingError(CheckpointError):
     """A checkpoint was replaced or deleted by a writer while it was being read, on a store that
     keeps no bytes for open readers (object stores). Nothing is wrong with either checkpoint:
     ``sp.load`` and ``sp.verify`` start again on the checkpoint now at the path, and raise this
