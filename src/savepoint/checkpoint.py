@@ -243,7 +243,8 @@ def load(
         return distributed_load.load(
             location, process_group=process_group, timeout=timeout, **options
         )
-    return load_engine.load(location, **options)
+    # A generation replaced under the read (object stores) is read again from the new one.
+    return rereading(lambda: load_engine.load(location, **options))
 
 
 def _has_shard_targets(into: Any) -> bool:

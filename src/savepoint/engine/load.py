@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 
 from savepoint.codecs import manifest as mf
-from savepoint.engine.read import Needs, Reader, files_of, rereading
+from savepoint.engine.read import Needs, Reader, files_of
 from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError, StateMismatchError
 from savepoint.state import arrays, restore, tree
 from savepoint.storage.paths import Location
@@ -156,33 +156,7 @@ def load(
     mmap: bool,
     progress: Progress | None,
 ) -> Any:
-    """``sp.load`` of an unsharded load (arguments already checked): see its docstring. A
-    generation replaced under the read on an object store is read again from the start."""
-    return rereading(
-        lambda: _load_once(
-            location,
-            into=into,
-            keys=keys,
-            verify=verify,
-            framework=framework,
-            device=device,
-            mmap=mmap,
-            progress=progress,
-        )
-    )
-
-
-def _load_once(
-    location: Location,
-    *,
-    into: Any,
-    keys: Keys,
-    verify: Verify,
-    framework: Framework,
-    device: Any,
-    mmap: bool,
-    progress: Progress | None,
-) -> Any:
+    """``sp.load`` of an unsharded load (arguments already checked): see its docstring."""
     reader = Reader.open(
         location,
         copy_on_write=mmap and into is None,

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import abc
 import errno
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -91,6 +92,8 @@ __all__ = [
     "PrefixPin",
     "Stat",
     "Store",
+    "ThreadLock",
+    "pin_prefix",
     "walk",
 ]
 
@@ -374,6 +377,32 @@ class PrefixPin:
 
     def close(self) -> None:
         pass
+
+
+def pin_prefix(store: Store, path: str, alive: Callable[[str], bool]) -> PrefixPin:
+    """``store.pin(path)`` for a store without directory handles: the directory must exist;
+    ``alive(path)`` later says whether it still does."""
+    st = store.stat(path)
+    if st is None:
+        raise FileNotFoundError(errno.ENOENT, "No such directory", store.url(path))
+    if st.kind != "dir":
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory", store.url(path))
+    where = store.abspath(path)
+    return PrefixPin(store, where, st.identity, lambda: alive(where))
+
+
+class ThreadLock:
+    """A :class:`Lock` that excludes the threads of this process only (stores that live in one
+    process, or filesystems without locks)."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def acquire(self) -> bool:
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._lock.release()
 
 
 def walk(store: Store, path: str) -> Iterator[str]:

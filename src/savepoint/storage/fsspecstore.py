@@ -87,7 +87,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from savepoint.errors import CorruptCheckpointError, NotRegularFileError
-from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store
+from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store, ThreadLock, pin_prefix
 
 if TYPE_CHECKING:
     from savepoint.storage.paths import Location
@@ -562,7 +562,7 @@ class FsspecStore(Store):
         if self._local:
             self._sync_local(self._p(path))
 
-    def lock(self, path: str) -> _ThreadLock:
+    def lock(self, path: str) -> ThreadLock:
         """An in-process lock (``locks`` is False: fsspec has no lock another process would
         see), so that two writers of one run in this process exclude each other."""
         fs = self.fs
@@ -573,16 +573,10 @@ class FsspecStore(Store):
             except TypeError:  # not weakly referenceable
                 table = _LOCKS_BY_ID.setdefault(id(fs), {})
             lock = table.setdefault(key, threading.Lock())
-        return _ThreadLock(lock)
+        return ThreadLock(lock)
 
     def pin(self, path: str) -> PrefixPin:
-        st = self.stat(path)
-        if st is None:
-            raise FileNotFoundError(errno.ENOENT, "No such directory", self.url(path))
-        if st.kind != "dir":
-            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.url(path))
-        where = self.abspath(path)
-        return PrefixPin(self, where, st.identity, lambda: self._is_dir(where))
+        return pin_prefix(self, path, self._is_dir)
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -735,19 +729,6 @@ def _discard(f: Any) -> None:
 _LOCKS: weakref.WeakKeyDictionary[Any, dict[str, threading.Lock]] = weakref.WeakKeyDictionary()
 _LOCKS_BY_ID: dict[int, dict[str, threading.Lock]] = {}
 _LOCKS_LOCK = threading.Lock()
-
-
-class _ThreadLock:
-    """An in-process lock (:meth:`FsspecStore.lock`)."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-
-    def acquire(self) -> bool:
-        return self._lock.acquire(blocking=False)
-
-    def release(self) -> None:
-        self._lock.release()
 
 
 _SHARED: dict[tuple[str, str, str], FsspecStore] = {}

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from savepoint.errors import CorruptCheckpointError, NotRegularFileError
-from savepoint.storage.base import BlobReader, Capabilities, Stat, Store
+from savepoint.storage.base import BlobReader, Capabilities, Stat, Store, ThreadLock
 
 __all__ = ["MemoryStore", "by_number", "shared"]
 
@@ -448,23 +448,10 @@ class MemoryStore(Store):
                 raise FileExistsError(errno.EEXIST, "File exists", dst)
             found[0].entries[found[1]] = node
 
-    def lock(self, path: str) -> _ThreadLock:
+    def lock(self, path: str) -> ThreadLock:
         with self._lock:
             lock = self._locks.setdefault(self.abspath(path), threading.Lock())
-        return _ThreadLock(lock)
-
-
-class _ThreadLock:
-    """An in-process lock: a memory store lives in one process, so that excludes every writer."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-
-    def acquire(self) -> bool:
-        return self._lock.acquire(blocking=False)
-
-    def release(self) -> None:
-        self._lock.release()
+        return ThreadLock(lock)
 
 
 _SHARED: MemoryStore | None = None

@@ -117,7 +117,7 @@ from savepoint.errors import (
     NotRegularFileError,
     ReplacedWhileReadingError,
 )
-from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store
+from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store, pin_prefix
 
 if TYPE_CHECKING:
     from obstore import WritableFile
@@ -760,13 +760,7 @@ class ObjectStore(Store):
             raise FileNotFoundError(errno.ENOENT, "No such directory", self.url(path))
 
     def pin(self, path: str) -> PrefixPin:
-        st = self.stat(path)
-        if st is None:
-            raise FileNotFoundError(errno.ENOENT, "No such directory", self.url(path))
-        if st.kind != "dir":
-            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.url(path))
-        where = self.abspath(path)
-        return PrefixPin(self, where, st.identity, lambda: self._is_dir(*self._split(where)))
+        return pin_prefix(self, path, lambda where: self._is_dir(*self._split(where)))
 
 
 class _Reader:
