@@ -113,7 +113,7 @@ def test_import_never_imports_torch(tmp_path: Path) -> None:
 
 def test_the_layout_on_disk(sharded: Path) -> None:
     manifest = json.loads((sharded / "manifest.json").read_text())
-    assert manifest["format_version"] == 2 and manifest["world_size"] == 3
+    assert manifest["format_version"] == 3 and manifest["world_size"] == 3
     assert sorted(manifest["files"]) == [f"data-r0000{r}-00000.safetensors" for r in range(3)]
     shards = manifest["tensors"]["rows"]["shards"]
     assert [s["box"] for s in shards] == [[[0, 4], [0, 6]], [[4, 8], [0, 6]], [[8, 10], [0, 6]]]
@@ -189,7 +189,7 @@ def test_a_complete_shard_saved_alone_is_a_one_rank_checkpoint(tmp_path: Path) -
     info = sp.save(
         tmp_path / "c", {"w": Shard(W, W.shape, (0, 0)), "f": FlatShard(F.ravel(), F.shape, 0)}
     )
-    assert info.format_version == 2 and info.world_size == 1
+    assert info.format_version == 3 and info.world_size == 1
     out = sp.load(tmp_path / "c")
     np.testing.assert_array_equal(out["w"], W)
     np.testing.assert_array_equal(out["f"], F)

@@ -138,7 +138,7 @@ def test_bytes_on_disk_are_the_unique_bytes(
     main_sessions: dict[str, _launch.Session], workdir: Path, name: str
 ) -> None:
     manifest = json.loads((workdir / name / "manifest.json").read_text())
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     assert manifest["world_size"] == int(name[-1])
     data = sum(f["size"] - f["header_size"] for f in manifest["files"].values())
     assert data == _unique_bytes()
@@ -183,7 +183,7 @@ def test_verify_inspect_and_consolidate_without_the_topology(
     from savepoint.cli import main
 
     info = sp.verify(workdir / name)
-    assert info.world_size == int(name[-1]) and info.format_version == 2
+    assert info.world_size == int(name[-1]) and info.format_version == 3
     assert info.total_bytes == _unique_bytes()
     by_key = {t.key: t for t in sp.inspect(workdir / name).tensors}
     assert by_key["model/tp0"].shape == (10, 6) and by_key["model/tp0"].shards > 1

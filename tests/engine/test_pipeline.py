@@ -41,7 +41,7 @@ def write(
     direct: bool,
     pool: pipeline.StagingPool | None = None,
     store: Store = local.STORE,
-) -> tuple[list[str], list[int]]:
+) -> tuple[list[checksum.Digest], list[int]]:
     progress: list[int] = []
     digests = pipeline.write_blob(
         store,
@@ -59,11 +59,13 @@ def expected_image(header: bytes, arrays: list[np.ndarray]) -> bytes:
     return header + b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
 
 
-def check_file(path: Path, header: bytes, arrays: list[np.ndarray], digests: list[str]) -> None:
+def check_file(
+    path: Path, header: bytes, arrays: list[np.ndarray], digests: list[checksum.Digest]
+) -> None:
     image = expected_image(header, arrays)
     assert path.stat().st_size == len(image)
     assert path.read_bytes() == image
-    assert digests == [checksum.digest(np.ascontiguousarray(a).tobytes()) for a in arrays]
+    assert digests == [checksum.of(np.ascontiguousarray(a).tobytes()) for a in arrays]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +106,43 @@ def test_write_blob_image_and_checksums(
     assert all(p > 0 for p in progress)
 
 
+M = checksum.MIN_BLOCK
+
+
+@pytest.mark.parametrize(
+    "sizes", [[2 * M], [2 * M + 1], [3 * M - 1, 7], [256 * M + 4097], [1, 5 * M, 3 * M]]
+)
+def test_write_blob_block_checksums(sizes: list[int]) -> None:
+    """``blocked``: a source over two minimum blocks gets one digest per block, whatever the
+    staging buffers' size, and its xxh3 combines them (what a sharded save records)."""
+    store = MemoryStore()
+    store.makedirs("/d")
+    arrays = [rand_bytes(n) for n in sizes]
+    digests = pipeline.write_blob(
+        store,
+        "/d/f",
+        b"h" * 8,
+        [NumpySource(a, f"t{i}") for i, a in enumerate(arrays)],
+        pool=tiny_pool(),
+        blocked=True,
+    )
+    for a, d in zip(arrays, digests):
+        block = checksum.block_size(len(a))
+        assert d == checksum.of(a.tobytes(), block)
+        if block:
+            assert len(d.blocks) == -(-len(a) // block) <= checksum.MAX_BLOCKS
+            assert d.blocks[0] == checksum.digest(a[:block].tobytes())
+            assert d.xxh3 == checksum.combine(d.blocks) != checksum.digest(a.tobytes())
+        else:
+            assert d.blocks == () and d.xxh3 == checksum.digest(a.tobytes())
+    assert [checksum.block_size(n) for n in (2 * M, 2 * M + 1, 256 * M, 256 * M + 1)] == [
+        0,
+        M,
+        M,
+        2 * M,
+    ]
+
+
 @pytest.mark.parametrize("sizes", [[], [1], [BUF - 8], [3 * BUF + 5], [0, 4095, 1, BUF + 1]])
 def test_write_blob_into_memory(sizes: list[int]) -> None:
     store = MemoryStore()
@@ -112,7 +151,7 @@ def test_write_blob_into_memory(sizes: list[int]) -> None:
     arrays = [rand_bytes(n) for n in sizes]
     digests, progress = write(Path("/d/f"), header, arrays, direct=True, store=store)
     assert store.read_small("/d/f", cap=None) == expected_image(header, arrays)
-    assert digests == [checksum.digest(a.tobytes()) for a in arrays]
+    assert digests == [checksum.of(a.tobytes()) for a in arrays]
     assert sum(progress) == sum(sizes)
 
 

@@ -403,21 +403,64 @@ def test_ranged_reads_read_what_a_load_needs_and_group_small_tensors(
         sp.load(where, into=into)
 
 
+def _flip(store: NoViews, where: Any, offset: int) -> None:
+    """Flip the byte at ``offset`` of the first data file of the checkpoint at ``where``."""
+    found = resolve(store, where.path)
+    assert found is not None
+    manifest = mf.parse(store.read_small(store.join(found, mf.NAME), cap=None))
+    path = store.join(found, sorted(manifest.files)[0])
+    data = bytearray(store.read_small(path, cap=None))
+    data[offset] ^= 0xFF
+    store.remove(path)
+    store.put(path, bytes(data))
+
+
 def test_a_sharded_load_reads_the_rows_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a store without views, a rank restoring part of a saved shard reads only the bytes of
-    that part (plus headers) when it does not verify; verifying hashes, so reads, whole shards."""
+    that part (plus headers), verified or not: a verified load reads and checks the blocks
+    holding that part (manifest version 3 block checksums), never the whole shard."""
     store = NoViews()
     where = store.at("/run/ckpt")
-    full = np.random.default_rng(3).standard_normal((256, 1024)).astype(np.float32)  # 1 MiB
+    full = np.random.default_rng(3).standard_normal((1024, 1024)).astype(np.float32)  # 4 MiB
     sp.save(where, {"w": sp.Shard(full, full.shape, (0, 0))})
     counted = _Counted(store, monkeypatch)
-    needed = full[64:96].nbytes  # a quarter of a rank's worth: 128 KiB
-    target = {"w": sp.Shard(np.zeros((32, 1024), np.float32), full.shape, (64, 0))}
-    sp.load(where, into=target, verify=False)
-    np.testing.assert_array_equal(target["w"].local, full[64:96])
-    assert counted.bytes <= 1.1 * needed + (64 << 10), (counted.bytes, needed)
-    counted.reset()
-    target = {"w": sp.Shard(np.zeros((32, 1024), np.float32), full.shape, (64, 0))}
-    sp.load(where, into=target)  # verified: the whole shard is hashed
-    np.testing.assert_array_equal(target["w"].local, full[64:96])
-    assert counted.bytes >= full.nbytes
+    rows = slice(301, 557)  # 1 MiB, not on a block boundary (blocks of 64 KiB: 16 rows)
+    needed = full[rows].nbytes
+
+    def target() -> dict[str, Any]:
+        return {"w": sp.Shard(np.zeros((256, 1024), np.float32), full.shape, (301, 0))}
+
+    for verify in (False, True):
+        counted.reset()
+        into = target()
+        sp.load(where, into=into, verify=verify)
+        np.testing.assert_array_equal(into["w"].local, full[rows])
+        assert counted.bytes <= 1.1 * needed + (64 << 10), (verify, counted.bytes, needed)
+
+
+def test_a_verified_partial_load_checks_the_blocks_it_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flipped byte in a block the load reads is caught and named; one outside those blocks
+    is not read (so not seen) by that load, and ``verify`` (which reads everything) finds it."""
+    store = NoViews()
+    where = store.at("/run/ckpt")
+    full = np.random.default_rng(4).standard_normal((1024, 1024)).astype(np.float32)
+    sp.save(where, {"w": sp.Shard(full, full.shape, (0, 0))})
+    found = resolve(store, where.path)
+    assert found is not None
+    manifest = mf.parse(store.read_small(store.join(found, mf.NAME), cap=None))
+    assert manifest.format_version == mf.BLOCKED
+    rec = manifest.tensors["w"]
+    assert rec.block == 64 << 10 and len(rec.blocks) == 64
+    _flip(store, where, rec.start + 900 * 4096 + 5)  # row 900: block 57, outside rows 0..255
+    into = {"w": sp.Shard(np.zeros((256, 1024), np.float32), full.shape, (0, 0))}
+    sp.load(where, into=into)
+    np.testing.assert_array_equal(into["w"].local, full[:256])
+    with pytest.raises(sp.CorruptCheckpointError, match=r"'w'.*block 57 of 64"):
+        sp.verify(where)
+    with pytest.raises(sp.CorruptCheckpointError, match=r"block 57 of 64"):
+        sp.load(where)
+    bottom = {"w": sp.Shard(np.zeros((256, 1024), np.float32), full.shape, (768, 0))}
+    with pytest.raises(sp.CorruptCheckpointError, match=r"block 57 of 64"):
+        sp.load(where, into=bottom)

@@ -43,8 +43,21 @@ times the dtype's itemsize and lies inside the data of its file. In the data fil
 ordinary safetensors tensor with the shard's own shape (box extents, or ``[stop - start]``) under a
 name unique in that file (the tensor's key, plus ``@`` and the shard's start for partial shards).
 
+Version 3 (what sharded saves write now; version 2 is still read): a version 2 manifest whose
+shards (and whole-stored tensors) larger than 128 KiB may carry per-block checksums, so a rank
+that needs part of a shard reads and checks only the blocks holding it::
+
+         {"file": "data-r00000-00000.safetensors", "offsets": [128, 4194432], "xxh3": "...",
+          "flat": [0, 1048576], "blocks": {"size": 65536, "xxh3": ["...", "...", ...]}}
+
+``size`` is a power of two (at least 1 KiB); there are ``ceil(bytes / size)`` digests (at least
+two), block ``i`` covering bytes ``[i * size, (i + 1) * size)`` of the shard; and the shard's
+``xxh3`` is then :func:`savepoint.codecs.checksum.combine` of them (the parser checks that), not
+the hash of the bytes. See :mod:`savepoint.codecs.checksum` for the writer's block sizes.
+
 Compatibility: readers accept every ``format_version`` up to their own and refuse newer ones with
-an IncompatibleCheckpointError. Version 1 is the first; version 2 adds sharding.
+an IncompatibleCheckpointError. Version 1 is the first; version 2 adds sharding; version 3 adds
+block checksums.
 
 A manifest is hostile input: :func:`parse` checks it completely (file names that could leave the
 directory, ranges past the recorded file sizes, sizes that disagree with shape x dtype, unknown
@@ -80,6 +93,7 @@ from savepoint.errors import (
 )
 
 __all__ = [
+    "BLOCKED",
     "FORMAT",
     "FileRecord",
     "MAX_MANIFEST_BYTES",
@@ -101,8 +115,9 @@ __all__ = [
 
 FORMAT = "savepoint"
 UNSHARDED = 1  # what an unsharded checkpoint is written as
-SHARDED = 2  # what a sharded checkpoint is written as
-VERSION = SHARDED  # the newest version this reader reads
+SHARDED = 2  # the first version with sharding
+BLOCKED = 3  # the first version with block checksums: what a sharded checkpoint is written as
+VERSION = BLOCKED  # the newest version this reader reads
 NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -125,6 +140,8 @@ class ShardRecord:
     end: int
     xxh3: str
     region: boxes.Region
+    block: int = 0  # block size of ``blocks`` (0: checked whole against ``xxh3``)
+    blocks: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +161,8 @@ class TensorRecord:
     end: int
     xxh3: str
     shards: tuple[ShardRecord, ...] = ()
+    block: int = 0  # as ShardRecord's, for a tensor stored whole
+    blocks: tuple[str, ...] = ()
 
     @property
     def is_split(self) -> bool:
@@ -159,14 +178,24 @@ class TensorRecord:
         """Its shards; a tensor stored whole is one shard holding the full box."""
         if self.shards:
             return self.shards
-        return (ShardRecord(self.file, self.start, self.end, self.xxh3, boxes.full(self.shape)),)
+        return (
+            ShardRecord(
+                self.file,
+                self.start,
+                self.end,
+                self.xxh3,
+                boxes.full(self.shape),
+                self.block,
+                self.blocks,
+            ),
+        )
 
 
 def whole(dtype: str, shape: tuple[int, ...], shards: tuple[ShardRecord, ...]) -> TensorRecord:
     """The record of a version 2 tensor (see :class:`TensorRecord`)."""
     if len(shards) == 1:
         s = shards[0]
-        return TensorRecord(dtype, shape, s.file, s.start, s.end, s.xxh3, shards)
+        return TensorRecord(dtype, shape, s.file, s.start, s.end, s.xxh3, shards, s.block, s.blocks)
     return TensorRecord(dtype, shape, "", 0, 0, "", shards)
 
 
@@ -218,6 +247,8 @@ def _shard_json(s: ShardRecord) -> dict[str, Any]:
         out["flat"] = [s.region.start, s.region.stop]
     else:
         out["box"] = [list(b) for b in s.region]
+    if s.block:
+        out["blocks"] = {"size": s.block, "xxh3": list(s.blocks)}
     return out
 
 
@@ -302,6 +333,10 @@ _V2_TENSOR = frozenset(("dtype", "shape", "shards"))
 _FILE = frozenset(("size", "header_size", "header_xxh3"))
 _BOX_SHARD = frozenset(("file", "offsets", "xxh3", "box"))
 _FLAT_SHARD = frozenset(("file", "offsets", "xxh3", "flat"))
+_SHARD_KINDS = (_BOX_SHARD, _FLAT_SHARD)
+_BLOCKED_KINDS = _SHARD_KINDS + tuple(k | {"blocks"} for k in _SHARD_KINDS)
+_BLOCKS = frozenset(("size", "xxh3"))
+_MIN_BLOCK = 1 << 10
 
 
 def _natural(x: Any) -> bool:
@@ -401,7 +436,7 @@ def parse(raw: bytes) -> Manifest:
     _require(isinstance(raw_tensors, dict), "tensors must be an object")
     for name, t in raw_tensors.items():
         if version >= SHARDED:
-            tensors[name] = _sharded_tensor(name, t, files)
+            tensors[name] = _sharded_tensor(name, t, files, version)
             continue
         _require(
             type(t) is dict and t.keys() == _V1_TENSOR,
@@ -475,7 +510,28 @@ def _pair(x: Any) -> bool:
     return type(x) is list and len(x) == 2 and all(map(_natural, x)) and x[0] <= x[1]
 
 
-def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord]) -> TensorRecord:
+def _blocks(what: str, raw: Any, nbytes: int, xxh3: str) -> tuple[int, tuple[str, ...]]:
+    """The checked ``blocks`` member of a shard of ``nbytes`` bytes whose ``xxh3`` is given."""
+    _require(
+        type(raw) is dict and raw.keys() == _BLOCKS,
+        f"{what}: blocks must be an object with size and xxh3",
+    )
+    size, digests = raw["size"], raw["xxh3"]
+    _require(
+        type(size) is int and _MIN_BLOCK <= size < _MAX_OFFSET and size & (size - 1) == 0,
+        f"{what}: block size must be a power of two of at least 1 KiB, got {_show(size)}",
+    )
+    count = -(-nbytes // size)
+    _require(
+        count >= 2 and type(digests) is list and len(digests) == count,
+        f"{what}: {nbytes} bytes in blocks of {size} need {count} block checksums (at least 2)",
+    )
+    _require(all(map(_is_digest, digests)), f"{what}: bad block checksum")
+    _require(checksum.combine(digests) == xxh3, f"{what}: block checksums disagree with its xxh3")
+    return size, tuple(digests)
+
+
+def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord], version: int) -> TensorRecord:
     _require(
         type(t) is dict and t.keys() == _V2_TENSOR,
         f"tensor {name!r}: entry must have dtype, shape, shards",
@@ -489,9 +545,11 @@ def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord]) -> TensorRe
     shards = []
     for i, sh in enumerate(raw_shards):
         what = f"tensor {name!r} shard {i}"
+        kinds = _BLOCKED_KINDS if version >= BLOCKED else _SHARD_KINDS
         _require(
-            type(sh) is dict and (sh.keys() == _BOX_SHARD or sh.keys() == _FLAT_SHARD),
-            f"{what}: entry must have file, offsets, xxh3 and one of box, flat",
+            type(sh) is dict and sh.keys() in kinds,
+            f"{what}: entry must have file, offsets, xxh3 and one of box, flat"
+            + (" (and may have blocks)" if version >= BLOCKED else ""),
         )
         start, end = _byte_range(what, sh, files)
         _require(_is_digest(sh["xxh3"]), f"{what}: bad checksum")
@@ -517,7 +575,11 @@ def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord]) -> TensorRe
             f"{what}: {end - start} bytes recorded, {boxes.show(region)} of {t['dtype']} needs "
             f"{expected}",
         )
-        shards.append(ShardRecord(sh["file"], start, end, sh["xxh3"], region))
+        block = 0
+        digests: tuple[str, ...] = ()
+        if "blocks" in sh:
+            block, digests = _blocks(what, sh["blocks"], end - start, sh["xxh3"])
+        shards.append(ShardRecord(sh["file"], start, end, sh["xxh3"], region, block, digests))
     problem = boxes.check_cover([s.region for s in shards], shape)
     _require(problem is None, f"tensor {name!r}: shards do not tile shape {list(shape)}: {problem}")
     return whole(t["dtype"], shape, tuple(shards))

@@ -111,7 +111,7 @@ def load(
             check_header=bool(verify),
         )
         if verify == "first":
-            reader.read_shards([(ref, i, ()) for ref, i, _ in tasks])
+            reader.read_shards(tasks, check_only=True)
         reader.read_shards(tasks, verify=verify is True, progress=counter)
         for t in targets:
             if t.after is not None:

@@ -294,6 +294,7 @@ def write_pieces(
             writers=writers,
             direct=direct,
             progress=on_bytes if progress is not None else None,
+            blocked=True,
         )
         where.store.sync_dir(staging)
     except OSError as exc:
@@ -303,7 +304,9 @@ def write_pieces(
     shards = [
         (
             item.key,
-            mf.ShardRecord(rec.file, rec.start, rec.end, rec.xxh3, item.region),
+            mf.ShardRecord(
+                rec.file, rec.start, rec.end, rec.xxh3, item.region, rec.block, rec.blocks
+            ),
         )
         for name, item in names.items()
         for rec in [records[name]]
@@ -336,7 +339,7 @@ def _manifest(
         metadata=metadata,
         writer=save_engine.writer_version(),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
-        format_version=mf.SHARDED,
+        format_version=mf.BLOCKED,
         world_size=world,
     )
     # What the reader's parser checks holds by construction: merge() checked that the pieces of

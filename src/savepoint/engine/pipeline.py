@@ -133,16 +133,18 @@ def write_blob(
     pool: StagingPool | None = None,
     direct: bool = True,
     progress: Callable[[int], None] | None = None,
-) -> list[str]:
+    blocked: bool = False,
+) -> list[checksum.Digest]:
     """Write ``header`` then every source's bytes as the new blob ``path``, finish it (durable),
-    and return each source's checksum. ``progress(n)`` is told of tensor bytes as they are
-    handed to the store. On any error the blob is aborted (nothing remains at ``path``)."""
+    and return each source's checksum (``blocked``: per block where the source is large enough,
+    see :func:`savepoint.codecs.checksum.block_size`). ``progress(n)`` is told of tensor bytes as
+    they are handed to the store. On any error the blob is aborted (nothing remains at ``path``)."""
     pool = pool or POOL
     total = len(header) + sum(s.nbytes for s in sources)
     blob = store.create_blob(path, size=total, direct=direct)
     try:
         with pool.acquire(total) as buffers:
-            digests = _stream(blob, header, sources, buffers, progress)
+            digests = _stream(blob, header, sources, buffers, progress, blocked)
         blob.finish()
     except BaseException:
         blob.abort()
@@ -156,10 +158,11 @@ def _stream(
     sources: Sequence[TensorSource],
     buffers: list[_Buffer],
     progress: Callable[[int], None] | None,
-) -> list[str]:
+    blocked: bool,
+) -> list[checksum.Digest]:
     writer = _WriterThread(blob)
     free = list(buffers)
-    digests: list[str] = []
+    digests: list[checksum.Digest] = []
     try:
         buf = free.pop()
         fill = 0
@@ -191,7 +194,7 @@ def _stream(
             if fill == size:
                 flush(size)
         for source in sources:
-            hasher = checksum.new()
+            hasher = checksum.Hasher(checksum.block_size(source.nbytes) if blocked else 0)
             pos = 0
             try:
                 while pos < source.nbytes:
@@ -205,7 +208,7 @@ def _stream(
                         flush(size)
             finally:
                 source.release()
-            digests.append(checksum.hexdigest(hasher))
+            digests.append(hasher.result())
         if fill:
             align = max(1, blob.alignment)
             padded = -(-fill // align) * align

@@ -25,11 +25,12 @@ disks, the stored bytes in memory): a warm 1 GiB copy out of the page cache took
 is read into buffers instead: a tensor's whole byte range is read once, then checked and copied
 like a view.
 
-Sharded checkpoints (manifest version 2) store some tensors as several shards.
+Sharded checkpoints (manifest versions 2 and 3) store some tensors as several shards.
 :meth:`Reader.transfer` assembles such a tensor whole from its shards (that is how a load without
 a process group, and ``verify``, read them); :meth:`Reader.read_shards` copies chosen regions of
 chosen shards into arbitrary targets (the resharding loads of :mod:`savepoint.distributed`). Both
-check a shard's checksum over the whole shard, fused with the copy where the copy covers it.
+check checksums fused with the copy: a version 3 shard with block checksums is read and checked
+only over the blocks holding the bytes a task needs; any other shard is checked whole.
 """
 
 from __future__ import annotations
@@ -575,8 +576,9 @@ class Reader:
         lock: threading.Lock,
     ) -> None:
         """Hash (``verify``), BOOL-check and count bytes already in place, piece by piece."""
-        hasher = checksum.new() if verify else None
-        boolean = self.manifest.tensors[ref].dtype == "BOOL"
+        rec = self.manifest.tensors[ref]
+        hasher = checksum.Hasher(rec.block) if verify else None
+        boolean = rec.dtype == "BOOL"
         for data in pieces:
             for pos in range(0, len(data), PIECE):
                 piece = data[pos : pos + PIECE]
@@ -587,8 +589,8 @@ class Reader:
                 if progress is not None:
                     with lock:
                         progress(len(piece))
-        if hasher is not None and checksum.hexdigest(hasher) != self.manifest.tensors[ref].xxh3:
-            raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
+        if hasher is not None:
+            self._check_digest(ref, rec.layout()[0], hasher, "")
 
     def _copy_whole(
         self,
@@ -599,8 +601,9 @@ class Reader:
         progress: Callable[[int], None] | None,
         lock: threading.Lock,
     ) -> None:
-        hasher = checksum.new() if verify else None
-        boolean = self.manifest.tensors[ref].dtype == "BOOL"
+        rec = self.manifest.tensors[ref]
+        hasher = checksum.Hasher(rec.block) if verify else None
+        boolean = rec.dtype == "BOOL"
         for pos in range(0, len(src), PIECE):
             piece = src[pos : pos + PIECE]
             if hasher is not None:
@@ -612,8 +615,30 @@ class Reader:
             if progress is not None:
                 with lock:
                     progress(len(piece))
-        if hasher is not None and checksum.hexdigest(hasher) != self.manifest.tensors[ref].xxh3:
-            raise self._corrupt(f"checksum mismatch in tensor {ref!r}", key=ref)
+        if hasher is not None:
+            self._check_digest(ref, rec.layout()[0], hasher, "")
+
+    def _check_digest(
+        self, ref: str, shard: mf.ShardRecord, hasher: checksum.Hasher, where: str
+    ) -> None:
+        """Compare what ``hasher`` saw (the whole shard, or blocks from ``hasher.first`` on) with
+        the manifest; a mismatch is a CorruptCheckpointError naming the tensor, ``where`` (the
+        shard, for split tensors) and the first bad block."""
+        got = hasher.result()
+        if not shard.block:
+            if got.xxh3 != shard.xxh3:
+                raise self._corrupt(f"checksum mismatch in tensor {ref!r}{where}", key=ref)
+            return
+        expected = shard.blocks[hasher.first : hasher.first + len(got.blocks)]
+        for i, (a, b) in enumerate(zip(got.blocks, expected)):
+            if a != b:
+                first = (hasher.first + i) * shard.block
+                last = min(first + shard.block, shard.nbytes)
+                raise self._corrupt(
+                    f"checksum mismatch in tensor {ref!r}{where}: block {hasher.first + i + 1} "
+                    f"of {len(shard.blocks)} (bytes {first}..{last} of it)",
+                    key=ref,
+                )
 
     def _check_bool(self, ref: str, data: np.ndarray[Any, Any]) -> None:
         """Refuse a BOOL tensor holding a byte other than 0 or 1: numpy and torch would keep the
@@ -655,16 +680,28 @@ class Reader:
         *,
         verify: bool = True,
         progress: Callable[[int], None] | None = None,
+        check_only: bool = False,
     ) -> None:
         """Run ``(ref, shard index, copies)`` tasks on the thread pool: each shard touched is
-        viewed once and, with ``verify``, hashed whole (a task without copies only checks it).
+        viewed once and, with ``verify``, checked (a task without copies only checks it;
+        ``check_only`` checks what the copies would read, the blocks holding it, and copies
+        nothing: ``verify="first"``).
 
         The hash runs ahead of the copies in buffer order, a piece at a time, so a copy reads
         memory the hash has just brought into cache. The granularity of verification is the
-        shard: a rank that needs part of a shard still hashes all of it (with ``verify=False``
-        only the pages holding the needed bytes are touched).
+        block where the shard has block checksums (manifest version 3: a rank that needs part of
+        a shard reads and hashes only the blocks holding that part) and the shard otherwise
+        (with ``verify=False`` only the bytes needed are read).
         """
-        self._run(self._shard_work(tasks, verify=verify, progress=progress, lock=threading.Lock()))
+        self._run(
+            self._shard_work(
+                tasks,
+                verify=verify,
+                progress=progress,
+                lock=threading.Lock(),
+                check_only=check_only,
+            )
+        )
 
     def _shard_work(
         self,
@@ -673,21 +710,36 @@ class Reader:
         verify: bool,
         progress: Callable[[int], None] | None,
         lock: threading.Lock,
+        check_only: bool = False,
     ) -> list[tuple[int, Callable[[], None]]]:
         work: list[tuple[int, Callable[[], None]]] = []
         for ref, index, copies in tasks:
             shard = self.manifest.tensors[ref].layout()[index]
             opened = self.open_file(shard.file, check_header=verify)
-            # Without a view the shard is read when its task runs (not all shards up front);
-            # unverified, only the bytes its copies need (verifying hashes the whole shard).
+            # The bytes a task reads: those its copies need, widened (``verify``) to the blocks
+            # holding them, or to the whole shard where it has no block checksums; a check-only
+            # task (no copies) reads the whole shard.
+            span = (0, shard.nbytes)
+            if copies:
+                span = self._needed(ref, copies)
+                if verify:
+                    span = _blocks_around(shard, span)
+            # Without a view the shard is read when its task runs (not all shards up front), and
+            # only ``span`` of it.
             raw: Callable[[], np.ndarray[Any, Any]]
-            if opened.array is None and not verify and copies:
-                needed = self._needed(ref, copies)
-                raw = functools.partial(self._read_part, opened, shard.start, shard.end, needed)
+            if opened.array is None and span != (0, shard.nbytes):
+                raw = functools.partial(self._read_part, opened, shard.start, shard.end, span)
             else:
                 raw = functools.partial(opened.slice, shard.start, shard.end)
             fn = functools.partial(
-                self._copy_shard, ref, index, raw, copies, verify, progress, lock
+                self._copy_shard,
+                ref,
+                index,
+                raw,
+                () if check_only else copies,
+                span if verify or check_only else None,
+                progress,
+                lock,
             )
             work.append((shard.end - shard.start, fn))
         return work
@@ -720,10 +772,13 @@ class Reader:
         index: int,
         load: Callable[[], np.ndarray[Any, Any]],
         copies: Sequence[RegionCopy],
-        verify: bool,
+        check: tuple[int, int] | None,
         progress: Callable[[int], None] | None,
         lock: threading.Lock,
     ) -> None:
+        """Copy the regions ``copies`` need out of a shard's bytes; with ``check`` (a byte range
+        of the shard, whole blocks or the whole shard) hash that range first, a piece ahead of
+        the copies that read it, and compare it with the manifest."""
         raw = load()
         rec = self.manifest.tensors[ref]
         numpy_dtype = dtypes.from_name(rec.dtype).numpy
@@ -740,9 +795,14 @@ class Reader:
                     (hi * item, _view(src, boxes.relative(sub, c.src)), _view(c.dst, into))
                 )
         steps.sort(key=lambda step: step[0])
-        hasher = checksum.new() if verify else None
+        shard = rec.layout()[index]
+        hasher = None
+        begin = hashed = stop = 0
+        if check is not None and (check[1] > check[0] or not shard.nbytes):
+            begin, stop = check
+            hashed = begin
+            hasher = checksum.Hasher(shard.block, hashed // shard.block if shard.block else 0)
         boolean = rec.dtype == "BOOL"
-        hashed = 0
         for end, source, target in steps:
             while hasher is not None and hashed < end:
                 n = min(PIECE, end - hashed)
@@ -758,20 +818,21 @@ class Reader:
                     progress(target.nbytes)
         if hasher is None:
             return
-        for pos in range(hashed, len(raw), PIECE):
-            hasher.update(raw[pos : pos + PIECE])
+        for pos in range(hashed, stop, PIECE):
+            piece = raw[pos : min(pos + PIECE, stop)]
+            hasher.update(piece)
             if boolean:
-                self._check_bool(ref, raw[pos : pos + PIECE])
+                self._check_bool(ref, piece)
         if not copies and progress is not None:
             with lock:
-                progress(len(raw))  # a check-only pass (verify) counts the bytes it hashed
-        shard = rec.layout()[index]
-        if checksum.hexdigest(hasher) != shard.xxh3:
-            raise self._corrupt(
-                f"checksum mismatch in tensor {ref!r} (shard {index + 1} of {len(rec.layout())}, "
-                f"{boxes.show(shard.region)} in {shard.file})",
-                key=ref,
+                progress(stop - begin)  # a check-only pass counts the bytes it hashed
+        where = ""
+        if rec.is_split:
+            where = (
+                f" (shard {index + 1} of {len(rec.layout())}, {boxes.show(shard.region)} in "
+                f"{shard.file})"
             )
+        self._check_digest(ref, shard, hasher, where)
 
     def fill_jobs(
         self, targets: Iterable[tuple[str, Any]]
@@ -828,6 +889,18 @@ class Reader:
 
             return torch_tensors.empty(d, rec.shape)
         return np.empty(rec.shape, dtype=d.numpy)
+
+
+def _blocks_around(shard: mf.ShardRecord, span: tuple[int, int]) -> tuple[int, int]:
+    """The byte range a verified read of ``span`` (of ``shard``) reads and checks: the blocks
+    holding it, or the whole shard where it has no block checksums (nothing for an empty span)."""
+    lo, hi = span
+    if hi <= lo:
+        return 0, 0
+    if not shard.block:
+        return 0, shard.nbytes
+    b = shard.block
+    return lo // b * b, min(-(-hi // b) * b, shard.nbytes)
 
 
 def _torch_available() -> bool:

@@ -121,10 +121,12 @@ def write_files(
     writers: int,
     direct: bool = True,
     progress: Callable[[int], None] | None = None,
+    blocked: bool = False,
 ) -> Records:
     """Write every planned file into the directory ``location`` (each finished: durable) with
     up to ``writers`` at once; return the file records and the tensor records (in the order of
-    ``tensors``, the state's order, not the file layout's)."""
+    ``tensors``, the state's order, not the file layout's). ``blocked``: large tensors get block
+    checksums (a sharded checkpoint's shards; see :mod:`savepoint.codecs.checksum`)."""
     store = location.store
 
     def write_one(fp: FilePlan) -> tuple[mf.FileRecord, dict[str, mf.TensorRecord]]:
@@ -135,11 +137,14 @@ def write_files(
             [tensors[e.name] for e in fp.entries],
             direct=direct,
             progress=progress,
+            blocked=blocked,
         )
         record = mf.FileRecord(fp.size, len(fp.header), checksum.digest(fp.header))
         return record, {
-            e.name: mf.TensorRecord(e.dtype, e.shape, fp.name, e.start, e.end, digest)
-            for e, digest in zip(fp.entries, digests)
+            e.name: mf.TensorRecord(
+                e.dtype, e.shape, fp.name, e.start, e.end, d.xxh3, (), d.block, d.blocks
+            )
+            for e, d in zip(fp.entries, digests)
         }
 
     files: dict[str, mf.FileRecord] = {}

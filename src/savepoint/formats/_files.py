@@ -130,6 +130,7 @@ class MappedTensor(LazyTensor):
 
     With ``xxh3`` the bytes are hashed as they are copied, in order, and a mismatch at the end
     raises CorruptCheckpointError naming ``name``; ``load()`` checks the whole tensor first.
+    ``block``: ``xxh3`` is of block checksums of that size (see savepoint.codecs.checksum).
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class MappedTensor(LazyTensor):
         *,
         kind: str = "numpy",
         xxh3: str | None = None,
+        block: int = 0,
         name: str = "",
         path: str = "",
     ) -> None:
@@ -148,6 +150,7 @@ class MappedTensor(LazyTensor):
             raise ValueError("view length disagrees with shape x dtype")
         self._view = view
         self._xxh3 = xxh3
+        self._block = block
         self._name = name
         self._path = path
         self._hasher: Any = None
@@ -167,17 +170,17 @@ class MappedTensor(LazyTensor):
         if self._xxh3 is None:
             return
         if start == 0:
-            self._hasher, self._hashed = checksum.new(), 0
+            self._hasher, self._hashed = checksum.Hasher(self._block), 0
         if self._hasher is not None and start == self._hashed:
             self._hasher.update(piece)
             self._hashed += len(piece)
             if self._hashed == self.nbytes:
-                self._check(checksum.hexdigest(self._hasher))
+                self._check(self._hasher.result().xxh3)
                 self._hasher = None
         else:
             # Out-of-order copies (no writer of savepoint does this): check the whole tensor once.
             self._hasher = None
-            self._check(checksum.digest(self._view))
+            self._check(checksum.of(self._view, self._block).xxh3)
 
     def release(self) -> None:
         self._hasher = None
@@ -186,7 +189,7 @@ class MappedTensor(LazyTensor):
     def load(self) -> np.ndarray[Any, Any]:
         """A read-only view of the mapping (no copy), checked first when a checksum is known."""
         if self._xxh3 is not None:
-            self._check(checksum.digest(self._view))
+            self._check(checksum.of(self._view, self._block).xxh3)
         return self._view.view(self.dtype.numpy).reshape(self.shape)
 
 

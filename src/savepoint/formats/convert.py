@@ -204,6 +204,7 @@ def _open_native(path: PathArg) -> Iterator[_Source]:
                     rec.shape,
                     kind=leaf_kind,
                     xxh3=rec.xxh3,
+                    block=rec.block,
                     name=ref,
                     path=reader.path,
                 )
