@@ -62,8 +62,7 @@ def proxied(proxy: FaultProxy, **options: Any) -> ObjectStore:
         allow_http=True,
         part_size=MIN_PART_SIZE,
         read_chunk=2 * MiB,
-        retry=RETRY,
-        **options,
+        **{"retry": RETRY, **options},
     )
 
 
@@ -267,6 +266,27 @@ def test_stalled_part_and_read_time_out_and_are_retried(
     assert part.fired == 1 and read.fired == 1
     assert len(fault_proxy.requests("PUT", DATA + r"\?partNumber=2&")) == 2  # sent again
     assert time.monotonic() - started < 8
+    assert s3.open_uploads(s3_bucket) == []
+
+
+def test_a_part_that_never_finishes_fails_with_the_knobs_to_turn(
+    fault_proxy: FaultProxy, s3_bucket: str, s3: _s3server.Server
+) -> None:
+    """A part whose every attempt outlasts the timeout (a link too slow for the part size) is a
+    clear error naming the object, the part, the attempts and what to change; no upload stays
+    open and the previous checkpoint still loads."""
+    store = proxied(fault_proxy, timeout="1s")
+    path = f"/{s3_bucket}/run/x"
+    old = state(1)
+    sp.save(store.at(path), old)
+    fault_proxy.fail("PUT", DATA + r"\?partNumber=2&", "stall", stall=2.5, times=None)
+    with pytest.raises(sp.CheckpointWriteError) as info:
+        sp.save(store.at(path), state(2))
+    message = str(info.value)
+    assert "(part 2)" in message and f"after {TRIES} attempts" in message, message
+    assert "larger timeout=" in message and "part_size=" in message and "1s" in message, message
+    fault_proxy.clear()
+    assert_loads(store, path, old)
     assert s3.open_uploads(s3_bucket) == []
 
 

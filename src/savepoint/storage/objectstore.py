@@ -398,6 +398,17 @@ class ObjectStore(Store):
         part = re.search(r"[?&]partNumber=(\d+)", str(exc).partition("Debug source:")[0])
         where = f"{shown} (part {part.group(1)})" if part else shown
         message = f"{what} {where} failed {tried}: {_cause(exc)}"
+        if write and (part or "timed out" in message) and _is_transport(exc):
+            # Each attempt of a part must finish within the client's timeout (obstore cannot
+            # say how far a part got, so the deadline cannot follow its progress, and a timeout
+            # of a part reaches here as "error sending request"): say which knob fits a slow link.
+            timeout = self._client_options.get("timeout", "30s")
+            message += (
+                f"; an attempt of a part ({self.part_size >> 20} MiB, up to "
+                f"{self.max_concurrency} at once) that does not finish within the client timeout "
+                f"({timeout}) is cut off: on a slow link pass a larger timeout= or a smaller "
+                "part_size= to the ObjectStore"
+            )
         if write:
             return CheckpointWriteError(message, path=shown, errno=errno.EIO)
         if read:
