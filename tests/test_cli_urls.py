@@ -1,7 +1,8 @@
 """The ``savepoint`` commands on URLs: savepoint's own checkpoints and runs on ``memory://`` (the
 process's in-memory store: the commands run in-process through click's CliRunner, so they see
 what the test wrote) and on ``s3://`` (the moto server of ``tests/storage/_s3server.py``); the
-other formats are local files, and their URLs are refused with the library's reason."""
+other formats are local files: a URL naming one (or any plain object) says that no savepoint
+checkpoint is there and that those formats are read from local files only."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ from savepoint.storage import memory
 from savepoint.storage.paths import resolve
 
 REFUSAL = "this reads and writes local files only"
+# What a command says of a URL naming something other than a savepoint checkpoint (a file of
+# another format, any plain object, a boostr directory): not the library's REFUSAL, which would
+# claim the command reads local files only.
+FOREIGN = "are read from local files only: copy it to a local path and run `savepoint {command}`"
 
 
 def invoke(*args: str) -> Result:
@@ -41,6 +46,19 @@ def refused(result: Result, url: str) -> None:
     assert result.stdout == ""
     assert result.stderr.startswith("error: ") and REFUSAL in result.stderr, result.stderr
     assert repr(url) in result.stderr
+
+
+def not_savepoint(result: Result, url: str, command: str) -> None:
+    """``result`` says that ``url`` holds no savepoint checkpoint and that other formats are read
+    from local copies: exit 1, no traceback, no claim that the command reads local files only."""
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert result.stdout == ""
+    assert result.stderr.startswith(
+        f"error: no savepoint checkpoint at {url} (no manifest.json "
+    ), result.stderr
+    assert FOREIGN.format(command=command) in result.stderr, result.stderr
+    assert REFUSAL not in result.stderr
 
 
 @pytest.fixture
@@ -488,13 +506,49 @@ def test_foreign_formats_at_memory_urls_are_refused(
         ["convert", url, str(tmp_path / "out")],
         ["consolidate", url, str(tmp_path / "out")],
     ):
-        refused(invoke(*args), url)
+        not_savepoint(invoke(*args), url, args[0])
     assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_foreign_file_name_at_a_url_is_refused(root: str) -> None:
     for name in ("x.shrew", "x.safetensors", "x.mpk"):
-        refused(invoke("inspect", f"{root}/{name}"), f"{root}/{name}")
+        url = f"{root}/{name}"
+        result = invoke("inspect", url)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+        assert result.stderr.startswith(f"error: no checkpoint at {url}: nothing is there"), (
+            result.stderr
+        )
+        assert "read from local files only" in result.stderr and REFUSAL not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "weights.pt", "random-object", "step.mpk", "x.shrew"]
+)
+def test_a_url_naming_a_plain_object_says_no_savepoint_checkpoint_is_there(
+    root: str, name: str
+) -> None:
+    """Before, ``verify``/``inspect`` of a URL naming an object (not a checkpoint directory) said
+    "this reads and writes local files only", which the commands do not: they read savepoint's
+    checkpoints at any URL. The reason is that no savepoint checkpoint is there, and that the
+    other formats are read from local files (copy the object to one)."""
+    url = f"{root}/{name}"
+    put_file(url, b"\x00not a checkpoint of any format" * 10)
+    for command in ("verify", "inspect"):
+        result = invoke(command, url)
+        not_savepoint(result, url, command)
+        assert "it is a file, and a savepoint checkpoint is a directory" in result.stderr
+    not_savepoint(invoke("inspect", "--json", url), url, "inspect")
+
+
+def test_a_url_naming_a_checkpoints_manifest_names_the_checkpoint(ckpt: str) -> None:
+    url = ckpt + "/manifest.json"
+    for command in ("verify", "inspect"):
+        result = invoke(command, url)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+        assert result.stderr == (
+            f"error: no savepoint checkpoint at {url}: it is the manifest.json of the checkpoint "
+            f"{ckpt} (a checkpoint is a directory): pass that directory\n"
+        )
 
 
 # -- s3:// (the moto server) ---------------------------------------------------------------------
@@ -599,6 +653,10 @@ def test_s3_foreign_formats_are_refused(s3_bucket: str, tmp_path: Path) -> None:
     url = f"s3://{s3_bucket}/m.safetensors"
     put_file(url, (tmp_path / "m.safetensors").read_bytes())
     for args in (["inspect", url], ["verify", url], ["convert", url, str(tmp_path / "out")]):
-        refused(invoke(*args), url)
+        not_savepoint(invoke(*args), url, args[0])
+    plain = f"s3://{s3_bucket}/some/object"
+    put_file(plain, b"not a checkpoint")
+    for command in ("inspect", "verify"):
+        not_savepoint(invoke(command, plain), plain, command)
     result = invoke("convert", str(tmp_path / "c"), f"s3://{s3_bucket}/out.safetensors")
     assert result.exit_code == 1 and "written to local paths only" in result.stderr

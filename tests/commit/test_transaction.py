@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import savepoint as sp
@@ -160,6 +161,103 @@ def test_an_oserror_becomes_a_write_error(where: tuple[Store, str]) -> None:
     assert "free disk space" in str(info.value) and store.url(target) in str(info.value)
     assert isinstance(info.value.__cause__, OSError)
     assert label(store, target) == "old"
+
+
+def test_a_refused_write_says_what_to_check(kind: str, where: tuple[Store, str]) -> None:
+    """EACCES on the local filesystem is the parent directory's permissions; on any other store
+    (an object store refusing credentials with 403 AccessDenied or 401) no permission bit is the
+    cause, so the advice is the credentials and the bucket's access policy (before, every store
+    got "check the permissions of the parent directory"). The store's own message and the URL
+    stay in the error."""
+    inner, parent = where
+    target = inner.join(parent, "ckpt")
+    save(inner, target, "old")
+    store = FaultyStore(inner)
+    store.fail({"create_blob", "put"}, code=errno.EACCES, times=None)
+    with pytest.raises(sp.CheckpointWriteError) as info:
+        save(store, target, "new")
+    message = str(info.value)
+    assert info.value.errno == errno.EACCES
+    assert f"saving {store.url(target)} failed: Permission denied (injected) (" in message
+    assert "any previous checkpoint there is intact" in message
+    if kind == "local":
+        assert message.endswith("; check the permissions of the parent directory"), message
+    else:
+        assert message.endswith(
+            "; the store refused the request: check the credentials and the bucket's access policy"
+        ), message
+    assert label(inner, target) == "old"
+
+
+def test_an_object_stores_refusal_keeps_its_message_and_url() -> None:
+    """What the object store raises for 403/401 (a PermissionError naming the request, the
+    server's answer and the object's URL) reaches the user whole, with the credentials advice."""
+    store = MemoryStore(atomic_rename=False)
+    target = "/bucket/ckpt"
+    refused = "PUT refused: Server returned non-2xx status code: 403 Forbidden (AccessDenied)"
+    with pytest.raises(sp.CheckpointWriteError) as info, Transaction(store, target):
+        raise PermissionError(errno.EACCES, refused, "s3://bucket/ckpt/gen-1/data.safetensors")
+    assert str(info.value) == (
+        f"saving {store.url(target)} failed: {refused} (s3://bucket/ckpt/gen-1/data.safetensors); "
+        "any previous checkpoint there is intact and no temporary files remain; the store "
+        "refused the request: check the credentials and the bucket's access policy"
+    )
+    assert info.value.errno == errno.EACCES
+
+
+@pytest.mark.parametrize(
+    ("status", "answer"),
+    [
+        ("403", ("Forbidden", "AccessDenied", "Access Denied")),
+        ("401", ("Unauthorized", "InvalidAccessKeyId", "The AWS Access Key Id does not exist.")),
+    ],
+)
+def test_refused_credentials_on_s3(
+    status: str,
+    answer: tuple[str, str, str],
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same on S3 (the moto server behind the fault proxy, which answers every PUT with
+    ``status`` as S3 does to refused credentials): the credentials advice, obstore's answer and
+    the object's URL; the previous checkpoint stays."""
+    from storage import _faultproxy, _s3server
+
+    if not _s3server.AVAILABLE:
+        pytest.skip(_s3server.SKIP_REASON)
+    from savepoint.storage.objectstore import ObjectStore
+
+    # The proxy answers 503/500 with S3's error body; teach it this status for the test.
+    monkeypatch.setattr(_faultproxy, "ACTIONS", (*_faultproxy.ACTIONS, status))
+    monkeypatch.setitem(_faultproxy._ERRORS, status, answer)
+    bucket = request.getfixturevalue("s3_bucket")
+    proxy = _faultproxy.FaultProxy(request.getfixturevalue("s3").endpoint).start()
+    try:
+        store = ObjectStore(
+            "s3",
+            endpoint=proxy.endpoint,
+            region=_s3server.REGION,
+            access_key_id=_s3server.ENV["AWS_ACCESS_KEY_ID"],
+            secret_access_key=_s3server.ENV["AWS_SECRET_ACCESS_KEY"],
+            allow_http=True,
+        )
+        where = store.at(f"/{bucket}/ckpt")
+        sp.save(where, {"w": np.zeros(3)})
+        proxy.fail("PUT", ".", status, times=None)
+        with pytest.raises(sp.CheckpointWriteError) as info:
+            sp.save(where, {"w": np.ones(3)})
+        proxy.clear()
+        np.testing.assert_array_equal(sp.load(where)["w"], np.zeros(3))
+    finally:
+        proxy.stop()
+    message = str(info.value)
+    assert message.startswith(f"saving s3://{bucket}/ckpt failed: PUT refused: "), message
+    assert f"{status} {answer[0]} ({answer[1]}) (s3://{bucket}/ckpt/" in message, message
+    assert message.endswith(
+        "; the store refused the request: check the credentials and the bucket's access policy"
+    ), message
+    assert "parent directory" not in message
+    assert info.value.errno == errno.EACCES
 
 
 def test_a_failing_commit_aborts(where: tuple[Store, str]) -> None:

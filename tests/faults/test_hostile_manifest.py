@@ -571,7 +571,7 @@ def test_int_and_str_tree_keys_are_distinct(ckpt: Path, doc: dict[str, Any]) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", [3, 999, 2**70])
+@pytest.mark.parametrize("version", [4, 999, 2**70])
 def test_newer_format_version_is_incompatible(
     ckpt: Path, doc: dict[str, Any], rec: Recorder, version: int
 ) -> None:
@@ -587,7 +587,7 @@ def test_newer_version_with_unknown_layout_is_still_incompatible(
     ckpt: Path, doc: dict[str, Any], rec: Recorder
 ) -> None:
     # A future format may change everything else: the version decides first.
-    doc["format_version"] = 3
+    doc["format_version"] = 4
     doc["files"] = [{"name": DATA}]
     doc["tensors"] = "v2 layout"
     doc["tree"] = {"t": "future-node"}

@@ -195,6 +195,8 @@ MANIFEST_TOKENS = (
     b'"box":[[0,2],[0,6]]',
     b'"flat":[0,7]',
     b'"format_version": 3',
+    b'"blocks":{"size":65536,"xxh3":["0123456789abcdef"]}',
+    b'"format_version": 4',
     b'"world_size": 0',
     b'"file":"../x"',
     b"9" * 30,

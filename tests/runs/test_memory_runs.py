@@ -266,28 +266,140 @@ def test_aliases_on_an_object_store_are_pointers_not_copies() -> None:
 
 
 @pytest.mark.parametrize(
-    "doc",
+    ("doc", "why"),
     [
-        b'{"savepoint_alias": 1, "target": "../other/run/checkpoints/step-0000000001"}',
-        b'{"savepoint_alias": 1, "target": "/run/checkpoints/step-0000000001"}',
-        b'{"savepoint_alias": 1, "target": "checkpoints//step-0000000001"}',
-        b'{"savepoint_alias": 2, "target": "checkpoints/step-0000000001"}',
-        b'{"savepoint_alias": 1, "target": 7}',
-        b"[1, 2]",
-        b"not json",
-        b'{"savepoint_alias": 1, "target": "' + b"a/" * 40000 + b'x"}',
+        (
+            b'{"savepoint_alias": 1, "target": "../other/run/checkpoints/step-0000000001"}',
+            "has a bad target, '../other/run/checkpoints/step-0000000001': not a relative path "
+            "inside the run",
+        ),
+        (
+            b'{"savepoint_alias": 1, "target": "/run/checkpoints/step-0000000001"}',
+            "has a bad target, '/run/checkpoints/step-0000000001'",
+        ),
+        (
+            b'{"savepoint_alias": 1, "target": "checkpoints//step-0000000001"}',
+            "has a bad target, 'checkpoints//step-0000000001'",
+        ),
+        (
+            b'{"savepoint_alias": 2, "target": "checkpoints/step-0000000001"}',
+            "is an alias pointer of version 2; this savepoint reads version 1",
+        ),
+        (b'{"savepoint_alias": 1, "target": 7}', 'has no target path ("target" is 7)'),
+        (b"[1, 2]", 'is JSON but not an alias pointer (no "savepoint_alias" member)'),
+        (b"not json", "is not valid JSON"),
+        (b"[" * 60000, "is not valid JSON: nested deeper than 512 levels"),
+        (
+            b'{"savepoint_alias": 1, "target": "' + b"a/" * 40000 + b'x"}',
+            "bytes, over the 65536-byte cap",
+        ),
+        (
+            b'{"savepoint_alias": 1, "target": "checkpoints/step-0000000009"}',
+            "names {run}/checkpoints/step-0000000009, which holds no committed checkpoint",
+        ),
     ],
-    ids=["dotdot", "absolute", "empty-part", "version", "type", "list", "garbage", "huge"],
+    ids=[
+        "dotdot",
+        "absolute",
+        "empty-part",
+        "version",
+        "type",
+        "list",
+        "garbage",
+        "deep",
+        "huge",
+        "no-target",
+    ],
 )
-def test_a_hostile_or_damaged_pointer_is_no_checkpoint(doc: bytes) -> None:
+def test_a_hostile_or_damaged_pointer_is_no_checkpoint(doc: bytes, why: str) -> None:
+    """A damaged pointer is never followed outside its run and never taken for a checkpoint;
+    loading the alias says that the pointer is damaged and how (CorruptCheckpointError naming the
+    pointer object), not that the alias "has no manifest.json" (as it did before), and a nesting
+    too deep for Python's JSON parser is no RecursionError."""
     store = MemoryStore(atomic_rename=False)
+    run = store.url("/run")
     sp.save(store.at("/other/run/checkpoints/step-0000000001"), state(1))
     sp.save(store.at("/run/checkpoints/step-0000000001"), state(1))
     store.makedirs("/run/latest")
     store.put(f"/run/latest/{pointer.NAME}", doc)
-    assert resolve_commit(store, "/run/latest") is None
-    with pytest.raises(sp.CheckpointError):
-        sp.load(store.at("/run/latest"))
+    assert resolve_commit(store, "/run/latest", strict=False) is None
+    with pytest.raises(sp.CorruptCheckpointError):
+        resolve_commit(store, "/run/latest")
+    for load in (sp.load, sp.inspect, sp.verify):
+        with pytest.raises(sp.CorruptCheckpointError) as info:
+            load(store.at("/run/latest"))
+        message = str(info.value)
+        assert message.startswith(
+            f"{run}/latest is a damaged alias pointer: {run}/latest/{pointer.NAME} "
+        ), message
+        assert why.format(run=run) in message, message
+        assert "manifest.json" not in message
+        assert info.value.path == f"{run}/latest"
+
+
+def test_a_pointer_moved_on_while_it_was_followed_is_not_damaged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's writer points an alias at the new step before it deletes the step the alias named:
+    a reader that read the old pointer finds the old step gone, reads the pointer again and loads
+    the new step (only a pointer that still names nothing is damaged)."""
+    store = MemoryStore(atomic_rename=False)
+    run = store.at("/run")
+    with sp.CheckpointManager(run, keep_last=1) as m:
+        m.save(1, state(1))
+    stale = store.join("/run/checkpoints", "step-0000000001")
+    reads = iter([stale])
+    real = pointer.read
+
+    def read(store_: Any, alias: str) -> str | None:
+        return next(reads, None) or real(store_, alias)
+
+    with sp.CheckpointManager(run, keep_last=1) as m:
+        m.save(2, state(2))  # latest/ -> step 2, step 1 deleted
+    monkeypatch.setattr(pointer, "read", read)
+    same(sp.load(run.join("latest")), state(2))
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b"not json",
+        b'{"savepoint_alias": 1, "target": "checkpoints/step-0000000009"}',
+        b"[" * 60000,
+    ],
+    ids=["garbage", "no-target", "deep"],
+)
+def test_a_damaged_latest_pointer_does_not_stop_restore(doc: bytes) -> None:
+    """restore("latest") chooses among the checkpoints, never through latest/ (the manager's
+    promise): a damaged pointer costs it nothing, read-only too (no warning: the pytest
+    configuration makes warnings errors). Loading run/latest says the pointer is damaged, the
+    run's consistency check lists latest/, and a manager that may write rewrites the pointer
+    (before, a pointer nested too deep for Python's JSON parser made opening the run fail with
+    RecursionError)."""
+    store = MemoryStore(atomic_rename=False)
+    run = store.at("/run")
+    with sp.CheckpointManager(run, keep_last=2) as m:
+        for step in (1, 2, 3):
+            m.save(step, state(step))
+    where = run.join("latest", pointer.NAME).path
+    store.put(where, doc, exclusive=False)
+    with pytest.raises(sp.CorruptCheckpointError, match="is a damaged alias pointer"):
+        sp.load(run.join("latest"))
+    with sp.open_run(run) as view:
+        assert [p for p in view.problems() if p.startswith("latest/")], view.problems()
+    with sp.CheckpointManager(run, read_only=True) as reader:
+        into = blank()
+        assert reader.restore(into) == 3
+        same(into, state(3))
+        assert reader.peek("step") == {"step": 3}
+    assert store.read_small(where, cap=None) == doc  # a read-only manager writes nothing
+    with sp.CheckpointManager(run, keep_last=2) as m:
+        into = blank()
+        assert m.restore(into) == 3
+        same(into, state(3))
+    same(sp.load(run.join("latest")), state(3))
+    with sp.open_run(run) as view:
+        assert view.problems() == []
 
 
 class _ShortListing(MemoryStore):

@@ -1,6 +1,7 @@
 """What every ``savepoint`` command shares: failing with exit status 1, path arguments (local
 paths and the URLs of every store savepoint reaches), JSON output, the progress bar, and telling
-savepoint's own checkpoints from the other formats it reads (local files only)."""
+savepoint's own checkpoints (at any of those) from the other formats it reads (local files only:
+see :func:`fail_read`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any, NoReturn
 
 import click
 
-from savepoint.errors import CheckpointError
+from savepoint.codecs import manifest as mf
+from savepoint.commit import transaction
+from savepoint.errors import CheckpointError, CheckpointNotFoundError, IncompatibleCheckpointError
 from savepoint.formats import boostr, burn, detect, training_artifact
 from savepoint.storage.paths import Location, local_path, resolve
 
@@ -117,14 +120,15 @@ def is_foreign(path: str) -> bool:
 
 
 # What names a checkpoint of another format on a store: a file name of a single-file format, or
-# the file that marks a boostr checkpoint or a training artifact.
+# the file that marks a boostr checkpoint or a training artifact (and what it marks).
 _FOREIGN_SUFFIXES = (".shrew", ".safetensors", "." + burn.EXTENSION)
-_FOREIGN_MARKERS = (
-    boostr.STATE,
-    boostr.SHARDING,
-    training_artifact.REPORT_FILE,
-    training_artifact.COMPARISON_FILE,
-)
+_FOREIGN_MARKERS = {
+    boostr.STATE: "a boostr checkpoint",
+    boostr.SHARDING: "a distributed boostr checkpoint",
+    training_artifact.REPORT_FILE: "a training artifact",
+    training_artifact.COMPARISON_FILE: "a sweep of training artifacts",
+}
+_FOREIGN_FORMATS = ".safetensors, .shrew, burn .mpk, boostr, training artifacts"
 
 
 def foreign_url(path: str) -> bool:
@@ -136,26 +140,73 @@ def foreign_url(path: str) -> bool:
         return False
     if where.path.lower().endswith(_FOREIGN_SUFFIXES):
         return True
-    store = where.store
     try:
-        found = store.stat(where.path)
+        found = where.store.stat(where.path)
         if found is None:
             return False
-        if found.kind != "dir":
-            return True
-        return any(store.stat(store.join(where.path, m)) is not None for m in _FOREIGN_MARKERS)
+        return found.kind != "dir" or _marker(where) is not None
     except OSError:
         return False
 
 
+def _marker(where: Location) -> str | None:
+    """The marker file of another format in the directory ``where`` (raises OSError)."""
+    store = where.store
+    for name in _FOREIGN_MARKERS:
+        if store.stat(store.join(where.path, name)) is not None:
+            return name
+    return None
+
+
 def fail_read(exc: CheckpointError, *paths: str) -> NoReturn:
     """Exit 1 after savepoint's reader failed with ``exc`` on ``paths``; when one of them is a
-    URL naming a checkpoint of another format, with the library's refusal of that URL (those
-    formats are read from local files only) instead of the native reader's complaint."""
+    URL naming a checkpoint of another format, saying that no savepoint checkpoint is there and
+    that the other formats are read from local files only (:func:`foreign_at_url`), instead of
+    the native reader's complaint."""
     for path in paths:
         if foreign_url(path):
-            try:
-                detect.detect(path)
-            except CheckpointError as refusal:
-                fail(refusal)
+            fail(foreign_at_url(path))
     fail(exc)
+
+
+def foreign_at_url(path: str) -> CheckpointError:
+    """Why the command cannot read the URL ``path``, which :func:`foreign_url` found naming no
+    savepoint checkpoint but a file, a directory of another format or nothing: what is there,
+    and that the other formats are read from local files only (copy it to one). Not the library's
+    refusal of a URL (``this reads and writes local files only``): the commands do read URLs,
+    of savepoint's own checkpoints."""
+    where = location(path)
+    store = where.store
+    context = click.get_current_context(silent=True)
+    command = f"savepoint {context.info_name}" if context and context.info_name else "savepoint"
+    try:
+        found = store.stat(where.path)
+        marker = _marker(where) if found is not None and found.kind == "dir" else None
+    except OSError:
+        found, marker = None, None
+    if found is None:
+        return CheckpointNotFoundError(
+            f"no checkpoint at {path}: nothing is there (checkpoints of other formats, "
+            f"{_FOREIGN_FORMATS}, are read from local files only: `{command}` reads a copy on a "
+            "local path)",
+            path=path,
+        )
+    if marker is not None:
+        what = f"it is a directory holding {marker} ({_FOREIGN_MARKERS[marker]})"
+    elif store.basename(where.path) == mf.NAME and transaction.resolve(
+        store, store.parent(where.path), strict=False
+    ):
+        parent = path.rstrip("/").rpartition("/")[0]
+        return IncompatibleCheckpointError(
+            f"no savepoint checkpoint at {path}: it is the {mf.NAME} of the checkpoint {parent} "
+            "(a checkpoint is a directory): pass that directory",
+            path=path,
+        )
+    else:
+        what = "it is a file, and a savepoint checkpoint is a directory"
+    return IncompatibleCheckpointError(
+        f"no savepoint checkpoint at {path} (no {mf.NAME} under it): {what}. Checkpoints of "
+        f"other formats ({_FOREIGN_FORMATS}) are read from local files only: copy it to a "
+        f"local path and run `{command}` on the copy",
+        path=path,
+    )

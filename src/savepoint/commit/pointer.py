@@ -12,17 +12,23 @@ without ``.``, ``..`` or empty components, so a pointer can never lead outside i
 written with one overwriting ``put`` (atomic on object stores: a reader sees the old pointer or
 the new one) after the checkpoint it names is committed, and
 :func:`savepoint.commit.transaction.resolve` follows it (one level: a pointer to a pointer is not
-followed), so ``sp.load("s3://b/run/latest")`` loads that step. A missing, unreadable or malformed
-pointer reads as no checkpoint.
+followed), so ``sp.load("s3://b/run/latest")`` loads that step.
+
+A directory without a pointer object is no alias. One whose pointer object is damaged (not a
+pointer, a bad target, a target holding no committed checkpoint) is reported as such by
+:func:`read` (:class:`Damaged`, saying what is wrong) and by ``resolve`` (CorruptCheckpointError);
+:func:`target` reads it as no pointer, for the bookkeeping that only asks where an alias points.
 """
 
 from __future__ import annotations
 
 import json
 
+from savepoint.codecs import bounded_json
+from savepoint.errors import CorruptCheckpointError
 from savepoint.storage.base import Store
 
-__all__ = ["CAP", "NAME", "VERSION", "encode", "target", "write"]
+__all__ = ["CAP", "Damaged", "NAME", "VERSION", "encode", "read", "target", "write"]
 
 NAME = "savepoint-alias.json"
 VERSION = 1
@@ -47,24 +53,63 @@ def write(store: Store, alias: str, checkpoint: str) -> None:
     store.put(store.join(alias, NAME), data, exclusive=False)
 
 
+class Damaged(ValueError):
+    """An alias holds a pointer object that is not a well-formed pointer; the message names the
+    object and says what is wrong with it."""
+
+
+def read(store: Store, alias: str) -> str | None:
+    """The path ``alias`` points at; None where ``alias`` holds no pointer object (nothing named
+    :data:`NAME` there, or nothing that may be looked at: no OSError is raised); :class:`Damaged`
+    where it holds one that is no pointer (over :data:`CAP`, not a blob, not JSON, not a pointer
+    of this version, a target that is not a relative path inside the run)."""
+    name = store.join(alias, NAME)
+    shown = store.url(name)
+    try:
+        data = store.read_small(name, cap=CAP)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        raise Damaged(f"{shown} is a directory, not a pointer blob") from None
+    except CorruptCheckpointError as exc:  # over the cap, a FIFO, a link: the store says which
+        raise Damaged(str(exc)) from None
+    except Exception:
+        # May not be looked at (refused, a failed request): reads as absent, as every lookup of
+        # resolve does.
+        return None
+    doc = bounded_json.loads(data, Damaged, shown)
+    if not isinstance(doc, dict) or "savepoint_alias" not in doc:
+        raise Damaged(f'{shown} is JSON but not an alias pointer (no "savepoint_alias" member)')
+    if doc["savepoint_alias"] != VERSION:
+        raise Damaged(
+            f"{shown} is an alias pointer of version {_brief(doc['savepoint_alias'])}; this "
+            f"savepoint reads version {VERSION}"
+        )
+    relative = doc.get("target")
+    if not isinstance(relative, str):
+        raise Damaged(f'{shown} has no target path ("target" is {_brief(relative)})')
+    try:
+        parts = _components(relative)
+    except ValueError:
+        raise Damaged(
+            f"{shown} has a bad target, {_brief(relative)}: not a relative path inside the run"
+        ) from None
+    return store.join(store.parent(store.abspath(alias)), *parts)
+
+
+def _brief(value: object) -> str:
+    """``repr(value)``, cut short: a hostile pointer may hold 64 KiB."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def target(store: Store, alias: str) -> str | None:
     """The path ``alias`` points at, or None where it holds no readable, well-formed pointer
     (never raises OSError or a decoding error)."""
     try:
-        data = store.read_small(store.join(alias, NAME), cap=CAP)
-    except Exception:  # absent, not a blob, over the cap, unreadable: no pointer
+        return read(store, alias)
+    except Damaged:
         return None
-    try:
-        doc = json.loads(data)
-        if not isinstance(doc, dict) or doc.get("savepoint_alias") != VERSION:
-            return None
-        relative = doc.get("target")
-        if not isinstance(relative, str):
-            return None
-        parts = _components(relative)
-    except ValueError:
-        return None
-    return store.join(store.parent(store.abspath(alias)), *parts)
 
 
 def _components(relative: str) -> list[str]:

@@ -40,10 +40,10 @@ from typing import Literal
 
 from savepoint.codecs import manifest as mf
 from savepoint.commit import _generations, _rename, names, pointer
-from savepoint.errors import CheckpointError, CheckpointWriteError
+from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from savepoint.storage.base import Store
 
-__all__ = ["Transaction", "check_target", "discard", "resolve", "write_error"]
+__all__ = ["Transaction", "check_target", "discard", "refused_hint", "resolve", "write_error"]
 
 Strategy = Literal["rename", "manifest-last"]
 
@@ -192,12 +192,14 @@ def write_error(
     where = exc.filename
     if isinstance(where, str) and where.startswith("/"):
         where = store.url(where)  # the store's path as the user names it (a URL off the disk)
-    hint = {
-        errno.ENOSPC: "free disk space and save again",
-        errno.EDQUOT: "free quota and save again",
-        errno.EACCES: "check the permissions of the parent directory",
-        errno.EROFS: "the filesystem is read-only",
-    }.get(exc.errno or 0, "see the cause below")
+    if exc.errno == errno.EACCES or (isinstance(exc, PermissionError) and not exc.errno):
+        hint = refused_hint(store)
+    else:
+        hint = {
+            errno.ENOSPC: "free disk space and save again",
+            errno.EDQUOT: "free quota and save again",
+            errno.EROFS: "the filesystem is read-only",
+        }.get(exc.errno or 0, "see the cause below")
     return CheckpointWriteError(
         f"saving {shown} failed: {reason} ({where or shown}); any previous {what} "
         f"there is intact and no temporary files remain; {hint}",
@@ -206,7 +208,17 @@ def write_error(
     )
 
 
-def resolve(store: Store, path: str) -> str | None:
+def refused_hint(store: Store) -> str:
+    """What to check when ``store`` refused a write (EACCES): on the local filesystem the
+    permissions of the directory; on any other store (an object store answering 403 AccessDenied
+    or 401, a remote filesystem) the credentials and the access policy, which no local
+    permission bit decides."""
+    if store.scheme.removeprefix("fsspec+") in ("file", "local"):  # the local disk
+        return "check the permissions of the parent directory"
+    return "the store refused the request: check the credentials and the bucket's access policy"
+
+
+def resolve(store: Store, path: str, *, strict: bool = True) -> str | None:
     """The directory holding the committed checkpoint for ``path``, or None.
 
     In order: ``path`` itself when it holds a manifest; else its newest generation holding one
@@ -214,12 +226,61 @@ def resolve(store: Store, path: str) -> str | None:
     fallback replace left under an ``-old-`` name when it died between its two renames; else,
     when ``path`` is an alias pointer (:mod:`savepoint.commit.pointer`: run aliases on stores
     without hard links), the committed checkpoint it names, found by the same rules. Raises no
-    OSError: what may not be looked at reads as absent."""
-    found = _committed(store, store.abspath(path))
+    OSError: what may not be looked at reads as absent.
+
+    A damaged pointer (its object is not a pointer, or names a path holding no committed
+    checkpoint) raises CorruptCheckpointError naming the pointer and what is wrong, instead of
+    reading as a directory without a manifest; with ``strict=False`` it reads as no checkpoint
+    (for the run's bookkeeping, which republishes or skips such an alias)."""
+    path = store.abspath(path)
+    found = _committed(store, path)
     if found is not None:
         return found
-    pointed = pointer.target(store, store.abspath(path))
-    return None if pointed is None else _committed(store, pointed)
+    if not strict:
+        pointed = pointer.target(store, path)
+        return None if pointed is None else _committed(store, pointed)
+    return _follow(store, path)
+
+
+# Looks at a pointer whose target holds no checkpoint before calling it damaged: a run's writer
+# moves an alias on before it deletes the step the alias named, so a second look finds the new one.
+_POINTER_LOOKS = 3
+
+
+def _follow(store: Store, alias: str) -> str | None:
+    """The committed checkpoint the pointer at ``alias`` names; None where there is no pointer;
+    CorruptCheckpointError where the pointer is damaged."""
+    named = None
+    for _ in range(_POINTER_LOOKS):
+        try:
+            pointed = pointer.read(store, alias)
+        except pointer.Damaged as exc:
+            raise _damaged(store, alias, str(exc)) from None
+        if pointed is None:
+            return None
+        found = _committed(store, pointed)
+        if found is not None:
+            return found
+        if pointed == named:
+            break
+        named = pointed
+    assert named is not None
+    raise _damaged(
+        store,
+        alias,
+        f"{store.url(store.join(alias, pointer.NAME))} names {store.url(named)}, which holds no "
+        "committed checkpoint (deleted, or never committed)",
+    )
+
+
+def _damaged(store: Store, alias: str, reason: str) -> CorruptCheckpointError:
+    shown = store.url(alias)
+    return CorruptCheckpointError(
+        f"{shown} is a damaged alias pointer: {reason}. Load one of the run's checkpoints (under "
+        "its checkpoints/ directory) instead, or open the run with a CheckpointManager (not "
+        "read_only), which rewrites its aliases",
+        path=shown,
+    )
 
 
 def _committed(store: Store, path: str) -> str | None:

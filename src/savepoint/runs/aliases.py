@@ -110,7 +110,7 @@ def holds(directory: PathArg, alias: str, step: int) -> bool:
 
 
 def _manifest(store: Store, path: str) -> str | None:
-    where = resolve_commit(store, path)
+    where = resolve_commit(store, path, strict=False)
     return None if where is None else store.join(where, mf.NAME)
 
 
@@ -163,7 +163,7 @@ def link_tree(store: Store, source: str, staging: str, *, manifest: bool = True)
     never modified in place, so a linked copy costs no space and stays valid after ``source`` is
     deleted. Other errors (ENOSPC: no inode or directory block left for the link) are raised;
     ``staging`` is the caller's to remove."""
-    found = resolve_commit(store, source)
+    found = resolve_commit(store, source, strict=False)
     if found is None:
         raise FileNotFoundError(errno.ENOENT, "no committed checkpoint", store.url(source))
     entries = [name for name in sorted(store.list(found)) if name != mf.NAME]
@@ -230,7 +230,7 @@ class StagedPointer:
     is written before that, so :meth:`abort` has nothing to undo."""
 
     def __init__(self, store: Store, target: str, source: str) -> None:
-        if resolve_commit(store, source) is None:
+        if resolve_commit(store, source, strict=False) is None:
             raise FileNotFoundError(errno.ENOENT, "no committed checkpoint", store.url(source))
         self._store, self._target, self._source = store, target, source
 

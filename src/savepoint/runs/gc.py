@@ -224,7 +224,7 @@ def _is_checkpoint(where: Location) -> bool:
     siblings (a first save that died)."""
     store = where.store
     try:
-        if resolve_commit(store, where.path) is not None:
+        if resolve_commit(store, where.path, strict=False) is not None:
             return True
         st = store.stat(where.path)
         if st is not None:
@@ -402,7 +402,7 @@ class _Sweep:
             if m is None:
                 continue  # not savepoint's: never touched
             step = int(m.group(1))
-            if step in pending and resolve_commit(store, path) is not None:
+            if step in pending and resolve_commit(store, path, strict=False) is not None:
                 self.skip(
                     path,
                     "pending deletion (report.json's discarding): the run's writer deletes it at "
@@ -454,7 +454,8 @@ class _Sweep:
             what = "generations that never committed" if gens else "no generation"
             reason = f"holds no committed checkpoint ({what}), {_age_text(youngest)}"
             if youngest >= self.grace:
-                if resolve_commit(store, path) is None:  # looked up again, as readers do
+                # Looked up again, as readers do.
+                if resolve_commit(store, path, strict=False) is None:
                     self.remove(path, reason)
                 return
             if not gens:

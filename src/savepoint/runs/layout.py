@@ -82,7 +82,7 @@ def checkpoint_arg(where: Location) -> str | Location:
 
 def committed(where: Location) -> bool:
     """Whether ``where`` holds a committed checkpoint (its manifest, in either commit layout)."""
-    return resolve_commit(where.store, where.path) is not None
+    return resolve_commit(where.store, where.path, strict=False) is not None
 
 
 def committed_steps(directory: PathArg, expected: Iterable[int] = ()) -> list[int]:

@@ -1166,7 +1166,7 @@ class CheckpointManager:
         the writer saves the step again."""
         store = self._store
         try:
-            where = resolve_commit(store, self._step(step).path)
+            where = resolve_commit(store, self._step(step).path, strict=False)
             found = None if where is None else store.stat(store.join(where, mf.NAME))
         except OSError:
             return None
