@@ -347,3 +347,50 @@ def test_targets_inside_tuples_are_refused(sharded: Path) -> None:
 def test_descriptions_do_not_load_as_statefuls() -> None:
     with pytest.raises(TypeError, match="sharding description"):
         Shard(np.zeros(2), (2,), (0,)).load_state_dict({})
+
+
+@pytest.mark.parametrize("new_world", [3, 5, 8])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_resharding_load_reads_at_most_1_1x_what_each_rank_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, new_world: int, verify: bool
+) -> None:
+    """Saved by 4 ranks (row shards and flat shards of 4 MiB tensors), restored by 3, 5 or 8: on a
+    store without views (an object store) each new rank reads at most 1.1x the bytes of its own
+    pieces, plus the data files' headers, verified (block checksums) or not."""
+    from tests.engine.test_stores import NoViews, _Counted
+
+    big = np.random.default_rng(5).standard_normal((1024, 1024)).astype(np.float32)
+    flat = np.random.default_rng(6).standard_normal(1 << 20).astype(np.float32)
+
+    def state(rank: int, world: int, fill: bool = True) -> dict[str, Any]:
+        a, b = FlatShard.bounds(1024, rank, world)
+        fa, fb = FlatShard.bounds(flat.size, rank, world)
+        rows, part = big[a:b], flat[fa:fb]
+        if not fill:
+            rows, part = np.zeros_like(rows), np.zeros_like(part)
+        return {
+            "rows": Shard.split(rows.copy(), 0, rank, world, size=1024),
+            "flat": FlatShard(part.copy(), flat.shape, fa),
+        }
+
+    save_ranks(tmp_path / "c", [state(r, 4) for r in range(4)])
+    store = NoViews()
+    store.makedirs("/c")
+    names = sorted(os.listdir(tmp_path / "c"), key=lambda n: n == mf.NAME)  # manifest last
+    for name in names:
+        store.put(f"/c/{name}", (tmp_path / "c" / name).read_bytes())
+    headers = sum(
+        mf.parse(store.read_small("/c/manifest.json", cap=None)).files[n].header_size
+        for n in names
+        if n != mf.NAME
+    )
+    counted = _Counted(store, monkeypatch)
+    for rank in range(new_world):
+        into = state(rank, new_world, fill=False)
+        needed = into["rows"].local.nbytes + into["flat"].local.nbytes
+        counted.reset()
+        sp.load(store.at("/c"), into=into, verify=verify)
+        want = state(rank, new_world)
+        np.testing.assert_array_equal(into["rows"].local, want["rows"].local)
+        np.testing.assert_array_equal(into["flat"].local, want["flat"].local)
+        assert counted.bytes <= 1.1 * needed + headers, (rank, counted.bytes, needed)
