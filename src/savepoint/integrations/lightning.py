@@ -1,0 +1,129 @@
+"""PyTorch Lightning: :class:`SavepointCheckpointIO`, a ``CheckpointIO`` plugin.
+
+::
+
+    from lightning.pytorch import Trainer            # or: from pytorch_lightning import Trainer
+    from savepoint.integrations.lightning import SavepointCheckpointIO
+
+    trainer = Trainer(plugins=[SavepointCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+    trainer.fit(model)                               # ModelCheckpoint writes savepoint checkpoints
+    trainer.fit(model, ckpt_path="last")             # and resumes from them
+
+Every checkpoint Lightning asks for (``ModelCheckpoint``, ``trainer.save_checkpoint``) becomes a
+savepoint checkpoint at the path Lightning chose (``epoch=0-step=100.ckpt`` is then a directory):
+committed atomically (a kill mid-save leaves the previous file or none, never a torn one),
+checksummed, written with O_DIRECT on local disks or to any URL savepoint takes (``s3://...``:
+give ``ModelCheckpoint(dirpath="s3://...")``), loaded without pickle. The whole Lightning
+checkpoint dict round-trips: weights, optimizer and scheduler states, ``global_step``, epoch, loop
+and callback states, hyper-parameters that are plain values. Values savepoint cannot store
+without pickle (arbitrary objects in ``hyper_parameters``, say) are refused with a clear
+:class:`savepoint.UnsupportedStateError` naming the key.
+
+``remove_checkpoint`` (``ModelCheckpoint``'s ``save_top_k`` pruning) deletes a checkpoint
+atomically, and never the one this process resumed from (Lightning deletes it on remote paths
+when it falls out of the top k; here it is kept and a log record says so).
+
+Works under Lightning's ``AsyncCheckpointIO(SavepointCheckpointIO())`` (Lightning clones the
+tensors on the training thread, savepoint writes them in Lightning's background thread).
+Importing this module imports Lightning: ``lightning`` (the unified package) and/or
+``pytorch_lightning``/``lightning_fabric``, whichever are installed; the plugin is an instance of
+each one's ``CheckpointIO``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import savepoint as sp
+from savepoint.commit.transaction import discard
+from savepoint.storage.paths import resolve as resolve_path
+
+__all__ = ["SavepointCheckpointIO"]
+
+log = logging.getLogger(__name__)
+
+
+def _bases() -> tuple[type, ...]:
+    found: list[type] = []
+    try:
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as Unified
+
+        found.append(Unified)
+    except ImportError:
+        pass
+    try:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as Standalone
+
+        if Standalone not in found:
+            found.append(Standalone)
+    except ImportError:
+        pass
+    if not found:
+        raise ImportError(
+            "savepoint.integrations.lightning needs Lightning: pip install lightning "
+            "(or pytorch-lightning)"
+        )
+    return tuple(found)
+
+
+def _key(path: Any) -> str:
+    where = resolve_path(os.fspath(path) if not isinstance(path, str) else path)
+    return where.store.url(where.store.abspath(where.path))
+
+
+class SavepointCheckpointIO(*_bases()):  # type: ignore[misc]
+    """Lightning ``CheckpointIO`` writing and reading savepoint checkpoints (see the module
+    docstring). ``verify``: check checksums on load (default on); ``mmap``: map the tensors
+    of a local checkpoint instead of reading them; keyword arguments of ``sp.save``
+    (``max_file_bytes``, ``writers``, ``direct``, ``metadata``) go to every save."""
+
+    def __init__(self, *, verify: bool = True, mmap: bool = False, **save_options: Any) -> None:
+        super().__init__()
+        self.verify = verify
+        self.mmap = mmap
+        self.save_options = save_options
+        self._resumed_from: set[str] = set()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "SavepointCheckpointIO.save_checkpoint takes no storage_options (got "
+                f"{storage_options!r}); pass sp.save options to SavepointCheckpointIO(...)"
+            )
+        info = sp.save(os.fspath(path), checkpoint, **self.save_options)
+        log.info("saved %s (%d bytes of tensors)", info.path, info.total_bytes)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        # ``weights_only`` is moot: savepoint never unpickles, whatever it is.
+        device = map_location if isinstance(map_location, str) else None
+        if map_location is not None and device is None:
+            import torch
+
+            if isinstance(map_location, torch.device):
+                device = str(map_location)
+        loaded = sp.load(os.fspath(path), verify=self.verify, mmap=self.mmap, device=device)
+        if not isinstance(loaded, dict):
+            raise sp.IncompatibleCheckpointError(
+                f"{path} holds a {type(loaded).__name__}, not a Lightning checkpoint dict",
+                path=str(path),
+            )
+        self._resumed_from.add(_key(path))
+        return loaded
+
+    def remove_checkpoint(self, path: Any) -> None:
+        key = _key(path)
+        if key in self._resumed_from:
+            log.info("kept %s: this run resumed from it", key)
+            return
+        where = resolve_path(os.fspath(path))
+        discard(where.store, where.path)
+        log.info("removed %s", key)
+
+    def teardown(self) -> None:
+        pass
