@@ -159,8 +159,11 @@ def test_missing_and_incomplete_paths_exit_1(tmp_path: Path) -> None:
             result = invoke(cmd, str(path))
             assert result.exit_code == 1, (cmd, path)
             assert result.stderr.startswith("error: ") and str(path) in result.stderr
+    # Under --json the error is also a JSON object on stdout (docs/cli.md); stderr as always.
     result = invoke("inspect", "--json", str(missing))
-    assert result.exit_code == 1 and result.stdout == ""
+    assert result.exit_code == 1 and result.stderr.startswith("error: ")
+    doc = json.loads(result.stdout)
+    assert doc["error"]["type"] == "CheckpointNotFoundError" and doc["command"] == "inspect"
 
 
 @pytest.mark.parametrize(

@@ -48,12 +48,17 @@ def refused(result: Result, url: str) -> None:
     assert repr(url) in result.stderr
 
 
-def not_savepoint(result: Result, url: str, command: str) -> None:
+def not_savepoint(result: Result, url: str, command: str, *, as_json: bool = False) -> None:
     """``result`` says that ``url`` holds no savepoint checkpoint and that other formats are read
-    from local copies: exit 1, no traceback, no claim that the command reads local files only."""
+    from local copies: exit 1, no traceback, no claim that the command reads local files only
+    (under ``--json`` the same error is a JSON object on stdout too)."""
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit)
-    assert result.stdout == ""
+    if as_json:
+        error = json.loads(result.stdout)["error"]
+        assert error["message"] == result.stderr.removeprefix("error: ").rstrip("\n")
+    else:
+        assert result.stdout == ""
     assert result.stderr.startswith(
         f"error: no savepoint checkpoint at {url} (no manifest.json "
     ), result.stderr
@@ -263,8 +268,9 @@ def test_report_a_memory_sweep(root: str) -> None:
     lines = result.stdout.splitlines()
     assert lines[0] == f"sweep {sweep}: 2 runs ranked by val (min)"
     assert [line.split()[:2] for line in lines[2:4]] == [["1", "fast"], ["2", "slow"]]
-    rows = json.loads(invoke("report", "--json", sweep).stdout)
-    assert [r["name"] for r in rows] == ["fast", "slow"]
+    doc = json.loads(invoke("report", "--json", sweep).stdout)
+    assert (doc["format"], doc["version"], doc["metric"]) == ("savepoint-comparison", 1, "val")
+    assert [r["name"] for r in doc["runs"]] == ["fast", "slow"]
     # comparison.json is written beside the runs, on the same store.
     assert json.loads(read_file(sweep + "/comparison.json"))["runs"][0]["name"] == "fast"
 
@@ -506,7 +512,7 @@ def test_foreign_formats_at_memory_urls_are_refused(
         ["convert", url, str(tmp_path / "out")],
         ["consolidate", url, str(tmp_path / "out")],
     ):
-        not_savepoint(invoke(*args), url, args[0])
+        not_savepoint(invoke(*args), url, args[0], as_json="--json" in args)
     assert not (tmp_path / "out").exists()
 
 
@@ -537,7 +543,7 @@ def test_a_url_naming_a_plain_object_says_no_savepoint_checkpoint_is_there(
         result = invoke(command, url)
         not_savepoint(result, url, command)
         assert "it is a file, and a savepoint checkpoint is a directory" in result.stderr
-    not_savepoint(invoke("inspect", "--json", url), url, "inspect")
+    not_savepoint(invoke("inspect", "--json", url), url, "inspect", as_json=True)
 
 
 def test_a_url_naming_a_checkpoints_manifest_names_the_checkpoint(ckpt: str) -> None:

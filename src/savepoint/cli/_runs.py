@@ -1,25 +1,25 @@
-"""Run-directory helpers shared by ``verify``, ``ls``, ``diff`` and ``report``: each either returns
-what the command needs or prints why it cannot and exits 1."""
+"""Run-directory helpers shared by ``verify``, ``ls``, ``diff``, ``export``, ``gc`` and
+``report``: each either returns what the command needs or prints why it cannot and exits 1."""
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from savepoint.cli._common import fail, location
-from savepoint.errors import CheckpointError
+from savepoint.cli._common import fail, location, sweep_runs
+from savepoint.errors import CheckpointError, IncompatibleCheckpointError
 
 if TYPE_CHECKING:
     from savepoint.runs.report import Report
+
+RUN_FORMAT = "savepoint-run"  # run.json's format name, as --json names a run
 
 
 def cannot_look(path: str, exc: OSError) -> NoReturn:
     """Exit 1 because the store holding ``path`` could not be asked what is there (a bucket
     that does not exist, a network failure, a permission)."""
-    click.echo(f"error: cannot look at {path}: {exc.strerror or exc}", err=True)
-    sys.exit(1)
+    fail(f"cannot look at {path}: {exc.strerror or exc}", path=path)
 
 
 def is_run(path: str) -> bool:
@@ -43,16 +43,56 @@ def lost_run_file(path: str) -> bool:
 
 
 def require_run(path: str) -> None:
-    """Exit 1 unless ``path`` (a local path or a URL) is a run directory (one that only lost
-    run.json is told how to fix)."""
-    if not is_run(path):
-        hint = (
-            "; it has a report.json: opening it with a CheckpointManager rebuilds run.json"
-            if lost_run_file(path)
-            else ""
+    """Exit 1 unless ``path`` (a local path or a URL) is a run directory: one that only lost
+    run.json is told how to fix it, a checkpoint or a sweep what to run instead."""
+    if is_run(path):
+        return
+    if lost_run_file(path):
+        hint = "; it has a report.json: opening it with a CheckpointManager rebuilds run.json"
+    else:
+        hint = _what_else(path)
+    fail(
+        IncompatibleCheckpointError(
+            f"{path} is not a savepoint run directory (no run.json){hint}", path=path
         )
-        click.echo(f"error: {path} is not a savepoint run directory (no run.json){hint}", err=True)
-        sys.exit(1)
+    )
+
+
+def _what_else(path: str) -> str:
+    """What ``path`` is instead of a run, as a hint (empty when nothing better is known)."""
+    from savepoint.runs import layout
+
+    try:
+        where = location(path)
+        if where.store.stat(where.join("manifest.json").path) is not None:
+            return (
+                f": it is a checkpoint (`savepoint inspect {path}` describes it, "
+                f"`savepoint verify {path}` checks it)"
+            )
+        runs = sweep_runs(where)
+        if runs:
+            return (
+                f": it is a sweep of {len(runs)} run(s) (`savepoint report {path}` ranks them; "
+                f"`savepoint ls {path.rstrip('/')}/{runs[0]}` lists one run's checkpoints)"
+            )
+        parent = path.rstrip("/").rpartition("/")[0]
+        if parent and layout.is_run(parent):
+            return f": it is inside the run {parent} (`savepoint ls {parent}`)"
+    except (OSError, CheckpointError):
+        pass
+    return ""
+
+
+def run_version(path: str) -> int | None:
+    """The version of the run's run.json (None when it cannot be read)."""
+    from savepoint.runs.report import RUN_FILE, read_json
+
+    try:
+        doc = read_json(location(path).join(RUN_FILE))
+    except (CheckpointError, OSError):
+        return None
+    version = doc.get("version") if isinstance(doc, dict) else None
+    return version if isinstance(version, int) else None
 
 
 def load_report(path: str) -> Report:
@@ -65,8 +105,7 @@ def load_report(path: str) -> Report:
             return report
     except CheckpointError as exc:
         fail(exc)
-    click.echo(f"error: {path} has no report.json yet", err=True)
-    sys.exit(1)
+    fail(f"{path} has no report.json yet", path=path)
 
 
 def committed_steps(run_dir: str) -> list[int]:
@@ -77,6 +116,26 @@ def committed_steps(run_dir: str) -> list[int]:
         return layout.committed_steps(run_dir)
     except CheckpointError as exc:
         fail(exc)
+
+
+def step_path(run_dir: str, spec: str) -> tuple[int, str]:
+    """The step ``spec`` (a number, 'latest' or 'best') of the run ``run_dir`` and its
+    checkpoint's path; exit 1 when the run has no such checkpoint, 2 when ``spec`` is none of
+    those."""
+    from savepoint.runs import layout
+
+    require_run(run_dir)
+    if spec in ("latest", "best"):
+        report = load_report(run_dir)
+        step = report.latest_step if spec == "latest" else (report.best or {}).get("step")
+        if step is None:
+            fail(f"{run_dir} has no {spec} checkpoint", path=run_dir)
+    else:
+        try:
+            step = int(spec)
+        except ValueError:
+            raise click.BadParameter(f"{spec!r} is not a step number, 'latest' or 'best'") from None
+    return int(step), layout.step_path(run_dir, int(step))
 
 
 def run_problems(run_dir: str, report: Report, steps: list[int]) -> list[str]:

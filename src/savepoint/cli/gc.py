@@ -6,14 +6,20 @@ import sys
 
 import click
 
-from savepoint.cli._common import echo_json, fail
+from savepoint.cli._common import command, echo_error_json, echo_json, fail
+from savepoint.cli._runs import RUN_FORMAT, run_version
 from savepoint.cli._text import size as _size
 from savepoint.errors import CheckpointError
 
 __all__ = ["gc_cmd"]
 
 
-@click.command("gc")
+@command(
+    "gc",
+    short="Remove what failed or interrupted saves left in a run.",
+    json_help="Print the report as JSON (see docs/cli.md).",
+    progress=False,
+)
 @click.argument("run", type=str)
 @click.option(
     "--grace",
@@ -23,21 +29,40 @@ __all__ = ["gc_cmd"]
     help="Keep anything younger than this many seconds (a save that may still be running).",
 )
 @click.option("--dry-run", is_flag=True, help="Remove nothing; print what would be removed.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def gc_cmd(run: str, grace: float, dry_run: bool, as_json: bool) -> None:
     """Remove the leftovers of failed or interrupted saves from RUN (a run directory or a
     checkpoint; a local path or an s3://, gs://, az:// or memory:// URL): generations that never
     committed and superseded ones, step directories holding nothing committed, hidden temporaries
     of dead processes, and open multipart uploads on S3. Committed checkpoints, report.json,
-    run.json and the aliases are never touched, nor anything younger than --grace seconds."""
+    run.json and the aliases are never touched, nor anything younger than --grace seconds.
+
+    \b
+    Examples:
+      savepoint gc runs/demo --dry-run
+      savepoint gc s3://bucket/runs/demo --grace 600
+    """
+    from savepoint.runs import layout
     from savepoint.runs.gc import collect
 
     try:
         report = collect(run, grace=grace, dry_run=dry_run)
+        is_run = layout.is_run(run)
     except CheckpointError as exc:
         fail(exc)
-    if as_json:
-        echo_json(report.to_dict())
+    except OSError as exc:
+        fail(f"cannot look at {run}: {exc.strerror or exc}", path=run)
+    fmt, version = (RUN_FORMAT, run_version(run)) if is_run else ("savepoint", None)
+    if as_json and report.failures:
+        echo_error_json(
+            "GcFailures",
+            f"{len(report.failures)} item(s) could not be removed; the run is intact, run gc again",
+            report.directory,
+            format=fmt,
+            version=version,
+            details=report.to_dict(),
+        )
+    elif as_json:
+        echo_json({"path": report.directory, **report.to_dict()}, format=fmt, version=version)
     else:
         verb = "would remove" if dry_run else "removed"
         for item in report.removed:

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from savepoint import checkpoint
-from savepoint.cli._common import echo_json, fail_read, is_foreign, local, named
+from savepoint.cli._common import command, echo_json, fail_read, is_foreign, local, named
 from savepoint.cli._text import size as _size
 from savepoint.cli._text import table as _table
 from savepoint.errors import CheckpointError
@@ -25,25 +25,37 @@ from savepoint.info import CheckpointInfo
 __all__ = ["inspect_cmd"]
 
 
-@click.command("inspect")
+@command(
+    "inspect",
+    short="Describe what a checkpoint holds (any format savepoint reads).",
+    json_help="Print the description as JSON (see docs/cli.md).",
+    progress=False,
+)
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
 def inspect_cmd(path: str, as_json: bool) -> None:
     """List the tensors, values and metadata of the checkpoint at PATH (reads no tensor data).
 
     PATH may be a savepoint checkpoint, a .shrew file, a .safetensors file, a boostr directory
-    (single or distributed), a burn record (.mpk) or a seed-001 training-artifact directory. A
-    savepoint checkpoint may also be a URL (memory://, s3://, ...); the other formats are local
-    files.
+    (single or distributed), a burn record (.mpk), a seed-001 training-artifact directory or a
+    PyTorch file (.pt, .pth, .bin: read with torch.load(weights_only=True)). A savepoint
+    checkpoint may also be a URL (memory://, s3://, ...); the other formats are local files.
+
+    A run directory is not a checkpoint: inspect RUN/latest, RUN/best or
+    RUN/checkpoints/step-N (`savepoint ls RUN` lists them).
+
+    \b
+    Examples:
+      savepoint inspect runs/demo/latest
+      savepoint inspect model.safetensors --json
     """
     path = local(path)
     try:
         info = detect.inspect_any(path) if is_foreign(path) else checkpoint.inspect(path)
     except CheckpointError as exc:
-        fail_read(exc, path)
+        fail_read(exc, path, any_format=True)
     info = dataclasses.replace(info, path=named(path, info.path))
     if as_json:
-        echo_json(info.to_dict())
+        echo_json(info.to_dict(), format=info.format, version=info.format_version)
     else:
         _show(info)
 

@@ -8,13 +8,15 @@ from typing import Any
 import click
 
 from savepoint import checkpoint
-from savepoint.cli._common import echo_json, local, shown
+from savepoint.cli._common import command, echo_json, local, shown
 from savepoint.cli._runs import (
+    RUN_FORMAT,
     committed_steps,
     load_report,
     metrics_text,
     require_run,
     run_problems,
+    run_version,
 )
 from savepoint.cli._text import size as _size
 from savepoint.cli._text import table as _table
@@ -23,12 +25,25 @@ from savepoint.errors import CheckpointError
 __all__ = ["ls_cmd"]
 
 
-@click.command("ls")
+@command(
+    "ls",
+    short="List a run's checkpoints and why each is kept.",
+    json_help="Print the listing as JSON (see docs/cli.md).",
+    progress=False,
+)
 @click.argument("run_dir", type=click.Path(path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
 def ls_cmd(run_dir: str, as_json: bool) -> None:
     """List the checkpoints of the run at RUN_DIR (a local path or a URL: memory://, s3://, ...):
-    steps, sizes, metrics, and why each is kept."""
+    steps, sizes, metrics, and why each is kept.
+
+    RUN_DIR is a directory made by sp.CheckpointManager (it holds run.json, report.json and
+    checkpoints/). For one checkpoint use `savepoint inspect`; for a sweep of runs,
+    `savepoint report SWEEP`.
+
+    \b
+    Example:
+      savepoint ls runs/demo
+    """
     from savepoint.runs import layout, policies
 
     run_dir = local(run_dir, "run directory")
@@ -73,7 +88,19 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
             }
         )
     if as_json:
-        echo_json({"run": shown(run_dir), "checkpoints": rows_json, "problems": problems})
+        echo_json(
+            {
+                "path": shown(run_dir),
+                "run": shown(run_dir),
+                "name": report.name,
+                "variant": report.variant,
+                "steps_completed": report.steps_completed,
+                "checkpoints": rows_json,
+                "problems": problems,
+            },
+            format=RUN_FORMAT,
+            version=run_version(run_dir),
+        )
         return
     click.echo(
         f"run {report.name}"

@@ -1,14 +1,22 @@
 """``savepoint report PATH``: a run's summary, or a sweep of runs ranked by their best metric,
-optionally plotted to a PNG."""
+optionally plotted to an image."""
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
-from savepoint.cli._common import echo_json, local, local_file, location
+from savepoint.cli._common import (
+    command,
+    echo_json,
+    fail,
+    local,
+    local_file,
+    location,
+    shown,
+    sweep_runs,
+)
 from savepoint.cli._runs import (
     cannot_look,
     committed_steps,
@@ -19,106 +27,191 @@ from savepoint.cli._runs import (
     run_problems,
 )
 from savepoint.cli._text import table as _table
+from savepoint.errors import IncompatibleCheckpointError
 
 if TYPE_CHECKING:
+    from savepoint.runs.report import Report
     from savepoint.storage.paths import Location
 
 __all__ = ["report_cmd"]
 
 
-@click.command("report")
+@command(
+    "report",
+    short="Summarise a run or rank a sweep; plot the curves.",
+    json_help="Print the report (or the sweep's ranking) as JSON (see docs/cli.md).",
+    progress=False,
+)
 @click.argument("path", type=click.Path(path_type=str))
 @click.option(
-    "--plot", "plot_path", type=click.Path(path_type=str), help="Write a PNG of the curves."
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=str, dir_okay=False),
+    help="Write the curves to this image (.png, .pdf, .svg, ...; needs matplotlib).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report (or comparison) as JSON.")
-def report_cmd(path: str, plot_path: str | None, as_json: bool) -> None:
+@click.option("--log-y", is_flag=True, help="Plot the y axes on a log scale.")
+def report_cmd(path: str, plot_path: str | None, log_y: bool, as_json: bool) -> None:
     """Summarise a run (RUN_DIR) or a sweep (a directory of runs), optionally plotting the curves.
 
-    PATH may be a local path or a URL (memory://, s3://, ...); the plot is a local file."""
-    from savepoint.runs.sweep import Sweep
+    The plot shows the training loss and every validation loss (metrics named *loss*) on one
+    panel, each other metric on its own (best step starred), and marks the steps the run
+    resumed from.
 
+    PATH may be a local path or a URL (memory://, s3://, ...); the plot is a local file.
+
+    \b
+    Examples:
+      savepoint report runs/demo
+      savepoint report runs/demo --plot demo.png --log-y
+      savepoint report runs/              # a sweep: its runs ranked by their best metric
+    """
     path, plot_path = local(path), (local_file(plot_path, "plot path") if plot_path else None)
+    if plot_path is not None:
+        _check_plot(plot_path)
     where = location(path)
     run = is_run(path)
     names = [] if run else _sweep_runs(path, where)
+    reports: list[Report]
     if run:
         reports = [load_report(path)]
-        r = reports[0]
-        for problem in run_problems(path, r, committed_steps(path)):
-            click.echo(f"warning: {problem}", err=True)
-        if as_json:
-            echo_json(r.to_json())
-        else:
-            click.echo(f"run          {r.name}" + (f" ({r.variant})" if r.variant else ""))
-            click.echo(
-                f"steps        {r.steps_completed}"
-                + (f", epoch {r.epoch}" if r.epoch is not None else "")
-            )
-            click.echo(f"wall time    {r.wall_time_s:.1f} s")
-            if r.loss_history:
-                first, last = r.loss_history[0], r.loss_history[-1]
-                click.echo(
-                    f"loss         {first[1]:.6g} (step {first[0]}) -> {last[1]:.6g} (step {last[0]})"
-                )
-            if r.best:
-                click.echo(
-                    f"best         step {r.best['step']}: {metrics_text(r.best.get('metrics') or {})}"
-                )
-            click.echo(f"checkpoints  {', '.join(map(str, r.checkpoints)) or 'none'}")
-            for item in r.lineage:
-                click.echo(f"resumed      from step {item.get('resumed_from')} at {item.get('at')}")
+        _show_run(path, reports[0], as_json, plot_path)
     elif names:
         reports = [load_report(str(where.join(n))) for n in names]
-        metric = next((r.best.get("metric") for r in reports if r.best), None)
-        mode: Literal["min", "max"] = (
-            "max" if any((r.best or {}).get("mode") == "max" for r in reports) else "min"
-        )
-        rows_data = Sweep(where, metric=metric, mode=mode).compare()
-        if as_json:
-            echo_json(rows_data)
-        else:
-            click.echo(f"sweep {where}: {len(rows_data)} runs ranked by {metric} ({mode})")
-            rows: list[tuple[str, ...]] = [
-                ("rank", "run", "best", "best step", "final loss", "steps", "wall s")
-            ]
-            for row in rows_data:
-                rows.append(
-                    (
-                        str(row["rank"]),
-                        row["name"],
-                        "-" if row["best_metric"] is None else f"{row['best_metric']:.6g}",
-                        str(row["best_step"]) if row["best_step"] is not None else "-",
-                        "-" if row["final_loss"] is None else f"{row['final_loss']:.6g}",
-                        str(row["steps"]),
-                        f"{row['wall_time_s']:.1f}",
-                    )
-                )
-            click.echo(_table(rows))
+        _show_sweep(path, where, reports, as_json, plot_path)
     else:
-        hint = (
-            " (its run.json is missing: opening it with a CheckpointManager rebuilds it)"
-            if lost_run_file(path)
-            else ""
-        )
-        click.echo(f"error: {path} is neither a run directory nor a sweep of runs{hint}", err=True)
-        sys.exit(1)
+        _not_a_run(path)
     if plot_path:
-        from savepoint.runs.plot import plot_reports
+        _plot(reports, plot_path, where, log_y, as_json)
 
-        title = (
-            reports[0].name if len(reports) == 1 else f"sweep: {where.store.basename(where.path)}"
+
+def _check_plot(plot_path: str) -> None:
+    """Exit 1 (matplotlib missing) or 2 (a folder that does not exist, an extension matplotlib
+    does not write) before any work when the plot cannot be written."""
+    from savepoint.runs.plot import check_output
+
+    problem = check_output(plot_path)
+    if problem is None:
+        return
+    if "matplotlib:" in problem:
+        fail(problem, path=plot_path)
+    raise click.BadParameter(problem, param_hint="'--plot'")
+
+
+def _plot(
+    reports: list[Report], plot_path: str, where: Location, log_y: bool, as_json: bool
+) -> None:
+    from savepoint.runs.plot import plot_reports
+
+    title = reports[0].name if len(reports) == 1 else f"sweep: {where.store.basename(where.path)}"
+    try:
+        written = plot_reports(reports, plot_path, title, log_y=log_y)
+    except ImportError as exc:
+        fail(str(exc), path=plot_path)
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        fail(f"cannot write the plot {plot_path}: {reason}", path=plot_path)
+    click.echo(f"plot written to {written}", err=as_json)
+
+
+def _show_run(path: str, r: Report, as_json: bool, plot_path: str | None) -> None:
+    problems = run_problems(path, r, committed_steps(path))
+    for problem in problems:
+        click.echo(f"warning: {problem}", err=True)
+    if as_json:
+        doc: dict[str, Any] = {"path": shown(path), **r.to_json(), "problems": problems}
+        if plot_path:
+            doc["plot"] = plot_path
+        echo_json(doc, format="savepoint-report", version=doc.get("version"))
+        return
+    click.echo(f"run          {r.name}" + (f" ({r.variant})" if r.variant else ""))
+    click.echo(
+        f"steps        {r.steps_completed}" + (f", epoch {r.epoch}" if r.epoch is not None else "")
+    )
+    click.echo(f"wall time    {r.wall_time_s:.1f} s")
+    if r.loss_history:
+        first, last = r.loss_history[0], r.loss_history[-1]
+        click.echo(
+            f"loss         {first[1]:.6g} (step {first[0]}) -> {last[1]:.6g} (step {last[0]})"
         )
-        written = plot_reports(reports, plot_path, title)
-        click.echo(f"plot written to {written}", err=as_json)
+    if r.best:
+        click.echo(
+            f"best         step {r.best['step']}: {metrics_text(r.best.get('metrics') or {})}"
+        )
+    click.echo(f"checkpoints  {', '.join(map(str, r.checkpoints)) or 'none'}")
+    for item in r.lineage:
+        click.echo(f"resumed      from step {item.get('resumed_from')} at {item.get('at')}")
+
+
+def _show_sweep(
+    path: str, where: Location, reports: list[Report], as_json: bool, plot_path: str | None
+) -> None:
+    from savepoint.runs.sweep import Sweep
+
+    metric = next((r.best.get("metric") for r in reports if r.best), None)
+    mode: Literal["min", "max"] = (
+        "max" if any((r.best or {}).get("mode") == "max" for r in reports) else "min"
+    )
+    rows_data = Sweep(where, metric=metric, mode=mode).compare()
+    if as_json:
+        doc: dict[str, Any] = {
+            "path": shown(path),
+            "metric": metric,
+            "mode": mode,
+            "runs": rows_data,
+        }
+        if plot_path:
+            doc["plot"] = plot_path
+        echo_json(doc, format="savepoint-comparison", version=1)
+        return
+    click.echo(f"sweep {where}: {len(rows_data)} runs ranked by {metric} ({mode})")
+    rows: list[tuple[str, ...]] = [
+        ("rank", "run", "best", "best step", "final loss", "steps", "wall s")
+    ]
+    for row in rows_data:
+        rows.append(
+            (
+                str(row["rank"]),
+                row["name"],
+                "-" if row["best_metric"] is None else f"{row['best_metric']:.6g}",
+                str(row["best_step"]) if row["best_step"] is not None else "-",
+                "-" if row["final_loss"] is None else f"{row['final_loss']:.6g}",
+                str(row["steps"]),
+                f"{row['wall_time_s']:.1f}",
+            )
+        )
+    click.echo(_table(rows))
+
+
+def _not_a_run(path: str) -> None:
+    if lost_run_file(path):
+        hint = " (its run.json is missing: opening it with a CheckpointManager rebuilds it)"
+    else:
+        where = location(path)
+        try:
+            is_checkpoint = where.store.stat(where.join("manifest.json").path) is not None
+        except OSError:
+            is_checkpoint = False
+        if is_checkpoint:
+            hint = (
+                f": it is a checkpoint (`savepoint inspect {path}` describes it; a report "
+                "belongs to the run directory that holds it)"
+            )
+        else:
+            parent = path.rstrip("/").rpartition("/")[0]
+            inside = bool(parent) and is_run(parent)
+            hint = (
+                f": it is inside the run {parent} (`savepoint report {parent}`)" if inside else ""
+            )
+    fail(
+        IncompatibleCheckpointError(
+            f"{path} is neither a run directory nor a sweep of runs{hint}", path=path
+        )
+    )
 
 
 def _sweep_runs(path: str, where: Location) -> list[str]:
     """The names of the runs in the sweep directory at ``where`` (empty: not a sweep)."""
-    from savepoint.runs import layout
-    from savepoint.runs.sweep import Sweep
-
     try:
-        return Sweep(where).runs() if layout.is_dir(where) else []
+        return sweep_runs(where)
     except OSError as exc:
         cannot_look(path, exc)

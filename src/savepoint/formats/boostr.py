@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import os
 
-from savepoint.formats import _files
 from savepoint.formats._boostr_distributed import (
     ShardingConfig,
     ShardingMeta,
@@ -92,6 +91,7 @@ from savepoint.formats._boostr_single import (
     write,
 )
 from savepoint.formats._boostr_write import Strategy, save_distributed, snapshot
+from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo
 from savepoint.storage.paths import local_path
 
@@ -140,11 +140,13 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
         return d.info()
 
 
-def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
+def verify(path: str | os.PathLike[str], *, progress: Progress | None = None) -> CheckpointInfo:
     """Check every document and safetensors header, the consolidation plan, and read every byte
-    of tensor data once (the format has no checksums)."""
+    of tensor data once (the format has no checksums); ``progress(done, total)`` is called in
+    bytes as it reads."""
     with open_any(path) as d:
+        tally = Tally(progress, sum(e.end - e.start for f in d.files for e in f.entries))
         for f in d.files:
             for e in f.entries:
-                _files.drain(f.tensor(e.name))
+                tally.drain(f.tensor(e.name))
         return d.info()

@@ -112,6 +112,7 @@ from savepoint.errors import (
 )
 from savepoint.formats import _files
 from savepoint.formats._files import LazyTensor, MappedTensor
+from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
@@ -829,11 +830,14 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
         return f.info()
 
 
-def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Check the structure and read every data byte once (booleans checked to be 0 or 1)."""
+def verify(path: str | os.PathLike[str], *, progress: Progress | None = None) -> CheckpointInfo:
+    """Check the structure and read every data byte once (booleans checked to be 0 or 1);
+    ``progress(done, total)`` is called in bytes as it reads."""
     with open_record(path) as f:
-        for tensor in f.tensors().values():
-            _files.drain(tensor)
+        tensors = list(f.tensors().values())
+        tally = Tally.over(progress, tensors)
+        for tensor in tensors:
+            tally.drain(tensor)
         return f.info()
 
 

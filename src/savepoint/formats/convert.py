@@ -20,6 +20,9 @@ burn                ``{dotted name: tensor}`` in file order (the record's metada
 training-artifact   read only: ``{"model": {dotted name: tensor}, "best_validation_model":
                     {...} (only from its own directory), "optimizer_state": a U8 tensor (when
                     present), "manifest": {...}, "report": {...}}``
+torch               read only: what ``torch.load(weights_only=True)`` gives (a state dict, or a
+                    dict of them), tensors lazy; never unpickled otherwise (see
+                    :mod:`savepoint.formats.pytorch`)
 ==================  ==========================================================================
 
 Writing a tree into a format:
@@ -49,16 +52,19 @@ returned :class:`ConversionReport`. Nothing is ever cast or renamed silently.
 Streaming: tensors are copied from the source's file (mapped, or read by offset) into the
 writer's bounded buffers one at a time, so converting a checkpoint of any size holds at most one
 tensor in memory (a TensorParallel concatenation, an optimizer buffer widened to float64),
-usually none. Every destination is written atomically.
+usually none. Every destination is written atomically. ``progress(done, total)`` is called in
+bytes as tensors are copied.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import stat
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,11 +78,13 @@ from savepoint.errors import (
     CheckpointError,
     CheckpointWriteError,
     ConversionError,
+    IncompatibleCheckpointError,
     UnsupportedStateError,
     UnsupportedStorageError,
 )
-from savepoint.formats import _files, boostr, burn, shrew, training_artifact
+from savepoint.formats import _files, boostr, burn, pytorch, shrew, training_artifact
 from savepoint.formats._files import LazyTensor, MappedTensor, SafetensorsFile
+from savepoint.formats._progress import Counted, Progress, Tally
 from savepoint.formats.detect import detect
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import TensorSource
@@ -86,8 +94,14 @@ from savepoint.storage.paths import resolve as resolve_path
 __all__ = [
     "ConversionReport",
     "TARGETS",
+    "check_replaceable",
     "convert",
+    "counting",
+    "has_tensor",
+    "open_source",
 ]
+
+log = logging.getLogger(__name__)
 
 TARGETS = ("savepoint", "shrew", "shrew-v1", "shrew-v2", "safetensors", "boostr", "burn")
 _V2_FIELDS = ("optimizer", "epoch", "global_step", "step", "best_loss", "loss_history")
@@ -108,7 +122,9 @@ _LABELS = {
 @dataclass(frozen=True)
 class ConversionReport:
     """What ``convert`` did: paths, formats (``source_format`` with its version, e.g.
-    ``"shrew v2"``), tensors and bytes written, and what ``lossy`` left out (empty otherwise)."""
+    ``"shrew v2"``; ``source_kind`` the format alone, as ``detect`` names it, and
+    ``source_version`` its version, None where it has none), tensors and bytes written, and what
+    ``lossy`` left out (empty otherwise)."""
 
     source: str
     destination: str
@@ -117,6 +133,8 @@ class ConversionReport:
     tensors: int
     bytes: int
     dropped: tuple[str, ...] = ()
+    source_kind: str = ""
+    source_version: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +149,7 @@ class _Source:
     tree: Any
     metadata: dict[str, Any]
     native: tuple[tree_mod.Node, dict[str, TensorSource]] | None = None
+    version: int | None = None
 
 
 class _Assembled(LazyTensor):
@@ -156,9 +175,9 @@ class _Assembled(LazyTensor):
 
 
 @contextlib.contextmanager
-def _open(path: PathArg, kind: str) -> Iterator[_Source]:
-    """The checkpoint at ``path`` as a lazy tree: savepoint's own on any store, other formats
-    from local files."""
+def open_source(path: PathArg, kind: str) -> Iterator[_Source]:
+    """The checkpoint at ``path`` (of format ``kind``, as ``detect`` names it) as a lazy tree:
+    savepoint's own on any store, other formats from local files."""
     if kind == "savepoint":
         with _open_native(path) as source:
             yield source
@@ -166,7 +185,10 @@ def _open(path: PathArg, kind: str) -> Iterator[_Source]:
     local = local_path(path, what="source")
     if kind == "shrew":
         with shrew.ShrewFile(local) as f:
-            yield _Source(kind, f"shrew v{f.version}", f.tree(), {})
+            yield _Source(kind, f"shrew v{f.version}", f.tree(), {}, version=f.version)
+    elif kind == "torch":
+        with pytorch.open_tree(local) as tree:
+            yield _Source(kind, "torch", tree, {})
     elif kind == "burn":
         with burn.open_record(local) as record:
             yield _Source(kind, kind, record.tensors(), record.metadata.to_dict())
@@ -219,9 +241,55 @@ def _open_native(path: PathArg) -> Iterator[_Source]:
             tree,
             dict(manifest.metadata),
             (manifest.tree, refs),
+            version=manifest.format_version,
         )
     finally:
         reader.close()
+
+
+def _tensors_in(node: Any) -> Iterator[LazyTensor]:
+    if isinstance(node, LazyTensor):
+        yield node
+    elif isinstance(node, Mapping):
+        for v in node.values():
+            yield from _tensors_in(v)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            yield from _tensors_in(v)
+
+
+def counting(source: _Source, progress: Progress) -> _Source:
+    """``source`` with every tensor wrapped to report the bytes copied out of it to
+    ``progress(done, total)``; the same tensor (tied leaves) stays one object."""
+    tally = Tally.over(progress, _tensors_in(source.tree))
+    made: dict[int, Counted] = {}
+
+    def wrap(t: LazyTensor) -> Counted:
+        if id(t) not in made:
+            made[id(t)] = Counted(t, tally)
+        return made[id(t)]
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, LazyTensor):
+            return wrap(node)
+        if isinstance(node, Mapping):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, tuple):
+            return tuple(walk(v) for v in node)
+        return node
+
+    native = None
+    if source.native is not None:
+        node, refs = source.native
+        native = (
+            node,
+            {r: wrap(t) if isinstance(t, LazyTensor) else t for r, t in refs.items()},
+        )
+    return _Source(
+        source.format, source.label, walk(source.tree), source.metadata, native, source.version
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,20 +310,20 @@ def _where(path: tuple[Any, ...]) -> str:
     return "/".join(str(c) for c in path)
 
 
-def _has_tensor(node: Any) -> bool:
+def has_tensor(node: Any) -> bool:
     if isinstance(node, LazyTensor):
         return True
     if isinstance(node, Mapping):
-        return any(_has_tensor(v) for v in node.values())
+        return any(has_tensor(v) for v in node.values())
     if isinstance(node, (list, tuple)):
-        return any(_has_tensor(v) for v in node)
+        return any(has_tensor(v) for v in node)
     return False
 
 
 def _describe(value: Any) -> str:
     if isinstance(value, (Mapping, list, tuple)):
         kind = "dict" if isinstance(value, Mapping) else type(value).__name__
-        if _has_tensor(value):
+        if has_tensor(value):
             return f"a {kind} holding tensors"
         return f"a {kind} of {len(value)} plain value(s)"
     text = repr(value)
@@ -302,7 +370,7 @@ def _tensors(
     names: set[str] = set()
 
     def walk(n: Any, p: tuple[Any, ...]) -> None:
-        if isinstance(n, (Mapping, list, tuple)) and n and not _has_tensor(n):
+        if isinstance(n, (Mapping, list, tuple)) and n and not has_tensor(n):
             plan.cannot(_where(p), f"{_describe(n)}; {holds}")
         elif isinstance(n, Mapping):
             for k, v in n.items():
@@ -706,6 +774,13 @@ def _by_name(dst: str) -> str | None:
 
 
 def _target(dst: str, fmt: str | None, src: _Source) -> str:
+    if fmt is None and dst.lower().endswith((".pt", ".pth")):
+        raise IncompatibleCheckpointError(
+            f"{dst}: savepoint reads PyTorch files but never writes pickles; write a "
+            ".safetensors file (`savepoint export` for a model's weights) or a savepoint "
+            "checkpoint (format='savepoint', `--format savepoint`)",
+            path=dst,
+        )
     if fmt is None:
         fmt = _by_name(dst)
         if fmt is None:
@@ -734,7 +809,7 @@ def _check_local_target(source: Location, target_path: str, overwrite: bool) -> 
             "--overwrite) to replace it",
             path=target_path,
         )
-    _check_replaceable(target_path)
+    check_replaceable(target_path)
 
 
 def _check_store_target(
@@ -762,7 +837,7 @@ def _check_store_target(
         )
 
 
-def _check_replaceable(path: str) -> None:
+def check_replaceable(path: str) -> None:
     """Refuse to overwrite what is not a checkpoint: a FIFO, a socket, a device (or a link to
     one). Only a regular file or a directory is replaced, each by its own kind, by the writer."""
     try:
@@ -784,6 +859,7 @@ def convert(
     format: str | None = None,
     lossy: bool = False,
     overwrite: bool = False,
+    progress: Progress | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint at ``src`` (any format savepoint reads, detected from the path and
     its content) into ``dst``.
@@ -797,6 +873,8 @@ def convert(
     ``lossy``, which leaves those parts out and lists them in the report. ``dst`` must not exist
     unless ``overwrite``; then it is replaced atomically (only by the same kind: a file by a
     file, a checkpoint directory by a checkpoint directory).
+
+    ``progress(done, total)`` is called in bytes as tensors are copied.
     """
     if format is not None and format not in TARGETS:
         raise ValueError(f"unknown target format {format!r}; choose one of {', '.join(TARGETS)}")
@@ -807,7 +885,10 @@ def convert(
         _check_local_target(src_loc, dst_loc.path, overwrite)
     else:
         _check_store_target(src_loc, dst_loc, format, overwrite)
-    with _open(src_loc, kind) as source:
+    start = time.perf_counter()
+    with open_source(src_loc, kind) as source:
+        if progress is not None:
+            source = counting(source, progress)
         target = "savepoint" if not dst_loc.is_local else _target(dst_loc.path, format, source)
         plan = _Plan(target)
         if target == "savepoint":
@@ -823,7 +904,18 @@ def convert(
         if plan.problems and not lossy:
             raise ConversionError(target, plan.problems, label=_LABELS.get(target, target))
         count, total = write()
-        label = source.label
+        label, version = source.label, source.version
+    log.info(
+        "converted %s (%s) -> %s (%s): %d tensors, %d bytes in %.2f s%s",
+        src_loc,
+        label,
+        dst_loc,
+        target,
+        count,
+        total,
+        time.perf_counter() - start,
+        f"; left out {len(plan.problems)} part(s)" if plan.problems else "",
+    )
     return ConversionReport(
         source=str(src_loc),
         destination=str(dst_loc),
@@ -832,4 +924,6 @@ def convert(
         tensors=count,
         bytes=total,
         dropped=tuple(plan.problems),
+        source_kind=kind,
+        source_version=version,
     )

@@ -14,14 +14,21 @@ boostr              a directory holding ``training_state.json``
 shrew               a file starting with ``b"SHRW"`` (its header gives the version)
 burn                a file starting with a burn record's ``b"\x83\xa8metadata"``, or any
                     other file named ``*.mpk``
+torch               a file named ``*.pt``, ``*.pth``, ``*.bin`` or ``*.ckpt`` that is a zip
+                    archive or a legacy ``torch.save`` pickle (read with
+                    ``torch.load(weights_only=True)`` only: :mod:`savepoint.formats.pytorch`)
 safetensors         any other file named ``*.safetensors``, or whose first 8 bytes are a
                     plausible header length followed by ``{``
 ==================  ===================================================================
 
+A file named ``*.shrew`` that does not start with the magic is refused as "not a valid .shrew
+file", saying what it starts with instead.
+
 ``inspect_any`` and ``verify_any`` describe any of them as a
 :class:`~savepoint.info.CheckpointInfo`; for savepoint's own format they are ``sp.inspect`` /
 ``sp.verify`` (every checksum). The other formats have no
-checksums, so ``verify_any`` checks their whole structure and reads every data byte once.
+checksums, so ``verify_any`` checks their whole structure and reads every data byte once;
+``progress(done, total)`` is called in bytes as it reads, for every format.
 """
 
 from __future__ import annotations
@@ -33,12 +40,13 @@ from savepoint.codecs import manifest as mf
 from savepoint.codecs import safetensors as st_format
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
-from savepoint.formats import _files, boostr, burn, shrew, training_artifact
+from savepoint.formats import _files, boostr, burn, pytorch, shrew, training_artifact
 from savepoint.formats._files import open_file
+from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.storage.paths import local_path
 
-__all__ = ["FORMATS", "detect", "inspect_any", "verify_any"]
+__all__ = ["FORMATS", "LABELS", "detect", "inspect_any", "verify_any"]
 
 FORMATS = (
     "savepoint",
@@ -48,7 +56,19 @@ FORMATS = (
     "boostr-distributed",
     "burn",
     "training-artifact",
+    "torch",
 )
+# Each format as a sentence names one ("X is a ...").
+LABELS = {
+    "savepoint": "savepoint checkpoint",
+    "shrew": ".shrew file",
+    "safetensors": "safetensors file",
+    "boostr": "boostr checkpoint",
+    "boostr-distributed": "distributed boostr checkpoint",
+    "burn": "burn record (.mpk)",
+    "training-artifact": "training artifact",
+    "torch": "PyTorch file (torch.save)",
+}
 _BURN_HEAD = b"\x83\xa8metadata"  # fixmap(3), then the key "metadata": rmp-serde's first bytes
 
 
@@ -102,6 +122,10 @@ def detect(path: str | os.PathLike[str]) -> str:
     head = _head(p)
     if head.startswith(shrew.MAGIC):
         return "shrew"
+    if p.lower().endswith(".shrew"):
+        raise IncompatibleCheckpointError(_not_shrew(p, head), path=p)
+    if pytorch.looks_like(p, head):
+        return "torch"
     if head.startswith(_BURN_HEAD) or p.endswith("." + burn.EXTENSION):
         return "burn"
     if p.endswith(".safetensors"):
@@ -117,11 +141,30 @@ def detect(path: str | os.PathLike[str]) -> str:
     )
 
 
-def _safetensors(path: str, read_all: bool) -> CheckpointInfo:
+def _not_shrew(path: str, head: bytes) -> str:
+    """Why the file at ``path`` named ``*.shrew`` is not one: its first bytes are not the magic."""
+    if not head:
+        found = "it is empty"
+    elif len(head) < len(shrew.MAGIC) and shrew.MAGIC.startswith(head):
+        found = f"it ends after {len(head)} byte(s), inside the magic"
+    else:
+        found = f"it starts with {head[: len(shrew.MAGIC)]!r}"
+        if head.startswith(b"PK\x03\x04"):
+            found += " (a zip archive: a torch.save file? name it *.pt)"
+        elif len(head) >= 9 and head[8:9] == b"{":
+            found += " (a safetensors file? name it *.safetensors)"
+    return (
+        f"{path} is not a valid .shrew file: {found}, and every .shrew file starts with the "
+        f"magic {shrew.MAGIC!r}"
+    )
+
+
+def _safetensors(path: str, read_all: bool, progress: Progress | None = None) -> CheckpointInfo:
     with _files.SafetensorsFile(path) as f:
         if read_all:
+            tally = Tally(progress, sum(e.end - e.start for e in f.entries))
             for e in f.entries:
-                _files.drain(f.tensor(e.name))
+                tally.drain(f.tensor(e.name))
         name = os.path.basename(path)
         return CheckpointInfo(
             path=path,
@@ -140,12 +183,12 @@ def _safetensors(path: str, read_all: bool) -> CheckpointInfo:
         )
 
 
-def _native(path: str, verify: bool) -> CheckpointInfo:
+def _native(path: str, verify: bool, progress: Progress | None = None) -> CheckpointInfo:
     # The one reference upwards (formats -> checkpoint): savepoint's own format is described by
     # the facade that reads it.
     from savepoint import checkpoint
 
-    return checkpoint.verify(path) if verify else checkpoint.inspect(path)
+    return checkpoint.verify(path, progress=progress) if verify else checkpoint.inspect(path)
 
 
 def inspect_any(path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -163,22 +206,27 @@ def inspect_any(path: str | os.PathLike[str]) -> CheckpointInfo:
         return burn.inspect(p)
     if kind == "training-artifact":
         return training_artifact.inspect(p)
+    if kind == "torch":
+        return pytorch.inspect(p)
     return boostr.inspect(p)
 
 
-def verify_any(path: str | os.PathLike[str]) -> CheckpointInfo:
+def verify_any(path: str | os.PathLike[str], *, progress: Progress | None = None) -> CheckpointInfo:
     """Check the checkpoint at ``path`` as far as its format allows; raises a CheckpointError
-    subclass on the first problem, returns its description when intact."""
+    subclass on the first problem, returns its description when intact. ``progress(done,
+    total)`` is called in bytes as data is read."""
     p = os.path.abspath(local_path(path, what="checkpoint path"))
     kind = detect(p)
     if kind == "savepoint":
-        return _native(p, verify=True)
+        return _native(p, verify=True, progress=progress)
     if kind == "shrew":
-        return shrew.verify(p)
+        return shrew.verify(p, progress=progress)
     if kind == "safetensors":
-        return _safetensors(p, read_all=True)
+        return _safetensors(p, read_all=True, progress=progress)
     if kind == "burn":
-        return burn.verify(p)
+        return burn.verify(p, progress=progress)
     if kind == "training-artifact":
-        return training_artifact.verify(p)
-    return boostr.verify(p)
+        return training_artifact.verify(p, progress=progress)
+    if kind == "torch":
+        return pytorch.verify(p, progress=progress)
+    return boostr.verify(p, progress=progress)

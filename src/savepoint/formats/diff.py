@@ -3,29 +3,52 @@
 For every tensor present in both with the same dtype and shape, :func:`diff` reports the largest
 absolute difference and the relative L2 difference ``||a - b|| / ||a||`` (``||a - b||`` when
 ``a`` is all zeros), computed in float64 (complex: on magnitudes of the difference) a piece at a
-time, so memory stays at one tensor pair. Plain values are compared for equality. Tensors are
-read once each; both checkpoints are verified as they are read.
+time, so memory stays at one tensor pair. Plain values are compared for equality.
+
+Stored checksums first: two tensors of the same dtype and shape whose manifests record the same
+XXH3-64 digest *of the same kind* are equal without reading either (``by_checksum``): both
+stored whole and checked whole (or both in blocks of the same size: manifest version 3 records
+a digest combined from 64 KiB block digests for large shards, which is not the hash of the
+bytes), or both split into the same shards with equal digests shard by shard. Digests of
+different kinds, and different digests, mean the data is read. A checksum match trusts the
+manifest: such tensors are not re-hashed (``savepoint verify`` does that), and ``read_all=True``
+reads and compares every tensor anyway. Tensors that are read are verified as they are read,
+each once.
+
+:func:`compare` opens both checkpoints and gives the differences the manifests show at once (keys
+added, removed, changed in type or shape, plain values) and then each tensor's row as it is
+computed, so a caller can print them as they come; :func:`diff` collects everything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from savepoint.codecs import dtypes
+from savepoint.codecs import manifest as mf
 from savepoint.engine.read import Reader
 from savepoint.state import tree
 from savepoint.storage.paths import PathArg, resolve
 
 __all__ = [
+    "Comparison",
     "DiffReport",
     "TensorDiff",
+    "compare",
     "diff",
+    "same_digests",
 ]
+
+log = logging.getLogger(__name__)
+Progress = Callable[[int, int], None]
 
 _PIECE = 1 << 22  # elements per piece of the float64 computation
 
@@ -38,6 +61,7 @@ class TensorDiff:
     max_abs: float
     rel_l2: float
     equal: bool
+    by_checksum: bool = False  # equal by the stored checksums, without reading the data
 
 
 @dataclass
@@ -49,6 +73,8 @@ class DiffReport:
     changed: list[tuple[str, str, str]] = field(default_factory=list)  # key, in a, in b
     tensors: list[TensorDiff] = field(default_factory=list)
     values: list[tuple[str, Any, Any]] = field(default_factory=list)  # differing plain values
+    a_version: int | None = None  # manifest format versions
+    b_version: int | None = None
 
     @property
     def identical(self) -> bool:
@@ -64,7 +90,11 @@ class DiffReport:
         return {
             "a": self.a,
             "b": self.b,
+            "a_version": self.a_version,
+            "b_version": self.b_version,
             "identical": self.identical,
+            "compared": len(self.tensors),
+            "by_checksum": sum(t.by_checksum for t in self.tensors),
             "added": self.added,
             "removed": self.removed,
             "changed": [{"key": k, "a": x, "b": y} for k, x, y in self.changed],
@@ -76,6 +106,7 @@ class DiffReport:
                     "max_abs": t.max_abs,
                     "rel_l2": t.rel_l2,
                     "equal": t.equal,
+                    "by_checksum": t.by_checksum,
                 }
                 for t in self.tensors
             ],
@@ -87,15 +118,23 @@ def _leaves(root: tree.Node) -> dict[str, tree.Node]:
     return {tree.join(path): node for path, node in tree.leaves(root)}
 
 
-def diff(a: PathArg, b: PathArg) -> DiffReport:
-    """Compare the checkpoints at ``a`` and ``b``, each a local path, a URL or a Location (see
-    the module docstring)."""
-    first, second = resolve(a, what="checkpoint path"), resolve(b, what="checkpoint path")
-    with Reader.open(first) as ra, Reader.open(second) as rb:
-        report = DiffReport(ra.shown, rb.shown)
+class Comparison:
+    """Two open checkpoints compared (see the module docstring): ``report`` holds what the
+    manifests show from the start; :meth:`tensors` adds each tensor row to it as it yields it."""
+
+    def __init__(self, ra: Reader, rb: Reader, *, read_all: bool = False) -> None:
+        self._ra, self._rb = ra, rb
+        self.read_all = read_all
+        report = DiffReport(
+            ra.shown,
+            rb.shown,
+            a_version=ra.manifest.format_version,
+            b_version=rb.manifest.format_version,
+        )
         la, lb = _leaves(ra.manifest.tree), _leaves(rb.manifest.tree)
         report.removed = [k for k in la if k not in lb]
         report.added = [k for k in lb if k not in la]
+        self.pairs: list[tuple[str, str, str]] = []  # key, ref in a, ref in b: to compare
         for key, na in la.items():
             nb = lb.get(key)
             if nb is None:
@@ -113,8 +152,96 @@ def diff(a: PathArg, b: PathArg) -> DiffReport:
                 if (rec_a.dtype, rec_a.shape) != (rec_b.dtype, rec_b.shape):
                     report.changed.append((key, _describe(ra, na), _describe(rb, nb)))
                 else:
-                    report.tensors.append(_compare(key, ra, na["ref"], rb, nb["ref"]))
-        return report
+                    self.pairs.append((key, na["ref"], nb["ref"]))
+        self.report = report
+
+    def planned(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(key, dtype, shape)`` of every row :meth:`tensors` will yield, in that order."""
+        records = self._ra.manifest.tensors
+        return [(key, records[ra].dtype, records[ra].shape) for key, ra, _ in self.pairs]
+
+    def equal_by_checksum(self, ref_a: str, ref_b: str) -> bool:
+        """Whether the stored digests prove the two tensors equal (same kind, same value)."""
+        if self.read_all:
+            return False
+        return same_digests(self._ra.manifest.tensors[ref_a], self._rb.manifest.tensors[ref_b])
+
+    def bytes_to_read(self) -> int:
+        """Bytes :meth:`tensors` will read: both sides of every pair checksums do not settle."""
+        return sum(
+            2 * self._ra.manifest.tensors[ra].nbytes
+            for _, ra, rb in self.pairs
+            if not self.equal_by_checksum(ra, rb)
+        )
+
+    def tensors(self, progress: Progress | None = None) -> Iterator[TensorDiff]:
+        """Each tensor pair's row, in ``a``'s order, as it is computed (also appended to
+        ``report.tensors``); ``progress(done, total)`` counts the bytes read."""
+        total = self.bytes_to_read()
+        done = 0
+        start = time.perf_counter()
+
+        def moved(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(min(done, total), total)
+
+        matched = 0
+        for key, ref_a, ref_b in self.pairs:
+            if self.equal_by_checksum(ref_a, ref_b):
+                rec = self._ra.manifest.tensors[ref_a]
+                row = TensorDiff(key, rec.dtype, rec.shape, 0.0, 0.0, True, by_checksum=True)
+                matched += 1
+                log.debug("%s: equal by stored checksum (%d bytes not read)", key, rec.nbytes)
+            else:
+                row = _compare(key, self._ra, ref_a, self._rb, ref_b, moved)
+                log.debug("%s: read and compared (equal: %s)", key, row.equal)
+            self.report.tensors.append(row)
+            yield row
+        log.info(
+            "diff %s %s: %d tensors compared, %d by stored checksum, %d bytes read in %.2f s",
+            self.report.a,
+            self.report.b,
+            len(self.pairs),
+            matched,
+            done,
+            time.perf_counter() - start,
+        )
+
+
+@contextlib.contextmanager
+def compare(a: PathArg, b: PathArg, *, read_all: bool = False) -> Iterator[Comparison]:
+    """The checkpoints at ``a`` and ``b`` (each a local path, a URL or a Location) open and
+    compared as far as their manifests go (see :class:`Comparison`)."""
+    first, second = resolve(a, what="checkpoint path"), resolve(b, what="checkpoint path")
+    with Reader.open(first) as ra, Reader.open(second) as rb:
+        yield Comparison(ra, rb, read_all=read_all)
+
+
+def diff(
+    a: PathArg, b: PathArg, *, read_all: bool = False, progress: Progress | None = None
+) -> DiffReport:
+    """Compare the checkpoints at ``a`` and ``b``, each a local path, a URL or a Location (see
+    the module docstring); ``progress(done, total)`` counts the bytes read."""
+    with compare(a, b, read_all=read_all) as comparison:
+        for _ in comparison.tensors(progress):
+            pass
+        return comparison.report
+
+
+def same_digests(a: mf.TensorRecord, b: mf.TensorRecord) -> bool:
+    """Whether the records' stored digests prove two tensors of one dtype and shape equal:
+    the same digest over the same kind of hashing (whole, or blocks of one size), for the
+    tensor stored whole or for each of the same shards."""
+    if a.is_split or b.is_split:
+        if not (a.is_split and b.is_split) or len(a.shards) != len(b.shards):
+            return False
+        return all(
+            sa.region == sb.region and sa.block == sb.block and sa.xxh3 == sb.xxh3
+            for sa, sb in zip(a.shards, b.shards)
+        )
+    return a.block == b.block and a.xxh3 == b.xxh3
 
 
 def _describe(r: Reader, node: tree.Node) -> str:
@@ -130,10 +257,10 @@ def _same_value(x: Any, y: Any) -> bool:
     return type(x) is type(y) and bool(x == y)
 
 
-def _read(r: Reader, ref: str) -> np.ndarray[Any, Any]:
+def _read(r: Reader, ref: str, moved: Callable[[int], None]) -> np.ndarray[Any, Any]:
     rec = r.manifest.tensors[ref]
     out = np.empty(rec.nbytes, dtype=np.uint8)
-    r.transfer([(ref, out)])
+    r.transfer([(ref, out)], progress=moved)
     return out.view(dtypes.from_name(rec.dtype).numpy)
 
 
@@ -142,10 +269,14 @@ def _pieces(x: np.ndarray[Any, Any]) -> Iterator[np.ndarray[Any, Any]]:
         yield x[i : i + _PIECE]
 
 
-def _compare(key: str, ra: Reader, ref_a: str, rb: Reader, ref_b: str) -> TensorDiff:
+def _compare(
+    key: str, ra: Reader, ref_a: str, rb: Reader, ref_b: str, moved: Callable[[int], None]
+) -> TensorDiff:
     rec = ra.manifest.tensors[ref_a]
-    xa, xb = _read(ra, ref_a), _read(rb, ref_b)
-    equal = xa.view(np.uint8).tobytes() == xb.view(np.uint8).tobytes()
+    xa, xb = _read(ra, ref_a, moved), _read(rb, ref_b, moved)
+    equal = bool(np.array_equal(xa.view(np.uint8), xb.view(np.uint8)))  # no copies
+    if equal:
+        return TensorDiff(key, rec.dtype, rec.shape, 0.0, 0.0, True)
     max_abs = 0.0
     sq_diff = 0.0
     sq_a = 0.0

@@ -98,6 +98,7 @@ from savepoint.errors import (
 )
 from savepoint.formats import _files
 from savepoint.formats._files import FileRangeTensor, LazyTensor, open_file
+from savepoint.formats._progress import Progress, Tally
 from savepoint.formats._shrew_write import (
     OptimizerSection,
     Tensors,
@@ -525,10 +526,13 @@ class ShrewFile:
             self._buffers = {k: self._lazy(r) for k, r in self._buffer_records.items()}
         return self._buffers
 
-    def drain(self) -> None:
-        """Read every data byte once (tensors, then buffers), one lazy tensor at a time."""
-        for r in [*self._records.values(), *self._buffer_records.values()]:
-            _files.drain(self._lazy(r))
+    def drain(self, progress: Progress | None = None) -> None:
+        """Read every data byte once (tensors, then buffers), one lazy tensor at a time;
+        ``progress(done, total)`` is called in bytes as it goes."""
+        records = [*self._records.values(), *self._buffer_records.values()]
+        tally = Tally(progress, sum(r.nbytes for r in records))
+        for r in records:
+            tally.drain(self._lazy(r))
 
     def __enter__(self) -> ShrewFile:
         return self
@@ -603,8 +607,9 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
         return f.info()
 
 
-def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Check the whole structure and read every data byte (the format has no checksums)."""
+def verify(path: str | os.PathLike[str], *, progress: Progress | None = None) -> CheckpointInfo:
+    """Check the whole structure and read every data byte (the format has no checksums);
+    ``progress(done, total)`` is called in bytes as it reads."""
     with ShrewFile(path) as f:
-        f.drain()
+        f.drain(progress)
         return f.info()

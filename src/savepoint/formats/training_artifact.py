@@ -78,6 +78,7 @@ from savepoint.errors import (
 )
 from savepoint.formats import _files, burn
 from savepoint.formats._files import LazyTensor, MappedTensor
+from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.storage import local
 from savepoint.storage.paths import local_path
@@ -550,15 +551,18 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
         return d.info()
 
 
-def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
+def verify(path: str | os.PathLike[str], *, progress: Progress | None = None) -> CheckpointInfo:
     """:func:`load`'s checks, every byte read once, and ``best_validation/``'s report copy (where
-    present) equal to the report."""
+    present) equal to the report; ``progress(done, total)`` is called in bytes as it reads."""
     with open_artifact(path) as d:
-        for tensors in (d.model, d.best_validation_model or {}):
-            for t in tensors.values():
-                _files.drain(t)
+        sources: list[LazyTensor] = [
+            t for tensors in (d.model, d.best_validation_model or {}) for t in tensors.values()
+        ]
         if d.optimizer_state is not None:
-            _files.drain(d.optimizer_state)
+            sources.append(d.optimizer_state)
+        tally = Tally.over(progress, sources)
+        for t in sources:
+            tally.drain(t)
         copy = os.path.join(d.path, BEST_VALIDATION_DIR, REPORT_FILE)
         own_best = d.best_validation_source == BEST_VALIDATION_DIR
         if own_best and os.path.lexists(copy) and _read_json(copy, "a copy") != d.report:
