@@ -45,6 +45,7 @@ from savepoint.errors import (
 )
 from savepoint.formats.convert import ConversionReport, convert
 from savepoint.formats.diff import DiffReport, diff
+from savepoint.formats.export import ExportReport, export
 from savepoint.inference import InferenceSnapshot, SnapshotHistory, SnapshotMetadata
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.options import SaveOptions
@@ -78,6 +79,7 @@ __all__ = [
     "DataStateError",
     "DiffReport",
     "DistributedCheckpointError",
+    "ExportReport",
     "FlatShard",
     "GcReport",
     "IncompatibleCheckpointError",
@@ -111,6 +113,7 @@ __all__ = [
     "__version__",
     "convert",
     "diff",
+    "export",
     "inspect",
     "load",
     "open_run",
