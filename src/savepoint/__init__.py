@@ -40,6 +40,7 @@ from savepoint.errors import (
     RunMismatchError,
     StateMismatchError,
     SymlinkError,
+    UnsupportedDeviceError,
     UnsupportedStateError,
     UnsupportedStorageError,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "Sweep",
     "SymlinkError",
     "TensorInfo",
+    "UnsupportedDeviceError",
     "UnsupportedStateError",
     "UnsupportedStorageError",
     "__version__",

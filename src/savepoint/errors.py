@@ -60,6 +60,7 @@ __all__ = [
     "RunMismatchError",
     "StateMismatchError",
     "SymlinkError",
+    "UnsupportedDeviceError",
     "UnsupportedStateError",
     "UnsupportedStorageError",
 ]
@@ -295,6 +296,12 @@ class UnsupportedStorageError(CheckpointError, ValueError):
     ) -> None:
         super().__init__(message, path=path)
         self.scheme = scheme
+
+
+class UnsupportedDeviceError(CheckpointError, ValueError):
+    """``device=`` names a device this process cannot use (``"cuda"`` on a torch build without
+    CUDA, or with no CUDA device visible; an index past the devices present; ``"mps"`` where there
+    is none). Raised before anything is read."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):

@@ -30,11 +30,14 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from savepoint.errors import UnsupportedDeviceError
+
 __all__ = [
     "DEFAULT_MAX_FILE_BYTES",
     "DEFAULT_WRITERS",
     "Progress",
     "SaveOptions",
+    "check_device",
     "check_load",
     "check_process_group",
 ]
@@ -116,6 +119,7 @@ def check_load(
     progress: Any = None,
     process_group: Any = None,
     timeout: Any = None,
+    device: Any = None,
     what: str = "load",
 ) -> str | list[str] | None:
     """Check the arguments of ``sp.load`` (``what``: the function, for messages; ``sp.verify``
@@ -133,6 +137,8 @@ def check_load(
     if process_group is not None:
         check_process_group(process_group, label=label)
     _check_timeout(timeout, label)
+    if device is not None:
+        check_device(device, label)
     if keys is None or isinstance(keys, str):
         return keys
     wanted = "a key (str), an iterable of keys, or None"
@@ -145,6 +151,44 @@ def check_load(
                 f"{label} keys must be {wanted}; it holds {type(key).__name__} ({key!r})"
             )
     return listed
+
+
+def check_device(device: Any, label: str = "load argument") -> None:
+    """Refuse a ``device`` this process cannot put tensors on, before anything is read: a
+    ValueError for what is no torch device at all, UnsupportedDeviceError (naming the reason and
+    what to do) for a CUDA or MPS device that is not there."""
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedDeviceError(
+            f"{label} device={device!r} needs torch, which is not installed; load without "
+            "device= to get numpy arrays"
+        ) from None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{label} device {device!r} is not a torch device ({exc})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                "this torch build has no CUDA support"
+                if torch.version.cuda is None
+                else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+            )
+            raise UnsupportedDeviceError(
+                f"{label} device={device!r}: {why}; load with device=None (or 'cpu') and move "
+                "the tensors afterwards"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise UnsupportedDeviceError(
+                f"{label} device={device!r}: only {count} CUDA device(s) are visible "
+                f"(cuda:0 to cuda:{count - 1})"
+            )
+    elif dev.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+        if backend is None or not backend.is_available():
+            raise UnsupportedDeviceError(f"{label} device={device!r}: no MPS device here")
 
 
 _SAVE = "save option"
