@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from savepoint.engine import collector
 from savepoint.engine import load as load_engine
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
@@ -129,8 +130,9 @@ def save(
 
         return distributed_save.save(location, state, metadata, options)
     meta = save_engine.check_metadata(metadata)
-    flat = tree.flatten(state)
-    return save_flat(location, flat, meta, options)
+    with collector.paused():
+        flat = tree.flatten(state)
+        return _save_flat(location, flat, meta, options, release=True)
 
 
 def save_flat(
@@ -146,21 +148,36 @@ def save_flat(
     With ``options.process_group``, or when the state holds sharding descriptions (``sp.Shard``
     saved by a single process), this is a sharded save
     (:func:`savepoint.distributed.save.save_flat`)."""
+    return _save_flat(path, flat, metadata, options, release=False)
+
+
+def _save_flat(
+    path: PathLike,
+    flat: tree.Flat,
+    metadata: dict[str, Any],
+    options: SaveOptions | None,
+    *,
+    release: bool,
+) -> CheckpointInfo:
+    """:func:`save_flat`; ``release``: ``flat`` is the caller's own, and its tensors may be
+    dropped once written (see :func:`savepoint.engine.save.save_flat`)."""
     options = options or SaveOptions()
     location = resolve_path(path, what="checkpoint path")
     if options.process_group is not None or save_engine.has_shards(flat.tree):
         from savepoint.distributed import save as distributed_save
 
         return distributed_save.save_flat(location, flat, metadata, options)
-    directory, manifest = save_engine.save_flat(
-        location,
-        flat,
-        metadata,
-        max_file_bytes=options.max_file_bytes,
-        writers=options.writers,
-        direct=options.direct,
-        progress=options.progress,
-    )
+    with collector.paused():
+        directory, manifest = save_engine.save_flat(
+            location,
+            flat,
+            metadata,
+            max_file_bytes=options.max_file_bytes,
+            writers=options.writers,
+            direct=options.direct,
+            progress=options.progress,
+            release=release,
+        )
     return describe(location.store.url(directory), manifest)
 
 
@@ -244,7 +261,8 @@ def load(
             location, process_group=process_group, timeout=timeout, **options
         )
     # A generation replaced under the read (object stores) is read again from the new one.
-    return rereading(lambda: load_engine.load(location, **options))
+    with collector.paused():
+        return rereading(lambda: load_engine.load(location, **options))
 
 
 def _has_shard_targets(into: Any) -> bool:
@@ -263,7 +281,7 @@ def _has_shard_targets(into: Any) -> bool:
 def inspect(path: PathLike) -> CheckpointInfo:
     """Keys, dtypes, shapes, sizes, plain values and metadata, from the manifest alone."""
     location = resolve_path(path, what="checkpoint path")
-    with Reader.open(location, needs=lambda shown, manifest: ()) as reader:
+    with collector.paused(), Reader.open(location, needs=lambda shown, manifest: ()) as reader:
         return describe(reader.shown, reader.manifest)
 
 
@@ -281,4 +299,5 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
             load_engine.verify(reader, progress)
             return describe(reader.shown, reader.manifest)
 
-    return rereading(once)  # a generation replaced under the read (object stores): again
+    with collector.paused():
+        return rereading(once)  # a generation replaced under the read (object stores): again

@@ -21,9 +21,12 @@ notes            empty / what verify can and cannot check, who wrote the file
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["CheckpointInfo", "TensorInfo", "jsonable"]
 
@@ -38,6 +41,37 @@ class TensorInfo:
     ref: str  # name in the data file; tied leaves share one (other formats: the key)
     tied_to: str | None = None  # the ref of an earlier leaf this one shares storage with
     shards: int = 1  # pieces it is stored in (sharded checkpoints); ``file`` is then "N shards"
+
+    @classmethod
+    def make(
+        cls,
+        key: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        nbytes: int,
+        file: str,
+        ref: str,
+        tied_to: str | None = None,
+        shards: int = 1,
+    ) -> TensorInfo:
+        """``TensorInfo(...)``, without the frozen dataclass ``__init__``'s cost of one
+        ``object.__setattr__`` per field (a description of a million tensors makes a million)."""
+        info = object.__new__(cls)
+        object.__setattr__(
+            info,
+            "__dict__",
+            {
+                "key": key,
+                "dtype": dtype,
+                "shape": shape,
+                "nbytes": nbytes,
+                "file": file,
+                "ref": ref,
+                "tied_to": tied_to,
+                "shards": shards,
+            },
+        )
+        return info
 
 
 @dataclass(frozen=True)
@@ -56,6 +90,59 @@ class CheckpointInfo:
     world_size: int | None = None  # ranks that saved a sharded checkpoint; None when unsharded
     format: str = "savepoint"
     notes: tuple[str, ...] = ()
+
+    @classmethod
+    def deferred(cls, compute: Callable[[], Described], **fields: Any) -> CheckpointInfo:
+        """A description whose ``tensors``, ``values`` and ``stateful`` are made by ``compute()``
+        the first time one of them is read (every other field is given now).
+
+        Saves return a description most callers never read; for a state of 100,000 tensors
+        building it took longer than writing the data. A deferred description is the same type
+        and compares, prints, copies and pickles like any other (each of those reads the fields).
+        """
+        info = cls.__new__(cls)
+        for name in _DEFERRED:
+            if name in fields:
+                raise TypeError(f"{name} is computed; do not pass it")
+        for f in dataclasses.fields(cls):
+            if f.name in _DEFERRED:
+                continue
+            if f.name in fields:
+                value = fields.pop(f.name)
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                raise TypeError(f"missing field {f.name!r}")
+            object.__setattr__(info, f.name, value)
+        if fields:
+            raise TypeError(f"unknown fields {sorted(fields)}")
+        object.__setattr__(info, "_compute", compute)
+        return info
+
+    if not TYPE_CHECKING:  # (a __getattr__ would make the type checker accept any attribute)
+
+        def __getattr__(self, name: str) -> Any:
+            # Only reached for a field not set yet: the deferred ones of a deferred description.
+            compute = self.__dict__.get("_compute") if name in _DEFERRED else None
+            if compute is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            with _LOCK:
+                if "_compute" in self.__dict__:
+                    tensors, values, stateful = compute()
+                    object.__setattr__(self, "tensors", tensors)
+                    object.__setattr__(self, "values", values)
+                    object.__setattr__(self, "stateful", stateful)
+                    object.__delattr__(self, "_compute")
+            return self.__dict__[name]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     @property
     def total_bytes(self) -> int:
@@ -101,6 +188,11 @@ class CheckpointInfo:
             **({"world_size": self.world_size} if self.world_size is not None else {}),
             **({"notes": list(self.notes)} if self.notes else {}),
         }
+
+
+Described = tuple[tuple[TensorInfo, ...], dict[str, Any], dict[str, str]]
+_DEFERRED = ("tensors", "values", "stateful")
+_LOCK = threading.Lock()
 
 
 def jsonable(value: Any) -> Any:

@@ -53,6 +53,8 @@ __all__ = [
     "census",
     "check",
     "loads",
+    "loads_counted",
+    "members",
 ]
 
 MAX_DEPTH = 512
@@ -422,6 +424,13 @@ def _quick(raw: bytes, width: int) -> tuple[int, int]:
     speed of ``bytes.translate``: escapes are blanked, everything but ``"[]{},:`` dropped, and
     the rest counted as :meth:`Census.cost` does, charging every string and every value that is
     not a string or container the most it can cost."""
+    depth, cost, _ = _quick_counts(raw, width)
+    return depth, cost
+
+
+def _quick_counts(raw: bytes, width: int) -> tuple[int, int, int]:
+    """:func:`_quick`, and the number of ``:`` outside strings (for valid JSON, the members of
+    all its objects)."""
     text = raw
     if raw.find(b"\\") >= 0:
         # Runs of backslashes pair up from their start, as escapes do inside strings.
@@ -467,7 +476,7 @@ def _quick(raw: bytes, width: int) -> tuple[int, int]:
         + string * max((quotes + 1) // 2 - pairs, 0)
         + _SCALAR * (scalars + 1)
     )
-    return max_depth, cost
+    return max_depth, cost, pairs
 
 
 def check(
@@ -485,27 +494,35 @@ def check(
     of ``bytes.translate`` (real documents stop here), the census (exact token counts, short
     strings and one-digit numbers free), and a precise one (members per object, distinct keys).
     """
+    _check(raw, width, max_depth, memory_factor, memory_slack)
+
+
+def _check(
+    raw: bytes, width: int, max_depth: int, memory_factor: float, memory_slack: int
+) -> int | None:
+    """:func:`check`; returns the members its first pass counted (None for a text too small
+    for that pass to run)."""
     n = len(raw)
     budget = int(memory_factor * n + memory_slack)
     # Below these sizes no document can break either limit.
     if n * 64 <= budget and raw.count(b"[") + raw.count(b"{") <= max_depth:
-        return
-    depth, cost = _quick(raw, width)
+        return None
+    depth, cost, pairs = _quick_counts(raw, width)
     if depth > max_depth:
         raise StrictJSONError(f"nested deeper than {max_depth} levels")
     if cost <= budget:
-        return
+        return pairs
     found = census(raw, width)
     cost = found.cost()
     if cost <= budget:
-        return
+        return pairs
     base = found.base_cost()
     if base <= budget and cost <= _REFINE_LIMIT * budget:
         detail = _Detail()
         census(raw, width, detail)
         cost = base + _objects_cost(raw, detail, budget - base)
         if cost <= budget:
-            return
+            return pairs
     raise StrictJSONError(
         f"too many values for its size: parsing {n} bytes could take {cost} bytes of memory, "
         f"over the {memory_factor:g} x size + {memory_slack >> 20} MiB bound ({found.lists} "
@@ -542,6 +559,20 @@ def _width(raw: bytes) -> int:
         return 1
     top = int(np.frombuffer(raw, np.uint8).max())
     return 1 if top < 0xC4 else 2 if top < 0xF0 else 4
+
+
+def members(value: Any) -> int:
+    """How many members all the objects in a parsed ``value`` hold (iteratively: any depth)."""
+    count = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            count += len(item)
+            stack.extend(v for v in item.values() if type(v) is dict or type(v) is list)
+        elif type(item) is list:
+            stack.extend(v for v in item if type(v) is dict or type(v) is list)
+    return count
 
 
 def _serde_int(text: str) -> int | float:
@@ -582,8 +613,50 @@ def loads(
             object_pairs_hook=_no_duplicates,
             parse_constant=_no_constant,
             parse_float=float if serde else _finite,
-            parse_int=_serde_int if serde else int,
+            parse_int=_serde_int if serde else None,  # None: json's own (C) int parsing
         )
+    except StrictJSONError as exc:
+        raise error(f"{what} is not valid JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise error(f"{what} is not valid JSON: {exc}") from None
+
+
+def loads_counted(
+    raw: bytes,
+    error: type[ValueError],
+    what: str,
+    *,
+    max_depth: int = MAX_DEPTH,
+    memory_factor: float = MEMORY_FACTOR,
+    memory_slack: int = MEMORY_SLACK,
+) -> tuple[Any, int | None]:
+    """:func:`loads`, with the duplicate-key check left to a caller that walks the document
+    anyway: returns the document and the number of members its text holds (``:`` outside
+    strings, from :func:`check`'s first pass).
+
+    ``json`` keeps one member per key, so the objects of the document hold fewer members than
+    that number exactly when some object repeats a key: the caller counts (:func:`members`
+    counts what it does not walk itself) and, on a shortfall, calls :func:`loads`, which names
+    the repeated key. The per-object hook that checks for repeats cost a third of parsing a
+    100,000-tensor manifest. For a text too small for the first pass to run (under about
+    1 MB) the count is None and duplicates were refused here, as :func:`loads` does."""
+    try:
+        width = _width(raw)
+        pairs = _check(raw, width, max_depth, memory_factor, memory_slack)
+        if pairs is None:
+            return loads(
+                raw,
+                error,
+                what,
+                max_depth=max_depth,
+                memory_factor=memory_factor,
+                memory_slack=memory_slack,
+            ), None
+        return json.loads(
+            raw.decode("utf-8"),
+            parse_constant=_no_constant,
+            parse_float=_finite,
+        ), pairs
     except StrictJSONError as exc:
         raise error(f"{what} is not valid JSON: {exc}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

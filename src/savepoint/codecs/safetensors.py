@@ -29,6 +29,7 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from savepoint.codecs import bounded_json as _json
@@ -40,6 +41,7 @@ __all__ = [
     "HeaderError",
     "MAX_HEADER_BYTES",
     "PRODUCER",
+    "header",
     "header_length",
     "layout",
     "ordered_layout",
@@ -50,13 +52,21 @@ MAX_HEADER_BYTES = 100_000_000
 PRODUCER = {"producer": "savepoint"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     name: str
     dtype: str
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     end: int
+
+
+# Entries are made per tensor of a save: :func:`layout` sets their slots directly (the frozen
+# dataclass ``__init__`` goes through ``object.__setattr__`` field by field, twice the cost).
+_new_object = object.__new__
+_SET_NAME, _SET_DTYPE, _SET_SHAPE, _SET_START, _SET_END = (
+    Entry.__dict__[name].__set__ for name in ("name", "dtype", "shape", "start", "end")
+)
 
 
 class HeaderError(CorruptCheckpointError):
@@ -69,13 +79,72 @@ def layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> tuple[by
 
     Entries come back in file order (largest itemsize first, otherwise as given).
     """
-    order = sorted(tensors, key=lambda t: -dtypes.from_name(t[1]).itemsize)
+    itemsize = _ITEMSIZE
+    try:
+        order = sorted(tensors, key=lambda t: -itemsize[t[1]])
+    except KeyError:
+        for t in tensors:
+            dtypes.from_name(t[1])  # raises naming the unknown dtype
+        raise
+    names = {t[0] for t in order}
+    if "__metadata__" in names:
+        raise ValueError("'__metadata__' is reserved in safetensors headers")
+    if len(names) != len(order):
+        return _layout_generic(order)  # repeated names: a dict keeps one, as it always did
+    prefix = header(order)
+    entries = []
+    offset = len(prefix)
+    for name, dtype, shape, nbytes in order:
+        entry = _new_object(Entry)
+        _SET_NAME(entry, name)
+        _SET_DTYPE(entry, dtype)
+        _SET_SHAPE(entry, shape)
+        _SET_START(entry, offset)
+        offset += nbytes
+        _SET_END(entry, offset)
+        entries.append(entry)
+    return prefix, entries
+
+
+def header(ordered: Sequence[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+    """The header bytes (length prefix included) :func:`layout` writes for ``(name, dtype,
+    shape, nbytes)`` already in file order, with distinct names, none ``__metadata__``.
+
+    Written member by member with the encoder ``json.dumps`` uses for strings: byte for byte
+    what ``json.dumps(header, separators=(",", ":"), ensure_ascii=True)`` gives for the dict
+    (``tests/formats/test_scale_paths.py`` holds them equal). Building a dict per tensor and
+    encoding it cost a 100,000-tensor save about a second."""
+    shapes: dict[tuple[int, ...], str] = {}
+    encoded: dict[str, str] = {}  # dtypes repeat
+    parts = [json.dumps({"__metadata__": PRODUCER}, separators=(",", ":"))[:-1]]
+    offset = 0
+    for name, dtype, shape, nbytes in ordered:
+        shape_text = shapes.get(shape)
+        if shape_text is None:
+            shape_text = shapes[shape] = json.dumps(list(shape), separators=(",", ":"))
+        dtype_text = encoded.get(dtype)
+        if dtype_text is None:
+            dtype_text = encoded[dtype] = _encode(dtype)
+        end = offset + nbytes
+        parts.append(
+            f',{_encode(name)}:{{"dtype":{dtype_text},"shape":{shape_text},'
+            f'"data_offsets":[{offset},{end}]}}'
+        )
+        offset = end
+    parts.append("}")
+    raw = "".join(parts).encode("ascii")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _layout_generic(
+    order: Sequence[tuple[str, str, tuple[int, ...], int]],
+) -> tuple[bytes, list[Entry]]:
+    """:func:`layout` of tensors already in file order, through a dict and ``json.dumps``."""
     header: dict[str, Any] = {"__metadata__": PRODUCER}
     offset = 0
     spans = []
     for name, dtype, shape, nbytes in order:
-        if name == "__metadata__":
-            raise ValueError("'__metadata__' is reserved in safetensors headers")
         header[name] = {
             "dtype": dtype,
             "shape": list(shape),
@@ -191,6 +260,8 @@ def parse_header(raw: bytes, file_size: int) -> tuple[list[Entry], dict[str, str
 
 _ENTRY = frozenset(("dtype", "shape", "data_offsets"))
 _ITEMSIZE = {name: d.itemsize for name, d in dtypes.BY_NAME.items()}
+# What ``json.dumps(..., ensure_ascii=True)`` writes for a string (the C encoder where built).
+_encode = encode_basestring_ascii
 
 
 def _is_count(x: Any) -> bool:

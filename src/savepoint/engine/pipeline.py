@@ -11,6 +11,10 @@ Staging buffers are allocated once per process (``mmap``: page-aligned, touched 
 since first-touch page faults cost more than the copy itself on the development machine) and
 reused by later saves; concurrent writers each take their own set.
 
+Small tensors (up to :data:`SMALL`, the many-expert states of 100,000 and more) are copied
+whole, from their host address where the source has one (``pointer()``, one ``memmove``), and
+hashed in one call each: per tensor the loop costs about a microsecond, not a view and a hasher.
+
 :func:`write_image` writes an already laid-out file image (the async staging arena) straight from
 its memory, with no copy.
 """
@@ -18,6 +22,7 @@ its memory, with no copy.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import queue
@@ -31,21 +36,29 @@ from savepoint.codecs import checksum
 from savepoint.state.arrays import TensorSource
 from savepoint.storage.base import BlobWriter, Store
 
-__all__ = ["BLOCK", "POOL", "StagingPool", "write_blob", "write_image"]
+__all__ = ["BLOCK", "POOL", "SMALL", "StagingPool", "write_blob", "write_image"]
+
+_memmove = ctypes.memmove
+_digest = checksum.digest
 
 BLOCK = 4096
+# Tensors up to this size take the small-tensor path of the copy loop (never block-hashed: see
+# savepoint.codecs.checksum.block_size).
+SMALL = 2 * checksum.MIN_BLOCK
 DEFAULT_BUFFER_BYTES = 32 << 20
 DEFAULT_BUFFER_COUNT = 2
 IMAGE_CHUNK = 64 << 20  # bytes per write when writing a file image
 
 
 class _Buffer:
-    __slots__ = ("array", "map")
+    __slots__ = ("address", "array", "map", "view")
 
     def __init__(self, size: int) -> None:
         self.map = mmap.mmap(-1, size)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.array.fill(0)  # touch every page now, not during the first save
+        self.address = int(self.array.ctypes.data)
+        self.view = memoryview(self.map)
 
 
 class StagingPool:
@@ -194,6 +207,26 @@ def _stream(
             if fill == size:
                 flush(size)
         for source in sources:
+            n = source.nbytes
+            if n <= SMALL and n <= size - fill:
+                # A small tensor that fits: copied whole (from its address where it has one: no
+                # view objects) and hashed in one call. A 100,000-tensor state spends about
+                # 1 us per tensor here instead of 15.
+                pointer = getattr(source, "pointer", None)
+                address = pointer() if pointer is not None else None
+                if address is not None:
+                    if n:
+                        _memmove(buf.address + fill, address, n)
+                else:
+                    try:
+                        source.copy_to(buf.array[fill : fill + n], 0)
+                    finally:
+                        source.release()
+                digests.append(checksum.Digest(_digest(buf.view[fill : fill + n])))
+                fill += n
+                if fill == size:
+                    flush(size)
+                continue
             hasher = checksum.Hasher(checksum.block_size(source.nbytes) if blocked else 0)
             pos = 0
             try:

@@ -8,6 +8,7 @@ Load side: ``byte_view`` gives the writable bytes of a CPU tensor so reads land 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -23,13 +24,14 @@ __all__ = [
     "byte_view",
     "copy_into",
     "empty",
+    "from_address",
     "from_numpy",
     "stage_to_pinned",
     "to_device",
 ]
 
 
-def _plain(t: torch.Tensor, key: str) -> torch.Tensor:
+def _refuse(t: torch.Tensor, key: str) -> None:
     if t.is_sparse or t.layout != torch.strided:
         raise UnsupportedStateError(
             f"{key or '<root>'}: {t.layout} tensors cannot be stored; call .to_dense() first",
@@ -43,40 +45,68 @@ def _plain(t: torch.Tensor, key: str) -> torch.Tensor:
         raise UnsupportedStateError(
             f"{key or '<root>'}: meta tensors have no data to save", key=key
         )
-    t = t.detach()
-    if t.is_conj():
+
+
+def _plain(t: torch.Tensor, key: str) -> torch.Tensor:
+    # One cheap test for the common case (each torch attribute costs a fraction of a
+    # microsecond, which a state of a million tensors pays a million times).
+    if t.is_quantized or t.is_meta or t.layout is not _STRIDED:
+        _refuse(t, key)
+    if t.requires_grad or type(t) is not torch.Tensor:
+        t = t.detach()
+    if t.dtype in _COMPLEX and t.is_conj():  # only complex tensors carry a conjugate bit
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
     return t
 
 
+_STRIDED = torch.strided
+_COMPLEX = frozenset(
+    getattr(torch, name)
+    for name in ("complex32", "complex64", "complex128")
+    if hasattr(torch, name)
+)
+_DTYPES: dict[Any, DType] = {}  # torch dtype -> DType, filled as dtypes are met
+
+
 class TorchSource:
+    """A tensor's bytes for a writer (see :class:`savepoint.state.arrays.TensorSource`).
+
+    Built once per tensor of the state, so construction does the least it can: the contiguous
+    byte view a copy needs is made on the first :meth:`copy_to`, and a small CPU tensor is copied
+    by the write pipeline straight from :meth:`pointer` without one."""
+
     __slots__ = ("_flat", "_tensor", "device_type", "dtype", "kind", "nbytes", "shape")
 
     def __init__(self, tensor: torch.Tensor, key: str) -> None:
         t = _plain(tensor, key)
-        self.dtype: DType = dtypes.from_torch(t.dtype, key)
+        d = _DTYPES.get(t.dtype)
+        if d is None:
+            d = _DTYPES[t.dtype] = dtypes.from_torch(t.dtype, key)
+        self.dtype: DType = d
         self._tensor = t
         self._flat: Any = None
-        self.shape = tuple(int(s) for s in t.shape)
-        self.nbytes = t.numel() * t.element_size()
+        self.shape = tuple(t.shape)
+        self.nbytes = t.nbytes
         self.kind = "torch"
-        self.device_type = t.device.type
+        self.device_type = "cpu" if t.is_cpu else t.device.type
 
     def identity(self) -> tuple[Any, ...] | None:
         t = self._tensor
         if self.nbytes == 0:
             return None
-        return (
-            "torch",
-            str(t.device),
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            t.stride(),
-            t.dtype,
-        )
+        # The address of the first element stands for (storage, offset): with the dtype, shape
+        # and strides, equal identities are the same view of the same memory.
+        return ("torch", t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+    def pointer(self) -> int | None:
+        """The host address of the tensor's bytes, when they are contiguous in host memory (the
+        write pipeline copies small tensors from there, with no view object), else None."""
+        t = self._tensor
+        if self.device_type != "cpu" or not t.is_contiguous():
+            return None
+        return int(t.data_ptr())
 
     def _bytes(self) -> Any:
         if self._flat is None:
@@ -143,6 +173,23 @@ def byte_view(target: Any) -> np.ndarray[Any, Any] | None:
 
 def empty(d: DType, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(shape, dtype=dtypes.torch_dtype(d))
+
+
+def from_address(address: int, nbytes: int, d: DType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new CPU tensor of dtype ``d`` and ``shape`` holding a copy of the ``nbytes`` bytes at
+    host ``address`` (exactly its data): allocated by torch as :func:`empty` is, filled by one
+    ``memmove`` (no byte view of the new tensor is made: for a small tensor that view costs more
+    than the copy). The caller keeps the bytes alive and checked."""
+    dtype = _TORCH_DTYPES.get(d.name)
+    if dtype is None:
+        dtype = _TORCH_DTYPES[d.name] = dtypes.torch_dtype(d)
+    t = torch.empty(shape, dtype=dtype)
+    if nbytes:
+        ctypes.memmove(t.data_ptr(), address, nbytes)
+    return t
+
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
 
 
 def from_numpy(array: np.ndarray[Any, Any], d: DType) -> torch.Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,13 +45,16 @@ __all__ = [
     "Node",
     "ROOT_LEVEL",
     "build",
+    "child_key",
     "escape",
     "flatten",
     "join",
+    "keyed_leaves",
     "leaves",
     "plain_value",
     "refs",
     "select",
+    "tensor_nodes",
 ]
 
 Node = dict[str, Any]
@@ -63,19 +67,33 @@ Key = str | int
 # a chain of stateful objects 510 (see :func:`flatten`).
 ROOT_LEVEL = 2
 DICT_COST, LIST_COST, STATEFUL_COST = 3, 2, 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def escape(component: Key) -> str:
+    """One path component as it appears in a tensor name (see the module docstring)."""
     if isinstance(component, int):
         return str(component)
+    # Most keys are plain ASCII without "~" or "/": returned as they are (the escaping below,
+    # per character, cost a 100,000-tensor save about a second).
+    if component.isascii():
+        if "~" in component or "/" in component:
+            return component.replace("~", "~0").replace("/", "~1")
+        return component
     out = component.replace("~", "~0").replace("/", "~1")
-    if any("\ud800" <= ch <= "\udfff" for ch in out):
-        out = "".join(f"~u{ord(ch):04x}" if "\ud800" <= ch <= "\udfff" else ch for ch in out)
+    if _SURROGATE.search(out) is not None:
+        out = _SURROGATE.sub(lambda m: f"~u{ord(m.group()):04x}", out)
     return out
 
 
 def join(path: tuple[Key, ...]) -> str:
-    return "/".join(escape(c) for c in path)
+    return "/".join([escape(c) for c in path])
+
+
+def child_key(parent: str, is_root: bool, component: Key) -> str:
+    """``join((*path, component))`` from ``parent == join(path)``; ``is_root``: ``path == ()``.
+    Walks carry keys down this way, so a leaf's name costs one escape, not one per level."""
+    return escape(component) if is_root else f"{parent}/{escape(component)}"
 
 
 @dataclass
@@ -93,41 +111,57 @@ def flatten(state: Any) -> Flat:
     than the manifest reader's JSON cap (``MAX_DEPTH`` levels, counted as in ``ROOT_LEVEL`` and
     the ``*_COST`` constants): whatever ``flatten`` accepts, ``sp.load`` can read. The walk
     recurses at most about ``MAX_DEPTH`` Python frames deep, well within the default limit.
+
+    Each node's flat key is built from its parent's (:func:`child_key`), so a state of many
+    leaves costs one escape per leaf whatever its depth.
     """
     flat = Flat(tree={})
+    tensors = flat.tensors
+    # Tied tensors: the name first stored for each identity, found by the identity's hash (an
+    # int costs a third of the identity tuple: 100 MB less at a million tensors); identities
+    # whose hash another one already has go in ``by_identity``.
+    by_hash: dict[int, str] = {}
     by_identity: dict[tuple[Any, ...], str] = {}
     active: set[int] = set()  # ids on the current path, to refuse reference cycles
 
-    def leaf_tensor(source: TensorSource, path: tuple[Key, ...]) -> Node:
+    def leaf_tensor(source: TensorSource, key: str) -> Node:
         ident = source.identity()
-        if ident is not None and ident in by_identity:
-            return {"t": "tensor", "ref": by_identity[ident], "kind": source.kind}
-        name = join(path)
+        code = 0
+        if ident is not None:
+            code = hash(ident)
+            seen = by_hash.get(code)
+            if seen is not None and tensors[seen].identity() != ident:
+                seen = by_identity.get(ident)
+            if seen is not None:
+                return {"t": "tensor", "ref": seen, "kind": source.kind}
+        name = key
         # "__metadata__" is the safetensors header's reserved key: never a tensor name.
-        if name in flat.tensors or name == "__metadata__":
+        if name in tensors or name == "__metadata__":
             n = 2
-            while f"{name}~{n}" in flat.tensors:
+            while f"{name}~{n}" in tensors:
                 n += 1
             name = f"{name}~{n}"
-        flat.tensors[name] = source
+        tensors[name] = source
         if ident is not None:
-            by_identity[ident] = name
+            if code in by_hash:
+                by_identity[ident] = name
+            else:
+                by_hash[code] = name
         return {"t": "tensor", "ref": name, "kind": source.kind}
 
-    def dataclass_items(obj: Any, path: tuple[Key, ...], level: int) -> list[list[Any]]:
+    def dataclass_items(obj: Any, key: str, is_root: bool, level: int) -> list[list[Any]]:
         items: list[list[Any]] = []
         for f in dataclasses.fields(obj):
+            sub = child_key(key, is_root, f.name)
             if not hasattr(obj, f.name):  # an init=False field nothing has set yet
-                key = join((*path, f.name))
                 raise UnsupportedStateError(
-                    f"{key}: field {f.name!r} of {type(obj).__qualname__} has no value to save",
-                    key=key,
+                    f"{sub}: field {f.name!r} of {type(obj).__qualname__} has no value to save",
+                    key=sub,
                 )
-            items.append([f.name, walk(getattr(obj, f.name), (*path, f.name), level + DICT_COST)])
+            items.append([f.name, walk(getattr(obj, f.name), sub, False, level + DICT_COST)])
         return items
 
-    def walk(obj: Any, path: tuple[Key, ...], level: int) -> Node:
-        key = join(path)
+    def walk(obj: Any, key: str, is_root: bool, level: int) -> Node:
         if level > MAX_DEPTH:
             raise UnsupportedStateError(
                 f"{(key if len(key) <= 60 else '...' + key[-57:]) or '<root>'}: the state is "
@@ -139,7 +173,7 @@ def flatten(state: Any) -> Flat:
             )
         source = make_source(obj, key)
         if source is not None:
-            return leaf_tensor(source, path)
+            return leaf_tensor(source, key)
         if obj is None or isinstance(obj, (bool, str)):
             return {"t": "value", "v": obj}
         if isinstance(obj, int):
@@ -157,8 +191,17 @@ def flatten(state: Any) -> Flat:
         active.add(id(obj))
         try:
             if isinstance(obj, Mapping):
-                items = []
+                items: list[list[Any]] = []
+                deeper = level + DICT_COST
+                prefix = "" if is_root else key + "/"
                 for k, v in obj.items():
+                    if type(k) is str:
+                        # The common case, inlined: escape() returns most keys unchanged.
+                        sub = prefix + (
+                            k if k.isascii() and "~" not in k and "/" not in k else escape(k)
+                        )
+                        items.append([k, walk(v, sub, False, deeper)])
+                        continue
                     if isinstance(k, bool) or not isinstance(k, (str, int)):
                         raise UnsupportedStateError(
                             f"{key or '<root>'}: dict key {k!r} of type {type(k).__name__} cannot be "
@@ -168,28 +211,29 @@ def flatten(state: Any) -> Flat:
                     items.append(
                         [
                             k if isinstance(k, str) else int(k),
-                            walk(v, (*path, k), level + DICT_COST),
+                            walk(v, prefix + escape(k), False, deeper),
                         ]
                     )
                 return {"t": "dict", "items": items}
             if isinstance(obj, (list, tuple)):
                 kind = "list" if isinstance(obj, list) else "tuple"
                 deeper = level + LIST_COST
+                prefix = "" if is_root else key + "/"
                 return {
                     "t": kind,
-                    "items": [walk(v, (*path, i), deeper) for i, v in enumerate(obj)],
+                    "items": [walk(v, f"{prefix}{i}", False, deeper) for i, v in enumerate(obj)],
                 }
             if is_stateful(obj):
                 bare = unwrap(obj)  # a compiled or DDP model saves the keys of the model inside
                 cls = type(bare)
-                inner = walk(bare.state_dict(), path, level + STATEFUL_COST)
+                inner = walk(bare.state_dict(), key, is_root, level + STATEFUL_COST)
                 return {
                     "t": "stateful",
                     "type": f"{cls.__module__}.{cls.__qualname__}",
                     "state": inner,
                 }
             if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-                return {"t": "dict", "items": dataclass_items(obj, path, level)}
+                return {"t": "dict", "items": dataclass_items(obj, key, is_root, level)}
         finally:
             active.discard(id(obj))
         raise UnsupportedStateError(
@@ -199,7 +243,14 @@ def flatten(state: Any) -> Flat:
             key=key,
         )
 
-    flat.tree = walk(state, (), ROOT_LEVEL)
+    try:
+        flat.tree = walk(state, "", True, ROOT_LEVEL)
+    finally:
+        # The nested functions refer to each other, so these would live until the next garbage
+        # collection (a million identities are 300 MB).
+        by_hash.clear()
+        by_identity.clear()
+        active.clear()
     return flat
 
 
@@ -232,23 +283,7 @@ def build(node: Node, tensor: Callable[[str, str], Any]) -> Any:
 
 def refs(node: Node) -> set[str]:
     """Every tensor name a subtree refers to."""
-    found: set[str] = set()
-
-    def walk(n: Node) -> None:
-        t = n["t"]
-        if t == "tensor":
-            found.add(n["ref"])
-        elif t == "dict":
-            for _, child in n["items"]:
-                walk(child)
-        elif t in ("list", "tuple"):
-            for child in n["items"]:
-                walk(child)
-        elif t == "stateful":
-            walk(n["state"])
-
-    walk(node)
-    return found
+    return {n["ref"] for n in tensor_nodes(node)}
 
 
 def leaves(node: Node, path: tuple[Key, ...] = ()) -> list[tuple[tuple[Key, ...], Node]]:
@@ -261,6 +296,62 @@ def leaves(node: Node, path: tuple[Key, ...] = ()) -> list[tuple[tuple[Key, ...]
     if t == "stateful":
         return leaves(node["state"], path)
     return [(path, node)]
+
+
+def tensor_nodes(node: Node) -> list[Node]:
+    """Every tensor leaf, depth first, in stored order (iterative: any depth)."""
+    out: list[Node] = []
+    stack = [node]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    while stack:
+        n = pop()
+        t = n["t"]
+        if t == "tensor":
+            out.append(n)
+        elif t == "dict":
+            extend([child for _, child in reversed(n["items"])])
+        elif t == "list" or t == "tuple":
+            extend(reversed(n["items"]))
+        elif t == "stateful":
+            push(n["state"])
+    return out
+
+
+def keyed_leaves(node: Node) -> list[tuple[str, Node]]:
+    """(flat key, node) for every leaf, depth first, in stored order: ``join(path)`` for each
+    (path, node) of :func:`leaves`, without building paths (iterative: any depth)."""
+    out: list[tuple[str, Node]] = []
+    stack: list[tuple[Node, str, bool]] = [(node, "", True)]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    while stack:
+        n, key, is_root = pop()
+        t = n["t"]
+        if t == "dict":
+            prefix = "" if is_root else key + "/"
+            extend(
+                [
+                    (
+                        child,
+                        prefix
+                        + (
+                            k
+                            if type(k) is str and k.isascii() and "~" not in k and "/" not in k
+                            else escape(k)
+                        ),
+                        False,
+                    )
+                    for k, child in reversed(n["items"])
+                ]
+            )
+        elif t == "list" or t == "tuple":
+            prefix = "" if is_root else key + "/"
+            items = n["items"]
+            extend([(items[i], f"{prefix}{i}", False) for i in range(len(items) - 1, -1, -1)])
+        elif t == "stateful":
+            push((n["state"], key, is_root))
+        else:
+            out.append((key, n))
+    return out
 
 
 def select(node: Node, wanted: list[str]) -> Node | None:
