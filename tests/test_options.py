@@ -26,3 +26,11 @@ def test_devices_that_are_no_devices_and_ones_that_are() -> None:
     check_device("cpu")
     check_device("meta")
     assert check_load(device="cpu", keys="a") == "a"
+
+
+def test_load_refuses_a_missing_cuda_device_before_reading(tmp_path: object) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(sp.UnsupportedDeviceError, match="no CUDA support|no CUDA device"):
+        sp.load("memory://nothing-here/ckpt", device="cuda")  # refused before the path is read

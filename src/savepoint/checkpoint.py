@@ -243,6 +243,7 @@ def load(
         progress=progress,
         process_group=process_group,
         timeout=timeout,
+        device=device,
     )
     location = resolve_path(path, what="checkpoint path")
     options: dict[str, Any] = {
