@@ -1,0 +1,296 @@
+"""Hugging Face checkpointing against savepoint's integrations, same model, same process.
+
+A GPT-2 built from a config (no download; ``--layers`` x ``--width``, GPT-2's vocabulary: 82M
+parameters, 330 MB, at the defaults) after one AdamW step, so a checkpoint holds the weights and
+two moment buffers (about 1 GB). Each save is timed two ways:
+
+- blocking: until the call returns (what the training loop waits for);
+- durable: until every byte written is on disk. accelerate and Trainer do not fsync, so their
+  durable time is the call plus an fsync of every file and directory they wrote; savepoint's
+  saves return durable (blocking = durable), except ``AsyncCheckpointer``, whose ``save()``
+  returns after copying the state to a staging buffer and whose durable time is ``wait()``.
+
+Contenders (each round runs every contender once, the order alternating; round 0 warms up):
+
+- accelerate: ``accelerator.save_state(dir)`` (safetensors weights, pickled optimizer and RNG) vs
+  ``savepoint.integrations.accelerate.save_state(accelerator, path)`` vs
+  ``sp.AsyncCheckpointer().save(path, accelerator_state(accelerator))``;
+- transformers: ``Trainer._save_checkpoint`` (Trainer's own checkpoint at a save event) vs
+  ``SavepointTrainer._save_checkpoint`` (one savepoint checkpoint instead) vs a plain Trainer
+  with ``SavepointCallback`` (Trainer's checkpoint, then the savepoint one in its place).
+
+Medians of ``--repeat`` rounds, ratios savepoint / framework (below 1: savepoint faster)::
+
+    python benchmarks/bench_hf.py [--layers 6] [--width 768] [--repeat 5] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file under ``path``, then every directory, then ``path``'s parent."""
+    dirs = []
+    for root, _, files in os.walk(path):
+        dirs.append(root)
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    dirs.append(os.path.dirname(os.path.abspath(path)))
+    for d in dirs:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def size_of(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+    )
+
+
+Timing = tuple[float, float, int]  # blocking s, durable s, bytes written
+Contender = Callable[[str], Timing]
+
+
+def run(contenders: dict[str, Contender], root: str, repeat: int) -> dict[str, list[Timing]]:
+    results: dict[str, list[Timing]] = {name: [] for name in contenders}
+    for rnd in range(repeat + 1):
+        order = list(contenders.items())
+        if rnd % 2:
+            order.reverse()
+        for name, fn in order:
+            path = os.path.join(root, f"{name.replace(' ', '_')}-{rnd}")
+            timing = fn(path)
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            if rnd:
+                results[name].append(timing)
+    return results
+
+
+def report(title: str, results: dict[str, list[Timing]], baseline: str) -> None:
+    print(title)
+    med = {
+        k: (statistics.median(b for b, _, _ in v), statistics.median(d for _, d, _ in v), v[0][2])
+        for k, v in results.items()
+    }
+    base_b, base_d, _ = med[baseline]
+    for name, (b, d, n) in med.items():
+        ratio = (
+            ""
+            if name == baseline
+            else f"   ratio blocking {b / base_b:.2f}, durable {d / base_d:.2f}"
+        )
+        print(
+            f"  {name:<28} blocking {b:7.3f} s   durable {d:7.3f} s   "
+            f"{n / 1e6:8.1f} MB   {n / d / 1e6:7.0f} MB/s durable{ratio}"
+        )
+
+
+def make_model(layers: int, width: int):  # type: ignore[no-untyped-def]
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64))
+    return GPT2LMHeadModel(config)
+
+
+def bench_accelerate(args: argparse.Namespace, root: str) -> None:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import savepoint as sp
+    from savepoint.integrations.accelerate import accelerator_state, save_state
+
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = make_model(args.layers, args.width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LinearLR(opt)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    params = sum(p.numel() for p in model.parameters())
+
+    def framework(path: str) -> Timing:
+        t = time.perf_counter()
+        acc.save_state(path)
+        blocking = time.perf_counter() - t
+        fsync_tree(path)
+        return blocking, time.perf_counter() - t, size_of(path)
+
+    def savepoint_sync(path: str) -> Timing:
+        t = time.perf_counter()
+        save_state(acc, path)
+        elapsed = time.perf_counter() - t
+        return elapsed, elapsed, size_of(path)
+
+    checkpointer = sp.AsyncCheckpointer()
+
+    def savepoint_async(path: str) -> Timing:
+        t = time.perf_counter()
+        checkpointer.save(path, {**accelerator_state(acc), "extra": None})
+        blocking = time.perf_counter() - t
+        checkpointer.wait()
+        return blocking, time.perf_counter() - t, size_of(path)
+
+    try:
+        results = run(
+            {
+                "accelerator.save_state": framework,
+                "savepoint save_state": savepoint_sync,
+                "savepoint AsyncCheckpointer": savepoint_async,
+            },
+            root,
+            args.repeat,
+        )
+    finally:
+        checkpointer.close()
+    report(
+        f"accelerate {sys_version('accelerate')}: GPT-2 {args.layers}x{args.width}, "
+        f"{params / 1e6:.0f}M parameters + AdamW state, {args.repeat} rounds, medians",
+        results,
+        "accelerator.save_state",
+    )
+
+
+def bench_trainer(args: argparse.Namespace, root: str) -> None:
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from savepoint.integrations.transformers import SavepointTrainer
+
+    class Tokens(torch.utils.data.Dataset):  # type: ignore[misc]
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.arange(16) + i
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    model = make_model(args.layers, args.width)
+    out = os.path.join(root, "trainer")
+    training = TrainingArguments(
+        output_dir=out,
+        max_steps=1,
+        per_device_train_batch_size=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        log_level="error",
+    )
+    trainer = SavepointTrainer(model=model, args=training, train_dataset=Tokens())
+    trainer.train()  # one step: the optimizer has its state
+    trainer.args.save_strategy = "steps"
+    callback = trainer.savepoint_callback
+    assert callback is not None
+    params = sum(p.numel() for p in model.parameters())
+    step = [1000]
+
+    def checkpoint_dir() -> str:
+        step[0] += 1
+        trainer.state.global_step = step[0]
+        return os.path.join(out, f"checkpoint-{step[0]}")
+
+    def framework(path: str) -> Timing:
+        target = checkpoint_dir()
+        t = time.perf_counter()
+        Trainer._save_checkpoint(trainer, trainer.model, None)
+        blocking = time.perf_counter() - t
+        fsync_tree(target)
+        durable = time.perf_counter() - t
+        os.rename(target, path)
+        return blocking, durable, size_of(path)
+
+    def savepoint_trainer(path: str) -> Timing:
+        target = checkpoint_dir()
+        t = time.perf_counter()
+        trainer._save_checkpoint(trainer.model, None)
+        elapsed = time.perf_counter() - t
+        callback._trainer_wrote = False
+        os.rename(target, path)
+        return elapsed, elapsed, size_of(path)
+
+    def plain_with_callback(path: str) -> Timing:
+        target = checkpoint_dir()
+        t = time.perf_counter()
+        Trainer._save_checkpoint(trainer, trainer.model, None)
+        callback.on_save(
+            trainer.args,
+            trainer.state,
+            trainer.control,
+            model=trainer.model,
+            optimizer=trainer.optimizer,
+            lr_scheduler=trainer.lr_scheduler,
+        )
+        elapsed = time.perf_counter() - t
+        os.rename(target, path)
+        return elapsed, elapsed, size_of(path)
+
+    results = run(
+        {
+            "Trainer checkpoint": framework,
+            "SavepointTrainer": savepoint_trainer,
+            "Trainer + SavepointCallback": plain_with_callback,
+        },
+        root,
+        args.repeat,
+    )
+    report(
+        f"transformers {sys_version('transformers')} Trainer: GPT-2 {args.layers}x{args.width}, "
+        f"{params / 1e6:.0f}M parameters + AdamW state, {args.repeat} rounds, medians",
+        results,
+        "Trainer checkpoint",
+    )
+
+
+def sys_version(module: str) -> str:
+    import importlib
+
+    return str(getattr(importlib.import_module(module), "__version__", "?"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--only", choices=["accelerate", "transformers"], default=None)
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-hf-", dir=args.dir)
+    try:
+        if args.only in (None, "accelerate"):
+            bench_accelerate(args, root)
+        if args.only in (None, "transformers"):
+            bench_trainer(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
