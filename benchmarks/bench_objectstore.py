@@ -233,9 +233,8 @@ def end_to_end(mib: int, repeat: int, fs: object, clear: Callable[[], None]) -> 
     import obstore
     from obstore.store import S3Store
 
-    from savepoint.storage.objectstore import shared
-
     from savepoint.engine.read import locate
+    from savepoint.storage.objectstore import shared
 
     sp_save()
     spstore = shared("s3")
@@ -267,7 +266,7 @@ def end_to_end(mib: int, repeat: int, fs: object, clear: Callable[[], None]) -> 
         for i, size in enumerate(sizes):
             out = np.empty(size, dtype=np.uint8)
 
-            def one(start: int, out: np.ndarray = out, i: int = i) -> None:
+            def one(start: int, out: np.ndarray = out, i: int = i, size: int = size) -> None:
                 got = obstore.get_range(
                     raw_store, f"e2e-raw/f{i}", start=start, end=min(start + chunk, size)
                 )

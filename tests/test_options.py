@@ -32,5 +32,5 @@ def test_load_refuses_a_missing_cuda_device_before_reading(tmp_path: object) -> 
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(sp.UnsupportedDeviceError, match="no CUDA support|no CUDA device"):
+    with pytest.raises(sp.UnsupportedDeviceError, match=r"no CUDA support|no CUDA device"):
         sp.load("memory://nothing-here/ckpt", device="cuda")  # refused before the path is read
