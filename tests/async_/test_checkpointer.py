@@ -594,8 +594,11 @@ def test_async_manager_close_reports_failure_once(
     m.close()
     with pytest.raises(RuntimeError):
         m.save(2, make_state(2))
-    report = json.loads((run / "report.json").read_text())  # written at close all the same
-    assert report["loss_history"] == [[1, 0.5]] and report["checkpoints"] == []
+    from savepoint.runs.report import load_report
+
+    report = load_report(run)  # written at close all the same (report.json and its history log)
+    assert report is not None
+    assert report.loss_history == [(1, 0.5)] and report.checkpoints == []
 
 
 def test_async_manager_verification_failure(

@@ -56,6 +56,7 @@ RUN_KILLS = scale(18)
 MARKER = ".savepoint-dir"
 RUN_FILES = {"report.json", "run.json", ".writer.lock", MARKER, f"checkpoints/{MARKER}"}
 RUN_FILES |= {f"{a}/{n}" for a in ("latest", "best") for n in (MARKER, "savepoint-alias.json")}
+HISTORY = re.compile(rf"history/({re.escape(MARKER)}|\d{{12}}-\d{{12}}\.jsonl)")
 
 
 class Child:
@@ -170,7 +171,7 @@ def unreferenced(server: Server, store: Any, bucket: str, prefix: str, run: bool
     bad = []
     for key in objects(server, bucket, prefix + "/"):
         rel = key[len(prefix) + 1 :]
-        if run and rel in RUN_FILES:
+        if run and (rel in RUN_FILES or HISTORY.fullmatch(rel)):
             continue
         if run:
             m = re.fullmatch(r"(checkpoints/step-\d{10,})/(.+)", rel)

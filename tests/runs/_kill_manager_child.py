@@ -9,11 +9,14 @@ was saved for that step) and continues from the next step. It prints "ready" onc
 
 WHERE:STEP makes the child SIGKILL itself at one point inside the save of STEP:
 
-- ``report``: after the checkpoint is committed, as report.json is about to be replaced;
-- ``alias``: after report.json is written, as latest/ or best/ is about to be swapped in;
-- ``discard``: after the report and aliases, as the first old checkpoint is about to be deleted.
+- ``alias``: after the checkpoint is committed, as latest/ or best/ is about to be swapped in;
+- ``report``: after the aliases are swapped, as report.json is about to be replaced;
+- ``discard``: after the report and aliases, as the first old checkpoint is about to be deleted
+  (in the background step of the save, which the loop waits for before the next save when a kill
+  point is set).
 
-Each hook wraps the local store's call that takes the step (``LocalStore.put`` of report.json,
+Each hook wraps the local store's call that takes the step (``LocalStore.put`` of report.json or
+of the temporary a save writes it under,
 the ``rename``/``exchange`` that publishes an alias, the ``rename`` that moves a checkpoint away to
 delete it) and fires only for that file, so the point is the same whatever the order of the
 manager's other steps.
@@ -90,8 +93,12 @@ def install_kill_hook(where: str, at_step: int, current: list[int]) -> None:
         name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
         return parent == "checkpoints" and name.startswith("step-") and "-tmp-" in hidden
 
+    def report(path: str, *_: Any) -> bool:  # put in place, or under a temporary name
+        name = os.path.basename(path)
+        return name == "report.json" or name.startswith(".report.json.savepoint-tmp-")
+
     if where == "report":
-        wrap("put", lambda path, *_: os.path.basename(path) == "report.json")
+        wrap("put", report)
     elif where == "alias":
         wrap("rename", alias)
         wrap("exchange", alias)
@@ -123,6 +130,10 @@ def main() -> None:
         state = make_state(step)
         manager.log(step, loss=metrics(step)["loss"])
         print(f"saving {step}", flush=True)
+        if len(sys.argv) > 2:
+            # The background step of the last save (verification, pruning) runs while
+            # ``current`` still names that save, so a kill point fires in the save it names.
+            manager.wait()
         current[0] = step
         manager.save(step, state, metrics(step))
         print(f"saved {step}", flush=True)

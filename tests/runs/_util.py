@@ -43,6 +43,22 @@ def read(path: Path | str) -> Any:
         return json.load(f)
 
 
+def read_log(run: Path) -> list[dict[str, Any]]:
+    """The records of the run's ``history.jsonl``, one per line (complete lines only)."""
+    text = (run / "history.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.split("\n")[:-1] if line]
+
+
+def full_report(run: Any) -> dict[str, Any]:
+    """The run's whole report as one document: ``report.json`` (version 2) with the loss and
+    metric history of the history log put back in (what ``savepoint report --json`` prints)."""
+    from savepoint.runs.report import load_report
+
+    report = load_report(run)
+    assert report is not None, f"{run} has no report.json"
+    return report.to_json()
+
+
 def snapshot(run: Path) -> dict[str, bytes | None]:
     """What a reader of the run sees: report.json and the aliases' manifests (None: absent)."""
     out: dict[str, bytes | None] = {}

@@ -200,7 +200,7 @@ def _prune_during_load(monkeypatch: pytest.MonkeyPatch, writer: sp.CheckpointMan
         if not fired:
             step = max(writer.steps()) + 1
             fired.append(step)
-            writer.save(step, state(step), {"v": -float(step)})  # always the new best
+            writer.save(step, state(step), {"v": -float(step)}).wait()  # the new best; pruned
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module, "load", load)
@@ -464,4 +464,4 @@ def test_no_descriptor_leaks_across_saves(tmp_path: Path, async_save: bool) -> N
     m.wait()
     assert len(os.listdir("/proc/self/fd")) == before
     m.close()
-    assert len(os.listdir("/proc/self/fd")) == before - 1  # the writer lock
+    assert len(os.listdir("/proc/self/fd")) == before - 2  # the writer lock, the history log

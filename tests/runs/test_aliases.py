@@ -39,17 +39,19 @@ def held(run: Path, alias: str) -> int | None:
     return aliases.recorded_step(str(run), alias)
 
 
-def test_kill_between_report_and_alias_update_is_repaired_at_open(tmp_path: Path) -> None:
+def test_kill_between_alias_update_and_report_is_repaired_at_open(tmp_path: Path) -> None:
+    """The aliases are swapped just before report.json is replaced (one sync of the run
+    directory makes all three durable): a kill in between leaves latest/ ahead of the report."""
     run = tmp_path / "run"
-    run_kill_child(run, "alias:3")
-    # The window was hit: the report already says step 3, latest/ still holds step 2.
-    assert read(run / "report.json")["latest_step"] == 3
-    assert held(run, "latest") == 2
+    run_kill_child(run, "report:3")
+    # The window was hit: latest/ already holds step 3, the report still says step 2.
+    assert read(run / "report.json")["latest_step"] == 2
+    assert held(run, "latest") == 3
     code, out = cli("verify", str(run))
-    assert code == 1 and "latest/ is a copy of step 2, but report.json says step 3" in out
+    assert code == 1 and "latest/ is a copy of step 3, but report.json says step 2" in out
     _, out = cli("ls", str(run))
-    assert "warning: latest/ is a copy of step 2" in out
-    assert cli("ls", str(run), "--json")[1].count("latest/ is a copy of step 2") == 1
+    assert "warning: latest/ is a copy of step 3" in out
+    assert cli("ls", str(run), "--json")[1].count("latest/ is a copy of step 3") == 1
 
     # A read-only reader resolves "latest" through the checkpoints, not the stale alias.
     reader = sp.CheckpointManager(run, read_only=True)
@@ -67,10 +69,12 @@ def test_kill_between_report_and_alias_update_is_repaired_at_open(tmp_path: Path
 
 
 def test_kill_after_commit_before_the_report_is_adopted_at_open(tmp_path: Path) -> None:
-    """A checkpoint committed by a save killed before its books is kept (nothing committed is
-    lost) and listed by the next open, aliases included."""
+    """A checkpoint committed by a save killed before its books (here as its aliases were about
+    to be swapped) is kept (nothing committed is lost) and listed by the next open, aliases
+    included."""
     run = tmp_path / "run"
-    run_kill_child(run, "report:3")
+    run_kill_child(run, "alias:3")
+    assert held(run, "latest") == 2
     assert layout.committed_steps(str(run)) == [1, 2, 3]
     assert read(run / "report.json")["checkpoints"] == [2, 1]
     code, out = cli("verify", str(run))

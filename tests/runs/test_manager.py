@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from savepoint.runs.report import config_diff
 from savepoint.storage import local
 
 from . import _kill_manager_child as child
-from ._util import snapshot
+from ._util import full_report, read_log, snapshot
 
 # -- helpers ----------------------------------------------------------------------------------------
 
@@ -74,11 +75,13 @@ def test_layout_on_disk(run_dir: Path) -> None:
     )
     m.save(10, state(10), {"val": 0.5})
     m.save(20, state(20), {"val": 0.7})
+    m.wait()  # the background step removes the previous aliases (hidden until then)
 
     assert sorted(os.listdir(run_dir)) == [
         ".writer.lock",  # the writer lock (runs.lock)
         "best",
         "checkpoints",
+        "history.jsonl",  # the loss and metric history (runs.history)
         "latest",
         "report.json",
         "run.json",
@@ -107,11 +110,16 @@ def test_layout_on_disk(run_dir: Path) -> None:
         42,
     )
     report = read(run_dir / "report.json")
-    assert report["format"] == "savepoint-report" and report["version"] == 1
+    assert report["format"] == "savepoint-report" and report["version"] == 2
     assert report["latest_step"] == 20 and report["checkpoints"] == [20, 10]
     assert report["steps_completed"] == 20
     assert report["best"] == {"metric": "val", "mode": "min", "step": 10, "metrics": {"val": 0.5}}
-    assert report["metric_history"] == {"10": {"val": 0.5}, "20": {"val": 0.7}}
+    assert "metric_history" not in report and "loss_history" not in report  # in the log
+    assert read_log(run_dir) == [
+        {"step": 10, "metrics": {"val": 0.5}},
+        {"step": 20, "metrics": {"val": 0.7}},
+    ]
+    assert full_report(run_dir)["metric_history"] == {"10": {"val": 0.5}, "20": {"val": 0.7}}
     assert (report["variant"], report["config"], report["num_params"]) == ("v1", run["config"], 42)
     meta = sp.inspect(m.step_path(20)).metadata["savepoint_run"]
     assert meta == {"step": 20, "epoch": None, "metrics": {"val": 0.7}}
@@ -151,7 +159,13 @@ def test_retention_keeps_aliases_loadable(run_dir: Path) -> None:
 def test_no_aliases(run_dir: Path) -> None:
     with sp.CheckpointManager(run_dir, aliases=False, best_metric="val") as m:
         m.save(1, state(1), {"val": 1.0})
-    assert sorted(os.listdir(run_dir)) == [".writer.lock", "checkpoints", "report.json", "run.json"]
+    assert sorted(os.listdir(run_dir)) == [
+        ".writer.lock",
+        "checkpoints",
+        "history.jsonl",
+        "report.json",
+        "run.json",
+    ]
 
 
 def test_layout_names() -> None:
@@ -295,10 +309,16 @@ def test_retention_table(
         best_mode=mode,
     )
     tiny = {"x": np.zeros(2, np.float32)}
-    for step in range(1, 21):
-        m.save(step, tiny, metrics_of(step))
-        assert m.steps() == expected[step - 1], f"after saving step {step}"
-        assert read(run_dir / "report.json")["checkpoints"] == expected[step - 1][::-1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 21):
+            m.save(step, tiny, metrics_of(step))
+            assert m.steps() == expected[step - 1], f"after saving step {step}"
+            assert read(run_dir / "report.json")["checkpoints"] == expected[step - 1][::-1]
+    # Some saves give only a loss: when the run ranks by "val", that is said once, not per save.
+    unranked = [w for w in caught if "is never ranked as the best" in str(w.message)]
+    assert len(unranked) == (1 if best_metric is not None else 0), [str(w.message) for w in caught]
+    assert len(caught) == len(unranked)
     m.close()
     # Reopening recomputes the same best from the checkpoints' metadata.
     with sp.CheckpointManager(run_dir, best_metric=best_metric, best_mode=mode) as again:
@@ -360,7 +380,10 @@ def test_save_every_skips_and_force_overrides(run_dir: Path) -> None:
             report = run_dir / "report.json"
             report_before = report.read_bytes() if report.exists() else None
             pending = m.save(step, state(step), {"val": float(step)})
-            assert isinstance(pending, sp.PendingSave) and pending.done()
+            # A save is done once its background step (verification, retention) is.
+            assert isinstance(pending, sp.PendingSave) and (pending.done() or not step % 5)
+            pending.wait()
+            assert pending.done()
             assert pending.step == step
             if step % 5:
                 assert pending.skipped and pending.path is None
@@ -567,7 +590,8 @@ def test_restore_missing_steps(run_dir: Path) -> None:
             with pytest.raises(ValueError):
                 m.restore(blank(), bad)  # type: ignore[arg-type]
     with sp.CheckpointManager(run_dir.parent / "other", best_metric="val") as m:
-        m.save(1, state(1), {"loss": 3.0})  # never reports "val"
+        with pytest.warns(UserWarning, match="'val'.*never ranked as the best"):
+            m.save(1, state(1), {"loss": 3.0})  # never reports "val"
         with pytest.raises(sp.MissingCheckpointError):
             m.restore(blank(), "best")
 
@@ -620,7 +644,7 @@ def test_restore_resume_truncates_history(run_dir: Path) -> None:
         # The resumed run logs the replayed steps again.
         m.log(5, loss=4.5)
         m.save(6, state(6), {"val": 0.2})
-        on_disk = read(run_dir / "report.json")
+        on_disk = full_report(run_dir)
         assert on_disk["loss_history"] == [[1, 9.0], [2, 8.0], [3, 7.0], [4, 6.0], [5, 4.5]]
         assert sorted(on_disk["metric_history"], key=int) == ["1", "2", "3", "4", "6"]
         assert on_disk["lineage"] == m.report.lineage and on_disk["steps_completed"] == 6
@@ -837,15 +861,18 @@ def test_verify_failure_prunes_nothing(run_dir: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(savepoint.checkpoint, "verify", failing_verify)
     m.save(1, state(1))
     assert calls == []  # nothing to prune, nothing to verify
+    m.save(2, state(2))  # verified in the background: the next save, wait() or close() raises
     with pytest.raises(sp.CorruptCheckpointError) as info:
-        m.save(2, state(2))
+        m.wait()
     assert info.value.__cause__ is injected or info.value is injected
+    assert "did not verify" in str(info.value) and "nothing was pruned" in str(info.value)
     assert calls == [m.step_path(2)]
     assert m.steps() == [1, 2]
+    m.wait()  # raised once
     same(sp.load(m.step_path(1)), state(1))
     monkeypatch.undo()
     m.save(3, state(3))
-    assert m.steps() == [3]
+    assert m.steps() == [3]  # 2 is not counted by keep_last=1, and goes once 3 verifies
     m.close()
 
 
@@ -861,8 +888,9 @@ def test_real_verification_catches_damage_before_pruning(
     with sp.CheckpointManager(run_dir, keep_last=1) as m:
         m.save(1, state(1))
         monkeypatch.setattr(savepoint.checkpoint, "verify", damage_then_verify)
+        m.save(2, state(2))
         with pytest.raises(sp.CorruptCheckpointError):
-            m.save(2, state(2))
+            m.save(3, state(3))  # raised by the next save, which saves nothing
         assert m.steps() == [1, 2]
         same(sp.load(m.step_path(1)), state(1))
 
@@ -954,7 +982,7 @@ def test_numpy_metrics_stored_as_plain_numbers(run_dir: Path) -> None:
         assert m.best_step() == 1
     meta = sp.inspect(run_dir / "checkpoints" / layout.step_name(1)).metadata
     assert meta["savepoint_run"]["metrics"] == want
-    report = read(run_dir / "report.json")
+    report = full_report(run_dir)
     assert report["metric_history"]["1"] == {**want, "lr": 0.125}
     assert report["loss_history"] == [[1, 2.5]]
     assert report["best"]["metrics"] == want
@@ -970,7 +998,7 @@ def test_torch_metrics_stored_as_plain_numbers(run_dir: Path) -> None:
         m.log(1, loss=torch.tensor(1.5), acc=torch.tensor(0.75))
         assert m.metrics(1) == {"val": 0.25, "n": 4}
         assert type(m.metrics(1)["val"]) is float and type(m.metrics(1)["n"]) is int
-    report = read(run_dir / "report.json")
+    report = full_report(run_dir)
     assert report["metric_history"]["1"] == {"val": 0.25, "n": 4, "acc": 0.75}
     assert report["loss_history"] == [[1, 1.5]]
 
@@ -1001,7 +1029,7 @@ def test_log_builds_history(run_dir: Path) -> None:
         m.save(3, state(3), {"val": 0.1}, epoch=2)
         assert m.report.metric_history[3] == {"acc": 0.7, "top5": 0.9, "val": 0.1}
         assert m.report.epoch == 2
-    report = read(run_dir / "report.json")
+    report = full_report(run_dir)
     assert report["loss_history"] == [[1, 2.0], [2, 1.5], [2, 1.4]]
     assert report["epoch"] == 2 and report["steps_completed"] == 3
     assert sp.inspect(run_dir / "latest").metadata["savepoint_run"]["epoch"] == 2
@@ -1046,7 +1074,7 @@ def test_context_manager_closes(run_dir: Path) -> None:
     with sp.CheckpointManager(run_dir) as m:
         m.log(1, loss=3.0)
         assert not (run_dir / "report.json").exists()
-    assert read(run_dir / "report.json")["loss_history"] == [[1, 3.0]]
+    assert full_report(run_dir)["loss_history"] == [[1, 3.0]]
     with pytest.raises(RuntimeError):
         m.save(2, state(2))
     with pytest.raises(RuntimeError):
@@ -1064,7 +1092,7 @@ def test_close_writes_report_even_on_error(run_dir: Path) -> None:
 
     with pytest.raises(KeyError):
         train()
-    assert read(run_dir / "report.json")["loss_history"] == [[1, 1.0]]
+    assert full_report(run_dir)["loss_history"] == [[1, 1.0]]
 
 
 # -- SIGKILL during saves ---------------------------------------------------------------------------

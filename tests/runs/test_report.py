@@ -61,6 +61,24 @@ def test_report_round_trip() -> None:
     assert set(back.metric_history) == {2, 10}
 
 
+def test_the_file_report_holds_no_history() -> None:
+    """report.json (version 2) is what the run is now: the history is in the log
+    (runs.history), so its size does not grow with the steps logged."""
+    report = full_report()
+    doc = report.to_file_json()
+    assert doc["format"] == "savepoint-report" and doc["version"] == 2
+    assert "loss_history" not in doc and "metric_history" not in doc
+    assert doc["history"] == {"file": "history.jsonl", "segments": "history/"}
+    back = Report.from_json(through_json(doc), "report.json")
+    assert back.loss_history == [] and back.metric_history == {}
+    assert back.checkpoints == report.checkpoints and back.lineage == report.lineage
+    report.loss_history.extend((s, 1.0) for s in range(11, 10_000))
+    assert report.to_file_json() == doc  # a longer history, the same report
+    newer = {**doc, "version": 3}
+    with pytest.raises(sp.IncompatibleCheckpointError):
+        Report.from_json(newer, "report.json")
+
+
 def test_report_round_trip_through_files(tmp_path: Path) -> None:
     path = str(tmp_path / "report.json")
     R.write_json(path, full_report().to_json())

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from savepoint import checkpoint
 from savepoint.codecs import manifest as mf
 from savepoint.commit import names, pointer
-from savepoint.commit.transaction import Transaction, discard
+from savepoint.commit.transaction import Transaction, check_target, discard
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import CheckpointError
 from savepoint.runs import layout
@@ -42,6 +42,7 @@ from savepoint.storage.paths import Location, PathArg, resolve
 __all__ = [
     "NAMES",
     "Staged",
+    "StagedLinks",
     "StagedPointer",
     "Staging",
     "by_pointer",
@@ -215,9 +216,15 @@ class Staged:
             self._tx.abort()
             raise
 
-    def publish(self) -> None:
-        """Make the staged copy the alias, atomically."""
+    def publish(self, *, sync: bool = True) -> None:
+        """Make the staged copy the alias, atomically (and durably: ``sync`` is implied)."""
         self._tx.commit(self._manifest)
+
+    def finish(self) -> None:
+        """Nothing left to do (the transaction removed the previous alias)."""
+
+    def undo(self) -> None:
+        """Nothing to put back: the caller republishes the previous alias."""
 
     def abort(self) -> None:
         """Remove the staged copy (never raises)."""
@@ -234,14 +241,97 @@ class StagedPointer:
             raise FileNotFoundError(errno.ENOENT, "no committed checkpoint", store.url(source))
         self._store, self._target, self._source = store, target, source
 
-    def publish(self) -> None:
+    def publish(self, *, sync: bool = True) -> None:
         pointer.write(self._store, self._target, self._source)
+
+    def finish(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        pass
 
     def abort(self) -> None:
         pass
 
 
-Staging = Staged | StagedPointer
+class StagedLinks:
+    """An alias being replaced on a store that renames (a local disk, memory): a hidden sibling
+    of the alias filled with hard links to the step's files (``manifest.json`` last).
+    :meth:`publish` renames it into place, or exchanges it with the alias in one atomic step.
+
+    Fewer syncs than a commit transaction (which syncs the staging directory, then the parent,
+    once per alias): none here but one sync of the run directory, after the swap. With
+    ``sync=False`` not even that: the manager replaces ``report.json`` right after, and the
+    background step of its save syncs the run directory once for the report and both aliases;
+    until the report is written, :meth:`undo` swaps the previous alias back exactly as it was
+    (it is kept under the staging name until :meth:`finish`), with no new file needed.
+
+    Why the staging directory needs no sync of its own: an alias holds only links to files that
+    are already committed and synced; the links are made before the swap and the run directory
+    is synced after it, and journaling filesystems (ext4, XFS, btrfs, ZFS) make metadata durable
+    in the order it was changed, so that sync persists the links too. A filesystem that did not
+    could, after a power cut, show an alias missing some of its links: ``sp.load`` then refuses
+    it (a missing file, or no manifest: never other data), and the next writing open rebuilds
+    it from the report. Where the store cannot exchange, the commit transaction's two-rename
+    replace (:class:`Staged`) is used."""
+
+    def __init__(self, store: Store, target: str, source: str, what: str) -> None:
+        check_target(store, target, what)
+        self._store, self._target, self._source, self._what = store, target, source, what
+        self._staging = names.hidden(store, target, names.TMP_TAG)
+        self._moved: str | None = None  # "renamed" or "exchanged", until finish() or undo()
+        store.mkdir(self._staging)
+        try:
+            link_tree(store, source, self._staging)
+        except BaseException:
+            self.abort()
+            raise
+
+    def publish(self, *, sync: bool = True) -> None:
+        """Make the staged copy the alias, atomically; ``sync``: durably too, and done."""
+        store, staging, target = self._store, self._staging, self._target
+        try:
+            if store.stat(target) is None:
+                store.rename(staging, target)
+                self._moved = "renamed"
+            elif store.exchange(staging, target):
+                self._moved = "exchanged"  # the previous alias is now at the staging name
+        except BaseException:
+            self.abort()  # nothing moved: the staged copy goes
+            raise
+        if self._moved is None:  # no exchange on this filesystem
+            self.abort()
+            Staged(store, target, self._source, self._what).publish()
+            return
+        if sync:
+            store.sync_dir(store.parent(target))
+            self.finish()
+
+    def finish(self) -> None:
+        """Remove the previous alias (best effort: a dead process's is removed at the next
+        open)."""
+        if self._moved == "exchanged":
+            with contextlib.suppress(OSError):
+                self._store.remove_tree(self._staging)
+        self._moved = None
+
+    def undo(self) -> None:
+        """Put the previous alias back (or none, where there was none). Raises OSError."""
+        store, staging, target = self._store, self._staging, self._target
+        if self._moved == "exchanged":
+            store.exchange(staging, target)
+        elif self._moved == "renamed":
+            store.rename(target, staging)
+        self._moved = None
+        self.abort()
+
+    def abort(self) -> None:
+        """Remove the staged copy (never raises)."""
+        with contextlib.suppress(OSError):
+            self._store.remove_tree(self._staging)
+
+
+Staging = Staged | StagedPointer | StagedLinks
 
 
 def by_pointer(store: Store) -> bool:
@@ -251,14 +341,16 @@ def by_pointer(store: Store) -> bool:
 
 
 def stage(directory: PathArg, alias: str, step: int) -> Staging:
-    """Begin replacing ``alias`` by checkpoint ``step``: a linked copy (see :class:`Staged`), or
-    on stores without hard links a pointer (:class:`StagedPointer`); on failure nothing is left
-    behind."""
+    """Begin replacing ``alias`` by checkpoint ``step``: a linked copy (:class:`StagedLinks` where
+    the store renames, :class:`Staged` elsewhere), or on stores without hard links a pointer
+    (:class:`StagedPointer`); on failure nothing is left behind."""
     run = _run(directory)
     source = layout.step_location(run, step).path
     target = path_of(run, alias).path
     if by_pointer(run.store):
         return StagedPointer(run.store, target, source)
+    if run.store.capabilities.atomic_rename:
+        return StagedLinks(run.store, target, source, f"{alias}/ alias")
     return Staged(run.store, target, source, f"{alias}/ alias")
 
 

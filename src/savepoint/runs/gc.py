@@ -12,6 +12,9 @@ tidies most of them. :func:`collect` removes the rest, on any store, and
 - **superseded generations**: older committed generations of a checkpoint whose newest
   committed generation replaced them (a crash between the manifest put and the tidy), and the
   files of a flat checkpoint a generation replaced, older than ``grace``;
+- **history segments covered by a compacted one** (object stores: a compaction cut short
+  between putting the merged segment and deleting its parts, :mod:`savepoint.runs.history`),
+  older than ``grace``;
 - **step directories holding nothing committed** (``checkpoints/step-N`` whose save died before
   its first commit), when nothing in them is younger than ``grace``; one that ``report.json``
   lists is never removed (it is reported, for inspection);
@@ -27,8 +30,9 @@ tidies most of them. :func:`collect` removes the rest, on any store, and
 
 Never removed: a committed checkpoint (the newest committed generation of every checkpoint, and
 every checkpoint ``report.json`` lists or names as latest or best, or that an alias points at,
-or whose deletion is pending), ``run.json``, ``report.json``, the writer lock, the aliases, and
-anything younger than ``grace``. Each removal is a whole directory (or blob) that no reader
+or whose deletion is pending), ``run.json``, ``report.json``, the history log (``history.jsonl``
+and every segment no other covers), the writer lock, the aliases, and anything younger than
+``grace``. Each removal is a whole directory (or blob) that no reader
 resolves to, so a reader never sees a checkpoint change; a committed generation loses its
 manifest first, so a removal cut short leaves nothing that reads as a checkpoint.
 
@@ -61,7 +65,7 @@ from savepoint.errors import (
     CheckpointPermissionError,
     CheckpointWriteError,
 )
-from savepoint.runs import layout
+from savepoint.runs import history, layout
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.report import REPORT_FILE, RUN_FILE, load_report
 from savepoint.storage.base import Store, walk
@@ -375,7 +379,7 @@ class _Sweep:
 
     def run(self) -> None:
         store, run = self.store, self.where.path
-        report = load_report(self.where)
+        report = load_report(self.where, history=False)
         listed: set[int] = set()
         pending: set[int] = set()
         if report is not None:
@@ -409,6 +413,7 @@ class _Sweep:
                     "its next open or save",
                 )
             self.checkpoint(path, listed=step in listed)
+        self.history_segments(store.join(run, history.SEGMENTS_DIR))
         for entry in _list(store, run):
             if _hidden_tag(entry) is not None:
                 self.hidden(run, entry)
@@ -417,6 +422,23 @@ class _Sweep:
                 if pointer.target(store, alias) is None:
                     # A linked copy (a checkpoint of its own): its superseded generations only.
                     self.checkpoint(alias, listed=True)
+
+    def history_segments(self, directory: str) -> None:
+        """History segments that a longer one covers (a compaction cut short between putting
+        the merged segment and deleting its parts): no reader reads them."""
+        try:
+            _live, covered = history.segments(self.store, directory)
+        except (OSError, CheckpointError) as exc:
+            self.failures.append(Skipped(self.url(directory), f"cannot be looked at: {exc}"))
+            return
+        for seg in covered:
+            path = self.store.join(directory, seg.name)
+            age = self._age(path)
+            reason = f"history segment covered by a compacted one, {_age_text(age)}"
+            if age < self.grace:
+                self.skip(path, f"{reason}: younger than the grace period ({self.grace:g} s)")
+            else:
+                self.remove(path, reason)
 
     # -- one checkpoint ------------------------------------------------------------------------
 

@@ -4,7 +4,10 @@
 
     run/
       run.json                 what the run is (name, variant, config, parameter count)
-      report.json              what it did (history, best, lineage), rewritten after every save
+      report.json              what it is now (checkpoints, best, lineage), replaced at each save
+      history.jsonl            what it did step by step (loss, metrics), appended to
+                               (on object stores: history/<first>-<last>.jsonl segments;
+                               :mod:`savepoint.runs.history`)
       checkpoints/
         step-0000000100/       one savepoint checkpoint per saved step (10-digit, zero padded)
         step-0000000200/

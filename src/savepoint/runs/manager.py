@@ -28,32 +28,58 @@ Sequence of ``save(step, state, metrics)``:
    checkpoint of that step already exists it is first hard-linked aside (copied where the store
    has no hard links), so a failed save can put it back;
 3. once committed, the run's books: after a resume, checkpoints newer than this step (the
-   abandoned timeline) leave the run; retention picks the checkpoints to delete, after reading the
-   new one back and verifying it (manifest and every checksum; if that fails nothing is deleted
-   and, once the save is otherwise complete, CorruptCheckpointError is raised). Retention never
-   deletes the newest checkpoint, the current best, or the checkpoint this run resumed from;
-4. the aliases that change are staged (a commit transaction each, its staging filled with hard
-   links: the last step that needs free space), then ``report.json`` is replaced atomically: it
-   lists the new checkpoint, no longer lists the ones being deleted, and names them under
-   ``discarding``;
-5. the staged aliases are committed (an alias the report no longer names is removed);
-6. the checkpoints under ``discarding`` are deleted, and the report is rewritten without them.
+   abandoned timeline) leave the run (the report names them under ``discarding``);
+4. the aliases that change are staged (hard links, :class:`~savepoint.runs.aliases.StagedLinks`,
+   or a pointer on object stores: the last step that needs free space) and swapped in;
+5. the records logged since the last save (and this save's metrics) are appended to the history
+   log (:mod:`savepoint.runs.history`), then ``report.json`` is replaced atomically: it lists the
+   new checkpoint. ``save`` returns here: the checkpoint is committed and synced, the report
+   names it. On a disk that is one fsync beyond a plain ``sp.save`` (the report's bytes); the
+   renames of the report and the aliases are synced in step 6, and a power cut before that
+   brings back the previous report and aliases, whole, which the next open repairs as it does
+   after a kill;
+6. *the background step* (a thread per save; inside the writer thread of an async save): the
+   previous aliases are removed, the run directory and the history log are synced, checkpoints
+   left under ``discarding`` are deleted; then, if retention would delete anything, the new
+   checkpoint is read back and verified (manifest and every checksum: ``verify_before_prune``),
+   and only once it verified does retention pick the checkpoints to delete (never the newest,
+   the current best, or the checkpoint this run resumed from), ``report.json`` name them under
+   ``discarding`` (synced) and the deletion run; object stores' history segments are compacted.
+   ``wait()``, ``close()``, the next save and every query (``steps()``, ``latest_step()``,
+   ``best_step()``) wait for it; the ``PendingSave`` a synchronous save returns is done when it
+   is.
+
+A checkpoint that fails verification is kept and nothing is pruned; the failure is recorded in
+``report.json`` (``verify_failures``) and raised, once, as CorruptCheckpointError by the save's
+``PendingSave.wait()`` and by the next ``save`` (which then saves nothing: call it again),
+``wait()`` or ``close()``. From then on retention does not count that checkpoint (it never takes
+a verified one's place under ``keep_last``/``keep_best``, and is deleted once a newer one
+verifies) and it is never the best. At interpreter exit a background step still running is
+finished, and a failure it found is printed.
 
 Failure semantics. Every error out of the manager (``save``, ``PendingSave.wait()`` and
 ``exception()`` of an async save, ``wait``, ``close``, ``restore``) is a CheckpointError subclass,
 usage errors aside (a bad argument is ValueError, a closed manager RuntimeError);
 a failed write is CheckpointWriteError with the failing call's ``errno`` (``errno.ENOSPC`` for a
-full disk), never a raw OSError and never the bare base class. A save that fails in steps 2-5 has
-*not* happened: the checkpoint is removed again (or the previous checkpoint of that step put
-back), ``report.json`` and the aliases are as they were, nothing was deleted, and the message says
-so. Only if undoing fails as well does the error say what is left (the next open repairs it). A
-failure in step 6 does not fail the save: the checkpoints stay on disk, are not part of the run
-(not in ``steps()`` or the report), and the deletion is retried by the next save, ``close()`` or
-open. A SIGKILL at any point leaves the old run or the new one: a checkpoint committed in step 2 is
-kept and listed by the next open, even if its books were never written. A background save whose
-commit fails does not count as a save for the save policy (nor does a failed synchronous one). An
-exception leaving a ``with CheckpointManager(...)`` block is not replaced by a failure of the
-``close()`` it triggers: that error is attached to it as a note (printed on Python 3.10).
+full disk), never a raw OSError and never the bare base class; a write the store refused says so
+in the store's own words, with the store's advice (credentials and bucket policy on an object
+store, permissions on a disk: :func:`savepoint.commit.transaction.refused_hint`). A save that
+fails in steps 2-5 has *not* happened: the checkpoint is removed again (or the previous checkpoint
+of that step put back), ``report.json``, the history log and the aliases are as they were, nothing
+was deleted, and the message says so. Only if undoing fails as well does the error say what is
+left (the next open repairs it). A failure in step 6 does not undo the save: a deletion that
+fails leaves the checkpoint on disk, not part of the run, and is retried by the next save,
+``close()`` or open; a failed sync of the books is CheckpointWriteError from the next save,
+``wait()`` or ``close()``. A SIGKILL at any point leaves the old run or the new one: a checkpoint
+committed in step 2 is kept and listed by the next open, even if its books were never written,
+and a history record cut short is ignored (and cut off by the next writing open). A background
+save whose commit fails does not count as a save for the save policy (nor does a failed
+synchronous one). An exception leaving a ``with CheckpointManager(...)`` block is not replaced by
+a failure of the ``close()`` it triggers: that error is attached to it as a note (printed on
+Python 3.10).
+
+A save given metrics but none named ``best_metric`` (a misspelt name, say) warns once per
+manager (UserWarning): that checkpoint can never be ranked as the best.
 
 ``restore(into, step="latest")`` writes nothing: it reads checkpoints only, so it works on
 read-only media. Its bookkeeping (lineage, history truncated after the step resumed from) is
@@ -70,6 +96,7 @@ after it opened), an explicit step deleted meanwhile is CheckpointNotFoundError 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -86,7 +113,7 @@ from savepoint import checkpoint
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.codecs import manifest as mf
-from savepoint.commit.transaction import discard
+from savepoint.commit.transaction import discard, refused_hint
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
     CheckpointError,
@@ -101,12 +128,13 @@ from savepoint.errors import (
 )
 from savepoint.info import CheckpointInfo
 from savepoint.options import SaveOptions
-from savepoint.runs import aliases, layout, policies
+from savepoint.runs import aliases, history, layout, policies
 from savepoint.runs.gc import GcReport, collect
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.policies import Entry, Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.report import (
     REPORT_FILE,
+    REPORT_VERSION,
     RUN_FILE,
     Report,
     RunInfo,
@@ -117,9 +145,12 @@ from savepoint.runs.report import (
     load_report,
     now_iso,
     plain_value,
+    read_history,
     read_json,
+    read_report,
     write_json,
 )
+from savepoint.storage.base import Store
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = ["CheckpointManager", "StepSpec"]
@@ -131,8 +162,10 @@ _HINTS = {
     errno.ENOSPC: "free disk space and save again",
     errno.EDQUOT: "free quota and save again",
     errno.EROFS: "the filesystem is read-only",
-    errno.EACCES: "check the permissions of the run directory",
 }
+# Managers whose background step (verification, retention) may still run or failed unreported:
+# finished (and a failure printed) at interpreter exit.
+_LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
 class CheckpointManager:
@@ -265,8 +298,19 @@ class CheckpointManager:
         # them while the caller's thread reads them.)
         self._discarding: frozenset[int] = frozenset()
         self._discarding_on_disk: frozenset[int] = frozenset()
-        # On object stores retention's deletions run here, behind the save that decided them.
-        self._deleter: threading.Thread | None = None
+        # The background step of the last save (history sync, verification, retention), and
+        # the error it left for the next save, wait() or close() to raise.
+        self._background: threading.Thread | None = None
+        self._background_error: BaseException | None = None
+        # Steps whose checkpoint did not verify when read back (report.verify_failures): never
+        # counted by retention, never the best.
+        self._failed: frozenset[int] = frozenset()
+        self._best_warned = False
+        # The history log (writers only) and the records not yet appended to it.
+        self._history: history.HistoryWriter | None = None
+        # (a log() call is kept as its (step, loss, metrics) tuple: made a record when written)
+        self._log: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]] = []
+        self._report_version: int | None = None  # of report.json on disk (1: history inline)
         self._inflight: int | None = None  # the step an async save is writing
         self._last_async: _AsyncSave | None = None
         self._lock_error_raised = False
@@ -289,6 +333,8 @@ class CheckpointManager:
                 release.atexit = False
                 self._release = release
             self.run, new_run_file, report = self._open_run(name, variant, config, num_params)
+            if self._writes_books():
+                self._history = history.writer(self._run)
             listed = report.checkpoints if report is not None else ()
             on_disk = layout.committed_steps(self._run, expected=listed)
             self.report = self._open_report(report, on_disk)
@@ -303,6 +349,7 @@ class CheckpointManager:
                 if isinstance(metric, str) and mode in ("min", "max"):
                     self.best_metric, self.best_mode = metric, mode
             self._wall_before = self.report.wall_time_s
+            self._failed = _failed_steps(self.report)
             pending = set(self.report.discarding) - set(self.report.checkpoints)
             self._discarding_on_disk = frozenset(self.report.discarding)
             self._discarding = frozenset(pending & set(on_disk))
@@ -316,8 +363,12 @@ class CheckpointManager:
                 self._record_config_change()
             if self._writes_books():
                 self._repair()
+                _LIVE.add(self)
         except BaseException as exc:
             self._release_lock()
+            if self._history is not None:
+                with contextlib.suppress(OSError):
+                    self._history.close()
             if self._async is not None:
                 self._async.close()
             if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
@@ -368,7 +419,7 @@ class CheckpointManager:
             if read_only is None and exists and exc.errno in _READ_ONLY_ERRNOS:
                 self.read_only_reason = f"{os.strerror(exc.errno or 0)} ({exc.filename})"
                 return True, None
-            raise _write_error(f"cannot open the run directory {self.directory}", exc) from exc
+            raise self._write_error(f"cannot open the run directory {self.directory}", exc) from exc
         with contextlib.suppress(OSError, CheckpointError):  # tidying is best effort
             layout.clean_stale_in(store, checkpoints.path)
             layout.clean_stale_in(store, self._run.path)
@@ -413,12 +464,12 @@ class CheckpointManager:
             # Compare with what the run really is: a writer stopped between report.json and
             # run.json left run.json behind (report.lagging_run); the caller's config is checked
             # against the caught-up one, and run.json is rewritten once the open succeeds.
-            report = load_report(self._run)
+            report, self._report_version = read_report(self._run)
             caught_up = lagging_run(run, report) if report is not None else None
             if caught_up is not None:
                 run, stale = caught_up, True
         else:
-            report = load_report(self._run)
+            report, self._report_version = read_report(self._run)
             if report is None:
                 return wanted, True, None
             source = REPORT_FILE
@@ -458,12 +509,16 @@ class CheckpointManager:
         try:
             write_json(where, self.run.to_json())
         except OSError as exc:
-            raise _write_error(f"cannot create {where}", exc) from exc
+            raise self._write_error(f"cannot create {where}", exc) from exc
 
     def _open_report(self, report: Report | None, on_disk: list[int]) -> Report:
         if report is None:
             self._dirty = True  # close() writes the first report.json
-            return Report.for_run(self.run)
+            fresh = Report.for_run(self.run)
+            # A log without a report: a first save killed before its report, or a report moved
+            # aside to be rebuilt; its history is the run's.
+            read_history(self._run, fresh)
+            return fresh
         if self._check_on_open:
             check_consistent(self.directory, self.run, report, on_disk)
         return report
@@ -494,7 +549,9 @@ class CheckpointManager:
         try:
             self._store_report()
         except OSError as exc:
-            raise _write_error(f"cannot record the config change in {REPORT_FILE}", exc) from exc
+            raise self._write_error(
+                f"cannot record the config change in {REPORT_FILE}", exc
+            ) from exc
         self._finish_open_run()
         warnings.warn(
             f"{self.directory}: the run's config changed at step {step} ({keys}); recorded in "
@@ -514,13 +571,21 @@ class CheckpointManager:
         """Finish what an interrupted writer left (see the module docstring), then make the
         aliases agree with the report."""
         with self._lock:
+            assert self._history is not None
+            try:
+                self._history.repair()  # a torn last line, segments a compaction left behind
+            except OSError as exc:
+                raise self._write_error(
+                    f"cannot repair the history log of {self.directory}", exc
+                ) from exc
             self._finish_discards()
             r = self.report
-            live = self.steps()
+            live = self._steps_now()
             unlisted = [s for s in live if s not in r.checkpoints]
             for step in unlisted:  # committed by a save that was killed before its books
                 if self._metrics.get(step):
                     r.metric_history.setdefault(step, {}).update(self._metrics[step])
+                    self._log.append({"step": step, "metrics": self._metrics[step]})
                 r.steps_completed = max(r.steps_completed, step)
             before = (r.checkpoints, r.latest_step, r.best, r.discarding)
             self._fill_report(live)
@@ -528,7 +593,7 @@ class CheckpointManager:
                 try:
                     self._store_report()
                 except OSError as exc:
-                    raise _write_error(
+                    raise self._write_error(
                         f"cannot repair {REPORT_FILE} of {self.directory}", exc
                     ) from exc
             self._repair_aliases()
@@ -551,14 +616,19 @@ class CheckpointManager:
             try:
                 aliases.remove(self._run, alias)
             except OSError as exc:
-                raise _write_error(
+                raise self._write_error(
                     f"{path} disagrees with {REPORT_FILE} and cannot be removed", exc
                 ) from exc
 
     # -- queries -------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint that is part of the run, ascending."""
+        """Steps with a committed checkpoint that is part of the run, ascending (once the
+        background step of the last save, which may prune, has finished)."""
+        self._join_background()
+        return self._steps_now()
+
+    def _steps_now(self) -> list[int]:
         return [
             s
             for s in layout.committed_steps(self._run, expected=self.report.checkpoints)
@@ -570,13 +640,15 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def best_step(self) -> int | None:
-        """The best step by ``best_metric`` among the checkpoints on disk, or None."""
+        """The best step by ``best_metric`` among the checkpoints on disk (never one that failed
+        verification), or None."""
         return self._best_among(self.steps())
 
     def _best_among(self, steps: list[int]) -> int | None:
+        """The best of ``steps``; never one that failed verification (``_failed``)."""
         if self.best_metric is None:
             return None
-        entries = [Entry(s, self._metrics_of(s)) for s in steps]
+        entries = [Entry(s, self._metrics_of(s)) for s in steps if s not in self._failed]
         best = policies.best_entries(entries, self.best_metric, self.best_mode)
         return best[0].step if best else None
 
@@ -622,9 +694,11 @@ class CheckpointManager:
     ) -> PendingSave:
         """Save ``state`` as checkpoint ``step`` (unless the save policy skips it).
 
-        Either the save happens completely or, on CheckpointWriteError, not at all (see the
-        module docstring for the one exception, a failed verification before pruning). Threads
-        may share a manager: their saves run one after the other."""
+        Either the save happens completely or, on CheckpointWriteError, not at all. It returns
+        once the checkpoint is committed and ``report.json`` names it; verification and
+        retention follow in the background (the returned PendingSave is done when they are;
+        see the module docstring). Threads may share a manager: their saves run one after the
+        other."""
         self._check_open()
         with self._saving:
             return self._save(step, state, metrics, force, epoch)
@@ -638,6 +712,10 @@ class CheckpointManager:
         epoch: int | None,
     ) -> PendingSave:
         self._check_open()
+        # The last save's background step first: its verification failure is raised here,
+        # before this save starts (nothing is saved by this call then: call it again).
+        self._join_background()
+        self._raise_verification_error()
         if self._async is not None:
             self._raise_background_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -655,6 +733,7 @@ class CheckpointManager:
         self._check_writer()
         self._dirty = True
         clean = _plain(dict(metrics or {}))
+        self._warn_unranked(step, clean)
         target = self._checkpoint(step)
         meta = {"savepoint_run": {"step": step, "epoch": epoch, "metrics": clean}}
         # A run given no num_params records the size of its state (report.json, then run.json).
@@ -664,10 +743,13 @@ class CheckpointManager:
         backup = self._before_commit(step) if self._leader else None
         previous, self._last_saved = self._last_saved, step
         flight = _AsyncSave(step, previous)
+        settled: PendingSave | None = None
 
         def committed(info: CheckpointInfo) -> None:
             flight.committed = True
-            self._after_commit(step, clean, epoch, backup, previous, derived)
+            flight.background = self._after_commit(
+                step, clean, epoch, backup, previous, derived, info, settled
+            )
             if derived is not None and self.run.num_params is None:
                 self.run = dataclasses.replace(self.run, num_params=self.report.num_params)
                 with contextlib.suppress(CheckpointWriteError):  # the next open rewrites it
@@ -687,6 +769,8 @@ class CheckpointManager:
             self._last_async = flight
             self._inflight = step
             return pending
+        # Done when the background step (verification, retention) is: wait() raises its error.
+        settled = PendingSave(self.step_path(step), step)
         try:
             info = checkpoint.save(target, state, metadata=meta, **self.save_options.changed())
         except BaseException:
@@ -694,7 +778,27 @@ class CheckpointManager:
             self._last_saved = previous
             raise
         committed(info)
-        return PendingSave.finished(self.step_path(step), step, info)
+        if not flight.background:
+            settled.set_result(info)
+        return settled
+
+    def _warn_unranked(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Warn (once per manager) when a save gives metrics but none named ``best_metric`` (a
+        misspelt name, say): that checkpoint can never be the best, nor be kept by
+        ``keep_best``. A save given no metrics at all is a deliberate unranked save: no
+        warning."""
+        if self.best_metric is None or not metrics or self.best_metric in metrics:
+            return
+        if self._best_warned or not self._leader:
+            return
+        self._best_warned = True
+        given = ", ".join(sorted(metrics)) or "none"
+        warnings.warn(
+            f"{self.directory}: save({step}) gave no {self.best_metric!r} in its metrics (it gave "
+            f"{given}), so that checkpoint is never ranked as the best (best_metric="
+            f"{self.best_metric!r}); this warning is given once per CheckpointManager",
+            stacklevel=4,
+        )
 
     def _raise_background_error(self) -> None:
         """Raise the error of a background save that failed (once), after forgetting it as the
@@ -745,8 +849,9 @@ class CheckpointManager:
         pending = self._discarding | self._discarding_on_disk
         if not exists() and step not in pending and step != self._inflight:
             return None
-        if self._async is not None:
-            self.wait()  # the save in flight may be writing, deleting or relinking this step
+        # The save in flight (async) or the background step may be verifying, deleting or
+        # relinking this step.
+        self.wait()
         with self._lock:
             try:
                 if step in self._discarding:
@@ -756,27 +861,35 @@ class CheckpointManager:
                 if step in self._discarding_on_disk:
                     # The report must stop naming it for deletion before a new checkpoint takes
                     # its name: an open after a kill would delete the new one otherwise.
-                    self._fill_report(self.steps())
+                    self._fill_report(self._steps_now())
                     self._store_report()
                 if not exists():
                     return None
                 return aliases.copy_aside(self._step(step))
             except OSError as exc:
-                raise _write_error(
+                raise self._write_error(
                     f"cannot save step {step} to {self.directory}: preparing its directory failed; "
                     "nothing was saved and the run is as before",
                     exc,
                 ) from exc
 
     def log(self, step: int, loss: float | None = None, **metrics: Any) -> None:
-        """Record a training step's loss (the report's loss curve) and any other values."""
+        """Record a training step's loss (the report's loss curve) and any other values.
+
+        O(1): the record joins the report in memory and is appended to the run's history log
+        (:mod:`savepoint.runs.history`) by the next save or ``close()``."""
         with self._lock:
             self._dirty = True
-            if loss is not None:
-                self.report.loss_history.append((int(step), float(loss)))
-            if metrics:
-                self.report.metric_history.setdefault(int(step), {}).update(_plain(metrics))
-            self.report.steps_completed = max(self.report.steps_completed, int(step))
+            step = int(step)
+            value = None if loss is None else float(loss)
+            plain = _plain(metrics) if metrics else None
+            if value is not None:
+                self.report.loss_history.append((step, value))
+            if plain:
+                self.report.metric_history.setdefault(step, {}).update(plain)
+            if value is not None or plain:
+                self._log.append((step, value, plain))
+            self.report.steps_completed = max(self.report.steps_completed, step)
 
     def _after_commit(
         self,
@@ -786,33 +899,45 @@ class CheckpointManager:
         backup: str | None,
         previous: int | None,
         num_params: int | None = None,
-    ) -> None:
-        """Steps 3-6 of the module docstring, for the committed checkpoint ``step``
-        (``num_params``: derived from its state, recorded in the report)."""
+        info: CheckpointInfo | None = None,
+        settled: PendingSave | None = None,
+    ) -> bool:
+        """Steps 3-5 of the module docstring for the committed checkpoint ``step``
+        (``num_params``: derived from its state, recorded in the report), then step 6 started
+        in the background (its end resolves ``settled``, the handle a synchronous save
+        returns). Returns whether a background step was started."""
+        self._join_background()  # an async save's books wait for the last background step
         with self._lock:
             if not self._leader:
                 self._metrics[step] = metrics
-                return
+                return False
             # What an undo restores: _fill_report assigns fresh lists, so a shallow copy of the
             # report keeps the old ones; only this step's metric history is updated in place.
-            history = self.report.metric_history.get(step)
+            history_before = self.report.metric_history.get(step)
             saved = _Saved(
                 dataclasses.replace(self.report),
-                None if history is None else dict(history),
+                None if history_before is None else dict(history_before),
                 dict(self._metrics),
                 previous,
+                list(self._log),
+                self._failed,
             )
             self._metrics[step] = metrics
             self._verified.discard(step)
             r = self.report
+            if step in self._failed:  # a new checkpoint of a step that failed: a fresh start
+                self._failed = self._failed - {step}
+                r.verify_failures = [f for f in r.verify_failures if f.get("step") != step]
             if metrics:
                 r.metric_history.setdefault(step, {}).update(metrics)
+                self._log.append({"step": step, "metrics": metrics})
             r.steps_completed = max(r.steps_completed, step)
             if epoch is not None:
                 r.epoch = epoch
             if num_params is not None and r.num_params is None:
                 r.num_params = num_params
             staged: dict[str, aliases.Staging] = {}
+            swapped: list[aliases.Staging] = []
             phase = "updating the run's books"
             try:
                 # The step just committed counts even if a listing does not show it yet.
@@ -828,83 +953,188 @@ class CheckpointManager:
                     horizon = max(step, self._resumed_from)
                     abandoned = {s for s in on_disk if s > horizon}
                 live = [s for s in on_disk if s not in abandoned and s not in self._discarding]
-                doomed, verify_error = self._doomed(step, live)
-                keep = [s for s in live if s not in doomed]
-                discarding = frozenset((self._discarding | abandoned | doomed) - set(keep))
-                self._fill_report(keep, discarding)
+                # Retention decides in the background, once this checkpoint is verified.
+                discarding = frozenset((self._discarding | abandoned) - set(live))
+                self._fill_report(live, discarding)
                 phase = "linking latest/ and best/"
                 staged = self._stage_aliases()
+                phase = "updating latest/ and best/"
+                # The aliases first, then the report, none of their renames synced: the
+                # background step syncs the run directory once for all three (a power cut
+                # before it brings back the previous report and aliases, whole: the next open
+                # lists this checkpoint again), and the save returns one sync earlier.
+                self._swap_aliases(staged, sync=False, swapped=swapped)
                 phase = f"writing {REPORT_FILE}"
-                self._store_report()
+                self._store_report(durable=False)
             except (OSError, CheckpointError) as exc:
+                for alias in reversed(swapped):
+                    with contextlib.suppress(OSError):  # else _undo republishes it
+                        alias.undo()
                 _abort(staged)
-                raise self._undo(step, backup, saved, phase, exc, report_written=False) from exc
-            try:
-                self._swap_aliases(staged)
-            except (OSError, CheckpointError) as exc:
-                _abort(staged)
-                raise self._undo(
-                    step, backup, saved, "updating latest/ and best/", exc, report_written=True
-                ) from exc
-            # Done: the checkpoint is saved. Deleting is tidying, retried until it succeeds.
+                raise self._undo(step, backup, saved, phase, exc) from exc
+            # Done: the checkpoint is saved and recorded. What follows runs in the background
+            # (removing the previous aliases too: unlinks the save need not wait for).
             self._drop(backup)
             self._discarding = discarding
-            if self._store.capabilities.atomic_rename or not self._discarding:
-                self._tidy(keep)
-            else:
-                # Object stores: deleting a checkpoint is a listing and batched deletes over
-                # the network; the report already names the steps as leaving (a crash now is
-                # repaired at the next open), so the save returns and they go in the background.
-                self._deleter = threading.Thread(
-                    target=self._tidy_in_background, name="savepoint-retention", daemon=True
-                )
-                self._deleter.start()
-            if verify_error is not None:
-                raise verify_error
+            if self._async is None:
+                self._start_background(step, info, settled, swapped)
+                return True
+        # An async save: this is the background already (its writer thread); the save's
+        # PendingSave is done once this is, and raises what it found.
+        error = self._settle(step, swapped)
+        if error is not None:
+            raise error
+        return False
 
-    def _tidy(self, keep: list[int]) -> None:
-        """Delete what is leaving the run and record it in the report (caller holds the lock)."""
-        self._finish_discards()
-        if self._discarding != self._discarding_on_disk:
-            self._fill_report(keep)  # = steps(): the rest on disk is still in _discarding
-            with contextlib.suppress(OSError):  # the next save writes it again
-                self._store_report()
+    # -- the background step of a save ----------------------------------------------------------
 
-    def _tidy_in_background(self) -> None:
+    def _start_background(
+        self,
+        step: int,
+        info: CheckpointInfo | None,
+        settled: PendingSave | None,
+        swapped: list[aliases.Staging],
+    ) -> None:
+        """Step 6 of the module docstring for checkpoint ``step``, in a thread: the caller's
+        save returns now. The caller holds the lock; the last background step has finished."""
+        worker = threading.Thread(
+            target=self._background_step,
+            args=(step, info, settled, swapped),
+            name="savepoint-books",
+            daemon=True,
+        )
+        worker.start()
+        self._background = worker  # (started first: a thread is joined only once started)
+
+    def _background_step(
+        self,
+        step: int,
+        info: CheckpointInfo | None,
+        settled: PendingSave | None,
+        swapped: list[aliases.Staging],
+    ) -> None:
+        error: BaseException | None = None
+        try:
+            error = self._settle(step, swapped)
+        except Exception as exc:  # a thread has nobody to raise to: the next call raises it
+            error = exc if isinstance(exc, CheckpointError) else _background_failure(exc)
+        except BaseException as exc:  # (a simulated crash, an interpreter shutting down)
+            error = exc
+        finally:
+            if error is not None:
+                with self._lock:
+                    if self._background_error is None:
+                        self._background_error = error
+            if settled is not None and not settled.done():
+                if error is None:
+                    settled.set_result(info)
+                else:
+                    settled.set_exception(error)
+
+    def _settle(self, step: int, swapped: list[aliases.Staging]) -> CheckpointError | None:
+        """Remove the aliases ``swapped`` replaced, make the books durable, delete what left the
+        run, verify checkpoint ``step`` and apply retention, compact the history. Returns the
+        error to report (a failed verification, a failed sync); tidying that fails is retried
+        later."""
+        for alias in swapped:
+            alias.finish()
+        try:
+            # The report's and the aliases' renames (and a new history.jsonl's name), then the
+            # records appended to the history log.
+            self._store.sync_dir(self._run.path)
+            if self._history is not None:
+                self._history.sync()
+        except OSError as exc:
+            return self._write_error(
+                f"cannot make the books of {self.directory} durable (the checkpoints are "
+                "intact; report.json, latest/, best/ and the loss and metric history logged "
+                "since the previous save may be brought back to their previous state by a "
+                "power cut, which the next open repairs)",
+                exc,
+            )
         with self._lock:
+            self._finish_discards()  # an abandoned timeline, deletions an earlier save left
+            doomed = self._doomed(step, self._steps_now())
+        if not doomed:
+            self._compact()
+            return None
+        if self.verify_before_prune and step not in self._verified:
             try:
-                self._tidy(self.steps())
-            except BaseException:
-                # Tidying only: report.json names what is left, and the next save, close or
-                # open deletes it. (A thread has nobody to raise to.)
+                checkpoint.verify(self._checkpoint(step))
+            except (CheckpointError, OSError) as exc:
+                return self._verification_failed(step, exc)
+            self._verified.add(step)
+        with self._lock:
+            live = self._steps_now()
+            doomed = self._doomed(step, live)
+            if doomed:
+                discarding = self._discarding | doomed
+                self._fill_report([s for s in live if s not in doomed], discarding)
+                try:
+                    # The report names them as leaving before they are deleted: a crash in
+                    # between leaves them for the next open to delete.
+                    self._store_report()
+                except OSError:
+                    self._fill_report(live)  # nothing deleted; the next save decides again
+                else:
+                    self._discarding = discarding
+                    self._finish_discards()
+        self._compact()
+        return None
+
+    def _compact(self) -> None:
+        if self._history is not None:
+            with contextlib.suppress(OSError, CheckpointError):  # the next save compacts
+                self._history.compact()
+
+    def _verification_failed(self, step: int, exc: BaseException) -> CheckpointError:
+        """Record that checkpoint ``step`` did not verify (report.verify_failures); from now on
+        retention does not count it and it is never the best. Returns the error to raise."""
+        err = CorruptCheckpointError(
+            f"checkpoint {step} of {self.directory} did not verify when read back after saving "
+            f"({exc}); it is saved but nothing was pruned, and retention will not count it (nor "
+            "choose it as best): it is recorded in report.json under verify_failures and "
+            "deleted once a newer checkpoint verifies",
+            path=self.step_path(step),
+        )
+        err.__cause__ = exc
+        with self._lock:
+            self._failed = self._failed | {step}
+            self.report.verify_failures = [
+                *self.report.verify_failures,
+                {"step": step, "at": now_iso(), "error": str(exc)},
+            ]
+            self._fill_report(self._steps_now())
+            with contextlib.suppress(OSError, CheckpointError):  # the next save writes them
+                self._store_report()
+                self._repair_aliases()  # best/ leaves a checkpoint that failed
+        return err
+
+    def _join_background(self) -> None:
+        """Wait for the background step of the last save (not from that thread itself)."""
+        while True:
+            worker = self._background
+            if worker is None or worker is threading.current_thread():
+                return
+            worker.join()
+            if self._background is worker:
                 return
 
-    def _wait_for_deletions(self) -> None:
-        """Let retention's background deletions finish (before the next save's bookkeeping,
-        and at close)."""
-        deleter = self._deleter
-        if deleter is not None and deleter is not threading.current_thread():
-            deleter.join()
+    def _raise_verification_error(self) -> None:
+        """Raise (once) what the last background step reported."""
+        with self._lock:
+            error, self._background_error = self._background_error, None
+        if error is not None:
+            raise error
 
-    def _doomed(self, newest: int, live: list[int]) -> tuple[set[int], CheckpointError | None]:
-        """The steps retention deletes, or none (and the error) if ``newest`` fails to verify."""
-        entries = [Entry(s, self._metrics.get(s, {})) for s in live]
+    def _doomed(self, newest: int, live: list[int]) -> set[int]:
+        """The steps retention deletes from ``live`` once ``newest`` is verified. Checkpoints
+        that failed verification are not counted (they never take a good one's place); the
+        newest, the best and the one resumed from are always kept."""
+        entries = [Entry(s, self._metrics.get(s, {})) for s in live if s not in self._failed]
         keep = self.retention.keep(entries)
         keep |= {s for s in (newest, self._best_among(live), self._resumed_from) if s is not None}
-        doomed = {s for s in live if s not in keep}
-        if doomed and self.verify_before_prune and newest not in self._verified:
-            try:
-                checkpoint.verify(self._checkpoint(newest))
-            except (CheckpointError, OSError) as exc:
-                err = CorruptCheckpointError(
-                    f"checkpoint {newest} did not verify after saving ({exc}); it is saved but "
-                    "nothing was pruned",
-                    path=self.step_path(newest),
-                )
-                err.__cause__ = exc
-                return set(), err
-            self._verified.add(newest)
-        return doomed, None
+        return {s for s in live if s not in keep}
 
     def _stage_aliases(self) -> dict[str, aliases.Staging]:
         staged: dict[str, aliases.Staging] = {}
@@ -919,10 +1149,22 @@ class CheckpointManager:
             raise
         return staged
 
-    def _swap_aliases(self, staged: dict[str, aliases.Staging]) -> None:
+    def _swap_aliases(
+        self,
+        staged: dict[str, aliases.Staging],
+        *,
+        sync: bool = True,
+        swapped: list[aliases.Staging] | None = None,
+    ) -> None:
+        """Publish the staged aliases, remove those the report no longer names. Without
+        ``sync``, each published one is added to ``swapped``: the caller finishes it (or undoes
+        it) once the report is (or is not) written."""
         for alias, step in aliases.targets(self.report).items():
             if alias in staged:
-                staged.pop(alias).publish()
+                published = staged.pop(alias)
+                published.publish(sync=sync)
+                if swapped is not None and not sync:
+                    swapped.append(published)
             elif self._store.stat(aliases.path_of(self._run, alias).path) is not None and (
                 # (with aliases on, _stage_aliases found an unstaged one holding its step)
                 step is None or (not self.aliases and not aliases.holds(self._run, alias, step))
@@ -938,11 +1180,11 @@ class CheckpointManager:
         saved: _Saved,
         phase: str,
         exc: BaseException,
-        *,
-        report_written: bool,
     ) -> CheckpointWriteError:
         """Roll a failed save back: the new checkpoint goes (or the previous one of that step
-        comes back), the report and aliases are restored. Returns the error to raise."""
+        comes back), the report, the history log and the aliases are restored (the report is
+        the last thing a save writes, so a failed save never wrote it: the records it would
+        have appended to the log were taken back with it). Returns the error."""
         problems = []
         try:
             if backup is not None:
@@ -955,6 +1197,7 @@ class CheckpointManager:
                 "it is committed but not in report.json"
             )
         self.report, self._metrics = saved.report, saved.metrics
+        self._failed = saved.failed
         if self._last_saved == step:  # the save policy counts from the last save that happened
             self._last_saved = saved.last_saved
         if saved.history is None:
@@ -962,36 +1205,41 @@ class CheckpointManager:
         else:
             self.report.metric_history[step] = saved.history
         self._verified.discard(step)
-        if report_written:
-            try:
-                self._store_report()
-            except OSError as undo_exc:
-                problems.append(
-                    f"{REPORT_FILE} could not be restored ({undo_exc.strerror or undo_exc})"
-                )
+        # The records logged before this save are written again by the next report; this
+        # save's own (its metrics) are gone with it.
+        self._log = saved.log
         try:
             self._repair_aliases()
         except CheckpointError as undo_exc:
             problems.append(str(undo_exc))
         code = getattr(exc, "errno", None)
-        reason = os.strerror(code) if code else str(exc)
-        where = getattr(exc, "filename", None)
-        head = f"saving step {step} to {self.directory} failed while {phase}: {reason}" + (
-            f" ({where})" if where else ""
-        )
+        head = f"saving step {step} to {self.directory} failed while {phase}: {_reason(self._store, exc)}"
         if problems:
             message = (
                 f"{head}; undoing it failed too: {'; '.join(problems)}. Opening the run again "
                 "with a CheckpointManager repairs report.json and the aliases"
             )
         else:
-            hint = _HINTS.get(code or 0, "see the cause below")
             message = (
                 f"{head}. The save was undone and the run is as before: step {step} is not "
                 "saved, report.json, latest/, best/ and every other checkpoint are unchanged; "
-                f"{hint}"
+                f"{self._hint(code, exc)}"
             )
         return CheckpointWriteError(message, path=self.step_path(step), errno=code)
+
+    def _hint(self, code: int | None, exc: BaseException) -> str:
+        """What to do about a refused write: the store's own advice for EACCES (credentials and
+        bucket policy on an object store, permissions on a disk), a full disk's, or the cause."""
+        if code == errno.EACCES or (isinstance(exc, PermissionError) and not code):
+            return refused_hint(self._store)
+        return _HINTS.get(code or 0, "see the cause below")
+
+    def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
+        return CheckpointWriteError(
+            f"{what}: {_reason(self._store, exc)}; {self._hint(exc.errno, exc)}",
+            path=_shown(self._store, exc.filename),
+            errno=exc.errno,
+        )
 
     def _finish_discards(self) -> None:
         """Delete the checkpoints that left the run; one that cannot be deleted stays pending."""
@@ -1026,10 +1274,44 @@ class CheckpointManager:
         pending = self._discarding if discarding is None else discarding
         r.discarding = sorted(pending - set(live))
 
-    def _store_report(self) -> None:
-        """Replace report.json with ``self.report`` (atomic); raises OSError."""
-        write_json(self._run.join(REPORT_FILE), self.report.to_json())
+    def _store_report(self, *, durable: bool = True) -> None:
+        """Append the records logged since the last report to the history log, then replace
+        report.json with ``self.report`` (atomic). Both or neither: if the report cannot be
+        written the append is taken back (the records stay pending). ``durable=False``: the run
+        directory is left unsynced (the background step of the save syncs it). Raises
+        OSError."""
+        flushed = self._flush_history()
+        try:
+            write_json(self._run.join(REPORT_FILE), self.report.to_file_json(), sync_dir=durable)
+        except BaseException:
+            if flushed is not None and not flushed.rewrote:
+                assert self._history is not None
+                with contextlib.suppress(OSError):
+                    self._history.rollback(flushed.mark)
+                self._log = flushed.records + self._log
+            raise
+        if flushed is not None and flushed.rewrote:
+            self._report_version = REPORT_VERSION
         self._discarding_on_disk = frozenset(self.report.discarding)
+
+    def _flush_history(self) -> _Flushed | None:
+        """Write the pending records to the history log (all of the history, the first time
+        after a version 1 report, whose history was inline). Raises OSError, nothing written."""
+        if self._history is None:
+            return None
+        if self._report_version == 1:
+            r = self.report
+            self._history.rewrite(
+                history.encode(history.records_of(r.loss_history, r.metric_history))
+            )
+            self._log = []
+            return _Flushed(None, [], rewrote=True)
+        if not self._log:
+            return None
+        records = self._log
+        mark = self._history.append(history.encode(records))
+        self._log = []
+        return _Flushed(mark, records)
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -1178,12 +1460,13 @@ class CheckpointManager:
         if not self.read_only:
             return
         try:
-            report = load_report(self._run)
+            report = load_report(self._run, history=False)
         except CheckpointError:
             return  # restoring needs only the checkpoints: keep the view from opening
         if report is None:
             return
         self._discarding = frozenset(set(report.discarding) - set(report.checkpoints))
+        self._failed = _failed_steps(report)
         best = report.best or {}
         metric, mode = best.get("metric"), best.get("mode", "min")
         if self.best_metric is None and isinstance(metric, str) and mode in ("min", "max"):
@@ -1195,6 +1478,7 @@ class CheckpointManager:
             self._resumed_from = step
             self._last_saved = step
             self.report.truncate_after(step)
+            self._log.append({"resumed_from": step})
             self.report.lineage.append(
                 {
                     "resumed_from": step,
@@ -1232,9 +1516,9 @@ class CheckpointManager:
                 return collect(self._run, grace=grace, dry_run=dry_run, lock=False)
 
     def wait(self) -> None:
-        """Block until any background save is committed, and until the deletions retention
-        started in the background (object stores) are done; raise a save's error if it
-        failed."""
+        """Block until any background save is committed and the background step of the last
+        save (verifying the new checkpoint, then retention's deletions) is done; raise a save's
+        error if it failed, or the verification failure it found."""
         try:
             if self._async is not None:
                 try:
@@ -1242,10 +1526,12 @@ class CheckpointManager:
                 finally:
                     self._settle_async(wait=True)
         finally:
-            self._wait_for_deletions()
+            self._join_background()
+        self._raise_verification_error()
 
     def close(self) -> None:
-        """Finish pending saves, write the final report, and release the writer lock.
+        """Finish pending saves and their background step, write the final report, and release
+        the writer lock; then raise what failed (a background save, a verification).
 
         A manager that no longer holds the lock (runs.lock: a forked child, a lock file taken by
         another writer) writes nothing; the latter is RunLockedError unless a save raised it
@@ -1254,34 +1540,49 @@ class CheckpointManager:
             if self._closed:
                 return
             try:
-                if self._async is not None:
-                    try:
-                        self._async.close()
-                    finally:
-                        self._settle_async(wait=True)
-            finally:
-                self._closed = True
-                self._wait_for_deletions()
+                self._close()
+            except BaseException as exc:
+                with self._lock:
+                    also, self._background_error = self._background_error, None
+                if also is not None and hasattr(exc, "add_note"):
+                    exc.add_note(f"and the background step of a save failed: {also}")
+                raise
+            self._raise_verification_error()
+
+    def _close(self) -> None:
+        try:
+            if self._async is not None:
                 try:
-                    if (
-                        self._writes_books()
-                        and (self._dirty or self._discarding)
-                        and self._still_writer()
-                    ):
-                        with self._lock:
-                            self._finish_discards()
-                            self._fill_report(self.steps())
-                            try:
-                                self._store_report()
-                            except OSError as exc:
-                                raise _write_error(
-                                    f"cannot write the final {REPORT_FILE} of {self.directory} "
-                                    "(the checkpoints are intact; the report is rewritten by the "
-                                    "next save)",
-                                    exc,
-                                ) from exc
+                    self._async.close()
                 finally:
-                    self._release_lock()
+                    self._settle_async(wait=True)
+        finally:
+            self._closed = True
+            self._join_background()
+            try:
+                if (
+                    self._writes_books()
+                    and (self._dirty or self._discarding or self._log)
+                    and self._still_writer()
+                ):
+                    with self._lock:
+                        self._finish_discards()
+                        self._fill_report(self._steps_now())
+                        try:
+                            self._store_report()
+                        except OSError as exc:
+                            raise self._write_error(
+                                f"cannot write the final {REPORT_FILE} of {self.directory} "
+                                "(the checkpoints are intact; the report is rewritten by the "
+                                "next save)",
+                                exc,
+                            ) from exc
+            finally:
+                self._release_lock()
+                if self._history is not None:
+                    with contextlib.suppress(OSError):
+                        self._history.close()
+                _LIVE.discard(self)
 
     def _still_writer(self) -> bool:
         """For close(): whether this manager may still write the run's books."""
@@ -1338,6 +1639,7 @@ class _AsyncSave:
     previous: int | None
     pending: PendingSave | None = None
     committed: bool = False  # its checkpoint was committed (_after_commit ran)
+    background: bool = False  # _after_commit started a background step
 
 
 @dataclasses.dataclass
@@ -1346,6 +1648,84 @@ class _Saved:
     history: dict[str, Any] | None
     metrics: dict[int, dict[str, Any]]
     last_saved: int | None
+    log: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]]
+    failed: frozenset[int]
+
+
+@dataclasses.dataclass
+class _Flushed:
+    """What a report write appended to the history log: ``mark`` to roll back to, the
+    ``records`` appended; ``rewrote``: the whole history was written (a version 1 report's)."""
+
+    mark: history.Mark | None
+    records: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]]
+    rewrote: bool = False
+
+
+def _failed_steps(report: Report) -> frozenset[int]:
+    """The steps ``report.verify_failures`` names (checkpoints that did not verify)."""
+    steps = (f.get("step") for f in report.verify_failures if isinstance(f, dict))
+    return frozenset(s for s in steps if isinstance(s, int) and not isinstance(s, bool))
+
+
+def _reason(store: Store, exc: BaseException) -> str:
+    """What went wrong, in the store's own words (an object store's message names the request
+    and its cause; a local error is its strerror), and where."""
+    if not isinstance(exc, OSError) or isinstance(exc, CheckpointError):
+        return str(exc)
+    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
+    where = _shown(store, exc.filename)
+    return f"{reason} ({where})" if where else reason
+
+
+def _shown(store: Store, filename: Any) -> str | None:
+    """A path an OSError names, as the user names it (a URL off the local disk)."""
+    if isinstance(filename, str) and filename.startswith("/") and store.scheme != "file":
+        return store.url(filename)
+    return filename if isinstance(filename, str) else None
+
+
+def _background_failure(exc: BaseException) -> CheckpointError:
+    """A background step's unexpected failure, as the error the next call raises."""
+    if isinstance(exc, OSError):
+        error: CheckpointError = CheckpointWriteError(
+            f"the background step of a save failed: {exc.strerror or exc}",
+            path=exc.filename if isinstance(exc.filename, str) else None,
+            errno=exc.errno,
+        )
+    else:
+        error = CheckpointError(f"the background step of a save failed: {exc!r}")
+    error.__cause__ = exc
+    return error
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: a background step running at the fork
+    is the parent's (it may have held a manager's locks, which would never be released in the
+    child). The child's copies get fresh locks and no background step; they cannot write the
+    run anyway (the writer lock is checked at every save: RunLockedError)."""
+    for manager in list(_LIVE):
+        manager._lock = threading.RLock()
+        manager._saving = threading.RLock()
+        manager._background = None
+        manager._background_error = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At interpreter exit, let background steps finish (they may be deleting), and print what
+    failed: there is nobody left to raise it to."""
+    for manager in list(_LIVE):
+        if manager._pid != os.getpid():
+            continue  # a forked child's copy: the books are the parent's
+        try:
+            manager.wait()
+        except BaseException as exc:
+            print(f"savepoint: {exc}", file=sys.stderr)
 
 
 def _not_writable(*paths: str) -> tuple[int, str] | None:
@@ -1374,15 +1754,6 @@ def _open_error(directory: str, exc: OSError) -> CheckpointError:
             errno=exc.errno,
         )
     return CheckpointError(f"cannot open the run {directory}: {reason}", path=directory)
-
-
-def _write_error(what: str, exc: OSError) -> CheckpointWriteError:
-    reason = os.strerror(exc.errno) if exc.errno else str(exc)
-    where = f" ({exc.filename})" if exc.filename else ""
-    hint = _HINTS.get(exc.errno or 0, "see the cause below")
-    return CheckpointWriteError(
-        f"{what}: {reason}{where}; {hint}", path=exc.filename, errno=exc.errno
-    )
 
 
 def _abort(staged: Mapping[str, aliases.Staging]) -> None:

@@ -5,16 +5,30 @@
     {"format": "savepoint-run", "version": 1, "name": "...", "variant": "...", "config": {...},
      "num_params": 1234, "created": "2026-11-21T08:00:00Z", "savepoint_version": "0.1.0"}
 
-``report.json`` (rewritten atomically after every save and at close)::
+``report.json`` (version 2; replaced atomically once per save, by the background step of a save
+that prunes, and at close)::
 
-    {"format": "savepoint-report", "version": 1, "name", "variant", "config", "num_params",
+    {"format": "savepoint-report", "version": 2, "name", "variant", "config", "num_params",
      "steps_completed": 500, "epoch": 3, "wall_time_s": 12.5,
-     "loss_history": [[step, loss], ...], "metric_history": {"<step>": {...}},
+     "history": {"file": "history.jsonl", "segments": "history/"},
      "best": {"metric": "val_loss", "mode": "min", "step": 400, "metrics": {...}} | null,
      "latest_step": 500, "checkpoints": [500, 400, ...], "discarding": [100],
      "lineage": [{"resumed_from": 300, "at": "...", "steps_completed_before": 340}],
      "config_changes": [{"step": 300, "at": "...",
-                         "changes": [{"key": "optim.lr", "old": 0.1, "new": 0.05}]}]}
+                         "changes": [{"key": "optim.lr", "old": 0.1, "new": 0.05}]}],
+     "verify_failures": [{"step": 600, "at": "...", "error": "..."}]}
+
+The loss and metric history (``loss_history``, ``metric_history`` of :class:`Report`) is not in
+it: it is appended to the run's history log (:mod:`savepoint.runs.history`), so that a save
+writes a report of the same size after a million logged steps as after none. :func:`load_report`
+reads both and returns the whole report; ``Report.to_json()`` is that whole report as one
+self-contained document (version 1, history inline: what ``savepoint report --json`` prints).
+A version 1 ``report.json`` (savepoint before issue 16: the history inline) is read as it is;
+the first report a writer writes moves its history into the log.
+
+``verify_failures`` records each checkpoint that did not verify when it was read back before
+pruning: such a checkpoint is never counted by retention nor chosen as best, so it never takes
+the place of a good one (see :mod:`savepoint.runs.manager`).
 
 ``checkpoints`` are the saved steps, newest first; ``latest_step`` and ``best`` are among them, and
 the ``latest/`` and ``best/`` aliases hold exactly those checkpoints (or are absent).
@@ -38,15 +52,18 @@ missing, is an error (``RunMismatchError``, ``MissingCheckpointError``).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import datetime as _dt
 import json
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from savepoint._version import __version__
+from savepoint.commit import names
 from savepoint.errors import (
     CheckpointPermissionError,
     CorruptCheckpointError,
@@ -54,7 +71,8 @@ from savepoint.errors import (
     MissingCheckpointError,
     RunMismatchError,
 )
-from savepoint.storage.paths import PathArg, resolve
+from savepoint.runs import history as _history
+from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = [
     "REPORT_FILE",
@@ -70,13 +88,17 @@ __all__ = [
     "missing_best",
     "now_iso",
     "plain_value",
+    "read_history",
     "read_json",
+    "read_report",
     "write_json",
 ]
 
 RUN_FILE = "run.json"
 REPORT_FILE = "report.json"
+REPORT_VERSION = 2  # 1: the history inline (before issue 16); 2: the history in the log
 MAX_JSON_BYTES = 64 << 20
+_HISTORY_FIELDS = ("loss_history", "metric_history")
 
 
 def now_iso() -> str:
@@ -131,22 +153,40 @@ class Report:
     retention: list[dict[str, Any]] = field(default_factory=list)
     discarding: list[int] = field(default_factory=list)
     config_changes: list[dict[str, Any]] = field(default_factory=list)
+    verify_failures: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, run: RunInfo) -> Report:
         return cls(name=run.name, variant=run.variant, config=run.config, num_params=run.num_params)
 
     def to_json(self) -> dict[str, Any]:
-        doc = asdict(self)
+        """The whole report, history included, as one self-contained document (version 1, the
+        layout every savepoint reads)."""
+        doc = self._members()
         doc["loss_history"] = [[s, plain_value(v)] for s, v in self.loss_history]
         doc["metric_history"] = {str(k): v for k, v in sorted(self.metric_history.items())}
         return {"format": "savepoint-report", "version": 1, **doc}
+
+    def to_file_json(self) -> dict[str, Any]:
+        """``report.json`` as the writer stores it (version 2): everything but the history, which
+        is in the history log. Its size does not grow with the number of steps logged."""
+        doc = self._members()
+        history = {"file": _history.HISTORY_FILE, "segments": _history.SEGMENTS_DIR + "/"}
+        return {"format": "savepoint-report", "version": REPORT_VERSION, "history": history, **doc}
+
+    def _members(self) -> dict[str, Any]:
+        # Field by field, not dataclasses.asdict: that would deep-copy the whole history.
+        return {
+            f.name: copy.deepcopy(getattr(self, f.name))
+            for f in fields(self)
+            if f.name not in _HISTORY_FIELDS
+        }
 
     @classmethod
     def from_json(cls, doc: Any, path: str) -> Report:
         if not isinstance(doc, dict) or doc.get("format") != "savepoint-report":
             raise CorruptCheckpointError(f"{path} is not a savepoint report.json", path=path)
-        _check_version(doc, path)
+        _check_version(doc, path, REPORT_VERSION)
         kinds = {
             "metric_history": dict,
             "loss_history": list,
@@ -154,6 +194,7 @@ class Report:
             "checkpoints": list,
             "discarding": list,
             "config_changes": list,
+            "verify_failures": list,
         }
         for key, kind in kinds.items():
             if not isinstance(doc.get(key, kind()), kind):
@@ -198,6 +239,7 @@ class Report:
                 retention=list(doc.get("retention", [])),
                 discarding=[int(s) for s in doc.get("discarding", [])],
                 config_changes=[dict(c) for c in doc.get("config_changes", [])],
+                verify_failures=[dict(c) for c in doc.get("verify_failures", [])],
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CorruptCheckpointError(
@@ -217,30 +259,52 @@ REBUILD_HINT = (
 )
 
 
-def load_report(directory: PathArg) -> Report | None:
-    """The ``report.json`` of the run at ``directory``, or None when it has none.
+def load_report(directory: PathArg, *, history: bool = True) -> Report | None:
+    """The report of the run at ``directory`` (``report.json`` and, with ``history``, the loss and
+    metric history of its log), or None when it has no ``report.json``.
 
-    A damaged one is CorruptCheckpointError saying how to rebuild it (:data:`REBUILD_HINT`); an
+    A damaged ``report.json`` is CorruptCheckpointError saying how to rebuild it
+    (:data:`REBUILD_HINT`), a damaged history log CorruptCheckpointError naming the record; an
     unreadable one CheckpointPermissionError; one written by a newer savepoint
-    IncompatibleCheckpointError."""
-    where = resolve(directory, what="run directory").join(REPORT_FILE)
+    IncompatibleCheckpointError. ``history=False`` reads ``report.json`` alone (the histories
+    are then empty for a version 2 report): what a reader needs to choose a checkpoint, at a
+    cost that does not grow with the length of the run."""
+    return read_report(directory, history=history)[0]
+
+
+def read_report(directory: PathArg, *, history: bool = True) -> tuple[Report | None, int | None]:
+    """:func:`load_report`, and the version of ``report.json`` as found (None: no report)."""
+    run = resolve(directory, what="run directory")
+    where = run.join(REPORT_FILE)
     path = str(where)
     try:
         doc = read_json(where)
-        return None if doc is None else Report.from_json(doc, path)
+        if doc is None:
+            return None, None
+        report = Report.from_json(doc, path)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{exc}; {REBUILD_HINT}", path=path) from exc
+    version = doc.get("version", 1)
+    if history and version >= 2:
+        read_history(run, report)
+    return report, version
+
+
+def read_history(run: Location, report: Report) -> None:
+    """Fill ``report``'s histories from the run's history log (see :mod:`~.history`)."""
+    for shown, records in _history.read(run) or []:
+        _history.apply(records, report.loss_history, report.metric_history, shown)
 
 
 def _is_step(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_version(doc: dict[str, Any], path: str) -> None:
+def _check_version(doc: dict[str, Any], path: str, newest: int = 1) -> None:
     version = doc.get("version", 1)
     if isinstance(version, bool) or not isinstance(version, int):
         raise CorruptCheckpointError(f"{path}: version must be an integer", path=path)
-    if version > 1:
+    if version > newest:
         raise IncompatibleCheckpointError(
             f"{path}: format version {version} is newer than this savepoint reads; upgrade "
             "savepoint",
@@ -290,16 +354,34 @@ def read_json(path: PathArg) -> Any:
         raise CorruptCheckpointError(f"{shown} is not valid JSON: {exc}", path=shown) from None
 
 
-def write_json(path: PathArg, doc: Mapping[str, Any]) -> None:
-    """Replace the file at ``path`` atomically (``Store.put``, readers see the old document or the
-    new one). One top-level member per line, values compact: readable, and small for long
-    histories. Raises OSError."""
+def write_json(path: PathArg, doc: Mapping[str, Any], *, sync_dir: bool = True) -> None:
+    """Replace the file at ``path`` atomically (readers see the old document or the new one).
+    One top-level member per line, values compact: readable, and small for long histories.
+    Raises OSError.
+
+    ``sync_dir=False`` (a store that renames): the new document is written and synced under a
+    hidden temporary name (:mod:`savepoint.commit.names`) and renamed over ``path``, and the
+    directory is *not* synced: a power cut before the caller syncs it may bring back the
+    previous document (whole), never a mixture. The manager's save uses it and syncs the run
+    directory in its background step (one sync fewer before ``save`` returns)."""
     members = ",\n".join(
         f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), default=_jsonable)}"
         for k, v in doc.items()
     )
+    data = ("{\n" + members + "\n}\n").encode("utf-8")
     where = resolve(path, what="run file")
-    where.store.put(where.path, ("{\n" + members + "\n}\n").encode("utf-8"), exclusive=False)
+    store = where.store
+    if sync_dir or not store.capabilities.atomic_rename:
+        store.put(where.path, data, exclusive=False)
+        return
+    temporary = names.hidden(store, where.path, names.TMP_TAG)
+    store.put(temporary, data, exclusive=True)
+    try:
+        store.replace(temporary, where.path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            store.remove(temporary)
+        raise
 
 
 def _jsonable(value: Any) -> Any:

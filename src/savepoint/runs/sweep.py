@@ -22,7 +22,15 @@ from savepoint.errors import CheckpointNotFoundError
 from savepoint.runs import layout
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.policies import Entry, Mode, metric_value
-from savepoint.runs.report import REPORT_FILE, RUN_FILE, Report, RunInfo, read_json, write_json
+from savepoint.runs.report import (
+    REPORT_FILE,
+    RUN_FILE,
+    Report,
+    RunInfo,
+    load_report,
+    read_json,
+    write_json,
+)
 from savepoint.storage.paths import PathArg, resolve
 
 __all__ = ["COMPARISON_FILE", "Sweep"]
@@ -86,10 +94,9 @@ class Sweep:
         where = self._root.join(name)
         directory = str(where)
         run = RunInfo.from_json(read_json(where.join(RUN_FILE)), directory)
-        doc = read_json(where.join(REPORT_FILE))
-        if doc is None:
+        report = load_report(where)  # report.json and the history log
+        if report is None:
             raise CheckpointNotFoundError(f"{directory} has no {REPORT_FILE} yet", path=directory)
-        report = Report.from_json(doc, directory)
         metric = self.metric or (report.best or {}).get("metric")
         saved = set(report.checkpoints) & set(layout.committed_steps(where))
         best_value, best_step = _best(report, metric, self.mode, saved)

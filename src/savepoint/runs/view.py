@@ -73,7 +73,8 @@ class RunView:
 
     @property
     def report(self) -> Report | None:
-        """``report.json`` as it is now (reread at each access: a live writer rewrites it)."""
+        """``report.json`` as it is now, with the loss and metric history of the run's history
+        log (reread at each access: a live writer rewrites and appends to them)."""
         return load_report(self._run)
 
     def steps(self) -> list[int]:
