@@ -19,17 +19,9 @@ import tempfile
 import time
 import warnings
 
+from bench_save_load import evict
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-
-def drop_cache(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def main() -> None:
@@ -62,7 +54,7 @@ def main() -> None:
                 t = time.perf_counter()
                 dcp.save(state, storage_writer=writer(path))
                 t_save = time.perf_counter() - t
-                drop_cache(path)
+                evict(path)
                 t = time.perf_counter()
                 dcp.load(into, storage_reader=reader(path))
                 t_load = time.perf_counter() - t

@@ -94,6 +94,7 @@ from savepoint.storage.paths import resolve as resolve_path
 __all__ = [
     "ConversionReport",
     "TARGETS",
+    "check_local_target",
     "check_replaceable",
     "convert",
     "counting",
@@ -794,19 +795,32 @@ def _target(dst: str, fmt: str | None, src: _Source) -> str:
     return fmt
 
 
-def _check_local_target(source: Location, target_path: str, overwrite: bool) -> None:
-    """What may be at a local ``target_path``: nothing, or with ``overwrite`` a file or a
-    directory other than the source itself."""
+def check_local_target(
+    source: Location,
+    target_path: str,
+    overwrite: bool,
+    *,
+    verb: str = "convert",
+    directories: bool = True,
+) -> None:
+    """What may be at a local ``target_path``: nothing, or with ``overwrite`` a file or (with
+    ``directories``) a directory other than the source itself. ``verb`` names the command in
+    messages."""
     if not os.path.lexists(target_path):
         return
     if source.is_local and os.path.realpath(target_path) == os.path.realpath(source.path):
         raise CheckpointWriteError(
-            f"{target_path} is the source itself; convert into another path", path=target_path
+            f"{target_path} is the source itself; {verb} into another path", path=target_path
         )
     if not overwrite:
         raise CheckpointWriteError(
-            f"{target_path} already exists; pass overwrite=True (savepoint convert "
+            f"{target_path} already exists; pass overwrite=True (savepoint {verb} "
             "--overwrite) to replace it",
+            path=target_path,
+        )
+    if not directories and os.path.isdir(target_path):
+        raise CheckpointWriteError(
+            f"{target_path} is a directory; {verb} writes one .safetensors file: name the file",
             path=target_path,
         )
     check_replaceable(target_path)
@@ -882,7 +896,7 @@ def convert(
     # savepoint's own format works on every store; the others are local files.
     kind = detect(src_loc.path) if src_loc.is_local else "savepoint"
     if dst_loc.is_local:
-        _check_local_target(src_loc, dst_loc.path, overwrite)
+        check_local_target(src_loc, dst_loc.path, overwrite)
     else:
         _check_store_target(src_loc, dst_loc, format, overwrite)
     start = time.perf_counter()

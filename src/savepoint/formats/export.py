@@ -45,13 +45,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from savepoint.errors import CheckpointWriteError, ConversionError
+from savepoint.errors import ConversionError
 from savepoint.formats import _files
 from savepoint.formats import convert as _convert
 from savepoint.formats._files import LazyTensor
 from savepoint.formats._progress import Counted, Progress, Tally
 from savepoint.formats.detect import detect
-from savepoint.storage.paths import Location, PathArg, local_path
+from savepoint.storage.paths import PathArg, local_path
 from savepoint.storage.paths import resolve as resolve_path
 
 __all__ = ["ExportReport", "MAX_METADATA_VALUE", "export"]
@@ -148,28 +148,6 @@ def _metadata(source: Mapping[str, Any], dropped: list[str]) -> dict[str, str]:
     return out
 
 
-def _check_target(source: Location, target: str, overwrite: bool) -> None:
-    """Nothing at ``target``, or with ``overwrite`` a file other than the source."""
-    if not os.path.lexists(target):
-        return
-    if source.is_local and os.path.realpath(target) == os.path.realpath(source.path):
-        raise CheckpointWriteError(
-            f"{target} is the source itself; export into another path", path=target
-        )
-    if not overwrite:
-        raise CheckpointWriteError(
-            f"{target} already exists; pass overwrite=True (savepoint export --overwrite) to "
-            "replace it",
-            path=target,
-        )
-    if os.path.isdir(target):
-        raise CheckpointWriteError(
-            f"{target} is a directory; export writes one .safetensors file: name the file",
-            path=target,
-        )
-    _convert.check_replaceable(target)
-
-
 def export(
     src: PathArg,
     dst: str | os.PathLike[str],
@@ -194,7 +172,7 @@ def export(
     src_loc = resolve_path(src, what="source")
     target = os.path.abspath(local_path(dst, what="export target"))
     kind = detect(src_loc.path) if src_loc.is_local else "savepoint"
-    _check_target(src_loc, target, overwrite)
+    _convert.check_local_target(src_loc, target, overwrite, verb="export", directories=False)
     with _convert.open_source(src_loc, kind) as source:
         chosen = _default_subtree(source.tree) if subtree is None else subtree.strip("/")
         node, base = _find(source.tree, chosen)

@@ -47,6 +47,7 @@ in place, the old one is the one readers follow).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import errno
 import json
@@ -334,33 +335,36 @@ class Mark:
     created: bool = False  # AppendLog: this append created the file
 
 
-class HistoryWriter:
+class HistoryWriter(abc.ABC):
     """The writer's side of the log (one per writing manager, used under its lock)."""
 
+    @abc.abstractmethod
     def append(self, data: bytes) -> Mark | None:
         """Add ``data`` (whole lines) to the log; None when ``data`` is empty. Raises OSError,
         with nothing added."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rollback(self, mark: Mark | None) -> None:
         """Take back an append (a save that is undone). Raises OSError."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rewrite(self, data: bytes) -> None:
         """Make ``data`` the whole log (moving a version 1 report's history into it)."""
-        raise NotImplementedError
 
     def repair(self) -> None:
         """Cut off what a killed writer left (a torn last line; segments a longer one covers)."""
+        return  # optional: nothing to do unless a log overrides it
 
     def sync(self) -> None:
         """Make what was appended durable (the background step of a save)."""
+        return  # optional: nothing to do unless a log overrides it
 
     def compact(self) -> None:
         """Bound the number of segments (the background step of a save)."""
+        return  # optional: nothing to do unless a log overrides it
 
     def close(self) -> None:
-        pass
+        return  # optional: nothing to do unless a log overrides it
 
 
 class AppendLog(HistoryWriter):
