@@ -706,3 +706,14 @@ print("child exit", os.waitstatus_to_exitcode(status), flush=True)
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["refused", "child", "exit", "0"], result.stdout
+
+
+def test_each_async_save_logs_what_it_blocked_and_when_it_committed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="savepoint.async_.checkpointer")
+    with AsyncCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "a", {"w": np.ones(4)}).wait()
+    (record,) = [r for r in caplog.records if r.name == "savepoint.async_.checkpointer"]
+    assert record.levelname == "INFO"
+    assert str(tmp_path / "a") in record.getMessage() and "blocked" in record.getMessage()

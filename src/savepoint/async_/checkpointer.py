@@ -31,9 +31,11 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import errno
+import logging
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -51,6 +53,8 @@ from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
 from savepoint.storage.paths import Location, PathArg, local_path
 from savepoint.storage.paths import resolve as resolve_path
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AsyncCheckpointer", "OnBusy"]
 
@@ -201,7 +205,9 @@ class AsyncCheckpointer:
             self._raise_background_error()
         pending = PendingSave(target)
         # The snapshot: when prepare() returns, training may change the state.
+        started = time.perf_counter()
         commit = prepare()
+        blocked = time.perf_counter() - started
 
         def write() -> None:
             try:
@@ -213,10 +219,17 @@ class AsyncCheckpointer:
                 with self._lock:
                     self._error = error
                 pending.set_exception(error)
+                log.warning("async save to %s failed: %s", target, error)
             else:
                 with self._lock:
                     if self._error is None:
                         _UNFINISHED.discard(self)
+                log.info(
+                    "async save to %s: caller blocked %.3f s (snapshot), committed %.3f s after",
+                    target,
+                    blocked,
+                    time.perf_counter() - started,
+                )
                 pending.set_result(info)
 
         self._pending = pending
