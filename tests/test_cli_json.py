@@ -90,6 +90,7 @@ def commands(world: dict[str, Path]) -> list[tuple[list[str], str, Any]]:
         (["convert", ckpt, str(t / "c.safetensors"), "--lossy"], "safetensors", None),
         (["export", run, str(t / "model.safetensors")], "safetensors", None),
         (["consolidate", str(world["sharded"]), str(t / "whole")], "savepoint", 1),
+        (["copy", run, str(t / "copied")], "savepoint", 1),
         (["gc", run, "--dry-run"], "savepoint-run", 1),
         (["gc", ckpt, "--dry-run"], "savepoint", None),
     ]
@@ -119,6 +120,7 @@ def test_every_command_prints_a_json_error_and_exits_nonzero(world: dict[str, Pa
         ["convert", missing, str(t / "out")],
         ["export", missing, str(t / "out.safetensors")],
         ["consolidate", missing, str(t / "out2")],
+        ["copy", missing, str(t / "out3")],
         ["gc", missing],
     ]
     assert {c[0] for c in cases} == set(main.commands)

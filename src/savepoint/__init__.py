@@ -63,6 +63,7 @@ from savepoint.state.optimizer import (
 )
 from savepoint.state.rng import RNGState
 from savepoint.state.stateful import Stateful
+from savepoint.transfer import copy
 
 __all__ = [
     "ArtifactMismatchError",
@@ -114,6 +115,7 @@ __all__ = [
     "UnsupportedStorageError",
     "__version__",
     "convert",
+    "copy",
     "diff",
     "export",
     "inspect",

@@ -12,7 +12,18 @@ from __future__ import annotations
 import click
 
 from savepoint._version import __version__
-from savepoint.cli import consolidate, convert, diff, export, gc, inspect, ls, report, verify
+from savepoint.cli import (
+    consolidate,
+    convert,
+    copy,
+    diff,
+    export,
+    gc,
+    inspect,
+    ls,
+    report,
+    verify,
+)
 from savepoint.cli._common import set_verbose
 
 __all__ = ["main"]
@@ -46,6 +57,7 @@ def main(ctx: click.Context, verbose: int) -> None:
 
 main.add_command(consolidate.consolidate_cmd)
 main.add_command(convert.convert_cmd)
+main.add_command(copy.copy_cmd)
 main.add_command(diff.diff_cmd)
 main.add_command(export.export_cmd)
 main.add_command(gc.gc_cmd)
