@@ -1,0 +1,124 @@
+"""Tiers: background copy-up of committed checkpoints to slower places, per-tier interval and
+retention (after the new copy verifies there), failures named by tier, restore candidates."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import savepoint as sp
+import savepoint.transfer
+from _compare import same
+from savepoint.runs import layout
+from savepoint.runs.tiers import Tier, TierCopier
+
+RUN = {"name": "t", "created": "2026-11-27T00:00:00Z"}
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": np.full((64, 64), step, np.float32), "step": step}
+
+
+def saved(tmp_path: Path, step: int) -> str:
+    path = layout.step_path(tmp_path / "home", step)
+    sp.save(path, state(step))
+    return path
+
+
+def test_a_tier_gets_every_nth_step_and_keeps_the_newest(tmp_path: Path) -> None:
+    disk = Tier(str(tmp_path / "disk"), every=2, keep=2)
+    mem = Tier("memory://tiers-a/run", every=1)
+    copier = TierCopier([disk, mem], RUN)
+    for step in range(1, 8):
+        copier.submit(step, saved(tmp_path, step))
+    copier.close()
+    copier.raise_error()
+    assert layout.committed_steps(tmp_path / "disk") == [5, 7]  # 1, 3, 5, 7 copied; 2 kept
+    assert layout.committed_steps("memory://tiers-a/run") == list(range(1, 8))
+    same(sp.load(layout.step_path(tmp_path / "disk", 7)), state(7))
+    candidates = copier.candidates()
+    assert [t.label for t, _ in candidates[7]] == [disk.label, mem.label]  # fastest first
+    assert [t.label for t, _ in candidates[3]] == [mem.label]
+
+
+def test_the_interval_continues_after_a_restart(tmp_path: Path) -> None:
+    tier = Tier(str(tmp_path / "disk"), every=10)
+    copier = TierCopier([tier], RUN)
+    copier.submit(10, saved(tmp_path, 10))
+    copier.close()
+    again = TierCopier([tier], RUN)
+    assert again.due(15) == [] and again.due(20) == [tier]
+
+
+def test_a_failed_copy_up_is_raised_once_naming_the_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = Tier(str(tmp_path / "disk"), name="scratch")
+    copier = TierCopier([tier], RUN)
+    real = savepoint.transfer._stream
+
+    def full(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(savepoint.transfer, "_stream", full)
+    copier.submit(1, saved(tmp_path, 1))
+    copier.wait()
+    assert copier.pending_steps() == set()
+    with pytest.raises(sp.CheckpointWriteError, match="step 1 to tier 'scratch'") as caught:
+        copier.raise_error()
+    assert caught.value.errno == 28 and "No space left" in str(caught.value)
+    copier.raise_error()  # once
+    monkeypatch.setattr(savepoint.transfer, "_stream", real)
+    copier.submit(2, saved(tmp_path, 2))
+    copier.close()
+    copier.raise_error()
+    assert layout.committed_steps(tmp_path / "disk") == [2]
+    assert os.listdir(tmp_path / "disk" / "checkpoints") == ["step-0000000002"]
+
+
+def test_pruning_waits_for_the_new_copy_to_verify_and_spares_the_resumed_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = Tier(str(tmp_path / "disk"), keep=1)
+    copier = TierCopier([tier], RUN, protected=lambda: {1})
+    for step in (1, 2, 3):
+        copier.submit(step, saved(tmp_path, step))
+    copier.wait()
+    assert layout.committed_steps(tmp_path / "disk") == [1, 3]  # 1: the resumed-from step
+    real = savepoint.transfer.copy
+
+    def damaging(src: Any, dst: Any, **kw: Any) -> Any:
+        info = real(src, dst, **kw)
+        data = next(p for p in Path(str(dst)).iterdir() if p.suffix == ".safetensors")
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        return info
+
+    monkeypatch.setattr(savepoint.transfer, "copy", damaging)
+    copier.submit(4, saved(tmp_path, 4))
+    copier.close()
+    with pytest.raises(sp.CheckpointWriteError, match="step 4"):
+        copier.raise_error()
+    assert layout.committed_steps(tmp_path / "disk") == [1, 3, 4]  # nothing pruned for it
+
+
+def test_a_tier_of_another_run_is_refused(tmp_path: Path) -> None:
+    TierCopier([Tier(str(tmp_path / "disk"))], RUN)
+    with pytest.raises(sp.RunMismatchError, match="another run"):
+        TierCopier([Tier(str(tmp_path / "disk"))], {**RUN, "name": "other"})
+
+
+def test_tier_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="every"):
+        Tier("/x", every=0)
+    with pytest.raises(ValueError, match="keep"):
+        Tier("/x", keep=0)
+    with pytest.raises(TypeError, match="url"):
+        Tier(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="distinct"):
+        TierCopier([Tier("memory://d/a"), Tier("memory://d/a")], RUN)
