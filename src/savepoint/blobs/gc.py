@@ -1,0 +1,407 @@
+"""Saves in flight and garbage collection: deleting unreferenced blobs without ever deleting one
+that a checkpoint (committed or being saved) needs.
+
+The protocol (two kinds of records, each written before the other kind is read):
+
+**A save** runs inside a :class:`SaveSession`:
+
+1. ``begin``: put ``sessions/<id>.json`` (create-only), then list ``gc/``. A live collection
+   there (its record younger than ``gc_stale_after`` by the store's own clock) makes the save
+   wait until it is gone; a stale one (its collector died) is removed and ignored.
+2. Put blobs (written or found there already: either way the session remembers the digest), and
+   refresh the session record (an overwrite: a new ``mtime``) at least every
+   ``refresh_every`` seconds, so that no collector takes a slow save for a dead one.
+3. ``sync`` the blob names, ``check`` that the record is still there, commit the manifest (the
+   engine's job), then ``close``: the record is removed.
+
+**A collection** (:func:`collect`):
+
+1. Put ``gc/<id>.json`` (create-only); its ``mtime`` is "now" on the store's clock.
+2. List ``sessions/``. A live session other than the caller's own makes the collection stop at
+   once (``deferred``, nothing deleted): that save may be about to commit a manifest naming any
+   blob that exists. Stale session records (older than ``session_stale_after``) are removed.
+3. Only now ask for the referenced digests (``referenced()``: the blobs named by every committed
+   manifest that is kept; the caller's own session's digests are added). Asking after step 2
+   matters: a save that committed before step 2 is in it; a save that begins after step 1 waits.
+4. List ``data/``; delete every blob not referenced and older than ``grace`` (by the store's
+   clock), and leftover temporaries older than ``grace``. Between batches the gc record is
+   refreshed; if it has vanished (a save took the collector for dead) the collection stops.
+5. Remove the gc record.
+
+Why nothing needed is deleted: a save and a collection each write their own record before reading
+the other's, so (on a store whose listings see completed puts: local disks, memory, S3, GCS and
+Azure today) at least one of them sees the other. If the collection sees the save, it deletes
+nothing. If it does not, the save's record came after the collection's listing, so the save sees
+the collection's record and waits until the collection is over before it checks any blob's
+existence: it writes again whatever was deleted. Committed checkpoints are protected by step 3.
+
+Why a crash leaves only garbage: a collection deletes blobs only; a crash between deletions
+leaves unreferenced blobs, which the next collection deletes. A save that crashes leaves its
+blobs and its session record: the record holds collections back (``deferred``) until it is stale
+(``session_stale_after``, 1 hour by default), then its blobs are collected like any unreferenced
+ones. Retention must delete a checkpoint (its manifest) *before* collecting its blobs, never the
+reverse: then a crash at any point leaves every retained checkpoint whole.
+
+``grace`` (15 minutes by default) protects, in addition, blobs written by writers that do not
+take part in the protocol (another tool, an older savepoint); a run that holds its writer lock
+and saves only through sessions may pass ``grace=0``.
+
+Clocks: every age is the difference of two ``mtime`` values reported by the store (a record just
+put and the record or blob judged), never the local clock, so hosts with skewed clocks agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from savepoint.blobs import digest as _digest
+from savepoint.blobs.store import GC, SESSIONS, TMP, BlobStore, PutResult, PutStats, Recipe
+from savepoint.errors import CheckpointError, CheckpointWriteError
+
+if TYPE_CHECKING:
+    from savepoint.blobs.frame import Compression
+
+__all__ = [
+    "BlobGcReport",
+    "SaveSession",
+    "collect",
+]
+
+SESSION_STALE_AFTER = 3600.0
+GC_STALE_AFTER = 600.0
+REFRESH_EVERY = 60.0
+DEFAULT_GRACE = 900.0
+_RECORD_CAP = 64 << 10
+
+
+def _record(kind: str) -> bytes:
+    body = {
+        "kind": kind,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "time": time.time(),  # for people reading it; ages use the store's mtime
+    }
+    return (json.dumps(body) + "\n").encode()
+
+
+def _write_error(blobs: BlobStore, what: str, exc: OSError) -> CheckpointError:
+    if isinstance(exc, CheckpointError):
+        return exc
+    return CheckpointWriteError(f"{what} ({blobs.url()}): {exc}", path=blobs.url(), errno=exc.errno)
+
+
+class SaveSession:
+    """A save in flight on a :class:`BlobStore` (see the module docstring). Use as a context
+    manager, or ``begin()`` ... ``close()``.
+
+    ``wait``: how long ``begin`` waits for a running collection before it gives up
+    (CheckpointWriteError). The put methods are those of the store, and remember every digest
+    they name in :attr:`referenced`; :attr:`stats` totals them."""
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        *,
+        wait: float = 300.0,
+        refresh_every: float = REFRESH_EVERY,
+        gc_stale_after: float = GC_STALE_AFTER,
+        poll: float = 0.05,
+    ) -> None:
+        self.blobs = blobs
+        self.id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}"
+        self.path = blobs.store.join(blobs.root, SESSIONS, f"{self.id}.json")
+        self.referenced: set[str] = set()
+        self.stats = PutStats()
+        self._wait = wait
+        self._refresh_every = refresh_every
+        self._gc_stale_after = gc_stale_after
+        self._poll = poll
+        self._refreshed = 0.0
+        self._lock = threading.Lock()
+        self._open = False
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    def begin(self) -> SaveSession:
+        store = self.blobs.store
+        try:
+            store.put(self.path, _record("save"), exclusive=True)
+        except OSError as exc:
+            raise _write_error(self.blobs, "cannot register the save", exc) from exc
+        self._open = True
+        self._refreshed = time.monotonic()
+        try:
+            self._wait_for_collections()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _wait_for_collections(self) -> None:
+        store = self.blobs.store
+        gc_dir = store.join(self.blobs.root, GC)
+        deadline = time.monotonic() + self._wait
+        delay = self._poll
+        while True:
+            mine = store.stat(self.path)
+            now = mine.mtime if mine is not None else 0.0
+            live = []
+            for name in store.list(gc_dir):
+                path = store.join(gc_dir, name)
+                st = store.stat(path)
+                if st is None:
+                    continue
+                if now - st.mtime > self._gc_stale_after:
+                    try:  # a dead collector's record; removing it also stops a hung one
+                        store.remove(path)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                live.append(name)
+            if not live:
+                return
+            if time.monotonic() >= deadline:
+                raise CheckpointWriteError(
+                    f"a blob collection is running on {self.blobs.url()} ({', '.join(live)}) "
+                    f"and did not finish within {self._wait:g} s; the save did not start. "
+                    "Try again, or remove a collector's record under gc/ if its process is gone.",
+                    path=self.blobs.url(),
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            self._refresh(force=True)  # stay young while waiting
+
+    def _refresh(self, *, force: bool = False) -> None:
+        if not self._open:
+            raise ValueError("the save session is closed")
+        now = time.monotonic()
+        if not force and now - self._refreshed < self._refresh_every:
+            return
+        with self._lock:
+            if not force and now - self._refreshed < self._refresh_every:
+                return
+            try:
+                self.blobs.store.put(self.path, _record("save"), exclusive=False)
+            except OSError as exc:
+                raise _write_error(self.blobs, "cannot refresh the save's record", exc) from exc
+            self._refreshed = now
+
+    def check(self) -> None:
+        """CheckpointWriteError if this session's record is gone (a collector judged it stale:
+        blobs it named may have been deleted); call just before committing a manifest."""
+        if self.blobs.store.stat(self.path) is None:
+            raise CheckpointWriteError(
+                f"the save's record {self.blobs.url(self.path)} vanished (the save took longer "
+                "than session_stale_after without refreshing); blobs it relies on may be gone: "
+                "save again",
+                path=self.blobs.url(self.path),
+            )
+        self._refresh()
+
+    def sync(self) -> None:
+        """Make every blob name written so far durable (before the manifest commits)."""
+        self.blobs.sync()
+
+    def close(self) -> None:
+        """End the session (after the manifest committed, or after the save failed)."""
+        if not self._open:
+            return
+        self._open = False
+        try:
+            self.blobs.store.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> SaveSession:
+        if not self._open:
+            self.begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- puts ------------------------------------------------------------------------------------
+
+    def _remember(self, result: PutResult) -> None:
+        with self._lock:
+            self.referenced.add(result.digest)
+
+    def put(
+        self,
+        data: Any,
+        *,
+        compression: Compression | None = None,
+        itemsize: int | None = None,
+        digest: str | None = None,
+    ) -> PutResult:
+        self._refresh()
+        result = self.blobs.put(
+            data, compression=compression, itemsize=itemsize, digest=digest, stats=self.stats
+        )
+        self._remember(result)
+        return result
+
+    def put_chunked(
+        self,
+        data: Any,
+        *,
+        chunk_size: int | None = None,
+        compression: Compression | None = None,
+        itemsize: int | None = None,
+        workers: int = 1,
+        memo: _digest.FastMemo | None = None,
+    ) -> Recipe:
+        from savepoint.blobs.store import DEFAULT_CHUNK
+
+        self._refresh()
+
+        def seen(result: PutResult) -> None:
+            self._remember(result)
+            self._refresh()
+
+        return self.blobs.put_chunked(
+            data,
+            chunk_size=chunk_size or DEFAULT_CHUNK,
+            compression=compression,
+            itemsize=itemsize,
+            workers=workers,
+            memo=memo,
+            stats=self.stats,
+            on_put=seen,
+        )
+
+    def reuse(self, digests: Iterable[str]) -> None:
+        """Name blobs this save refers to without putting them (a recipe copied from the previous
+        checkpoint for a tensor known unchanged): a collection run by this session keeps them.
+        Other processes' collections are held back by the session record anyway."""
+        with self._lock:
+            self.referenced.update(digests)
+
+    def collect(
+        self, referenced: Callable[[], Iterable[str]] | Iterable[str], **kwargs: Any
+    ) -> BlobGcReport:
+        """:func:`collect` run by this save (retention after its commit): this session's own
+        record does not hold the collection back, and its digests are kept."""
+        return collect(self.blobs, referenced, session=self, **kwargs)
+
+
+@dataclass
+class BlobGcReport:
+    """What a collection did. ``deferred``: it stopped before deleting anything because saves
+    were in flight (``live_sessions``); ``aborted``: it stopped part-way (its record vanished).
+    ``kept_young``: unreferenced blobs younger than ``grace``, left for a later collection."""
+
+    deleted: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    temporaries_removed: int = 0
+    kept_referenced: int = 0
+    kept_young: int = 0
+    stale_sessions_removed: int = 0
+    live_sessions: list[str] = field(default_factory=list)
+    deferred: bool = False
+    aborted: bool = False
+    dry_run: bool = False
+
+
+def collect(
+    blobs: BlobStore,
+    referenced: Callable[[], Iterable[str]] | Iterable[str],
+    *,
+    grace: float = DEFAULT_GRACE,
+    session: SaveSession | None = None,
+    session_stale_after: float = SESSION_STALE_AFTER,
+    dry_run: bool = False,
+    refresh_every: float = 10.0,
+) -> BlobGcReport:
+    """Delete the blobs of ``blobs`` that ``referenced`` does not name (see the module docstring
+    for the protocol). ``referenced``: a callable, called once no save is in flight, returning
+    the digests of every kept checkpoint (preferred: it is then computed at the right moment),
+    or those digests themselves (the caller computed them after every save it knows of
+    committed). ``dry_run``: report what would be deleted, delete nothing."""
+    store = blobs.store
+    report = BlobGcReport(dry_run=dry_run)
+    gc_path = store.join(blobs.root, GC, f"{uuid.uuid4().hex}.json")
+    try:
+        store.put(gc_path, _record("gc"), exclusive=True)
+    except OSError as exc:
+        raise _write_error(blobs, "cannot register the collection", exc) from exc
+    try:
+        mine = store.stat(gc_path)
+        now = mine.mtime if mine is not None else time.time()
+        sessions_dir = store.join(blobs.root, SESSIONS)
+        for name in store.list(sessions_dir):
+            path = store.join(sessions_dir, name)
+            if session is not None and path == session.path:
+                continue
+            st = store.stat(path)
+            if st is None:
+                continue
+            if now - st.mtime > session_stale_after:
+                if not dry_run:
+                    try:
+                        store.remove(path)
+                    except FileNotFoundError:
+                        pass
+                report.stale_sessions_removed += 1
+                continue
+            report.live_sessions.append(name.removesuffix(".json"))
+        if report.live_sessions:
+            report.deferred = True
+            return report
+
+        keep = set(referenced() if callable(referenced) else referenced)
+        if session is not None:
+            with session._lock:
+                keep |= session.referenced
+        last_refresh = time.monotonic()
+        for name, path in list(blobs.entries()):
+            if time.monotonic() - last_refresh > refresh_every:
+                if store.stat(gc_path) is None:
+                    report.aborted = True
+                    return report
+                store.put(gc_path, _record("gc"), exclusive=False)
+                st_mine = store.stat(gc_path)
+                now = st_mine.mtime if st_mine is not None else now
+                last_refresh = time.monotonic()
+            temporary = TMP in name
+            if not temporary:
+                if not _digest.is_digest(blobs.algorithm, name):
+                    continue  # not ours: never touched
+                if name in keep:
+                    report.kept_referenced += 1
+                    continue
+            st = store.stat(path)
+            if st is None or st.kind != "file":
+                continue
+            if now - st.mtime < grace:
+                report.kept_young += 1
+                continue
+            if not dry_run:
+                try:
+                    store.remove(path)
+                except FileNotFoundError:
+                    continue
+            if temporary:
+                report.temporaries_removed += 1
+            else:
+                report.deleted.append(name)
+                report.bytes_freed += st.size
+        if not dry_run and report.deleted:
+            for fan in {d[:2] for d in report.deleted}:
+                store.sync_dir(store.join(blobs.data_root, fan))
+        return report
+    except OSError as exc:
+        raise _write_error(blobs, "blob collection failed", exc) from exc
+    finally:
+        try:
+            store.remove(gc_path)
+        except (FileNotFoundError, OSError):
+            pass

@@ -1,0 +1,837 @@
+"""A content-addressed blob store on any :class:`~savepoint.storage.base.Store`.
+
+Layout under the store's root (a directory or an object-store prefix)::
+
+    <root>/store.json                      {"format": "savepoint-blobs", "version": 1,
+                                            "digest": "blake3"}  (create-only, never changed)
+    <root>/data/<d[:2]>/<d>                one blob: 32-byte header + payload (see frame)
+    <root>/data/<d[:2]>/<d>.tmp-<random>   a blob being written (stores with atomic rename only)
+    <root>/sessions/<id>.json              a save in flight (see savepoint.blobs.gc)
+    <root>/gc/<id>.json                    a collection in flight
+
+A blob's name is the digest of its content, so one that exists is never written again, and
+writers of the same content cannot disagree: the first to publish wins, the others find it there
+(a create-only rename on local disks, a create-only object on object stores) and discard theirs.
+A blob appears whole or not at all: on stores with atomic rename it is written under a temporary
+name, fsynced, then renamed into place; on object stores the object becomes visible only when its
+upload completes. No listing ever needs more than names: a blob's name is its identity, its codec
+and sizes are in its header, its age in the store's own ``mtime``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from savepoint.blobs import digest as _digest
+from savepoint.blobs import frame
+from savepoint.blobs.frame import HEADER, Compression
+from savepoint.codecs import checksum as _checksum
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+
+if TYPE_CHECKING:
+    from savepoint.blobs.gc import BlobGcReport, SaveSession
+    from savepoint.storage.base import Store
+    from savepoint.storage.paths import Location, PathArg
+
+__all__ = [
+    "BlobInfo",
+    "BlobStore",
+    "DEFAULT_CHUNK",
+    "FORMAT",
+    "MAX_CHUNK",
+    "PutResult",
+    "PutStats",
+    "Recipe",
+    "referenced_by",
+]
+
+FORMAT = "savepoint-blobs"
+VERSION = 1
+CONFIG = "store.json"
+DATA = "data"
+SESSIONS = "sessions"
+GC = "gc"
+TMP = ".tmp-"
+DEFAULT_CHUNK = 4 << 20  # see docs/blobs.md, "Chunk size"
+MIN_CHUNK = 4 << 10
+MAX_CHUNK = 1 << 30  # also the largest content a compressed blob may claim
+_CONFIG_CAP = 64 << 10
+
+
+def _bytes_view(data: Any) -> tuple[memoryview, int]:
+    """``data`` as a flat byte view (no copy for contiguous buffers) and its item size."""
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        return memoryview(data.reshape(-1).view(np.uint8)), data.dtype.itemsize
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("blob content must be a C-contiguous buffer")
+    itemsize = view.itemsize
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view, itemsize
+
+
+def _out_array(out: Any, n: int) -> np.ndarray[Any, Any]:
+    arr = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) else out
+    arr = arr.reshape(-1)
+    if arr.dtype != np.uint8:
+        arr = arr.view(np.uint8)
+    if arr.size != n:
+        raise ValueError(f"out holds {arr.size} bytes; {n} are needed")
+    if not arr.flags.writeable:
+        raise ValueError("out is read-only")
+    return arr
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A tensor's bytes as a list of blobs: content ``[i * chunk, min((i + 1) * chunk, size))``
+    is the blob ``digests[i]``. A recipe of one chunk is a whole-tensor blob.
+
+    ``checks``: the XXH3-64 of each chunk's content (savepoint's checksum, 16 hex digits), so
+    that loads check what they read at XXH3 speed instead of re-computing BLAKE3; empty where a
+    writer recorded none. They are block checksums in the sense of
+    :mod:`savepoint.codecs.checksum` (blocks of ``chunk`` bytes): :meth:`checksum` gives the
+    tensor's manifest checksum.
+
+    In a manifest it is the JSON object of :meth:`to_json` (``{"digest": "blake3", "size": 123,
+    "chunk": 4194304, "blobs": ["<hex>", ...], "xxh3": ["<16 hex>", ...]}``); :meth:`from_json`
+    checks one completely (hostile input)."""
+
+    algorithm: str
+    size: int
+    chunk: int
+    digests: tuple[str, ...]
+    checks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        count = -(-self.size // self.chunk) if self.chunk > 0 else -1
+        if self.size < 0 or not 0 < self.chunk <= MAX_CHUNK or count != len(self.digests):
+            raise CorruptCheckpointError(
+                f"blob recipe: {len(self.digests)} blob(s) of {self.chunk} bytes cannot hold "
+                f"{self.size} bytes"
+            )
+        for d in self.digests:
+            if not _digest.is_digest(self.algorithm, d):
+                raise CorruptCheckpointError(f"blob recipe: {d!r} is not a {self.algorithm} digest")
+        if self.checks and (
+            len(self.checks) != len(self.digests)
+            or not all(_checksum.is_digest(c) for c in self.checks)
+        ):
+            raise CorruptCheckpointError("blob recipe: its xxh3 checks do not match its blobs")
+
+    def spans(self) -> Iterator[tuple[str, int, int]]:
+        """``(digest, start, end)`` of every chunk, in order."""
+        for i, d in enumerate(self.digests):
+            yield d, i * self.chunk, min((i + 1) * self.chunk, self.size)
+
+    def checksum(self) -> _checksum.Digest | None:
+        """The content's checksum as a manifest records it (None without ``checks``): one chunk,
+        its XXH3-64; several, :func:`savepoint.codecs.checksum.combine` of theirs, with the chunk
+        as the block size."""
+        if not self.checks:
+            return None
+        if len(self.checks) == 1:
+            return _checksum.Digest(self.checks[0])
+        return _checksum.Digest(_checksum.combine(self.checks), self.chunk, self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "digest": self.algorithm,
+            "size": self.size,
+            "chunk": self.chunk,
+            "blobs": list(self.digests),
+        }
+        if self.checks:
+            out["xxh3"] = list(self.checks)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Recipe:
+        if (
+            not isinstance(obj, dict)
+            or not {"digest", "size", "chunk", "blobs"} <= set(obj) <= _RECIPE_KEYS
+            or obj["digest"] not in _digest.ALGORITHMS
+            or not all(type(obj[k]) is int for k in ("size", "chunk"))
+            or not isinstance(obj["blobs"], list)
+            or not isinstance(obj.get("xxh3", []), list)
+        ):
+            raise CorruptCheckpointError(f"malformed blob recipe: {str(obj)[:200]}")
+        checks = tuple(obj.get("xxh3", ()))
+        return cls(obj["digest"], obj["size"], obj["chunk"], tuple(obj["blobs"]), checks)
+
+
+_RECIPE_KEYS = {"digest", "size", "chunk", "blobs", "xxh3"}
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """One ``put``: the blob's ``digest``, its content ``size``, whether this call ``written``
+    it (False: it was there already), and the bytes it ``stored`` (header included; 0 when not
+    written)."""
+
+    digest: str
+    size: int
+    written: bool
+    stored: int
+
+
+@dataclass
+class PutStats:
+    """Totals over several puts (thread-safe ``add``): what incremental saves report."""
+
+    blobs_written: int = 0
+    blobs_reused: int = 0
+    bytes_in: int = 0  # content bytes handed to put
+    bytes_written: int = 0  # content bytes of the blobs written
+    bytes_stored: int = 0  # bytes those blobs take in the store
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, result: PutResult) -> None:
+        with self._lock:
+            self.bytes_in += result.size
+            if result.written:
+                self.blobs_written += 1
+                self.bytes_written += result.size
+                self.bytes_stored += result.stored
+            else:
+                self.blobs_reused += 1
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    digest: str
+    codec: str  # "raw" or "zstd"
+    size: int  # content bytes
+    stored: int  # bytes in the store, header included
+    mtime: float
+
+
+class BlobStore:
+    """Content-addressed blobs under ``root`` of ``store`` (see the module docstring).
+
+    ``algorithm``: the digest of a new store (``"blake3"``, the default, or ``"xxh3-128"``); an
+    existing store keeps its own, and asking for another is IncompatibleCheckpointError.
+    ``create=False``: FileNotFoundError-like CheckpointError when there is no store there."""
+
+    def __init__(
+        self, store: Store, root: str, *, algorithm: str | None = None, create: bool = True
+    ) -> None:
+        self.store = store
+        self.root = store.abspath(root)
+        self.data_root = store.join(self.root, DATA)
+        self.algorithm = self._open_config(algorithm, create)
+        self._hash = _digest.digest_function(self.algorithm)
+        self._hex = _digest.hex_length(self.algorithm)
+        self._dirty: set[str] = set()
+        self._lock = threading.Lock()
+        self._whole_when_visible = _whole_when_visible(store)
+
+    @classmethod
+    def open(cls, where: PathArg | Location, **kwargs: Any) -> BlobStore:
+        """The blob store at a path or URL (``/runs/a/blobs``, ``s3://bucket/run/blobs``)."""
+        from savepoint.storage.paths import resolve
+
+        location = resolve(where, what="blob store")
+        return cls(location.store, location.path, **kwargs)
+
+    def url(self, path: str | None = None) -> str:
+        return self.store.url(self.root if path is None else path)
+
+    # -- configuration -------------------------------------------------------------------------
+
+    def _read_config(self) -> dict[str, Any] | None:
+        path = self.store.join(self.root, CONFIG)
+        try:
+            raw = self.store.read_small(path, cap=_CONFIG_CAP)
+        except FileNotFoundError:
+            return None
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            config = None
+        if (
+            not isinstance(config, dict)
+            or config.get("format") != FORMAT
+            or type(config.get("version")) is not int
+        ):
+            raise CorruptCheckpointError(
+                f"{self.url(path)} is not a savepoint blob store configuration", path=self.url(path)
+            )
+        if config["version"] > VERSION:
+            raise IncompatibleCheckpointError(
+                f"blob store {self.url()} has version {config['version']}; this savepoint reads "
+                f"version {VERSION}. Upgrade savepoint.",
+                path=self.url(),
+            )
+        if config.get("digest") not in _digest.ALGORITHMS:
+            raise CorruptCheckpointError(
+                f"blob store {self.url()} names an unknown digest {config.get('digest')!r}",
+                path=self.url(),
+            )
+        return config
+
+    def _open_config(self, algorithm: str | None, create: bool) -> str:
+        if algorithm is not None:
+            _digest.hex_length(algorithm)  # unknown: IncompatibleCheckpointError
+        config = self._read_config()
+        if config is None:
+            if not create:
+                raise CorruptCheckpointError(
+                    f"no blob store at {self.url()} (no {CONFIG})", path=self.url()
+                )
+            chosen = algorithm or _digest.DEFAULT
+            body = json.dumps({"format": FORMAT, "version": VERSION, "digest": chosen}) + "\n"
+            try:
+                for sub in (DATA, SESSIONS, GC):
+                    self.store.makedirs(self.store.join(self.root, sub))
+                self.store.sync_dir(self.root)
+                self.store.put(self.store.join(self.root, CONFIG), body.encode(), exclusive=True)
+                self.store.sync_dir(self.root)
+            except FileExistsError:
+                pass  # another writer created it first: use theirs
+            except OSError as exc:
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise CheckpointWriteError(
+                    f"cannot create the blob store {self.url()}: {exc}",
+                    path=self.url(),
+                    errno=exc.errno,
+                ) from exc
+            config = self._read_config()
+            assert config is not None
+        found: str = config["digest"]
+        if algorithm is not None and algorithm != found:
+            raise IncompatibleCheckpointError(
+                f"blob store {self.url()} names its blobs by {found}, not {algorithm}",
+                path=self.url(),
+            )
+        return found
+
+    # -- names -----------------------------------------------------------------------------------
+
+    def digest(self, data: Any) -> str:
+        """The name ``data`` (any contiguous buffer) would have in this store."""
+        return self._hash(_bytes_view(data)[0])
+
+    def _check(self, digest: str) -> None:
+        if not _digest.is_digest(self.algorithm, digest):
+            raise CorruptCheckpointError(
+                f"{digest!r} is not a {self.algorithm} blob digest", path=self.url()
+            )
+
+    def path(self, digest: str) -> str:
+        """Where blob ``digest`` lives in the store."""
+        self._check(digest)
+        return self.store.join(self.data_root, digest[:2], digest)
+
+    def exists(self, digest: str) -> bool:
+        st = self.store.stat(self.path(digest))
+        return st is not None and st.kind == "file"
+
+    def _present(self, path: str, size: int) -> bool:
+        """Whether a whole blob of ``size`` content bytes is at ``path``. A visible blob is whole
+        (see the module docstring), but where the store cannot promise that (no rename, no
+        create-only put: some fsspec filesystems) a size that is not the raw one is checked
+        against the header; a damaged blob there is replaced."""
+        st = self.store.stat(path)
+        if st is None:
+            return False
+        if st.kind != "file":
+            raise CorruptCheckpointError(
+                f"{self.url(path)} is not a blob file", path=self.url(path)
+            )
+        if st.size == HEADER + size or (self._whole_when_visible and st.size >= HEADER):
+            return True
+        try:
+            with self._reader(path) as reader:
+                self._header(reader, path, size)
+            return True
+        except CorruptCheckpointError:
+            pass
+        # Damaged (truncated by a crash on a store that shows partial writes, or bit rot):
+        # write it again over the bad one.
+        try:
+            self.store.remove(path)
+        except FileNotFoundError:
+            pass
+        return False
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def put(
+        self,
+        data: Any,
+        *,
+        compression: Compression | None = None,
+        itemsize: int | None = None,
+        digest: str | None = None,
+        stats: PutStats | None = None,
+    ) -> PutResult:
+        """Store ``data`` (bytes, a buffer, a contiguous numpy array: read in place) under its
+        digest, unless a blob of that name is there already. ``digest``: the caller's own
+        computation of it (trusted). ``itemsize``: the element size, for the byte shuffle of
+        compressed blobs (numpy arrays bring their own). Durable once :meth:`sync` returns."""
+        view, own_itemsize = _bytes_view(data)
+        d = digest if digest is not None else self._hash(view)
+        result = self._put_view(view, d, compression, itemsize or own_itemsize)
+        if stats is not None:
+            stats.add(result)
+        return result
+
+    def _put_view(
+        self, view: memoryview, d: str, compression: Compression | None, itemsize: int
+    ) -> PutResult:
+        path = self.path(d)
+        n = len(view)
+        try:
+            if self._present(path, n):
+                return PutResult(d, n, False, 0)
+            codec, shuffle, payload = frame.encode(view, compression, itemsize)
+            header = frame.pack_header(codec, shuffle, n, len(payload))
+            stored = HEADER + len(payload)
+            written = self._publish(path, header, payload, stored)
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointWriteError(
+                f"cannot write blob {self.url(path)}: {exc}", path=self.url(path), errno=exc.errno
+            ) from exc
+        return PutResult(d, n, written, stored if written else 0)
+
+    def _create(self, path: str, size: int) -> Any:
+        parent = self.store.parent(path)
+        try:
+            return self.store.create_blob(path, size=size, direct=False)
+        except FileNotFoundError:
+            self.store.makedirs(parent)
+            with self._lock:
+                self._dirty.add(self.data_root)
+            return self.store.create_blob(path, size=size, direct=False)
+
+    def _publish(self, path: str, header: bytes, payload: Any, stored: int) -> bool:
+        """Write the blob; False when another writer published it first."""
+        atomic = self.store.capabilities.atomic_rename
+        target = f"{path}{TMP}{os.urandom(6).hex()}" if atomic else path
+        try:
+            writer = self._create(target, stored)
+        except FileExistsError:
+            return False
+        try:
+            writer.write(memoryview(header))
+            if len(payload):
+                writer.write(memoryview(payload))
+            writer.finish()
+        except FileExistsError:
+            writer.abort()
+            return False
+        except BaseException:
+            writer.abort()
+            raise
+        if atomic:
+            try:
+                self.store.rename(target, path)
+            except FileExistsError:
+                self.store.remove(target)
+                return False
+            except BaseException:
+                try:
+                    self.store.remove(target)
+                except OSError:
+                    pass
+                raise
+        with self._lock:
+            self._dirty.add(self.store.parent(path))
+        return True
+
+    def sync(self) -> None:
+        """Make the names of the blobs written so far durable (one directory sync per fan-out
+        directory touched; a no-op on object stores). Call before committing anything that
+        refers to them."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        try:
+            # Fan-out directories first, then data/ (which names new fan-out directories).
+            for path in sorted(dirty, key=lambda p: p == self.data_root):
+                self.store.sync_dir(path)
+        except OSError as exc:
+            with self._lock:
+                self._dirty |= dirty
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointWriteError(
+                f"cannot make the blobs of {self.url()} durable: {exc}",
+                path=self.url(),
+                errno=exc.errno,
+            ) from exc
+
+    def put_chunked(
+        self,
+        data: Any,
+        *,
+        chunk_size: int = DEFAULT_CHUNK,
+        compression: Compression | None = None,
+        itemsize: int | None = None,
+        workers: int = 1,
+        memo: _digest.FastMemo | None = None,
+        stats: PutStats | None = None,
+        on_put: Callable[[PutResult], None] | None = None,
+    ) -> Recipe:
+        """Store ``data`` as fixed-size chunks of ``chunk_size`` bytes (the last one shorter),
+        each a blob; the :class:`Recipe` lists them. Unchanged chunks of an earlier save are not
+        written again. ``workers`` > 1 hashes, compresses and writes chunks on that many threads
+        (the digests, zstd and the stores release the GIL). ``memo``: skip hashing chunks this
+        process has named before (see :class:`savepoint.blobs.digest.FastMemo`)."""
+        if not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
+            raise ValueError(f"chunk_size must be between {MIN_CHUNK} and {MAX_CHUNK} bytes")
+        view, own_itemsize = _bytes_view(data)
+        size = itemsize or own_itemsize
+        n = len(view)
+        starts = range(0, n, chunk_size)
+
+        def one(start: int) -> tuple[str, str]:
+            part = view[start : start + chunk_size]
+            named: tuple[str, str] | None = None
+            key = None
+            if memo is not None:
+                key = memo.key(part)
+                named = memo.get(key)
+            if named is None:
+                named = (self._hash(part), _checksum.digest(part))
+                if memo is not None and key is not None:
+                    memo.add(key, named)
+            result = self._put_view(part, named[0], compression, size)
+            if stats is not None:
+                stats.add(result)
+            if on_put is not None:
+                on_put(result)
+            return named
+
+        if workers > 1 and len(starts) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(workers, len(starts))) as pool:
+                named = list(pool.map(one, starts))
+        else:
+            named = [one(s) for s in starts]
+        digests = tuple(d for d, _ in named)
+        return Recipe(self.algorithm, n, chunk_size, digests, tuple(c for _, c in named))
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _reader(self, path: str) -> _Open:
+        try:
+            return _Open(self.store.open_blob(path))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"blob {self.url(path)} is missing (deleted while still referenced, or never "
+                "written); the checkpoint that names it cannot be restored from this store",
+                path=self.url(path),
+            ) from None
+
+    def _header(self, reader: Any, path: str, expect: int | None) -> frame.Header:
+        buf = bytearray(HEADER)
+        try:
+            reader.read(0, buf)
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"blob {self.url(path)} is truncated ({reader.size} bytes)", path=self.url(path)
+            ) from None
+        header = frame.parse_header(
+            buf, shown=self.url(path), blob_size=reader.size, expect_size=expect
+        )
+        if header.codec != frame.RAW and header.raw_size > MAX_CHUNK and expect is None:
+            raise CorruptCheckpointError(
+                f"blob {self.url(path)} claims {header.raw_size} bytes of content",
+                path=self.url(path),
+            )
+        return header
+
+    def _read_payload(
+        self, reader: Any, path: str, header: frame.Header, out: np.ndarray[Any, Any] | None = None
+    ) -> np.ndarray[Any, Any]:
+        """The whole content of an open blob, decoded (into ``out`` when given)."""
+        if out is None:
+            out = np.empty(header.raw_size, dtype=np.uint8)
+        if header.codec == frame.RAW:
+            self._read_at(reader, path, HEADER, out)
+        else:
+            payload = np.empty(header.stored_size, dtype=np.uint8)
+            self._read_at(reader, path, HEADER, payload)
+            frame.decode(header, payload, out, shown=self.url(path))
+        return out
+
+    def _read_at(self, reader: Any, path: str, offset: int, out: np.ndarray[Any, Any]) -> None:
+        if out.size == 0:
+            return
+        try:
+            reader.read(offset, out)
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"blob {self.url(path)} is truncated", path=self.url(path)
+            ) from None
+
+    def _verify_content(
+        self, digest: str, content: Any, path: str, check: str | None = None
+    ) -> None:
+        """Compare ``content`` with its name, or (``check`` given) with its XXH3-64."""
+        if check is not None:
+            if _checksum.digest(content) != check:
+                raise CorruptCheckpointError(
+                    f"blob {self.url(path)} does not match its checksum (corrupt)",
+                    path=self.url(path),
+                )
+            return
+        if self._hash(content) != digest:
+            raise CorruptCheckpointError(
+                f"blob {self.url(path)} does not match its digest (corrupt)", path=self.url(path)
+            )
+
+    def read(
+        self,
+        digest: str,
+        *,
+        size: int | None = None,
+        out: Any = None,
+        verify: bool = True,
+        check: str | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """The content of blob ``digest`` as a uint8 array (into ``out`` when given). ``size``:
+        the content size the caller expects (a recipe's), checked before anything is allocated.
+        ``verify``: hash the content and compare with the name, or (``check``: the content's
+        XXH3-64 from a recipe) with that, at XXH3 speed."""
+        path = self.path(digest)
+        with self._reader(path) as reader:
+            header = self._header(reader, path, size)
+            if out is not None:
+                target = self._read_payload(reader, path, header, _out_array(out, header.raw_size))
+            else:
+                target = self._read_payload(reader, path, header)
+        if verify:
+            self._verify_content(digest, target, path, check)
+        return target
+
+    def read_range(
+        self,
+        digest: str,
+        start: int,
+        end: int,
+        *,
+        size: int | None = None,
+        out: Any = None,
+        verify: bool = False,
+        check: str | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """Content bytes ``[start, end)`` of blob ``digest``: read in place from a raw blob,
+        decoded whole from a compressed one. ``verify`` reads (and checks, as :meth:`read`
+        does) the whole blob."""
+        path = self.path(digest)
+        with self._reader(path) as reader:
+            header = self._header(reader, path, size)
+            if not 0 <= start <= end <= header.raw_size:
+                raise ValueError(
+                    f"range [{start}, {end}) outside blob {digest} of {header.raw_size} bytes"
+                )
+            target = (
+                np.empty(end - start, np.uint8) if out is None else _out_array(out, end - start)
+            )
+            if header.codec == frame.RAW and not verify:
+                self._read_at(reader, path, HEADER + start, target)
+                return target
+            whole = self._read_payload(reader, path, header)
+        if verify:
+            self._verify_content(digest, whole, path, check)
+        target[:] = whole[start:end]
+        return target
+
+    def read_recipe(
+        self,
+        recipe: Recipe,
+        *,
+        out: Any = None,
+        start: int = 0,
+        end: int | None = None,
+        verify: bool = True,
+        full: bool = False,
+        workers: int = 1,
+    ) -> np.ndarray[Any, Any]:
+        """Bytes ``[start, end)`` (all by default) of the content a :class:`Recipe` describes,
+        into ``out`` when given; only the chunks holding them are read. ``verify`` checks every
+        chunk read (whole chunks are read then) against the recipe's XXH3-64 checks, or, where
+        it has none or ``full``, against its digest (BLAKE3: 5-8x slower)."""
+        if recipe.algorithm != self.algorithm:
+            raise IncompatibleCheckpointError(
+                f"a {recipe.algorithm} recipe cannot name blobs of the {self.algorithm} store "
+                f"{self.url()}",
+                path=self.url(),
+            )
+        end = recipe.size if end is None else end
+        if not 0 <= start <= end <= recipe.size:
+            raise ValueError(f"range [{start}, {end}) outside {recipe.size} bytes")
+        target = np.empty(end - start, np.uint8) if out is None else _out_array(out, end - start)
+        checks: Sequence[str | None] = (
+            recipe.checks if recipe.checks and not full else [None] * len(recipe.digests)
+        )
+        jobs = [
+            (d, s, e, c)
+            for (d, s, e), c in zip(recipe.spans(), checks)
+            if e > start and s < end  # overlaps
+        ]
+
+        def one(job: tuple[str, int, int, str | None]) -> None:
+            d, s, e, c = job
+            lo, hi = max(s, start), min(e, end)
+            dst = target[lo - start : hi - start]
+            if lo == s and hi == e:
+                self.read(d, size=e - s, out=dst, verify=verify, check=c)
+            else:
+                self.read_range(d, lo - s, hi - s, size=e - s, out=dst, verify=verify, check=c)
+
+        if workers > 1 and len(jobs) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(workers, len(jobs))) as pool:
+                list(pool.map(one, jobs))
+        else:
+            for job in jobs:
+                one(job)
+        return target
+
+    def verify(self, digest: str, *, size: int | None = None) -> None:
+        """Read blob ``digest`` whole and check it against its name; CorruptCheckpointError
+        (missing, truncated, damaged header, wrong content) otherwise."""
+        self.read(digest, size=size, verify=True)
+
+    def verify_recipe(self, recipe: Recipe) -> None:
+        """Every blob of ``recipe`` against its digest, and its XXH3-64 check where it has one."""
+        checks: Sequence[str | None] = recipe.checks or [None] * len(recipe.digests)
+        for (d, s, e), c in zip(recipe.spans(), checks):
+            content = self.read(d, size=e - s, verify=True)
+            if c is not None:
+                self._verify_content(d, content, self.path(d), c)
+
+    def info(self, digest: str) -> BlobInfo:
+        path = self.path(digest)
+        st = self.store.stat(path)
+        with self._reader(path) as reader:
+            header = self._header(reader, path, None)
+        codec = "raw" if header.codec == frame.RAW else "zstd"
+        return BlobInfo(
+            digest, codec, header.raw_size, HEADER + header.stored_size, st.mtime if st else 0.0
+        )
+
+    # -- listing and deleting --------------------------------------------------------------------
+
+    def _fanouts(self) -> list[str]:
+        return [
+            name
+            for name in self.store.list(self.data_root)
+            if len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+        ]
+
+    def entries(self) -> Iterator[tuple[str, str]]:
+        """``(name, path)`` of every entry under ``data/``: blobs, and leftover temporaries
+        (names with ``.tmp-``)."""
+        for fan in self._fanouts():
+            folder = self.store.join(self.data_root, fan)
+            for name in self.store.list(folder):
+                yield name, self.store.join(folder, name)
+
+    def list(self) -> Iterator[str]:
+        """The digest of every blob in the store (names only: one listing per fan-out
+        directory, no per-blob request)."""
+        for name, _path in self.entries():
+            if _digest.is_digest(self.algorithm, name):
+                yield name
+
+    def delete(self, digest: str) -> bool:
+        """Remove blob ``digest``; False if it was not there. Only :mod:`savepoint.blobs.gc`
+        should call this on a store that saves are using (see its protocol)."""
+        path = self.path(digest)
+        try:
+            self.store.remove(path)
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self._dirty.add(self.store.parent(path))
+        return True
+
+    def copy_from(
+        self,
+        source: BlobStore,
+        digests: Iterable[str],
+        *,
+        compression: Compression | None = None,
+        stats: PutStats | None = None,
+    ) -> PutStats:
+        """Copy the blobs ``digests`` of ``source`` that this store lacks (a tier's copy-up, a
+        run branched into a store of its own), each read and verified, then put (re-encoded by
+        ``compression``). Call within a session of this store when saves or collections may run
+        here."""
+        stats = stats if stats is not None else PutStats()
+        for d in dict.fromkeys(digests):
+            if self.exists(d):
+                stats.add(PutResult(d, 0, False, 0))
+                continue
+            content = source.read(d, verify=True)
+            self.put(content, digest=d, compression=compression, stats=stats)
+        return stats
+
+    # -- saves and collection ----------------------------------------------------------------------
+
+    def session(self, **kwargs: Any) -> SaveSession:
+        """A :class:`~savepoint.blobs.gc.SaveSession`, begun (use it as a context manager)."""
+        from savepoint.blobs.gc import SaveSession
+
+        return SaveSession(self, **kwargs).begin()
+
+    def collect(
+        self, referenced: Callable[[], Iterable[str]] | Iterable[str], **kwargs: Any
+    ) -> BlobGcReport:
+        """:func:`savepoint.blobs.gc.collect` on this store."""
+        from savepoint.blobs.gc import collect
+
+        return collect(self, referenced, **kwargs)
+
+
+def _whole_when_visible(store: Store) -> bool:
+    """Whether a blob found at its name is whole on ``store``: where blobs are renamed into
+    place (atomic rename) or published at ``finish`` (memory, object stores). Not on fsspec
+    filesystems, where a writer may show a partial file. (The storage protocol has no flag for
+    this yet: ``Capabilities.atomic_create`` would be it.)"""
+    inner: Any = store
+    while hasattr(inner, "inner"):  # savepoint.storage.faults.FaultyStore and similar wrappers
+        inner = inner.inner
+    return not type(inner).__module__.endswith("fsspecstore")
+
+
+class _Open:
+    """A blob reader as a context manager."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+
+    def __enter__(self) -> Any:
+        return self.reader
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+
+
+def referenced_by(recipes: Iterable[Recipe]) -> set[str]:
+    """Every digest the given recipes name."""
+    out: set[str] = set()
+    for recipe in recipes:
+        out.update(recipe.digests)
+    return out

@@ -1,0 +1,218 @@
+"""savepoint.blobs.gc: sessions and collection. A collection never deletes a referenced blob, a
+young one, or anything while a save is in flight; a save waits for a running collection; stale
+records of dead processes are cleared; the caller's own session is not held back by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from savepoint.blobs import BlobStore, SaveSession, collect
+from savepoint.blobs.store import GC, SESSIONS
+from savepoint.errors import CheckpointWriteError
+from savepoint.storage.local import LocalStore
+
+RNG = np.random.default_rng(5)
+
+
+def blob(i: int, n: int = 3000) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def age(blobs: BlobStore, path: str, seconds: float) -> None:
+    """Make ``path`` look ``seconds`` old (local store: its mtime)."""
+    assert isinstance(blobs.store, LocalStore)
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> BlobStore:
+    return BlobStore(LocalStore(), str(tmp_path / "blobs"))
+
+
+def test_collect_deletes_only_unreferenced(blobs: BlobStore) -> None:
+    kept = {blobs.put(blob(i)).digest for i in range(5)}
+    dropped = {blobs.put(blob(i)).digest for i in range(5, 12)}
+    report = collect(blobs, lambda: kept, grace=0)
+    assert not report.deferred and not report.aborted
+    assert set(report.deleted) == dropped and report.kept_referenced == 5
+    assert report.bytes_freed == sum(blobs.store.stat(blobs.path(d)) is None for d in dropped) * (
+        3000 + 32
+    )
+    assert set(blobs.list()) == kept
+    for d in kept:
+        blobs.verify(d)
+    assert blobs.store.list(blobs.store.join(blobs.root, GC)) == []  # its record is gone
+
+
+def test_dry_run_deletes_nothing(blobs: BlobStore) -> None:
+    digests = {blobs.put(blob(i)).digest for i in range(3)}
+    report = blobs.collect([], grace=0, dry_run=True)
+    assert set(report.deleted) == digests and set(blobs.list()) == digests
+
+
+def test_young_blobs_survive_the_grace_period(blobs: BlobStore) -> None:
+    digests = {blobs.put(blob(i)).digest for i in range(4)}
+    report = collect(blobs, [], grace=3600)
+    assert report.deleted == [] and report.kept_young == 4
+    assert set(blobs.list()) == digests
+
+
+def test_grace_is_measured_on_the_store_clock(local: BlobStore) -> None:
+    old = local.put(blob(1)).digest
+    young = local.put(blob(2)).digest
+    age(local, local.path(old), 120)
+    report = collect(local, [], grace=60)
+    assert report.deleted == [old] and report.kept_young == 1
+    assert list(local.list()) == [young]
+
+
+def test_a_live_session_defers_collection(blobs: BlobStore) -> None:
+    orphan = blobs.put(blob(1)).digest
+    with blobs.session() as s:
+        report = collect(blobs, [], grace=0)
+        assert report.deferred and report.deleted == [] and len(report.live_sessions) == 1
+        assert s.id in report.live_sessions[0]
+        assert blobs.exists(orphan)
+    assert collect(blobs, [], grace=0).deleted == [orphan]
+
+
+def test_a_session_collects_keeping_its_own_blobs(blobs: BlobStore) -> None:
+    old = blobs.put(blob(1)).digest
+    with blobs.session() as s:
+        mine = s.put(blob(2)).digest
+        reused = s.put(blob(1)).digest  # found there: still referenced by this save
+        assert reused == old
+        recipe = s.put_chunked(blob(3, 20_000), chunk_size=4096)
+        s.reuse(["f" * 64])
+        report = s.collect([], grace=0)
+        assert not report.deferred and report.deleted == []
+        assert s.referenced == {mine, old, "f" * 64, *recipe.digests}
+    assert set(collect(blobs, [], grace=0).deleted) == {mine, old, *recipe.digests}
+
+
+def test_stale_session_records_are_cleared(local: BlobStore) -> None:
+    dead = SaveSession(local).begin()
+    dead_blob = dead.put(blob(9)).digest
+    age(local, dead.path, 7200)  # its process died two hours ago
+    age(local, local.path(dead_blob), 7200)
+    report = collect(local, [], grace=0)
+    assert report.stale_sessions_removed == 1 and report.deleted == [dead_blob]
+    with pytest.raises(CheckpointWriteError, match="vanished"):
+        dead.check()
+
+
+def test_a_save_waits_for_a_running_collection(local: BlobStore) -> None:
+    gc_dir = local.store.join(local.root, GC)
+    record = local.store.join(gc_dir, "other.json")
+    local.store.put(record, json.dumps({"kind": "gc"}).encode())
+    with pytest.raises(CheckpointWriteError, match="collection is running"):
+        SaveSession(local, wait=0.2).begin()
+    assert local.store.list(local.store.join(local.root, SESSIONS)) == []  # gave up cleanly
+
+    threading.Timer(0.3, lambda: local.store.remove(record)).start()
+    t0 = time.monotonic()
+    with SaveSession(local, wait=10) as s:
+        assert time.monotonic() - t0 >= 0.25
+        s.put(b"after")
+
+
+def test_a_dead_collectors_record_does_not_block_saves(local: BlobStore) -> None:
+    record = local.store.join(local.root, GC, "dead.json")
+    local.store.put(record, b"{}")
+    age(local, record, 3600)
+    with local.session(wait=0.1) as s:
+        s.put(b"x")
+    assert local.store.stat(record) is None
+
+
+def test_session_refreshes_its_record(local: BlobStore) -> None:
+    s = SaveSession(local, refresh_every=0.0).begin()
+    age(local, s.path, 5000)
+    s.put(b"refresh me")
+    st = local.store.stat(s.path)
+    assert st is not None and time.time() - st.mtime < 60
+    s.close()
+    s.close()  # twice is fine
+    with pytest.raises(ValueError, match="closed"):
+        s.put(b"x")
+
+
+def test_temporaries_of_crashed_writers_are_collected(local: BlobStore) -> None:
+    d = local.put(blob(1)).digest
+    tmp = local.path(d) + ".tmp-deadbeef0000"
+    with open(tmp, "wb") as f:
+        f.write(b"half a blob")
+    stray = os.path.join(local.root, "data", d[:2], "README")
+    with open(stray, "wb") as f:
+        f.write(b"not ours")
+    assert collect(local, [d], grace=60).temporaries_removed == 0  # young: maybe being written
+    age(local, tmp, 120)
+    report = collect(local, [d], grace=60)
+    assert report.temporaries_removed == 1 and report.deleted == []
+    assert not os.path.exists(tmp) and os.path.exists(stray)  # foreign names are never touched
+
+
+def test_collection_racing_saves_never_loses_a_committed_blob(blobs: BlobStore) -> None:
+    """Saves (reusing and writing blobs, committing "manifests", retention keeping the last two)
+    and collections run concurrently; after every commit every kept manifest's blobs exist."""
+    manifests: dict[int, set[str]] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def kept() -> set[str]:
+        with lock:
+            return set().union(*manifests.values()) if manifests else set()
+
+    def saver() -> None:
+        try:
+            for step in range(25):
+                with blobs.session(wait=30) as s:
+                    # half the content is shared with earlier saves, half new
+                    digests = {s.put(blob(i % 7)).digest for i in range(step, step + 4)}
+                    digests |= {s.put(blob(1000 + step * 10 + i)).digest for i in range(3)}
+                    s.sync()
+                    s.check()
+                    with lock:  # the commit
+                        manifests[step] = digests
+                        for old in [k for k in manifests if k < step - 1]:
+                            del manifests[old]  # retention: manifest first, then collect
+                for d in kept():
+                    assert blobs.exists(d), f"kept blob {d} was deleted"
+                time.sleep(0.005)  # a window for collections between saves
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    ran: list[int] = []
+
+    def collector() -> None:
+        try:
+            while not stop.is_set():
+                report = collect(blobs, kept, grace=0)
+                if not report.deferred:
+                    ran.append(len(report.deleted))
+                time.sleep(0.001)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=saver), threading.Thread(target=collector)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    print(f"{len(ran)} collections ran between saves, deleting {sum(ran)} blobs")
+    for d in kept():
+        blobs.verify(d)
+    collect(blobs, kept, grace=0)
+    assert set(blobs.list()) == kept()
