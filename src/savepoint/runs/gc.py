@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import math
 import re
 import sys
@@ -72,6 +73,8 @@ from savepoint.storage.base import Store, walk
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = ["AbortedUpload", "GcReport", "Removed", "Skipped", "collect"]
+
+log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"step-(\d{10,})")
 _TAGS = (names.TMP_TAG, names.OLD_TAG)
@@ -191,6 +194,9 @@ def collect(
                 f"{where.store.scheme}:// storage has no locks: only the grace period keeps a "
                 "live writer's attempt safe"
             )
+    log.info(
+        "gc: collecting %s (grace %g s%s)", where, float(grace), ", dry run" if dry_run else ""
+    )
     try:
         if run:
             sweep.run()
@@ -310,6 +316,7 @@ class _Sweep:
     # -- removing ------------------------------------------------------------------------------
 
     def skip(self, path: str, reason: str) -> None:
+        log.debug("gc: keeping %s: %s", self.url(path), reason)
         self.skipped.append(Skipped(self.url(path), reason))
 
     def remove(self, path: str, reason: str, *, manifest_first: bool = False) -> bool:
@@ -337,10 +344,18 @@ class _Sweep:
             except FileNotFoundError:
                 pass
             except OSError as exc:
+                log.info("gc: cannot remove %s (%s): %s", self.url(path), reason, exc)
                 self.failures.append(
                     Skipped(self.url(path), f"{reason}; removing it failed: {exc.strerror or exc}")
                 )
                 return False
+        log.info(
+            "gc: %s %s (%s bytes): %s",
+            "would remove" if self.dry_run else "removed",
+            self.url(path),
+            "?" if size is None else size,
+            reason,
+        )
         self.removed.append(Removed(self.url(path), reason, size))
         return True
 

@@ -81,6 +81,18 @@ Python 3.10).
 A save given metrics but none named ``best_metric`` (a misspelt name, say) warns once per
 manager (UserWarning): that checkpoint can never be ranked as the best.
 
+Preemption (``preemption=True`` or a list of signals; docs/runs.md, "Preemption"): flag-only
+handlers (:mod:`savepoint.runs.preemption`) installed at open from the main thread and removed by
+``close()``; ``preempted()`` reads the flag (with a process group: the ranks' agreed answer, one
+all-reduce every ``preemption_every`` calls); ``save_on_preemption(step, state)`` works to a grace
+budget (``preemption_grace``, 25 s, from the notice): the async save in flight is finished if it
+commits in time to leave room for this save, otherwise abandoned (its next write raises, its
+transaction removes what it wrote); from then on background steps stop before verification,
+retention, deletions and compaction (the next run does them); ``step`` is committed synchronously
+and its books synced (steps 2-5, and the syncs of step 6); the result carries ``exit_code``
+(128 + the signal). Retention decisions, deletions, restore choices and fallbacks, and preemption
+are logged (``logging``, logger ``savepoint.runs.manager``, INFO).
+
 ``restore(into, step="latest")`` writes nothing: it reads checkpoints only, so it works on
 read-only media. Its bookkeeping (lineage, history truncated after the step resumed from) is
 written by the next save or by ``close()``. It tries the newest checkpoint first; one that fails
@@ -100,7 +112,10 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import logging
+import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -132,6 +147,13 @@ from savepoint.runs import aliases, history, layout, policies
 from savepoint.runs.gc import GcReport, collect
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.policies import Entry, Mode, RetentionPolicy, SavePolicy
+from savepoint.runs.preemption import (
+    DEFAULT_GRACE,
+    Preemption,
+    PreemptionSave,
+    max_over_ranks,
+    signals_of,
+)
 from savepoint.runs.report import (
     REPORT_FILE,
     REPORT_VERSION,
@@ -153,7 +175,9 @@ from savepoint.runs.report import (
 from savepoint.storage.base import Store
 from savepoint.storage.paths import Location, PathArg, resolve
 
-__all__ = ["CheckpointManager", "StepSpec"]
+__all__ = ["CheckpointManager", "PreemptionSave", "StepSpec"]
+
+log = logging.getLogger(__name__)
 
 StepSpec = int | Literal["latest", "best"]
 _RESTORE_TRIES = 20
@@ -202,6 +226,12 @@ class CheckpointManager:
     writer); False requires write access (CheckpointWriteError otherwise). ``read_only`` and
     ``read_only_reason`` say what was chosen. A writing manager holds the run's writer lock until
     ``close()`` (or until it is garbage collected): a second one raises RunLockedError.
+
+    ``preemption``: True (SIGTERM and SIGUSR1) or a list of signals installs flag-only handlers
+    (main thread only; removed by ``close()``); :meth:`preempted` says when to stop (agreed by
+    every rank of ``process_group``, with an all-reduce every ``preemption_every`` calls) and
+    :meth:`save_on_preemption` commits within ``preemption_grace`` seconds of the notice (25 by
+    default, for Kubernetes' 30). See docs/runs.md, "Preemption".
     """
 
     # The read-only view (savepoint.runs.view) opens inconsistent runs too, to list their problems.
@@ -228,6 +258,9 @@ class CheckpointManager:
         aliases: bool = True,
         read_only: bool | None = None,
         strict_config: bool = False,
+        preemption: bool | Iterable[int | str | signal.Signals] | None = None,
+        preemption_grace: float = DEFAULT_GRACE,
+        preemption_every: int = 1,
         options: SaveOptions | None = None,
         **save_options: Any,
     ) -> None:
@@ -262,6 +295,22 @@ class CheckpointManager:
         every: SavePolicy | None = None
         if save_every is not None:
             every = _policy("save_every", policies.SaveEvery, save_every)
+        signals = None if preemption is None or preemption is False else signals_of(preemption)
+        self.preemption_grace = _grace(preemption_grace, "preemption_grace")
+        if (
+            not isinstance(preemption_every, int)
+            or isinstance(preemption_every, bool)
+            or preemption_every < 1
+        ):
+            raise ValueError(
+                f"preemption_every must be a positive integer, not {preemption_every!r}"
+            )
+        if signals is not None and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "preemption=: signal handlers can only be installed from the main thread (Python "
+                "runs them there): create the CheckpointManager in the main thread, or leave "
+                "preemption off and call save_on_preemption() when your own handler says so"
+            )
         self._run = resolve(directory, what="run directory")
         self._store = self._run.store
         self.directory = str(self._run)
@@ -285,7 +334,23 @@ class CheckpointManager:
         # save(), restore() and close() run one at a time (threads sharing a manager): two saves
         # at once would stage into one buffer, or verify a checkpoint the other is replacing.
         self._saving = threading.RLock()
-        self._async = AsyncCheckpointer(**self.save_options.changed()) if async_save else None
+        # Set by save_on_preemption: an async save it gives up on stops at its next write.
+        self._abandon = _Abandon(self.save_options.progress)
+        self._async = (
+            AsyncCheckpointer(**{**self.save_options.changed(), "progress": self._abandon.progress})
+            if async_save
+            else None
+        )
+        # Preemption (see save_on_preemption): the handlers (installed once the open succeeded),
+        # and whether a preemption save started: from then on the background steps defer
+        # verification, retention and deletions to the next run.
+        self._preemption: Preemption | None = None
+        self._preempting = threading.Event()
+        self._preemption_logged = False
+        self._noticed_at: float | None = None  # when preempted() first answered True
+        self._write_seconds: float | None = None  # how long the last save took to commit
+        self._verifying: int | None = None  # the step a background step is reading back
+        self._preempt_sync_error: CheckpointError | None = None
         self._closed = False
         self._pid = os.getpid()
         self._started = time.monotonic()
@@ -364,7 +429,13 @@ class CheckpointManager:
             if self._writes_books():
                 self._repair()
                 _LIVE.add(self)
+            if signals is not None:
+                self._preemption = Preemption(
+                    signals, process_group=self.save_options.process_group, every=preemption_every
+                )
         except BaseException as exc:
+            if self._preemption is not None:
+                self._preemption.close()
             self._release_lock()
             if self._history is not None:
                 with contextlib.suppress(OSError):
@@ -710,14 +781,18 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None,
         force: bool,
         epoch: int | None,
+        preempt: bool = False,
     ) -> PendingSave:
+        """``preempt``: save_on_preemption's save (it dealt with the save in flight and the
+        background step already): synchronous, its books synced here, no background step."""
         self._check_open()
-        # The last save's background step first: its verification failure is raised here,
-        # before this save starts (nothing is saved by this call then: call it again).
-        self._join_background()
-        self._raise_verification_error()
-        if self._async is not None:
-            self._raise_background_error()
+        if not preempt:
+            # The last save's background step first: its verification failure is raised here,
+            # before this save starts (nothing is saved by this call then: call it again).
+            self._join_background()
+            self._raise_verification_error()
+            if self._async is not None:
+                self._raise_background_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         if self.read_only:
@@ -740,28 +815,40 @@ class CheckpointManager:
         derived = None
         if self._leader and self.run.num_params is None and self.report.num_params is None:
             derived = count_elements(state)
-        backup = self._before_commit(step) if self._leader else None
+        backup = self._before_commit(step, preempt) if self._leader else None
         previous, self._last_saved = self._last_saved, step
         flight = _AsyncSave(step, previous)
         settled: PendingSave | None = None
+        begun = time.monotonic()
 
         def committed(info: CheckpointInfo) -> None:
             flight.committed = True
+            self._write_seconds = time.monotonic() - begun
             flight.background = self._after_commit(
-                step, clean, epoch, backup, previous, derived, info, settled
+                step,
+                clean,
+                epoch,
+                backup,
+                previous,
+                derived,
+                info,
+                settled,
+                preempt,
+                flight.booked.set,
             )
             if derived is not None and self.run.num_params is None:
                 self.run = dataclasses.replace(self.run, num_params=self.report.num_params)
                 with contextlib.suppress(CheckpointWriteError):  # the next open rewrites it
                     self._finish_open_run()
 
-        if self._async is not None:
+        if self._async is not None and not preempt:
             try:
                 pending = self._async.save(target, state, metadata=meta, on_commit=committed)
             except BaseException:
                 self._drop(backup)
                 self._last_saved = previous
                 raise
+            pending._future.add_done_callback(lambda _: flight.booked.set())
             if backup is not None:  # a failed background commit leaves it; committed() uses it
                 pending._future.add_done_callback(lambda _: self._drop(backup))
             pending.step = step
@@ -838,7 +925,7 @@ class CheckpointManager:
             self._lock_error_raised = True
             raise
 
-    def _before_commit(self, step: int) -> str | None:
+    def _before_commit(self, step: int, preempt: bool = False) -> str | None:
         """Prepare to (re)use the name of checkpoint ``step``: finish a pending deletion of an
         old checkpoint of that step, and hard-link an existing one aside (returned) so that a
         failed save can put it back. Raises CheckpointWriteError with nothing changed."""
@@ -851,7 +938,14 @@ class CheckpointManager:
             return None
         # The save in flight (async) or the background step may be verifying, deleting or
         # relinking this step.
-        self.wait()
+        if preempt:
+            # (their errors are save_on_preemption's to report, not to raise here)
+            flight = self._last_async
+            if flight is not None and flight.pending is not None:
+                flight.pending.exception()
+            self._join_background()
+        else:
+            self.wait()
         with self._lock:
             try:
                 if step in self._discarding:
@@ -901,12 +995,17 @@ class CheckpointManager:
         num_params: int | None = None,
         info: CheckpointInfo | None = None,
         settled: PendingSave | None = None,
+        preempt: bool = False,
+        booked: Callable[[], None] | None = None,
     ) -> bool:
         """Steps 3-5 of the module docstring for the committed checkpoint ``step``
         (``num_params``: derived from its state, recorded in the report), then step 6 started
         in the background (its end resolves ``settled``, the handle a synchronous save
-        returns). Returns whether a background step was started."""
-        self._join_background()  # an async save's books wait for the last background step
+        returns). Returns whether a background step was started. ``preempt``: a preemption
+        save: the books are synced here and the rest of step 6 is left to the next run.
+        ``booked``: called once the report names the checkpoint (an async save)."""
+        if not preempt:
+            self._join_background()  # an async save's books wait for the last background step
         with self._lock:
             if not self._leader:
                 self._metrics[step] = metrics
@@ -952,6 +1051,14 @@ class CheckpointManager:
                     # resume. (The checkpoint resumed from is never one of them.)
                     horizon = max(step, self._resumed_from)
                     abandoned = {s for s in on_disk if s > horizon}
+                    if abandoned:
+                        log.info(
+                            "%s: checkpoints %s leave the run: they are newer than step %d, "
+                            "resumed from, and belong to the abandoned timeline",
+                            self.directory,
+                            sorted(abandoned),
+                            self._resumed_from,
+                        )
                 live = [s for s in on_disk if s not in abandoned and s not in self._discarding]
                 # Retention decides in the background, once this checkpoint is verified.
                 discarding = frozenset((self._discarding | abandoned) - set(live))
@@ -976,11 +1083,18 @@ class CheckpointManager:
             # (removing the previous aliases too: unlinks the save need not wait for).
             self._drop(backup)
             self._discarding = discarding
+            if preempt:
+                # What must survive the exit: the report's and aliases' renames, the history.
+                # Verification, retention and deletions wait for the next run.
+                self._preempt_sync_error = self._sync_books(swapped)
+                return False
             if self._async is None:
                 self._start_background(step, info, settled, swapped)
                 return True
         # An async save: this is the background already (its writer thread); the save's
         # PendingSave is done once this is, and raises what it found.
+        if booked is not None:
+            booked()
         error = self._settle(step, swapped)
         if error is not None:
             raise error
@@ -1035,7 +1149,59 @@ class CheckpointManager:
         """Remove the aliases ``swapped`` replaced, make the books durable, delete what left the
         run, verify checkpoint ``step`` and apply retention, compact the history. Returns the
         error to report (a failed verification, a failed sync); tidying that fails is retried
-        later."""
+        later. Once a preemption save started, all but the syncs wait for the next run."""
+        error = self._sync_books(swapped)
+        if error is not None or self._preempting.is_set():
+            return error
+        with self._lock:
+            self._finish_discards()  # an abandoned timeline, deletions an earlier save left
+            doomed = self._doomed(step, self._steps_now())
+        if not doomed:
+            self._compact()
+            return None
+        if self.verify_before_prune and step not in self._verified:
+            if self._preempting.is_set():
+                return None
+            self._verifying = step  # (a preemption save does not wait for this)
+            try:
+                checkpoint.verify(self._checkpoint(step))
+            except (CheckpointError, OSError) as exc:
+                return self._verification_failed(step, exc)
+            finally:
+                self._verifying = None
+            self._verified.add(step)
+        with self._lock:
+            if self._preempting.is_set():
+                return None  # retention decides in the next run
+            live = self._steps_now()
+            doomed = self._doomed(step, live)
+            if doomed:
+                log.info(
+                    "%s: retention deletes checkpoints %s: not kept by %s (kept: %s; the newest, "
+                    "step %d, verified)",
+                    self.directory,
+                    sorted(doomed),
+                    policies.to_spec(self.retention),
+                    [s for s in live if s not in doomed],
+                    step,
+                )
+                discarding = self._discarding | doomed
+                self._fill_report([s for s in live if s not in doomed], discarding)
+                try:
+                    # The report names them as leaving before they are deleted: a crash in
+                    # between leaves them for the next open to delete.
+                    self._store_report()
+                except OSError:
+                    self._fill_report(live)  # nothing deleted; the next save decides again
+                else:
+                    self._discarding = discarding
+                    self._finish_discards()
+        self._compact()
+        return None
+
+    def _sync_books(self, swapped: list[aliases.Staging]) -> CheckpointError | None:
+        """The first part of step 6: remove the aliases ``swapped`` replaced, then make the
+        report's and the aliases' renames and the history log durable. Returns the error."""
         for alias in swapped:
             alias.finish()
         try:
@@ -1052,38 +1218,10 @@ class CheckpointManager:
                 "power cut, which the next open repairs)",
                 exc,
             )
-        with self._lock:
-            self._finish_discards()  # an abandoned timeline, deletions an earlier save left
-            doomed = self._doomed(step, self._steps_now())
-        if not doomed:
-            self._compact()
-            return None
-        if self.verify_before_prune and step not in self._verified:
-            try:
-                checkpoint.verify(self._checkpoint(step))
-            except (CheckpointError, OSError) as exc:
-                return self._verification_failed(step, exc)
-            self._verified.add(step)
-        with self._lock:
-            live = self._steps_now()
-            doomed = self._doomed(step, live)
-            if doomed:
-                discarding = self._discarding | doomed
-                self._fill_report([s for s in live if s not in doomed], discarding)
-                try:
-                    # The report names them as leaving before they are deleted: a crash in
-                    # between leaves them for the next open to delete.
-                    self._store_report()
-                except OSError:
-                    self._fill_report(live)  # nothing deleted; the next save decides again
-                else:
-                    self._discarding = discarding
-                    self._finish_discards()
-        self._compact()
         return None
 
     def _compact(self) -> None:
-        if self._history is not None:
+        if self._history is not None and not self._preempting.is_set():
             with contextlib.suppress(OSError, CheckpointError):  # the next save compacts
                 self._history.compact()
 
@@ -1098,6 +1236,9 @@ class CheckpointManager:
             path=self.step_path(step),
         )
         err.__cause__ = exc
+        log.warning(
+            "%s: checkpoint %d did not verify when read back: %s", self.directory, step, exc
+        )
         with self._lock:
             self._failed = self._failed | {step}
             self.report.verify_failures = [
@@ -1242,14 +1383,21 @@ class CheckpointManager:
         )
 
     def _finish_discards(self) -> None:
-        """Delete the checkpoints that left the run; one that cannot be deleted stays pending."""
+        """Delete the checkpoints that left the run; one that cannot be deleted stays pending.
+        Once a preemption save started, none is: the next open deletes them (report.json lists
+        them under ``discarding``)."""
         remaining: set[int] = set()
         for step in sorted(self._discarding):
-            try:
-                discard(self._store, self._step(step).path)
-            except OSError:
+            if self._preempting.is_set():
                 remaining.add(step)
                 continue
+            try:
+                discard(self._store, self._step(step).path)
+            except OSError as exc:
+                log.info("%s: cannot delete checkpoint %d yet: %s", self.directory, step, exc)
+                remaining.add(step)
+                continue
+            log.info("%s: deleted checkpoint %d (it left the run)", self.directory, step)
             self._metrics.pop(step, None)
             self._verified.discard(step)
         self._discarding = frozenset(remaining)
@@ -1313,6 +1461,232 @@ class CheckpointManager:
         self._log = []
         return _Flushed(mark, records)
 
+    # -- preemption ----------------------------------------------------------------------------
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """The notice handlers ``preemption=`` installed (None without): ``signum``,
+        ``received_at``, ``count``, and ``request()`` for a notice of your own (a spot
+        instance's metadata endpoint, say), which :meth:`preempted` then agrees on like a
+        signal."""
+        return self._preemption
+
+    def preempted(self, *, local: bool = False) -> bool:
+        """Whether to stop for a preemption notice (a signal given to ``preemption=``).
+
+        Without a process group: a memory read, cheap anywhere (data loading, evaluation,
+        warm-up). With one (the manager's ``process_group``): the answer every rank agrees on,
+        from one all-reduce (MAX over the ranks' flags, on that group) every
+        ``preemption_every``-th call, so call it at the same points on every rank (once per
+        step, say); once True it stays True without further collectives. Ranks therefore stop at
+        the same call even when the signal reached only some of them. ``local=True``: this
+        process's own flag, no collective (for code that runs on some ranks only; stop at an
+        agreed call all the same)."""
+        p = self._preemption
+        if p is None:
+            raise RuntimeError(
+                f"{self!r} was opened without preemption=...: pass preemption=True (SIGTERM, "
+                "SIGUSR1) or a list of signals to be told of preemption notices"
+            )
+        answer = p.requested() if local else p.poll()
+        if answer and not self._preemption_logged:
+            self._preemption_logged = True
+            self._noticed_at = time.monotonic()
+            if p.requested():
+                log.info(
+                    "%s: preemption notice: %s received %.2f s ago; stopping",
+                    self.directory,
+                    _signal_name(p.signum),
+                    p.elapsed(),
+                )
+            else:
+                log.info("%s: preemption notice received by another rank; stopping", self.directory)
+        return answer
+
+    def save_on_preemption(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        epoch: int | None = None,
+        grace: float | None = None,
+    ) -> PreemptionSave:
+        """Commit ``state`` as checkpoint ``step`` before the job's machines are taken, and say
+        how to exit (:class:`~savepoint.runs.preemption.PreemptionSave`; ``sys.exit(r.exit_code)``).
+
+        The budget is ``grace`` seconds (default: the ``preemption_grace`` the manager was
+        opened with, 25), counted from this process's first signal (else from the call of
+        :meth:`preempted` that first answered True: another rank's signal; else from now). In
+        order: the async save in flight is finished if it commits in time to leave room for
+        this save (an estimate from the last save's duration), otherwise abandoned (it stops
+        at its next write and its transaction removes what it wrote: nothing of it is committed
+        or listed); background verification and retention stop where they are and are left to
+        the next run; then ``step`` is committed synchronously with the commit protocol, its
+        books synced, nothing deleted. A step already committed (by the save in flight, or an
+        earlier save) is not written again. No signal is needed: it saves all the same (exit
+        code 0). Signals arriving meanwhile only set the flag again. With a process group every
+        rank calls it with the same step (checked: ValueError on every rank otherwise), and all
+        ranks return the same answer. A save that cannot be committed (a full disk) raises
+        CheckpointWriteError as ``save`` does; failures that do not stop it (the save in flight,
+        an earlier verification) are logged and listed in ``errors``."""
+        started = time.monotonic()
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        budget = self.preemption_grace if grace is None else _grace(grace, "grace")
+        p = self._preemption
+        notice = p.received_at if p is not None else None
+        # The budget runs from this process's signal, else from when preempted() first said so
+        # (another rank's signal), else from now.
+        base = notice if notice is not None else self._noticed_at
+        deadline = (started if base is None else base) + budget
+        # From now on, background steps stop before verifying, pruning or deleting.
+        self._preempting.set()
+        errors: list[str] = []
+        deferred: list[str] = []
+        in_flight: Literal["none", "finished", "abandoned", "failed"] = "none"
+        in_flight_step: int | None = None
+        with self._saving:
+            self._check_open()
+            # Room for this save: twice the last save's time, a second at least (half the budget
+            # when no save was timed yet).
+            last = self._write_seconds
+            reserve = budget / 2 if last is None else min(budget / 2, max(1.0, 2 * last))
+            wait_until = deadline - reserve
+            in_flight, in_flight_step, flight_error = self._end_in_flight(step, wait_until, reserve)
+            if flight_error is not None:
+                errors.append(flight_error)
+            self._end_background(wait_until, errors, deferred)
+            with self._lock:
+                have = step in self._steps_now() and step not in self._failed
+            signum = None if p is None else p.signum
+            # One all-reduce: the ranks' steps (they must agree), the signal, whether any rank
+            # lacks the step, whether any rank abandoned the save in flight.
+            top, low, agreed, missing, gave_up = max_over_ranks(
+                self.save_options.process_group,
+                [step, -step, signum or 0, 0 if have else 1, int(in_flight == "abandoned")],
+            )
+            if top != -low:
+                raise ValueError(
+                    f"save_on_preemption: the ranks passed different steps (from {-low} to "
+                    f"{top}); every rank must save the same step (stop at an agreed "
+                    "mgr.preempted())"
+                )
+            signum = agreed or None
+            if gave_up and in_flight == "failed":
+                # Abandoned by another rank: a sharded save fails on every rank then.
+                in_flight = "abandoned"
+                if flight_error is not None:
+                    errors.remove(flight_error)
+            if missing:
+                self._save(step, state, metrics, True, epoch, preempt=True)
+                sync_error, self._preempt_sync_error = self._preempt_sync_error, None
+                if sync_error is not None:
+                    errors.append(str(sync_error))
+            else:
+                log.info("%s: step %d is committed already: not saved again", self.directory, step)
+            committed_at = time.monotonic()
+        deferred.append(
+            f"verifying step {step}, retention and deletions (the next run's first save)"
+        )
+        for error in errors:
+            log.warning("%s: during the preemption save: %s", self.directory, error)
+        since = None if notice is None else committed_at - notice
+        result = PreemptionSave(
+            step=step,
+            path=self.step_path(step),
+            saved=bool(missing),
+            seconds=committed_at - started,
+            since_notice=since,
+            budget=budget,
+            within_budget=committed_at <= deadline,
+            signum=signum,
+            exit_code=0 if signum is None else 128 + signum,
+            in_flight=in_flight,
+            in_flight_step=in_flight_step,
+            deferred=tuple(deferred),
+            errors=tuple(errors),
+        )
+        (log.info if result.within_budget else log.warning)(
+            "%s: preemption save: step %d %s in %.2f s (%s; budget %g s%s); exit with %d",
+            self.directory,
+            step,
+            "committed" if missing else "was committed already",
+            result.seconds,
+            "no signal" if since is None else f"{since:.2f} s after the notice",
+            budget,
+            "" if result.within_budget else ", EXCEEDED",
+            result.exit_code,
+        )
+        return result
+
+    def _end_in_flight(
+        self, step: int, wait_until: float, reserve: float
+    ) -> tuple[Literal["none", "finished", "abandoned", "failed"], int | None, str | None]:
+        """Finish the async save in flight if it commits by ``wait_until``, else abandon it
+        (it stops at its next write; its transaction removes what it wrote). Returns what
+        became of it, its step, and its error (consumed: reported by save_on_preemption)."""
+        in_flight: Literal["none", "finished", "abandoned", "failed"] = "none"
+        flight, step_in_flight, error = self._last_async, None, None
+        if flight is not None and flight.pending is not None and not flight.pending.done():
+            step_in_flight = flight.step
+            if not flight.booked.wait(max(0.0, wait_until - time.monotonic())):
+                log.info(
+                    "%s: abandoning the save of step %d in flight: it would not commit in time "
+                    "to leave %.1f s for step %d",
+                    self.directory,
+                    flight.step,
+                    reserve,
+                    step,
+                )
+                self._abandon.step = flight.step
+                flight.booked.wait()  # it stops at its next write (or has just committed)
+            # Committed: its background step stops before retention (a verification already
+            # reading it back is left to finish: it only reads).
+            self._wait_unless_verifying(flight.pending.done, wait_until)
+            self._abandon.step = None
+            in_flight = "finished"
+            if not flight.committed:
+                cause = flight.pending.exception()
+                gave_up = isinstance(cause, _Abandoned) or isinstance(
+                    getattr(cause, "__cause__", None), _Abandoned
+                )
+                in_flight = "abandoned" if gave_up else "failed"
+        if self._async is not None and (
+            flight is None or flight.pending is None or flight.pending.done()
+        ):
+            try:
+                self._async._raise_background_error()
+            except CheckpointError as exc:
+                if in_flight != "abandoned":
+                    error = str(exc)
+            self._settle_async(wait=False)
+        return in_flight, step_in_flight, error
+
+    def _end_background(self, wait_until: float, errors: list[str], deferred: list[str]) -> None:
+        """Let the background step of the last save reach its end (it stops before retention);
+        past ``wait_until`` leave a verification that is still reading a checkpoint back."""
+        worker = self._background
+        if worker is not None and worker.is_alive():
+            self._wait_unless_verifying(lambda: not worker.is_alive(), wait_until)
+        verifying = self._verifying
+        if verifying is not None:
+            deferred.append(f"verifying step {verifying} (still reading it back)")
+        if worker is None or not worker.is_alive():
+            with self._lock:
+                earlier, self._background_error = self._background_error, None
+            if earlier is not None:
+                errors.append(str(earlier))
+
+    def _wait_unless_verifying(self, done: Callable[[], bool], until: float) -> None:
+        """Wait until ``done()``; past ``until`` stop waiting for a background step that is
+        reading a checkpoint back (it only reads, then stops before retention)."""
+        while not done():
+            if time.monotonic() >= until and self._verifying is not None:
+                return
+            time.sleep(0.005)
+
     # -- restoring -----------------------------------------------------------------------------
 
     def restore(
@@ -1338,7 +1712,15 @@ class CheckpointManager:
             self.wait()
             found = self._read(step, {**load_options, "into": into})
             if found is None:
+                log.info("%s: no checkpoint to restore: a fresh start", self.directory)
                 return None
+            log.info(
+                "%s: restored checkpoint %d (asked for %r)%s",
+                self.directory,
+                found[0],
+                step,
+                "; the run resumes from it" if resume else "",
+            )
             return self._resumed(found[0]) if resume else found[0]
 
     def peek(
@@ -1390,6 +1772,12 @@ class CheckpointManager:
                     loaded = self._load(candidate, load_options)
                 except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
                     failures.append(f"step {candidate}: {exc}")
+                    log.info(
+                        "%s: checkpoint %d failed verification, trying an older one: %s",
+                        self.directory,
+                        candidate,
+                        exc,
+                    )
                     warnings.warn(
                         f"checkpoint {candidate} of {self.directory} failed verification, trying "
                         f"an older one: {exc}",
@@ -1583,6 +1971,12 @@ class CheckpointManager:
                     with contextlib.suppress(OSError):
                         self._history.close()
                 _LIVE.discard(self)
+                if self._preemption is not None and not self._preemption.close():
+                    log.info(
+                        "%s: closed outside the main thread: its preemption handlers (flag "
+                        "only) stay installed",
+                        self.directory,
+                    )
 
     def _still_writer(self) -> bool:
         """For close(): whether this manager may still write the run's books."""
@@ -1640,6 +2034,32 @@ class _AsyncSave:
     pending: PendingSave | None = None
     committed: bool = False  # its checkpoint was committed (_after_commit ran)
     background: bool = False  # _after_commit started a background step
+    # Set once the report names it (before its background step), or once it failed.
+    booked: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class _Abandoned(CheckpointError):
+    """An async save that save_on_preemption gave up on: stopped before its commit."""
+
+
+class _Abandon:
+    """The progress hook of a manager's async saves: the user's ``progress``, and a stop for
+    the save ``step`` once save_on_preemption abandons it (raised at its next write, before its
+    commit: the transaction removes what it wrote). Holds no reference to the manager."""
+
+    def __init__(self, progress: Callable[[int, int], Any] | None) -> None:
+        self.user = progress
+        self.step: int | None = None
+
+    def progress(self, done: int, total: int) -> None:
+        step = self.step
+        if step is not None:
+            raise _Abandoned(
+                f"the save of step {step} was abandoned: a preemption notice left no time to "
+                "finish it; nothing of it was committed"
+            )
+        if self.user is not None:
+            self.user(done, total)
 
 
 @dataclasses.dataclass
@@ -1769,6 +2189,24 @@ def _policy(argument: str, make: Callable[..., Any], n: Any, *more: Any) -> Any:
         return make(n, *more)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{argument}={n!r}: {exc}") from None
+
+
+def _signal_name(signum: int | None) -> str:
+    if signum is None:
+        return "a notice"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _grace(value: Any, name: str) -> float:
+    """A grace budget in seconds: a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    return float(value)
 
 
 def _rank(process_group: Any) -> int:
