@@ -54,6 +54,7 @@ from savepoint.runs import policies as policies
 from savepoint.runs.gc import GcReport
 from savepoint.runs.manager import CheckpointManager
 from savepoint.runs.sweep import Sweep
+from savepoint.runs.tiers import Tier
 from savepoint.runs.view import RunView, open_run
 from savepoint.state.data import DataPosition, ResumableSampler
 from savepoint.state.optimizer import (
@@ -110,6 +111,7 @@ __all__ = [
     "Sweep",
     "SymlinkError",
     "TensorInfo",
+    "Tier",
     "UnsupportedDeviceError",
     "UnsupportedStateError",
     "UnsupportedStorageError",

@@ -122,3 +122,128 @@ def test_tier_arguments_are_checked() -> None:
         Tier(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="distinct"):
         TierCopier([Tier("memory://d/a"), Tier("memory://d/a")], RUN)
+
+
+# -- CheckpointManager(..., tiers=[...]) ------------------------------------------------------
+
+
+def test_a_manager_copies_up_and_a_lost_run_directory_restores_from_a_tier(
+    tmp_path: Path,
+) -> None:
+    tier = sp.Tier("memory://tiers-m1/run", every=2, keep=2, name="object store")
+    with sp.CheckpointManager(tmp_path / "ram", name="run-7", keep_last=1, tiers=[tier]) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, state(step))
+        mgr.wait()
+        assert mgr.steps() == [6]
+    assert layout.committed_steps("memory://tiers-m1/run") == [3, 5]  # 1, 3, 5 copied; keep 2
+    # The machine (and its RAM disk) is gone: a new run directory of the run, the same tier.
+    with pytest.raises(sp.RunMismatchError, match="another run"):
+        sp.CheckpointManager(tmp_path / "other-run", tiers=[tier])
+    with sp.CheckpointManager(tmp_path / "new-ram", name="run-7", tiers=[tier]) as fresh:
+        target = state(0)
+        assert fresh.restore(target) == 5
+        assert fresh.restored_from == "object store"
+        same(target, state(5))
+        assert fresh.restore(target, step=3) == 3
+        with pytest.raises(sp.CheckpointNotFoundError, match="tiers have"):
+            fresh.restore(target, step=4)
+
+
+def test_async_saves_are_copied_up_after_they_commit(tmp_path: Path) -> None:
+    tier = sp.Tier(str(tmp_path / "disk"))
+    with sp.CheckpointManager(tmp_path / "run", async_save=True, tiers=[tier]) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+        mgr.wait()
+        assert layout.committed_steps(tmp_path / "disk") == [1, 2, 3]
+        assert mgr.restore(state(0)) == 3 and mgr.restored_from == "run directory"
+
+
+def test_the_run_keeps_a_checkpoint_until_its_copy_up_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    release = threading.Event()
+    real = savepoint.transfer.copy
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        assert release.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(savepoint.transfer, "copy", slow)
+    tier = sp.Tier(str(tmp_path / "disk"), every=1)
+    with sp.CheckpointManager(tmp_path / "run", keep_last=1, tiers=[tier]) as mgr:
+        mgr.save(1, state(1)).wait()
+        mgr.save(2, state(2)).wait()  # retention would delete 1: its copy-up is not done
+        assert mgr.steps() == [1, 2]
+        release.set()
+        mgr.wait()
+        mgr.save(3, state(3)).wait()
+        assert mgr.steps() == [3]
+    assert layout.committed_steps(tmp_path / "disk") == [1, 2, 3]
+
+
+def test_a_failed_copy_up_is_raised_by_the_next_save_naming_the_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    tier = sp.Tier(str(tmp_path / "disk"), name="scratch")
+    mgr = sp.CheckpointManager(tmp_path / "run", tiers=[tier])
+    monkeypatch.setattr(savepoint.transfer, "_stream", full)
+    mgr.save(1, state(1)).wait()
+    mgr._tiers.wait()  # type: ignore[union-attr]
+    with pytest.raises(sp.CheckpointWriteError, match="tier 'scratch'"):
+        mgr.save(2, state(2))
+    monkeypatch.undo()
+    mgr.save(2, state(2))
+    mgr.close()
+    assert mgr.steps() == [1, 2]
+    assert layout.committed_steps(tmp_path / "disk") == [2]
+
+
+def test_a_damaged_checkpoint_is_read_from_its_copy_on_a_tier(
+    tmp_path: Path, flip_byte: Any
+) -> None:
+    tier = sp.Tier(str(tmp_path / "disk"), name="disk")
+    with sp.CheckpointManager(tmp_path / "run", tiers=[tier]) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+    flip_byte(Path(layout.step_path(tmp_path / "run", 2)), "w", 8)
+    with sp.CheckpointManager(tmp_path / "run", tiers=[tier]) as mgr:
+        target = state(0)
+        with pytest.warns(UserWarning, match="another copy"):
+            assert mgr.restore(target) == 2
+        assert mgr.restored_from == "disk"
+        same(target, state(2))
+        assert mgr.restore(target, step=2) == 2  # an explicit step: its copy, never another step
+        assert mgr.restored_from == "disk"
+
+
+def test_a_preemption_save_is_copied_to_the_first_tier_within_the_budget(tmp_path: Path) -> None:
+    tiers = [sp.Tier(str(tmp_path / "disk"), every=100, name="disk"), sp.Tier("memory://p/r")]
+    with sp.CheckpointManager(tmp_path / "ram", tiers=tiers) as mgr:
+        mgr.save(100, state(100))
+        mgr.wait()
+        result = mgr.save_on_preemption(101, state(101))
+    assert result.copied_to == ("disk",) and result.saved
+    assert layout.committed_steps(tmp_path / "disk") == [100, 101]
+
+
+def test_a_read_only_manager_restores_from_tiers_and_writes_nothing(tmp_path: Path) -> None:
+    tier = sp.Tier(str(tmp_path / "disk"))
+    with sp.CheckpointManager(tmp_path / "run", tiers=[tier]) as mgr:
+        mgr.save(1, state(1))
+    before = sorted(p.name for p in (tmp_path / "disk").iterdir())
+    import shutil
+
+    shutil.rmtree(layout.step_path(tmp_path / "run", 1))  # lost from the run directory
+    with sp.CheckpointManager(tmp_path / "run", read_only=True, tiers=[tier]) as ro:
+        assert ro.restore(state(0), resume=False) == 1
+        assert ro.restored_from == tier.label
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == before
+    with pytest.raises(TypeError, match="tiers"):
+        sp.CheckpointManager(tmp_path / "x", tiers="s3://b/r")  # type: ignore[arg-type]

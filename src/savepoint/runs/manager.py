@@ -112,6 +112,7 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import math
 import os
@@ -121,7 +122,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from savepoint import checkpoint
@@ -172,6 +173,7 @@ from savepoint.runs.report import (
     read_report,
     write_json,
 )
+from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.base import Store
 from savepoint.storage.paths import Location, PathArg, resolve
 
@@ -181,6 +183,7 @@ log = logging.getLogger(__name__)
 
 StepSpec = int | Literal["latest", "best"]
 _RESTORE_TRIES = 20
+RUN_DIRECTORY = "run directory"  # restored_from for a checkpoint read from the run itself
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 _HINTS = {
     errno.ENOSPC: "free disk space and save again",
@@ -261,6 +264,7 @@ class CheckpointManager:
         preemption: bool | Iterable[int | str | signal.Signals] | None = None,
         preemption_grace: float = DEFAULT_GRACE,
         preemption_every: int = 1,
+        tiers: Sequence[Tier] | None = None,
         options: SaveOptions | None = None,
         **save_options: Any,
     ) -> None:
@@ -296,6 +300,7 @@ class CheckpointManager:
         if save_every is not None:
             every = _policy("save_every", policies.SaveEvery, save_every)
         signals = None if preemption is None or preemption is False else signals_of(preemption)
+        tier_list = _tiers(tiers)
         self.preemption_grace = _grace(preemption_grace, "preemption_grace")
         if (
             not isinstance(preemption_every, int)
@@ -351,6 +356,10 @@ class CheckpointManager:
         self._write_seconds: float | None = None  # how long the last save took to commit
         self._verifying: int | None = None  # the step a background step is reading back
         self._preempt_sync_error: CheckpointError | None = None
+        # Slower tiers that committed checkpoints are copied up to (runs.tiers), and where the
+        # last restore read its checkpoint from ("run directory" or a tier's name).
+        self._tiers: TierCopier | None = None
+        self.restored_from: str | None = None
         self._closed = False
         self._pid = os.getpid()
         self._started = time.monotonic()
@@ -429,6 +438,13 @@ class CheckpointManager:
             if self._writes_books():
                 self._repair()
                 _LIVE.add(self)
+            if tier_list and self._leader:
+                self._tiers = TierCopier(
+                    tier_list,
+                    {"name": self.run.name, "variant": self.run.variant},
+                    protected=lambda: () if self._resumed_from is None else (self._resumed_from,),
+                    writable=not self.read_only,
+                )
             if signals is not None:
                 self._preemption = Preemption(
                     signals, process_group=self.save_options.process_group, every=preemption_every
@@ -436,6 +452,8 @@ class CheckpointManager:
         except BaseException as exc:
             if self._preemption is not None:
                 self._preemption.close()
+            if self._tiers is not None:
+                self._tiers.close()
             self._release_lock()
             if self._history is not None:
                 with contextlib.suppress(OSError):
@@ -793,6 +811,8 @@ class CheckpointManager:
             self._raise_verification_error()
             if self._async is not None:
                 self._raise_background_error()
+            if self._tiers is not None:
+                self._tiers.raise_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         if self.read_only:
@@ -1153,6 +1173,8 @@ class CheckpointManager:
         error = self._sync_books(swapped)
         if error is not None or self._preempting.is_set():
             return error
+        if self._tiers is not None:
+            self._tiers.submit(step, self._checkpoint(step))
         with self._lock:
             self._finish_discards()  # an abandoned timeline, deletions an earlier save left
             doomed = self._doomed(step, self._steps_now())
@@ -1275,6 +1297,8 @@ class CheckpointManager:
         entries = [Entry(s, self._metrics.get(s, {})) for s in live if s not in self._failed]
         keep = self.retention.keep(entries)
         keep |= {s for s in (newest, self._best_among(live), self._resumed_from) if s is not None}
+        if self._tiers is not None:
+            keep |= self._tiers.pending_steps()  # a copy-up is reading it
         return {s for s in live if s not in keep}
 
     def _stage_aliases(self) -> dict[str, aliases.Staging]:
@@ -1587,6 +1611,7 @@ class CheckpointManager:
             else:
                 log.info("%s: step %d is committed already: not saved again", self.directory, step)
             committed_at = time.monotonic()
+            copied_to = self._copy_on_preemption(step, deadline, errors, deferred)
         deferred.append(
             f"verifying step {step}, retention and deletions (the next run's first save)"
         )
@@ -1607,6 +1632,7 @@ class CheckpointManager:
             in_flight_step=in_flight_step,
             deferred=tuple(deferred),
             errors=tuple(errors),
+            copied_to=copied_to,
         )
         (log.info if result.within_budget else log.warning)(
             "%s: preemption save: step %d %s in %.2f s (%s; budget %g s%s); exit with %d",
@@ -1620,6 +1646,24 @@ class CheckpointManager:
             result.exit_code,
         )
         return result
+
+    def _copy_on_preemption(
+        self, step: int, deadline: float, errors: list[str], deferred: list[str]
+    ) -> tuple[str, ...]:
+        """With tiers: copy checkpoint ``step`` to the first tier (due or not) and wait for it
+        until ``deadline``; returns the tier's name if the copy committed in time."""
+        if self._tiers is None or not self._tiers.tiers:
+            return ()
+        first = self._tiers.tiers[0]
+        self._tiers.submit(step, self._checkpoint(step), [first])
+        if not self._tiers.wait(max(0.0, deadline - time.monotonic())):
+            deferred.append(f"copying step {step} to tier {first.label!r} (not done in time)")
+            return ()
+        try:
+            self._tiers.raise_error()
+        except CheckpointError as exc:
+            errors.append(str(exc))
+        return (first.label,) if layout.committed(self._tiers.location(first, step)) else ()
 
     def _end_in_flight(
         self, step: int, wait_until: float, reserve: float
@@ -1761,32 +1805,47 @@ class CheckpointManager:
 
     def _restore_once(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
         """One attempt of :meth:`_read`; raises _Moved when the checkpoint chosen was deleted
-        or replaced while it was being read."""
+        or replaced while it was being read. With tiers, a step is read from the run directory
+        first, then from each tier holding it (fastest first); "latest" then falls back to
+        older steps."""
         steps = self.steps()
+        copies = self._tiers.candidates() if self._tiers is not None else {}
         if step == "latest":
-            if not steps:
+            every = sorted(set(steps) | set(copies))
+            if not every:
                 return None
             failures = []
-            for candidate in reversed(steps):
-                try:
-                    loaded = self._load(candidate, load_options)
-                except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-                    failures.append(f"step {candidate}: {exc}")
-                    log.info(
-                        "%s: checkpoint %d failed verification, trying an older one: %s",
-                        self.directory,
-                        candidate,
-                        exc,
-                    )
-                    warnings.warn(
-                        f"checkpoint {candidate} of {self.directory} failed verification, trying "
-                        f"an older one: {exc}",
-                        stacklevel=4,
-                    )
-                    continue
-                return candidate, loaded
+            for candidate in reversed(every):
+                for source, load in self._sources(candidate, steps, copies):
+                    try:
+                        loaded = load(load_options)
+                    except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+                        failures.append(
+                            f"step {candidate}: {exc}"
+                            if not copies
+                            else f"step {candidate} ({source}): {exc}"
+                        )
+                        log.info(
+                            "%s: checkpoint %d (%s) failed verification, trying another copy or "
+                            "an older one: %s",
+                            self.directory,
+                            candidate,
+                            source,
+                            exc,
+                        )
+                        where = "" if not copies else f" ({source})"
+                        warnings.warn(
+                            f"checkpoint {candidate} of {self.directory}{where} failed "
+                            f"verification, trying an older one: {exc}"
+                            if not copies
+                            else f"checkpoint {candidate} of {self.directory}{where} failed "
+                            f"verification, trying another copy or an older one: {exc}",
+                            stacklevel=4,
+                        )
+                        continue
+                    return self._restored(candidate, source, loaded)
             raise CorruptCheckpointError(
-                f"{self.directory}: no intact checkpoint among {len(steps)}: "
+                f"{self.directory}: no intact checkpoint among {len(every)}: "
                 + "; ".join(failures),
                 path=self.directory,
             )
@@ -1801,15 +1860,18 @@ class CheckpointManager:
                     "with best_metric=... to choose one",
                     path=self.directory,
                 )
-            return best, self._load(best, load_options)
+            return self._first_intact(best, steps, copies, load_options)
         assert isinstance(step, int)
-        if step not in steps:
+        if step not in steps and step not in copies:
+            held = f"it has {steps}"
+            if copies:
+                held += f"; its tiers have {sorted(copies)}"
             raise CheckpointNotFoundError(
-                f"{self.directory} has no checkpoint for step {step} (it has {steps})",
+                f"{self.directory} has no checkpoint for step {step} ({held})",
                 path=self.step_path(step),
             )
         try:
-            loaded = self._load(step, load_options)
+            return self._first_intact(step, steps, copies, load_options)
         except _Moved:
             if self._manifest_id(step) is not None:
                 raise  # replaced by a new save of that step: read the new one
@@ -1818,6 +1880,50 @@ class CheckpointManager:
                 "(the run's writer pruned it); choose a step the run still has",
                 path=self.step_path(step),
             ) from None
+
+    def _sources(
+        self, step: int, steps: list[int], copies: dict[int, list[tuple[Tier, Location]]]
+    ) -> list[tuple[str, Callable[[dict[str, Any]], Any]]]:
+        """Where checkpoint ``step`` can be read, in the order to try: the run directory, then
+        the tiers holding a copy (fastest first); each as (its name, a load function)."""
+        found: list[tuple[str, Callable[[dict[str, Any]], Any]]] = []
+        if step in steps or step not in copies:
+            # (not listed and no copy: read it all the same; a live writer's deletion then
+            # shows as _Moved, and a restore chooses again)
+            found.append((RUN_DIRECTORY, lambda options: self._load(step, options)))
+        for tier, where in copies.get(step, ()):
+            found.append((tier.label, functools.partial(_load_copy, layout.checkpoint_arg(where))))
+        return found
+
+    def _first_intact(
+        self,
+        step: int,
+        steps: list[int],
+        copies: dict[int, list[tuple[Tier, Location]]],
+        load_options: dict[str, Any],
+    ) -> tuple[int, Any]:
+        """Checkpoint ``step`` from the first of its copies that loads (never another step)."""
+        sources = self._sources(step, steps, copies)
+        for i, (source, load) in enumerate(sources):
+            try:
+                return self._restored(step, source, load(load_options))
+            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+                if i == len(sources) - 1:
+                    raise
+                log.warning(
+                    "%s: checkpoint %d (%s) failed verification, trying its copy on %s: %s",
+                    self.directory,
+                    step,
+                    source,
+                    sources[i + 1][0],
+                    exc,
+                )
+        raise AssertionError("unreachable: a step always has a source")
+
+    def _restored(self, step: int, source: str, loaded: Any) -> tuple[int, Any]:
+        self.restored_from = source
+        if self._tiers is not None:
+            log.info("%s: step %d read from %s", self.directory, step, source)
         return step, loaded
 
     def _load(self, step: int, load_options: dict[str, Any]) -> Any:
@@ -1916,6 +2022,9 @@ class CheckpointManager:
         finally:
             self._join_background()
         self._raise_verification_error()
+        if self._tiers is not None:
+            self._tiers.wait()
+            self._tiers.raise_error()
 
     def close(self) -> None:
         """Finish pending saves and their background step, write the final report, and release
@@ -1936,6 +2045,8 @@ class CheckpointManager:
                     exc.add_note(f"and the background step of a save failed: {also}")
                 raise
             self._raise_verification_error()
+            if self._tiers is not None:
+                self._tiers.raise_error()
 
     def _close(self) -> None:
         try:
@@ -1947,6 +2058,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._join_background()
+            if self._tiers is not None:
+                self._tiers.close()  # the copy-ups finish (their failures are raised below)
             try:
                 if (
                     self._writes_books()
@@ -2207,6 +2320,22 @@ def _grace(value: Any, name: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
     return float(value)
+
+
+def _load_copy(where: str | Location, options: dict[str, Any]) -> Any:
+    return checkpoint.load(where, **options)
+
+
+def _tiers(value: Any) -> list[Tier]:
+    """The ``tiers=`` argument: None or a sequence of :class:`~savepoint.runs.tiers.Tier`."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, Tier)) or not isinstance(value, Sequence):
+        raise TypeError(f"tiers must be a list of sp.Tier, not {value!r}")
+    for tier in value:
+        if not isinstance(tier, Tier):
+            raise TypeError(f"tiers must be a list of sp.Tier, not one holding {tier!r}")
+    return list(value)
 
 
 def _rank(process_group: Any) -> int:

@@ -221,7 +221,9 @@ class PreemptionSave:
     "abandoned": stopped before its commit and not part of the run, "failed": it failed on its
     own), and ``in_flight_step`` its step. ``deferred``: what was left for the next run (retention,
     verification, deletions). ``errors``: failures that did not stop the save (a background save
-    that failed, a verification failure found earlier, a sync of the books), also logged."""
+    that failed, a verification failure found earlier, a sync of the books), also logged.
+    ``copied_to``: with tiers, the tier the step was copied to within the budget (the first
+    tier: the run directory may be a RAM disk that does not outlive the machine), else empty."""
 
     step: int
     path: str
@@ -236,6 +238,7 @@ class PreemptionSave:
     in_flight_step: int | None = None
     deferred: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
+    copied_to: tuple[str, ...] = ()
 
     @property
     def signal_name(self) -> str | None:

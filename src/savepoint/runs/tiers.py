@@ -179,10 +179,12 @@ class TierCopier:
                 if (last := self._last[t.label]) is None or step - last >= t.every or step < last
             ]
 
-    def submit(self, step: int, source: str | Location) -> list[Tier]:
-        """Copy the committed checkpoint ``source`` of ``step`` to the tiers it is due on, in
-        the background; returns those tiers."""
-        due = self.due(step)
+    def submit(
+        self, step: int, source: str | Location, tiers: Sequence[Tier] | None = None
+    ) -> list[Tier]:
+        """Copy the committed checkpoint ``source`` of ``step`` to the tiers it is due on (or to
+        ``tiers``, due or not), in the background; returns those tiers."""
+        due = self.due(step) if tiers is None else list(tiers)
         if not due:
             return []
         with self._lock:
@@ -271,12 +273,14 @@ class TierCopier:
             error, self._errors = self._errors[0], []
         raise error
 
-    def wait(self) -> None:
-        """Wait for every copy-up submitted so far."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every copy-up submitted so far (at most ``timeout`` seconds): whether they
+        are all done."""
+        from concurrent.futures import wait as wait_for
+
         with self._lock:
             futures = list(self._futures)
-        for f in futures:
-            f.result()
+        return not wait_for(futures, timeout=timeout).not_done
 
     def close(self) -> None:
         self.wait()
