@@ -1134,6 +1134,7 @@ def test_sigkill_during_saves_leaves_a_usable_run(tmp_path: Path) -> None:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     mid_save = 0
     newest_seen = 0
+    unpruned = 0  # saves whose retention may not have run yet
     kills = scale(15)
     started = time.monotonic()
     for i in range(kills):
@@ -1161,6 +1162,13 @@ def test_sigkill_during_saves_leaves_a_usable_run(tmp_path: Path) -> None:
         saved = [int(x.split()[1]) for x in lines if x.startswith("saved ")]
         if saving and (not saved or saving[-1] != saved[-1]):
             mid_save += 1
+        # Retention runs in each save's background step, which the next save joins before it
+        # commits: a child that got two saves through pruned everything before its last ones;
+        # a child killed sooner may leave each of its saves unpruned (the next prune catches up).
+        if len(saved) >= 2:
+            unpruned = len(saving) - len(saved) + 1
+        else:
+            unpruned += len(saving)
 
         # The newest committed step is exactly what was saved for it; every committed one verifies.
         steps = layout.committed_steps(str(run))
@@ -1191,8 +1199,8 @@ def test_sigkill_during_saves_leaves_a_usable_run(tmp_path: Path) -> None:
             # Alias temporaries are directories; the report.json temporary file a kill can leave
             # is checked deterministically by test_stale_report_temporary_removed_at_open.
             assert [h for h in hidden(run) if (run / h).is_dir()] == [], f"kill {i}"
-            # keep_last, the best, the step the child resumed from, and one save not yet pruned
-            assert len(steps) <= child.KEEP_LAST + 3
+            # keep_last, the best, the step the child resumed from, and the saves not yet pruned
+            assert len(steps) <= child.KEEP_LAST + 2 + max(1, unpruned), (steps, unpruned)
             best = m.best_step()
             assert best in steps
             report = read(run / "report.json")
