@@ -280,7 +280,7 @@ def main() -> None:
             print(f"  {k:24s} {v:6.3f}   runs {[round(x, 3) for x in lt[k]]}")
         print(
             f"  savepoint / torch.load(mmap)+copy   {lm['savepoint'] / lm['torch.load mmap+copy']:.2f}"
-            + ("  (target <= 1.2)" if temp == "warm" else "")
+            + ("  (target <= 1.1, issue 16)" if temp == "warm" else "")
         )
         print(
             f"  checksum cost: {(lm['savepoint'] / lm['savepoint verify=False'] - 1) * 100:.0f}% "

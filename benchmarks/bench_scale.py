@@ -13,25 +13,29 @@ ratios:
 
 - ``sp.save`` against ``safetensors.torch.save_file`` + fsync (both durable);
 - ``sp.load`` (the whole tree, checksums checked) against ``safetensors.torch.load_file``;
-- ``sp.inspect`` and ``sp.verify`` on their own, reading the description's tensor list (target:
-  under 1 s at 100,000 tensors).
+- ``sp.inspect`` and ``sp.verify``, reading the description's tensor list (target: under 1 s at
+  100,000 tensors), beside listing a safetensors file's tensors with dtypes and shapes
+  (``safe_open``) and reading all of them (``load_file``).
 
 Peak extra memory of one ``sp.save`` is sampled from ``/proc/self/statm`` while it runs (staging
 buffers released first), as in ``bench_save_load.py``. With ``--tensors 1000000`` (minutes; pass
 ``--repeat 1 --no-peers`` to keep it short) the targets are a save under 30 s and under 0.5 GiB of
-extra memory. Not a test: it prints figures and exits 1 only if a loaded state differs.
+extra memory (``--trace-memory`` prints where the memory is at each step of the save instead,
+sampled from ``/proc/self/statm``). Not a test: it prints figures and exits 1 only if a loaded
+state differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +56,60 @@ def make_state(n: int, floats: int) -> dict[str, torch.Tensor]:
     return {f"layer{i // 100}.expert{i % 100}.w": data[i].clone() for i in range(n)}
 
 
+@contextlib.contextmanager
+def traced_steps(mem: PeakRSS, t0: float) -> Iterator[None]:
+    """Print the time and the extra resident memory before and after each step of a save."""
+    from savepoint.codecs import manifest as mf
+    from savepoint.commit.transaction import Transaction
+    from savepoint.engine import pipeline
+    from savepoint.engine import save as save_engine
+    from savepoint.state import tree
+
+    steps = [
+        (tree, "flatten"),
+        (save_engine, "lay_out"),
+        (pipeline, "write_file"),
+        (mf, "dump"),
+        (Transaction, "commit"),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in steps]
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            mark(f"before {name}")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                mark(f"after {name}")
+
+        return step
+
+    def mark(what: str) -> None:
+        print(
+            f"  {time.perf_counter() - t0:7.2f} s  {what:22s} {(mem._rss() - mem.start) / MiB:8.1f} MiB"
+        )
+
+    try:
+        for owner, name, fn in saved:
+            setattr(owner, name, wrap(name, fn))
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+        mark("returned")
+
+
+def st_list(path: str) -> int:
+    """A safetensors file's tensors with their dtypes and shapes, from its header."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return len([(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()])  # noqa: SIM118
+
+
+CPU: dict[str, list[float]] = {}  # CPU time of this process per run, beside the wall times
+
+
 def median_runs(
     contenders: dict[str, Callable[[], Any]], repeat: int, warmup: bool = True
 ) -> dict[str, list[float]]:
@@ -59,20 +117,25 @@ def median_runs(
     for rnd in range(repeat + (1 if warmup else 0)):
         for name, fn in contenders.items():
             gc.collect()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             out = fn()
-            dt = time.perf_counter() - t0
             del out
+            dt = time.perf_counter() - t0
             if rnd or not warmup:
                 times[name].append(dt)
+                CPU.setdefault(name, []).append(time.process_time() - c0)
     return times
 
 
 def show(title: str, times: dict[str, list[float]]) -> dict[str, float]:
+    """Medians of the wall times (what the targets are), and of the process's CPU time (all its
+    threads; on a machine shared with other work it moves less than the wall time)."""
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{title}, median (s):")
     for k, v in med.items():
-        print(f"  {k:28s} {v:7.3f}   runs {[round(x, 3) for x in times[k]]}")
+        cpu = statistics.median(CPU[k]) if CPU.get(k) else float("nan")
+        print(f"  {k:28s} {v:7.3f}   cpu {cpu:6.3f}   runs {[round(x, 3) for x in times[k]]}")
     return med
 
 
@@ -86,6 +149,11 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/sp-scale")
     ap.add_argument("--no-peers", action="store_true", help="skip safetensors (1M tensors: slow)")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="with memory: print the extra memory after each step of the save",
+    )
     ap.add_argument(
         "--only",
         default="memory,save,load,inspect,verify",
@@ -133,7 +201,11 @@ def main() -> None:
         gc.collect()
         with PeakRSS() as mem:
             t0 = time.perf_counter()
-            sp_save()
+            if args.trace_memory:
+                with traced_steps(mem, t0):
+                    sp_save()
+            else:
+                sp_save()
             took = time.perf_counter() - t0
         print(f"\none sp.save (memory sampled): {took:.2f} s")
         print(f"peak extra memory during sp.save: {mem.extra / MiB:.1f} MiB")
@@ -159,16 +231,28 @@ def main() -> None:
             sys.exit(1)
 
     # Each reads the description's keys too (a CheckpointInfo builds them when first read).
+    # Peers: listing a safetensors file's tensors with their dtypes and shapes (inspect), and
+    # reading every tensor of it (verify reads every byte and checks every checksum).
     readers: dict[str, Callable[[], Any]] = {}
     if "inspect" in only:
         readers["sp.inspect"] = lambda: len(sp.inspect(sp_path).tensors)
+        if peers:
+            readers["safetensors safe_open+shapes"] = lambda: st_list(st_path)
     if "verify" in only:
         readers["sp.verify"] = lambda: len(sp.verify(sp_path).tensors)
+        if peers:
+            readers["safetensors load_file"] = lambda: len(load_file(st_path))
     if readers:
-        show(
+        med = show(
             "inspect / verify (target: each under 1 s at 100k)",
             median_runs(readers, args.repeat, warm),
         )
+        for ours, peer in (
+            ("sp.inspect", "safetensors safe_open+shapes"),
+            ("sp.verify", "safetensors load_file"),
+        ):
+            if ours in med and peer in med:
+                print(f"  {ours} / {peer:28s} {med[ours] / med[peer]:.2f}")
 
     rm(sp_path)
     rm(st_path)

@@ -78,10 +78,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import json
 import math
 import operator
 import re
+import threading
+import zlib
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -106,12 +111,16 @@ __all__ = [
     "SHARDED",
     "ShardRecord",
     "TensorRecord",
+    "TensorTable",
     "UNSHARDED",
     "VERSION",
+    "TRAILER_BYTES",
+    "dump",
     "dumps",
     "parse",
     "shard_name",
     "shard_shape",
+    "tree_pieces",
     "whole",
 ]
 
@@ -259,16 +268,27 @@ def shard_shape(region: boxes.Region) -> tuple[int, ...]:
 class Manifest:
     tree: dict[str, Any]
     files: dict[str, FileRecord] = field(default_factory=dict)
-    tensors: dict[str, TensorRecord] = field(default_factory=dict)
+    tensors: Mapping[str, TensorRecord] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     writer: str = ""
     created: str = ""
     format_version: int = UNSHARDED
     world_size: int | None = None  # ranks that wrote a sharded (version 2) checkpoint
+    # The tree as its manifest text, zlib-compressed, where a save dropped its dicts (``tree``
+    # is then empty until :meth:`root` reads it back): a million-tensor tree is about 190 MB
+    # of dicts, 75 MB of text and 6 MB compressed.
+    tree_packed: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def sharded(self) -> bool:
         return self.format_version >= SHARDED
+
+    def root(self) -> dict[str, Any]:
+        """The tree, read back from ``tree_packed`` the first time where a save kept only that."""
+        if self.tree_packed is not None:
+            self.tree = json.loads(zlib.decompress(self.tree_packed))
+            self.tree_packed = None
+        return self.tree
 
 
 class ManifestError(CorruptCheckpointError):
@@ -296,11 +316,101 @@ def dumps(m: Manifest) -> bytes:
     """The manifest's bytes. Raises UnsupportedStateError when readers would refuse them: larger
     than ``MAX_MANIFEST_BYTES``, nested deeper than the JSON reader's depth cap, or denser than
     its memory bound allows (see :mod:`savepoint.codecs.bounded_json`); a checkpoint that cannot be
-    loaded is never written.
+    loaded is never written. See :func:`dump` for the same bytes in a ``bytearray``."""
+    return bytes(dump(m))
 
-    The text is assembled as pieces of bytes, hashed as they come, and joined once: a
+
+def dump(m: Manifest, tree: Iterable[tuple[bytes, int]] | None = None) -> bytearray:
+    """:func:`dumps`, as a ``bytearray`` built in place.
+
+    The text is made in pieces of at most a few MB (the ``tensors`` member entry by entry, big
+    containers of the tree a few thousand items at a time), each hashed, checked and appended
+    as it comes, so the manifest exists once, whole, and never as a second copy: a
     1,000,000-tensor manifest is about 220 MB, and each whole intermediate copy of it (the text,
-    its encoding, the text plus its trailer) cost that much memory again."""
+    its encoding, the pieces and their join) cost that much memory again. The reader's limits
+    are checked piece by piece with the first pass of :func:`savepoint.codecs.bounded_json.check`
+    (its counts add up over pieces; where they cannot clear the text, the whole is checked).
+
+    ``tree``: the ``tree`` member's pieces as :func:`tree_pieces` made them (then ``m.tree`` is
+    not read): a caller can keep them compressed and drop its tree before the manifest is
+    built."""
+    raw = bytearray()
+    hasher = checksum.new()
+    counter = _Counter()
+    try:
+        for piece, level in _pieces(m, tree):
+            hasher.update(piece)
+            raw += piece
+            counter.add(piece, level)
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise UnsupportedStateError(
+                    f"the manifest would be over {len(raw)} bytes, over the {_CAP} cap readers "
+                    "enforce; split the state over several checkpoints"
+                )
+    except RecursionError:
+        raise UnsupportedStateError(
+            f"the state is nested too deeply to store (readers accept {_json.MAX_DEPTH} levels "
+            "of JSON nesting in a manifest)"
+        ) from None
+    except ValueError as exc:  # an integer too long to write (over 4300 digits)
+        raise UnsupportedStateError(f"the state holds a value JSON cannot store: {exc}") from None
+    trailer = f',\n "manifest_xxh3": "{checksum.hexdigest(hasher)}"\n}}\n'.encode("ascii")
+    raw += trailer
+    counter.add(trailer, 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise UnsupportedStateError(
+            f"the manifest would be {len(raw)} bytes, over the {_CAP} cap readers enforce; "
+            "split the state over several checkpoints"
+        )
+    if not counter.clears(len(raw)):
+        try:
+            _json.check(bytes(raw))  # rare: a copy, as the whole text was always checked
+        except _json.StrictJSONError as exc:
+            raise UnsupportedStateError(
+                f"readers would refuse this manifest ({exc}); store long runs of plain values as "
+                "arrays, and keep nesting shallower"
+            ) from None
+    return raw
+
+
+class _Counter:
+    """The first pass of the reader's bound (``bounded_json._quick_counts``), summed over pieces
+    that each hold whole strings. Per piece it charges one scalar more than the whole text would
+    and a separator ending a piece as a scalar, so the sum never undercharges; a piece with a
+    ``\\u`` escape (wider strings than the text) makes the whole text be checked instead."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.cost = 0
+        self.exact = True
+
+    def add(self, piece: bytes, level: int) -> None:
+        if not self.exact:
+            return
+        if b"\\u" in piece:
+            self.exact = False
+            return
+        depth, cost, _ = _json._quick_counts(piece, 1)
+        self.depth = max(self.depth, level + depth)
+        self.cost += cost
+
+    def clears(self, size: int) -> bool:
+        budget = int(_json.MEMORY_FACTOR * size + _json.MEMORY_SLACK)
+        return self.exact and self.depth <= _json.MAX_DEPTH and self.cost <= budget
+
+
+def tree_pieces(root: dict[str, Any]) -> Iterator[tuple[bytes, int]]:
+    """The ``tree`` member of a manifest holding ``root``, in pieces (see :func:`dump`)."""
+    return _node_pieces(root, 1)
+
+
+TRAILER_BYTES = len(',\n "manifest_xxh3": "0123456789abcdef"\n}\n')
+
+
+def _pieces(
+    m: Manifest, tree: Iterable[tuple[bytes, int]] | None = None
+) -> Iterator[tuple[bytes, int]]:
+    """The manifest's text before its trailer, as (piece, nesting depth where it starts)."""
     body: dict[str, Any] = {
         "format": FORMAT,
         "format_version": m.format_version,
@@ -318,6 +428,8 @@ def dumps(m: Manifest) -> bytes:
             }
             for name, t in m.tensors.items()
         }
+    elif isinstance(m.tensors, TensorTable):
+        tensors = m.tensors
     else:
         tensors = _V1Tensors(m.tensors)
     body["metadata"] = m.metadata
@@ -328,42 +440,266 @@ def dumps(m: Manifest) -> bytes:
     body["tensors"] = tensors
     body["tree"] = m.tree
     # One top-level member per line, each value compact: readable with `head`, small for big trees.
-    pieces: list[bytes] = []
-    try:
-        for i, (k, v) in enumerate(body.items()):
-            pieces.append(f"{',' if i else '{'}\n {json.dumps(k)}: ".encode("ascii"))
-            if isinstance(v, _V1Tensors):
-                pieces.extend(v.pieces())
-            else:
-                text = json.dumps(v, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-                pieces.append(text.encode("ascii"))
-                del text
-    except RecursionError:
-        raise UnsupportedStateError(
-            f"the state is nested too deeply to store (readers accept {_json.MAX_DEPTH} levels "
-            "of JSON nesting in a manifest)"
-        ) from None
-    except ValueError as exc:  # an integer too long to write (over 4300 digits)
-        raise UnsupportedStateError(f"the state holds a value JSON cannot store: {exc}") from None
-    hasher = checksum.new()
-    for piece in pieces:
-        hasher.update(piece)
-    pieces.append(f',\n "manifest_xxh3": "{checksum.hexdigest(hasher)}"\n}}\n'.encode("ascii"))
-    raw = b"".join(pieces)
-    del pieces
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise UnsupportedStateError(
-            f"the manifest would be {len(raw)} bytes, over the {_CAP} cap readers enforce; "
-            "split the state over several checkpoints"
+    for i, (k, v) in enumerate(body.items()):
+        yield f"{',' if i else '{'}\n {json.dumps(k)}: ".encode("ascii"), min(i, 1)
+        if isinstance(v, (_V1Tensors, TensorTable)):
+            for j, piece in enumerate(v.pieces()):
+                yield piece, 1 if j == 0 else 2
+        elif k == "tree" and tree is not None:
+            yield from tree
+        elif k == "tree":
+            yield from _node_pieces(v, 1)
+        else:
+            yield _compact(v).encode("ascii"), 1
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+_TREE_PIECE = 4096  # items of the tree encoded per piece (with their children, one level down)
+
+
+def _weight(node: Any) -> int:
+    """Items a tree node holds one level down (through Stateful wrappers)."""
+    while type(node) is dict and node.get("t") == "stateful":
+        node = node.get("state")
+    items = node.get("items") if type(node) is dict else None
+    return len(items) if type(items) is list else 0
+
+
+def _node_pieces(node: Any, level: int) -> Iterator[tuple[bytes, int]]:
+    """``_compact(node)`` in pieces, starting at nesting ``level``: containers of more than
+    ``_TREE_PIECE`` items a batch of items at a time (byte for byte the same text)."""
+    if _weight(node) <= _TREE_PIECE or type(node) is not dict:
+        yield _compact(node).encode("ascii"), level
+        return
+    t = node.get("t")
+    if t == "stateful" and list(node) == ["t", "type", "state"]:
+        yield f'{{"t":"stateful","type":{_compact(node["type"])},"state":'.encode("ascii"), level
+        yield from _node_pieces(node["state"], level + 1)
+        yield b"}", level + 1
+        return
+    if t not in ("dict", "list", "tuple") or list(node) != ["t", "items"]:
+        yield _compact(node).encode("ascii"), level
+        return
+    yield f'{{"t":{_compact(t)},"items":['.encode("ascii"), level
+    inner = level + 2  # inside the node's object and its items array
+    pairs = t == "dict"
+    batch: list[Any] = []
+    weight = 0
+    first = True
+    for item in node["items"]:
+        child = item[1] if pairs and type(item) is list and len(item) == 2 else item
+        # A leaf holds nothing below it (most of a big tree): no call to ask.
+        w = (
+            0
+            if type(child) is dict and "items" not in child and "state" not in child
+            else _weight(child)
         )
-    try:
-        _json.check(raw)
-    except _json.StrictJSONError as exc:
-        raise UnsupportedStateError(
-            f"readers would refuse this manifest ({exc}); store long runs of plain values as "
-            "arrays, and keep nesting shallower"
-        ) from None
-    return raw
+        if w > _TREE_PIECE:
+            if batch:
+                yield _batch(batch, first), inner
+                first, batch, weight = False, [], 0
+            comma = "" if first else ","
+            if child is item:
+                if comma:
+                    yield b",", inner
+                yield from _node_pieces(child, inner)
+            else:
+                yield f"{comma}[{_compact(item[0])},".encode("ascii"), inner
+                yield from _node_pieces(child, inner + 1)
+                yield b"]", inner + 1
+            first = False
+            continue
+        batch.append(item)
+        weight += 1 + w
+        if weight >= _TREE_PIECE:
+            yield _batch(batch, first), inner
+            first, batch, weight = False, [], 0
+    if batch:
+        yield _batch(batch, first), inner
+    yield b"]}", inner
+
+
+def _batch(items: list[Any], first: bool) -> bytes:
+    """Items of a JSON array, as they appear inside it (a comma first unless ``first``)."""
+    text = _compact(items)[1:-1]
+    return (text if first else "," + text).encode("ascii")
+
+
+class TensorTable(Mapping[str, "TensorRecord"]):
+    """The tensor records of an unsharded save, as columns: a mapping of name to
+    :class:`TensorRecord` (made when asked for) holding no object per tensor. A million
+    records cost about 40 MB here, where records, their digests as text and the dict holding
+    them cost about 300 MB.
+
+    ``names`` are in the state's order; row ``i`` holds ``dtypes[dtype_of[i]]``,
+    ``shapes[shape_of[i]]``, ``files[file_of[i]]``, ``starts[i]``, ``ends[i]`` and the XXH3-64
+    ``digests[i]`` (an integer). Rows are filled by :meth:`set_row` and by assigning
+    ``digests``; :meth:`code` numbers the distinct values of a column (thread-safe)."""
+
+    __slots__ = (
+        "_cache",
+        "_codes",
+        "_index",
+        "_lock",
+        "digests",
+        "dtype_of",
+        "dtypes",
+        "ends",
+        "file_of",
+        "files",
+        "names",
+        "shape_of",
+        "shapes",
+        "starts",
+    )
+
+    def __init__(self, names: list[str], *, cached: bool = False) -> None:
+        n = len(names)
+        self.names = names
+        self.dtypes: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.files: list[str] = []
+        self.dtype_of = array("B", bytes(n))  # (fewer than 256 dtypes exist)
+        self.shape_of = array("I", bytes(4 * n))
+        self.file_of = array("I", bytes(4 * n))
+        self.starts = array("q", bytes(8 * n))
+        self.ends = array("q", bytes(8 * n))
+        self.digests = array("Q", bytes(8 * n))
+        self._codes: tuple[dict[Any, int], ...] = ({}, {}, {})
+        self._lock = threading.Lock()
+        self._index: dict[str, int] | None = None
+        # A read manifest's records are asked for again and again by a load: each is made once.
+        self._cache: dict[str, TensorRecord] | None = {} if cached else None
+
+    @classmethod
+    def from_columns(
+        cls,
+        names: list[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        files: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        digests: Sequence[str],
+    ) -> TensorTable:
+        """A table of checked columns (a parsed manifest's; ``digests`` as hex), whose records
+        are made, once each, when asked for."""
+        table = cls([], cached=True)
+        table.names = names
+        for column, values, codes in (
+            (0, dtypes, "dtype_of"),
+            (1, shapes, "shape_of"),
+            (2, files, "file_of"),
+        ):
+            found = table._codes[column]
+            distinct: list[Any] = (table.dtypes, table.shapes, table.files)[column]
+            for value in dict.fromkeys(values):
+                found[value] = len(distinct)
+                distinct.append(value)
+            typecode = "B" if column == 0 else "I"
+            setattr(table, codes, array(typecode, map(found.__getitem__, values)))
+        table.starts = array("q", starts)
+        table.ends = array("q", ends)
+        table.digests = array("Q", map(int, digests, itertools.repeat(16)))
+        return table
+
+    def code(self, column: int, value: Any) -> int:
+        """The number of ``value`` in column 0 (dtypes), 1 (shapes) or 2 (files)."""
+        codes = self._codes[column]
+        found = codes.get(value)
+        if found is None:
+            with self._lock:
+                found = codes.get(value)
+                if found is None:
+                    values: list[Any] = (self.dtypes, self.shapes, self.files)[column]
+                    found = codes[value] = len(values)
+                    values.append(value)
+        return found
+
+    def set_row(self, row: int, dtype: int, shape: int, file: int, start: int, end: int) -> None:
+        """Row ``row``: the codes (:meth:`code`) of its dtype, shape and file, and its offsets."""
+        self.dtype_of[row] = dtype
+        self.shape_of[row] = shape
+        self.file_of[row] = file
+        self.starts[row] = start
+        self.ends[row] = end
+
+    def record(self, row: int) -> TensorRecord:
+        return TensorRecord.plain(
+            self.dtypes[self.dtype_of[row]],
+            self.shapes[self.shape_of[row]],
+            self.files[self.file_of[row]],
+            self.starts[row],
+            self.ends[row],
+            f"{self.digests[row]:016x}",
+        )
+
+    def as_dict(self) -> dict[str, TensorRecord]:
+        """Every record, in a plain dict (made in one pass over the columns): for a load, which
+        asks for each record several times, a dict lookup instead of a method call each."""
+        return dict(
+            zip(
+                self.names,
+                map(
+                    TensorRecord.plain,
+                    map(self.dtypes.__getitem__, self.dtype_of),
+                    map(self.shapes.__getitem__, self.shape_of),
+                    map(self.files.__getitem__, self.file_of),
+                    self.starts,
+                    self.ends,
+                    map(format, self.digests, itertools.repeat("016x")),
+                ),
+            )
+        )
+
+    def rows(self) -> dict[str, int]:
+        """Each name's row (made when first asked for)."""
+        if self._index is None:
+            self._index = {name: i for i, name in enumerate(self.names)}
+        return self._index
+
+    def __getitem__(self, name: str) -> TensorRecord:
+        cache = self._cache
+        if cache is None:
+            return self.record(self.rows()[name])
+        found = cache.get(name)
+        if found is None:
+            found = cache[name] = self.record(self.rows()[name])
+        return found
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.rows()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def pieces(self) -> Iterator[bytes]:
+        """The ``tensors`` member as :class:`_V1Tensors` writes it, from the columns."""
+        dtypes = [_encode(d) for d in self.dtypes]
+        shapes = [json.dumps(list(s), separators=(",", ":")) for s in self.shapes]
+        files = [_encode(f) for f in self.files]
+        dtype_of, shape_of, file_of = self.dtype_of, self.shape_of, self.file_of
+        starts, ends, digests = self.starts, self.ends, self.digests
+        parts: list[str] = []
+        opening = "{"
+        for i, name in enumerate(self.names):
+            parts.append(
+                f'{opening}{_encode(name)}:{{"dtype":{dtypes[dtype_of[i]]},'
+                f'"shape":{shapes[shape_of[i]]},"file":{files[file_of[i]]},'
+                f'"offsets":[{starts[i]},{ends[i]}],"xxh3":"{digests[i]:016x}"}}'
+            )
+            opening = ","
+            if len(parts) == _PIECE_ENTRIES:
+                yield "".join(parts).encode("ascii")
+                parts.clear()
+        parts.append("{}" if opening == "{" else "}")
+        yield "".join(parts).encode("ascii")
 
 
 class _V1Tensors:
@@ -373,7 +709,7 @@ class _V1Tensors:
     :data:`_PIECE_ENTRIES` entries. A dict per tensor and the generic encoder cost a
     100,000-tensor save about a second; this costs about a tenth."""
 
-    def __init__(self, tensors: dict[str, TensorRecord]) -> None:
+    def __init__(self, tensors: Mapping[str, TensorRecord]) -> None:
         self.tensors = tensors
 
     def pieces(self) -> list[bytes]:
@@ -430,6 +766,15 @@ _BLOCKS = frozenset(("size", "xxh3"))
 _MIN_BLOCK = 1 << 10
 _HEX = "0123456789abcdef"
 _INT_ONLY = frozenset((int,))
+_STR_ONLY = frozenset((str,))
+_DICT_ONLY = frozenset((dict,))
+_SIXTEEN = frozenset((16,))
+_THREE = frozenset((3,))
+_TENSOR_ONLY = frozenset(("tensor",))
+_LEAF_FIELDS = operator.itemgetter("t", "ref", "kind")
+_V1_FIELDS = operator.itemgetter("dtype", "shape", "file", "offsets", "xxh3")
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
 
 
 def _natural(x: Any) -> bool:
@@ -458,8 +803,13 @@ def _require(ok: bool, message: str) -> None:
         raise ManifestError(message)
 
 
-def parse(raw: bytes) -> Manifest:
+def parse(raw: bytes, *, columns: bool = True) -> Manifest:
     """Check ``raw`` completely and return the manifest it holds.
+
+    ``columns``: a version 1 manifest's records are kept as a :class:`TensorTable` (no record
+    made until asked for: what ``inspect`` and ``verify`` want); otherwise, or where the entries
+    need the per-entry checks, as a dict of records (what a load, asking for each several
+    times, wants).
 
     Raises ManifestError (malformed, including JSON the bounded reader refuses: too deep, too
     dense for its size, numbers out of range) or ManifestVersionError (a newer format).
@@ -477,22 +827,22 @@ def parse(raw: bytes) -> Manifest:
     # repeated key first, as the reader always has.
     doc, pairs = _json.loads_counted(raw, ManifestError, "manifest")
     if pairs is None:
-        return _manifest(doc, None)
+        return _manifest(doc, None, columns)
     try:
-        return _manifest(doc, pairs)
+        return _manifest(doc, pairs, columns)
     except (ManifestError, ManifestVersionError):
         _json.loads(raw, ManifestError, "manifest")
         raise
     except _Repeated:
         # Raises naming the repeated key; were none found, the count was off: check it again.
-        return _manifest(_json.loads(raw, ManifestError, "manifest"), None)
+        return _manifest(_json.loads(raw, ManifestError, "manifest"), None, columns)
 
 
 class _Repeated(Exception):
     """The document's objects hold fewer members than its text: a key is repeated."""
 
 
-def _manifest(doc: Any, pairs: int | None) -> Manifest:
+def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
     """The checks of :func:`parse` on its parsed document; ``pairs``: the members the text holds
     (None: repeated keys already refused), compared with those of the objects found."""
     _require(isinstance(doc, dict), "manifest is not a JSON object")
@@ -546,14 +896,15 @@ def _manifest(doc: Any, pairs: int | None) -> Manifest:
             f"world_size must be an integer in [1, 2**31), got {_show(world_size)}",
         )
 
-    tensors: dict[str, TensorRecord] = {}
+    tensors: Mapping[str, TensorRecord]
     raw_tensors = doc.get("tensors")
     _require(isinstance(raw_tensors, dict), "tensors must be an object")
     if version >= SHARDED:
-        for name, t in raw_tensors.items():
-            tensors[name] = _sharded_tensor(name, t, files, version)
+        tensors = {
+            name: _sharded_tensor(name, t, files, version) for name, t in raw_tensors.items()
+        }
     else:
-        _v1_records(raw_tensors, files, tensors)
+        tensors = _v1_records(raw_tensors, files, columns)
 
     tree = doc.get("tree")
     found = _check_tree(tree, tensors)
@@ -577,14 +928,108 @@ def _manifest(doc: Any, pairs: int | None) -> Manifest:
 
 
 def _v1_records(
+    raw_tensors: dict[str, Any], files: dict[str, FileRecord], columns: bool = True
+) -> Mapping[str, TensorRecord]:
+    """Check every version 1 tensor entry; return their records.
+
+    The checks of :func:`_v1_record`, made column by column over all the entries at once
+    (:func:`_v1_columns`: sets of types and values, numpy over the offsets; a manifest can hold
+    millions), the records kept as columns (a :class:`TensorTable`); if any entry fails any of
+    them, entry by entry (:func:`_v1_each`), which raises the error naming what is wrong."""
+    if columns:
+        try:
+            table = _v1_columns(raw_tensors, files, columns)
+            if table is not None:
+                return table
+        except (TypeError, ValueError, OverflowError, KeyError):
+            pass  # a hostile value the column checks cannot take: the entry checks say which
+    # A load's records (a dict), or entries the column checks refused: entry by entry (for a
+    # load, as fast as the column checks plus a record each, and gentler on the allocator).
+    tensors: dict[str, TensorRecord] = {}
+    _v1_each(raw_tensors, files, tensors)
+    return tensors
+
+
+def _v1_columns(
+    raw_tensors: dict[str, Any], files: dict[str, FileRecord], columns: bool = True
+) -> Mapping[str, TensorRecord] | None:
+    """:func:`_v1_records` column by column (a table, or with ``columns=False`` a dict of
+    records); None if any entry fails a check."""
+    entries = list(raw_tensors.values())
+    if not entries:
+        return TensorTable([], cached=True) if columns else {}
+    if set(map(type, entries)) != _DICT_ONLY or not all(
+        map(operator.eq, map(dict.keys, entries), itertools.repeat(_V1_TENSOR))
+    ):
+        return None
+    fields = zip(*map(_V1_FIELDS, entries))
+    del entries
+    dts, shapes, names, offsets, digests = fields
+    itemsizes = _ITEMSIZE
+    if not (
+        set(map(type, dts)) == _STR_ONLY
+        and set(dts) <= itemsizes.keys()
+        and set(map(type, names)) == _STR_ONLY
+        and set(names) <= files.keys()
+        and set(map(type, digests)) == _STR_ONLY
+        and set(map(len, digests)) == _SIXTEEN
+        and not "".join(digests).strip(_HEX)
+        and set(map(type, shapes)) == _LIST_ONLY
+        and set(map(type, itertools.chain.from_iterable(shapes))) <= _INT_ONLY
+        and set(map(type, offsets)) == _LIST_ONLY
+        and set(map(len, offsets)) == _PAIR_ONLY
+    ):
+        return None
+    dims = list(map(tuple, shapes))
+    del shapes
+    counts: dict[tuple[int, ...], tuple[int, ...]] = {}  # each distinct shape, checked, once
+    elements = {}
+    for d in set(dims):
+        if not (
+            len(d) <= 64
+            and min(d, default=0) >= 0
+            and max(d, default=0) < 2**62
+            and math.prod([x or 1 for x in d]) * 16 < 2**62
+        ):
+            return None
+        counts[d] = d
+        elements[d] = math.prod(d)
+    dims = list(map(counts.__getitem__, dims))  # one tuple per distinct shape
+    starts = list(map(_FIRST, offsets))
+    ends = list(map(_SECOND, offsets))
+    del offsets
+    if not set(map(type, starts)) | set(map(type, ends)) <= _INT_ONLY:
+        return None
+    # Ranges, with C-level maps over Python ints (any size): inside their file's data, and
+    # exactly shape x itemsize long.
+    le = operator.le
+    if len(files) == 1:
+        record = next(iter(files.values()))
+        if min(starts) < record.header_size or max(ends) > record.size:
+            return None
+    else:
+        firsts = {name: f.header_size for name, f in files.items()}
+        lasts = {name: f.size for name, f in files.items()}
+        if not all(map(le, map(firsts.__getitem__, names), starts)) or not all(
+            map(le, ends, map(lasts.__getitem__, names))
+        ):
+            return None
+    need = map(operator.mul, map(elements.__getitem__, dims), map(itemsizes.__getitem__, dts))
+    if not all(map(le, starts, ends)) or list(map(operator.sub, ends, starts)) != list(need):
+        return None
+    if not columns:
+        return dict(
+            zip(raw_tensors, map(TensorRecord.plain, dts, dims, names, starts, ends, digests))
+        )
+    return TensorTable.from_columns(list(raw_tensors), dts, dims, names, starts, ends, digests)
+
+
+def _v1_each(
     raw_tensors: dict[str, Any], files: dict[str, FileRecord], tensors: dict[str, TensorRecord]
 ) -> None:
-    """Check every version 1 tensor entry and add its record to ``tensors``.
-
-    The checks of :func:`_v1_record`, inlined for the entries that pass them (a manifest can
-    hold millions): shapes are checked once per distinct shape, digests without a regular
-    expression. An entry that fails any of them goes through :func:`_v1_record`, which raises
-    the error naming what is wrong."""
+    """:func:`_v1_records` entry by entry: the checks of :func:`_v1_record`, inlined for the
+    entries that pass them (shapes are checked once per distinct shape, digests without a
+    regular expression); an entry that fails any of them goes through :func:`_v1_record`."""
     v1_keys = _V1_TENSOR
     itemsizes = _ITEMSIZE
     int_only = _INT_ONLY
@@ -775,12 +1220,14 @@ def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord], version: in
 _KINDS = {"numpy", "numpy_scalar", "torch"}
 
 
-def _check_tree(root: Any, tensors: dict[str, TensorRecord]) -> int:
+def _check_tree(root: Any, records: Mapping[str, TensorRecord]) -> int:
     """Check every node of the tree, depth first (iteratively: any depth).
 
     Tensor leaves and dict nodes, nearly all of a big tree, are checked inline with set
     operations over each dict's items; any node those checks do not clear goes through
     :func:`_check_node`, which raises naming the problem (or accepts a node of another type)."""
+    # The names, as a dict (a table's rows): membership and set tests at C speed.
+    tensors: Mapping[str, Any] = records.rows() if isinstance(records, TensorTable) else records
     stack = [root]
     pop, extend = stack.pop, stack.extend
     kinds = _KINDS
@@ -812,14 +1259,40 @@ def _check_tree(root: Any, tensors: dict[str, TensorRecord]) -> int:
                 ):
                     keys = list(map(first, items))
                     if key_types.issuperset(map(type, keys)) and len(set(keys)) == len(keys):
-                        extend(map(second, items))
+                        children = list(map(second, items))
                         members += 2
+                        if _tensor_leaves(children, tensors):
+                            members += 3 * len(children)
+                        else:
+                            extend(children)
                         continue
         members += _check_node(node, tensors, stack)
     return members
 
 
-def _check_node(node: Any, tensors: dict[str, TensorRecord], stack: list[Any]) -> int:
+def _tensor_leaves(children: list[Any], tensors: Mapping[str, Any]) -> bool:
+    """Whether every node of ``children`` is a valid tensor leaf (``{"t": "tensor", "ref":
+    <a tensor's name>, "kind": <a kind>}``), checked together: the many leaves of a big state
+    cost a few set operations instead of a pass of the node loop each."""
+    if len(children) < 8 or set(map(type, children)) != _DICT_ONLY:
+        return False
+    if set(map(len, children)) != _THREE:
+        return False
+    try:
+        # Three members, "t", "ref" and "kind" among them: exactly those.
+        ts, refs, kinds = zip(*map(_LEAF_FIELDS, children))
+        return (
+            set(ts) == _TENSOR_ONLY
+            and set(map(type, refs)) == _STR_ONLY
+            and set(map(type, kinds)) == _STR_ONLY
+            and set(kinds) <= _KINDS
+            and set(refs) <= tensors.keys()
+        )
+    except (KeyError, TypeError):  # a member missing, an unhashable value: the node loop says
+        return False
+
+
+def _check_node(node: Any, tensors: Mapping[str, Any], stack: list[Any]) -> int:
     """Check one tree node, pushing its children on ``stack``; returns the members of the
     objects it holds other than its children (for the repeated-key count of :func:`parse`)."""
     _require(type(node) is dict and type(node.get("t")) is str, "tree: malformed node")

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, cast
 
 from savepoint.codecs import manifest as mf
 from savepoint.commit import _generations, _rename, names, pointer
@@ -46,6 +48,10 @@ from savepoint.storage.base import Store
 __all__ = ["Transaction", "check_target", "discard", "refused_hint", "resolve", "write_error"]
 
 Strategy = Literal["rename", "manifest-last"]
+
+# DEBUG: each step of a transaction (staging made, manifest written and fsynced, published,
+# aborted), with the store's names for the paths. The library configures no handler.
+log = logging.getLogger(__name__)
 
 
 class Transaction:
@@ -70,6 +76,7 @@ class Transaction:
         self.committed: str | None = None
         self._begun = False
         self._made_target = False  # manifest-last: the target directory is this attempt's
+        self._started = time.perf_counter()
 
     @property
     def shown(self) -> str:
@@ -102,39 +109,73 @@ class Transaction:
         except BaseException as exc:
             self.abort()
             self._reraise(exc)
+        self._started = time.perf_counter()
+        log.debug(
+            "transaction for %s (%s): staging directory %s",
+            self.shown,
+            self.strategy,
+            store.url(self.staging),
+        )
         return self
 
-    def commit(self, manifest: bytes | None) -> str:
+    def commit(self, manifest: bytes | bytearray | None) -> str:
         """Write ``manifest`` as ``manifest.json`` (create-only, last), publish, and return the
-        directory that now holds the checkpoint (the target, or its new generation)."""
+        directory that now holds the checkpoint (the target, or its new generation).
+
+        A ``bytearray`` is written as it is, not copied first (a manifest of a million tensors
+        is about 220 MB): every store's ``put`` takes any buffer (a view of it, or its copy)."""
         assert self._begun and self.committed is None, "commit once, after begin"
         store = self.store
         try:
+            data = None if manifest is None else cast(bytes, manifest)
+            manifest_path = store.join(self.staging, mf.NAME)
             if self.strategy == "rename":
-                if manifest is not None:
-                    store.put(store.join(self.staging, mf.NAME), manifest, exclusive=True)
+                if data is not None:
+                    store.put(manifest_path, data, exclusive=True)
+                    log.debug(
+                        "wrote and fsynced %s (%d bytes)", store.url(manifest_path), len(data)
+                    )
                 _rename.publish(store, self.staging, self.target)
                 self.committed = self.target
+                log.debug(
+                    "committed %s: staging fsynced, renamed into place, parent fsynced",
+                    self.shown,
+                )
                 # A replace that died between its two renames left "-old-" behind; it is stale.
                 with contextlib.suppress(OSError):
                     _rename.clean_stale(store, self.target)
             else:
-                if manifest is not None:
+                if data is not None:
                     store.sync_dir(self.staging)
-                    store.put(store.join(self.staging, mf.NAME), manifest, exclusive=True)
+                    log.debug("synced %s", store.url(self.staging))
+                    store.put(manifest_path, data, exclusive=True)
+                    log.debug(
+                        "wrote %s (%d bytes): the commit point", store.url(manifest_path), len(data)
+                    )
                 store.sync_dir(self.staging)
                 _generations.switch(store, self.target)
                 self.committed = self.staging
+                log.debug("committed %s as generation %s", self.shown, store.url(self.staging))
                 _generations.tidy(store, self.staging, self.target)
         except BaseException as exc:
             self.abort()
             self._reraise(exc)
+        log.debug(
+            "transaction for %s done in %.3f s",
+            self.shown,
+            time.perf_counter() - self._started,
+        )
         return self.target if self.strategy == "rename" else self.staging
 
     def abort(self) -> None:
         """Remove the staging directory, and a target directory this transaction created
         (never raises); a committed transaction keeps everything."""
         if self.committed is None and self.staging:
+            log.debug(
+                "aborting the transaction for %s: removing %s",
+                self.shown,
+                self.store.url(self.staging),
+            )
             with contextlib.suppress(OSError):
                 self.store.remove_tree(self.staging)
                 if self._made_target and not self.store.list(self.target):

@@ -11,6 +11,9 @@ state of 100,000 tensors building it took longer than writing the data.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
+from collections.abc import Iterable
 from typing import Any
 
 from savepoint.codecs import manifest as mf
@@ -38,17 +41,88 @@ def describe(path: str, manifest: mf.Manifest) -> CheckpointInfo:
 def _contents(manifest: mf.Manifest) -> Described:
     """Tensors, plain values and Stateful objects by flat key."""
     with collector.paused():
+        manifest.root()
         return _describe_leaves(manifest)
 
 
 def _describe_leaves(manifest: mf.Manifest) -> Described:
+    leaves = tree.keyed_leaves(manifest.tree)
+    fast = _describe_plain(manifest, leaves)
+    if fast is not None:
+        return fast
+    return _describe_each(manifest, leaves)
+
+
+def _describe_plain(manifest: mf.Manifest, leaves: list[tuple[str, tree.Node]]) -> Described | None:
+    """:func:`_describe_each` for the common tree, column by column: distinct keys, each
+    tensor stored once (no tied leaves) and whole. None for any other tree."""
+    if not leaves:
+        return None
+    keys, nodes = zip(*leaves)
+    if len(set(keys)) != len(keys):
+        return None
+    kinds = list(map(_T, nodes))
+    values: dict[str, Any] = {}
+    if set(kinds) != _TENSOR_ONLY:
+        tensor = [k == "tensor" for k in kinds]
+        for key, node, is_tensor in zip(keys, nodes, tensor):
+            if not is_tensor:
+                values[key] = tree.plain_value(node)
+        keys = tuple(itertools.compress(keys, tensor))
+        nodes = tuple(itertools.compress(nodes, tensor))
+    refs = list(map(_REF, nodes))
+    if len(set(refs)) != len(refs):
+        return None
+    table = manifest.tensors
+    if isinstance(table, mf.TensorTable) and refs == table.names:
+        # Straight from the columns, in their order (the tree's, as a save writes them).
+        dtypes: Iterable[str] = map(table.dtypes.__getitem__, table.dtype_of)
+        shapes: Iterable[tuple[int, ...]] = map(table.shapes.__getitem__, table.shape_of)
+        files: Iterable[str] = map(table.files.__getitem__, table.file_of)
+        nbytes = list(map(operator.sub, table.ends, table.starts))
+    elif isinstance(table, mf.TensorTable):
+        # Straight from the columns: no record per tensor.
+        rows = list(map(table.rows().__getitem__, refs))
+        dtypes = map(table.dtypes.__getitem__, map(table.dtype_of.__getitem__, rows))
+        shapes = map(table.shapes.__getitem__, map(table.shape_of.__getitem__, rows))
+        files = map(table.files.__getitem__, map(table.file_of.__getitem__, rows))
+        nbytes = list(
+            map(
+                operator.sub, map(table.ends.__getitem__, rows), map(table.starts.__getitem__, rows)
+            )
+        )
+    else:
+        records = list(map(table.__getitem__, refs))
+        if any(map(_SHARDS, records)):
+            return None
+        nbytes = list(map(operator.sub, map(_END, records), map(_START, records)))
+        dtypes, shapes, files = map(_DTYPE, records), map(_SHAPE, records), map(_FILE, records)
+    made = tuple(map(TensorInfo.make, keys, dtypes, shapes, nbytes, files, refs))
+    return made, values, _stateful(manifest.tree)
+
+
+_T = operator.itemgetter("t")
+_TENSOR_ONLY = {"tensor"}
+_REF = operator.itemgetter("ref")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_FILE = operator.attrgetter("file")
+_START = operator.attrgetter("start")
+_END = operator.attrgetter("end")
+
+
+def _SHARDS(record: mf.TensorRecord) -> bool:
+    return len(record.shards) > 1
+
+
+def _describe_each(manifest: mf.Manifest, leaves: list[tuple[str, tree.Node]]) -> Described:
     tensors = []
     values: dict[str, Any] = {}
     used: set[str] = set()
     seen_refs: set[str] = set()
     records = manifest.tensors
     make = TensorInfo.make
-    for key, node in tree.keyed_leaves(manifest.tree):
+    for key, node in leaves:
         # {0: a, "0": b} share a path; keep both apart, as tensor names do (see state.tree).
         unique = key
         if unique in used:

@@ -17,8 +17,11 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,8 +29,8 @@ from savepoint._version import __version__
 from savepoint.codecs import checksum
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction
-from savepoint.engine import parallel, pipeline
-from savepoint.engine.plan import FilePlan, plan_files
+from savepoint.engine import parallel, pipeline, plan
+from savepoint.engine.plan import FileLayout, FilePlan, lay_out
 from savepoint.errors import UnsupportedStateError
 from savepoint.state import tree
 from savepoint.state.arrays import TensorSource
@@ -54,6 +57,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _SHARD_TYPES = "savepoint.distributed.shard."
+
+log = logging.getLogger(__name__)
 
 
 def writer_version() -> str:
@@ -93,7 +98,11 @@ def has_shards(root: tree.Node) -> bool:
     return False
 
 
-def new_manifest(tree_node: tree.Node, records: Records, metadata: dict[str, Any]) -> mf.Manifest:
+def new_manifest(
+    tree_node: tree.Node,
+    records: tuple[dict[str, mf.FileRecord], Mapping[str, mf.TensorRecord]],
+    metadata: dict[str, Any],
+) -> mf.Manifest:
     """The (unsharded) manifest of a checkpoint whose files were written with ``records``."""
     files, tensors = records
     return mf.Manifest(
@@ -177,10 +186,17 @@ def save_flat(
     """Save a flattened state (checked metadata) as an unsharded checkpoint at ``location``;
     return the directory committed and its manifest.
 
-    ``release``: the caller owns ``flat`` and will not use its tensors again, so they are
-    dropped (``flat.tensors`` emptied) once written, before the manifest is made: for a state
-    of a million small tensors their sources are about 190 MB."""
-    total = sum(s.nbytes for s in flat.tensors.values())
+    The files are laid out compactly (:func:`savepoint.engine.plan.lay_out`), their records kept
+    as columns (:class:`savepoint.codecs.manifest.TensorTable`) and the manifest built once, in
+    place (:func:`savepoint.codecs.manifest.dump`): a save of a million small tensors holds no
+    Python object per tensor beyond the state's tree. ``release``: the caller owns ``flat`` and
+    will not use its tensors again, so each source is dropped from ``flat.tensors`` as soon as
+    it is copied (for a million small tensors the sources are about 150 MB), and a tree of more
+    than ``plan.STREAM_ENTRIES`` tensors is kept compressed while the manifest is built (``flat.tree``
+    is then left empty; the manifest returned reads it back when asked: ``Manifest.root``)."""
+    started = time.perf_counter()
+    tensors = flat.tensors
+    total = sum(s.nbytes for s in tensors.values())
     done = 0
 
     def on_bytes(n: int) -> None:
@@ -189,21 +205,109 @@ def save_flat(
         if progress is not None:
             progress(min(done, total), total)
 
-    plans = plan_files(flat.tensors, max_file_bytes)
+    names = list(tensors)
+    layouts = lay_out(names, tensors, max_file_bytes)
+    table = mf.TensorTable(names)
     with Transaction(location.store, location.path) as tx:
-        records = write_files(
-            Location(location.store, tx.staging),
-            plans,
-            flat.tensors,
-            writers=writers,
-            direct=direct,
-            progress=on_bytes if progress is not None else None,
-        )
-        del plans  # the entries of a million tensors are 180 MB: gone before the manifest
+        store = tx.store
+        take = tensors.pop if release else tensors.__getitem__
+
+        def write_one(job: tuple[int, FileLayout]) -> mf.FileRecord:
+            code, layout = job  # files are numbered in order below: code == index
+            base = layout.header_size
+            starts, order = layout.starts, layout.order
+            shape_codes = [table.code(1, shape) for shape in layout.shapes]
+            shape_of = layout.shape_of
+            dtype_codes: dict[Any, int] = {}
+            set_row = table.set_row
+            hasher = checksum.new()
+
+            def header() -> Iterator[bytes]:
+                for piece in layout.header_pieces(names, tensors):
+                    hasher.update(piece)
+                    yield piece
+
+            def sources() -> Iterator[TensorSource]:
+                for j, row in enumerate(order):
+                    source = take(names[row])
+                    d = dtype_codes.get(source.dtype)
+                    if d is None:
+                        d = dtype_codes[source.dtype] = table.code(0, source.dtype.name)
+                    set_row(
+                        row,
+                        d,
+                        shape_codes[shape_of[j]],
+                        code,
+                        base + starts[j],
+                        base + starts[j + 1],
+                    )
+                    yield source
+
+            digests = pipeline.write_file(
+                store,
+                store.join(tx.staging, layout.name),
+                header(),
+                base,
+                sources(),
+                layout.size,
+                direct=direct,
+                progress=on_bytes if progress is not None else None,
+            )
+            column = table.digests
+            for row, digest in zip(layout.order, digests):
+                column[row] = digest
+            log.debug("wrote %s: %d tensors, %d bytes", layout.name, len(digests), layout.size)
+            return mf.FileRecord(layout.size, base, checksum.hexdigest(hasher))
+
+        for layout in layouts:
+            table.code(2, layout.name)
+        records = _map(write_one, list(enumerate(layouts)), writers)
         if release:
-            flat.tensors.clear()
-        manifest = new_manifest(flat.tree, records, metadata)
-        directory = tx.commit(mf.dumps(manifest))
+            tensors.clear()  # emptied by now; this frees its table too
+        files = {layout.name: record for layout, record in zip(layouts, records)}
+        del layouts
+        if not release or len(names) <= plan.STREAM_ENTRIES:
+            manifest = new_manifest(flat.tree, (files, table), metadata)
+            raw = mf.dump(manifest)
+            size = len(raw)
+            directory = tx.commit(raw)
+            del raw
+        else:
+            # A big tree as text, compressed (a million-tensor tree is 190 MB of dicts and 6 MB
+            # of compressed text), then the dicts dropped before the manifest is built; the
+            # manifest returned keeps the text (see Manifest.root), ``flat.tree`` stays empty.
+            packed = [(zlib.compress(p, 1), level) for p, level in mf.tree_pieces(flat.tree)]
+            length = 0
+
+            def unpack() -> Iterator[tuple[bytes, int]]:
+                nonlocal length
+                packed.reverse()
+                while packed:
+                    piece, level = packed.pop()
+                    text = zlib.decompress(piece)
+                    length += len(text)
+                    yield text, level
+
+            flat.tree = {}
+            manifest = new_manifest({}, (files, table), metadata)
+            raw = mf.dump(manifest, unpack())
+            size = len(raw)
+            directory = tx.commit(raw)
+            end = size - mf.TRAILER_BYTES
+            squeeze = zlib.compressobj(1)
+            manifest.tree_packed = squeeze.compress(memoryview(raw)[end - length : end])
+            manifest.tree_packed += squeeze.flush()
+            del raw
+    took = time.perf_counter() - started
+    log.info(
+        "saved %s: %d tensors, %d bytes (manifest %d) in %.3f s, %.1f MiB/s",
+        location.store.url(directory),
+        len(names),
+        total,
+        size,
+        took,
+        total / took / 2**20 if took > 0 else 0.0,
+    )
     return directory, manifest
 
 

@@ -33,9 +33,14 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
 
 class TensorSource(Protocol):
     dtype: DType
-    shape: tuple[int, ...]
     nbytes: int
-    kind: str  # "numpy", "numpy_scalar" or "torch": what the loader gives back by default
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def kind(self) -> str:
+        """ "numpy", "numpy_scalar" or "torch": what the loader gives back by default."""
 
     def identity(self) -> tuple[Any, ...] | None:
         """Memory identity: equal for two leaves that are the same view of the same memory."""

@@ -73,11 +73,15 @@ _DTYPES: dict[Any, DType] = {}  # torch dtype -> DType, filled as dtypes are met
 class TorchSource:
     """A tensor's bytes for a writer (see :class:`savepoint.state.arrays.TensorSource`).
 
-    Built once per tensor of the state, so construction does the least it can: the contiguous
-    byte view a copy needs is made on the first :meth:`copy_to`, and a small CPU tensor is copied
-    by the write pipeline straight from :meth:`pointer` without one."""
+    Built once per tensor of the state, so construction does the least it can and the object is
+    small (a state of a million tensors holds a million of these while it is saved): four slots,
+    with ``shape`` and ``device_type`` read from the tensor when asked for (``kind`` is the
+    class's). The contiguous byte view a copy needs is made on the first :meth:`copy_to`, and a
+    small CPU tensor is copied by the write pipeline straight from :meth:`pointer` without one."""
 
-    __slots__ = ("_flat", "_tensor", "device_type", "dtype", "kind", "nbytes", "shape")
+    __slots__ = ("_flat", "_tensor", "dtype", "nbytes")
+
+    kind = "torch"
 
     def __init__(self, tensor: torch.Tensor, key: str) -> None:
         t = _plain(tensor, key)
@@ -87,10 +91,16 @@ class TorchSource:
         self.dtype: DType = d
         self._tensor = t
         self._flat: Any = None
-        self.shape = tuple(t.shape)
-        self.nbytes = t.nbytes
-        self.kind = "torch"
-        self.device_type = "cpu" if t.is_cpu else t.device.type
+        self.nbytes: int = t.nbytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._tensor.shape)
+
+    @property
+    def device_type(self) -> str:
+        t = self._tensor
+        return "cpu" if t.is_cpu else str(t.device.type)
 
     def identity(self) -> tuple[Any, ...] | None:
         t = self._tensor
@@ -104,7 +114,7 @@ class TorchSource:
         """The host address of the tensor's bytes, when they are contiguous in host memory (the
         write pipeline copies small tensors from there, with no view object), else None."""
         t = self._tensor
-        if self.device_type != "cpu" or not t.is_contiguous():
+        if not t.is_cpu or not t.is_contiguous():
             return None
         return int(t.data_ptr())
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -133,7 +134,7 @@ def flatten(state: Any) -> Flat:
             if seen is not None and tensors[seen].identity() != ident:
                 seen = by_identity.get(ident)
             if seen is not None:
-                return {"t": "tensor", "ref": seen, "kind": source.kind}
+                return _tensor_node(seen, source.kind)
         name = key
         # "__metadata__" is the safetensors header's reserved key: never a tensor name.
         if name in tensors or name == "__metadata__":
@@ -147,7 +148,7 @@ def flatten(state: Any) -> Flat:
                 by_identity[ident] = name
             else:
                 by_hash[code] = name
-        return {"t": "tensor", "ref": name, "kind": source.kind}
+        return _tensor_node(name, source.kind)
 
     def dataclass_items(obj: Any, key: str, is_root: bool, level: int) -> list[list[Any]]:
         items: list[list[Any]] = []
@@ -254,6 +255,27 @@ def flatten(state: Any) -> Flat:
     return flat
 
 
+class _TensorLeaf:
+    """Its instances' ``__dict__`` is a tensor leaf node (see :func:`_tensor_node`)."""
+
+    t: str
+    ref: str
+    kind: str
+
+
+def _tensor_node(ref: str, kind: str) -> Node:
+    """``{"t": "tensor", "ref": ref, "kind": kind}``, a plain dict, made as the attribute dict of
+    a throwaway object: CPython shares the keys of such dicts (a split table), so each costs
+    about 110 bytes instead of 190; a state of a million tensors holds a million of these while
+    it is saved. It is an ordinary ``dict`` in every other way (a write makes its own table)."""
+    leaf = _TensorLeaf()
+    leaf.t = "tensor"
+    leaf.ref = ref
+    leaf.kind = kind
+    node: Node = leaf.__dict__
+    return node
+
+
 def plain_value(node: Node) -> Any:
     t = node["t"]
     if t == "value":
@@ -328,6 +350,25 @@ def keyed_leaves(node: Node) -> list[tuple[str, Node]]:
         t = n["t"]
         if t == "dict":
             prefix = "" if is_root else key + "/"
+            items = n["items"]
+            if _all_leaves(items):
+                # Nothing nests below: the leaves go out in order now, not through the stack
+                # (the common big node, a state dict of tensors).
+                out.extend(
+                    [
+                        (
+                            prefix
+                            + (
+                                k
+                                if type(k) is str and k.isascii() and "~" not in k and "/" not in k
+                                else escape(k)
+                            ),
+                            child,
+                        )
+                        for k, child in items
+                    ]
+                )
+                continue
             extend(
                 [
                     (
@@ -340,7 +381,7 @@ def keyed_leaves(node: Node) -> list[tuple[str, Node]]:
                         ),
                         False,
                     )
-                    for k, child in reversed(n["items"])
+                    for k, child in reversed(items)
                 ]
             )
         elif t == "list" or t == "tuple":
@@ -352,6 +393,16 @@ def keyed_leaves(node: Node) -> list[tuple[str, Node]]:
         else:
             out.append((key, n))
     return out
+
+
+def _all_leaves(items: list[list[Any]]) -> bool:
+    """Whether no child of a dict node's ``[key, child]`` items holds nodes below it."""
+    return len(items) > 8 and _LEAF_TYPES.issuperset(map(_T, map(_SECOND, items)))
+
+
+_SECOND = operator.itemgetter(1)
+_T = operator.itemgetter("t")
+_LEAF_TYPES = frozenset(("tensor", "value", "float", "bytes"))
 
 
 def select(node: Node, wanted: list[str]) -> Node | None:
