@@ -55,6 +55,7 @@ __all__ = [
     "loads",
     "loads_counted",
     "members",
+    "quick_counts",
 ]
 
 MAX_DEPTH = 512
@@ -424,11 +425,11 @@ def _quick(raw: bytes, width: int) -> tuple[int, int]:
     speed of ``bytes.translate``: escapes are blanked, everything but ``"[]{},:`` dropped, and
     the rest counted as :meth:`Census.cost` does, charging every string and every value that is
     not a string or container the most it can cost."""
-    depth, cost, _ = _quick_counts(raw, width)
+    depth, cost, _ = quick_counts(raw, width)
     return depth, cost
 
 
-def _quick_counts(raw: bytes, width: int) -> tuple[int, int, int]:
+def quick_counts(raw: bytes, width: int) -> tuple[int, int, int]:
     """:func:`_quick`, and the number of ``:`` outside strings (for valid JSON, the members of
     all its objects)."""
     text = raw
@@ -507,7 +508,7 @@ def _check(
     # Below these sizes no document can break either limit.
     if n * 64 <= budget and raw.count(b"[") + raw.count(b"{") <= max_depth:
         return None
-    depth, cost, pairs = _quick_counts(raw, width)
+    depth, cost, pairs = quick_counts(raw, width)
     if depth > max_depth:
         raise StrictJSONError(f"nested deeper than {max_depth} levels")
     if cost <= budget:

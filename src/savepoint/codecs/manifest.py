@@ -110,11 +110,11 @@ __all__ = [
     "NAME",
     "SHARDED",
     "ShardRecord",
+    "TRAILER_BYTES",
     "TensorRecord",
     "TensorTable",
     "UNSHARDED",
     "VERSION",
-    "TRAILER_BYTES",
     "dump",
     "dumps",
     "parse",
@@ -374,7 +374,7 @@ def dump(m: Manifest, tree: Iterable[tuple[bytes, int]] | None = None) -> bytear
 
 
 class _Counter:
-    """The first pass of the reader's bound (``bounded_json._quick_counts``), summed over pieces
+    """The first pass of the reader's bound (``bounded_json.quick_counts``), summed over pieces
     that each hold whole strings. Per piece it charges one scalar more than the whole text would
     and a separator ending a piece as a scalar, so the sum never undercharges; a piece with a
     ``\\u`` escape (wider strings than the text) makes the whole text be checked instead."""
@@ -390,7 +390,7 @@ class _Counter:
         if b"\\u" in piece:
             self.exact = False
             return
-        depth, cost, _ = _json._quick_counts(piece, 1)
+        depth, cost, _ = _json.quick_counts(piece, 1)
         self.depth = max(self.depth, level + depth)
         self.cost += cost
 

@@ -22,7 +22,14 @@ from json.encoder import encode_basestring_ascii
 from savepoint.codecs import safetensors
 from savepoint.state.arrays import TensorSource
 
-__all__ = ["STREAM_ENTRIES", "FileLayout", "FilePlan", "data_file_name", "lay_out", "plan_files"]
+__all__ = [
+    "FileLayout",
+    "FilePlan",
+    "STREAM_ENTRIES",
+    "data_file_name",
+    "lay_out",
+    "plan_files",
+]
 
 
 @dataclass(frozen=True)
