@@ -278,6 +278,27 @@ def scenario_main2(s: Session) -> None:
 
     s.check("manager sync", manager)
 
+    def tiers() -> None:
+        # Every rank writes its part in the run directory; rank 0 copies each committed
+        # checkpoint up to the tier. A new run directory of the same run restores from the tier
+        # on every rank (the machine and its run directory lost).
+        tier = sp.Tier(s.path("tier"), name="disk")
+        with sp.CheckpointManager(
+            s.path("tiered"), name="tiered", process_group=pg, timeout=60, tiers=[tier]
+        ) as m:
+            for step in (1, 2):
+                m.save(step, state(rank, world))
+        dist.barrier()  # rank 0's close() waited for the copy-ups
+        targets = state(rank, world, empty=True)
+        with sp.CheckpointManager(
+            s.path("tiered-elsewhere"), name="tiered", process_group=pg, timeout=60, tiers=[tier]
+        ) as fresh:
+            restored = fresh.restore(targets, process_group=pg, timeout=60, resume=False)
+            assert (restored, fresh.restored_from) == (2, "disk"), (restored, fresh.restored_from)
+        check_state(targets, rank, world)
+
+    s.check("manager with a tier", tiers)
+
     def background() -> None:
         live = state(rank, world)
         with sp.AsyncCheckpointer(process_group=pg, timeout=60) as ck:

@@ -43,6 +43,7 @@ MAIN2 = {
     "load whole with group",
     "module with DTensor parameters",
     "manager sync",
+    "manager with a tier",
     "background save",
     "rank raising mid-save",
     "key missing on one rank",

@@ -438,12 +438,14 @@ class CheckpointManager:
             if self._writes_books():
                 self._repair()
                 _LIVE.add(self)
-            if tier_list and self._leader:
+            if tier_list:
+                # Every rank reads the tiers (restore); rank 0 alone copies up, as it keeps the
+                # books.
                 self._tiers = TierCopier(
                     tier_list,
                     {"name": self.run.name, "variant": self.run.variant},
                     protected=lambda: () if self._resumed_from is None else (self._resumed_from,),
-                    writable=not self.read_only,
+                    writable=self._leader and not self.read_only,
                 )
             if signals is not None:
                 self._preemption = Preemption(
