@@ -36,6 +36,7 @@ from savepoint.engine import load as load_engine
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
 from savepoint.engine.read import Reader, rereading
+from savepoint.errors import UnsupportedStateError
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.options import (
     DEFAULT_MAX_FILE_BYTES,
@@ -85,6 +86,8 @@ def save(
     progress: Progress | None = None,
     process_group: Any = None,
     timeout: float | None = None,
+    blobs: Any = None,
+    blob_policy: Any = None,
 ) -> CheckpointInfo:
     """Save ``state`` to the directory ``path``, atomically and durably; return what was written.
 
@@ -115,7 +118,21 @@ def save(
     commits one manifest after every rank has finished its files; a failure anywhere raises
     DistributedCheckpointError on every rank, after ``timeout`` seconds at most for a rank that
     stopped answering. See ``docs/distributed.md``.
+
+    ``blobs`` (a :class:`savepoint.blobs.BlobStore`, or its path or URL, on the same store as
+    ``path`` and at most two levels above it): an incremental save (a version 4 checkpoint). The
+    tensors ``blob_policy`` (a :class:`savepoint.blobs.BlobPolicy`; default: those of 1 MiB or
+    more) wants are stored there as content-addressed chunks, written only when no earlier save
+    wrote the same bytes; the others go into data files. See ``docs/blobs.md``.
     """
+    if blobs is not None:
+        if process_group is not None:
+            raise UnsupportedStateError("blobs= is not supported with process_group= yet")
+        return _save_blobs(
+            path, state, metadata, blobs, blob_policy, max_file_bytes, writers, direct, progress
+        )
+    if blob_policy is not None:
+        raise ValueError("blob_policy is given without blobs=")
     options = SaveOptions(
         max_file_bytes=max_file_bytes,
         writers=writers,
@@ -133,6 +150,47 @@ def save(
     with collector.paused():
         flat = tree.flatten(state)
         return _save_flat(location, flat, meta, options, release=True)
+
+
+def _save_blobs(
+    path: PathLike,
+    state: Any,
+    metadata: Mapping[str, Any] | None,
+    blobs: Any,
+    policy: Any,
+    max_file_bytes: int,
+    writers: int,
+    direct: bool,
+    progress: Progress | None,
+    memo: Any = None,
+) -> CheckpointInfo:
+    from savepoint.blobs import BlobPolicy, BlobStore
+
+    store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
+    policy = BlobPolicy() if policy is None else policy
+    if not isinstance(policy, BlobPolicy):
+        raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
+    SaveOptions(max_file_bytes=max_file_bytes, writers=writers, direct=direct)  # checks them
+    location = resolve_path(path, what="checkpoint path")
+    meta = save_engine.check_metadata(metadata)
+    with collector.paused():
+        flat = tree.flatten(state)
+        if save_engine.has_shards(flat.tree):
+            raise UnsupportedStateError("blobs= is not supported for sharded states yet")
+        with store.session() as session:
+            directory, manifest = save_engine.save_blobs(
+                location,
+                flat,
+                meta,
+                session=session,
+                policy=policy,
+                memo=memo,
+                max_file_bytes=max_file_bytes,
+                writers=writers,
+                direct=direct,
+                progress=progress,
+            )
+    return describe(location.store.url(directory), manifest)
 
 
 def save_flat(

@@ -55,9 +55,26 @@ two), block ``i`` covering bytes ``[i * size, (i + 1) * size)`` of the shard; an
 ``xxh3`` is then :func:`savepoint.codecs.checksum.combine` of them (the parser checks that), not
 the hash of the bytes. See :mod:`savepoint.codecs.checksum` for the writer's block sizes.
 
+Version 4 (what an incremental save, ``save(..., blobs=...)``, writes; other saves still write
+versions 1-3): an unsharded manifest whose tensors may live in a content-addressed blob store
+(:mod:`savepoint.blobs`) instead of the data files. Two top-level members follow ``checksum``:
+``"blob_store": "../blobs"`` (the store's directory relative to the checkpoint's: plain names,
+after at most two leading ``..``; never absolute, never a URL, never further out) and
+``"blob_digest": "blake3"`` (the store's digest). A tensor entry is then either a version 1 entry
+or one naming a :class:`savepoint.blobs.Recipe` instead of ``file`` and ``offsets``::
+
+     "tensors": {"model/w": {"dtype": "F32", "shape": [1024, 1024], "xxh3": "...",
+                             "blobs": {"digest": "blake3", "size": 4194304, "chunk": 4194304,
+                                       "blobs": ["<64 hex>"], "xxh3": ["<16 hex>"]}}}
+
+The parser checks the recipe completely (:meth:`savepoint.blobs.Recipe.from_json`), that its
+``size`` is the tensor's shape x itemsize, its digest the store's, its chunk a power of two, and
+that ``xxh3`` is :meth:`savepoint.blobs.Recipe.checksum` of it (the per-chunk checks are block
+checksums with the chunk as block), before anything is allocated.
+
 Compatibility: readers accept every ``format_version`` up to their own and refuse newer ones with
 an IncompatibleCheckpointError. Version 1 is the first; version 2 adds sharding; version 3 adds
-block checksums.
+block checksums; version 4 adds blobs.
 
 A manifest is hostile input: :func:`parse` checks it completely (file names that could leave the
 directory, ranges past the recorded file sizes, sizes that disagree with shape x dtype, unknown
@@ -100,6 +117,7 @@ from savepoint.errors import (
 )
 
 __all__ = [
+    "BLOBS",
     "BLOCKED",
     "FORMAT",
     "FileRecord",
@@ -128,7 +146,8 @@ FORMAT = "savepoint"
 UNSHARDED = 1  # what an unsharded checkpoint is written as
 SHARDED = 2  # the first version with sharding
 BLOCKED = 3  # the first version with block checksums: what a sharded checkpoint is written as
-VERSION = BLOCKED  # the newest version this reader reads
+BLOBS = 4  # the first version with tensors in a blob store: what an incremental save writes
+VERSION = BLOBS  # the newest version this reader reads
 NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -174,6 +193,9 @@ class TensorRecord:
     shards: tuple[ShardRecord, ...] = ()
     block: int = 0  # as ShardRecord's, for a tensor stored whole
     blocks: tuple[str, ...] = ()
+    # Version 4: the tensor's bytes are these blobs (a savepoint.blobs.Recipe); ``file`` is then
+    # empty, ``start`` 0 and ``end`` its byte count.
+    recipe: Any = None
 
     @classmethod
     def plain(
@@ -193,6 +215,7 @@ class TensorRecord:
         _SET_SHARDS(record, ())
         _SET_BLOCK(record, 0)
         _SET_BLOCKS(record, ())
+        _SET_RECIPE(record, None)
         return record
 
     @property
@@ -234,9 +257,21 @@ _new_object = object.__new__
     _SET_SHARDS,
     _SET_BLOCK,
     _SET_BLOCKS,
+    _SET_RECIPE,
 ) = (
     TensorRecord.__dict__[name].__set__
-    for name in ("dtype", "shape", "file", "start", "end", "xxh3", "shards", "block", "blocks")
+    for name in (
+        "dtype",
+        "shape",
+        "file",
+        "start",
+        "end",
+        "xxh3",
+        "shards",
+        "block",
+        "blocks",
+        "recipe",
+    )
 )
 
 
@@ -274,6 +309,8 @@ class Manifest:
     created: str = ""
     format_version: int = UNSHARDED
     world_size: int | None = None  # ranks that wrote a sharded (version 2) checkpoint
+    blob_store: str | None = None  # version 4: the blob store, relative to the checkpoint
+    blob_digest: str | None = None  # version 4: its digest
     # The tree as its manifest text, zlib-compressed, where a save dropped its dicts (``tree``
     # is then empty until :meth:`root` reads it back): a million-tensor tree is about 190 MB
     # of dicts, 75 MB of text and 6 MB compressed.
@@ -281,7 +318,11 @@ class Manifest:
 
     @property
     def sharded(self) -> bool:
-        return self.format_version >= SHARDED
+        return SHARDED <= self.format_version <= BLOCKED
+
+    @property
+    def has_blobs(self) -> bool:
+        return self.format_version >= BLOBS
 
     def root(self) -> dict[str, Any]:
         """The tree, read back from ``tree_packed`` the first time where a save kept only that."""
@@ -310,6 +351,18 @@ def _shard_json(s: ShardRecord) -> dict[str, Any]:
     if s.block:
         out["blocks"] = {"size": s.block, "xxh3": list(s.blocks)}
     return out
+
+
+def _v4_json(t: TensorRecord) -> dict[str, Any]:
+    if t.recipe is None:
+        return {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "file": t.file,
+            "offsets": [t.start, t.end],
+            "xxh3": t.xxh3,
+        }
+    return {"dtype": t.dtype, "shape": list(t.shape), "xxh3": t.xxh3, "blobs": t.recipe.to_json()}
 
 
 def dumps(m: Manifest) -> bytes:
@@ -418,9 +471,14 @@ def _pieces(
         "created": m.created,
         "checksum": checksum.ALGORITHM,
     }
-    if m.sharded:
+    tensors: Any
+    if m.has_blobs:
+        body["blob_store"] = m.blob_store
+        body["blob_digest"] = m.blob_digest
+        tensors = {name: _v4_json(t) for name, t in m.tensors.items()}
+    elif m.sharded:
         body["world_size"] = m.world_size
-        tensors: Any = {
+        tensors = {
             name: {
                 "dtype": t.dtype,
                 "shape": list(t.shape),
@@ -888,8 +946,11 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
         _require(_is_digest(f["header_xxh3"]), f"file {name!r}: bad header checksum")
         files[name] = FileRecord(size, header_size, f["header_xxh3"])
 
+    blob_store = blob_digest = None
+    if version >= BLOBS:
+        blob_store, blob_digest = _blob_members(doc)
     world_size = None
-    if version >= SHARDED:
+    if SHARDED <= version <= BLOCKED:
         world_size = doc.get("world_size")
         _require(
             type(world_size) is int and 1 <= world_size < _MAX_WORLD,
@@ -899,7 +960,9 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
     tensors: Mapping[str, TensorRecord]
     raw_tensors = doc.get("tensors")
     _require(isinstance(raw_tensors, dict), "tensors must be an object")
-    if version >= SHARDED:
+    if version >= BLOBS:
+        tensors = {name: _v4_record(name, t, files, blob_digest) for name, t in raw_tensors.items()}
+    elif version >= SHARDED:
         tensors = {
             name: _sharded_tensor(name, t, files, version) for name, t in raw_tensors.items()
         }
@@ -911,7 +974,9 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
     if pairs is not None:
         found += len(doc) + 4 * len(raw_files)
         found += len(raw_tensors) * 6 if version < SHARDED else _json.members(raw_tensors)
-        checked = _CHECKED if version < SHARDED else _CHECKED_SHARDED
+        checked = (
+            _CHECKED if version < SHARDED else _CHECKED_SHARDED if version <= BLOCKED else _CHECKED
+        )
         found += sum(_json.members(v) for k, v in doc.items() if k not in checked)
         if found != pairs:
             raise _Repeated
@@ -924,7 +989,91 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
         created=doc["created"],
         format_version=version,
         world_size=world_size,
+        blob_store=blob_store,
+        blob_digest=blob_digest,
     )
+
+
+_STORE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+MAX_UP = 2  # how many leading ``..`` a version 4 blob_store may have
+
+
+def check_blob_store(value: Any) -> str:
+    """A version 4 ``blob_store``, checked: relative, plain names after at most two leading
+    ``..`` (a manifest naming a store anywhere else, absolute, a URL, ``a/../..``, is hostile)."""
+    _require(
+        type(value) is str and 0 < len(value) <= 1024,
+        f"blob_store must be a relative path, got {_show(value)}",
+    )
+    parts = value.split("/")
+    up = 0
+    while up < len(parts) and parts[up] == "..":
+        up += 1
+    rest = parts[up:]
+    _require(
+        up <= MAX_UP
+        and bool(rest)
+        and all(_STORE_PART.fullmatch(p) and p not in (".", "..") for p in rest),
+        f"blob_store {_show(value)} is not a relative path of plain names after at most "
+        f"{MAX_UP} '..' (a store outside the run)",
+    )
+    return str(value)
+
+
+def _blob_members(doc: dict[str, Any]) -> tuple[str, str]:
+    from savepoint.blobs import digest as _digest
+
+    store = check_blob_store(doc.get("blob_store"))
+    algorithm = doc.get("blob_digest")
+    _require(
+        algorithm in _digest.ALGORITHMS,
+        f"blob_digest must be one of {sorted(_digest.ALGORITHMS)}, got {_show(algorithm)}",
+    )
+    return store, str(algorithm)
+
+
+def _v4_record(
+    name: str, t: Any, files: dict[str, FileRecord], algorithm: str | None
+) -> TensorRecord:
+    """One version 4 tensor entry: a version 1 entry, or one naming a blob recipe."""
+    if not (type(t) is dict and "blobs" in t):
+        return _v1_record(name, t, files)
+    from savepoint.blobs.store import Recipe
+
+    _require(
+        t.keys() == _V4_BLOB_TENSOR,
+        f"tensor {name!r}: a blob entry must have dtype, shape, xxh3, blobs",
+    )
+    shape, itemsize = _dtype_and_shape(name, t)
+    try:
+        recipe = Recipe.from_json(t["blobs"])
+    except CorruptCheckpointError as exc:
+        raise ManifestError(f"tensor {name!r}: {exc}") from None
+    expected = math.prod(shape) * itemsize
+    _require(
+        recipe.size == expected,
+        f"tensor {name!r}: its blobs hold {recipe.size} bytes, shape {list(shape)} of "
+        f"{t['dtype']} needs {expected}",
+    )
+    _require(
+        recipe.algorithm == algorithm,
+        f"tensor {name!r}: {recipe.algorithm} blobs in a {_show(algorithm)} blob store",
+    )
+    _require(
+        recipe.chunk & (recipe.chunk - 1) == 0 and recipe.chunk >= _MIN_BLOCK,
+        f"tensor {name!r}: blob chunk {recipe.chunk} is not a power of two of at least 1 KiB",
+    )
+    digest = recipe.checksum() if recipe.size else checksum.Digest(checksum.digest(b""))
+    _require(
+        digest is not None and _is_digest(t["xxh3"]) and digest.xxh3 == t["xxh3"],
+        f"tensor {name!r}: its xxh3 does not match its blobs' checks",
+    )
+    assert digest is not None
+    record = TensorRecord(
+        t["dtype"], shape, "", 0, expected, t["xxh3"], (), digest.block, digest.blocks
+    )
+    _SET_RECIPE(record, recipe)
+    return record
 
 
 def _v1_records(
@@ -1361,6 +1510,7 @@ _CHECKED = frozenset(
     ("format", "format_version", "writer", "created", "checksum", "files", "tensors", "tree")
 )
 _CHECKED_SHARDED = _CHECKED | {"world_size"}
+_V4_BLOB_TENSOR = {"dtype", "shape", "xxh3", "blobs"}
 _LIST_ONLY = frozenset((list,))
 _PAIR_ONLY = frozenset((2,))
 _KEY_TYPES = frozenset((str, int))

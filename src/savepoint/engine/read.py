@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import functools
 import operator
+import posixpath
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -69,6 +70,9 @@ from savepoint.storage import local
 from savepoint.storage.base import BlobReader, PinnedContext, Store
 from savepoint.storage.paths import Location, PathArg
 from savepoint.storage.paths import resolve as resolve_path
+
+if TYPE_CHECKING:
+    from savepoint.blobs import BlobStore
 
 T = TypeVar("T")
 _Small = TypeVar("_Small", bound=tuple[Any, ...])
@@ -193,8 +197,10 @@ def _parse_manifest(shown: str, raw: bytes, columns: bool = True) -> mf.Manifest
 def files_of(manifest: mf.Manifest, refs: Iterable[str]) -> set[str]:
     """The data files holding every shard of the tensors ``refs``."""
     records = manifest.tensors
-    if not manifest.sharded:  # every tensor stored whole: one file each
-        return set(map(_FILE_OF, map(records.__getitem__, refs)))
+    if not manifest.sharded:  # every tensor stored whole: one file each (or blobs: "")
+        named = set(map(_FILE_OF, map(records.__getitem__, refs)))
+        named.discard("")
+        return named
     found: set[str] = set()
     for r in refs:
         rec = records[r]
@@ -284,6 +290,7 @@ class Reader:
         self.copy_on_write = copy_on_write
         self._blobs = dict(blobs or {})  # owned: data files opened by ``open``
         self._files: dict[str, _File] = {}
+        self._blob_store: BlobStore | None = None
 
     @classmethod
     def open(
@@ -464,7 +471,56 @@ class Reader:
             self.open_file(name, check_header=check_header)
 
     def is_split(self, ref: str) -> bool:
-        return self.manifest.tensors[ref].is_split
+        """Whether ``ref`` is not one range of a data file (shards, or blobs)."""
+        rec = self.manifest.tensors[ref]
+        return rec.is_split or rec.recipe is not None
+
+    def blob_store(self) -> BlobStore:
+        """The blob store of a version 4 checkpoint (opened once; never created)."""
+        if self._blob_store is None:
+            from savepoint.blobs import BlobStore
+
+            rel = self.manifest.blob_store
+            assert rel is not None
+            root = posixpath.normpath(posixpath.join(self.path, rel))
+            try:
+                self._blob_store = BlobStore(
+                    self.store, root, algorithm=self.manifest.blob_digest, create=False
+                )
+            except CheckpointError as exc:
+                raise CorruptCheckpointError(
+                    f"{self.shown}: its blob store {self.store.url(root)} cannot be opened: {exc}",
+                    path=self.shown,
+                ) from None
+        return self._blob_store
+
+    def _read_blobs(
+        self,
+        ref: str,
+        dst: np.ndarray[Any, Any] | None,
+        verify: bool,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> None:
+        """A tensor stored as blobs: read into ``dst`` (checked against the recipe's checks
+        with ``verify``), or with no ``dst`` every blob checked against its digest."""
+        rec = self.manifest.tensors[ref]
+        recipe = rec.recipe
+        blobs = self.blob_store()
+        try:
+            if dst is None:
+                blobs.verify_recipe(recipe)
+                if rec.dtype == "BOOL":
+                    dst = blobs.read_recipe(recipe, verify=False)
+            else:
+                blobs.read_recipe(recipe, out=dst, verify=verify)
+        except CorruptCheckpointError as exc:
+            raise self._corrupt(f"tensor {ref!r}: {exc}", key=ref) from None
+        if dst is not None and rec.dtype == "BOOL":
+            self._check_bool(ref, dst)
+        if progress is not None:
+            with lock:
+                progress(rec.nbytes)
 
     def transfer(
         self,
@@ -491,6 +547,14 @@ class Reader:
         files = self._files
         for ref, dst in jobs:
             rec = records[ref]
+            if rec.recipe is not None:
+                work.append(
+                    (
+                        rec.nbytes,
+                        functools.partial(self._read_blobs, ref, dst, verify, progress, lock),
+                    )
+                )
+                continue
             if len(rec.shards) > 1:
                 split.extend(self._assemble(ref, dst))
                 continue
@@ -535,7 +599,13 @@ class Reader:
         checked = 0
         for ref, rec in records:
             start, end = rec.start, rec.end
-            if rec.shards[1:] or rec.block or end - start > SMALL or rec.dtype == "BOOL":
+            if (
+                rec.shards[1:]
+                or rec.block
+                or end - start > SMALL
+                or rec.dtype == "BOOL"
+                or rec.recipe is not None
+            ):
                 rest.append(ref)
                 continue
             file = rec.file
@@ -627,7 +697,12 @@ class Reader:
         items: list[tuple[str, mf.TensorRecord, np.ndarray[Any, Any], bool]] = []
         for ref, kind in found.items():
             rec = records[ref]
-            if len(rec.shards) > 1 or rec.block or rec.end - rec.start > SMALL:
+            if (
+                len(rec.shards) > 1
+                or rec.block
+                or rec.end - rec.start > SMALL
+                or rec.recipe is not None
+            ):
                 continue
             opened = files.get(rec.file)
             if opened is None or opened.array is None:
@@ -1079,7 +1154,7 @@ class Reader:
         want_torch = framework == "torch" or (
             framework == "auto" and kind == "torch" and _torch_available()
         )
-        if share_memory and not rec.is_split:
+        if share_memory and not rec.is_split and rec.recipe is None:
             array = self.raw(ref).view(d.numpy).reshape(rec.shape)
             if want_torch:
                 from savepoint.state import torch_tensors

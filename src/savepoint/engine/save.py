@@ -18,12 +18,15 @@ import datetime as _dt
 import functools
 import json
 import logging
+import posixpath
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
 
 from savepoint._version import __version__
 from savepoint.codecs import checksum
@@ -38,12 +41,15 @@ from savepoint.storage.paths import Location
 
 if TYPE_CHECKING:
     from savepoint.async_.staging import Staged
+    from savepoint.blobs import BlobPolicy, BlobStore, FastMemo, Recipe, SaveSession
 
 __all__ = [
     "Records",
+    "blob_store_path",
     "check_metadata",
     "has_shards",
     "new_manifest",
+    "save_blobs",
     "save_flat",
     "save_staged",
     "write_files",
@@ -387,4 +393,154 @@ def save_staged(
         )
         manifest = new_manifest(staged.tree, records, metadata)
         directory = tx.commit(mf.dumps(manifest))
+    return directory, manifest
+
+
+BLOB_SEGMENT = 64 << 20  # bytes of a tensor copied out and put at a time by an incremental save
+
+
+def blob_store_path(location: Location, blobs: BlobStore) -> str:
+    """The ``blob_store`` a version 4 manifest at ``location`` records for ``blobs``: its path
+    relative to the checkpoint's directory, on the same store, at most two ``..`` up
+    (UnsupportedStateError otherwise: readers refuse any other)."""
+    shown = location.store.url(location.path)
+    if location.store.url("/") != blobs.store.url("/"):
+        raise UnsupportedStateError(
+            f"the blob store {blobs.url()} is not on the same store as the checkpoint {shown}"
+        )
+    rel = posixpath.relpath(blobs.root, location.path)
+    try:
+        return mf.check_blob_store(rel)
+    except mf.ManifestError:
+        raise UnsupportedStateError(
+            f"the blob store {blobs.url()} must be inside the directory holding {shown}, or at "
+            f"most {mf.MAX_UP} levels above it (readers refuse blob stores further away), "
+            f"not {rel!r}"
+        ) from None
+
+
+def _put_source(
+    session: SaveSession,
+    source: TensorSource,
+    policy: BlobPolicy,
+    memo: FastMemo | None,
+    scratch: np.ndarray[Any, Any],
+) -> Recipe:
+    """One tensor's bytes into the blob store, a segment (a whole number of chunks) at a
+    time through ``scratch``; its recipe."""
+    from savepoint.blobs.store import Recipe
+
+    n = source.nbytes
+    algorithm = session.blobs.algorithm
+    digests: list[str] = []
+    checks: list[str] = []
+    for start in range(0, n, len(scratch)):
+        part = scratch[: min(len(scratch), n - start)]
+        source.copy_to(part, start)
+        recipe = session.put_chunked(
+            part,
+            chunk_size=policy.chunk_size,
+            compression=policy.compression,
+            itemsize=source.dtype.itemsize,
+            workers=policy.workers,
+            memo=memo,
+        )
+        digests.extend(recipe.digests)
+        checks.extend(recipe.checks)
+    source.release()
+    return Recipe(algorithm, n, policy.chunk_size, tuple(digests), tuple(checks))
+
+
+def save_blobs(
+    location: Location,
+    flat: tree.Flat,
+    metadata: dict[str, Any],
+    *,
+    session: SaveSession,
+    policy: BlobPolicy,
+    memo: FastMemo | None = None,
+    max_file_bytes: int,
+    writers: int,
+    direct: bool = True,
+    progress: Progress | None = None,
+) -> tuple[str, mf.Manifest]:
+    """An incremental save (a version 4 checkpoint): the tensors ``policy.wants`` go to the blob
+    store of ``session`` (unchanged chunks are not written again), the others into data files
+    as usual; the blobs are made durable and the session checked (no collection deleted what
+    it reuses) before the manifest is committed. The caller closes the session."""
+    started = time.perf_counter()
+    tensors = flat.tensors
+    store_path = blob_store_path(location, session.blobs)
+    names = list(tensors)
+    in_blobs = [n for n in names if policy.wants(tensors[n].nbytes)]
+    blob_set = set(in_blobs)
+    rest = {n: tensors[n] for n in names if n not in blob_set}
+    total = sum(s.nbytes for s in tensors.values())
+    done = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(min(done, total), total)
+
+    before = session.stats.bytes_written
+    with Transaction(location.store, location.path) as tx:
+        recipes: dict[str, mf.TensorRecord] = {}
+        if in_blobs:
+            biggest = max(tensors[n].nbytes for n in in_blobs)
+            segment = max(policy.chunk_size, BLOB_SEGMENT // policy.chunk_size * policy.chunk_size)
+            scratch = np.empty(min(biggest, segment), np.uint8)
+            for name in in_blobs:
+                source = tensors[name]
+                recipe = _put_source(session, source, policy, memo, scratch)
+                digest = recipe.checksum()
+                assert digest is not None
+                record = mf.TensorRecord(
+                    source.dtype.name,
+                    source.shape,
+                    "",
+                    0,
+                    source.nbytes,
+                    digest.xxh3,
+                    (),
+                    digest.block,
+                    digest.blocks,
+                    recipe,
+                )
+                recipes[name] = record
+                on_bytes(source.nbytes)
+            del scratch
+        files: dict[str, mf.FileRecord] = {}
+        records: dict[str, mf.TensorRecord] = {}
+        if rest:
+            plans = plan.plan_files(rest, max_file_bytes)
+            files, records = write_files(
+                Location(tx.store, tx.staging),
+                plans,
+                rest,
+                writers=writers,
+                direct=direct,
+                progress=on_bytes if progress is not None else None,
+            )
+        ordered = {n: recipes[n] if n in blob_set else records[n] for n in names}
+        manifest = new_manifest(flat.tree, (files, ordered), metadata)
+        manifest.format_version = mf.BLOBS
+        manifest.blob_store = store_path
+        manifest.blob_digest = session.blobs.algorithm
+        raw = mf.dumps(manifest)
+        session.sync()
+        session.check()
+        directory = tx.commit(raw)
+    took = time.perf_counter() - started
+    log.info(
+        "saved %s incrementally: %d tensors (%d in blobs), %d bytes, %d blob bytes written, "
+        "in %.3f s",
+        location.store.url(directory),
+        len(names),
+        len(in_blobs),
+        total,
+        session.stats.bytes_written - before,
+        took,
+    )
     return directory, manifest
