@@ -28,6 +28,7 @@ above this module and is imported only then, so unsharded saves and loads never 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -67,6 +68,7 @@ __all__ = [
 ]
 
 PathLike = PathArg
+_MEMO_LOCK = threading.Lock()
 Framework = load_engine.Framework
 
 
@@ -170,6 +172,8 @@ def _save_blobs(
     policy = BlobPolicy() if policy is None else policy
     if not isinstance(policy, BlobPolicy):
         raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
+    if memo is None and policy.memo:
+        memo = _memo(store.algorithm)
     SaveOptions(max_file_bytes=max_file_bytes, writers=writers, direct=direct)  # checks them
     location = resolve_path(path, what="checkpoint path")
     meta = save_engine.check_metadata(metadata)
@@ -191,6 +195,22 @@ def _save_blobs(
                 progress=progress,
             )
     return describe(location.store.url(directory), manifest)
+
+
+_MEMOS: dict[str, Any] = {}  # digest algorithm -> the FastMemo of this process's sp.save calls
+_MEMO_ENTRIES = 1 << 16  # 256 GiB of 4 MiB chunks named, about 15 MB of memo
+
+
+def _memo(algorithm: str) -> Any:
+    """The process's :class:`savepoint.blobs.FastMemo` for stores of ``algorithm``: a second
+    ``sp.save(..., blobs=...)`` of unchanged tensors names their chunks at XXH3 speed."""
+    from savepoint.blobs import FastMemo
+
+    with _MEMO_LOCK:
+        memo = _MEMOS.get(algorithm)
+        if memo is None:
+            memo = _MEMOS[algorithm] = FastMemo(_MEMO_ENTRIES)
+        return memo
 
 
 def save_flat(

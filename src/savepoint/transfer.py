@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import posixpath
 import time
 from typing import Any
 
@@ -28,7 +29,7 @@ from savepoint.engine import collector
 from savepoint.engine import load as load_engine
 from savepoint.engine.describe import describe
 from savepoint.engine.read import Reader
-from savepoint.errors import CheckpointError, CheckpointWriteError
+from savepoint.errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from savepoint.info import CheckpointInfo
 from savepoint.options import Progress, check_load
 from savepoint.storage.base import BlobReader, BlobWriter, Store
@@ -60,6 +61,7 @@ def copy(
     with collector.paused(), Reader.open(source) as reader:
         if _same_place(source.store, source.path, target.store, target.path):
             raise ValueError(f"cannot copy {reader.shown} onto itself")
+        _check_blobs(reader, source.store, target.store, target.path)
         sizes = sum(record.size for record in reader.manifest.files.values())
         checked = 0  # bytes the verification counted: the bar covers both passes
 
@@ -142,6 +144,24 @@ def _stream(blob: BlobReader, writer: BlobWriter, size: int, buffer: mmap.mmap) 
             offset += n
     finally:
         view.release()
+
+
+def _check_blobs(reader: Reader, src: Store, dst: Store, dst_path: str) -> None:
+    """An incremental checkpoint (version 4) names its blob store relative to itself: a copy is
+    only whole where that name reaches the same store (a sibling in the same run directory).
+    Copying the blobs themselves is not supported yet: refuse clearly, before writing."""
+    rel = reader.manifest.blob_store
+    if rel is None:
+        return
+    there = posixpath.normpath(posixpath.join(reader.path, rel))
+    here = posixpath.normpath(posixpath.join(dst_path, rel))
+    if not _same_place(src, there, dst, here):
+        raise UnsupportedStateError(
+            f"{reader.shown} keeps its tensors in the blob store {src.url(there)} ({rel!r} from "
+            f"the checkpoint); copying it to {dst.url(dst_path)} would leave them behind "
+            f"(there it would name {dst.url(here)}). Copy it next to itself, or load it and "
+            "save a plain checkpoint there; copying blobs is not supported yet"
+        )
 
 
 def _same_place(a: Store, a_path: str, b: Store, b_path: str) -> bool:

@@ -16,7 +16,6 @@ chunk seen before costs an XXH3 pass (~20 GiB/s) instead of a BLAKE3 pass (~3 Gi
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 import xxhash
 
+from savepoint.codecs.recipe import ALGORITHMS, is_digest
 from savepoint.errors import IncompatibleCheckpointError
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
 
 DEFAULT = "blake3"
 _B3_THREADS_FROM = 1 << 20
-ALGORITHMS: dict[str, int] = {"blake3": 64, "xxh3-128": 32}  # name -> hex digits
 
 
 def _blake3(data: Any) -> str:
@@ -79,15 +78,6 @@ def hex_length(algorithm: str) -> int:
         raise IncompatibleCheckpointError(
             f"unknown blob digest algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})"
         ) from None
-
-
-_HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in set(ALGORITHMS.values())}
-
-
-def is_digest(algorithm: str, value: object) -> bool:
-    """Whether ``value`` is a well-formed digest of ``algorithm`` (hostile input: names only)."""
-    n = ALGORITHMS.get(algorithm)
-    return n is not None and isinstance(value, str) and _HEX[n].fullmatch(value) is not None
 
 
 class FastMemo:

@@ -110,6 +110,7 @@ from typing import Any
 
 from savepoint.codecs import bounded_json as _json
 from savepoint.codecs import boxes, checksum, dtypes
+from savepoint.codecs import recipe as _recipe
 from savepoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
@@ -122,6 +123,7 @@ __all__ = [
     "FORMAT",
     "FileRecord",
     "MAX_MANIFEST_BYTES",
+    "MAX_UP",
     "Manifest",
     "ManifestError",
     "ManifestVersionError",
@@ -133,6 +135,7 @@ __all__ = [
     "TensorTable",
     "UNSHARDED",
     "VERSION",
+    "check_blob_store",
     "dump",
     "dumps",
     "parse",
@@ -1021,13 +1024,11 @@ def check_blob_store(value: Any) -> str:
 
 
 def _blob_members(doc: dict[str, Any]) -> tuple[str, str]:
-    from savepoint.blobs import digest as _digest
-
     store = check_blob_store(doc.get("blob_store"))
     algorithm = doc.get("blob_digest")
     _require(
-        algorithm in _digest.ALGORITHMS,
-        f"blob_digest must be one of {sorted(_digest.ALGORITHMS)}, got {_show(algorithm)}",
+        algorithm in _recipe.ALGORITHMS,
+        f"blob_digest must be one of {sorted(_recipe.ALGORITHMS)}, got {_show(algorithm)}",
     )
     return store, str(algorithm)
 
@@ -1038,15 +1039,13 @@ def _v4_record(
     """One version 4 tensor entry: a version 1 entry, or one naming a blob recipe."""
     if not (type(t) is dict and "blobs" in t):
         return _v1_record(name, t, files)
-    from savepoint.blobs.store import Recipe
-
     _require(
         t.keys() == _V4_BLOB_TENSOR,
         f"tensor {name!r}: a blob entry must have dtype, shape, xxh3, blobs",
     )
     shape, itemsize = _dtype_and_shape(name, t)
     try:
-        recipe = Recipe.from_json(t["blobs"])
+        recipe = _recipe.Recipe.from_json(t["blobs"])
     except CorruptCheckpointError as exc:
         raise ManifestError(f"tensor {name!r}: {exc}") from None
     expected = math.prod(shape) * itemsize

@@ -419,6 +419,20 @@ def blob_store_path(location: Location, blobs: BlobStore) -> str:
         ) from None
 
 
+def _host_bytes(source: TensorSource) -> np.ndarray[Any, Any] | None:
+    """A source's bytes as a flat uint8 view of host memory, where that costs no copy (a
+    C-contiguous numpy array, a contiguous CPU torch tensor); None otherwise."""
+    from savepoint.state.arrays import NumpySource
+
+    if isinstance(source, NumpySource):
+        return source._bytes() if source._array.flags.c_contiguous else None
+    pointer = getattr(source, "pointer", None)
+    if pointer is not None and pointer() is not None:
+        view = source._bytes()  # type: ignore[attr-defined]
+        return view if isinstance(view, np.ndarray) else None
+    return None
+
+
 def _put_source(
     session: SaveSession,
     source: TensorSource,
@@ -426,12 +440,25 @@ def _put_source(
     memo: FastMemo | None,
     scratch: np.ndarray[Any, Any],
 ) -> Recipe:
-    """One tensor's bytes into the blob store, a segment (a whole number of chunks) at a
-    time through ``scratch``; its recipe."""
+    """One tensor's bytes into the blob store: straight from its memory where it is contiguous
+    on the host, otherwise a segment (a whole number of chunks) at a time through ``scratch``;
+    its recipe."""
     from savepoint.blobs.store import Recipe
 
     n = source.nbytes
     algorithm = session.blobs.algorithm
+    direct = _host_bytes(source)
+    if direct is not None:
+        recipe = session.put_chunked(
+            direct,
+            chunk_size=policy.chunk_size,
+            compression=policy.compression,
+            itemsize=source.dtype.itemsize,
+            workers=policy.workers,
+            memo=memo,
+        )
+        source.release()
+        return recipe
     digests: list[str] = []
     checks: list[str] = []
     for start in range(0, n, len(scratch)):

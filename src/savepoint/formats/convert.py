@@ -217,8 +217,9 @@ def _open_native(path: PathArg) -> Iterator[_Source]:
         def get(ref: str, leaf_kind: str) -> LazyTensor:
             if ref not in made:
                 rec = manifest.tensors[ref]
-                if getattr(rec, "is_split", False):
-                    # A tensor a sharded save stored in pieces: assembled when first copied.
+                if reader.is_split(ref):
+                    # A tensor a sharded save stored in pieces, or an incremental save in
+                    # blobs: assembled (read and checked) when first copied.
                     made[ref] = _Assembled(reader, ref, leaf_kind)
                     return made[ref]
                 made[ref] = MappedTensor(
