@@ -64,6 +64,7 @@ __all__ = [
     "load",
     "save",
     "save_flat",
+    "save_incremental",
     "verify",
 ]
 
@@ -130,7 +131,7 @@ def save(
     if blobs is not None:
         if process_group is not None:
             raise UnsupportedStateError("blobs= is not supported with process_group= yet")
-        return _save_blobs(
+        return save_incremental(
             path, state, metadata, blobs, blob_policy, max_file_bytes, writers, direct, progress
         )
     if blob_policy is not None:
@@ -154,7 +155,7 @@ def save(
         return _save_flat(location, flat, meta, options, release=True)
 
 
-def _save_blobs(
+def save_incremental(
     path: PathLike,
     state: Any,
     metadata: Mapping[str, Any] | None,
@@ -166,6 +167,10 @@ def _save_blobs(
     progress: Progress | None,
     memo: Any = None,
 ) -> CheckpointInfo:
+    """``save(path, state, blobs=..., blob_policy=...)`` (an incremental save; the arguments
+    positional), with ``memo``: the :class:`savepoint.blobs.FastMemo` to name unchanged chunks
+    by (default: this process's, when the policy asks for one). ``CheckpointManager(...,
+    incremental=True)`` passes its own."""
     from savepoint.blobs import BlobPolicy, BlobStore
 
     store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)

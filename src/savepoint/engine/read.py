@@ -482,14 +482,25 @@ class Reader:
 
             rel = self.manifest.blob_store
             assert rel is not None
-            root = posixpath.normpath(posixpath.join(self.path, rel))
-            try:
-                self._blob_store = BlobStore(
-                    self.store, root, algorithm=self.manifest.blob_digest, create=False
-                )
-            except CheckpointError as exc:
+            # A run's alias (``<run>/latest``, a linked copy of ``<run>/checkpoints/step-N``)
+            # holds the manifest of a directory one level deeper: where the store is not at
+            # ``rel``, it is looked for one ``..`` closer (never further out than ``rel``).
+            tries = [rel] + ([rel[3:]] if rel.startswith("../") else [])
+            first: CheckpointError | None = None
+            for candidate in tries:
+                root = posixpath.normpath(posixpath.join(self.path, candidate))
+                try:
+                    self._blob_store = BlobStore(
+                        self.store, root, algorithm=self.manifest.blob_digest, create=False
+                    )
+                    break
+                except CheckpointError as exc:
+                    first = first or exc
+            else:
+                root = posixpath.normpath(posixpath.join(self.path, rel))
                 raise CorruptCheckpointError(
-                    f"{self.shown}: its blob store {self.store.url(root)} cannot be opened: {exc}",
+                    f"{self.shown}: its blob store {self.store.url(root)} cannot be opened: "
+                    f"{first}",
                     path=self.shown,
                 ) from None
         return self._blob_store

@@ -265,6 +265,8 @@ class CheckpointManager:
         preemption_grace: float = DEFAULT_GRACE,
         preemption_every: int = 1,
         tiers: Sequence[Tier] | None = None,
+        incremental: bool = False,
+        blob_policy: Any = None,
         options: SaveOptions | None = None,
         **save_options: Any,
     ) -> None:
@@ -276,6 +278,7 @@ class CheckpointManager:
             "verify_before_prune": verify_before_prune,
             "aliases": aliases,
             "strict_config": strict_config,
+            "incremental": incremental,
         }
         for flag, value in flags.items():
             if not isinstance(value, bool):
@@ -287,6 +290,25 @@ class CheckpointManager:
             )
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
+        if incremental:
+            unsupported = [
+                name
+                for name, on in (
+                    ("async_save", async_save),
+                    ("tiers", bool(tiers)),
+                    ("process_group", self.save_options.process_group is not None),
+                )
+                if on
+            ]
+            if unsupported:
+                raise ValueError(f"incremental=True does not support {', '.join(unsupported)} yet")
+        if blob_policy is not None:
+            from savepoint.blobs import BlobPolicy
+
+            if not incremental:
+                raise ValueError("blob_policy is given without incremental=True")
+            if not isinstance(blob_policy, BlobPolicy):
+                raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         rules: list[RetentionPolicy] = []
@@ -318,6 +340,16 @@ class CheckpointManager:
             )
         self._run = resolve(directory, what="run directory")
         self._store = self._run.store
+        # Incremental saves (see _save_blobs): the run's blob store, opened at the first save,
+        # its policy, and one digest memo for every save of this manager.
+        self.incremental = incremental
+        self._blob_policy = blob_policy
+        self._blob_store: Any = None
+        self._blob_memo: Any = None
+        if incremental:
+            from savepoint.blobs import FastMemo
+
+            self._blob_memo = FastMemo()
         self.directory = str(self._run)
         self.best_metric = best_metric
         self.best_mode: Mode = best_mode
@@ -881,7 +913,10 @@ class CheckpointManager:
         # Done when the background step (verification, retention) is: wait() raises its error.
         settled = PendingSave(self.step_path(step), step)
         try:
-            info = checkpoint.save(target, state, metadata=meta, **self.save_options.changed())
+            if self.incremental:
+                info = self._save_blobs(target, state, meta)
+            else:
+                info = checkpoint.save(target, state, metadata=meta, **self.save_options.changed())
         except BaseException:
             self._drop(backup)
             self._last_saved = previous
@@ -890,6 +925,70 @@ class CheckpointManager:
         if not flight.background:
             settled.set_result(info)
         return settled
+
+    def _blobs(self) -> Any:
+        """The run's blob store, ``<run>/blobs`` (created at the first incremental save)."""
+        if self._blob_store is None:
+            from savepoint.blobs import RUN_BLOBS, BlobStore
+
+            self._blob_store = BlobStore(self._store, self._store.join(self._run.path, RUN_BLOBS))
+        return self._blob_store
+
+    def _save_blobs(self, target: str | Location, state: Any, meta: dict[str, Any]) -> Any:
+        """An incremental save of checkpoint ``target`` into the run's blob store."""
+        o = self.save_options
+        return checkpoint.save_incremental(
+            target,
+            state,
+            meta,
+            self._blobs(),
+            self._blob_policy,
+            o.max_file_bytes,
+            o.writers,
+            o.direct,
+            o.progress,
+            memo=self._blob_memo,
+        )
+
+    def _referenced_blobs(self) -> set[str]:
+        """The blob digests every committed checkpoint of the run names: each step directory
+        (pending deletions included, until they are gone) and the aliases that are copies.
+        A manifest that cannot be read raises: the collection then deletes nothing."""
+        from savepoint.engine.read import Reader
+        from savepoint.errors import CheckpointNotFoundError, IncompleteCheckpointError
+
+        store, run = self._store, self._run.path
+        paths = [layout.step_location(self._run, s).path for s in layout.committed_steps(self._run)]
+        paths += [store.join(run, alias) for alias in (layout.LATEST, layout.BEST)]
+        found: set[str] = set()
+        for path in paths:
+            try:
+                reader = Reader.open(Location(store, path), needs=lambda shown, manifest: ())
+            except (CheckpointNotFoundError, IncompleteCheckpointError):
+                continue  # nothing committed there
+            with reader:
+                for rec in reader.manifest.tensors.values():
+                    if rec.recipe is not None:
+                        found.update(rec.recipe.digests)
+        return found
+
+    def _collect_blobs(self) -> None:
+        """Delete the run's blobs no committed checkpoint names (after retention deleted
+        checkpoints). A failure is logged and left for the next collection."""
+        if not self.incremental or self._blob_store is None:
+            return
+        try:
+            report = self._blob_store.collect(self._referenced_blobs, grace=0)
+        except (CheckpointError, OSError) as exc:
+            log.warning("%s: cannot collect unused blobs yet: %s", self.directory, exc)
+            return
+        if report.deleted:
+            log.info(
+                "%s: deleted %d unused blobs (%d bytes)",
+                self.directory,
+                len(report.deleted),
+                report.bytes_freed,
+            )
 
     def _warn_unranked(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Warn (once per manager) when a save gives metrics but none named ``best_metric`` (a
@@ -1220,6 +1319,7 @@ class CheckpointManager:
                 else:
                     self._discarding = discarding
                     self._finish_discards()
+                    self._collect_blobs()
         self._compact()
         return None
 
@@ -2009,7 +2109,12 @@ class CheckpointManager:
             with self._lock:
                 if not dry_run:
                     self._check_writer()
-                return collect(self._run, grace=grace, dry_run=dry_run, lock=False)
+                report = collect(self._run, grace=grace, dry_run=dry_run, lock=False)
+                if not dry_run:
+                    if self.incremental:
+                        self._blobs()
+                    self._collect_blobs()
+                return report
 
     def wait(self) -> None:
         """Block until any background save is committed and the background step of the last

@@ -1,0 +1,80 @@
+"""CheckpointManager(directory, incremental=True): the run's checkpoints share a blob store at
+<run>/blobs; retention deletes checkpoints, then the blobs none of the remaining ones names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import savepoint as sp
+from savepoint.blobs import BlobPolicy, BlobStore
+from savepoint.codecs import manifest as mf
+
+POLICY = BlobPolicy(chunk_size=64 << 10, min_blob_bytes=16 << 10)
+
+
+def lora(frozen: np.ndarray[Any, Any], step: int) -> dict[str, Any]:
+    rng = np.random.default_rng(step)
+    return {
+        "frozen": frozen,
+        "adapter": rng.standard_normal(20000).astype(np.float32),  # changes every save
+        "step": step,
+    }
+
+
+def test_retention_deletes_only_unreferenced_blobs_and_every_kept_checkpoint_restores(
+    tmp_path: Path,
+) -> None:
+    frozen = np.random.default_rng(0).standard_normal(500_000).astype(np.float32)
+    run = tmp_path / "run"
+    with sp.CheckpointManager(run, incremental=True, keep_last=2, blob_policy=POLICY) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, lora(frozen, step))
+            mgr.wait()
+        assert mgr.steps() == [2, 3]
+        blobs = BlobStore.open(run / "blobs", create=False)
+        held = set(blobs.list())
+        named: set[str] = set()
+        for step in (2, 3):
+            m = mf.parse((Path(mgr.step_path(step)) / mf.NAME).read_bytes())
+            assert m.format_version == mf.BLOBS and m.blob_store == "../../blobs"
+            for t in m.tensors.values():
+                if t.recipe is not None:
+                    named.update(t.recipe.digests)
+        assert held == named  # step 1's adapter blobs are gone, the shared frozen ones stay
+        for step in (2, 3):
+            out = sp.load(mgr.step_path(step))
+            assert out["frozen"].tobytes() == frozen.tobytes()
+            assert out["adapter"].tobytes() == lora(frozen, step)["adapter"].tobytes()
+        state = {"frozen": np.zeros_like(frozen), "adapter": np.zeros(20000, np.float32)}
+        assert mgr.restore(state, resume=False) == 3
+        assert state["frozen"].tobytes() == frozen.tobytes()
+        sp.verify(run / "latest")
+        mgr.gc(grace=0)
+        assert set(blobs.list()) == named
+    # a new manager on the run restores it too
+    with sp.CheckpointManager(run, incremental=True) as again:
+        state = {"frozen": np.zeros_like(frozen), "adapter": np.zeros(20000, np.float32)}
+        assert again.restore(state) == 3
+        assert state["adapter"].tobytes() == lora(frozen, 3)["adapter"].tobytes()
+
+
+def test_an_unchanged_state_writes_no_blob(tmp_path: Path) -> None:
+    frozen = np.arange(300_000, dtype=np.float32)
+    with sp.CheckpointManager(tmp_path / "run", incremental=True, blob_policy=POLICY) as mgr:
+        mgr.save(1, {"w": frozen})
+        mgr.wait()
+        blobs = BlobStore.open(tmp_path / "run" / "blobs", create=False)
+        first = set(blobs.list())
+        mgr.save(2, {"w": frozen})
+        mgr.wait()
+        assert set(blobs.list()) == first
+
+
+@pytest.mark.parametrize("kw", [{"async_save": True}, {"blob_policy": POLICY}])
+def test_unsupported_combinations_are_refused(tmp_path: Path, kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        sp.CheckpointManager(tmp_path / "run", incremental="async_save" in kw, **kw)
