@@ -571,7 +571,7 @@ def test_int_and_str_tree_keys_are_distinct(ckpt: Path, doc: dict[str, Any]) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", [4, 999, 2**70])
+@pytest.mark.parametrize("version", [5, 999, 2**70])
 def test_newer_format_version_is_incompatible(
     ckpt: Path, doc: dict[str, Any], rec: Recorder, version: int
 ) -> None:
@@ -587,12 +587,43 @@ def test_newer_version_with_unknown_layout_is_still_incompatible(
     ckpt: Path, doc: dict[str, Any], rec: Recorder
 ) -> None:
     # A future format may change everything else: the version decides first.
-    doc["format_version"] = 4
+    doc["format_version"] = 5
     doc["files"] = [{"name": DATA}]
     doc["tensors"] = "v2 layout"
     doc["tree"] = {"t": "future-node"}
     write_manifest(ckpt, forge(doc))
     assert_refused_before_data(ckpt, rec, sp.IncompatibleCheckpointError)
+
+
+@pytest.mark.parametrize(
+    "store", ["../../../outside", "/etc", "s3://bucket/blobs", "blobs/../../../x", "../.."]
+)
+def test_v4_blob_store_outside_the_run_is_refused_before_data(
+    ckpt: Path, doc: dict[str, Any], rec: Recorder, store: str
+) -> None:
+    doc["format_version"] = 4
+    doc["blob_store"] = store
+    doc["blob_digest"] = "blake3"
+    write_manifest(ckpt, forge(doc))
+    assert_refused_before_data(ckpt, rec, sp.CorruptCheckpointError)
+
+
+def test_v4_recipe_larger_than_its_shape_is_refused_before_data(
+    ckpt: Path, doc: dict[str, Any], rec: Recorder
+) -> None:
+    doc["format_version"] = 4
+    doc["blob_store"] = "../blobs"
+    doc["blob_digest"] = "blake3"
+    entry = next(iter(doc["tensors"].values()))
+    del entry["file"], entry["offsets"]
+    entry["blobs"] = {
+        "digest": "blake3",
+        "size": 1 << 40,
+        "chunk": 1 << 30,
+        "blobs": ["a" * 64] * 1024,
+    }
+    write_manifest(ckpt, forge(doc))
+    assert_refused_before_data(ckpt, rec, sp.CorruptCheckpointError)
 
 
 @pytest.mark.parametrize(
