@@ -80,7 +80,11 @@ def _show(info: CheckpointInfo) -> None:
     if info.tensors:
         rows: list[tuple[str, ...]] = [("key", "dtype", "shape", "size", "file")]
         for t in info.tensors:
-            note = t.file + (f" (tied to {t.tied_to})" if t.tied_to else "")
+            where = t.file
+            blobs = info.format == "savepoint" and info.format_version == 4
+            if not where and t.shards == 1 and blobs and t.nbytes:
+                where = "(blob store)"  # an incremental checkpoint's tensor
+            note = where + (f" (tied to {t.tied_to})" if t.tied_to else "")
             rows.append((t.key, t.dtype, _shape(t.shape), _size(t.nbytes), note))
         click.echo("")
         click.echo(_table(rows))
