@@ -241,3 +241,22 @@ def test_a_lora_style_second_save_writes_at_most_5_percent(tmp_path: Path) -> No
     )
     assert written <= 0.05 * full_bytes
     equal(sp.load(tmp_path / "s1"), s)
+
+
+def test_non_contiguous_and_segmented_tensors_round_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from savepoint.engine import save as save_engine
+
+    monkeypatch.setattr(save_engine, "BLOB_SEGMENT", 128 << 10)  # several segments per tensor
+    base = np.arange(600 * 500, dtype=np.float32).reshape(600, 500)
+    s: dict[str, Any] = {"t": base.T, "every_other": base[::2], "big_endian": base.astype(">f4")}
+    torch = pytest.importorskip("torch")
+    s["torch_t"] = torch.arange(300 * 400, dtype=torch.float64).reshape(300, 400).t()
+    sp.save(tmp_path / "ck", s, blobs=tmp_path / "blobs", blob_policy=SMALL_CHUNKS)
+    out = sp.load(tmp_path / "ck")
+    for k in ("t", "every_other"):
+        assert out[k].tobytes() == np.ascontiguousarray(s[k]).tobytes()
+    assert np.array_equal(out["big_endian"], base)
+    assert torch.equal(out["torch_t"], s["torch_t"])
+    sp.verify(tmp_path / "ck")
