@@ -26,6 +26,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,31 @@ def start_server() -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.1)
 
 
+def use_server(endpoint: str) -> Any:
+    """Point this process's S3 clients (obstore's environment) at ``endpoint`` and create the
+    bucket ``bench``; returns a boto3 client for the benchmark's own housekeeping."""
+    import boto3
+
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_REGION": REGION,
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ALLOW_HTTP": "true",
+        }
+    )
+    admin = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+    )
+    admin.create_bucket(Bucket="bench")
+    return admin
+
+
 def timed(fn: Callable[[], None]) -> float:
     t = time.perf_counter()
     fn()
@@ -83,30 +109,13 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    import boto3
     import s3fs
 
     from savepoint.storage.objectstore import ObjectStore
 
     proc, endpoint = start_server()
     try:
-        os.environ.update(
-            {
-                "AWS_ACCESS_KEY_ID": KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET,
-                "AWS_REGION": REGION,
-                "AWS_ENDPOINT_URL": endpoint,
-                "AWS_ALLOW_HTTP": "true",
-            }
-        )
-        admin = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name=REGION,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=SECRET,
-        )
-        admin.create_bucket(Bucket="bench")
+        admin = use_server(endpoint)
 
         size = args.mib * 1024 * 1024 // args.files
         rng = np.random.default_rng(0)

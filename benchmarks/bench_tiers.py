@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from bench_objectstore import KEY, REGION, SECRET, start_server
+from bench_objectstore import start_server, use_server
 
 
 def main() -> None:
@@ -37,30 +37,12 @@ def main() -> None:
     ap.add_argument("--ram", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     args = ap.parse_args()
 
-    import boto3
-
     import savepoint as sp
 
     proc, endpoint = start_server()
     ram = tempfile.mkdtemp(prefix="bench-tiers-", dir=args.ram)
     try:
-        os.environ.update(
-            {
-                "AWS_ACCESS_KEY_ID": KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET,
-                "AWS_REGION": REGION,
-                "AWS_ENDPOINT_URL": endpoint,
-                "AWS_ALLOW_HTTP": "true",
-            }
-        )
-        admin = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name=REGION,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=SECRET,
-        )
-        admin.create_bucket(Bucket="bench")
+        use_server(endpoint)
         n = args.mib * 2**20 // 4 // 16
         rng = np.random.default_rng(0)
         state = {f"w{i}": rng.standard_normal(n, dtype=np.float32) for i in range(16)}

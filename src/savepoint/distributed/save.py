@@ -275,14 +275,7 @@ def write_pieces(
         while name in names or name == "__metadata__":
             name, n = f"{base}~{n}", n + 1
         names[name] = item
-    total = sum(item.nbytes for item in items)
-    done = 0
-
-    def on_bytes(count: int) -> None:
-        nonlocal done
-        done += count
-        if progress is not None:
-            progress(min(done, total), total)
+    on_bytes = save_engine.byte_counter(sum(item.nbytes for item in items), progress)
 
     tensors = {name: sources[item.key] for name, item in names.items()}
     plans: list[FilePlan] = plan_files(tensors, max_file_bytes, lambda i: file_name(rank, i))

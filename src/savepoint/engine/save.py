@@ -121,6 +121,19 @@ def new_manifest(
     )
 
 
+def byte_counter(total: int, progress: Progress | None) -> Callable[[int], None]:
+    """A callback taking the bytes just written, reporting ``progress(done, total)``."""
+    done = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(min(done, total), total)
+
+    return on_bytes
+
+
 def _map(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]:
     if threads > 1 and len(items) > 1:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="savepoint-file") as pool:
@@ -203,13 +216,7 @@ def save_flat(
     started = time.perf_counter()
     tensors = flat.tensors
     total = sum(s.nbytes for s in tensors.values())
-    done = 0
-
-    def on_bytes(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(min(done, total), total)
+    on_bytes = byte_counter(total, progress)
 
     names = list(tensors)
     layouts = lay_out(names, tensors, max_file_bytes)
@@ -503,13 +510,7 @@ def save_blobs(
     blob_set = set(in_blobs)
     rest = {n: tensors[n] for n in names if n not in blob_set}
     total = sum(s.nbytes for s in tensors.values())
-    done = 0
-
-    def on_bytes(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(min(done, total), total)
+    on_bytes = byte_counter(total, progress)
 
     before = session.stats.bytes_written
     with Transaction(location.store, location.path) as tx:
