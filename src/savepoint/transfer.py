@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from savepoint.codecs import manifest as mf
-from savepoint.commit.transaction import Transaction
+from savepoint.commit.transaction import Transaction, check_target
 from savepoint.engine import collector
 from savepoint.engine import load as load_engine
 from savepoint.engine.describe import describe
@@ -78,8 +78,6 @@ def copy(
         store = target.store
 
         def check(store: Store, path: str) -> None:
-            from savepoint.commit.transaction import check_target
-
             if not overwrite and store.stat(path) is not None:
                 shown = store.url(path)
                 raise CheckpointWriteError(
