@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Records",
     "blob_store_path",
+    "byte_counter",
     "check_metadata",
     "has_shards",
     "new_manifest",
