@@ -166,11 +166,14 @@ def save_incremental(
     direct: bool,
     progress: Progress | None,
     memo: Any = None,
+    tracker: Any = None,
 ) -> CheckpointInfo:
     """``save(path, state, blobs=..., blob_policy=...)`` (an incremental save; the arguments
     positional), with ``memo``: the :class:`savepoint.blobs.FastMemo` to name unchanged chunks
-    by (default: this process's, when the policy asks for one). ``CheckpointManager(...,
-    incremental=True)`` passes its own."""
+    by (default: this process's, when the policy asks for one), and ``tracker``: the
+    :class:`savepoint.blobs.patch.PatchTracker` that finds changed rows (default: this
+    process's, when the policy asks for patches). ``CheckpointManager(..., incremental=True)``
+    passes its own."""
     from savepoint.blobs import BlobPolicy, BlobStore
 
     store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
@@ -179,6 +182,8 @@ def save_incremental(
         raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
     if memo is None and policy.memo:
         memo = _memo(store.algorithm)
+    if tracker is None and policy.patches:
+        tracker = _tracker()
     SaveOptions(max_file_bytes=max_file_bytes, writers=writers, direct=direct)  # checks them
     location = resolve_path(path, what="checkpoint path")
     meta = save_engine.check_metadata(metadata)
@@ -194,6 +199,7 @@ def save_incremental(
                 session=session,
                 policy=policy,
                 memo=memo,
+                tracker=tracker,
                 max_file_bytes=max_file_bytes,
                 writers=writers,
                 direct=direct,
@@ -202,8 +208,19 @@ def save_incremental(
     return describe(location.store.url(directory), manifest)
 
 
+_TRACKERS: list[Any] = []  # the PatchTracker of this process's sp.save(..., blobs=...) calls
 _MEMOS: dict[str, Any] = {}  # digest algorithm -> the FastMemo of this process's sp.save calls
 _MEMO_ENTRIES = 1 << 16  # 256 GiB of 4 MiB chunks named, about 15 MB of memo
+
+
+def _tracker() -> Any:
+    """The process's :class:`savepoint.blobs.patch.PatchTracker` for ``sp.save(..., blobs=)``."""
+    from savepoint.blobs.patch import PatchTracker
+
+    with _MEMO_LOCK:
+        if not _TRACKERS:
+            _TRACKERS.append(PatchTracker())
+        return _TRACKERS[0]
 
 
 def _memo(algorithm: str) -> Any:

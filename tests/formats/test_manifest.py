@@ -220,7 +220,7 @@ def test_size_cap(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", [5, 99, 2**70])
+@pytest.mark.parametrize("version", [mf.VERSION + 1, 99, 2**70])
 def test_newer_versions_are_refused_with_a_version_error(version: int) -> None:
     doc = sample_doc()
     doc["format_version"] = version

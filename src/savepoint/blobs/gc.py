@@ -285,6 +285,18 @@ class SaveSession:
         with self._lock:
             self.referenced.update(digests)
 
+    def reuse_existing(self, digests: Iterable[str]) -> bool:
+        """:meth:`reuse` the blobs ``digests`` if every one is in the store (one existence check
+        each, as a put of content already there makes); False, naming none, if any is missing
+        (deleted since: the caller writes its content again). Safe against collections for the
+        same reason puts are: this session's record was written before the checks."""
+        names = list(dict.fromkeys(digests))
+        self._refresh()
+        if not all(self.blobs.exists(d) for d in names):
+            return False
+        self.reuse(names)
+        return True
+
     def collect(
         self, referenced: Callable[[], Iterable[str]] | Iterable[str], **kwargs: Any
     ) -> BlobGcReport:

@@ -14,6 +14,7 @@ from typing import Any
 
 from savepoint.blobs.frame import Compression
 from savepoint.blobs.store import DEFAULT_CHUNK, MAX_CHUNK, MIN_CHUNK
+from savepoint.codecs.recipe import MAX_PATCHES
 
 __all__ = ["BlobPolicy", "DEFAULT_MIN_BLOB_BYTES", "RUN_BLOBS"]
 
@@ -26,13 +27,22 @@ class BlobPolicy:
     """How incremental saves store tensors. ``compression``: None (the default), or a
     :class:`Compression`. ``workers``: threads hashing, compressing and writing the chunks of one
     tensor. ``memo``: name unchanged chunks by a keyed XXH3-128 pass instead of BLAKE3 (see
-    :class:`savepoint.blobs.FastMemo`)."""
+    :class:`savepoint.blobs.FastMemo`).
+
+    ``patches``: write only the changed rows of a tensor whose previous save this process
+    made, as a patch on its previous recipe (:mod:`savepoint.blobs.patch`), while the chain
+    holds fewer than ``max_patches`` patches adding up to at most ``patch_budget`` times the
+    tensor's bytes (a restore then reads at most ``1 + patch_budget`` times the tensor);
+    otherwise the tensor is written as chunks again. Needs ``memo``."""
 
     chunk_size: int = DEFAULT_CHUNK
     min_blob_bytes: int = DEFAULT_MIN_BLOB_BYTES
     compression: Compression | None = None
     workers: int = 2
     memo: bool = True
+    patches: bool = True
+    max_patches: int = 32
+    patch_budget: float = 0.5
 
     def __post_init__(self) -> None:
         size = self.chunk_size
@@ -46,6 +56,12 @@ class BlobPolicy:
             raise ValueError(f"min_blob_bytes must be >= 0, not {self.min_blob_bytes}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
+        if not 1 <= self.max_patches <= MAX_PATCHES:
+            raise ValueError(
+                f"max_patches must be between 1 and {MAX_PATCHES}, not {self.max_patches}"
+            )
+        if not 0.0 < self.patch_budget <= 4.0:
+            raise ValueError(f"patch_budget must be in (0, 4], not {self.patch_budget}")
         if self.compression is not None and not isinstance(self.compression, Compression):
             raise TypeError("compression must be a savepoint.blobs.Compression or None")
 

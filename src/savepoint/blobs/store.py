@@ -590,7 +590,9 @@ class BlobStore:
         """Bytes ``[start, end)`` (all by default) of the content a :class:`Recipe` describes,
         into ``out`` when given; only the chunks holding them are read. ``verify`` checks every
         chunk read (whole chunks are read then) against the recipe's XXH3-64 checks, or, where
-        it has none or ``full``, against its digest (BLAKE3: 5-8x slower)."""
+        it has none or ``full``, against its digest (BLAKE3: 5-8x slower). A patched recipe's
+        base is read, each patch applied (read whole, checked against its own XXH3-64 or, with
+        ``full``, its name), and with ``verify`` the result checked against ``checks``."""
         if recipe.algorithm != self.algorithm:
             raise IncompatibleCheckpointError(
                 f"a {recipe.algorithm} recipe cannot name blobs of the {self.algorithm} store "
@@ -601,6 +603,8 @@ class BlobStore:
         if not 0 <= start <= end <= recipe.size:
             raise ValueError(f"range [{start}, {end}) outside {recipe.size} bytes")
         target = np.empty(end - start, np.uint8) if out is None else _out_array(out, end - start)
+        if recipe.patches:
+            return self._read_patched(recipe, target, start, end, verify, full, workers)
         checks: Sequence[str | None] = (
             recipe.checks if recipe.checks and not full else [None] * len(recipe.digests)
         )
@@ -627,13 +631,65 @@ class BlobStore:
                 one(job)
         return target
 
+    def _read_patched(
+        self,
+        recipe: Recipe,
+        target: np.ndarray[Any, Any],
+        start: int,
+        end: int,
+        verify: bool,
+        full: bool,
+        workers: int,
+    ) -> np.ndarray[Any, Any]:
+        """:meth:`read_recipe` of a patched recipe into ``target`` (bytes ``[start, end)``)."""
+        from savepoint.blobs.patch import apply_patch
+
+        lo, hi = start, end
+        if verify:  # whole content chunks, to check the result against ``checks``
+            lo = start // recipe.chunk * recipe.chunk
+            hi = min(-(-end // recipe.chunk) * recipe.chunk, recipe.size)
+        work = target if (lo, hi) == (start, end) else np.empty(hi - lo, np.uint8)
+        base = recipe.base()
+        self.read_recipe(
+            base, out=work, start=lo, end=hi, verify=verify, full=full, workers=workers
+        )
+        for patch in recipe.patches:
+            content = self.read(
+                patch.blob,
+                size=patch.content_size(recipe.size),
+                verify=verify or full,
+                check=None if full else patch.check,
+            )
+            apply_patch(content, patch, recipe.size, work, lo, hi, shown=self.url(patch.blob))
+        if verify:
+            first = lo // recipe.chunk
+            for i in range(first, -(-hi // recipe.chunk)):
+                s, e = i * recipe.chunk - lo, min((i + 1) * recipe.chunk, recipe.size) - lo
+                if _checksum.digest(work[s:e]) != recipe.checks[i]:
+                    raise CorruptCheckpointError(
+                        f"blobs of {self.url()}: chunk {i} of a patched tensor does not match "
+                        "its checksum once its patches are applied (corrupt)",
+                        path=self.url(),
+                    )
+        if work is not target:
+            target[:] = work[start - lo : end - lo]
+        return target
+
     def verify(self, digest: str, *, size: int | None = None) -> None:
         """Read blob ``digest`` whole and check it against its name; CorruptCheckpointError
         (missing, truncated, damaged header, wrong content) otherwise."""
         self.read(digest, size=size, verify=True)
 
     def verify_recipe(self, recipe: Recipe) -> None:
-        """Every blob of ``recipe`` against its digest, and its XXH3-64 check where it has one."""
+        """Every blob of ``recipe`` against its digest, and its XXH3-64 check where it has one;
+        a patched recipe's result against its checks too."""
+        if recipe.patches:
+            self.verify_recipe(recipe.base())
+            for p in recipe.patches:
+                content = self.read(p.blob, size=p.content_size(recipe.size), verify=True)
+                self._verify_content(p.blob, content, self.path(p.blob), p.check)
+            self.read_recipe(recipe, verify=True)  # the result against its checks
+            return
         checks: Sequence[str | None] = recipe.checks or [None] * len(recipe.digests)
         for (d, s, e), c in zip(recipe.spans(), checks):
             content = self.read(d, size=e - s, verify=True)
@@ -752,5 +808,5 @@ def referenced_by(recipes: Iterable[Recipe]) -> set[str]:
     """Every digest the given recipes name."""
     out: set[str] = set()
     for recipe in recipes:
-        out.update(recipe.digests)
+        out.update(recipe.names())
     return out

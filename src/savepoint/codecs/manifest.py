@@ -128,6 +128,7 @@ __all__ = [
     "ManifestError",
     "ManifestVersionError",
     "NAME",
+    "PATCHES",
     "SHARDED",
     "ShardRecord",
     "TRAILER_BYTES",
@@ -150,7 +151,8 @@ UNSHARDED = 1  # what an unsharded checkpoint is written as
 SHARDED = 2  # the first version with sharding
 BLOCKED = 3  # the first version with block checksums: what a sharded checkpoint is written as
 BLOBS = 4  # the first version with tensors in a blob store: what an incremental save writes
-VERSION = BLOBS  # the newest version this reader reads
+PATCHES = 5  # the first version with patched blob recipes (savepoint.blobs.patch)
+VERSION = PATCHES  # the newest version this reader reads
 NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -964,7 +966,10 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
     raw_tensors = doc.get("tensors")
     _require(isinstance(raw_tensors, dict), "tensors must be an object")
     if version >= BLOBS:
-        tensors = {name: _v4_record(name, t, files, blob_digest) for name, t in raw_tensors.items()}
+        tensors = {
+            name: _v4_record(name, t, files, blob_digest, version)
+            for name, t in raw_tensors.items()
+        }
     elif version >= SHARDED:
         tensors = {
             name: _sharded_tensor(name, t, files, version) for name, t in raw_tensors.items()
@@ -1034,7 +1039,7 @@ def _blob_members(doc: dict[str, Any]) -> tuple[str, str]:
 
 
 def _v4_record(
-    name: str, t: Any, files: dict[str, FileRecord], algorithm: str | None
+    name: str, t: Any, files: dict[str, FileRecord], algorithm: str | None, version: int
 ) -> TensorRecord:
     """One version 4 tensor entry: a version 1 entry, or one naming a blob recipe."""
     if not (type(t) is dict and "blobs" in t):
@@ -1048,6 +1053,11 @@ def _v4_record(
         recipe = _recipe.Recipe.from_json(t["blobs"])
     except CorruptCheckpointError as exc:
         raise ManifestError(f"tensor {name!r}: {exc}") from None
+    _require(
+        not recipe.patches or version >= PATCHES,
+        f"tensor {name!r}: a patched blob recipe in a version {version} manifest (patches "
+        f"came with version {PATCHES})",
+    )
     expected = math.prod(shape) * itemsize
     _require(
         recipe.size == expected,

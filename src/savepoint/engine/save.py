@@ -42,6 +42,7 @@ from savepoint.storage.paths import Location
 if TYPE_CHECKING:
     from savepoint.async_.staging import Staged
     from savepoint.blobs import BlobPolicy, BlobStore, FastMemo, Recipe, SaveSession
+    from savepoint.blobs.patch import PatchTracker
 
 __all__ = [
     "Records",
@@ -494,15 +495,21 @@ def save_blobs(
     session: SaveSession,
     policy: BlobPolicy,
     memo: FastMemo | None = None,
+    tracker: PatchTracker | None = None,
     max_file_bytes: int,
     writers: int,
     direct: bool = True,
     progress: Progress | None = None,
 ) -> tuple[str, mf.Manifest]:
-    """An incremental save (a version 4 checkpoint): the tensors ``policy.wants`` go to the blob
-    store of ``session`` (unchanged chunks are not written again), the others into data files
-    as usual; the blobs are made durable and the session checked (no collection deleted what
-    it reuses) before the manifest is committed. The caller closes the session."""
+    """An incremental save (a version 4 checkpoint, 5 when a tensor is patched): the tensors
+    ``policy.wants`` go to the blob store of ``session`` (unchanged chunks are not written
+    again; with ``tracker`` and ``policy.patches``, a tensor in host memory whose last save the
+    tracker saw is written as a patch of its changed rows, see :mod:`savepoint.blobs.patch`),
+    the others into data files as usual; the blobs are made durable and the session checked (no
+    collection deleted what it reuses) before the manifest is committed, and the tracker told
+    after. The caller closes the session."""
+    from savepoint.blobs.patch import put_tensor
+
     started = time.perf_counter()
     tensors = flat.tensors
     store_path = blob_store_path(location, session.blobs)
@@ -514,6 +521,8 @@ def save_blobs(
     on_bytes = byte_counter(total, progress)
 
     before = session.stats.bytes_written
+    patching = policy.patches and memo is not None and tracker is not None
+    pending: dict[str, Any] = {}
     with Transaction(location.store, location.path) as tx:
         recipes: dict[str, mf.TensorRecord] = {}
         if in_blobs:
@@ -522,7 +531,22 @@ def save_blobs(
             scratch = np.empty(min(biggest, segment), np.uint8)
             for name in in_blobs:
                 source = tensors[name]
-                recipe = _put_source(session, source, policy, memo, scratch)
+                host = _host_bytes(source) if patching else None
+                if host is not None:
+                    assert memo is not None and tracker is not None
+                    recipe, pending[name] = put_tensor(
+                        session,
+                        host,
+                        name,
+                        tuple(source.shape),
+                        source.dtype.itemsize,
+                        policy,
+                        memo,
+                        tracker,
+                    )
+                    source.release()
+                else:
+                    recipe = _put_source(session, source, policy, memo, scratch)
                 digest = recipe.checksum()
                 assert digest is not None
                 record = mf.TensorRecord(
@@ -554,13 +578,16 @@ def save_blobs(
             )
         ordered = {n: recipes[n] if n in blob_set else records[n] for n in names}
         manifest = new_manifest(flat.tree, (files, ordered), metadata)
-        manifest.format_version = mf.BLOBS
+        patched = any(r.recipe.patches for r in recipes.values())
+        manifest.format_version = mf.PATCHES if patched else mf.BLOBS
         manifest.blob_store = store_path
         manifest.blob_digest = session.blobs.algorithm
         raw = mf.dumps(manifest)
         session.sync()
         session.check()
         directory = tx.commit(raw)
+    if tracker is not None and patching:
+        tracker.commit(session.blobs.url(), pending)
     took = time.perf_counter() - started
     log.info(
         "saved %s incrementally: %d tensors (%d in blobs), %d bytes, %d blob bytes written, "

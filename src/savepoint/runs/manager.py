@@ -346,10 +346,13 @@ class CheckpointManager:
         self._blob_policy = blob_policy
         self._blob_store: Any = None
         self._blob_memo: Any = None
+        self._blob_tracker: Any = None
         if incremental:
             from savepoint.blobs import FastMemo
+            from savepoint.blobs.patch import PatchTracker
 
             self._blob_memo = FastMemo()
+            self._blob_tracker = PatchTracker()
         self.directory = str(self._run)
         self.best_metric = best_metric
         self.best_mode: Mode = best_mode
@@ -948,6 +951,7 @@ class CheckpointManager:
             o.direct,
             o.progress,
             memo=self._blob_memo,
+            tracker=self._blob_tracker,
         )
 
     def _referenced_blobs(self) -> set[str]:
@@ -969,7 +973,7 @@ class CheckpointManager:
             with reader:
                 for rec in reader.manifest.tensors.values():
                     if rec.recipe is not None:
-                        found.update(rec.recipe.digests)
+                        found.update(rec.recipe.names())
         return found
 
     def _collect_blobs(self) -> None:
