@@ -253,12 +253,11 @@ def put_tensor(
             # Too much changed for a patch: write chunks; the hashes of the chunks not looked
             # at are unknown, so the next save writes chunks too (and hashes them).
             return _chunked(
-                session, data, itemsize, policy, memo, tracker, block, keys, hashes=False
+                session, data, itemsize, policy, memo, tracker, block, keys, hashes=None
             )
     checks = list(prev.recipe.checks)
     for i in changed_chunks:
         checks[i] = _checksum.digest(data[i * chunk : (i + 1) * chunk])
-    entry_keys = keys
     if count == 0:  # the chunks' keys changed, their blocks did not (content put back)
         recipe = Recipe(
             prev.recipe.algorithm,
@@ -270,15 +269,15 @@ def put_tensor(
             prev.recipe.base_checks,
         )
         if session.reuse_existing(recipe.names()):
-            return recipe, _Entry(recipe, block, entry_keys, hashes, prev.chain)
-        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=True)
+            return recipe, _Entry(recipe, block, keys, hashes, prev.chain)
+        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=hashes)
     size = count * (isz + block)
     if (
         len(prev.recipe.patches) >= policy.max_patches
         or size > MAX_CHUNK
         or not session.reuse_existing(prev.recipe.names())
-    ):
-        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=False)
+    ):  # rebase (every block's hash is known: the next save can patch)
+        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=hashes)
     blocks = np.concatenate(changed_blocks)
     content = encode_patch(data, blocks, block)
     result = session.put(content, compression=policy.compression, itemsize=itemsize)
@@ -293,7 +292,7 @@ def put_tensor(
         (*prev.recipe.patches, patch),
         base_checks,
     )
-    return recipe, _Entry(recipe, block, entry_keys, hashes, prev.chain + size)
+    return recipe, _Entry(recipe, block, keys, hashes, prev.chain + size)
 
 
 def _chunked(
@@ -306,8 +305,10 @@ def _chunked(
     block: int,
     keys: list[tuple[int, int]],
     *,
-    hashes: bool,
+    hashes: np.ndarray[Any, Any] | bool | None,
 ) -> tuple[Recipe, _Entry]:
+    """The tensor as chunks (a first save, or a rebase). ``hashes``: its block hashes when known,
+    True to compute them, None to leave them unknown (the next save writes chunks again)."""
     recipe = session.put_chunked(
         data,
         chunk_size=policy.chunk_size,
@@ -316,6 +317,6 @@ def _chunked(
         workers=policy.workers,
         memo=memo,
     )
-    return recipe, _Entry(
-        recipe, block, keys, tracker.block_hashes(data, block) if hashes else None, 0
-    )
+    if hashes is True:
+        hashes = tracker.block_hashes(data, block)
+    return recipe, _Entry(recipe, block, keys, hashes if hashes is not False else None, 0)
