@@ -215,12 +215,19 @@ def test_a_big_change_rebases_within_the_budget(blobs: BlobStore) -> None:
     table[:1500] += 1.0  # 37% of the rows: over the budget
     recipe, _ = saver.save(table)
     assert not recipe.patches
-    table[7] += 1.0  # the hashes were not all computed: chunks again, then patches
-    recipe, _ = saver.save(table)
-    assert not recipe.patches
-    table[8] += 1.0
+    table[7] += 1.0  # the rebase knows every block's hash: the next change is a patch
     recipe, written = saver.save(table)
     assert len(recipe.patches) == 1 and written < 1024
+    chain = written
+    for k in range(1, 40):  # 64 more rows each save: the chain stops at 25% of the bytes
+        table[64 * k : 64 * (k + 1)] += 1.0
+        recipe, written = saver.save(table)
+        if not recipe.patches:
+            break
+        chain += written
+    else:
+        raise AssertionError("the chain never rebased")
+    assert 0.2 * table.nbytes < chain <= 0.25 * table.nbytes
     assert _restored(blobs, recipe, table).tobytes() == table.tobytes()
 
 

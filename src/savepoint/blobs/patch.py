@@ -249,12 +249,6 @@ def put_tensor(
         hashes[lo : lo + fresh.size] = fresh
         changed_blocks.append(moved)
         count += moved.size
-        if count * (isz + block) > budget:
-            # Too much changed for a patch: write chunks; the hashes of the chunks not looked
-            # at are unknown, so the next save writes chunks too (and hashes them).
-            return _chunked(
-                session, data, itemsize, policy, memo, tracker, block, keys, hashes=None
-            )
     checks = list(prev.recipe.checks)
     for i in changed_chunks:
         checks[i] = _checksum.digest(data[i * chunk : (i + 1) * chunk])
@@ -274,6 +268,7 @@ def put_tensor(
     size = count * (isz + block)
     if (
         len(prev.recipe.patches) >= policy.max_patches
+        or size > budget
         or size > MAX_CHUNK
         or not session.reuse_existing(prev.recipe.names())
     ):  # rebase (every block's hash is known: the next save can patch)

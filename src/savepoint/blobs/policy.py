@@ -41,7 +41,7 @@ class BlobPolicy:
     workers: int = 2
     memo: bool = True
     patches: bool = True
-    max_patches: int = 32
+    max_patches: int = 64
     patch_budget: float = 0.5
 
     def __post_init__(self) -> None:
