@@ -6,6 +6,7 @@ nothing is committed at the destination."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -95,7 +96,9 @@ def test_a_copy_brings_the_blobs_as_stored_and_then_only_the_missing_ones(
     sp.save(tmp_path / "src2" / "ck", s2, blobs=tmp_path / "src2" / "blobs", blob_policy=ZSTD)
     again = PutStats()
     sp.copy(tmp_path / "src2" / "ck", tmp_path / "dst" / "ck2", stats=again)
-    assert again.blobs_written == 1 and again.blobs_reused == len(named(tmp_path / "dst" / "ck2")) - 1
+    assert (
+        again.blobs_written == 1 and again.blobs_reused == len(named(tmp_path / "dst" / "ck2")) - 1
+    )
     assert again.bytes_written == 64 << 10
     same(sp.load(tmp_path / "dst" / "ck2"), s2)
     same(sp.load(tmp_path / "dst" / "ck"), s)
@@ -175,13 +178,16 @@ def test_materialize_writes_a_plain_checkpoint_needing_no_blob_store(tmp_path: P
     assert m.format_version == mf.UNSHARDED and m.blob_store is None
     assert m.metadata == mf.parse((ck / mf.NAME).read_bytes()).metadata
     assert all(rec.recipe is None for rec in m.tensors.values())
-    assert seen and seen[-1][0] == seen[-1][1] and all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+    assert seen and seen[-1][0] == seen[-1][1]
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(seen))
     shutil_rmtree(tmp_path / "src")
     same(sp.load(tmp_path / "plain"), s)
     sp.verify(tmp_path / "plain")
     # a plain checkpoint copied with materialize=True is copied as it is
     sp.copy(tmp_path / "plain", tmp_path / "plain2", materialize=True)
-    assert (tmp_path / "plain2" / mf.NAME).read_bytes() == (tmp_path / "plain" / mf.NAME).read_bytes()
+    assert (tmp_path / "plain2" / mf.NAME).read_bytes() == (
+        tmp_path / "plain" / mf.NAME
+    ).read_bytes()
 
 
 def test_a_collection_during_the_copy_is_held_back(
@@ -227,9 +233,7 @@ def test_s3_and_back(tmp_path: Path, s3_bucket: str) -> None:
     ck, s = saved(tmp_path, ZSTD)
     url = f"s3://{s3_bucket}/run/ck"  # its blobs go to ../blobs from there
     sp.copy(ck, url)
-    assert set(BlobStore.open(f"s3://{s3_bucket}/run/blobs", create=False).list()) == named(
-        ck
-    )
+    assert set(BlobStore.open(f"s3://{s3_bucket}/run/blobs", create=False).list()) == named(ck)
     same(sp.load(url), s)
     stats = PutStats()
     sp.copy(ck, f"s3://{s3_bucket}/run/ck2", stats=stats)

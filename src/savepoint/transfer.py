@@ -359,8 +359,7 @@ def _copy_blobs(
         except CorruptCheckpointError as exc:
             failed.set()
             raise CorruptCheckpointError(
-                f"{reader.shown}: tensor {ref!r}: {exc}; nothing was committed at the "
-                "destination",
+                f"{reader.shown}: tensor {ref!r}: {exc}; nothing was committed at the destination",
                 path=reader.shown,
                 key=ref,
             ) from None
