@@ -260,3 +260,33 @@ def test_cli_copy_and_materialize(tmp_path: Path) -> None:
     shutil_rmtree(tmp_path / "src")
     same(sp.load(tmp_path / "plain"), s)
     same(sp.load(tmp_path / "dst" / "ck"), s)
+
+
+def test_a_blob_store_at_the_top_of_the_destination_store_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    s = state()
+    sp.save(run / "checkpoints" / "step-1", s, blobs=run / "blobs", blob_policy=POLICY)
+    objects = MemoryStore()
+    with pytest.raises(sp.UnsupportedStateError, match="top of the store"):
+        sp.copy(run / "checkpoints" / "step-1", Location(objects, "/bucket/ck"))
+    assert objects.stat("/bucket/ck") is None and objects.stat("/blobs") is None
+    sp.copy(run / "checkpoints" / "step-1", Location(objects, "/bucket/checkpoints/ck"))
+    same(sp.load(Location(objects, "/bucket/checkpoints/ck")), s)
+    assert objects.stat("/bucket/blobs/store.json") is not None
+
+
+def test_copy_stored_refuses_another_digest_and_keeps_the_codec() -> None:
+    data = np.zeros(100_000, np.float32)
+    source = BlobStore(MemoryStore(), "/a")
+    put = source.put(data, compression=Compression())
+    dest = BlobStore(MemoryStore(), "/b")
+    first = dest.copy_stored(source, put.digest, size=data.nbytes)
+    assert first.written and first.stored == put.stored
+    assert dest.info(put.digest).codec == "zstd"
+    assert not dest.copy_stored(source, put.digest, size=data.nbytes).written
+    assert dest.read(put.digest).tobytes() == data.tobytes()
+    other = BlobStore(MemoryStore(), "/c", algorithm="xxh3-128")
+    with pytest.raises(sp.IncompatibleCheckpointError):
+        other.copy_stored(source, put.digest)
+    with pytest.raises(sp.CorruptCheckpointError, match="checksum"):
+        BlobStore(MemoryStore(), "/d").copy_stored(source, put.digest, check="0" * 16)

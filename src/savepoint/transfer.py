@@ -55,6 +55,7 @@ from savepoint.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    UnsupportedStateError,
 )
 from savepoint.info import CheckpointInfo
 from savepoint.options import DEFAULT_MAX_FILE_BYTES, Progress, check_load
@@ -273,15 +274,19 @@ def _stream(blob: BlobReader, writer: BlobWriter, size: int, buffer: mmap.mmap) 
 
 
 def _destination_blobs(reader: Reader, target: Location) -> str:
-    """Where the copy's blob store is: the manifest's ``blob_store`` from the destination."""
+    """Where the copy's blob store is: the manifest's ``blob_store`` from the destination. One
+    that would be a top-level directory of the store (another bucket, on an object store) is
+    refused before anything is written."""
     rel = reader.manifest.blob_store
     assert rel is not None
     root = posixpath.normpath(posixpath.join(target.store.abspath(target.path), rel))
-    if root in ("/", "//", ".", "") or root.startswith("../"):
+    if len([part for part in root.split("/") if part not in ("", ".", "..")]) < 2:
         shown = target.store.url(target.path)
-        raise ValueError(
-            f"cannot copy {reader.shown} to {shown}: its blob store would be {rel!r} from "
-            "there, above the root of the store; copy it deeper, or with materialize=True"
+        raise UnsupportedStateError(
+            f"cannot copy {reader.shown} to {shown}: its manifest names its blob store {rel!r} "
+            f"from there, which would be {target.store.url(root)}, at the top of the store (on "
+            "an object store, another bucket); nothing was copied. Copy it one level deeper, "
+            "or with materialize=True"
         )
     return root
 
