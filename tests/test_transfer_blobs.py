@@ -290,3 +290,16 @@ def test_copy_stored_refuses_another_digest_and_keeps_the_codec() -> None:
         other.copy_stored(source, put.digest)
     with pytest.raises(sp.CorruptCheckpointError, match="checksum"):
         BlobStore(MemoryStore(), "/d").copy_stored(source, put.digest, check="0" * 16)
+
+
+def test_an_incremental_save_on_a_store_without_rename_reads_back() -> None:
+    """The manifest is in a generation directory under the checkpoint's path there; its
+    blob_store is relative to the checkpoint's path."""
+    objects = MemoryStore(atomic_rename=False)
+    s = state()
+    sp.save(
+        Location(objects, "/run/ck"), s, blobs=BlobStore(objects, "/run/blobs"), blob_policy=POLICY
+    )
+    assert all(name.startswith("gen-") for name in objects.list("/run/ck"))
+    same(sp.load(Location(objects, "/run/ck")), s)
+    sp.verify(Location(objects, "/run/ck"))

@@ -103,13 +103,24 @@ def test_restores_bit_exactly_from_each_tier_once_the_run_directory_is_gone(
         into = empty()
         assert again.restore(into, 2, resume=False) == 2
         same(into, state(2))
-    shutil.rmtree(tmp_path / "disk")  # the disk is gone too: the memory tier has steps 1, 3
+    # A frozen blob on the disk tier rots: no copy there verifies; the memory tier has 1 and 3.
+    disk_blobs = BlobStore.open(tmp_path / "disk" / "blobs", create=False)
+    shared = set.intersection(*(named(layout.step_path(tmp_path / "disk", n)) for n in range(1, 5)))
+    rotten = Path(disk_blobs.path(min(shared)))
+    raw = bytearray(rotten.read_bytes())
+    raw[-1] ^= 1
+    rotten.chmod(0o644)
+    rotten.write_bytes(bytes(raw))
     with sp.CheckpointManager(tmp_path / "run3", name="r", incremental=True, tiers=tiers) as last:
         into = empty()
-        assert last.restore(into) == 3 and last.restored_from == "mem"
+        with pytest.warns(UserWarning, match=r"\(disk\) failed verification"):
+            assert last.restore(into) == 3
+        assert last.restored_from == "mem"
         same(into, state(3))
+    shutil.rmtree(tmp_path / "disk")  # the disk is gone
+    with sp.CheckpointManager(tmp_path / "run4", name="r", incremental=True, tiers=tiers) as last:
         into = empty()
-        assert last.restore(into, 1, resume=False) == 1
+        assert last.restore(into, 1, resume=False) == 1 and last.restored_from == "mem"
         same(into, state(1))
 
 
