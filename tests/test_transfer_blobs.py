@@ -303,3 +303,33 @@ def test_an_incremental_save_on_a_store_without_rename_reads_back() -> None:
     assert all(name.startswith("gen-") for name in objects.list("/run/ck"))
     same(sp.load(Location(objects, "/run/ck")), s)
     sp.verify(Location(objects, "/run/ck"))
+
+
+def test_the_blobs_are_durable_before_the_manifest_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from savepoint.commit.transaction import Transaction
+
+    ck, _ = saved(tmp_path)
+    events: list[str] = []
+    real_sync, real_commit, real_copy = BlobStore.sync, Transaction.commit, BlobStore.copy_stored
+
+    def sync(self: BlobStore) -> None:
+        events.append("sync")
+        real_sync(self)
+
+    def commit(self: Transaction, manifest: Any) -> str:
+        events.append("commit")
+        return real_commit(self, manifest)
+
+    def copy_stored(self: BlobStore, *args: Any, **kwargs: Any) -> Any:
+        result = real_copy(self, *args, **kwargs)
+        events.append("blob")
+        return result
+
+    monkeypatch.setattr(BlobStore, "sync", sync)
+    monkeypatch.setattr(Transaction, "commit", commit)
+    monkeypatch.setattr(BlobStore, "copy_stored", copy_stored)
+    sp.copy(ck, tmp_path / "dst" / "ck")
+    last_blob = max(i for i, e in enumerate(events) if e == "blob")
+    assert "sync" in events[last_blob : events.index("commit")]
