@@ -180,14 +180,17 @@ def test_a_memory_store_works(tmp_path: Path) -> None:
     sp.verify("memory://t-incremental/run/ck")
 
 
-def test_copy_refuses_to_leave_the_blobs_behind(tmp_path: Path) -> None:
+def test_copy_brings_the_blobs_along(tmp_path: Path) -> None:
+    # More in tests/test_transfer_blobs.py.
     s = state()
     sp.save(tmp_path / "ck", s, blobs=tmp_path / "blobs", blob_policy=SMALL_CHUNKS)
-    sp.copy(tmp_path / "ck", tmp_path / "ck2")  # a sibling: the same store
+    sp.copy(tmp_path / "ck", tmp_path / "ck2")  # a sibling: the same store, nothing to copy
     equal(sp.load(tmp_path / "ck2"), s)
-    with pytest.raises(sp.UnsupportedStateError, match="blob store"):
-        sp.copy(tmp_path / "ck", tmp_path / "other" / "ck")
-    assert not (tmp_path / "other" / "ck").exists()
+    sp.copy(tmp_path / "ck", tmp_path / "other" / "ck")  # the blobs go to other/blobs
+    assert set(BlobStore.open(tmp_path / "other" / "blobs").list()) == set(
+        BlobStore.open(tmp_path / "blobs").list()
+    )
+    equal(sp.load(tmp_path / "other" / "ck"), s)
 
 
 def test_export_writes_plain_safetensors(tmp_path: Path) -> None:

@@ -785,6 +785,63 @@ class BlobStore:
             self.put(content, digest=d, compression=compression, stats=stats)
         return stats
 
+    def copy_stored(
+        self,
+        source: BlobStore,
+        digest: str,
+        *,
+        size: int | None = None,
+        check: str | None = None,
+        full: bool = True,
+    ) -> PutResult:
+        """Copy blob ``digest`` of ``source`` here as it is stored there (header and payload: a
+        compressed blob stays compressed), unless this store has it already. It is checked on
+        the way, before anything is written: its header (``size``: the content size a recipe
+        expects), its content against ``check`` (its XXH3-64, from a recipe) and, with ``full``,
+        against its name; CorruptCheckpointError otherwise. Call within a session of this store
+        when saves or collections may run here (:func:`savepoint.copy` does)."""
+        if source.algorithm != self.algorithm:
+            raise IncompatibleCheckpointError(
+                f"cannot copy {source.algorithm} blobs of {source.url()} into the "
+                f"{self.algorithm} store {self.url()}",
+                path=self.url(),
+            )
+        path = self.path(digest)
+        src_path = source.path(digest)
+        try:
+            if size is not None and self._present(path, size):
+                return PutResult(digest, size, False, 0)
+            with source._reader(src_path) as reader:
+                header = source._header(reader, src_path, size)
+                stored = np.empty(HEADER + header.stored_size, np.uint8)
+                source._read_at(reader, src_path, 0, stored)
+            shown = source.url(src_path)
+            header = frame.parse_header(
+                stored[:HEADER].tobytes(), shown=shown, blob_size=len(stored), expect_size=size
+            )
+            if size is None and self._present(path, header.raw_size):
+                return PutResult(digest, header.raw_size, False, 0)
+            if header.codec == frame.RAW:
+                content = stored[HEADER:]
+            else:
+                content = np.empty(header.raw_size, np.uint8)
+                frame.decode(header, stored[HEADER:], content, shown=shown)
+            if check is not None:
+                source._verify_content(digest, content, src_path, check)
+            if full or check is None:
+                source._verify_content(digest, content, src_path)
+            del content
+            written = self._publish(path, stored[:HEADER].tobytes(), stored[HEADER:], len(stored))
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointWriteError(
+                f"cannot copy blob {source.url(src_path)} to {self.url(path)}: {exc}",
+                path=self.url(path),
+                errno=exc.errno,
+            ) from exc
+        return PutResult(digest, header.raw_size, written, len(stored) if written else 0)
+
     # -- saves and collection ----------------------------------------------------------------------
 
     def session(self, **kwargs: Any) -> SaveSession:

@@ -39,20 +39,35 @@ __all__ = ["copy_cmd"]
     show_default=True,
     help="Replace a committed checkpoint at DST (never anything else).",
 )
+@click.option(
+    "--materialize",
+    is_flag=True,
+    help="Write an incremental (blob-backed) SRC as a plain checkpoint that needs no blob store.",
+)
 def copy_cmd(
-    src: str, dst: str, step: str | None, verify: bool, overwrite: bool, as_json: bool
+    src: str,
+    dst: str,
+    step: str | None,
+    verify: bool,
+    overwrite: bool,
+    materialize: bool,
+    as_json: bool,
 ) -> None:
     """Copy the savepoint checkpoint SRC to DST: the same manifest and data files, byte for
     byte, committed at DST the way a save commits (a failure leaves DST as it was).
 
     SRC and DST are local paths or URLs (s3://, gs://, az://, memory://); SRC may be a run
-    directory (its latest checkpoint, or --step N|latest|best).
+    directory (its latest checkpoint, or --step N|latest|best). An incremental checkpoint
+    brings the blobs it names that are missing there to the blob store at the same relative
+    place from DST (its run's blobs/, say); --materialize writes it as a plain checkpoint
+    instead.
 
     \b
     Examples:
       savepoint copy /dev/shm/run/checkpoints/step-0000000100 s3://bucket/run/step-100
       savepoint copy runs/demo backup/demo-latest --step best
     """
+    from savepoint.blobs import PutStats
     from savepoint.transfer import copy
 
     src = local(src)
@@ -62,9 +77,18 @@ def copy_cmd(
     elif step is not None:
         raise click.UsageError("--step is for run directories; SRC is a checkpoint")
     start = time.perf_counter()
+    stats = PutStats()
     try:
         with progress("copying") as update:
-            info = copy(src, dst, verify=verify, overwrite=overwrite, progress=update)
+            info = copy(
+                src,
+                dst,
+                verify=verify,
+                overwrite=overwrite,
+                progress=update,
+                materialize=materialize,
+                stats=stats,
+            )
     except CheckpointError as exc:
         fail_read(exc, src)
     except ValueError as exc:
@@ -78,6 +102,9 @@ def copy_cmd(
                 "destination": info.path,
                 "tensors": len(info.tensors),
                 "bytes": nbytes,
+                "blobs_copied": stats.blobs_written,
+                "blob_bytes": stats.bytes_stored,
+                "materialized": materialize,
                 "verified": verify,
                 "seconds": round(elapsed, 6),
             },
@@ -86,7 +113,14 @@ def copy_cmd(
         )
         return
     checked = "verified and " if verify else ""
+    blobs = ""
+    if stats.blobs_written or stats.blobs_reused:
+        blobs = (
+            f", {stats.blobs_written} blobs copied ({_size(stats.bytes_stored)}), "
+            f"{stats.blobs_reused} already there"
+        )
+    plain = " as a plain checkpoint" if materialize else ""
     click.echo(
-        f"ok: {shown(src)} {checked}copied to {info.path}: {len(info.tensors)} tensors, "
-        f"{_size(nbytes)} in {elapsed:.2f} s"
+        f"ok: {shown(src)} {checked}copied to {info.path}{plain}: {len(info.tensors)} tensors, "
+        f"{_size(nbytes)}{blobs} in {elapsed:.2f} s"
     )

@@ -249,11 +249,17 @@ def _restore(
     return p.finish(getter(made, device)), refs
 
 
-def verify(reader: Reader, progress: Progress | None) -> None:
+def verify(reader: Reader, progress: Progress | None, *, blobs: bool = True) -> None:
     """Check every data file's header entries against the manifest and every checksum; raise a
-    CorruptCheckpointError describing the first problem."""
+    CorruptCheckpointError describing the first problem. ``blobs=False``: leave out the tensors
+    stored as blobs (a copy checks each blob it copies itself)."""
     manifest = reader.manifest
-    count = counter(progress, manifest, set(manifest.tensors))
+    wanted = (
+        set(manifest.tensors)
+        if blobs
+        else {r for r, rec in manifest.tensors.items() if rec.recipe is None}
+    )
+    count = counter(progress, manifest, wanted)
     expected_sharded = _expected_entries(manifest) if manifest.sharded else {}
     table = manifest.tensors
     by_file = (
@@ -290,6 +296,8 @@ def verify(reader: Reader, progress: Progress | None) -> None:
     rest = reader.check_small(
         table if isinstance(table, mf.TensorTable) else table.items(), progress=count
     )
+    if not blobs:
+        rest = [ref for ref in rest if table[ref].recipe is None]
     reader.transfer([(ref, None) for ref in rest], progress=count)
 
 

@@ -295,7 +295,6 @@ class CheckpointManager:
                 name
                 for name, on in (
                     ("async_save", async_save),
-                    ("tiers", bool(tiers)),
                     ("process_group", self.save_options.process_group is not None),
                 )
                 if on

@@ -17,7 +17,9 @@ it received, and keeps the ``keep`` newest of them::
 
 Layout: a tier holds ``checkpoints/step-<step>/`` as a run directory does, and ``tier.json``
 naming the run it belongs to (a tier of another run is refused with RunMismatchError rather than
-mixed in). No report and no aliases: a tier is a shelf of committed checkpoints.
+mixed in). No report and no aliases: a tier is a shelf of committed checkpoints. A tier of an
+incremental run (``CheckpointManager(..., incremental=True)``) also has ``blobs/``, its own blob
+store, laid out as the run directory's is (the manifests name it ``../../blobs``).
 
 Copy-up (:class:`TierCopier`): one background thread per manager copies a committed checkpoint to
 each tier it is due on with :func:`savepoint.copy` (every checksum of the source checked first,
@@ -28,6 +30,12 @@ checkpoints, the new copy is read back and verified there and only then are the 
 CheckpointWriteError naming the tier, the step and the cause, by the manager's next ``save``,
 ``wait()`` or ``close()`` (like any background failure); the copy of the next due step is tried
 as usual. The run directory's retention never deletes a checkpoint whose copy-up has not finished.
+
+Incremental checkpoints: :func:`savepoint.copy` brings along only the blobs the tier's store does
+not have yet (an unchanged frozen base is copied up once), checked on the way, in a session of
+the tier's store. Retention on the tier deletes step directories and then collects the tier's
+blob store by reference counting (the digests every checkpoint still on the tier names), as the
+manager collects its run's store.
 
 Restore: :meth:`TierCopier.candidates` lists, for each step, where it can be read, fastest tier
 first; the manager's ``restore()`` tries them newest step first and falls back tier by tier, then
@@ -44,13 +52,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from savepoint.commit.transaction import discard
 from savepoint.errors import CheckpointError, CheckpointWriteError, RunMismatchError
 from savepoint.runs import layout
 from savepoint.storage.paths import Location
 from savepoint.storage.paths import resolve as resolve_path
+
+if TYPE_CHECKING:
+    from savepoint.blobs import BlobStore
 
 __all__ = ["TIER_FILE", "Tier", "TierCopier"]
 
@@ -203,6 +214,7 @@ class TierCopier:
             return set(self._pending)
 
     def _copy_up(self, step: int, source: str | Location, due: list[Tier]) -> None:
+        from savepoint.blobs import PutStats
         from savepoint.transfer import copy
 
         try:
@@ -210,13 +222,18 @@ class TierCopier:
                 target = self.location(tier, step)
                 started = time.perf_counter()
                 try:
-                    copy(source, target, verify=True)
+                    stats = PutStats()
+                    copy(source, target, verify=True, stats=stats)
                     log.info(
-                        "step %d copied to tier %r (%s) in %.3f s",
+                        "step %d copied to tier %r (%s) in %.3f s%s",
                         step,
                         tier.label,
                         target,
                         time.perf_counter() - started,
+                        f"; {stats.blobs_written} blobs copied ({stats.bytes_stored} bytes), "
+                        f"{stats.blobs_reused} already there"
+                        if stats.blobs_written or stats.blobs_reused
+                        else "",
                     )
                     self._prune(tier, step)
                 except BaseException as exc:  # kept, and raised by the manager
@@ -241,6 +258,7 @@ class TierCopier:
         checkpoint.verify(layout.checkpoint_arg(self.location(tier, newest)))
         protected = set(self._protected()) | {newest}
         extra = len(steps) - tier.keep
+        deleted = 0
         for step in steps:
             if extra <= 0:
                 break
@@ -250,6 +268,61 @@ class TierCopier:
             discard(where.store, where.path)
             log.info("tier %r: deleted step %d (keep=%d)", tier.label, step, tier.keep)
             extra -= 1
+            deleted += 1
+        if deleted:
+            self._collect(tier)
+
+    # -- blobs ---------------------------------------------------------------------------------
+
+    def blob_store(self, tier: Tier) -> BlobStore | None:
+        """The tier's blob store, ``<tier>/blobs`` (where the incremental checkpoints copied
+        there keep their blobs), or None when there is none."""
+        from savepoint.blobs import RUN_BLOBS, BlobStore
+        from savepoint.blobs.store import CONFIG
+
+        where = self._where[tier.label].join(RUN_BLOBS)
+        if where.store.stat(where.join(CONFIG).path) is None:
+            return None
+        return BlobStore(where.store, where.path, create=False)
+
+    def referenced_blobs(self, tier: Tier) -> set[str]:
+        """The blob digests every committed checkpoint on the tier names. A manifest that
+        cannot be read raises: a collection then deletes nothing."""
+        from savepoint.engine.read import Reader
+        from savepoint.errors import CheckpointNotFoundError, IncompleteCheckpointError
+
+        found: set[str] = set()
+        for step in self._steps(tier):
+            try:
+                reader = Reader.open(self.location(tier, step), needs=lambda shown, manifest: ())
+            except (CheckpointNotFoundError, IncompleteCheckpointError):
+                continue  # deleted (or never committed) since the listing
+            with reader:
+                for rec in reader.manifest.tensors.values():
+                    if rec.recipe is not None:
+                        found.update(rec.recipe.digests)
+        return found
+
+    def _collect(self, tier: Tier) -> None:
+        """Delete the tier's blobs that no checkpoint kept there names (after retention deleted
+        checkpoints), as the manager collects its run's store: reference counting under the
+        blob store's protocol (a copy-up in flight holds it back). A failure is logged and
+        left for the next collection."""
+        try:
+            blobs = self.blob_store(tier)
+            if blobs is None:
+                return
+            report = blobs.collect(lambda: self.referenced_blobs(tier), grace=0)
+        except (CheckpointError, OSError) as exc:
+            log.warning("tier %r: cannot collect unused blobs yet: %s", tier.label, exc)
+            return
+        if report.deleted:
+            log.info(
+                "tier %r: deleted %d unused blobs (%d bytes)",
+                tier.label,
+                len(report.deleted),
+                report.bytes_freed,
+            )
 
     def _fail(self, tier: Tier, step: int, exc: BaseException) -> None:
         cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else exc
