@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from savepoint.codecs import checksum, dtypes
+from savepoint.codecs import dtypes
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction, check_target
 from savepoint.engine import collector, plan
@@ -328,11 +328,14 @@ def _blob_jobs(manifest: mf.Manifest) -> list[tuple[str, str, int, str | None]]:
         recipe: Recipe | None = rec.recipe
         if recipe is None:
             continue
-        checks: Any = recipe.checks or [None] * len(recipe.digests)
-        for (digest, start, end), check in zip(recipe.spans(), checks):
+        base = recipe.base()  # a patched recipe: its chunks, then its patches
+        checks: Any = base.checks or [None] * len(base.digests)
+        blobs = [(d, e - s, c) for (d, s, e), c in zip(base.spans(), checks)]
+        blobs += [(p.blob, p.content_size(recipe.size), p.check) for p in recipe.patches]
+        for digest, size, check in blobs:
             if digest not in seen:
                 seen.add(digest)
-                jobs.append((ref, digest, end - start, check))
+                jobs.append((ref, digest, size, check))
     return jobs
 
 
@@ -416,6 +419,7 @@ class _RecipeSource:
         self.full = full
         self._index = -1
         self._chunk: np.ndarray[Any, Any] | None = None
+        self._patches: list[np.ndarray[Any, Any]] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -427,16 +431,12 @@ class _RecipeSource:
     def _load(self, index: int) -> np.ndarray[Any, Any]:
         if index != self._index or self._chunk is None:
             recipe = self.recipe
-            digest = recipe.digests[index]
-            size = min(recipe.chunk, recipe.size - index * recipe.chunk)
-            check = recipe.checks[index] if recipe.checks else None
             try:
-                content = self.blobs.read(digest, size=size, verify=self.full or check is None)
-                if check is not None and checksum.digest(content) != check:
-                    raise CorruptCheckpointError(
-                        f"blob {self.blobs.url(self.blobs.path(digest))} does not match its "
-                        "checksum (corrupt)"
-                    )
+                if recipe.patches and self._patches is None:
+                    self._patches = self.blobs.patch_contents(recipe, full=self.full)
+                content = self.blobs.read_chunk(
+                    recipe, index, patches=self._patches, full=self.full
+                )
             except CorruptCheckpointError as exc:
                 shown = self.reader.shown
                 raise CorruptCheckpointError(
@@ -460,7 +460,7 @@ class _RecipeSource:
             pos += n
 
     def release(self) -> None:
-        self._index, self._chunk = -1, None
+        self._index, self._chunk, self._patches = -1, None, None
 
 
 def _fresh_names(taken: Mapping[str, Any]) -> Callable[[int], str]:

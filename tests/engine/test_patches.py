@@ -155,3 +155,31 @@ def test_retention_keeps_the_base_and_patches_of_every_retained_checkpoint(
         again.save(14, {"emb": table, "step": 14})
         again.wait()
         assert sp.load(again.step_path(14))["emb"].tobytes() == table.tobytes()
+
+
+def test_copy_and_materialize_carry_the_patches(tmp_path: Path) -> None:
+    table = embedding()
+    src = tmp_path / "src"
+    sp.save(src / "a", {"emb": table}, blobs=src / "blobs", blob_policy=POLICY)
+    touch(table, 1)
+    sp.save(src / "b", {"emb": table}, blobs=src / "blobs", blob_policy=POLICY)
+    recipe = mf.parse((src / "b" / mf.NAME).read_bytes()).tensors["emb"].recipe
+    sp.copy(src / "b", tmp_path / "dst" / "b")
+    held = set(BlobStore.open(tmp_path / "dst" / "blobs", create=False).list())
+    assert held == set(recipe.names())
+    assert sp.load(tmp_path / "dst" / "b")["emb"].tobytes() == table.tobytes()
+    sp.verify(tmp_path / "dst" / "b")
+    sp.copy(src / "b", tmp_path / "plain", materialize=True)
+    assert sp.verify(tmp_path / "plain").format_version < mf.BLOBS
+    assert sp.load(tmp_path / "plain")["emb"].tobytes() == table.tobytes()
+    # a damaged patch: the copy names the tensor and commits nothing
+    path = src / "blobs" / "data" / recipe.patches[0].blob[:2] / recipe.patches[0].blob
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.chmod(0o644)
+    path.write_bytes(bytes(raw))
+    for kw in ({}, {"materialize": True}):
+        target = tmp_path / f"bad{len(kw)}" / "b"
+        with pytest.raises(CorruptCheckpointError, match="emb"):
+            sp.copy(src / "b", target, **kw)
+        assert not (target / mf.NAME).exists()

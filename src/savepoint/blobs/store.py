@@ -696,27 +696,60 @@ class BlobStore:
         """:meth:`verify_recipe` of a patched recipe: each patch and each base chunk against
         its name and its XXH3-64, and each chunk of the result against ``checks``; one read of
         every blob, in memory the patches and one chunk."""
+        patches = self.patch_contents(recipe, full=True)
+        buf = np.empty(min(recipe.chunk, recipe.size), np.uint8)
+        for i in range(len(recipe.digests)):
+            self.read_chunk(recipe, i, patches=patches, full=True, out=buf)
+
+    def patch_contents(self, recipe: Recipe, *, full: bool = False) -> list[np.ndarray[Any, Any]]:
+        """The content of every patch of ``recipe``, in order, each checked against its XXH3-64
+        and, with ``full``, its name (for :meth:`read_chunk`)."""
+        out = []
+        for p in recipe.patches:
+            content = self.read(
+                p.blob, size=p.content_size(recipe.size), verify=True, check=p.check
+            )
+            if full:
+                self._verify_content(p.blob, content, self.path(p.blob))
+            out.append(content)
+        return out
+
+    def read_chunk(
+        self,
+        recipe: Recipe,
+        index: int,
+        *,
+        patches: Sequence[np.ndarray[Any, Any]] | None = None,
+        full: bool = False,
+        out: np.ndarray[Any, Any] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """Chunk ``index`` of the content ``recipe`` describes, checked: its blob against its
+        XXH3-64 (and, with ``full``, its name); for a patched recipe, the base chunk so, the
+        patches (``patches``: :meth:`patch_contents`, read here when None) applied, and the
+        result against the chunk's check. Into ``out`` (at least a chunk) when given."""
         from savepoint.blobs.patch import apply_patch
 
-        contents = []
-        for p in recipe.patches:
-            content = self.read(p.blob, size=p.content_size(recipe.size), verify=True)
-            self._verify_content(p.blob, content, self.path(p.blob), p.check)
-            contents.append(content)
-        base = recipe.base()
-        buf = np.empty(min(recipe.chunk, recipe.size), np.uint8)
-        for i, ((d, s, e), c) in enumerate(zip(base.spans(), base.checks)):
-            part = buf[: e - s]
-            self.read(d, size=e - s, out=part, verify=True)
-            self._verify_content(d, part, self.path(d), c)
-            for p, content in zip(recipe.patches, contents):
-                apply_patch(content, p, recipe.size, part, s, e, shown=self.url(p.blob))
-            if _checksum.digest(part) != recipe.checks[i]:
-                raise CorruptCheckpointError(
-                    f"blobs of {self.url()}: chunk {i} of a patched tensor does not match its "
-                    "checksum once its patches are applied (corrupt)",
-                    path=self.url(),
-                )
+        d, s = recipe.digests[index], index * recipe.chunk
+        e = min(s + recipe.chunk, recipe.size)
+        part = np.empty(e - s, np.uint8) if out is None else _out_array(out[: e - s], e - s)
+        checks = recipe.base_checks if recipe.patches else recipe.checks
+        check = checks[index] if checks else None
+        self.read(d, size=e - s, out=part, verify=True, check=check)
+        if full and check is not None:
+            self._verify_content(d, part, self.path(d))
+        if not recipe.patches:
+            return part
+        if patches is None:
+            patches = self.patch_contents(recipe, full=full)
+        for p, content in zip(recipe.patches, patches):
+            apply_patch(content, p, recipe.size, part, s, e, shown=self.url(self.path(p.blob)))
+        if _checksum.digest(part) != recipe.checks[index]:
+            raise CorruptCheckpointError(
+                f"blobs of {self.url()}: chunk {index} of a patched tensor does not match its "
+                "checksum once its patches are applied (corrupt)",
+                path=self.url(),
+            )
+        return part
 
     def info(self, digest: str) -> BlobInfo:
         path = self.path(digest)

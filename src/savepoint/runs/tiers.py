@@ -300,7 +300,7 @@ class TierCopier:
             with reader:
                 for rec in reader.manifest.tensors.values():
                     if rec.recipe is not None:
-                        found.update(rec.recipe.digests)
+                        found.update(rec.recipe.names())
         return found
 
     def _collect(self, tier: Tier) -> None:
