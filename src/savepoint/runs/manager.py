@@ -137,6 +137,7 @@ from savepoint.errors import (
     CheckpointPermissionError,
     CheckpointWriteError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     IncompleteCheckpointError,
     MissingCheckpointError,
     RunLockedError,
@@ -235,6 +236,17 @@ class CheckpointManager:
     every rank of ``process_group``, with an all-reduce every ``preemption_every`` calls) and
     :meth:`save_on_preemption` commits within ``preemption_grace`` seconds of the notice (25 by
     default, for Kubernetes' 30). See docs/runs.md, "Preemption".
+
+    ``incremental=True``: the run's checkpoints share a content-addressed blob store at
+    ``<run>/blobs`` (``docs/blobs.md``): a tensor ``blob_policy`` wants (a
+    :class:`savepoint.blobs.BlobPolicy`; default: those of 1 MiB or more) is written only where
+    its bytes changed since an earlier save; retention then deletes the blobs no remaining
+    checkpoint names. With ``async_save=True`` the caller is blocked for the staging copy only;
+    the background thread runs the blob store's save session and then retention and the blob
+    collection. ``compression``: ``"zstd"`` (or a :class:`savepoint.blobs.Compression`) stores
+    blobs zstd-compressed where that saves space (``BlobPolicy.of("zstd")``; needs the
+    zstandard package); only with ``incremental=True``, and a ``blob_policy`` naming another
+    compression is a ValueError.
     """
 
     # The read-only view (savepoint.runs.view) opens inconsistent runs too, to list their problems.
@@ -267,6 +279,7 @@ class CheckpointManager:
         tiers: Sequence[Tier] | None = None,
         incremental: bool = False,
         blob_policy: Any = None,
+        compression: Any = None,
         options: SaveOptions | None = None,
         **save_options: Any,
     ) -> None:
@@ -294,7 +307,6 @@ class CheckpointManager:
             unsupported = [
                 name
                 for name, on in (
-                    ("async_save", async_save),
                     ("tiers", bool(tiers)),
                     ("process_group", self.save_options.process_group is not None),
                 )
@@ -309,6 +321,13 @@ class CheckpointManager:
                 raise ValueError("blob_policy is given without incremental=True")
             if not isinstance(blob_policy, BlobPolicy):
                 raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
+        if compression is not None:
+            if not incremental:
+                raise ValueError(
+                    "compression is given without incremental=True (only the blobs of "
+                    "incremental saves are compressed)"
+                )
+            blob_policy = _compressed(blob_policy, compression)
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         rules: list[RetentionPolicy] = []
@@ -896,8 +915,19 @@ class CheckpointManager:
                     self._finish_open_run()
 
         if self._async is not None and not preempt:
+            incremental: dict[str, Any] = {}
+            if self.incremental:
+                # The background thread runs the blob store's save session, then (committed:
+                # retention and the blob collection) after the session is closed.
+                incremental = {
+                    "blobs": self._blobs(),
+                    "blob_policy": self._blob_policy,
+                    "memo": self._blob_memo,
+                }
             try:
-                pending = self._async.save(target, state, metadata=meta, on_commit=committed)
+                pending = self._async.save(
+                    target, state, metadata=meta, on_commit=committed, **incremental
+                )
             except BaseException:
                 self._drop(backup)
                 self._last_saved = previous
@@ -2431,6 +2461,45 @@ def _grace(value: Any, name: str) -> float:
 
 def _load_copy(where: str | Location, options: dict[str, Any]) -> Any:
     return checkpoint.load(where, **options)
+
+
+def _compressed(policy: Any, compression: Any) -> Any:
+    """The blob policy of ``CheckpointManager(..., compression=)``: ``"zstd"`` or a
+    :class:`savepoint.blobs.Compression`, merged into ``policy`` (a BlobPolicy or None); a policy
+    that names another compression is a ValueError."""
+    import importlib.util
+
+    from savepoint.blobs import BlobPolicy, Compression
+
+    if isinstance(compression, str):
+        if compression != "zstd":
+            raise ValueError(
+                f"compression must be None, 'zstd' or a savepoint.blobs.Compression, not "
+                f"{compression!r} (for another zstd level: compression=Compression(level=3))"
+            )
+        chosen = BlobPolicy.of(compression).compression
+    elif isinstance(compression, Compression):
+        chosen = compression
+    else:
+        raise TypeError(
+            "compression must be None, 'zstd' or a savepoint.blobs.Compression, not "
+            f"{type(compression).__name__} ({compression!r})"
+        )
+    if importlib.util.find_spec("zstandard") is None:
+        raise IncompatibleCheckpointError(
+            "compression='zstd' needs the zstandard package: pip install zstandard "
+            "(or pip install 'savepoint[zstd]')"
+        )
+    if policy is None:
+        return BlobPolicy(compression=chosen)
+    if policy.compression is None:
+        return dataclasses.replace(policy, compression=chosen)
+    if policy.compression != chosen:
+        raise ValueError(
+            f"compression={compression!r} conflicts with blob_policy's compression "
+            f"({policy.compression!r}): give one of them"
+        )
+    return policy
 
 
 def _tiers(value: Any) -> list[Tier]:
