@@ -113,10 +113,12 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -129,6 +131,7 @@ from savepoint import checkpoint
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.codecs import manifest as mf
+from savepoint.commit import names
 from savepoint.commit.transaction import discard, refused_hint
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
@@ -176,6 +179,7 @@ from savepoint.runs.report import (
 )
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.base import Store
+from savepoint.storage.lease import pid_gone
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = ["CheckpointManager", "PreemptionSave", "StepSpec"]
@@ -957,12 +961,59 @@ class CheckpointManager:
         return settled
 
     def _blobs(self) -> Any:
-        """The run's blob store, ``<run>/blobs`` (created at the first incremental save)."""
+        """The run's blob store, ``<run>/blobs`` (created at the first incremental save). The
+        first use removes what dead processes of this host left in flight there."""
         if self._blob_store is None:
             from savepoint.blobs import RUN_BLOBS, BlobStore
 
-            self._blob_store = BlobStore(self._store, self._store.join(self._run.path, RUN_BLOBS))
+            blobs = BlobStore(self._store, self._store.join(self._run.path, RUN_BLOBS))
+            self._clear_dead_records(blobs)
+            self._blob_store = blobs
         return self._blob_store
+
+    def _clear_dead_records(self, blobs: Any) -> None:
+        """Remove the records of saves and collections in flight (``sessions/``, ``gc/``) that
+        processes of this host left when they died (a SIGKILLed save, say): each names its host
+        and pid (in its body, or in the name of a temporary a put left), and one whose pid no
+        longer runs here is stale at once, by the rule of the run's lease lock
+        (:func:`savepoint.storage.lease.pid_gone`). Left in place, a save's
+        would hold every collection back for ``session_stale_after`` (an hour), a collection's
+        would make the next save wait. Records of other hosts are left to those timeouts."""
+        from savepoint.blobs.store import GC, SESSIONS
+
+        store, here = blobs.store, socket.gethostname()
+        removed = 0
+        try:
+            for sub in (SESSIONS, GC):
+                folder = store.join(blobs.root, sub)
+                for name in store.list(folder):
+                    path = store.join(folder, name)
+                    if names.TMP_TAG in name:
+                        # A record being put (local disks write it aside, then rename it): the
+                        # name says whose. Collections count it as a record too.
+                        if names.dead_here(name.split(names.TMP_TAG, 1)[1]):
+                            with contextlib.suppress(FileNotFoundError):
+                                store.remove(path)
+                            removed += 1
+                        continue
+                    try:
+                        doc = json.loads(store.read_small(path, cap=64 << 10))
+                    except (FileNotFoundError, ValueError):
+                        continue  # gone, or not a record: left alone
+                    pid = doc.get("pid") if isinstance(doc, dict) else None
+                    if type(pid) is not int or doc.get("host") != here or not pid_gone(pid):
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        store.remove(path)
+                    removed += 1
+        except OSError as exc:  # (CheckpointError included) the timeouts deal with them
+            log.warning("%s: cannot look for dead saves' blob records: %s", self.directory, exc)
+        if removed:
+            log.info(
+                "%s: removed %d blob store records of dead processes of this host",
+                self.directory,
+                removed,
+            )
 
     def _save_blobs(self, target: str | Location, state: Any, meta: dict[str, Any]) -> Any:
         """An incremental save of checkpoint ``target`` into the run's blob store."""
@@ -2142,7 +2193,10 @@ class CheckpointManager:
                 report = collect(self._run, grace=grace, dry_run=dry_run, lock=False)
                 if not dry_run:
                     if self.incremental:
-                        self._blobs()
+                        fresh = self._blob_store is None
+                        blobs = self._blobs()  # (a fresh one clears dead records itself)
+                        if not fresh:
+                            self._clear_dead_records(blobs)
                     self._collect_blobs()
                 return report
 
