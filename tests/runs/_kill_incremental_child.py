@@ -24,15 +24,15 @@ from savepoint.blobs import BlobPolicy
 CHUNK = 16 << 10
 POLICY = BlobPolicy(chunk_size=CHUNK, min_blob_bytes=8 << 10)
 RUN_OPTIONS: dict[str, Any] = {"incremental": True, "keep_last": 2, "blob_policy": POLICY}
-LAYERS = 6
-LAYER = 3 * CHUNK // 4 + 100  # float32 elements: 3 chunks and a short one
+LAYERS = 4
+LAYER = CHUNK // 4 + 100  # float32 elements: a chunk and a short one
 
 
 def _layer(i: int, version: int) -> np.ndarray[Any, Any]:
     return np.random.default_rng(1000 * i + version).standard_normal(LAYER).astype(np.float32)
 
 
-FROZEN = np.random.default_rng(7).standard_normal(8 * CHUNK // 4).astype(np.float32)
+FROZEN = np.random.default_rng(7).standard_normal(4 * CHUNK // 4).astype(np.float32)
 
 
 def make_state(step: int) -> dict[str, Any]:

@@ -363,3 +363,51 @@ def test_the_run_files_record_nothing_about_compression(tmp_path: Path) -> None:
         m.save(2, state(2))
     assert "compression" not in json.loads((run / "run.json").read_text())
     same(sp.load(run / "latest"), state(2))
+
+
+def test_async_incremental_run_on_an_object_store() -> None:
+    """Without atomic rename each checkpoint is a generation directory inside its step
+    directory (manifest last): its manifest's blob store path still leads to <run>/blobs."""
+    inner = MemoryStore(atomic_rename=False)
+    run = inner.at("/run")
+    with sp.CheckpointManager(
+        run, incremental=True, async_save=True, keep_last=2, blob_policy=POLICY
+    ) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, state(step))
+        mgr.wait()
+        assert mgr.steps() == [4, 5]
+        into = blank()
+        assert mgr.restore(into, resume=False) == 5
+        same(into, state(5))
+        for step in (4, 5):
+            where = run.join("checkpoints", f"step-{step:010d}")
+            same(sp.load(where), state(step))
+            sp.verify(where)
+        same(sp.load(run.join("latest")), state(5))  # a pointer to step 5
+    assert inner.list("/run/blobs/sessions") == [] and inner.list("/run/blobs/gc") == []
+
+
+def test_save_on_preemption_with_an_async_incremental_save_in_flight(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with sp.CheckpointManager(
+        run, incremental=True, async_save=True, keep_last=2, blob_policy=POLICY
+    ) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))  # in flight, or committed by now
+        result = mgr.save_on_preemption(3, state(3))
+        assert result.saved and result.exit_code == 0
+        assert mgr.steps()[-1] == 3
+    assert records(run) == []
+    with sp.CheckpointManager(run, incremental=True, keep_last=2) as again:
+        into = blank()
+        assert again.restore(into) == 3
+        same(into, state(3))
+        for step in again.steps():
+            same(sp.load(again.step_path(step)), state(step))
+        again.save(4, state(4))  # the deferred retention runs now
+        again.wait()
+        assert again.steps() == [3, 4]
+        again.gc(grace=0)
+        blobs = BlobStore.open(run / "blobs", create=False)
+        assert set(blobs.list()) == referenced(run, [3, 4])
