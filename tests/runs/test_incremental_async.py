@@ -411,3 +411,37 @@ def test_save_on_preemption_with_an_async_incremental_save_in_flight(tmp_path: P
         again.gc(grace=0)
         blobs = BlobStore.open(run / "blobs", create=False)
         assert set(blobs.list()) == referenced(run, [3, 4])
+
+
+def test_async_checkpointer_incremental_saves(tmp_path: Path) -> None:
+    """AsyncCheckpointer.save(..., blobs=, blob_policy=) without a manager: the second save of
+    an unchanged frozen tensor writes only the changed one's blobs; bad arguments are refused
+    in the caller's thread."""
+    from savepoint.async_.checkpointer import AsyncCheckpointer
+    from savepoint.errors import UnsupportedStateError
+
+    store = tmp_path / "blobs"
+    with AsyncCheckpointer() as writer:
+        first = writer.save(tmp_path / "a", state(1), blobs=store, blob_policy=POLICY)
+        first.wait()
+        held = set(BlobStore.open(store, create=False).list())
+        live = state(2)
+        writer.save(tmp_path / "b", live, blobs=str(store), blob_policy=POLICY)
+        live["adapter"][:] = 0  # after the snapshot: not saved
+        writer.wait()
+        added = set(BlobStore.open(store, create=False).list()) - held
+        m = mf.parse((tmp_path / "b" / mf.NAME).read_bytes())
+        changed = {"adapter", "strided", "slow"}  # the tensors state(2) changes (in blobs)
+        expect = {d for n in changed if (r := m.tensors[n].recipe) is not None for d in r.digests}
+        assert added <= expect and added  # nothing of the frozen tensor again
+        assert m.tensors["frozen"].recipe is not None
+        assert set(m.tensors["frozen"].recipe.digests) <= held
+        with pytest.raises(ValueError, match="without blobs="):
+            writer.save(tmp_path / "c", state(3), blob_policy=POLICY)
+        with pytest.raises(UnsupportedStateError, match="blob store"):
+            writer.save(tmp_path / "far" / "away" / "c", state(3), blobs=store)
+        with pytest.raises(TypeError):
+            writer.save(tmp_path / "c", state(3), blobs=store, blob_policy="zstd")
+    same(sp.load(tmp_path / "a"), state(1))
+    same(sp.load(tmp_path / "b"), state(2))
+    assert not (tmp_path / "c").exists()

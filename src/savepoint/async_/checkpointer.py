@@ -10,6 +10,13 @@ CPU state; for CUDA tensors only the queueing of non-blocking copies, see
 ``save()`` returns, training may modify the state freely: what gets saved is the state at that
 moment. The arena is reused by every save, so async saving holds one staging copy, no more.
 
+An incremental save (``save(..., blobs=, blob_policy=)``, as ``sp.save``'s; what
+``CheckpointManager(incremental=True, async_save=True)`` does) is staged the same way; in the
+background the tensors the policy wants go from the arena to the blob store inside a save
+session (unchanged chunks are not written again), the others into data files, and the manifest
+commits after the session's ``sync`` and ``check``. ``on_commit`` runs once the session is
+closed (the manager's retention and blob collection: they never overlap its own session).
+
 One save is in flight at a time. A ``save()`` while the previous one is still writing follows
 ``on_busy``: ``"wait"`` (the default) blocks until it is committed; ``"skip"`` returns a skipped
 ``PendingSave`` and warns. A background failure is raised once, to the caller, by the next
