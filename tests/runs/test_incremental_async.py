@@ -161,6 +161,32 @@ def test_the_second_async_save_writes_only_the_changed_tensors() -> None:
         same(sp.load(inner.at("/run/checkpoints/step-0000000002")), second)
 
 
+def test_a_collection_during_a_background_save_deletes_nothing_it_reuses() -> None:
+    """While the background save of step 2 is stalled half-way (it has found the frozen
+    tensor's blobs there and is writing the adapter's), a collection by another party that
+    references nothing at all is deferred by the save's session: afterwards step 2 restores
+    bit-exactly, its reused blobs included."""
+    inner = MemoryStore()
+    store = FaultyStore(inner)
+    with sp.CheckpointManager(
+        store.at("/run"), incremental=True, async_save=True, blob_policy=POLICY
+    ) as mgr:
+        first = {"frozen": FROZEN, "adapter": np.arange(3 * CHUNK // 4, dtype=np.float32)}
+        mgr.save(1, first)
+        mgr.wait()
+        stall = store.stall(("create_blob", "put"), path="/run/blobs/data/*", timeout=30)
+        second = {"frozen": FROZEN, "adapter": first["adapter"] + 1}
+        pending = mgr.save(2, second)
+        assert stall.reached.wait(30)
+        report = BlobStore(inner, "/run/blobs", create=False).collect(set(), grace=0)
+        assert report.deferred and not report.deleted and len(report.live_sessions) == 1
+        stall.release()
+        pending.wait()
+        assert not stall.timed_out
+        same(sp.load(inner.at("/run/checkpoints/step-0000000002")), second)
+        same(sp.load(inner.at("/run/checkpoints/step-0000000001")), first)
+
+
 def test_a_background_failure_is_raised_by_wait_and_the_run_is_unchanged() -> None:
     inner = MemoryStore()
     store = FaultyStore(inner)
