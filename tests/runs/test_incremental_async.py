@@ -471,3 +471,16 @@ def test_async_checkpointer_incremental_saves(tmp_path: Path) -> None:
     same(sp.load(tmp_path / "a"), state(1))
     same(sp.load(tmp_path / "b"), state(2))
     assert not (tmp_path / "c").exists()
+
+
+def test_sp_save_with_blobs_on_an_object_store_loads_back() -> None:
+    """The blob store path of a manifest is relative to the checkpoint's directory, also where
+    the manifest lies in a generation directory inside it (stores without atomic rename)."""
+    inner = MemoryStore(atomic_rename=False)
+    blobs = BlobStore(inner, "/x/blobs")
+    sp.save(inner.at("/x/ckpt"), state(1), blobs=blobs, blob_policy=POLICY)
+    assert any(n.startswith("gen-") for n in inner.list("/x/ckpt"))
+    same(sp.load(inner.at("/x/ckpt")), state(1))
+    sp.verify(inner.at("/x/ckpt"))
+    sp.save(inner.at("/x/ckpt"), state(2), blobs=blobs, blob_policy=POLICY)  # a new generation
+    same(sp.load(inner.at("/x/ckpt")), state(2))
