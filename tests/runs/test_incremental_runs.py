@@ -74,7 +74,8 @@ def test_an_unchanged_state_writes_no_blob(tmp_path: Path) -> None:
         assert set(blobs.list()) == first
 
 
-@pytest.mark.parametrize("kw", [{"async_save": True}, {"blob_policy": POLICY}])
-def test_unsupported_combinations_are_refused(tmp_path: Path, kw: dict[str, Any]) -> None:
-    with pytest.raises(ValueError):
-        sp.CheckpointManager(tmp_path / "run", incremental="async_save" in kw, **kw)
+@pytest.mark.parametrize("kw", [{"blob_policy": POLICY}, {"compression": "zstd"}])
+def test_blob_options_without_incremental_are_refused(tmp_path: Path, kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="without incremental=True"):
+        sp.CheckpointManager(tmp_path / "run", **kw)
+    assert not (tmp_path / "run").exists()

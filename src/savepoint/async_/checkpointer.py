@@ -10,6 +10,13 @@ CPU state; for CUDA tensors only the queueing of non-blocking copies, see
 ``save()`` returns, training may modify the state freely: what gets saved is the state at that
 moment. The arena is reused by every save, so async saving holds one staging copy, no more.
 
+An incremental save (``save(..., blobs=, blob_policy=)``, as ``sp.save``'s; what
+``CheckpointManager(incremental=True, async_save=True)`` does) is staged the same way; in the
+background the tensors the policy wants go from the arena to the blob store inside a save
+session (unchanged chunks are not written again), the others into data files, and the manifest
+commits after the session's ``sync`` and ``check``. ``on_commit`` runs once the session is
+closed (the manager's retention and blob collection: they never overlap its own session).
+
 One save is in flight at a time. A ``save()`` while the previous one is still writing follows
 ``on_busy``: ``"wait"`` (the default) blocks until it is committed; ``"skip"`` returns a skipped
 ``PendingSave`` and warns. A background failure is raised once, to the caller, by the next
@@ -42,15 +49,19 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+import numpy as np
+
 from savepoint import info
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.staging import StagingArena
+from savepoint.codecs.dtypes import DType
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
-from savepoint.errors import CheckpointError, CheckpointWriteError
+from savepoint.errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from savepoint.formats import boostr
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
+from savepoint.state.arrays import NumpySource, TensorSource
 from savepoint.storage.paths import Location, PathArg, local_path
 from savepoint.storage.paths import resolve as resolve_path
 
@@ -123,6 +134,7 @@ class AsyncCheckpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
         self._pending: PendingSave | None = None
         self._error: BaseException | None = None  # failed in the background, not yet reported
+        self._memo: Any = None  # the FastMemo of incremental saves given none (made at the first)
         self._lock = threading.Lock()
         # save() from several threads: one stages at a time (they share the arena), in call order.
         self._save_lock = threading.Lock()
@@ -137,18 +149,54 @@ class AsyncCheckpointer:
         *,
         metadata: Mapping[str, Any] | None = None,
         on_commit: Callable[[info.CheckpointInfo], Any] | None = None,
+        blobs: Any = None,
+        blob_policy: Any = None,
+        memo: Any = None,
     ) -> PendingSave:
         """Snapshot ``state`` now and write it to ``path`` (a local path, a ``file://`` or
         ``memory://`` URL, a ``Location``) in the background.
 
+        ``blobs`` and ``blob_policy``: an incremental save, as ``sp.save(..., blobs=,
+        blob_policy=)`` (see ``docs/blobs.md``). The caller is blocked for the staging copy
+        only, as for any other save; the background thread runs the blob store's save session
+        (puts the chunks, makes them durable, checks the session, commits the manifest) and
+        ``on_commit`` after the session is closed. ``memo``: the
+        :class:`savepoint.blobs.FastMemo` naming unchanged chunks (default: one per
+        checkpointer, when the policy asks for one). Not with a process group.
+
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
         location = resolve_path(path, what="checkpoint path")
+        incremental = None
+        if blobs is not None:
+            incremental = self._incremental(location, blobs, blob_policy, memo)
+        elif blob_policy is not None or memo is not None:
+            raise ValueError("blob_policy and memo are given without blobs=")
         with self._save_lock:
             return self._save(
                 location.store.url(location.path),
                 on_commit,
-                lambda: self._native(location, state, metadata),
+                lambda: self._native(location, state, metadata, incremental),
             )
+
+    def _incremental(self, location: Location, blobs: Any, policy: Any, memo: Any) -> _Incremental:
+        """Check the arguments of an incremental save (here, in the caller's thread)."""
+        from savepoint.blobs import BlobPolicy, BlobStore, FastMemo
+
+        if self.process_group is not None:
+            raise UnsupportedStateError("blobs= is not supported with a process group yet")
+        store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
+        policy = BlobPolicy() if policy is None else policy
+        if not isinstance(policy, BlobPolicy):
+            raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
+        if memo is not None and not isinstance(memo, FastMemo):
+            raise TypeError("memo must be a savepoint.blobs.FastMemo")
+        save_engine.blob_store_path(location, store)  # reachable from the checkpoint
+        if memo is None and policy.memo:
+            with self._lock:
+                if self._memo is None:
+                    self._memo = FastMemo()
+                memo = self._memo
+        return _Incremental(store, policy, memo)
 
     def save_boostr(
         self,
@@ -238,9 +286,15 @@ class AsyncCheckpointer:
         return pending
 
     def _native(
-        self, location: Location, state: Any, metadata: Mapping[str, Any] | None
+        self,
+        location: Location,
+        state: Any,
+        metadata: Mapping[str, Any] | None,
+        incremental: _Incremental | None = None,
     ) -> Callable[[], info.CheckpointInfo]:
         meta = save_engine.check_metadata(metadata)
+        if incremental is not None:
+            return self._staged_blobs(location, state, meta, incremental)
         if self.process_group is not None:
             from savepoint.distributed import save as distributed_save
 
@@ -265,6 +319,43 @@ class AsyncCheckpointer:
             return describe(location.store.url(directory), manifest)
 
         return commit_staged
+
+    def _staged_blobs(
+        self, location: Location, state: Any, meta: dict[str, Any], inc: _Incremental
+    ) -> Callable[[], info.CheckpointInfo]:
+        """An incremental save: the state is staged as any other (the caller's part); the
+        background part puts the tensors the policy wants into the blob store from the arena,
+        inside a save session, and commits the manifest."""
+        flat = tree.flatten(state)
+        if save_engine.has_shards(flat.tree):
+            raise UnsupportedStateError("blobs= is not supported for sharded states yet")
+        kinds = {name: (s.dtype, s.shape, s.kind) for name, s in flat.tensors.items()}
+        # The previous save is finished (waited for above), so its arena may be overwritten.
+        staged = self._arena.stage(flat, self.max_file_bytes)
+
+        def commit_blobs() -> info.CheckpointInfo:
+            staged.wait()
+            sources: dict[str, TensorSource] = {}
+            for f in staged.files:
+                for e in f.entries:
+                    sources[e.name] = _ArenaSource(f.image[e.start : e.end], *kinds[e.name])
+            frozen = tree.Flat(staged.tree, {name: sources[name] for name in staged.order})
+            with inc.blobs.session() as session:
+                directory, manifest = save_engine.save_blobs(
+                    location,
+                    frozen,
+                    meta,
+                    session=session,
+                    policy=inc.policy,
+                    memo=inc.memo,
+                    max_file_bytes=self.max_file_bytes,
+                    writers=self.writers,
+                    direct=self.direct,
+                    progress=self.progress,
+                )
+            return describe(location.store.url(directory), manifest)
+
+        return commit_blobs
 
     def _raise_background_error(self) -> None:
         with self._lock:
@@ -299,6 +390,30 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Incremental:
+    """An incremental save's blob store, policy and digest memo."""
+
+    blobs: Any
+    policy: Any
+    memo: Any
+
+
+class _ArenaSource(NumpySource):
+    """A staged tensor: its bytes in the staging arena (a uint8 view), with the dtype, shape and
+    kind of the tensor it was copied from."""
+
+    __slots__ = ()
+
+    def __init__(
+        self, data: np.ndarray[Any, Any], dtype: DType, shape: tuple[int, ...], kind: str
+    ) -> None:
+        super().__init__(data, "")
+        self.dtype = dtype
+        self.shape = shape
+        self.kind = kind
 
 
 def _boostr_commit(

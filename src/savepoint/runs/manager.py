@@ -113,10 +113,12 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -129,6 +131,7 @@ from savepoint import checkpoint
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.codecs import manifest as mf
+from savepoint.commit import names
 from savepoint.commit.transaction import discard, refused_hint
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
@@ -137,6 +140,7 @@ from savepoint.errors import (
     CheckpointPermissionError,
     CheckpointWriteError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     IncompleteCheckpointError,
     MissingCheckpointError,
     RunLockedError,
@@ -175,6 +179,7 @@ from savepoint.runs.report import (
 )
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.base import Store
+from savepoint.storage.lease import pid_gone
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = ["CheckpointManager", "PreemptionSave", "StepSpec"]
@@ -235,6 +240,17 @@ class CheckpointManager:
     every rank of ``process_group``, with an all-reduce every ``preemption_every`` calls) and
     :meth:`save_on_preemption` commits within ``preemption_grace`` seconds of the notice (25 by
     default, for Kubernetes' 30). See docs/runs.md, "Preemption".
+
+    ``incremental=True``: the run's checkpoints share a content-addressed blob store at
+    ``<run>/blobs`` (``docs/blobs.md``): a tensor ``blob_policy`` wants (a
+    :class:`savepoint.blobs.BlobPolicy`; default: those of 1 MiB or more) is written only where
+    its bytes changed since an earlier save; retention then deletes the blobs no remaining
+    checkpoint names. With ``async_save=True`` the caller is blocked for the staging copy only;
+    the background thread runs the blob store's save session and then retention and the blob
+    collection. ``compression``: ``"zstd"`` (or a :class:`savepoint.blobs.Compression`) stores
+    blobs zstd-compressed where that saves space (``BlobPolicy.of("zstd")``; needs the
+    zstandard package); only with ``incremental=True``, and a ``blob_policy`` naming another
+    compression is a ValueError.
     """
 
     # The read-only view (savepoint.runs.view) opens inconsistent runs too, to list their problems.
@@ -267,6 +283,7 @@ class CheckpointManager:
         tiers: Sequence[Tier] | None = None,
         incremental: bool = False,
         blob_policy: Any = None,
+        compression: Any = None,
         options: SaveOptions | None = None,
         **save_options: Any,
     ) -> None:
@@ -294,7 +311,6 @@ class CheckpointManager:
             unsupported = [
                 name
                 for name, on in (
-                    ("async_save", async_save),
                     ("process_group", self.save_options.process_group is not None),
                 )
                 if on
@@ -308,6 +324,13 @@ class CheckpointManager:
                 raise ValueError("blob_policy is given without incremental=True")
             if not isinstance(blob_policy, BlobPolicy):
                 raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
+        if compression is not None:
+            if not incremental:
+                raise ValueError(
+                    "compression is given without incremental=True (only the blobs of "
+                    "incremental saves are compressed)"
+                )
+            blob_policy = _compressed(blob_policy, compression)
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         rules: list[RetentionPolicy] = []
@@ -898,8 +921,19 @@ class CheckpointManager:
                     self._finish_open_run()
 
         if self._async is not None and not preempt:
+            incremental: dict[str, Any] = {}
+            if self.incremental:
+                # The background thread runs the blob store's save session, then (committed:
+                # retention and the blob collection) after the session is closed.
+                incremental = {
+                    "blobs": self._blobs(),
+                    "blob_policy": self._blob_policy,
+                    "memo": self._blob_memo,
+                }
             try:
-                pending = self._async.save(target, state, metadata=meta, on_commit=committed)
+                pending = self._async.save(
+                    target, state, metadata=meta, on_commit=committed, **incremental
+                )
             except BaseException:
                 self._drop(backup)
                 self._last_saved = previous
@@ -929,12 +963,59 @@ class CheckpointManager:
         return settled
 
     def _blobs(self) -> Any:
-        """The run's blob store, ``<run>/blobs`` (created at the first incremental save)."""
+        """The run's blob store, ``<run>/blobs`` (created at the first incremental save). The
+        first use removes what dead processes of this host left in flight there."""
         if self._blob_store is None:
             from savepoint.blobs import RUN_BLOBS, BlobStore
 
-            self._blob_store = BlobStore(self._store, self._store.join(self._run.path, RUN_BLOBS))
+            blobs = BlobStore(self._store, self._store.join(self._run.path, RUN_BLOBS))
+            self._clear_dead_records(blobs)
+            self._blob_store = blobs
         return self._blob_store
+
+    def _clear_dead_records(self, blobs: Any) -> None:
+        """Remove the records of saves and collections in flight (``sessions/``, ``gc/``) that
+        processes of this host left when they died (a SIGKILLed save, say): each names its host
+        and pid (in its body, or in the name of a temporary a put left), and one whose pid no
+        longer runs here is stale at once, by the rule of the run's lease lock
+        (:func:`savepoint.storage.lease.pid_gone`). Left in place, a save's
+        would hold every collection back for ``session_stale_after`` (an hour), a collection's
+        would make the next save wait. Records of other hosts are left to those timeouts."""
+        from savepoint.blobs.store import GC, SESSIONS
+
+        store, here = blobs.store, socket.gethostname()
+        removed = 0
+        try:
+            for sub in (SESSIONS, GC):
+                folder = store.join(blobs.root, sub)
+                for name in store.list(folder):
+                    path = store.join(folder, name)
+                    if names.TMP_TAG in name:
+                        # A record being put (local disks write it aside, then rename it): the
+                        # name says whose. Collections count it as a record too.
+                        if names.dead_here(name.split(names.TMP_TAG, 1)[1]):
+                            with contextlib.suppress(FileNotFoundError):
+                                store.remove(path)
+                            removed += 1
+                        continue
+                    try:
+                        doc = json.loads(store.read_small(path, cap=64 << 10))
+                    except (FileNotFoundError, ValueError):
+                        continue  # gone, or not a record: left alone
+                    pid = doc.get("pid") if isinstance(doc, dict) else None
+                    if type(pid) is not int or doc.get("host") != here or not pid_gone(pid):
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        store.remove(path)
+                    removed += 1
+        except OSError as exc:  # (CheckpointError included) the timeouts deal with them
+            log.warning("%s: cannot look for dead saves' blob records: %s", self.directory, exc)
+        if removed:
+            log.info(
+                "%s: removed %d blob store records of dead processes of this host",
+                self.directory,
+                removed,
+            )
 
     def _save_blobs(self, target: str | Location, state: Any, meta: dict[str, Any]) -> Any:
         """An incremental save of checkpoint ``target`` into the run's blob store."""
@@ -2115,7 +2196,10 @@ class CheckpointManager:
                 report = collect(self._run, grace=grace, dry_run=dry_run, lock=False)
                 if not dry_run:
                     if self.incremental:
-                        self._blobs()
+                        fresh = self._blob_store is None
+                        blobs = self._blobs()  # (a fresh one clears dead records itself)
+                        if not fresh:
+                            self._clear_dead_records(blobs)
                     self._collect_blobs()
                 return report
 
@@ -2434,6 +2518,45 @@ def _grace(value: Any, name: str) -> float:
 
 def _load_copy(where: str | Location, options: dict[str, Any]) -> Any:
     return checkpoint.load(where, **options)
+
+
+def _compressed(policy: Any, compression: Any) -> Any:
+    """The blob policy of ``CheckpointManager(..., compression=)``: ``"zstd"`` or a
+    :class:`savepoint.blobs.Compression`, merged into ``policy`` (a BlobPolicy or None); a policy
+    that names another compression is a ValueError."""
+    import importlib.util
+
+    from savepoint.blobs import BlobPolicy, Compression
+
+    if isinstance(compression, str):
+        if compression != "zstd":
+            raise ValueError(
+                f"compression must be None, 'zstd' or a savepoint.blobs.Compression, not "
+                f"{compression!r} (for another zstd level: compression=Compression(level=3))"
+            )
+        chosen = BlobPolicy.of(compression).compression
+    elif isinstance(compression, Compression):
+        chosen = compression
+    else:
+        raise TypeError(
+            "compression must be None, 'zstd' or a savepoint.blobs.Compression, not "
+            f"{type(compression).__name__} ({compression!r})"
+        )
+    if importlib.util.find_spec("zstandard") is None:
+        raise IncompatibleCheckpointError(
+            "compression='zstd' needs the zstandard package: pip install zstandard "
+            "(or pip install 'savepoint[zstd]')"
+        )
+    if policy is None:
+        return BlobPolicy(compression=chosen)
+    if policy.compression is None:
+        return dataclasses.replace(policy, compression=chosen)
+    if policy.compression != chosen:
+        raise ValueError(
+            f"compression={compression!r} conflicts with blob_policy's compression "
+            f"({policy.compression!r}): give one of them"
+        )
+    return policy
 
 
 def _tiers(value: Any) -> list[Tier]:
