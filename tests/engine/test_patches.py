@@ -183,3 +183,27 @@ def test_copy_and_materialize_carry_the_patches(tmp_path: Path) -> None:
         with pytest.raises(CorruptCheckpointError, match="emb"):
             sp.copy(src / "b", target, **kw)
         assert not (target / mf.NAME).exists()
+
+
+def test_background_saves_patch_from_the_staged_copy(tmp_path: Path) -> None:
+    """async_save=True: the rows are found changed in the staging arena's copy; the caller
+    changes the table as soon as save() returns, and every checkpoint still holds what it was
+    given."""
+    table = embedding()
+    run = tmp_path / "run"
+    history: dict[int, bytes] = {}
+    with sp.CheckpointManager(
+        run, incremental=True, async_save=True, keep_last=3, blob_policy=POLICY
+    ) as mgr:
+        for step in range(1, 7):
+            touch(table, step)
+            history[step] = table.tobytes()
+            mgr.save(step, {"emb": table})
+            table[:50] = -1.0  # while the background save runs: never seen by it
+            table[:50] = np.frombuffer(history[step], np.float32).reshape(table.shape)[:50]
+        mgr.wait()
+        versions = [sp.inspect(mgr.step_path(s)).format_version for s in mgr.steps()]
+        assert versions == [mf.PATCHES] * 3
+        for s in mgr.steps():
+            assert sp.load(mgr.step_path(s))["emb"].tobytes() == history[s]
+            sp.verify(mgr.step_path(s))

@@ -135,6 +135,7 @@ class AsyncCheckpointer:
         self._pending: PendingSave | None = None
         self._error: BaseException | None = None  # failed in the background, not yet reported
         self._memo: Any = None  # the FastMemo of incremental saves given none (made at the first)
+        self._tracker: Any = None  # and their PatchTracker
         self._lock = threading.Lock()
         # save() from several threads: one stages at a time (they share the arena), in call order.
         self._save_lock = threading.Lock()
@@ -152,6 +153,7 @@ class AsyncCheckpointer:
         blobs: Any = None,
         blob_policy: Any = None,
         memo: Any = None,
+        tracker: Any = None,
     ) -> PendingSave:
         """Snapshot ``state`` now and write it to ``path`` (a local path, a ``file://`` or
         ``memory://`` URL, a ``Location``) in the background.
@@ -161,16 +163,17 @@ class AsyncCheckpointer:
         only, as for any other save; the background thread runs the blob store's save session
         (puts the chunks, makes them durable, checks the session, commits the manifest) and
         ``on_commit`` after the session is closed. ``memo``: the
-        :class:`savepoint.blobs.FastMemo` naming unchanged chunks (default: one per
-        checkpointer, when the policy asks for one). Not with a process group.
+        :class:`savepoint.blobs.FastMemo` naming unchanged chunks, and ``tracker``: the
+        :class:`savepoint.blobs.patch.PatchTracker` finding changed rows (default: one of each
+        per checkpointer, when the policy asks for them). Not with a process group.
 
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
         location = resolve_path(path, what="checkpoint path")
         incremental = None
         if blobs is not None:
-            incremental = self._incremental(location, blobs, blob_policy, memo)
-        elif blob_policy is not None or memo is not None:
-            raise ValueError("blob_policy and memo are given without blobs=")
+            incremental = self._incremental(location, blobs, blob_policy, memo, tracker)
+        elif blob_policy is not None or memo is not None or tracker is not None:
+            raise ValueError("blob_policy, memo and tracker are given without blobs=")
         with self._save_lock:
             return self._save(
                 location.store.url(location.path),
@@ -178,9 +181,12 @@ class AsyncCheckpointer:
                 lambda: self._native(location, state, metadata, incremental),
             )
 
-    def _incremental(self, location: Location, blobs: Any, policy: Any, memo: Any) -> _Incremental:
+    def _incremental(
+        self, location: Location, blobs: Any, policy: Any, memo: Any, tracker: Any
+    ) -> _Incremental:
         """Check the arguments of an incremental save (here, in the caller's thread)."""
         from savepoint.blobs import BlobPolicy, BlobStore, FastMemo
+        from savepoint.blobs.patch import PatchTracker
 
         if self.process_group is not None:
             raise UnsupportedStateError("blobs= is not supported with a process group yet")
@@ -190,13 +196,20 @@ class AsyncCheckpointer:
             raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
         if memo is not None and not isinstance(memo, FastMemo):
             raise TypeError("memo must be a savepoint.blobs.FastMemo")
+        if tracker is not None and not isinstance(tracker, PatchTracker):
+            raise TypeError("tracker must be a savepoint.blobs.patch.PatchTracker")
         save_engine.blob_store_path(location, store)  # reachable from the checkpoint
         if memo is None and policy.memo:
             with self._lock:
                 if self._memo is None:
                     self._memo = FastMemo()
                 memo = self._memo
-        return _Incremental(store, policy, memo)
+        if tracker is None and policy.patches:
+            with self._lock:
+                if self._tracker is None:
+                    self._tracker = PatchTracker()
+                tracker = self._tracker
+        return _Incremental(store, policy, memo, tracker)
 
     def save_boostr(
         self,
@@ -348,6 +361,7 @@ class AsyncCheckpointer:
                     session=session,
                     policy=inc.policy,
                     memo=inc.memo,
+                    tracker=inc.tracker,
                     max_file_bytes=self.max_file_bytes,
                     writers=self.writers,
                     direct=self.direct,
@@ -394,11 +408,12 @@ class AsyncCheckpointer:
 
 @dataclasses.dataclass(frozen=True)
 class _Incremental:
-    """An incremental save's blob store, policy and digest memo."""
+    """An incremental save's blob store, policy, digest memo and patch tracker."""
 
     blobs: Any
     policy: Any
     memo: Any
+    tracker: Any
 
 
 class _ArenaSource(NumpySource):

@@ -929,6 +929,7 @@ class CheckpointManager:
                     "blobs": self._blobs(),
                     "blob_policy": self._blob_policy,
                     "memo": self._blob_memo,
+                    "tracker": self._blob_tracker,
                 }
             try:
                 pending = self._async.save(
