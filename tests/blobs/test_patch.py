@@ -290,3 +290,36 @@ def test_a_damaged_patch_is_refused_at_load(blobs: BlobStore) -> None:
                 recipe.base_checks,
             )
         )
+
+
+def test_a_tensor_changed_everywhere_skips_the_block_hashes(
+    blobs: BlobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter trained at every save: after one save shows it dense, its blocks are not
+    hashed while every chunk keeps changing; when the changes turn sparse, one save of chunks
+    computes the hashes and the next one patches."""
+    saver = Saver(blobs)
+    hashed: list[int] = []
+    real = PatchTracker.block_hashes
+
+    def counting(self: PatchTracker, data: Any, block: int) -> Any:
+        hashed.append(len(data))
+        return real(self, data, block)
+
+    monkeypatch.setattr(PatchTracker, "block_hashes", counting)
+    table = _table()
+    saver.save(table)
+    table += 1.0
+    recipe, _ = saver.save(table)  # dense: found by hashing, rebased
+    assert not recipe.patches and sum(hashed) == 2 * table.nbytes
+    for _ in range(2):
+        table += 1.0
+        recipe, _ = saver.save(table)
+        assert not recipe.patches and sum(hashed) == 2 * table.nbytes  # no hashing
+    table[9] += 1.0
+    recipe, _ = saver.save(table)  # sparse again: chunks, hashed
+    assert not recipe.patches and sum(hashed) == 3 * table.nbytes
+    table[10] += 1.0
+    recipe, written = saver.save(table)
+    assert len(recipe.patches) == 1 and written < 1024
+    assert _restored(blobs, recipe, table).tobytes() == table.tobytes()

@@ -155,6 +155,7 @@ class _Entry:
     chunk_keys: list[tuple[int, int]]
     hashes: np.ndarray[Any, Any] | None
     chain: int  # content bytes of the recipe's patches
+    dense: bool = False  # its last change was too big for a patch
 
 
 class PatchTracker:
@@ -224,7 +225,6 @@ def put_tensor(
     prev = tracker._get(store, name)
     if (
         prev is None
-        or prev.hashes is None
         or prev.block != block
         or prev.recipe.size != n
         or prev.recipe.chunk != chunk
@@ -232,6 +232,14 @@ def put_tensor(
     ):
         return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=True)
     changed_chunks = [i for i, k in enumerate(keys) if k != prev.chunk_keys[i]]
+    if prev.dense and len(changed_chunks) == len(keys):
+        # Changed everywhere again (a trained tensor, an adapter): no block hashing, which a
+        # save of sparse changes would need only after a save of chunks that computes them.
+        return _chunked(
+            session, data, itemsize, policy, memo, tracker, block, keys, hashes=None, dense=True
+        )
+    if prev.hashes is None:
+        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=True)
     if not changed_chunks:
         if session.reuse_existing(prev.recipe.names()):
             return prev.recipe, prev
@@ -272,7 +280,18 @@ def put_tensor(
         or size > MAX_CHUNK
         or not session.reuse_existing(prev.recipe.names())
     ):  # rebase (every block's hash is known: the next save can patch)
-        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=hashes)
+        return _chunked(
+            session,
+            data,
+            itemsize,
+            policy,
+            memo,
+            tracker,
+            block,
+            keys,
+            hashes=hashes,
+            dense=size > budget,
+        )
     blocks = np.concatenate(changed_blocks)
     content = encode_patch(data, blocks, block)
     result = session.put(content, compression=policy.compression, itemsize=itemsize)
@@ -301,6 +320,7 @@ def _chunked(
     keys: list[tuple[int, int]],
     *,
     hashes: np.ndarray[Any, Any] | bool | None,
+    dense: bool = False,
 ) -> tuple[Recipe, _Entry]:
     """The tensor as chunks (a first save, or a rebase). ``hashes``: its block hashes when known,
     True to compute them, None to leave them unknown (the next save writes chunks again)."""
@@ -314,4 +334,4 @@ def _chunked(
     )
     if hashes is True:
         hashes = tracker.block_hashes(data, block)
-    return recipe, _Entry(recipe, block, keys, hashes if hashes is not False else None, 0)
+    return recipe, _Entry(recipe, block, keys, hashes if hashes is not False else None, 0, dense)

@@ -442,6 +442,63 @@ def _host_bytes(source: TensorSource) -> np.ndarray[Any, Any] | None:
     return None
 
 
+def _blob_putter(
+    session: SaveSession,
+    policy: BlobPolicy,
+    memo: FastMemo | None,
+    tracker: PatchTracker | None,
+    on_bytes: Callable[[int], None],
+) -> Callable[[Mapping[str, TensorSource], list[str]], dict[str, tuple[Recipe, Any]]]:
+    """What puts an incremental save's blob tensors: ``put(tensors, names)`` gives each name's
+    recipe and the patch tracker's entry for it (None when not tracked). Tensors in host memory
+    are put ``policy.workers`` at a time (hashing holds the GIL, but fsyncs and writes do not,
+    and most tensors of a save that changed little are a hash and a stat), patched when
+    ``tracker`` is given; the others one at a time, a segment at a time through one buffer."""
+    from savepoint.blobs.patch import put_tensor
+
+    lock = threading.Lock()
+
+    def counted(n: int) -> None:
+        with lock:
+            on_bytes(n)
+
+    def direct(item: tuple[str, TensorSource, np.ndarray[Any, Any]]) -> tuple[Recipe, Any]:
+        name, source, host = item
+        entry = None
+        if tracker is not None:
+            assert memo is not None
+            shape, itemsize = tuple(source.shape), source.dtype.itemsize
+            recipe, entry = put_tensor(session, host, name, shape, itemsize, policy, memo, tracker)
+        else:
+            recipe = session.put_chunked(
+                host,
+                chunk_size=policy.chunk_size,
+                compression=policy.compression,
+                itemsize=source.dtype.itemsize,
+                workers=policy.workers,
+                memo=memo,
+            )
+        source.release()
+        counted(source.nbytes)
+        return recipe, entry
+
+    def put(tensors: Mapping[str, TensorSource], names: list[str]) -> dict[str, tuple[Recipe, Any]]:
+        hosts = {n: _host_bytes(tensors[n]) for n in names}
+        items = [(n, tensors[n], h) for n, h in hosts.items() if h is not None]
+        done = dict(zip((n for n, _, _ in items), _map(direct, items, policy.workers)))
+        others = [n for n, h in hosts.items() if h is None]
+        if others:
+            biggest = max(tensors[n].nbytes for n in others)
+            segment = max(policy.chunk_size, BLOB_SEGMENT // policy.chunk_size * policy.chunk_size)
+            scratch = np.empty(min(biggest, segment), np.uint8)
+            for n in others:
+                done[n] = (_put_source(session, tensors[n], policy, memo, scratch), None)
+                counted(tensors[n].nbytes)
+        return {n: done[n] for n in names}
+
+    return put
+
+
 def _put_source(
     session: SaveSession,
     source: TensorSource,
@@ -449,25 +506,12 @@ def _put_source(
     memo: FastMemo | None,
     scratch: np.ndarray[Any, Any],
 ) -> Recipe:
-    """One tensor's bytes into the blob store: straight from its memory where it is contiguous
-    on the host, otherwise a segment (a whole number of chunks) at a time through ``scratch``;
-    its recipe."""
+    """One tensor's bytes into the blob store a segment (a whole number of chunks) at a time
+    through ``scratch`` (for tensors not in host memory); its recipe."""
     from savepoint.blobs.store import Recipe
 
     n = source.nbytes
     algorithm = session.blobs.algorithm
-    direct = _host_bytes(source)
-    if direct is not None:
-        recipe = session.put_chunked(
-            direct,
-            chunk_size=policy.chunk_size,
-            compression=policy.compression,
-            itemsize=source.dtype.itemsize,
-            workers=policy.workers,
-            memo=memo,
-        )
-        source.release()
-        return recipe
     digests: list[str] = []
     checks: list[str] = []
     for start in range(0, n, len(scratch)):
@@ -508,8 +552,6 @@ def save_blobs(
     the others into data files as usual; the blobs are made durable and the session checked (no
     collection deleted what it reuses) before the manifest is committed, and the tracker told
     after. The caller closes the session."""
-    from savepoint.blobs.patch import put_tensor
-
     started = time.perf_counter()
     tensors = flat.tensors
     store_path = blob_store_path(location, session.blobs)
@@ -526,30 +568,14 @@ def save_blobs(
     with Transaction(location.store, location.path) as tx:
         recipes: dict[str, mf.TensorRecord] = {}
         if in_blobs:
-            biggest = max(tensors[n].nbytes for n in in_blobs)
-            segment = max(policy.chunk_size, BLOB_SEGMENT // policy.chunk_size * policy.chunk_size)
-            scratch = np.empty(min(biggest, segment), np.uint8)
-            for name in in_blobs:
+            put = _blob_putter(session, policy, memo, tracker if patching else None, on_bytes)
+            for name, (recipe, entry) in put(tensors, in_blobs).items():
                 source = tensors[name]
-                host = _host_bytes(source) if patching else None
-                if host is not None:
-                    assert memo is not None and tracker is not None
-                    recipe, pending[name] = put_tensor(
-                        session,
-                        host,
-                        name,
-                        tuple(source.shape),
-                        source.dtype.itemsize,
-                        policy,
-                        memo,
-                        tracker,
-                    )
-                    source.release()
-                else:
-                    recipe = _put_source(session, source, policy, memo, scratch)
+                if entry is not None:
+                    pending[name] = entry
                 digest = recipe.checksum()
                 assert digest is not None
-                record = mf.TensorRecord(
+                recipes[name] = mf.TensorRecord(
                     source.dtype.name,
                     source.shape,
                     "",
@@ -561,9 +587,6 @@ def save_blobs(
                     digest.blocks,
                     recipe,
                 )
-                recipes[name] = record
-                on_bytes(source.nbytes)
-            del scratch
         files: dict[str, mf.FileRecord] = {}
         records: dict[str, mf.TensorRecord] = {}
         if rest:
