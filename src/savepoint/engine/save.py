@@ -50,6 +50,7 @@ __all__ = [
     "check_metadata",
     "has_shards",
     "new_manifest",
+    "put_source",
     "save_blobs",
     "save_flat",
     "save_staged",
@@ -441,7 +442,7 @@ def _host_bytes(source: TensorSource) -> np.ndarray[Any, Any] | None:
     return None
 
 
-def _put_source(
+def put_source(
     session: SaveSession,
     source: TensorSource,
     policy: BlobPolicy,
@@ -522,7 +523,7 @@ def save_blobs(
             scratch = np.empty(min(biggest, segment), np.uint8)
             for name in in_blobs:
                 source = tensors[name]
-                recipe = _put_source(session, source, policy, memo, scratch)
+                recipe = put_source(session, source, policy, memo, scratch)
                 digest = recipe.checksum()
                 assert digest is not None
                 record = mf.TensorRecord(
