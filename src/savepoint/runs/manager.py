@@ -296,7 +296,6 @@ class CheckpointManager:
                 for name, on in (
                     ("async_save", async_save),
                     ("tiers", bool(tiers)),
-                    ("process_group", self.save_options.process_group is not None),
                 )
                 if on
             ]
@@ -948,6 +947,10 @@ class CheckpointManager:
             o.direct,
             o.progress,
             memo=self._blob_memo,
+            # Sharded: every rank puts its pieces; when this returns on rank 0 every rank has
+            # closed its session, so the collection after retention (rank 0's) is not deferred.
+            process_group=o.process_group,
+            timeout=o.timeout,
         )
 
     def _referenced_blobs(self) -> set[str]:
@@ -967,9 +970,8 @@ class CheckpointManager:
             except (CheckpointNotFoundError, IncompleteCheckpointError):
                 continue  # nothing committed there
             with reader:
-                for rec in reader.manifest.tensors.values():
-                    if rec.recipe is not None:
-                        found.update(rec.recipe.digests)
+                for recipe in mf.recipes(reader.manifest):  # shards' too (sharded saves)
+                    found.update(recipe.digests)
         return found
 
     def _collect_blobs(self) -> None:
