@@ -652,9 +652,7 @@ def scenario_incremental3(s: Session) -> None:
     """World 3: ranks 0 and 1 save incrementally twice into one blob store (the second save
     writes only the changed chunk); loads 2 -> 2, 2 -> 3 (uneven), 2 -> 1 and whole, verify and
     inspect; then a manager with keep_last and blobs on ranks 0 and 1."""
-    from savepoint.blobs import BlobPolicy
-
-    from savepoint.blobs import SaveSession
+    from savepoint.blobs import BlobPolicy, SaveSession
 
     rank = s.rank
     pg2 = dist.new_group([0, 1])
@@ -716,7 +714,8 @@ def scenario_incremental3(s: Session) -> None:
         # Only the changed chunk of rank 0's "emb" shard was written: one 4 KiB blob (and its
         # 32-byte header).
         assert list(new.values()) == [4096 + 32], new
-        manifest = json.load(open(s.path("inc/v2/manifest.json")))
+        with open(s.path("inc/v2/manifest.json")) as f:
+            manifest = json.load(f)
         data = sum(f["size"] for f in manifest["files"].values())
         assert data < 1024, manifest["files"]  # only "bias" is in a data file
 

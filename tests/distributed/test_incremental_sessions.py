@@ -51,9 +51,10 @@ def test_three_ranks(session: _launch.Session) -> None:
 def test_the_second_save_wrote_one_chunk(session: _launch.Session) -> None:
     data = session.results[0]["data"]
     count, size = data["first blobs"]
-    # emb 64 KiB + cols 12 KiB + flat 24000 B (6 chunks: 2 x 3 of 12000 B) + rep 8 KiB +
-    # zero 3 x 5 KiB: all chunks distinct
+    # emb 2 x 32 KiB, cols 2 x 6 KiB, flat 2 x 12000 B, rep 8 KiB, zero 3 x 5 KiB: chunks of
+    # 4 KiB, all distinct, each with its 32-byte header
     assert count == 16 + 4 + 6 + 2 + 6, data
+    assert size == 64 * 1024 + 12 * 1024 + 24000 + 8 * 1024 + 15 * 1024 + 32 * count, data
     assert data["second blobs"] == [1, 4096 + 32], data
 
 

@@ -353,7 +353,7 @@ class Manifest:
         """Written by a sharded save: versions 2 and 3, and version 4 with a ``world_size``."""
         if self.format_version >= BLOBS:
             return self.world_size is not None
-        return SHARDED <= self.format_version
+        return self.format_version >= SHARDED
 
     @property
     def has_blobs(self) -> bool:

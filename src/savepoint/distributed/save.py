@@ -197,9 +197,7 @@ class _Save:
                     direct=direct,
                     progress=progress,
                 )
-            return self.write_incremental(
-                staging, items, max_file_bytes, writers, direct, progress
-            )
+            return self.write_incremental(staging, items, max_file_bytes, writers, direct, progress)
 
         # Every rank gets the committed manifest (in memory, from rank 0) to describe it.
         try:
@@ -332,7 +330,9 @@ class _Save:
         try:
             self.coord.step("saving", self.shown, self.close_session)
         except DistributedCheckpointError as exc:
-            log.warning("%s: committed, but not every rank confirmed it closed: %s", self.shown, exc)
+            log.warning(
+                "%s: committed, but not every rank confirmed it closed: %s", self.shown, exc
+            )
 
     def abort(self) -> None:
         if self.tx is not None:
@@ -489,7 +489,9 @@ def put_pieces(
         return []
     biggest = max(item.nbytes for item in items)
     chunk = policy.chunk_size
-    scratch = np.empty(min(biggest, max(chunk, save_engine.BLOB_SEGMENT // chunk * chunk)), np.uint8)
+    scratch = np.empty(
+        min(biggest, max(chunk, save_engine.BLOB_SEGMENT // chunk * chunk)), np.uint8
+    )
     out: list[tuple[str, mf.ShardRecord]] = []
     for item in items:
         recipe = save_engine.put_source(session, sources[item.key], policy, memo, scratch)
