@@ -504,3 +504,28 @@ def test_verify_checks_every_blob_against_its_name(
     manifest = mf.parse((saved / "manifest.json").read_bytes())
     assert sorted(checked) == sorted(len(r.digests) for r in mf.recipes(manifest))
     assert sum(checked) == 12 + 6 + 6 + 2 + 6
+
+
+def test_ranks_on_an_object_like_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No rename: the manifest is a create-only put, blobs appear whole when their upload
+    completes; loads read byte ranges of blobs (no zero-copy views of object stores)."""
+    from savepoint.storage.memory import MemoryStore
+
+    store = MemoryStore(atomic_rename=False)
+    blobs = BlobStore(store, "/run/blobs")
+    for version in (1, 2):
+        with threads_as_ranks(monkeypatch, 3) as group:
+            results = on_ranks(
+                group,
+                lambda r, v=version: sp.save(  # type: ignore[misc]
+                    store.at(f"/run/v{v}"), rank_state(r, 3, v), blobs=blobs, blob_policy=POLICY
+                ),
+            )
+        assert all(isinstance(r, sp.CheckpointInfo) for r in results), results
+    assert store.list("/run/blobs/sessions") == []
+    for version in (1, 2):
+        for rank in range(2):
+            st = rank_state(rank, 2, empty=True)
+            sp.load(store.at(f"/run/v{version}"), into=st)
+            check(st, rank, 2, version)
+        sp.verify(store.at(f"/run/v{version}"))

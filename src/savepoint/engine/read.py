@@ -483,13 +483,18 @@ class Reader:
 
             rel = self.manifest.blob_store
             assert rel is not None
+            # ``rel`` is relative to the checkpoint's directory: on stores without rename the
+            # manifest lives in a generation of it (``<checkpoint>/gen-...``), one level deeper.
+            base = self.path
+            if names.is_generation(posixpath.basename(base)):
+                base = posixpath.dirname(base)
             # A run's alias (``<run>/latest``, a linked copy of ``<run>/checkpoints/step-N``)
             # holds the manifest of a directory one level deeper: where the store is not at
             # ``rel``, it is looked for one ``..`` closer (never further out than ``rel``).
             tries = [rel] + ([rel[3:]] if rel.startswith("../") else [])
             first: CheckpointError | None = None
             for candidate in tries:
-                root = posixpath.normpath(posixpath.join(self.path, candidate))
+                root = posixpath.normpath(posixpath.join(base, candidate))
                 try:
                     self._blob_store = BlobStore(
                         self.store, root, algorithm=self.manifest.blob_digest, create=False
@@ -498,7 +503,7 @@ class Reader:
                 except CheckpointError as exc:
                     first = first or exc
             else:
-                root = posixpath.normpath(posixpath.join(self.path, rel))
+                root = posixpath.normpath(posixpath.join(base, rel))
                 raise CorruptCheckpointError(
                     f"{self.shown}: its blob store {self.store.url(root)} cannot be opened: "
                     f"{first}",
