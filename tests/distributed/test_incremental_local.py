@@ -529,3 +529,48 @@ def test_ranks_on_an_object_like_store(monkeypatch: pytest.MonkeyPatch) -> None:
             sp.load(store.at(f"/run/v{version}"), into=st)
             check(st, rank, 2, version)
         sp.verify(store.at(f"/run/v{version}"))
+
+
+def test_a_collection_between_the_puts_and_the_commit_deletes_nothing(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process collects after every rank has put its blobs and before rank 0 commits
+    the manifest naming them (the moment a save is most exposed): every rank's session is still
+    open, so the collection defers; once the save has returned, a collection keeps every blob
+    the new checkpoint names and frees the old checkpoint's."""
+    root = saved.parent / "blobs"
+    outsider = BlobStore.open(root)  # another process's view of the store
+
+    def committed() -> set[str]:
+        return {
+            d
+            for path in saved.parent.iterdir()
+            if (path / "manifest.json").exists()
+            for r in mf.recipes(mf.parse((path / "manifest.json").read_bytes()))
+            for d in r.digests
+        }
+
+    reports: list[Any] = []
+    real_commit = dsave._Save.commit
+
+    def commit(self: Any, results: Any) -> Any:
+        reports.append(outsider.collect(committed, grace=0))
+        return real_commit(self, results)
+
+    monkeypatch.setattr(dsave._Save, "commit", commit)
+    results = save_ranks(monkeypatch, saved.parent / "v2", 3, version=5)
+    assert all(isinstance(r, sp.CheckpointInfo) for r in results), results
+    (report,) = reports
+    assert report.deferred and len(report.live_sessions) == 3 and not report.deleted
+    st = rank_state(0, 1, empty=True)
+    sp.load(saved.parent / "v2", into=st)
+    check(st, 0, 1, version=5)
+    # With the first checkpoint deleted, a collection frees its chunks of E (rows 2-3 changed)
+    # and nothing the second names.
+    import shutil
+
+    shutil.rmtree(saved)
+    after = outsider.collect(committed, grace=0)
+    assert not after.deferred and len(after.deleted) == 1, after
+    assert set(blob_files(root)) == committed()
+    sp.verify(saved.parent / "v2")
