@@ -796,6 +796,59 @@ def scenario_incremental3(s: Session) -> None:
     s.check("manager keeps exactly the referenced blobs", synced(manager_blobs))
     s.check("manager checkpoints restore", synced(manager_restores))
 
+    # Last (rank 1 does not come back): rank 1 dies after putting its blobs, before it reports.
+    from savepoint.distributed import save as dsave
+
+    if rank == 1:
+        real_put = dsave.put_pieces
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            real_put(*args, **kwargs)
+            s.write()
+            os._exit(17)
+
+        dsave.put_pieces = dying  # type: ignore[assignment]
+        st = inc_state(rank, 2, 3)
+        st["emb"].local[0] += 1  # a chunk only this save holds
+        sp.save(s.path("inc/v2"), st, process_group=pg2, blobs=blobs, blob_policy=policy)
+        return
+
+    def killed() -> None:
+        if rank != 0:
+            return
+        s.data["killed"] = expect_failure(
+            lambda: sp.save(
+                s.path("inc/v2"),
+                inc_state(rank, 2, 3),
+                process_group=pg2,
+                timeout=20,
+                blobs=blobs,
+                blob_policy=policy,
+            ),
+            ranks=[1],
+            words=["rank 1 did not finish its part"],
+            within=20 + 5,
+        )
+        # Rank 0 closed its session; the dead rank's record stays and holds collections back
+        # until it is stale; then a collection deletes the dead save's blobs and nothing that
+        # a committed checkpoint names.
+        sessions = os.listdir(os.path.join(blobs, "sessions"))
+        assert len(sessions) == 1, sessions
+        from savepoint.blobs import BlobStore
+
+        store = BlobStore.open(blobs)
+        kept = [s.path("inc/v1"), s.path("inc/v2")]
+        held = store.collect(lambda: referenced(kept), grace=0)
+        assert held.deferred and not held.deleted, held
+        report = store.collect(lambda: referenced(kept), grace=0, session_stale_after=0)
+        # rank 0's and rank 1's changed chunks, named by no manifest
+        assert report.stale_sessions_removed == 1 and len(report.deleted) == 2, report
+        assert set(blob_files(blobs)) == referenced(kept)
+        for version in (1, 2):
+            inc_check_whole(sp.load(s.path(f"inc/v{version}")), version)
+
+    s.check("a rank killed mid-save", killed)
+
 
 def main() -> None:
     scenario, rank, world, port, workdir = sys.argv[1:6]
