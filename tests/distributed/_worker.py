@@ -483,7 +483,7 @@ def scenario_s3(s: Session) -> None:
     """World 2, every checkpoint in the moto S3 bucket named by SAVEPOINT_TEST_S3_ROOT: each rank
     uploads its own part, rank 0 puts the manifest last; loads 2 -> 2, 2 -> 1 and whole; a run
     with retention and pointer aliases; a background save; a rank whose uploads fail gives one
-    error on every rank, and no manifest."""
+    error on every rank, and no manifest; incremental saves and a run with blobs in the bucket."""
     world, rank = s.world, s.rank
     root = os.environ["SAVEPOINT_TEST_S3_ROOT"]
     everyone = list(range(world))
@@ -560,6 +560,51 @@ def scenario_s3(s: Session) -> None:
         assert len(generations) == 1, generations  # the failed attempt's prefix is gone
 
     s.check("rank failing its uploads", failing_uploads)
+
+    def incremental() -> None:
+        # Blobs in the bucket: each rank puts its pieces, the manifest commits as a create-only
+        # put in a generation of the checkpoint; a second save writes only the changed chunk.
+        from savepoint.blobs import BlobPolicy, BlobStore
+
+        policy = BlobPolicy(**INC_POLICY_ARGS)
+        store = BlobStore.open(s.path("blobs"))
+        written = []
+        for version in (1, 2):
+            before = set(store.list())
+            sp.save(
+                s.path(f"inc-v{version}"),
+                inc_state(rank, world, version),
+                process_group=pg,
+                timeout=60,
+                blobs=s.path("blobs"),
+                blob_policy=policy,
+            )
+            dist.barrier()
+            written.append(len(set(store.list()) - before))
+        assert written == [34, 1], written
+        for version in (1, 2):
+            targets = inc_state(rank, world, version, empty=True)
+            sp.load(s.path(f"inc-v{version}"), into=targets, process_group=pg, timeout=60)
+            inc_check(targets, rank, world, version)
+        inc_check_whole(sp.load(s.path("inc-v2")), 2)
+        with sp.CheckpointManager(
+            s.path("inc-run"), incremental=True, blob_policy=policy, keep_last=1, process_group=pg
+        ) as m:
+            for step in (1, 2, 3):
+                m.save(step, inc_state(rank, world, step))
+        dist.barrier()
+        targets = inc_state(rank, world, 3, empty=True)
+        restored = sp.CheckpointManager(s.path("inc-run"), read_only=True).restore(
+            targets, process_group=pg, timeout=60, resume=False
+        )
+        assert restored == 3, restored
+        inc_check(targets, rank, world, 3)
+        if rank == 0:
+            run_blobs = BlobStore.open(s.path("inc-run/blobs"))
+            assert len(set(run_blobs.list())) == 34  # step 3's chunks only
+        dist.barrier()
+
+    s.check("incremental saves", incremental)
 
 
 # -- incremental (blob) saves --------------------------------------------------------------------
