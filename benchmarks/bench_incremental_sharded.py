@@ -98,14 +98,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     for r in range(args.repeats):
         run = root / f"r{r}"
         state = rank_state(whole_state(args.mib, 3 * r), rank, world, 0)
-        add("plain sharded save s", timed(lambda: sp.save(run / "full", state, process_group=pg)))
+        add(
+            "plain sharded save s",
+            timed(lambda run=run, st=state: sp.save(run / "full", st, process_group=pg)),
+        )
         if rank == 0:
             add("plain sharded save bytes", dir_bytes(run / "full"))
         for i in range(2):
             state = rank_state(whole_state(args.mib, 3 * r + 1 + i), rank, world, i)
             before = dir_bytes(run / "blobs") if rank == 0 and (run / "blobs").exists() else 0
             t = timed(
-                lambda i=i, st=state: sp.save(
+                lambda run=run, i=i, st=state: sp.save(
                     run / f"inc{i}", st, process_group=pg, blobs=run / "blobs", blob_policy=policy
                 )
             )
