@@ -34,6 +34,7 @@ C = (np.arange(40 * 64, dtype=np.float64).reshape(40, 64) * 1.5) % 17
 F = np.sin(np.arange(3000, dtype=np.float64))
 R = np.arange(32 * 64, dtype=np.float32).reshape(32, 64) - 5
 B = np.arange(10, dtype=np.float32)  # small: stays in a data file
+M = np.arange(9 * 128, dtype=np.float32).reshape(9, 128) * 3  # shards on both sides of 4 KiB
 Z = {f"p{i}": np.full((40, 32), i + 0.5, dtype=np.float32) for i in range(3)}
 
 
@@ -41,7 +42,7 @@ def tensors(version: int = 1) -> dict[str, Any]:
     """The whole tensors of save ``version``: each version changes rows 2-3 of E by one more."""
     e = E.copy()
     e[2:4] += version - 1
-    return {"emb": e, "cols": C, "flat": F, "rep": R, "bias": B, "zero": Z}
+    return {"emb": e, "cols": C, "flat": F, "rep": R, "bias": B, "mixed": M, "zero": Z}
 
 
 def rank_state(rank: int, world: int, version: int = 1, empty: bool = False) -> dict[str, Any]:
@@ -53,12 +54,16 @@ def rank_state(rank: int, world: int, version: int = 1, empty: bool = False) -> 
     a, b = FlatShard.bounds(ROWS, rank, world)
     ca, cb = FlatShard.bounds(64, rank, world)
     fa, fb = FlatShard.bounds(F.size, rank, world)
+    # "mixed": rank 0 holds rows 0-7 (4 KiB: a blob), rank 1 row 8 (512 bytes: a data file), the
+    # others nothing; alone, rank 0 holds all 9 rows.
+    ma, mb = (0, 9) if world == 1 else {0: (0, 8), 1: (8, 9)}.get(rank, (9, 9))
     return {
         "emb": Shard.split(fill(g["emb"][a:b]), 0, rank, world, size=ROWS),
         "cols": Shard(fill(np.ascontiguousarray(C[:, ca:cb])), C.shape, (0, ca)),
         "flat": FlatShard(fill(F[fa:fb]), F.shape, fa),
         "rep": fill(R),
         "bias": fill(B),
+        "mixed": Shard(fill(M[ma:mb]), M.shape, (ma, 0)),
         "zero": Partitioned(
             {k: fill(v) for i, (k, v) in enumerate(Z.items()) if i % world == rank}
         ),
@@ -68,7 +73,7 @@ def rank_state(rank: int, world: int, version: int = 1, empty: bool = False) -> 
 
 def check(st: dict[str, Any], rank: int, world: int, version: int = 1) -> None:
     want = rank_state(rank, world, version)
-    for key in ("emb", "cols", "flat"):
+    for key in ("emb", "cols", "flat", "mixed"):
         np.testing.assert_array_equal(st[key].local, want[key].local, err_msg=key)
     np.testing.assert_array_equal(st["rep"], R)
     np.testing.assert_array_equal(st["bias"], B)
@@ -222,13 +227,16 @@ def test_the_manifest_names_a_recipe_per_large_shard(saved: Path) -> None:
     assert [len(s["blobs"]["blobs"]) for s in emb] == [4, 4, 4]  # 16 KiB each, 4 KiB chunks
     assert set(manifest["tensors"]["bias"]["shards"][0]) == {"file", "offsets", "xxh3", "box"}
     assert len(manifest["tensors"]["rep"]["shards"]) == 1  # replicated: one writer
-    # Only "bias" (40 bytes) is in a data file; every rank's session is closed.
+    mixed = manifest["tensors"]["mixed"]["shards"]
+    assert ["blobs" in s for s in mixed] == [True, False]  # 4 KiB in blobs, 512 bytes in a file
+    # Only "bias" and a row of "mixed" are in data files; every rank's session is closed.
     data = sum(f["size"] - f["header_size"] for f in manifest["files"].values())
-    assert data == B.nbytes
+    assert data == B.nbytes + M[8].nbytes
     assert list((saved.parent / "blobs" / "sessions").iterdir()) == []
     parsed = mf.parse((saved / "manifest.json").read_bytes())
     assert parsed.sharded and parsed.has_blobs and parsed.world_size == 3
-    assert sum(1 for _ in mf.recipes(parsed)) == 3 + 3 + 3 + 1 + 3  # emb, cols, flat, rep, zero
+    # emb, cols, flat, rep, mixed, zero
+    assert sum(1 for _ in mf.recipes(parsed)) == 3 + 3 + 3 + 1 + 1 + 3
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
@@ -283,7 +291,7 @@ def test_a_second_save_writes_only_the_changed_chunks(
 ) -> None:
     save_ranks(monkeypatch, tmp_path / "v1", 2)
     before = blob_files(tmp_path / "blobs")
-    assert len(before) == 12 + 6 + 6 + 2 + 6, len(before)  # emb, cols, flat, rep, zero chunks
+    assert len(before) == 12 + 6 + 6 + 2 + 1 + 6, len(before)  # emb, cols, flat, rep, mixed, zero
     results = save_ranks(monkeypatch, tmp_path / "v2", 2, version=2)
     assert all(isinstance(r, sp.CheckpointInfo) for r in results), results
     new = {d: n for d, n in blob_files(tmp_path / "blobs").items() if d not in before}
@@ -503,7 +511,7 @@ def test_verify_checks_every_blob_against_its_name(
     sp.verify(saved)
     manifest = mf.parse((saved / "manifest.json").read_bytes())
     assert sorted(checked) == sorted(len(r.digests) for r in mf.recipes(manifest))
-    assert sum(checked) == 12 + 6 + 6 + 2 + 6
+    assert sum(checked) == 12 + 6 + 6 + 2 + 1 + 6
 
 
 def test_ranks_on_an_object_like_store(monkeypatch: pytest.MonkeyPatch) -> None:
