@@ -37,7 +37,6 @@ from savepoint.engine import load as load_engine
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
 from savepoint.engine.read import Reader, rereading
-from savepoint.errors import UnsupportedStateError
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.options import (
     DEFAULT_MAX_FILE_BYTES,
@@ -126,13 +125,24 @@ def save(
     ``path`` and at most two levels above it): an incremental save (a version 4 checkpoint). The
     tensors ``blob_policy`` (a :class:`savepoint.blobs.BlobPolicy`; default: those of 1 MiB or
     more) wants are stored there as content-addressed chunks, written only when no earlier save
-    wrote the same bytes; the others go into data files. See ``docs/blobs.md``.
+    wrote the same bytes; the others go into data files. See ``docs/blobs.md``. With
+    ``process_group`` (or a state holding sharding descriptions) every rank puts the pieces it
+    writes into that store, which must then be one all ranks see (a shared filesystem or an
+    object store), named alike on every rank; see ``docs/distributed.md``.
     """
     if blobs is not None:
-        if process_group is not None:
-            raise UnsupportedStateError("blobs= is not supported with process_group= yet")
         return save_incremental(
-            path, state, metadata, blobs, blob_policy, max_file_bytes, writers, direct, progress
+            path,
+            state,
+            metadata,
+            blobs,
+            blob_policy,
+            max_file_bytes,
+            writers,
+            direct,
+            progress,
+            process_group=process_group,
+            timeout=timeout,
         )
     if blob_policy is not None:
         raise ValueError("blob_policy is given without blobs=")
@@ -167,13 +177,17 @@ def save_incremental(
     progress: Progress | None,
     memo: Any = None,
     tracker: Any = None,
+    *,
+    process_group: Any = None,
+    timeout: float | None = None,
 ) -> CheckpointInfo:
     """``save(path, state, blobs=..., blob_policy=...)`` (an incremental save; the arguments
     positional), with ``memo``: the :class:`savepoint.blobs.FastMemo` to name unchanged chunks
     by (default: this process's, when the policy asks for one), and ``tracker``: the
     :class:`savepoint.blobs.patch.PatchTracker` that finds changed rows (default: this
     process's, when the policy asks for patches). ``CheckpointManager(..., incremental=True)``
-    passes its own."""
+    passes its own. With ``process_group``, or a state holding sharding descriptions, a sharded
+    incremental save (:mod:`savepoint.distributed.save`; its pieces are written as chunks)."""
     from savepoint.blobs import BlobPolicy, BlobStore
 
     store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
@@ -184,13 +198,28 @@ def save_incremental(
         memo = _memo(store.algorithm)
     if tracker is None and policy.patches:
         tracker = _tracker()
-    SaveOptions(max_file_bytes=max_file_bytes, writers=writers, direct=direct)  # checks them
+    options = SaveOptions(  # checks them
+        max_file_bytes=max_file_bytes,
+        writers=writers,
+        direct=direct,
+        progress=progress,
+        process_group=process_group,
+        timeout=timeout,
+    )
     location = resolve_path(path, what="checkpoint path")
+    if process_group is not None:
+        from savepoint.distributed import save as distributed_save
+
+        incremental = distributed_save.Incremental(store, policy, memo)
+        return distributed_save.save(location, state, metadata, options, incremental)
     meta = save_engine.check_metadata(metadata)
     with collector.paused():
         flat = tree.flatten(state)
         if save_engine.has_shards(flat.tree):
-            raise UnsupportedStateError("blobs= is not supported for sharded states yet")
+            from savepoint.distributed import save as distributed_save
+
+            incremental = distributed_save.Incremental(store, policy, memo)
+            return distributed_save.save_flat(location, flat, meta, options, incremental)
         with store.session() as session:
             directory, manifest = save_engine.save_blobs(
                 location,

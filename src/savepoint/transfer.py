@@ -103,6 +103,13 @@ def copy(
         store = target.store
         mode = "plain" if not manifest.has_blobs else "materialize" if materialize else "blobs"
         check = _target_check(overwrite)
+        if mode == "materialize" and manifest.world_size is not None:
+            # A sharded incremental checkpoint: its shards assembled into whole tensors, as a
+            # plain unsharded checkpoint (what consolidate writes).
+            from savepoint.distributed.consolidate import consolidate
+
+            check(store, target.path)
+            return consolidate(source, target, verify=verify, progress=progress)
         dest: BlobStore | None = None
         if mode == "blobs":
             check(store, target.path)  # refused before any blob is written
@@ -325,18 +332,25 @@ def _blob_jobs(manifest: mf.Manifest) -> list[tuple[str, str, int, str | None]]:
     seen: set[str] = set()
     jobs: list[tuple[str, str, int, str | None]] = []
     for ref, rec in manifest.tensors.items():
-        recipe: Recipe | None = rec.recipe
-        if recipe is None:
-            continue
-        base = recipe.base()  # a patched recipe: its chunks, then its patches
-        checks: Any = base.checks or [None] * len(base.digests)
-        blobs = [(d, e - s, c) for (d, s, e), c in zip(base.spans(), checks)]
-        blobs += [(p.blob, p.content_size(recipe.size), p.check) for p in recipe.patches]
-        for digest, size, check in blobs:
-            if digest not in seen:
-                seen.add(digest)
-                jobs.append((ref, digest, size, check))
+        pieces = [s.recipe for s in rec.shards] if len(rec.shards) > 1 else [rec.recipe]
+        for recipe in pieces:
+            if recipe is not None:
+                _recipe_jobs(ref, recipe, seen, jobs)
     return jobs
+
+
+def _recipe_jobs(
+    ref: str, recipe: Recipe, seen: set[str], jobs: list[tuple[str, str, int, str | None]]
+) -> None:
+    """Add the blobs of one recipe (tensor ``ref``'s, or one of its shards') to ``jobs``."""
+    base = recipe.base()  # a patched recipe: its chunks, then its patches
+    checks: Any = base.checks or [None] * len(base.digests)
+    blobs = [(d, e - s, c) for (d, s, e), c in zip(base.spans(), checks)]
+    blobs += [(p.blob, p.content_size(recipe.size), p.check) for p in recipe.patches]
+    for digest, size, check in blobs:
+        if digest not in seen:
+            seen.add(digest)
+            jobs.append((ref, digest, size, check))
 
 
 def _copy_blobs(

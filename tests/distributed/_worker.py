@@ -483,7 +483,7 @@ def scenario_s3(s: Session) -> None:
     """World 2, every checkpoint in the moto S3 bucket named by SAVEPOINT_TEST_S3_ROOT: each rank
     uploads its own part, rank 0 puts the manifest last; loads 2 -> 2, 2 -> 1 and whole; a run
     with retention and pointer aliases; a background save; a rank whose uploads fail gives one
-    error on every rank, and no manifest."""
+    error on every rank, and no manifest; incremental saves and a run with blobs in the bucket."""
     world, rank = s.world, s.rank
     root = os.environ["SAVEPOINT_TEST_S3_ROOT"]
     everyone = list(range(world))
@@ -560,6 +560,339 @@ def scenario_s3(s: Session) -> None:
         assert len(generations) == 1, generations  # the failed attempt's prefix is gone
 
     s.check("rank failing its uploads", failing_uploads)
+
+    def incremental() -> None:
+        # Blobs in the bucket: each rank puts its pieces, the manifest commits as a create-only
+        # put in a generation of the checkpoint; a second save writes only the changed chunk.
+        from savepoint.blobs import BlobPolicy, BlobStore
+
+        policy = BlobPolicy(**INC_POLICY_ARGS)
+        store = BlobStore.open(s.path("blobs"))
+        written = []
+        for version in (1, 2):
+            before = set(store.list())
+            sp.save(
+                s.path(f"inc-v{version}"),
+                inc_state(rank, world, version),
+                process_group=pg,
+                timeout=60,
+                blobs=s.path("blobs"),
+                blob_policy=policy,
+            )
+            dist.barrier()
+            written.append(len(set(store.list()) - before))
+        assert written == [34, 1], written
+        for version in (1, 2):
+            targets = inc_state(rank, world, version, empty=True)
+            sp.load(s.path(f"inc-v{version}"), into=targets, process_group=pg, timeout=60)
+            inc_check(targets, rank, world, version)
+        inc_check_whole(sp.load(s.path("inc-v2")), 2)
+        with sp.CheckpointManager(
+            s.path("inc-run"), incremental=True, blob_policy=policy, keep_last=1, process_group=pg
+        ) as m:
+            for step in (1, 2, 3):
+                m.save(step, inc_state(rank, world, step))
+        dist.barrier()
+        targets = inc_state(rank, world, 3, empty=True)
+        restored = sp.CheckpointManager(s.path("inc-run"), read_only=True).restore(
+            targets, process_group=pg, timeout=60, resume=False
+        )
+        assert restored == 3, restored
+        inc_check(targets, rank, world, 3)
+        if rank == 0:
+            run_blobs = BlobStore.open(s.path("inc-run/blobs"))
+            assert len(set(run_blobs.list())) == 34  # step 3's chunks only
+        dist.barrier()
+
+    s.check("incremental saves", incremental)
+
+
+# -- incremental (blob) saves --------------------------------------------------------------------
+
+INC_POLICY_ARGS = {"chunk_size": 4096, "min_blob_bytes": 4096, "workers": 1}
+INC_ROWS = 128  # rows of "emb", 512 bytes each: a 4 KiB chunk holds 8 rows
+
+
+def inc_tensors(version: int) -> dict[str, Any]:
+    """The whole tensors of incremental save ``version`` (1, 2, ...): version v changes 2 rows of
+    "emb" (in one 4 KiB chunk of rank 0's shard) and nothing else."""
+    g = torch.Generator().manual_seed(99)
+    emb = torch.randn(INC_ROWS, 128, generator=g)
+    for v in range(2, version + 1):
+        row = 8 * (v - 2) + 2  # rows 2-3 at v=2, 10-11 at v=3, ...: one chunk each
+        emb[row : row + 2] += float(v)
+    return {
+        "emb": emb,  # row-sharded: 32 KiB per shard on 2 ranks
+        "cols": torch.randn(48, 64, generator=g),  # column-sharded: 6 KiB per shard
+        "flat": torch.randn(3000, generator=g).double(),  # FSDP-style flat ranges
+        "rep": torch.randn(32, 64, generator=g),  # replicated (8 KiB): one rank writes it
+        "bias": torch.randn(10, generator=g),  # small: stays in a data file
+        "zero": {k: torch.randn(40, 32, generator=g) for k in ZERO_KEYS[:3]},
+    }
+
+
+def inc_state(rank: int, world: int, version: int, *, empty: bool = False) -> dict[str, Any]:
+    g = inc_tensors(version)
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if empty else t.clone()
+
+    flat = g["flat"]
+    start, stop = bounds(flat.numel(), rank, world)
+    return {
+        "emb": Shard.split(fill(piece(g["emb"], 0, rank, world)), 0, rank, world, size=INC_ROWS),
+        "cols": Shard.split(fill(piece(g["cols"], 1, rank, world)), 1, rank, world, size=64),
+        "flat": FlatShard(fill(flat[start:stop]), flat.shape, start),
+        "rep": fill(g["rep"]),
+        "bias": fill(g["bias"]),
+        "zero": Partitioned(
+            {k: fill(t) for i, (k, t) in enumerate(g["zero"].items()) if i % world == rank}
+        ),
+        "version": 0 if empty else version,
+    }
+
+
+def inc_check(loaded: dict[str, Any], rank: int, world: int, version: int) -> None:
+    want = inc_state(rank, world, version)
+    for name in ("emb", "cols", "flat", "rep", "bias"):
+        got, expected = local_of(loaded[name]), local_of(want[name])
+        assert got.dtype == expected.dtype and torch.equal(got, expected), f"{name} differs"
+    assert set(loaded["zero"].mapping) == set(want["zero"].mapping)
+    for k, t in loaded["zero"].mapping.items():
+        assert torch.equal(t, want["zero"].mapping[k]), f"zero/{k}"
+    assert loaded["version"] == version, loaded["version"]
+
+
+def inc_check_whole(tree: dict[str, Any], version: int) -> None:
+    g = inc_tensors(version)
+    for name in ("emb", "cols", "flat", "rep", "bias"):
+        assert torch.equal(tree[name], g[name]), name
+    for k, t in g["zero"].items():
+        assert torch.equal(tree["zero"][k], t), k
+    assert tree["version"] == version
+
+
+def blob_files(root: str) -> dict[str, int]:
+    """Every blob in the store at ``root``: digest -> bytes on disk."""
+    out = {}
+    data = os.path.join(root, "data")
+    for fan in os.listdir(data) if os.path.isdir(data) else ():
+        for name in os.listdir(os.path.join(data, fan)):
+            out[name] = os.path.getsize(os.path.join(data, fan, name))
+    return out
+
+
+def referenced(paths: list[str]) -> set[str]:
+    from savepoint.codecs import manifest as mf
+
+    found: set[str] = set()
+    for path in paths:
+        with open(os.path.join(path, "manifest.json"), "rb") as f:
+            for recipe in mf.recipes(mf.parse(f.read())):
+                found.update(recipe.digests)
+    return found
+
+
+def scenario_incremental3(s: Session) -> None:
+    """World 3: ranks 0 and 1 save incrementally twice into one blob store (the second save
+    writes only the changed chunk); loads 2 -> 2, 2 -> 3 (uneven), 2 -> 1 and whole, verify and
+    inspect; then a manager with keep_last and blobs on ranks 0 and 1."""
+    from savepoint.blobs import BlobPolicy, SaveSession
+
+    rank = s.rank
+    pg2 = dist.new_group([0, 1])
+    solo = [dist.new_group([r]) for r in range(s.world)]
+    if rank == 1:
+        # Rank 1 is slow to close its sessions: rank 0 must still find none open when its save
+        # returns, and its collections (the manager's retention) must not be deferred by them.
+        real_close = SaveSession.close
+
+        def slow_close(self: SaveSession) -> None:
+            if self._open:
+                time.sleep(0.3)
+            real_close(self)
+
+        SaveSession.close = slow_close  # type: ignore[method-assign]
+    policy = BlobPolicy(**INC_POLICY_ARGS)
+    blobs = s.path("inc/blobs")
+
+    def synced(fn: Callable[[], None]) -> Callable[[], None]:
+        # Every rank passes the barrier after ``fn``, failed or not: the next check starts
+        # together (a failed check never turns into a hang).
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                dist.barrier()
+
+        return run
+
+    def save(version: int) -> None:
+        if rank < 2:
+            st = inc_state(rank, 2, version)
+            info = sp.save(
+                s.path(f"inc/v{version}"),
+                st,
+                process_group=pg2,
+                timeout=60,
+                blobs=blobs,
+                blob_policy=policy,
+            )
+            assert info.format_version == 4 and info.world_size == 2, info
+            sessions = os.listdir(os.path.join(blobs, "sessions"))
+            # Every rank's session is closed when save returns (on rank 0: all of them).
+            assert rank != 0 or sessions == [], sessions
+
+    before: dict[str, int] = {}
+
+    def first() -> None:
+        synced(lambda: save(1))()
+        before.update(blob_files(blobs))
+        s.data["first blobs"] = [len(before), sum(before.values())]
+
+    def second() -> None:
+        synced(lambda: save(2))()
+        after = blob_files(blobs)
+        new = {d: n for d, n in after.items() if d not in before}
+        s.data["second blobs"] = [len(new), sum(new.values())]
+        assert set(before) <= set(after)
+        # Only the changed chunk of rank 0's "emb" shard was written: one 4 KiB blob (and its
+        # 32-byte header).
+        assert list(new.values()) == [4096 + 32], new
+        with open(s.path("inc/v2/manifest.json")) as f:
+            manifest = json.load(f)
+        data = sum(f["size"] for f in manifest["files"].values())
+        assert data < 1024, manifest["files"]  # only "bias" is in a data file
+
+    s.check("incremental save 1", first)
+    s.check("incremental save 2 writes only the changed chunk", second)
+
+    def load_into(version: int, pg: Any, ranks: list[int]) -> None:
+        if rank in ranks:
+            world, r = len(ranks), ranks.index(rank)
+            targets = inc_state(r, world, version, empty=True)
+            sp.load(s.path(f"inc/v{version}"), into=targets, process_group=pg, timeout=60)
+            inc_check(targets, r, world, version)
+
+    s.check("load 2->2", synced(lambda: load_into(2, pg2, [0, 1])))
+    s.check("load 2->3", synced(lambda: load_into(2, dist.group.WORLD, [0, 1, 2])))
+    s.check("load 2->1", synced(lambda: load_into(2, solo[0], [0])))
+    s.check("load first 2->3", synced(lambda: load_into(1, dist.group.WORLD, [0, 1, 2])))
+
+    def whole() -> None:
+        if rank == 2:
+            for version in (1, 2):
+                inc_check_whole(sp.load(s.path(f"inc/v{version}")), version)
+                info = sp.verify(s.path(f"inc/v{version}"))
+                assert info.world_size == 2 and info.format_version == 4
+                shards = {t.key: t.shards for t in sp.inspect(s.path(f"inc/v{version}")).tensors}
+                assert shards["emb"] == 2 and shards["rep"] == 1, shards
+
+    s.check("whole, verify, inspect", synced(whole))
+
+    run = s.path("inc/run")
+
+    def manager_saves() -> None:
+        if rank < 2:
+            mgr = sp.CheckpointManager(
+                run,
+                incremental=True,
+                blob_policy=policy,
+                keep_last=2,
+                process_group=pg2,
+                timeout=60,
+            )
+            for step in (1, 2, 3, 4):
+                mgr.save(step, inc_state(rank, 2, step), metrics={"loss": 1.0 / step})
+            mgr.close()
+
+    def manager_blobs() -> None:
+        if rank == 0:
+            steps = sorted(os.listdir(os.path.join(run, "checkpoints")))
+            assert steps == ["step-0000000003", "step-0000000004"], steps
+            kept = [os.path.join(run, "checkpoints", name) for name in steps]
+            kept += [os.path.join(run, alias) for alias in ("latest", "best")]
+            on_disk = set(blob_files(os.path.join(run, "blobs")))
+            wanted = referenced([k for k in kept if os.path.isdir(k)])
+            assert on_disk == wanted, (len(on_disk - wanted), len(wanted - on_disk))
+            assert os.listdir(os.path.join(run, "blobs", "sessions")) == []
+            s.data["run blobs"] = len(on_disk)
+
+    def manager_restores() -> None:
+        # Every retained checkpoint restores bit-exactly, on 2 ranks and whole on rank 2.
+        for step in (3, 4):
+            path = os.path.join(run, "checkpoints", f"step-{step:010d}")
+            if rank < 2:
+                targets = inc_state(rank, 2, step, empty=True)
+                sp.load(path, into=targets, process_group=pg2, timeout=60)
+                inc_check(targets, rank, 2, step)
+            else:
+                inc_check_whole(sp.load(path), step)
+                sp.verify(path)
+        if rank < 2:
+            targets = inc_state(rank, 2, 4, empty=True)
+            restored = sp.CheckpointManager(run, read_only=True).restore(
+                targets, process_group=pg2, timeout=60, resume=False
+            )
+            assert restored == 4, restored
+            inc_check(targets, rank, 2, 4)
+
+    s.check("manager saves with blobs", synced(manager_saves))
+    s.check("manager keeps exactly the referenced blobs", synced(manager_blobs))
+    s.check("manager checkpoints restore", synced(manager_restores))
+
+    # Last (rank 1 does not come back): rank 1 dies after putting its blobs, before it reports.
+    from savepoint.distributed import save as dsave
+
+    if rank == 1:
+        real_put = dsave.put_pieces
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            real_put(*args, **kwargs)
+            s.write()
+            os._exit(17)
+
+        dsave.put_pieces = dying  # type: ignore[assignment]
+        st = inc_state(rank, 2, 3)
+        st["emb"].local[0] += 1  # a chunk only this save holds
+        sp.save(s.path("inc/v2"), st, process_group=pg2, blobs=blobs, blob_policy=policy)
+        return
+
+    def killed() -> None:
+        if rank != 0:
+            return
+        s.data["killed"] = expect_failure(
+            lambda: sp.save(
+                s.path("inc/v2"),
+                inc_state(rank, 2, 3),
+                process_group=pg2,
+                timeout=20,
+                blobs=blobs,
+                blob_policy=policy,
+            ),
+            ranks=[1],
+            words=["rank 1 did not finish its part"],
+            within=20 + 5,
+        )
+        # Rank 0 closed its session; the dead rank's record stays and holds collections back
+        # until it is stale; then a collection deletes the dead save's blobs and nothing that
+        # a committed checkpoint names.
+        sessions = os.listdir(os.path.join(blobs, "sessions"))
+        assert len(sessions) == 1, sessions
+        from savepoint.blobs import BlobStore
+
+        store = BlobStore.open(blobs)
+        kept = [s.path("inc/v1"), s.path("inc/v2")]
+        held = store.collect(lambda: referenced(kept), grace=0)
+        assert held.deferred and not held.deleted, held
+        report = store.collect(lambda: referenced(kept), grace=0, session_stale_after=0)
+        # rank 0's and rank 1's changed chunks, named by no manifest
+        assert report.stale_sessions_removed == 1 and len(report.deleted) == 2, report
+        assert set(blob_files(blobs)) == referenced(kept)
+        for version in (1, 2):
+            inc_check_whole(sp.load(s.path(f"inc/v{version}")), version)
+
+    s.check("a rank killed mid-save", killed)
 
 
 def main() -> None:

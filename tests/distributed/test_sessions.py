@@ -244,7 +244,7 @@ def test_two_ranks_on_an_object_store(
     for rank in range(2):
         assert rank in s.results, s.failures()
         assert all(v == "ok" for v in s.results[rank]["checks"].values()), s.failures()
-        assert len(s.results[rank]["checks"]) == 7, s.results[rank]["checks"]
+        assert len(s.results[rank]["checks"]) == 8, s.results[rank]["checks"]
     # Checked again from this process, without the topology.
     tree = sp.load(f"s3://{s3_bucket}/sessions/ckpt")
     assert torch.equal(tree["model"]["tp0"], _global()["tp0"])

@@ -72,6 +72,17 @@ The parser checks the recipe completely (:meth:`savepoint.blobs.Recipe.from_json
 that ``xxh3`` is :meth:`savepoint.blobs.Recipe.checksum` of it (the per-chunk checks are block
 checksums with the chunk as block), before anything is allocated.
 
+A sharded incremental save (``save(..., blobs=..., process_group=...)``) writes version 4 with a
+``world_size`` member too (after ``blob_digest``); every tensor entry is then a version 3 one
+(``dtype``, ``shape``, ``shards``), and a shard may name a recipe instead of a file range::
+
+         {"xxh3": "...", "box": [[0, 512], [0, 1024]], "blobs": {"digest": "blake3", ...}}
+
+with the same checks as a tensor's recipe (its ``size`` is the shard's element count x
+itemsize), and the rules of version 3 for the regions (they tile the tensor). Such a shard's
+block checksums are the recipe's per-chunk checks: a rank needing part of it reads and checks
+only the chunks holding that part.
+
 Compatibility: readers accept every ``format_version`` up to their own and refuse newer ones with
 an IncompatibleCheckpointError. Version 1 is the first; version 2 adds sharding; version 3 adds
 block checksums; version 4 adds blobs.
@@ -140,6 +151,7 @@ __all__ = [
     "dump",
     "dumps",
     "parse",
+    "recipes",
     "shard_name",
     "shard_shape",
     "tree_pieces",
@@ -177,6 +189,9 @@ class ShardRecord:
     region: boxes.Region
     block: int = 0  # block size of ``blocks`` (0: checked whole against ``xxh3``)
     blocks: tuple[str, ...] = ()
+    # Version 4: the shard's bytes are these blobs (a savepoint.blobs.Recipe); ``file`` is then
+    # empty, ``start`` 0, ``end`` its byte count, and ``block``/``blocks`` the recipe's checks.
+    recipe: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -281,11 +296,25 @@ _new_object = object.__new__
 
 
 def whole(dtype: str, shape: tuple[int, ...], shards: tuple[ShardRecord, ...]) -> TensorRecord:
-    """The record of a version 2 tensor (see :class:`TensorRecord`)."""
+    """The record of a sharded tensor (see :class:`TensorRecord`): one shard is a tensor stored
+    whole (in a file, or as blobs)."""
     if len(shards) == 1:
         s = shards[0]
-        return TensorRecord(dtype, shape, s.file, s.start, s.end, s.xxh3, shards, s.block, s.blocks)
+        return TensorRecord(
+            dtype, shape, s.file, s.start, s.end, s.xxh3, shards, s.block, s.blocks, s.recipe
+        )
     return TensorRecord(dtype, shape, "", 0, 0, "", shards)
+
+
+def recipes(manifest: Manifest) -> Iterator[Any]:
+    """Every blob recipe a (version 4) manifest names: its tensors' and its shards'."""
+    for rec in manifest.tensors.values():
+        if len(rec.shards) > 1:
+            for s in rec.shards:
+                if s.recipe is not None:
+                    yield s.recipe
+        elif rec.recipe is not None:
+            yield rec.recipe
 
 
 def shard_name(key: str, region: boxes.Region, shape: tuple[int, ...]) -> str:
@@ -323,7 +352,10 @@ class Manifest:
 
     @property
     def sharded(self) -> bool:
-        return SHARDED <= self.format_version <= BLOCKED
+        """Written by a sharded save: versions 2 and 3, and version 4 with a ``world_size``."""
+        if self.format_version >= BLOBS:
+            return self.world_size is not None
+        return self.format_version >= SHARDED
 
     @property
     def has_blobs(self) -> bool:
@@ -348,12 +380,18 @@ class ManifestVersionError(IncompatibleCheckpointError):
 
 
 def _shard_json(s: ShardRecord) -> dict[str, Any]:
-    out: dict[str, Any] = {"file": s.file, "offsets": [s.start, s.end], "xxh3": s.xxh3}
+    out: dict[str, Any] = (
+        {"xxh3": s.xxh3}
+        if s.recipe is not None
+        else {"file": s.file, "offsets": [s.start, s.end], "xxh3": s.xxh3}
+    )
     if isinstance(s.region, boxes.Flat):
         out["flat"] = [s.region.start, s.region.stop]
     else:
         out["box"] = [list(b) for b in s.region]
-    if s.block:
+    if s.recipe is not None:
+        out["blobs"] = s.recipe.to_json()  # its checks are the blocks
+    elif s.block:
         out["blocks"] = {"size": s.block, "xxh3": list(s.blocks)}
     return out
 
@@ -480,6 +518,7 @@ def _pieces(
     if m.has_blobs:
         body["blob_store"] = m.blob_store
         body["blob_digest"] = m.blob_digest
+    if m.has_blobs and not m.sharded:
         tensors = {name: _v4_json(t) for name, t in m.tensors.items()}
     elif m.sharded:
         body["world_size"] = m.world_size
@@ -825,6 +864,7 @@ _BOX_SHARD = frozenset(("file", "offsets", "xxh3", "box"))
 _FLAT_SHARD = frozenset(("file", "offsets", "xxh3", "flat"))
 _SHARD_KINDS = (_BOX_SHARD, _FLAT_SHARD)
 _BLOCKED_KINDS = _SHARD_KINDS + tuple(k | {"blocks"} for k in _SHARD_KINDS)
+_BLOB_SHARD_KINDS = (frozenset(("xxh3", "blobs", "box")), frozenset(("xxh3", "blobs", "flat")))
 _BLOCKS = frozenset(("size", "xxh3"))
 _MIN_BLOCK = 1 << 10
 _HEX = "0123456789abcdef"
@@ -955,7 +995,7 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
     if version >= BLOBS:
         blob_store, blob_digest = _blob_members(doc)
     world_size = None
-    if SHARDED <= version <= BLOCKED:
+    if SHARDED <= version <= BLOCKED or (version >= BLOBS and "world_size" in doc):
         world_size = doc.get("world_size")
         _require(
             type(world_size) is int and 1 <= world_size < _MAX_WORLD,
@@ -965,14 +1005,15 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
     tensors: Mapping[str, TensorRecord]
     raw_tensors = doc.get("tensors")
     _require(isinstance(raw_tensors, dict), "tensors must be an object")
-    if version >= BLOBS:
+    if version >= BLOBS and world_size is None:
         tensors = {
             name: _v4_record(name, t, files, blob_digest, version)
             for name, t in raw_tensors.items()
         }
     elif version >= SHARDED:
         tensors = {
-            name: _sharded_tensor(name, t, files, version) for name, t in raw_tensors.items()
+            name: _sharded_tensor(name, t, files, version, blob_digest)
+            for name, t in raw_tensors.items()
         }
     else:
         tensors = _v1_records(raw_tensors, files, columns)
@@ -1049,40 +1090,55 @@ def _v4_record(
         f"tensor {name!r}: a blob entry must have dtype, shape, xxh3, blobs",
     )
     shape, itemsize = _dtype_and_shape(name, t)
-    try:
-        recipe = _recipe.Recipe.from_json(t["blobs"])
-    except CorruptCheckpointError as exc:
-        raise ManifestError(f"tensor {name!r}: {exc}") from None
-    _require(
-        not recipe.patches or version >= PATCHES,
-        f"tensor {name!r}: a patched blob recipe in a version {version} manifest (patches "
-        f"came with version {PATCHES})",
-    )
     expected = math.prod(shape) * itemsize
-    _require(
-        recipe.size == expected,
-        f"tensor {name!r}: its blobs hold {recipe.size} bytes, shape {list(shape)} of "
-        f"{t['dtype']} needs {expected}",
+    recipe, digest = _recipe_of(
+        f"tensor {name!r}", t, expected, f"shape {list(shape)} of {t['dtype']}", algorithm, version
     )
-    _require(
-        recipe.algorithm == algorithm,
-        f"tensor {name!r}: {recipe.algorithm} blobs in a {_show(algorithm)} blob store",
-    )
-    _require(
-        recipe.chunk & (recipe.chunk - 1) == 0 and recipe.chunk >= _MIN_BLOCK,
-        f"tensor {name!r}: blob chunk {recipe.chunk} is not a power of two of at least 1 KiB",
-    )
-    digest = recipe.checksum() if recipe.size else checksum.Digest(checksum.digest(b""))
-    _require(
-        digest is not None and _is_digest(t["xxh3"]) and digest.xxh3 == t["xxh3"],
-        f"tensor {name!r}: its xxh3 does not match its blobs' checks",
-    )
-    assert digest is not None
     record = TensorRecord(
         t["dtype"], shape, "", 0, expected, t["xxh3"], (), digest.block, digest.blocks
     )
     _SET_RECIPE(record, recipe)
     return record
+
+
+def _recipe_of(
+    what: str,
+    entry: dict[str, Any],
+    expected: int,
+    holding: str,
+    algorithm: str | None,
+    version: int,
+) -> tuple[Any, checksum.Digest]:
+    """The checked recipe of a version 4 entry (a tensor's or a shard's) whose bytes are
+    ``expected`` (``holding`` says what they are), and its checksum."""
+    try:
+        recipe = _recipe.Recipe.from_json(entry["blobs"])
+    except CorruptCheckpointError as exc:
+        raise ManifestError(f"{what}: {exc}") from None
+    _require(
+        not recipe.patches or version >= PATCHES,
+        f"{what}: a patched blob recipe in a version {version} manifest (patches came with "
+        f"version {PATCHES})",
+    )
+    _require(
+        recipe.size == expected,
+        f"{what}: its blobs hold {recipe.size} bytes, {holding} needs {expected}",
+    )
+    _require(
+        recipe.algorithm == algorithm,
+        f"{what}: {recipe.algorithm} blobs in a {_show(algorithm)} blob store",
+    )
+    _require(
+        recipe.chunk & (recipe.chunk - 1) == 0 and recipe.chunk >= _MIN_BLOCK,
+        f"{what}: blob chunk {recipe.chunk} is not a power of two of at least 1 KiB",
+    )
+    digest = recipe.checksum() if recipe.size else checksum.Digest(checksum.digest(b""))
+    _require(
+        digest is not None and _is_digest(entry["xxh3"]) and digest.xxh3 == entry["xxh3"],
+        f"{what}: its xxh3 does not match its blobs' checks",
+    )
+    assert digest is not None
+    return recipe, digest
 
 
 def _v1_records(
@@ -1321,7 +1377,9 @@ def _blocks(what: str, raw: Any, nbytes: int, xxh3: str) -> tuple[int, tuple[str
     return size, tuple(digests)
 
 
-def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord], version: int) -> TensorRecord:
+def _sharded_tensor(
+    name: str, t: Any, files: dict[str, FileRecord], version: int, algorithm: str | None = None
+) -> TensorRecord:
     _require(
         type(t) is dict and t.keys() == _V2_TENSOR,
         f"tensor {name!r}: entry must have dtype, shape, shards",
@@ -1335,14 +1393,22 @@ def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord], version: in
     shards = []
     for i, sh in enumerate(raw_shards):
         what = f"tensor {name!r} shard {i}"
-        kinds = _BLOCKED_KINDS if version >= BLOCKED else _SHARD_KINDS
-        _require(
-            type(sh) is dict and sh.keys() in kinds,
-            f"{what}: entry must have file, offsets, xxh3 and one of box, flat"
-            + (" (and may have blocks)" if version >= BLOCKED else ""),
-        )
-        start, end = _byte_range(what, sh, files)
-        _require(_is_digest(sh["xxh3"]), f"{what}: bad checksum")
+        if version >= BLOBS and type(sh) is dict and "blobs" in sh:
+            _require(
+                sh.keys() in _BLOB_SHARD_KINDS,
+                f"{what}: a blob shard must have xxh3, blobs and one of box, flat",
+            )
+            start, end = 0, -1  # from its recipe, once its region is checked
+        else:
+            kinds = _BLOCKED_KINDS if version >= BLOCKED else _SHARD_KINDS
+            _require(
+                type(sh) is dict and sh.keys() in kinds,
+                f"{what}: entry must have file, offsets, xxh3 and one of box, flat"
+                + (" (and may have blocks)" if version >= BLOCKED else "")
+                + (" (or xxh3, blobs and one of box, flat)" if version >= BLOBS else ""),
+            )
+            start, end = _byte_range(what, sh, files)
+            _require(_is_digest(sh["xxh3"]), f"{what}: bad checksum")
         region: boxes.Region
         if "flat" in sh:
             _require(_pair(sh["flat"]), f"{what}: flat must be [start, stop] with start <= stop")
@@ -1360,6 +1426,16 @@ def _sharded_tensor(name: str, t: Any, files: dict[str, FileRecord], version: in
             f"{what}: {boxes.show(region)} lies outside shape {list(shape)}",
         )
         expected = boxes.size(region, shape) * itemsize
+        if end < 0:
+            recipe, digest = _recipe_of(
+                what, sh, expected, f"{boxes.show(region)} of {t['dtype']}", algorithm, version
+            )
+            shards.append(
+                ShardRecord(
+                    "", 0, expected, sh["xxh3"], region, digest.block, digest.blocks, recipe
+                )
+            )
+            continue
         _require(
             end - start == expected,
             f"{what}: {end - start} bytes recorded, {boxes.show(region)} of {t['dtype']} needs "

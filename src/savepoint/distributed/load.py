@@ -106,10 +106,9 @@ def load(
         counter = None
         if progress is not None:
             counter = load_engine.Counter(progress, sum(t.dst.nbytes for t in targets))
-        reader.prepare_files(
-            {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks},
-            check_header=bool(verify),
-        )
+        files = {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks}
+        files.discard("")  # shards stored as blobs (an incremental save's)
+        reader.prepare_files(files, check_header=bool(verify))
         if verify == "first":
             reader.read_shards(tasks, check_only=True)
         reader.read_shards(tasks, verify=verify is True, progress=counter)

@@ -20,14 +20,32 @@ the failing ranks; rank 0 aborts the transaction (the staging directory is remov
 checkpoint at ``path`` is untouched. No manifest exists until every rank has finished its files
 (two-phase commit). The store must be shared by all ranks (one filesystem, a network filesystem
 across nodes, or an object store; ``memory://`` serves the ranks of one process only).
+
+**Incremental** (``save(..., blobs=..., process_group=pg)``, :class:`Incremental`): the blob
+store must be one all ranks see, at the same place relative to the checkpoint (step 1 checks
+that every rank names it alike). In step 2 every rank opens a
+:class:`~savepoint.blobs.SaveSession` on it, puts the pieces it writes that the policy wants as
+chunked blobs (an unchanged chunk is named by the process's memo and not written again), writes
+the others into data files as above, then ``sync()`` s and ``check()`` s its session before
+sending its records (recipes included) to rank 0, which commits a version 4 manifest naming
+them. Each rank keeps its session open until the commit's answer reaches it, then closes it, and
+a third step waits for every rank to have closed its session: when ``save`` returns on rank 0,
+no session of this save is open, so a collection rank 0 runs next (the manager's retention) is
+not deferred by it, and none could have run while any rank's session was open (the session
+protocol of :mod:`savepoint.blobs.gc` defers it). On a failure each rank closes its session;
+the blobs it wrote are garbage for the next collection.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from savepoint.codecs import boxes
 from savepoint.codecs import manifest as mf
@@ -36,7 +54,7 @@ from savepoint.distributed import collectives, plan, shard
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe as describe_checkpoint
 from savepoint.engine.plan import FilePlan, plan_files
-from savepoint.errors import CheckpointError, UnsupportedStateError
+from savepoint.errors import CheckpointError, DistributedCheckpointError, UnsupportedStateError
 from savepoint.info import CheckpointInfo
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
@@ -44,7 +62,31 @@ from savepoint.state.arrays import HostCopy, TensorSource
 from savepoint.storage.paths import Location, PathArg
 from savepoint.storage.paths import resolve as resolve_path
 
-__all__ = ["describe", "file_name", "save", "save_flat", "snapshot", "write_pieces"]
+if TYPE_CHECKING:
+    from savepoint.blobs import BlobPolicy, BlobStore, FastMemo, SaveSession
+
+__all__ = [
+    "Incremental",
+    "describe",
+    "file_name",
+    "put_pieces",
+    "save",
+    "save_flat",
+    "snapshot",
+    "write_pieces",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Incremental:
+    """What makes a sharded save incremental (on this rank): the shared blob store, the policy
+    choosing the pieces that go there, and the memo naming unchanged chunks (this process's)."""
+
+    blobs: BlobStore
+    policy: BlobPolicy
+    memo: FastMemo | None = None
 
 
 def save(
@@ -52,14 +94,16 @@ def save(
     state: Any,
     metadata: Mapping[str, Any] | None,
     options: SaveOptions,
+    incremental: Incremental | None = None,
 ) -> CheckpointInfo:
-    """``sp.save(path, state, process_group=...)``: see the module docstring."""
+    """``sp.save(path, state, process_group=...)`` (with ``incremental``: ``blobs=...`` too):
+    see the module docstring."""
 
     def flatten() -> tuple[tree.Flat, dict[str, Any]]:
         meta = save_engine.check_metadata(metadata)
         return tree.flatten(shard.from_dtensors(state)), meta
 
-    return _save(path, flatten, options)
+    return _save(path, flatten, options, incremental)
 
 
 def snapshot(state: Any) -> tree.Flat:
@@ -77,28 +121,33 @@ def save_flat(
     flat: tree.Flat,
     metadata: dict[str, Any],
     options: SaveOptions,
+    incremental: Incremental | None = None,
 ) -> CheckpointInfo:
     """A sharded save of a state flattened (and snapshotted) earlier: the background writer of
     ``AsyncCheckpointer`` calls this with its process group, and ``checkpoint.save_flat`` of a
     state holding Shard descriptions lands here. Without a process group
     (``options.process_group`` None) this is a one-rank sharded save (a state holding Shard
     descriptions saved by a single process): its pieces must cover every tensor."""
-    return _save(path, lambda: (flat, metadata), options)
+    return _save(path, lambda: (flat, metadata), options, incremental)
 
 
 def _save(
     path: PathArg,
     flatten: Callable[[], tuple[tree.Flat, dict[str, Any]]],
     options: SaveOptions,
+    incremental: Incremental | None,
 ) -> CheckpointInfo:
     location = resolve_path(path, what="checkpoint path")
     coord = collectives.coordinator(options.process_group, options.timeout)
-    run = _Save(location, coord, flatten)
+    run = _Save(location, coord, flatten, incremental)
     with coord.exclusive():
         return run.run(options.max_file_bytes, options.writers, options.direct, options.progress)
 
 
 Records = tuple[dict[str, mf.FileRecord], list[tuple[str, mf.ShardRecord]]]
+# Where a rank's blob store is, as the manifest would name it (relative to the checkpoint), and
+# its digest; None for a save that is not incremental.
+BlobPlace = tuple[str, str] | None
 
 
 class _Save:
@@ -109,11 +158,15 @@ class _Save:
         location: Location,
         coord: collectives.Coordinator,
         flatten: Callable[[], tuple[tree.Flat, dict[str, Any]]],
+        incremental: Incremental | None = None,
     ) -> None:
         self.location = location
         self.shown = location.store.url(location.path)
         self.coord = coord
         self.flatten = flatten
+        self.incremental = incremental
+        self.session: SaveSession | None = None  # this rank's, while an incremental save runs
+        self.blob_place: BlobPlace = None  # rank 0: what the manifest names
         self.sources: dict[str, TensorSource] = {}
         self.metadata: dict[str, Any] = {}
         self.plan: plan.GlobalPlan | None = None  # rank 0
@@ -132,40 +185,154 @@ class _Save:
         )
 
         def write_local() -> Records:
-            return write_pieces(
-                self.location,
-                staging,
-                self.coord.rank,
-                items,
-                self.sources,
-                max_file_bytes=max_file_bytes,
-                writers=writers,
-                direct=direct,
-                progress=progress,
-            )
+            if self.incremental is None:
+                return write_pieces(
+                    self.location,
+                    staging,
+                    self.coord.rank,
+                    items,
+                    self.sources,
+                    max_file_bytes=max_file_bytes,
+                    writers=writers,
+                    direct=direct,
+                    progress=progress,
+                )
+            return self.write_incremental(staging, items, max_file_bytes, writers, direct, progress)
 
         # Every rank gets the committed manifest (in memory, from rank 0) to describe it.
-        directory, manifest = self.coord.step(
-            "saving", self.shown, write_local, self.commit, cleanup=self.abort
-        )
+        try:
+            directory, manifest = self.coord.step(
+                "saving", self.shown, write_local, self.commit, cleanup=self.abort
+            )
+        except BaseException:
+            self.close_session()
+            raise
+        if self.incremental is not None:
+            self.close_sessions()
         return describe_checkpoint(self.location.store.url(directory), manifest)
 
-    def plan_local(self) -> plan.LocalPlan:
+    def plan_local(self) -> tuple[plan.LocalPlan, BlobPlace]:
         flat, self.metadata = self.flatten()
         local_plan, self.sources = describe(flat, self.shown)
-        return local_plan
+        place: BlobPlace = None
+        if self.incremental is not None:
+            blobs = self.incremental.blobs
+            place = (save_engine.blob_store_path(self.location, blobs), blobs.algorithm)
+        return local_plan, place
 
-    def plan_global(self, plans: list[plan.LocalPlan]) -> list[tuple[str, tuple[plan.Item, ...]]]:
-        self.plan = plan.merge(plans)
+    def plan_global(
+        self, plans: list[tuple[plan.LocalPlan, BlobPlace]]
+    ) -> list[tuple[str, tuple[plan.Item, ...]]]:
+        places = [place for _, place in plans]
+        if len(set(places)) > 1:
+            ranks = [r for r, place in enumerate(places) if place != places[0]]
+            raise plan.PlanError(
+                [
+                    (
+                        "",
+                        "the ranks were given different blob stores (every rank must name the "
+                        "same shared store, at the same place relative to the checkpoint): "
+                        + "; ".join(f"rank {r}: {place}" for r, place in enumerate(places)),
+                    )
+                ],
+                ranks,
+            )
+        self.blob_place = places[0]
+        self.plan = plan.merge([local_plan for local_plan, _ in plans])
         self.tx = Transaction(self.location.store, self.location.path).begin()
         return [(self.tx.staging, items) for items in self.plan.writes]
+
+    def write_incremental(
+        self,
+        staging: str,
+        items: tuple[plan.Item, ...],
+        max_file_bytes: int,
+        writers: int,
+        direct: bool,
+        progress: Progress | None,
+    ) -> Records:
+        """This rank's part of step 2 of an incremental save: the pieces the policy wants into
+        the blob store through this rank's session (kept open until the commit), the others into
+        data files; the session synced and checked before the records go to rank 0."""
+        inc = self.incremental
+        assert inc is not None
+        in_blobs = tuple(item for item in items if inc.policy.wants(item.nbytes))
+        in_files = tuple(item for item in items if not inc.policy.wants(item.nbytes))
+        total = sum(item.nbytes for item in items)
+        blob_bytes = sum(item.nbytes for item in in_blobs)
+        on_bytes = save_engine.byte_counter(total, progress)
+        self.session = session = inc.blobs.session()
+        before = session.stats.bytes_written
+        shards = put_pieces(
+            session,
+            in_blobs,
+            self.sources,
+            inc.policy,
+            inc.memo,
+            on_bytes if progress is not None else None,
+        )
+        files, file_shards = write_pieces(
+            self.location,
+            staging,
+            self.coord.rank,
+            in_files,
+            self.sources,
+            max_file_bytes=max_file_bytes,
+            writers=writers,
+            direct=direct,
+            progress=(lambda done, _: progress(blob_bytes + done, total))
+            if progress is not None
+            else None,
+        )
+        session.sync()
+        session.check()
+        log.info(
+            "%s: rank %d put %d pieces (%d bytes) as blobs, %d blob bytes written",
+            self.shown,
+            self.coord.rank,
+            len(in_blobs),
+            blob_bytes,
+            session.stats.bytes_written - before,
+        )
+        return files, shards + file_shards
 
     def commit(self, results: list[Records]) -> tuple[str, mf.Manifest]:
         assert self.plan is not None and self.tx is not None
         manifest = _manifest(self.plan, results, self.metadata, self.coord.world_size)
+        if self.blob_place is not None:
+            manifest.format_version = mf.BLOBS
+            manifest.blob_store, manifest.blob_digest = self.blob_place
         directory = self.tx.commit(mf.dumps(manifest))
         self.tx = None  # committed: nothing to clean up any more
         return directory, manifest
+
+    def close_session(self) -> None:
+        """End this rank's session (after the commit, or after a failure); never raises: a
+        record that cannot be removed only defers collections until it is stale."""
+        session, self.session = self.session, None
+        if session is None:
+            return
+        try:
+            session.close()
+        except OSError as exc:
+            log.warning(
+                "%s: cannot remove the save's session record %s (%s); blob collections wait "
+                "until it is stale",
+                self.shown,
+                session.path,
+                exc,
+            )
+
+    def close_sessions(self) -> None:
+        """Step 3 of an incremental save, after the commit: every rank closes its session, and
+        returns once all have (so rank 0 may collect at once). The checkpoint is committed: a
+        rank lost now is logged, not raised (the next collective operation reports it)."""
+        try:
+            self.coord.step("saving", self.shown, self.close_session)
+        except DistributedCheckpointError as exc:
+            log.warning(
+                "%s: committed, but not every rank confirmed it closed: %s", self.shown, exc
+            )
 
     def abort(self) -> None:
         if self.tx is not None:
@@ -305,6 +472,38 @@ def write_pieces(
         for rec in [records[name]]
     ]
     return files, shards
+
+
+def put_pieces(
+    session: SaveSession,
+    items: tuple[plan.Item, ...],
+    sources: dict[str, TensorSource],
+    policy: BlobPolicy,
+    memo: FastMemo | None,
+    progress: Callable[[int], None] | None = None,
+) -> list[tuple[str, mf.ShardRecord]]:
+    """Put each piece of ``items`` into the blob store of ``session`` as chunked blobs (chunks
+    already stored are not written again); return the shard record of each, naming its recipe.
+    ``progress(n)`` gets the bytes of each piece put."""
+    if not items:
+        return []
+    biggest = max(item.nbytes for item in items)
+    chunk = policy.chunk_size
+    scratch = np.empty(
+        min(biggest, max(chunk, save_engine.BLOB_SEGMENT // chunk * chunk)), np.uint8
+    )
+    out: list[tuple[str, mf.ShardRecord]] = []
+    for item in items:
+        recipe = save_engine.put_source(session, sources[item.key], policy, memo, scratch)
+        digest = recipe.checksum()
+        assert digest is not None and recipe.size == item.nbytes
+        record = mf.ShardRecord(
+            "", 0, item.nbytes, digest.xxh3, item.region, digest.block, digest.blocks, recipe
+        )
+        out.append((item.key, record))
+        if progress is not None:
+            progress(item.nbytes)
+    return out
 
 
 def _manifest(

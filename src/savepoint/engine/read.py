@@ -208,6 +208,7 @@ def files_of(manifest: mf.Manifest, refs: Iterable[str]) -> set[str]:
             found.update(s.file for s in rec.shards)
         else:
             found.add(rec.file)
+    found.discard("")  # shards stored as blobs (version 4)
     return found
 
 
@@ -1008,7 +1009,17 @@ class Reader:
         work: list[tuple[int, Callable[[], None]]] = []
         for ref, index, copies in tasks:
             shard = self.manifest.tensors[ref].layout()[index]
-            opened = self.open_file(shard.file, check_header=verify)
+            if shard.recipe is not None and not copies and not check_only:
+                # A verify pass over a shard stored as blobs: every blob against its name.
+                self.blob_store()
+                fn = functools.partial(self._verify_blob_shard, ref, shard, progress, lock)
+                work.append((shard.nbytes, fn))
+                continue
+            opened = None
+            if shard.recipe is None:
+                opened = self.open_file(shard.file, check_header=verify)
+            else:
+                self.blob_store()  # opened here, once, not by the tasks at once
             # The bytes a task reads: those its copies need, widened (``verify``) to the blocks
             # holding them, or to the whole shard where it has no block checksums; a check-only
             # task (no copies) reads the whole shard.
@@ -1018,9 +1029,12 @@ class Reader:
                 if verify:
                     span = _blocks_around(shard, span)
             # Without a view the shard is read when its task runs (not all shards up front), and
-            # only ``span`` of it.
+            # only ``span`` of it; a shard stored as blobs reads only the chunks holding ``span``
+            # (its blocks are its chunks).
             raw: Callable[[], np.ndarray[Any, Any]]
-            if opened.array is None and span != (0, shard.nbytes):
+            if opened is None:
+                raw = functools.partial(self._read_blob_part, ref, shard, span)
+            elif opened.array is None and span != (0, shard.nbytes):
                 raw = functools.partial(self._read_part, opened, shard.start, shard.end, span)
             else:
                 raw = functools.partial(opened.slice, shard.start, shard.end)
@@ -1058,6 +1072,44 @@ class Reader:
             except EOFError:
                 raise self._corrupt(f"a data file shrank while being read ({start + hi})") from None
         return buf
+
+    def _read_blob_part(
+        self, ref: str, shard: mf.ShardRecord, needed: tuple[int, int]
+    ) -> np.ndarray[Any, Any]:
+        """:meth:`_read_part` of a shard stored as blobs: ``needed`` read out of its recipe
+        (unchecked here: the caller hashes what it reads against the recipe's checks)."""
+        buf = np.empty(shard.nbytes, dtype=np.uint8)
+        lo, hi = needed
+        if hi > lo:
+            try:
+                self.blob_store().read_recipe(
+                    shard.recipe, out=buf[lo:hi], start=lo, end=hi, verify=False
+                )
+            except CorruptCheckpointError as exc:
+                raise self._corrupt(
+                    f"tensor {ref!r} ({boxes.show(shard.region)} in blobs): {exc}", key=ref
+                ) from None
+        return buf
+
+    def _verify_blob_shard(
+        self,
+        ref: str,
+        shard: mf.ShardRecord,
+        progress: Callable[[int], None] | None,
+        lock: threading.Lock,
+    ) -> None:
+        """Every blob of a shard stored as blobs against its digest and its recipe's check."""
+        try:
+            self.blob_store().verify_recipe(shard.recipe)
+        except CorruptCheckpointError as exc:
+            raise self._corrupt(
+                f"tensor {ref!r} ({boxes.show(shard.region)} in blobs): {exc}", key=ref
+            ) from None
+        if self.manifest.tensors[ref].dtype == "BOOL":
+            self._check_bool(ref, self.blob_store().read_recipe(shard.recipe, verify=False))
+        if progress is not None:
+            with lock:
+                progress(shard.nbytes)
 
     def _copy_shard(
         self,
@@ -1123,7 +1175,7 @@ class Reader:
         if rec.is_split:
             where = (
                 f" (shard {index + 1} of {len(rec.layout())}, {boxes.show(shard.region)} in "
-                f"{shard.file})"
+                f"{shard.file or 'blobs'})"
             )
         self._check_digest(ref, shard, hasher, where)
 

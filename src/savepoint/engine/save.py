@@ -51,6 +51,7 @@ __all__ = [
     "check_metadata",
     "has_shards",
     "new_manifest",
+    "put_source",
     "save_blobs",
     "save_flat",
     "save_staged",
@@ -492,26 +493,39 @@ def _blob_putter(
             segment = max(policy.chunk_size, BLOB_SEGMENT // policy.chunk_size * policy.chunk_size)
             scratch = np.empty(min(biggest, segment), np.uint8)
             for n in others:
-                done[n] = (_put_source(session, tensors[n], policy, memo, scratch), None)
+                done[n] = (put_source(session, tensors[n], policy, memo, scratch), None)
                 counted(tensors[n].nbytes)
         return {n: done[n] for n in names}
 
     return put
 
 
-def _put_source(
+def put_source(
     session: SaveSession,
     source: TensorSource,
     policy: BlobPolicy,
     memo: FastMemo | None,
     scratch: np.ndarray[Any, Any],
 ) -> Recipe:
-    """One tensor's bytes into the blob store a segment (a whole number of chunks) at a time
-    through ``scratch`` (for tensors not in host memory); its recipe."""
+    """One tensor's bytes into the blob store: straight from its memory where it is contiguous
+    on the host, otherwise a segment (a whole number of chunks) at a time through ``scratch``;
+    its recipe."""
     from savepoint.blobs.store import Recipe
 
     n = source.nbytes
     algorithm = session.blobs.algorithm
+    direct = _host_bytes(source)
+    if direct is not None:
+        recipe = session.put_chunked(
+            direct,
+            chunk_size=policy.chunk_size,
+            compression=policy.compression,
+            itemsize=source.dtype.itemsize,
+            workers=policy.workers,
+            memo=memo,
+        )
+        source.release()
+        return recipe
     digests: list[str] = []
     checks: list[str] = []
     for start in range(0, n, len(scratch)):

@@ -307,16 +307,11 @@ class CheckpointManager:
             )
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
-        if incremental:
-            unsupported = [
-                name
-                for name, on in (
-                    ("process_group", self.save_options.process_group is not None),
-                )
-                if on
-            ]
-            if unsupported:
-                raise ValueError(f"incremental=True does not support {', '.join(unsupported)} yet")
+        if incremental and async_save and self.save_options.process_group is not None:
+            raise ValueError(
+                "incremental=True with async_save=True is not supported with a process group yet "
+                "(sharded incremental saves are synchronous)"
+            )
         if blob_policy is not None:
             from savepoint.blobs import BlobPolicy
 
@@ -1033,6 +1028,10 @@ class CheckpointManager:
             o.progress,
             memo=self._blob_memo,
             tracker=self._blob_tracker,
+            # Sharded: every rank puts its pieces; when this returns on rank 0 every rank has
+            # closed its session, so the collection after retention (rank 0's) is not deferred.
+            process_group=o.process_group,
+            timeout=o.timeout,
         )
 
     def _referenced_blobs(self) -> set[str]:
@@ -1052,9 +1051,8 @@ class CheckpointManager:
             except (CheckpointNotFoundError, IncompleteCheckpointError):
                 continue  # nothing committed there
             with reader:
-                for rec in reader.manifest.tensors.values():
-                    if rec.recipe is not None:
-                        found.update(rec.recipe.names())
+                for recipe in mf.recipes(reader.manifest):  # shards' too (sharded saves)
+                    found.update(recipe.names())
         return found
 
     def _collect_blobs(self) -> None:
