@@ -5,6 +5,7 @@ bit-exactly."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +208,22 @@ def test_background_saves_patch_from_the_staged_copy(tmp_path: Path) -> None:
         for s in mgr.steps():
             assert sp.load(mgr.step_path(s))["emb"].tobytes() == history[s]
             sp.verify(mgr.step_path(s))
+
+
+def test_inspect_and_ls_show_where_blob_tensors_are_and_their_size(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from savepoint.cli import main
+
+    table = embedding()
+    run = tmp_path / "run"
+    with sp.CheckpointManager(run, incremental=True, blob_policy=POLICY) as mgr:
+        for step in (1, 2):
+            touch(table, step)
+            mgr.save(step, {"emb": table})
+            mgr.wait()
+        files = {t.key: t.file for t in sp.inspect(mgr.step_path(2)).tensors}
+        assert files["emb"] == "blobs (32 chunks + 1 patch)"
+    out = CliRunner().invoke(main, ["ls", "--json", str(run)], catch_exceptions=False)
+    rows = json.loads(out.output)["checkpoints"]
+    assert [r["bytes"] for r in rows] == [table.nbytes, table.nbytes]

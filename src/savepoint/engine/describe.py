@@ -96,7 +96,8 @@ def _describe_plain(manifest: mf.Manifest, leaves: list[tuple[str, tree.Node]]) 
         if any(map(_SHARDS, records)):
             return None
         nbytes = list(map(operator.sub, map(_END, records), map(_START, records)))
-        dtypes, shapes, files = map(_DTYPE, records), map(_SHAPE, records), map(_FILE, records)
+        dtypes, shapes = map(_DTYPE, records), map(_SHAPE, records)
+        files = [r.file if r.recipe is None else _blobs_label(r.recipe) for r in records]
     made = tuple(map(TensorInfo.make, keys, dtypes, shapes, nbytes, files, refs))
     return made, values, _stateful(manifest.tree)
 
@@ -137,8 +138,9 @@ def _describe_each(manifest: mf.Manifest, leaves: list[tuple[str, tree.Node]]) -
             seen_refs.add(ref)
             pieces = len(rec.shards) or 1  # len(rec.layout()), without making one
             if pieces == 1:
+                where = rec.file if rec.recipe is None else _blobs_label(rec.recipe)
                 tensors.append(
-                    make(unique, rec.dtype, rec.shape, rec.end - rec.start, rec.file, ref, tied)
+                    make(unique, rec.dtype, rec.shape, rec.end - rec.start, where, ref, tied)
                 )
             else:
                 tensors.append(
@@ -156,6 +158,17 @@ def _describe_each(manifest: mf.Manifest, leaves: list[tuple[str, tree.Node]]) -
         else:
             values[unique] = tree.plain_value(node)
     return tuple(tensors), values, _stateful(manifest.tree)
+
+
+def _blobs_label(recipe: Any) -> str:
+    """Where a tensor held in the blob store is, as ``inspect`` shows it: ``blobs (3 chunks)``,
+    ``blobs (64 chunks + 5 patches)``."""
+    n = len(recipe.digests)
+    label = f"blobs ({n} chunk{'s' if n != 1 else ''}"
+    if recipe.patches:
+        p = len(recipe.patches)
+        label += f" + {p} patch{'es' if p != 1 else ''}"
+    return label + ")"
 
 
 def _stateful(root: tree.Node) -> dict[str, str]:
