@@ -124,6 +124,19 @@ def test_a_save_waits_for_a_running_collection(local: BlobStore) -> None:
         s.put(b"after")
 
 
+def test_by_default_a_save_outwaits_a_dead_collectors_record(local: BlobStore) -> None:
+    """The default wait is longer than gc_stale_after: a collector that died (its record stops
+    being refreshed) delays a save until the record is stale, then the save removes it and
+    goes on, instead of giving up first."""
+    record = local.store.join(local.root, GC, "dead-elsewhere.json")
+    local.store.put(record, b"{}")
+    t0 = time.monotonic()
+    with SaveSession(local, gc_stale_after=0.5, poll=0.05) as s:
+        assert time.monotonic() - t0 >= 0.4
+        s.put(b"after")
+    assert local.store.stat(record) is None
+
+
 def test_a_dead_collectors_record_does_not_block_saves(local: BlobStore) -> None:
     record = local.store.join(local.root, GC, "dead.json")
     local.store.put(record, b"{}")

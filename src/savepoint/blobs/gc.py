@@ -103,14 +103,16 @@ class SaveSession:
     manager, or ``begin()`` ... ``close()``.
 
     ``wait``: how long ``begin`` waits for a running collection before it gives up
-    (CheckpointWriteError). The put methods are those of the store, and remember every digest
+    (CheckpointWriteError); by default a little longer than ``gc_stale_after``, so that the
+    record of a collector that died (on another host: the manager removes those of dead local
+    processes) turns stale and is removed while the save waits, instead of failing it. The put methods are those of the store, and remember every digest
     they name in :attr:`referenced`; :attr:`stats` totals them."""
 
     def __init__(
         self,
         blobs: BlobStore,
         *,
-        wait: float = 300.0,
+        wait: float | None = None,
         refresh_every: float = REFRESH_EVERY,
         gc_stale_after: float = GC_STALE_AFTER,
         poll: float = 0.05,
@@ -120,7 +122,7 @@ class SaveSession:
         self.path = blobs.store.join(blobs.root, SESSIONS, f"{self.id}.json")
         self.referenced: set[str] = set()
         self.stats = PutStats()
-        self._wait = wait
+        self._wait = gc_stale_after + 30.0 if wait is None else wait
         self._refresh_every = refresh_every
         self._gc_stale_after = gc_stale_after
         self._poll = poll
