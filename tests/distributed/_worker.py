@@ -790,56 +790,60 @@ def scenario_incremental3(s: Session) -> None:
 
     s.check("whole, verify, inspect", synced(whole))
 
-    run = s.path("inc/run")
-
-    def manager_saves() -> None:
-        if rank < 2:
-            mgr = sp.CheckpointManager(
-                run,
-                incremental=True,
-                blob_policy=policy,
-                keep_last=2,
-                process_group=pg2,
-                timeout=60,
-            )
-            for step in (1, 2, 3, 4):
-                mgr.save(step, inc_state(rank, 2, step), metrics={"loss": 1.0 / step})
-            mgr.close()
-
-    def manager_blobs() -> None:
-        if rank == 0:
-            steps = sorted(os.listdir(os.path.join(run, "checkpoints")))
-            assert steps == ["step-0000000003", "step-0000000004"], steps
-            kept = [os.path.join(run, "checkpoints", name) for name in steps]
-            kept += [os.path.join(run, alias) for alias in ("latest", "best")]
-            on_disk = set(blob_files(os.path.join(run, "blobs")))
-            wanted = referenced([k for k in kept if os.path.isdir(k)])
-            assert on_disk == wanted, (len(on_disk - wanted), len(wanted - on_disk))
-            assert os.listdir(os.path.join(run, "blobs", "sessions")) == []
-            s.data["run blobs"] = len(on_disk)
-
-    def manager_restores() -> None:
-        # Every retained checkpoint restores bit-exactly, on 2 ranks and whole on rank 2.
-        for step in (3, 4):
-            path = os.path.join(run, "checkpoints", f"step-{step:010d}")
+    def manager_checks(run: str, background: bool, label: str) -> None:
+        def manager_saves() -> None:
             if rank < 2:
-                targets = inc_state(rank, 2, step, empty=True)
-                sp.load(path, into=targets, process_group=pg2, timeout=60)
-                inc_check(targets, rank, 2, step)
-            else:
-                inc_check_whole(sp.load(path), step)
-                sp.verify(path)
-        if rank < 2:
-            targets = inc_state(rank, 2, 4, empty=True)
-            restored = sp.CheckpointManager(run, read_only=True).restore(
-                targets, process_group=pg2, timeout=60, resume=False
-            )
-            assert restored == 4, restored
-            inc_check(targets, rank, 2, 4)
+                mgr = sp.CheckpointManager(
+                    run,
+                    incremental=True,
+                    blob_policy=policy,
+                    keep_last=2,
+                    process_group=pg2,
+                    timeout=60,
+                    async_save=background,
+                )
+                for step in (1, 2, 3, 4):
+                    mgr.save(step, inc_state(rank, 2, step), metrics={"loss": 1.0 / step})
+                mgr.close()
 
-    s.check("manager saves with blobs", synced(manager_saves))
-    s.check("manager keeps exactly the referenced blobs", synced(manager_blobs))
-    s.check("manager checkpoints restore", synced(manager_restores))
+        def manager_blobs() -> None:
+            if rank == 0:
+                steps = sorted(os.listdir(os.path.join(run, "checkpoints")))
+                assert steps == ["step-0000000003", "step-0000000004"], steps
+                kept = [os.path.join(run, "checkpoints", name) for name in steps]
+                kept += [os.path.join(run, alias) for alias in ("latest", "best")]
+                on_disk = set(blob_files(os.path.join(run, "blobs")))
+                wanted = referenced([k for k in kept if os.path.isdir(k)])
+                assert on_disk == wanted, (len(on_disk - wanted), len(wanted - on_disk))
+                assert os.listdir(os.path.join(run, "blobs", "sessions")) == []
+                s.data["run blobs"] = len(on_disk)
+
+        def manager_restores() -> None:
+            # Every retained checkpoint restores bit-exactly, on 2 ranks and whole on rank 2.
+            for step in (3, 4):
+                path = os.path.join(run, "checkpoints", f"step-{step:010d}")
+                if rank < 2:
+                    targets = inc_state(rank, 2, step, empty=True)
+                    sp.load(path, into=targets, process_group=pg2, timeout=60)
+                    inc_check(targets, rank, 2, step)
+                else:
+                    inc_check_whole(sp.load(path), step)
+                    sp.verify(path)
+            if rank < 2:
+                targets = inc_state(rank, 2, 4, empty=True)
+                restored = sp.CheckpointManager(run, read_only=True).restore(
+                    targets, process_group=pg2, timeout=60, resume=False
+                )
+                assert restored == 4, restored
+                inc_check(targets, rank, 2, 4)
+
+        s.check("manager saves with blobs" + label, synced(manager_saves))
+        s.check("manager keeps exactly the referenced blobs" + label, synced(manager_blobs))
+        s.check("manager checkpoints restore" + label, synced(manager_restores))
+
+    # A manager with the process group: synchronous saves, then background ones (async_save).
+    manager_checks(s.path("inc/run"), False, "")
+    manager_checks(s.path("inc/run-async"), True, " (async)")
 
     # Last (rank 1 does not come back): rank 1 dies after putting its blobs, before it reports.
     from savepoint.distributed import save as dsave

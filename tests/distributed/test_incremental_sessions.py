@@ -5,8 +5,9 @@ twice into one shared blob store (row, column, flat and ZeRO-partitioned pieces,
 tensor, a small one that stays in a data file), the second time with one 4 KiB chunk changed;
 the checkpoints load bit-exactly on 2, 3 (uneven: 128 rows in 43/43/42, across chunk edges) and
 1 ranks and whole, and pass verify and inspect; then a CheckpointManager with ``keep_last=2``,
-``incremental=True`` and the process group saves 4 steps: the retained checkpoints restore
-bit-exactly and the run's blob store holds exactly the blobs they name. Last, rank 1 dies
+``incremental=True`` and the process group saves 4 steps, synchronously and then in the
+background (``async_save=True``): the retained checkpoints restore bit-exactly and the run's blob
+store holds exactly the blobs they name. Last, rank 1 dies
 after putting its blobs: rank 0 raises, its session is closed, the dead rank's record holds
 collections back until it is stale, and then only the dead save's blob is deleted.
 """
@@ -35,6 +36,9 @@ CHECKS = {
     "manager saves with blobs",
     "manager keeps exactly the referenced blobs",
     "manager checkpoints restore",
+    "manager saves with blobs (async)",
+    "manager keeps exactly the referenced blobs (async)",
+    "manager checkpoints restore (async)",
 }
 
 

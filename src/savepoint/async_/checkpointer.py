@@ -165,7 +165,8 @@ class AsyncCheckpointer:
         ``on_commit`` after the session is closed. ``memo``: the
         :class:`savepoint.blobs.FastMemo` naming unchanged chunks, and ``tracker``: the
         :class:`savepoint.blobs.patch.PatchTracker` finding changed rows (default: one of each
-        per checkpointer, when the policy asks for them). Not with a process group.
+        per checkpointer, when the policy asks for them). With a process group, every rank
+        puts its pieces in the background (a sharded incremental save, written as chunks).
 
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
         location = resolve_path(path, what="checkpoint path")
@@ -188,8 +189,6 @@ class AsyncCheckpointer:
         from savepoint.blobs import BlobPolicy, BlobStore, FastMemo
         from savepoint.blobs.patch import PatchTracker
 
-        if self.process_group is not None:
-            raise UnsupportedStateError("blobs= is not supported with a process group yet")
         store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
         policy = BlobPolicy() if policy is None else policy
         if not isinstance(policy, BlobPolicy):
@@ -306,17 +305,21 @@ class AsyncCheckpointer:
         incremental: _Incremental | None = None,
     ) -> Callable[[], info.CheckpointInfo]:
         meta = save_engine.check_metadata(metadata)
-        if incremental is not None:
-            return self._staged_blobs(location, state, meta, incremental)
         if self.process_group is not None:
             from savepoint.distributed import save as distributed_save
 
             frozen = distributed_save.snapshot(state)
+            sharded = None
+            if incremental is not None:
+                inc = incremental
+                sharded = distributed_save.Incremental(inc.blobs, inc.policy, inc.memo)
 
             def commit() -> info.CheckpointInfo:
-                return distributed_save.save_flat(location, frozen, meta, self.options)
+                return distributed_save.save_flat(location, frozen, meta, self.options, sharded)
 
             return commit
+        if incremental is not None:
+            return self._staged_blobs(location, state, meta, incremental)
         # The previous save is finished (waited for above), so its arena may be overwritten.
         staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
 

@@ -307,11 +307,6 @@ class CheckpointManager:
             )
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
-        if incremental and async_save and self.save_options.process_group is not None:
-            raise ValueError(
-                "incremental=True with async_save=True is not supported with a process group yet "
-                "(sharded incremental saves are synchronous)"
-            )
         if blob_policy is not None:
             from savepoint.blobs import BlobPolicy
 
