@@ -210,7 +210,7 @@ def save_incremental(
     if process_group is not None:
         from savepoint.distributed import save as distributed_save
 
-        incremental = distributed_save.Incremental(store, policy, memo)
+        incremental = distributed_save.Incremental(store, policy, memo, tracker)
         return distributed_save.save(location, state, metadata, options, incremental)
     meta = save_engine.check_metadata(metadata)
     with collector.paused():
@@ -218,7 +218,7 @@ def save_incremental(
         if save_engine.has_shards(flat.tree):
             from savepoint.distributed import save as distributed_save
 
-            incremental = distributed_save.Incremental(store, policy, memo)
+            incremental = distributed_save.Incremental(store, policy, memo, tracker)
             return distributed_save.save_flat(location, flat, meta, options, incremental)
         with store.session() as session:
             directory, manifest = save_engine.save_blobs(

@@ -609,7 +609,9 @@ def scenario_s3(s: Session) -> None:
 
 # -- incremental (blob) saves --------------------------------------------------------------------
 
-INC_POLICY_ARGS = {"chunk_size": 4096, "min_blob_bytes": 4096, "workers": 1}
+# Chunks only (row patches of sharded pieces are tested in test_incremental_local.py and by
+# the "manager saves with row patches" check below).
+INC_POLICY_ARGS = {"chunk_size": 4096, "min_blob_bytes": 4096, "workers": 1, "patches": False}
 INC_ROWS = 128  # rows of "emb", 512 bytes each: a 4 KiB chunk holds 8 rows
 
 
@@ -689,7 +691,7 @@ def referenced(paths: list[str]) -> set[str]:
     for path in paths:
         with open(os.path.join(path, "manifest.json"), "rb") as f:
             for recipe in mf.recipes(mf.parse(f.read())):
-                found.update(recipe.digests)
+                found.update(recipe.names())
     return found
 
 
@@ -790,13 +792,13 @@ def scenario_incremental3(s: Session) -> None:
 
     s.check("whole, verify, inspect", synced(whole))
 
-    def manager_checks(run: str, background: bool, label: str) -> None:
+    def manager_checks(run: str, background: bool, label: str, pol: Any = policy) -> None:
         def manager_saves() -> None:
             if rank < 2:
                 mgr = sp.CheckpointManager(
                     run,
                     incremental=True,
-                    blob_policy=policy,
+                    blob_policy=pol,
                     keep_last=2,
                     process_group=pg2,
                     timeout=60,
@@ -844,6 +846,22 @@ def scenario_incremental3(s: Session) -> None:
     # A manager with the process group: synchronous saves, then background ones (async_save).
     manager_checks(s.path("inc/run"), False, "")
     manager_checks(s.path("inc/run-async"), True, " (async)")
+    # Row patches of the pieces (rows 2-3 of "emb" change at every save), in the background.
+    patching = BlobPolicy(**{**INC_POLICY_ARGS, "patches": True})
+    manager_checks(s.path("inc/run-patches"), True, " (async, patches)", patching)
+
+    def patched() -> None:
+        from savepoint.codecs import manifest as mf
+
+        if rank == 0:
+            with open(
+                os.path.join(s.path("inc/run-patches"), "latest", "manifest.json"), "rb"
+            ) as f:
+                m = mf.parse(f.read())
+            assert m.format_version == mf.PATCHES, m.format_version
+            assert any(r.patches for r in mf.recipes(m))
+
+    s.check("manager saves row patches", synced(patched))
 
     # Last (rank 1 does not come back): rank 1 dies after putting its blobs, before it reports.
     from savepoint.distributed import save as dsave

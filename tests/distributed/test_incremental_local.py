@@ -27,7 +27,8 @@ from savepoint.distributed import FlatShard, Partitioned, Shard, collectives
 from savepoint.distributed import save as dsave
 from savepoint.errors import DistributedCheckpointError
 
-POLICY = BlobPolicy(chunk_size=4096, min_blob_bytes=4096, workers=1)
+# Chunks only: these tests count the chunks a save writes (row patches: see the end).
+POLICY = BlobPolicy(chunk_size=4096, min_blob_bytes=4096, workers=1, patches=False)
 ROWS = 96  # rows of E, 512 bytes each: a 4 KiB chunk holds 8 rows
 E = np.arange(ROWS * 128, dtype=np.float32).reshape(ROWS, 128) / 7
 C = (np.arange(40 * 64, dtype=np.float64).reshape(40, 64) * 1.5) % 17
@@ -491,7 +492,7 @@ def test_manager_with_sharded_state_and_blobs_keeps_referenced_blobs(tmp_path: P
             mgr.save(step, rank_state(0, 1, step))
     manifest = mf.parse((run / "latest" / "manifest.json").read_bytes())
     assert manifest.world_size == 1
-    wanted = {d for r in mf.recipes(manifest) for d in r.digests}
+    wanted = {d for r in mf.recipes(manifest) for d in r.names()}
     assert set(blob_files(run / "blobs")) == wanted
     st = rank_state(0, 1, empty=True)
     sp.load(run / "latest", into=st)
@@ -556,7 +557,7 @@ def test_a_collection_between_the_puts_and_the_commit_deletes_nothing(
             for path in saved.parent.iterdir()
             if (path / "manifest.json").exists()
             for r in mf.recipes(mf.parse((path / "manifest.json").read_bytes()))
-            for d in r.digests
+            for d in r.names()
         }
 
     reports: list[Any] = []
@@ -591,3 +592,75 @@ def test_materialize_writes_the_shards_as_plain_data(saved: Path, tmp_path: Path
     out = sp.load(tmp_path / "plain")
     np.testing.assert_array_equal(out["emb"], E)
     np.testing.assert_array_equal(out["flat"], F)
+
+
+# -- row patches of sharded pieces ------------------------------------------------------------
+
+PATCHING = BlobPolicy(chunk_size=4096, min_blob_bytes=4096, workers=1)
+
+
+def test_a_manager_patches_the_changed_rows_of_sharded_pieces(tmp_path: Path) -> None:
+    """A one-process manager saving Shards with row patches on (the default policy): rows 2-3
+    of "emb" change at every save, so from the second save on its piece is its first recipe
+    plus a patch (a version 5 manifest); retention keeps the patch blobs and their base."""
+    run = tmp_path / "run"
+    with sp.CheckpointManager(run, incremental=True, blob_policy=PATCHING, keep_last=2) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, rank_state(0, 1, step))
+    manifest = mf.parse((run / "latest" / "manifest.json").read_bytes())
+    assert manifest.format_version == mf.PATCHES and manifest.world_size == 1
+    emb = [s.recipe for s in manifest.tensors["emb"].shards] or [manifest.tensors["emb"].recipe]
+    assert [len(r.patches) for r in emb] == [3]
+    assert all(p.count == 2 for p in emb[0].patches)  # rows 2 and 3, one 512-byte block each
+    wanted = {d for r in mf.recipes(manifest) for d in r.names()}
+    for step in (3,):
+        m = mf.parse((run / "checkpoints" / f"step-{step:010d}" / "manifest.json").read_bytes())
+        wanted |= {d for r in mf.recipes(m) for d in r.names()}
+    assert set(blob_files(run / "blobs")) == wanted
+    for world in (1, 2, 3):
+        for rank in range(world):
+            st = rank_state(rank, world, empty=True)
+            sp.load(run / "latest", into=st)
+            check(st, rank, world, version=4)
+    sp.verify(run / "latest")
+
+
+def test_ranks_patch_their_own_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks (threads), each with its own tracker as each process has: the second save
+    patches each rank's piece of "emb"; loads on 1 and 3 ranks are bit-exact."""
+    from savepoint.blobs import FastMemo
+    from savepoint.blobs.patch import PatchTracker
+    from savepoint.checkpoint import DEFAULT_MAX_FILE_BYTES, save_incremental
+
+    memos = [FastMemo(), FastMemo()]
+    trackers = [PatchTracker(), PatchTracker()]
+    blobs = tmp_path / "blobs"
+    for version in (1, 2):
+        with threads_as_ranks(monkeypatch, 2) as group:
+            results = on_ranks(
+                group,
+                lambda r: save_incremental(
+                    tmp_path / f"v{version}",  # noqa: B023
+                    rank_state(r, 2, version),  # noqa: B023
+                    None,
+                    blobs,
+                    PATCHING,
+                    DEFAULT_MAX_FILE_BYTES,
+                    1,
+                    False,
+                    None,
+                    memo=memos[r],
+                    tracker=trackers[r],
+                ),
+            )
+        assert all(isinstance(r, sp.CheckpointInfo) for r in results), results
+    m = mf.parse((tmp_path / "v2" / "manifest.json").read_bytes())
+    assert m.format_version == mf.PATCHES
+    pieces = m.tensors["emb"].shards
+    assert [len(s.recipe.patches) for s in pieces] == [1, 0]  # rows 2-3 are rank 0's
+    for world in (1, 3):
+        for rank in range(world):
+            st = rank_state(rank, world, empty=True)
+            sp.load(tmp_path / "v2", into=st)
+            check(st, rank, world, version=2)
+    sp.verify(tmp_path / "v2")

@@ -6,8 +6,8 @@ tensor, a small one that stays in a data file), the second time with one 4 KiB c
 the checkpoints load bit-exactly on 2, 3 (uneven: 128 rows in 43/43/42, across chunk edges) and
 1 ranks and whole, and pass verify and inspect; then a CheckpointManager with ``keep_last=2``,
 ``incremental=True`` and the process group saves 4 steps, synchronously and then in the
-background (``async_save=True``): the retained checkpoints restore bit-exactly and the run's blob
-store holds exactly the blobs they name. Last, rank 1 dies
+background (``async_save=True``), and in the background with row patches: the retained
+checkpoints restore bit-exactly and the run's blob store holds exactly the blobs they name. Last, rank 1 dies
 after putting its blobs: rank 0 raises, its session is closed, the dead rank's record holds
 collections back until it is stale, and then only the dead save's blob is deleted.
 """
@@ -39,6 +39,10 @@ CHECKS = {
     "manager saves with blobs (async)",
     "manager keeps exactly the referenced blobs (async)",
     "manager checkpoints restore (async)",
+    "manager saves with blobs (async, patches)",
+    "manager keeps exactly the referenced blobs (async, patches)",
+    "manager checkpoints restore (async, patches)",
+    "manager saves row patches",
 }
 
 

@@ -312,7 +312,7 @@ class AsyncCheckpointer:
             sharded = None
             if incremental is not None:
                 inc = incremental
-                sharded = distributed_save.Incremental(inc.blobs, inc.policy, inc.memo)
+                sharded = distributed_save.Incremental(inc.blobs, inc.policy, inc.memo, inc.tracker)
 
             def commit() -> info.CheckpointInfo:
                 return distributed_save.save_flat(location, frozen, meta, self.options, sharded)

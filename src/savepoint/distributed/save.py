@@ -64,6 +64,7 @@ from savepoint.storage.paths import resolve as resolve_path
 
 if TYPE_CHECKING:
     from savepoint.blobs import BlobPolicy, BlobStore, FastMemo, SaveSession
+    from savepoint.blobs.patch import PatchTracker
 
 __all__ = [
     "Incremental",
@@ -87,6 +88,7 @@ class Incremental:
     blobs: BlobStore
     policy: BlobPolicy
     memo: FastMemo | None = None
+    tracker: PatchTracker | None = None  # finds changed rows (savepoint.blobs.patch)
 
 
 def save(
@@ -166,6 +168,7 @@ class _Save:
         self.flatten = flatten
         self.incremental = incremental
         self.session: SaveSession | None = None  # this rank's, while an incremental save runs
+        self.pending: dict[str, Any] = {}  # this rank's patch tracker entries, once committed
         self.blob_place: BlobPlace = None  # rank 0: what the manifest names
         self.sources: dict[str, TensorSource] = {}
         self.metadata: dict[str, Any] = {}
@@ -208,6 +211,9 @@ class _Save:
             self.close_session()
             raise
         if self.incremental is not None:
+            tracker = self.incremental.tracker
+            if tracker is not None and self.incremental.policy.patches:
+                tracker.commit(self.incremental.blobs.url(), self.pending)
             self.close_sessions()
         return describe_checkpoint(self.location.store.url(directory), manifest)
 
@@ -270,6 +276,8 @@ class _Save:
             inc.policy,
             inc.memo,
             on_bytes if progress is not None else None,
+            tracker=inc.tracker if inc.policy.patches else None,
+            pending=self.pending,
         )
         files, file_shards = write_pieces(
             self.location,
@@ -300,7 +308,8 @@ class _Save:
         assert self.plan is not None and self.tx is not None
         manifest = _manifest(self.plan, results, self.metadata, self.coord.world_size)
         if self.blob_place is not None:
-            manifest.format_version = mf.BLOBS
+            patched = any(r.patches for r in mf.recipes(manifest))
+            manifest.format_version = mf.PATCHES if patched else mf.BLOBS
             manifest.blob_store, manifest.blob_digest = self.blob_place
         directory = self.tx.commit(mf.dumps(manifest))
         self.tx = None  # committed: nothing to clean up any more
@@ -481,10 +490,18 @@ def put_pieces(
     policy: BlobPolicy,
     memo: FastMemo | None,
     progress: Callable[[int], None] | None = None,
+    *,
+    tracker: PatchTracker | None = None,
+    pending: dict[str, Any] | None = None,
 ) -> list[tuple[str, mf.ShardRecord]]:
     """Put each piece of ``items`` into the blob store of ``session`` as chunked blobs (chunks
     already stored are not written again); return the shard record of each, naming its recipe.
-    ``progress(n)`` gets the bytes of each piece put."""
+    ``progress(n)`` gets the bytes of each piece put. With ``tracker``, a piece in host memory
+    whose last save the tracker saw is written as a patch of its changed rows
+    (:func:`savepoint.blobs.patch.put_tensor`), and its entry goes to ``pending`` (for
+    ``tracker.commit`` once the checkpoint is committed)."""
+    from savepoint.blobs.patch import put_tensor
+
     if not items:
         return []
     biggest = max(item.nbytes for item in items)
@@ -494,7 +511,18 @@ def put_pieces(
     )
     out: list[tuple[str, mf.ShardRecord]] = []
     for item in items:
-        recipe = save_engine.put_source(session, sources[item.key], policy, memo, scratch)
+        source = sources[item.key]
+        host = save_engine.host_bytes(source) if tracker is not None and memo else None
+        if host is not None:
+            assert tracker is not None and memo is not None and pending is not None
+            name = f"{item.key}@{item.region}"
+            shape, itemsize = tuple(source.shape), source.dtype.itemsize
+            recipe, pending[name] = put_tensor(
+                session, host, name, shape, itemsize, policy, memo, tracker
+            )
+            source.release()
+        else:
+            recipe = save_engine.put_source(session, source, policy, memo, scratch)
         digest = recipe.checksum()
         assert digest is not None and recipe.size == item.nbytes
         record = mf.ShardRecord(

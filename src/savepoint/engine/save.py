@@ -50,6 +50,7 @@ __all__ = [
     "byte_counter",
     "check_metadata",
     "has_shards",
+    "host_bytes",
     "new_manifest",
     "put_source",
     "save_blobs",
@@ -429,13 +430,17 @@ def blob_store_path(location: Location, blobs: BlobStore) -> str:
         ) from None
 
 
-def _host_bytes(source: TensorSource) -> np.ndarray[Any, Any] | None:
+def host_bytes(source: TensorSource) -> np.ndarray[Any, Any] | None:
     """A source's bytes as a flat uint8 view of host memory, where that costs no copy (a
     C-contiguous numpy array, a contiguous CPU torch tensor); None otherwise."""
     from savepoint.state.arrays import NumpySource
 
     if isinstance(source, NumpySource):
         return source._bytes() if source._array.flags.c_contiguous else None
+    host_view = getattr(source, "host_view", None)
+    if host_view is not None:  # a HostCopy (background and sharded saves)
+        view: np.ndarray[Any, Any] = host_view()
+        return view
     pointer = getattr(source, "pointer", None)
     if pointer is not None and pointer() is not None:
         view = source._bytes()  # type: ignore[attr-defined]
@@ -484,7 +489,7 @@ def _blob_putter(
         return recipe, entry
 
     def put(tensors: Mapping[str, TensorSource], names: list[str]) -> dict[str, tuple[Recipe, Any]]:
-        hosts = {n: _host_bytes(tensors[n]) for n in names}
+        hosts = {n: host_bytes(tensors[n]) for n in names}
         items = [(n, tensors[n], h) for n, h in hosts.items() if h is not None]
         done = dict(zip((n for n, _, _ in items), _map(direct, items, policy.workers)))
         others = [n for n, h in hosts.items() if h is None]
@@ -514,7 +519,7 @@ def put_source(
 
     n = source.nbytes
     algorithm = session.blobs.algorithm
-    direct = _host_bytes(source)
+    direct = host_bytes(source)
     if direct is not None:
         recipe = session.put_chunked(
             direct,

@@ -178,6 +178,10 @@ class HostCopy:
     def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
         np.copyto(dst, self._data[start : start + dst.size])
 
+    def host_view(self) -> np.ndarray[Any, Any]:
+        """The copy's bytes (a flat uint8 array, read in place by incremental saves)."""
+        return self._data
+
     def release(self) -> None:
         pass
 
