@@ -664,3 +664,33 @@ def test_ranks_patch_their_own_pieces(tmp_path: Path, monkeypatch: pytest.Monkey
             sp.load(tmp_path / "v2", into=st)
             check(st, rank, world, version=2)
     sp.verify(tmp_path / "v2")
+
+
+def test_a_tier_keeps_the_blobs_of_the_sharded_checkpoints_it_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tier retention counts the blobs of every shard (a tensor of several shards has no recipe
+    of its own): after keep=1 deleted step 1 there, step 2 still verifies and loads."""
+    from savepoint.runs import layout
+    from savepoint.runs.tiers import Tier, TierCopier
+
+    home = tmp_path / "home"
+    for version in (1, 2):
+        path = Path(layout.step_path(home, version))
+        results = save_ranks(monkeypatch, path, 2, version=version, blobs=lambda r: home / "blobs")
+        assert all(isinstance(r, sp.CheckpointInfo) for r in results), results
+    tier = tmp_path / "tier"
+    copier = TierCopier([Tier(str(tier), keep=1)], {"name": "t", "created": "2026-11-27T00:00Z"})
+    for step in (1, 2):
+        copier.submit(step, layout.step_path(home, step))
+        copier.wait()
+        copier.raise_error()
+    copier.close()
+    assert layout.committed_steps(tier) == [2]
+    sp.verify(layout.step_path(tier, 2))
+    for rank in range(3):
+        st = rank_state(rank, 3, empty=True)
+        sp.load(layout.step_path(tier, 2), into=st)
+        check(st, rank, 3, version=2)
+    manifest = mf.parse((Path(layout.step_path(tier, 2)) / "manifest.json").read_bytes())
+    assert set(blob_files(tier / "blobs")) == {d for r in mf.recipes(manifest) for d in r.names()}

@@ -288,6 +288,8 @@ class TierCopier:
     def referenced_blobs(self, tier: Tier) -> set[str]:
         """The blob digests every committed checkpoint on the tier names. A manifest that
         cannot be read raises: a collection then deletes nothing."""
+        from savepoint.blobs import referenced_by
+        from savepoint.codecs import manifest as mf
         from savepoint.engine.read import Reader
         from savepoint.errors import CheckpointNotFoundError, IncompleteCheckpointError
 
@@ -297,10 +299,8 @@ class TierCopier:
                 reader = Reader.open(self.location(tier, step), needs=lambda shown, manifest: ())
             except (CheckpointNotFoundError, IncompleteCheckpointError):
                 continue  # deleted (or never committed) since the listing
-            with reader:
-                for rec in reader.manifest.tensors.values():
-                    if rec.recipe is not None:
-                        found.update(rec.recipe.names())
+            with reader:  # every blob of every recipe: shards' and patches' too
+                found |= referenced_by(mf.recipes(reader.manifest))
         return found
 
     def _collect(self, tier: Tier) -> None:
