@@ -79,3 +79,17 @@ def test_blob_options_without_incremental_are_refused(tmp_path: Path, kw: dict[s
     with pytest.raises(ValueError, match="without incremental=True"):
         sp.CheckpointManager(tmp_path / "run", **kw)
     assert not (tmp_path / "run").exists()
+
+
+def test_aliases_find_the_runs_store_when_another_sits_next_to_the_run(tmp_path: Path) -> None:
+    """The alias ``<run>/latest`` holds a step directory's manifest (``blob_store`` is
+    ``../../blobs`` from there): a blob store of other checkpoints at ``<run>/../blobs`` opens
+    too, but the reader takes the one holding this checkpoint's blobs."""
+    exp = tmp_path / "exp"
+    sp.save(exp / "standalone", {"x": np.ones(1 << 20, np.float32)}, blobs=exp / "blobs")
+    emb = np.random.default_rng(10).standard_normal((2048, 256)).astype(np.float32)
+    with sp.CheckpointManager(exp / "run", incremental=True, blob_policy=POLICY) as mgr:
+        mgr.save(1, {"emb": emb})
+    assert sp.load(exp / "run" / "latest")["emb"].tobytes() == emb.tobytes()
+    sp.verify(exp / "run" / "latest")
+    assert sp.load(exp / "standalone")["x"].sum() == 1 << 20

@@ -492,17 +492,24 @@ class Reader:
             base = self.path
             if names.is_generation(self.store.basename(base)):
                 base = self.store.parent(base)
+            # Where both open (a store of other checkpoints next to the run, say), the one
+            # holding a blob this checkpoint names is its own.
+            probe = next((r.digests[0] for r in mf.recipes(self.manifest) if r.digests), None)
             first: CheckpointError | None = None
             for candidate in tries:
                 root = posixpath.normpath(posixpath.join(base, candidate))
                 try:
-                    self._blob_store = BlobStore(
+                    opened = BlobStore(
                         self.store, root, algorithm=self.manifest.blob_digest, create=False
                     )
-                    break
                 except CheckpointError as exc:
                     first = first or exc
-            else:
+                    continue
+                self._blob_store = self._blob_store or opened
+                if probe is None or opened.exists(probe):
+                    self._blob_store = opened
+                    break
+            if self._blob_store is None:
                 root = posixpath.normpath(posixpath.join(base, rel))
                 raise CorruptCheckpointError(
                     f"{self.shown}: its blob store {self.store.url(root)} cannot be opened: "
