@@ -41,6 +41,7 @@ from typing import Any
 __all__ = [
     "ArtifactMismatchError",
     "CheckpointError",
+    "CheckpointMemoryError",
     "CheckpointNotFoundError",
     "CheckpointPermissionError",
     "CheckpointWriteError",
@@ -267,6 +268,13 @@ class ConversionError(UnsupportedStateError):
             "Convert with lossy=True (savepoint convert --lossy) to leave them out, or choose a "
             "format that holds them (savepoint's own format holds everything)."
         )
+
+
+class CheckpointMemoryError(CheckpointError, MemoryError):
+    """The memory a load needs for a tensor (the size its checkpoint records) cannot be
+    allocated. The message names the tensor and the bytes; a checkpoint that claims more than
+    its files or blobs hold (hostile or damaged) is caught here when the claim is too big to
+    allocate, and by the reads otherwise."""
 
 
 class ReplacedWhileReadingError(CheckpointError):

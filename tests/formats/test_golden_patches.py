@@ -130,3 +130,34 @@ def test_a_patch_naming_blocks_outside_its_tensor_is_corrupt(tmp_path: Path, cha
     ck = _with_patch_body(tmp_path, change)
     with pytest.raises(CorruptCheckpointError, match="outside the tensor or out of order"):
         sp.load(ck)
+
+
+def test_a_tensor_too_big_to_allocate_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """A manifest (hostile, or damaged consistently) claiming a 1 TiB tensor: its recipe is
+    well formed (1024 chunks of 1 GiB), so the claim is only refuted by reading the blobs; the
+    load's allocation fails first, and that is a CheckpointMemoryError naming the tensor, not
+    a bare MemoryError."""
+    root = tmp_path / "v5"
+    shutil.copytree(V5, root)
+    doc = _doc()
+    entry = doc["tensors"]["emb"]
+    recipe = entry["blobs"]
+    chunk, count = 1 << 30, 1024
+    checks = [recipe["xxh3"][0]] * count
+    entry["shape"] = [1 << 31, 128]
+    entry["blobs"] = {
+        "digest": "blake3",
+        "size": chunk * count,
+        "chunk": chunk,
+        "blobs": [recipe["blobs"][0]] * count,
+        "xxh3": checks,
+    }
+    entry["xxh3"] = checksum.combine(checks)
+    doc["format_version"] = 4
+    (root / "ck" / mf.NAME).write_bytes(_encode(doc))
+    # (Where the allocation succeeds, virtual memory being overcommitted, the blobs' sizes
+    # refute the claim: CorruptCheckpointError. Either way a savepoint error.)
+    with pytest.raises((sp.CheckpointMemoryError, CorruptCheckpointError), match="'emb'"):
+        sp.load(root / "ck")
+    with pytest.raises(CorruptCheckpointError):
+        sp.verify(root / "ck")

@@ -59,6 +59,7 @@ from savepoint.commit.transaction import resolve
 from savepoint.engine import parallel
 from savepoint.errors import (
     CheckpointError,
+    CheckpointMemoryError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
@@ -1236,11 +1237,20 @@ class Reader:
 
                 return torch_tensors.from_numpy(array, d)
             return array
-        if want_torch:
-            from savepoint.state import torch_tensors
+        try:
+            if want_torch:
+                from savepoint.state import torch_tensors
 
-            return torch_tensors.empty(d, rec.shape)
-        return np.empty(rec.shape, dtype=d.numpy)
+                return torch_tensors.empty(d, rec.shape)
+            return np.empty(rec.shape, dtype=d.numpy)
+        except (MemoryError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "alloc" not in str(exc):
+                raise  # torch reports a failed allocation as a RuntimeError
+            raise CheckpointMemoryError(
+                f"{self.shown}: cannot allocate {rec.nbytes} bytes for tensor {ref!r} "
+                f"({rec.dtype} {list(rec.shape)}), the size its manifest records: {exc}",
+                path=self.shown,
+            ) from None
 
 
 _FILE_OF = operator.attrgetter("file")
