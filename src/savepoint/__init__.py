@@ -21,8 +21,8 @@ from savepoint.distributed import FlatShard, Partitioned, Shard
 from savepoint.errors import (
     ArtifactMismatchError,
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointMemoryError,
+    CheckpointNotFoundError,
     CheckpointPermissionError,
     CheckpointWriteError,
     ConversionError,
