@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -229,3 +230,50 @@ def test_collection_racing_saves_never_loses_a_committed_blob(blobs: BlobStore) 
         blobs.verify(d)
     collect(blobs, kept, grace=0)
     assert set(blobs.list()) == kept()
+
+
+def test_a_collection_whose_record_went_stale_while_it_read_the_manifests_deletes_nothing(
+    local: BlobStore,
+) -> None:
+    """``referenced()`` takes longer than a save's ``gc_stale_after`` (here 0.5 s): the save
+    removes the collector's record as stale and reuses a blob the collector is about to judge
+    unreferenced. The collector finds its record gone before deleting, and stops."""
+    with local.session() as s:
+        digest = s.put(b"x" * 5000).digest
+    reports: list[Any] = []
+
+    def slow_referenced() -> set[str]:
+        time.sleep(1.5)
+        return set()
+
+    collector = threading.Thread(
+        target=lambda: reports.append(collect(local, slow_referenced, grace=0))
+    )
+    collector.start()
+    time.sleep(0.2)
+    with SaveSession(local, gc_stale_after=0.5, poll=0.05) as s:
+        assert not s.put(b"x" * 5000).written  # reused
+        s.sync()
+        s.check()
+        collector.join()
+    assert reports[0].aborted and reports[0].deleted == []
+    assert local.exists(digest)
+
+
+def test_a_long_collection_keeps_its_record_young(local: BlobStore) -> None:
+    """While ``referenced()`` runs for several refresh periods, a save waiting for the
+    collection does not judge its record stale (and waits for it instead)."""
+    record_ages: list[float] = []
+
+    def slow_referenced() -> set[str]:
+        gc_dir = local.store.join(local.root, GC)
+        for _ in range(6):
+            time.sleep(0.2)
+            for name in local.store.list(gc_dir):
+                st = local.store.stat(local.store.join(gc_dir, name))
+                if st is not None:
+                    record_ages.append(time.time() - st.mtime)
+        return set()
+
+    report = collect(local, slow_referenced, grace=0, refresh_every=0.1)
+    assert not report.aborted and record_ages and max(record_ages) < 0.6

@@ -68,6 +68,7 @@ from savepoint.errors import CheckpointError, CheckpointWriteError
 
 if TYPE_CHECKING:
     from savepoint.blobs.frame import Compression
+    from savepoint.storage.base import Store
 
 __all__ = [
     "BlobGcReport",
@@ -347,6 +348,7 @@ def collect(
         store.put(gc_path, _record("gc"), exclusive=True)
     except OSError as exc:
         raise _write_error(blobs, "cannot register the collection", exc) from exc
+    keeper = _RecordKeeper(store, gc_path, refresh_every)
     try:
         mine = store.stat(gc_path)
         now = mine.mtime if mine is not None else time.time()
@@ -371,20 +373,23 @@ def collect(
             report.deferred = True
             return report
 
+        # From here the record is kept young by a thread (reading every kept manifest may take
+        # long on an object store): a save that found it stale would have removed it and gone
+        # on reusing blobs. Its absence, checked before every deletion that follows a pause
+        # (this process frozen, say), stops the collection.
+        keeper.start()
         keep = set(referenced() if callable(referenced) else referenced)
         if session is not None:
             with session._lock:
                 keep |= session.referenced
-        last_refresh = time.monotonic()
+        if not keeper.alive(force=True):
+            report.aborted = True
+            return report
+        now = keeper.mtime or now
         for name, path in list(blobs.entries()):
-            if time.monotonic() - last_refresh > refresh_every:
-                if store.stat(gc_path) is None:
-                    report.aborted = True
-                    return report
-                store.put(gc_path, _record("gc"), exclusive=False)
-                st_mine = store.stat(gc_path)
-                now = st_mine.mtime if st_mine is not None else now
-                last_refresh = time.monotonic()
+            if not keeper.alive():
+                report.aborted = True
+                return report
             temporary = TMP in name
             if not temporary:
                 if not _digest.is_digest(blobs.algorithm, name):
@@ -415,7 +420,67 @@ def collect(
     except OSError as exc:
         raise _write_error(blobs, "blob collection failed", exc) from exc
     finally:
+        keeper.stop()
         try:
             store.remove(gc_path)
         except (FileNotFoundError, OSError):
             pass
+
+
+class _RecordKeeper:
+    """Keeps a collection's record young from a thread, every ``every`` seconds, and says
+    whether it is still there: a record found gone is never put back (a save removed it as
+    stale and went on). ``alive()`` is checked before each deletion: it costs a stat only when
+    the last refresh is older than ``every`` (the thread fell behind: the process was paused),
+    or with ``force``."""
+
+    def __init__(self, store: Store, path: str, every: float) -> None:
+        self.store, self.path, self.every = store, path, every
+        self.mtime: float | None = None  # the store's time of the last refresh
+        self._last = time.monotonic()
+        self._gone = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="savepoint-blob-gc-record", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.refresh()
+            except OSError:
+                pass  # a failed refresh: alive() stats the record itself when it is late
+
+    def refresh(self) -> None:
+        with self._lock:
+            if self._gone or self._stop.is_set():
+                return
+            if self.store.stat(self.path) is None:
+                self._gone = True
+                return
+            self.store.put(self.path, _record("gc"), exclusive=False)
+            st = self.store.stat(self.path)
+            self.mtime = st.mtime if st is not None else self.mtime
+            self._last = time.monotonic()
+
+    def alive(self, *, force: bool = False) -> bool:
+        with self._lock:
+            if self._gone:
+                return False
+            late = time.monotonic() - self._last > 2 * self.every
+        if force or late:
+            self.refresh()
+        with self._lock:
+            return not self._gone
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._gone = True  # never put back once the collection is over
