@@ -93,3 +93,32 @@ def test_aliases_find_the_runs_store_when_another_sits_next_to_the_run(tmp_path:
     assert sp.load(exp / "run" / "latest")["emb"].tobytes() == emb.tobytes()
     sp.verify(exp / "run" / "latest")
     assert sp.load(exp / "standalone")["x"].sum() == 1 << 20
+
+
+def test_a_rotten_blob_is_written_again_after_a_checkpoint_fails_to_verify(
+    tmp_path: Path,
+) -> None:
+    """A frozen chunk rots on disk after step 1. Dedupe makes step 2 name it too, so the
+    read-back verification before pruning fails; the manager then removes the damaged blob, the
+    next save writes its content again, and from then on checkpoints verify and restore."""
+    frozen = np.random.default_rng(4).standard_normal((2048, 256)).astype(np.float32)
+    run = tmp_path / "run"
+    with sp.CheckpointManager(run, incremental=True, keep_last=1, blob_policy=POLICY) as mgr:
+        mgr.save(1, {"frozen": frozen, "step": 1})
+        m = mf.parse((Path(mgr.step_path(1)) / mf.NAME).read_bytes())
+        victim = m.tensors["frozen"].recipe.digests[0]
+        path = run / "blobs" / "data" / victim[:2] / victim
+        raw = bytearray(path.read_bytes())
+        raw[1000] ^= 0xFF
+        path.chmod(0o644)
+        path.write_bytes(bytes(raw))
+        with pytest.raises(sp.CorruptCheckpointError, match="did not verify"):
+            mgr.save(2, {"frozen": frozen, "step": 2})
+            mgr.wait()
+        mgr.save(3, {"frozen": frozen, "step": 3})
+        mgr.wait()
+        assert mgr.steps() == [3]
+        sp.verify(mgr.step_path(3))
+        state = {"frozen": np.zeros_like(frozen), "step": 0}
+        assert mgr.restore(state, resume=False) == 3
+        assert state["frozen"].tobytes() == frozen.tobytes()

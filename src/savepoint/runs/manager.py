@@ -1441,6 +1441,8 @@ class CheckpointManager:
         log.warning(
             "%s: checkpoint %d did not verify when read back: %s", self.directory, step, exc
         )
+        if self.incremental and isinstance(exc, CorruptCheckpointError):
+            self._scrub_blobs(step)
         with self._lock:
             self._failed = self._failed | {step}
             self.report.verify_failures = [
@@ -1452,6 +1454,33 @@ class CheckpointManager:
                 self._store_report()
                 self._repair_aliases()  # best/ leaves a checkpoint that failed
         return err
+
+    def _scrub_blobs(self, step: int) -> None:
+        """Delete the damaged blobs checkpoint ``step`` names (it did not verify): dedupe would
+        otherwise name them in every later save; the next save writes them again from the
+        state it is given. Best effort: a failure is logged."""
+        from savepoint.blobs import referenced_by
+        from savepoint.codecs import manifest as mf
+        from savepoint.engine.read import Reader
+
+        try:
+            with Reader.open(self._checkpoint(step), needs=lambda shown, m: ()) as reader:
+                digests = referenced_by(mf.recipes(reader.manifest))
+            removed = self._blobs().scrub(digests)
+        except (CheckpointError, OSError) as exc:
+            log.warning(
+                "%s: cannot check the blobs of checkpoint %d: %s", self.directory, step, exc
+            )
+            return
+        if removed:
+            log.warning(
+                "%s: removed %d damaged blob(s) named by checkpoint %d (%s); the next save "
+                "writes their content again",
+                self.directory,
+                len(removed),
+                step,
+                ", ".join(d[:12] for d in removed),
+            )
 
     def _join_background(self) -> None:
         """Wait for the background step of the last save (not from that thread itself)."""
