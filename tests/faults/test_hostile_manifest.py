@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import savepoint as sp
+from savepoint.codecs import manifest as mf
 from savepoint.storage.faults import FaultyStore
 from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import Location
@@ -571,7 +572,7 @@ def test_int_and_str_tree_keys_are_distinct(ckpt: Path, doc: dict[str, Any]) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", [5, 999, 2**70])
+@pytest.mark.parametrize("version", [mf.VERSION + 1, 999, 2**70])
 def test_newer_format_version_is_incompatible(
     ckpt: Path, doc: dict[str, Any], rec: Recorder, version: int
 ) -> None:
@@ -587,7 +588,7 @@ def test_newer_version_with_unknown_layout_is_still_incompatible(
     ckpt: Path, doc: dict[str, Any], rec: Recorder
 ) -> None:
     # A future format may change everything else: the version decides first.
-    doc["format_version"] = 5
+    doc["format_version"] = mf.VERSION + 1
     doc["files"] = [{"name": DATA}]
     doc["tensors"] = "v2 layout"
     doc["tree"] = {"t": "future-node"}
