@@ -323,3 +323,34 @@ def test_a_tensor_changed_everywhere_skips_the_block_hashes(
     recipe, written = saver.save(table)
     assert len(recipe.patches) == 1 and written < 1024
     assert _restored(blobs, recipe, table).tobytes() == table.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (POLICY, [1, 2, 3, 0, 1, 2, 3, 0]),  # the chain cut at max_patches=3
+        (  # cut by the budget: a third patch of ~10 KB would pass 5% of the 512 KiB
+            BlobPolicy(chunk_size=64 * KiB, min_blob_bytes=0, workers=1, patch_budget=0.05),
+            [1, 2, 0, 1, 2, 0, 1, 2],
+        ),
+    ],
+)
+def test_scattered_changes_keep_patching_after_every_rebase(
+    blobs: BlobStore, policy: BlobPolicy, expected: list[int]
+) -> None:
+    """1% of the rows, scattered: every chunk changes at every save, yet only the rows are
+    written, and a rebase (the chain full) is followed by patches again, not by chunks (a
+    full chain is not a sign of a tensor that changes everywhere)."""
+    saver = Saver(blobs, policy)
+    table = _table()
+    saver.save(table)
+    rng = np.random.default_rng(7)
+    lengths, sizes = [], []
+    for _ in range(8):
+        table[rng.choice(4096, 40, replace=False)] += 1.0
+        recipe, written = saver.save(table)
+        lengths.append(len(recipe.patches))
+        sizes.append(written)
+        assert _restored(blobs, recipe, table).tobytes() == table.tobytes()
+    assert lengths == expected
+    assert all(size <= 40 * (256 + 4) for size, n in zip(sizes, lengths) if n)

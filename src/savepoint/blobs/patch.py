@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from savepoint.blobs.policy import BlobPolicy
 
 __all__ = [
+    "DENSE_PROBE",
     "MAX_BLOCK",
     "MIN_BLOCK",
     "PatchTracker",
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 MIN_BLOCK = 256
+DENSE_PROBE = 8  # a tensor changed everywhere is block-hashed again every this many saves
 MAX_BLOCK = 64 << 10
 _FLAT_BLOCK = 4 << 10  # the block of tensors without rows (one dimension)
 
@@ -155,7 +157,7 @@ class _Entry:
     chunk_keys: list[tuple[int, int]]
     hashes: np.ndarray[Any, Any] | None
     chain: int  # content bytes of the recipe's patches
-    dense: bool = False  # its last change was too big for a patch
+    dense: int = 0  # saves since a change too big for any patch (0: not known dense)
 
 
 class PatchTracker:
@@ -232,11 +234,21 @@ def put_tensor(
     ):
         return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=True)
     changed_chunks = [i for i, k in enumerate(keys) if k != prev.chunk_keys[i]]
-    if prev.dense and len(changed_chunks) == len(keys):
-        # Changed everywhere again (a trained tensor, an adapter): no block hashing, which a
-        # save of sparse changes would need only after a save of chunks that computes them.
+    if 0 < prev.dense < DENSE_PROBE and len(changed_chunks) == len(keys):
+        # Changed everywhere again (a trained tensor, an adapter): no block hashing. Every
+        # DENSE_PROBE saves the blocks are hashed again, so a tensor whose changes became
+        # sparse (scattered rows still touch every chunk) is found out.
         return _chunked(
-            session, data, itemsize, policy, memo, tracker, block, keys, hashes=None, dense=True
+            session,
+            data,
+            itemsize,
+            policy,
+            memo,
+            tracker,
+            block,
+            keys,
+            hashes=None,
+            dense=prev.dense + 1,
         )
     if prev.hashes is None:
         return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=True)
@@ -290,7 +302,7 @@ def put_tensor(
             block,
             keys,
             hashes=hashes,
-            dense=size > budget,
+            dense=int(size > policy.patch_budget * n),  # this change alone: no chain helps
         )
     blocks = np.concatenate(changed_blocks)
     content = encode_patch(data, blocks, block)
@@ -320,7 +332,7 @@ def _chunked(
     keys: list[tuple[int, int]],
     *,
     hashes: np.ndarray[Any, Any] | bool | None,
-    dense: bool = False,
+    dense: int = 0,
 ) -> tuple[Recipe, _Entry]:
     """The tensor as chunks (a first save, or a rebase). ``hashes``: its block hashes when known,
     True to compute them, None to leave them unknown (the next save writes chunks again)."""
