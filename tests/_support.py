@@ -52,3 +52,19 @@ def one_rank_world() -> Iterator[Any]:
         yield dist
     finally:
         dist.destroy_process_group()
+
+
+def encode_manifest(doc: dict[str, Any]) -> bytes:
+    """A manifest document serialised as ``manifest.dumps`` lays one out (one member per line),
+    with a valid checksum trailer: how tests forge manifests the parser must judge on their
+    content, not their checksum."""
+    import json
+
+    from savepoint.codecs import checksum
+
+    members = ",\n".join(
+        f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), ensure_ascii=True)}"
+        for k, v in doc.items()
+    )
+    head = ("{\n" + members).encode("ascii")
+    return head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from _support import load_generator
-from savepoint.codecs import checksum
+from _support import encode_manifest, load_generator
 from savepoint.codecs import manifest as mf
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
@@ -80,13 +79,7 @@ def _doc() -> dict[str, Any]:
     return doc
 
 
-def _encode(doc: dict[str, Any]) -> bytes:
-    members = ",\n".join(
-        f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), ensure_ascii=True)}"
-        for k, v in doc.items()
-    )
-    head = ("{\n" + members).encode("ascii")
-    return head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")
+_encode = encode_manifest
 
 
 def test_the_golden_document_round_trips_through_the_test_encoder() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from _support import load_generator
+from _support import encode_manifest, load_generator
 from savepoint.codecs import checksum
 from savepoint.codecs import manifest as mf
 from savepoint.errors import CorruptCheckpointError
@@ -59,13 +59,7 @@ def _doc() -> dict[str, Any]:
     return doc
 
 
-def _encode(doc: dict[str, Any]) -> bytes:
-    members = ",\n".join(
-        f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), ensure_ascii=True)}"
-        for k, v in doc.items()
-    )
-    head = ("{\n" + members).encode("ascii")
-    return head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")
+_encode = encode_manifest
 
 
 def test_the_encoder_reproduces_the_golden_manifest() -> None:

@@ -112,9 +112,9 @@ def test_a_rotten_blob_is_written_again_after_a_checkpoint_fails_to_verify(
         raw[1000] ^= 0xFF
         path.chmod(0o644)
         path.write_bytes(bytes(raw))
+        mgr.save(2, {"frozen": frozen, "step": 2})  # verified before step 1 is pruned
         with pytest.raises(sp.CorruptCheckpointError, match="did not verify"):
-            mgr.save(2, {"frozen": frozen, "step": 2})
-            mgr.wait()
+            mgr.wait()  # (retention runs after the save returns: its error comes here)
         mgr.save(3, {"frozen": frozen, "step": 3})
         mgr.wait()
         assert mgr.steps() == [3]

@@ -27,6 +27,7 @@ dedupes against the stored chunks), the next ones patch again.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -224,6 +225,9 @@ def put_tensor(
     block = block_size(shape, itemsize, chunk)
     store = session.blobs.url()
     keys = _chunk_keys(data, chunk, memo)
+    chunked = functools.partial(
+        _chunked, session, data, itemsize, policy, memo, tracker, block, keys
+    )
     prev = tracker._get(store, name)
     if (
         prev is None
@@ -232,30 +236,19 @@ def put_tensor(
         or prev.recipe.chunk != chunk
         or prev.recipe.algorithm != session.blobs.algorithm
     ):
-        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=True)
+        return chunked(hashes=True)
     changed_chunks = [i for i, k in enumerate(keys) if k != prev.chunk_keys[i]]
     if 0 < prev.dense < DENSE_PROBE and len(changed_chunks) == len(keys):
         # Changed everywhere again (a trained tensor, an adapter): no block hashing. Every
         # DENSE_PROBE saves the blocks are hashed again, so a tensor whose changes became
         # sparse (scattered rows still touch every chunk) is found out.
-        return _chunked(
-            session,
-            data,
-            itemsize,
-            policy,
-            memo,
-            tracker,
-            block,
-            keys,
-            hashes=None,
-            dense=prev.dense + 1,
-        )
+        return chunked(hashes=None, dense=prev.dense + 1)
     if prev.hashes is None:
-        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=True)
+        return chunked(hashes=True)
     if not changed_chunks:
         if session.reuse_existing(prev.recipe.names()):
             return prev.recipe, prev
-        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=True)
+        return chunked(hashes=True)
     per_chunk = chunk // block
     isz = Patch("", block, 1, "").index_itemsize(n)
     budget = policy.patch_budget * n - prev.chain
@@ -284,7 +277,7 @@ def put_tensor(
         )
         if session.reuse_existing(recipe.names()):
             return recipe, _Entry(recipe, block, keys, hashes, prev.chain)
-        return _chunked(session, data, itemsize, policy, memo, tracker, block, keys, hashes=hashes)
+        return chunked(hashes=hashes)
     size = count * (isz + block)
     if (
         len(prev.recipe.patches) >= policy.max_patches
@@ -292,18 +285,8 @@ def put_tensor(
         or size > MAX_CHUNK
         or not session.reuse_existing(prev.recipe.names())
     ):  # rebase (every block's hash is known: the next save can patch)
-        return _chunked(
-            session,
-            data,
-            itemsize,
-            policy,
-            memo,
-            tracker,
-            block,
-            keys,
-            hashes=hashes,
-            dense=int(size > policy.patch_budget * n),  # this change alone: no chain helps
-        )
+        # dense: this change alone is too big for any patch (not a chain that is full)
+        return chunked(hashes=hashes, dense=int(size > policy.patch_budget * n))
     blocks = np.concatenate(changed_blocks)
     content = encode_patch(data, blocks, block)
     result = session.put(content, compression=policy.compression, itemsize=itemsize)

@@ -797,19 +797,19 @@ class BlobStore:
             self._dirty.add(self.store.parent(path))
         return True
 
-    def scrub(self, digests: Iterable[str]) -> list[str]:
+    def scrub(self, digests: Iterable[str]) -> Sequence[str]:
         """Read each blob of ``digests`` and check it against its name; delete those that are
         damaged (content, size or header wrong), so the next save that has their content
         writes them again instead of naming a damaged blob (a save trusts a blob found at its
         name). Missing ones are skipped. Returns the digests deleted. For the run's writer,
         after a checkpoint failed to verify: a damaged blob is useless to every checkpoint."""
-        removed = []
+        removed: Sequence[str] = ()
         for d in dict.fromkeys(digests):
             try:
                 self.read(d, verify=True)
             except CorruptCheckpointError:
                 if self.exists(d) and self.delete(d):
-                    removed.append(d)
+                    removed = (*removed, d)
         if removed:
             self.sync()
         return removed

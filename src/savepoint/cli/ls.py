@@ -63,7 +63,8 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
         meta = info.metadata.get("savepoint_run") or {}
         # An incremental checkpoint's tensors are in the run's shared blob store: its size is
         # theirs (what it restores), not its few data files'.
-        size = info.total_bytes if info.format_version >= 4 else sum(info.files.values())
+        blobs = (info.format_version or 0) >= 4
+        size = info.total_bytes if blobs else sum(info.files.values())
         entries.append((step, size, dict(meta.get("metrics") or {}), info.created))
     policy = policies.from_spec(report.retention)
     reasons = policies.explain(policy, [policies.Entry(s, m) for s, _, m, _ in entries])

@@ -470,20 +470,13 @@ def _blob_putter(
 
     def direct(item: tuple[str, TensorSource, np.ndarray[Any, Any]]) -> tuple[Recipe, Any]:
         name, source, host = item
-        entry = None
-        if tracker is not None:
-            assert memo is not None
-            shape, itemsize = tuple(source.shape), source.dtype.itemsize
-            recipe, entry = put_tensor(session, host, name, shape, itemsize, policy, memo, tracker)
-        else:
-            recipe = session.put_chunked(
-                host,
-                chunk_size=policy.chunk_size,
-                compression=policy.compression,
-                itemsize=source.dtype.itemsize,
-                workers=policy.workers,
-                memo=memo,
-            )
+        if tracker is None:
+            recipe = _put_host(session, source, host, policy, memo)
+            counted(source.nbytes)
+            return recipe, None
+        assert memo is not None
+        shape, itemsize = tuple(source.shape), source.dtype.itemsize
+        recipe, entry = put_tensor(session, host, name, shape, itemsize, policy, memo, tracker)
         source.release()
         counted(source.nbytes)
         return recipe, entry
@@ -505,6 +498,26 @@ def _blob_putter(
     return put
 
 
+def _put_host(
+    session: SaveSession,
+    source: TensorSource,
+    host: np.ndarray[Any, Any],
+    policy: BlobPolicy,
+    memo: FastMemo | None,
+) -> Recipe:
+    """A tensor in host memory (``host``: its bytes) into the blob store as chunks."""
+    recipe = session.put_chunked(
+        host,
+        chunk_size=policy.chunk_size,
+        compression=policy.compression,
+        itemsize=source.dtype.itemsize,
+        workers=policy.workers,
+        memo=memo,
+    )
+    source.release()
+    return recipe
+
+
 def put_source(
     session: SaveSession,
     source: TensorSource,
@@ -521,16 +534,7 @@ def put_source(
     algorithm = session.blobs.algorithm
     direct = host_bytes(source)
     if direct is not None:
-        recipe = session.put_chunked(
-            direct,
-            chunk_size=policy.chunk_size,
-            compression=policy.compression,
-            itemsize=source.dtype.itemsize,
-            workers=policy.workers,
-            memo=memo,
-        )
-        source.release()
-        return recipe
+        return _put_host(session, source, direct, policy, memo)
     digests: list[str] = []
     checks: list[str] = []
     for start in range(0, n, len(scratch)):
