@@ -50,12 +50,7 @@ def named(where: Any) -> set[str]:
     from savepoint.engine.read import Reader
 
     with Reader.open(where) as reader:
-        return {
-            d
-            for rec in reader.manifest.tensors.values()
-            if rec.recipe is not None
-            for d in rec.recipe.digests
-        }
+        return {d for recipe in mf.recipes(reader.manifest) for d in recipe.names()}
 
 
 def saved(home: Path, step: int) -> str:
@@ -163,6 +158,43 @@ def test_tier_retention_keeps_exactly_the_referenced_blobs(tmp_path: Path) -> No
     for step in (4, 5):
         sp.verify(layout.step_path(where, step))
         same(sp.load(layout.step_path(where, step)), state(step))
+
+
+def test_a_dead_copy_ups_record_does_not_hold_the_tiers_collection_back(
+    tmp_path: Path,
+) -> None:
+    """A copy-up killed on this host left its session record in the tier's store: the next
+    copier's first collection there removes it (its pid is gone), instead of being deferred
+    for an hour."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    tier_dir = tmp_path / "tier"
+    tier = Tier(str(tier_dir), keep=1)
+    first = TierCopier([tier], RUN)
+    first.submit(1, saved(home, 1))
+    first.close()
+    first.raise_error()
+    # the pid of a process that has exited
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True
+    )
+    pid = int(done.stdout)
+    record = tier_dir / "blobs" / "sessions" / "killed.json"
+    record.write_text(json.dumps({"kind": "save", "host": socket.gethostname(), "pid": pid}))
+    copier = TierCopier([tier], RUN)
+    for step in (2, 3):
+        copier.submit(step, saved(home, step))
+        copier.wait()
+        copier.raise_error()
+    copier.close()
+    assert not record.exists()
+    assert layout.committed_steps(tier_dir) == [3]
+    held = set(BlobStore.open(tier_dir / "blobs", create=False).list())
+    assert held == named(layout.step_path(tier_dir, 3))
 
 
 def test_a_failed_copy_up_is_raised_naming_the_tier(

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BlobGcReport",
     "SaveSession",
+    "clear_dead_records",
     "collect",
 ]
 
@@ -484,3 +485,46 @@ class _RecordKeeper:
             self._thread.join()
         with self._lock:
             self._gone = True  # never put back once the collection is over
+
+
+def clear_dead_records(blobs: BlobStore) -> int:
+    """Remove the records of saves and collections in flight (``sessions/``, ``gc/``) that
+    processes of this host left when they died (a SIGKILLed save, say): each names its host
+    and pid (in its body, or in the name of a temporary a put left), and one whose pid no
+    longer runs here is stale at once, by the rule of a run's lease lock
+    (:func:`savepoint.storage.lease.pid_gone`). Left in place, a save's would hold every
+    collection back for ``session_stale_after`` (an hour), a collection's would make the next
+    save wait. Records of other hosts are left to those timeouts. For a store's writer (a run's
+    manager, a tier's copier); returns how many were removed; OSError propagates."""
+    from savepoint.commit import names
+    from savepoint.storage.lease import pid_gone
+
+    store, here = blobs.store, socket.gethostname()
+    removed = 0
+    for sub in (SESSIONS, GC):
+        folder = store.join(blobs.root, sub)
+        for name in store.list(folder):
+            path = store.join(folder, name)
+            if names.TMP_TAG in name:
+                # A record being put (local disks write it aside, then rename it): the name
+                # says whose. Collections count it as a record too.
+                if names.dead_here(name.split(names.TMP_TAG, 1)[1]):
+                    try:
+                        store.remove(path)
+                    except FileNotFoundError:
+                        continue
+                    removed += 1
+                continue
+            try:
+                doc = json.loads(store.read_small(path, cap=64 << 10))
+            except (FileNotFoundError, ValueError):
+                continue  # gone, or not a record: left alone
+            pid = doc.get("pid") if isinstance(doc, dict) else None
+            if type(pid) is not int or doc.get("host") != here or not pid_gone(pid):
+                continue
+            try:
+                store.remove(path)
+            except FileNotFoundError:
+                continue
+            removed += 1
+    return removed

@@ -113,12 +113,10 @@ import contextlib
 import dataclasses
 import errno
 import functools
-import json
 import logging
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -131,7 +129,6 @@ from savepoint import checkpoint
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.codecs import manifest as mf
-from savepoint.commit import names
 from savepoint.commit.transaction import discard, refused_hint
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
@@ -179,7 +176,6 @@ from savepoint.runs.report import (
 )
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.base import Store
-from savepoint.storage.lease import pid_gone
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = ["CheckpointManager", "PreemptionSave", "StepSpec"]
@@ -965,42 +961,15 @@ class CheckpointManager:
         return self._blob_store
 
     def _clear_dead_records(self, blobs: Any) -> None:
-        """Remove the records of saves and collections in flight (``sessions/``, ``gc/``) that
-        processes of this host left when they died (a SIGKILLed save, say): each names its host
-        and pid (in its body, or in the name of a temporary a put left), and one whose pid no
-        longer runs here is stale at once, by the rule of the run's lease lock
-        (:func:`savepoint.storage.lease.pid_gone`). Left in place, a save's
-        would hold every collection back for ``session_stale_after`` (an hour), a collection's
-        would make the next save wait. Records of other hosts are left to those timeouts."""
-        from savepoint.blobs.store import GC, SESSIONS
+        """Remove the blob store records dead processes of this host left
+        (:func:`savepoint.blobs.gc.clear_dead_records`), before the first save and at gc()."""
+        from savepoint.blobs.gc import clear_dead_records
 
-        store, here = blobs.store, socket.gethostname()
-        removed = 0
         try:
-            for sub in (SESSIONS, GC):
-                folder = store.join(blobs.root, sub)
-                for name in store.list(folder):
-                    path = store.join(folder, name)
-                    if names.TMP_TAG in name:
-                        # A record being put (local disks write it aside, then rename it): the
-                        # name says whose. Collections count it as a record too.
-                        if names.dead_here(name.split(names.TMP_TAG, 1)[1]):
-                            with contextlib.suppress(FileNotFoundError):
-                                store.remove(path)
-                            removed += 1
-                        continue
-                    try:
-                        doc = json.loads(store.read_small(path, cap=64 << 10))
-                    except (FileNotFoundError, ValueError):
-                        continue  # gone, or not a record: left alone
-                    pid = doc.get("pid") if isinstance(doc, dict) else None
-                    if type(pid) is not int or doc.get("host") != here or not pid_gone(pid):
-                        continue
-                    with contextlib.suppress(FileNotFoundError):
-                        store.remove(path)
-                    removed += 1
+            removed = clear_dead_records(blobs)
         except OSError as exc:  # (CheckpointError included) the timeouts deal with them
             log.warning("%s: cannot look for dead saves' blob records: %s", self.directory, exc)
+            return
         if removed:
             log.info(
                 "%s: removed %d blob store records of dead processes of this host",

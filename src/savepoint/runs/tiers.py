@@ -125,6 +125,7 @@ class TierCopier:
         self._where = {t.label: resolve_path(t.url, what=f"tier {t.label!r}") for t in tiers}
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}  # step -> copy-ups not finished
+        self._cleared: set[str] = set()  # tiers whose dead records were looked for
         self._last: dict[str, int | None] = {}
         self._errors: list[CheckpointError] = []
         self._futures: list[Future[None]] = []
@@ -308,10 +309,15 @@ class TierCopier:
         checkpoints), as the manager collects its run's store: reference counting under the
         blob store's protocol (a copy-up in flight holds it back). A failure is logged and
         left for the next collection."""
+        from savepoint.blobs.gc import clear_dead_records
+
         try:
             blobs = self.blob_store(tier)
             if blobs is None:
                 return
+            if tier.label not in self._cleared:  # a copy-up of ours killed before, say
+                self._cleared.add(tier.label)
+                clear_dead_records(blobs)
             report = blobs.collect(lambda: self.referenced_blobs(tier), grace=0)
         except (CheckpointError, OSError) as exc:
             log.warning("tier %r: cannot collect unused blobs yet: %s", tier.label, exc)
