@@ -180,6 +180,7 @@ def save_incremental(
     *,
     process_group: Any = None,
     timeout: float | None = None,
+    frozen: Any = None,
 ) -> CheckpointInfo:
     """``save(path, state, blobs=..., blob_policy=...)`` (an incremental save; the arguments
     positional), with ``memo``: the :class:`savepoint.blobs.FastMemo` to name unchanged chunks
@@ -187,7 +188,9 @@ def save_incremental(
     :class:`savepoint.blobs.patch.PatchTracker` that finds changed rows (default: this
     process's, when the policy asks for patches). ``CheckpointManager(..., incremental=True)``
     passes its own. With ``process_group``, or a state holding sharding descriptions, a sharded
-    incremental save (:mod:`savepoint.distributed.save`; its pieces are written as chunks)."""
+    incremental save (:mod:`savepoint.distributed.save`). ``frozen``: key prefixes of tensors
+    that did not change since this tracker's last save of them (their bytes are only sampled;
+    see ``CheckpointManager(frozen=)``); unsharded saves only."""
     from savepoint.blobs import BlobPolicy, BlobStore
 
     store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
@@ -229,6 +232,7 @@ def save_incremental(
                 policy=policy,
                 memo=memo,
                 tracker=tracker,
+                frozen=None if frozen is None else _frozen_keys(frozen),
                 max_file_bytes=max_file_bytes,
                 writers=writers,
                 direct=direct,
@@ -240,6 +244,12 @@ def save_incremental(
 _TRACKERS: list[Any] = []  # the PatchTracker of this process's sp.save(..., blobs=...) calls
 _MEMOS: dict[str, Any] = {}  # digest algorithm -> the FastMemo of this process's sp.save calls
 _MEMO_ENTRIES = 1 << 16  # 256 GiB of 4 MiB chunks named, about 15 MB of memo
+
+
+def _frozen_keys(prefixes: Any) -> Any:
+    from savepoint.blobs.patch import frozen_keys
+
+    return frozen_keys(prefixes)
 
 
 def _tracker() -> Any:

@@ -227,3 +227,56 @@ def test_inspect_and_ls_show_where_blob_tensors_are_and_their_size(tmp_path: Pat
     out = CliRunner().invoke(main, ["ls", "--json", str(run)], catch_exceptions=False)
     rows = json.loads(out.output)["checkpoints"]
     assert [r["bytes"] for r in rows] == [table.nbytes, table.nbytes]
+
+
+# -- frozen=: tensors the caller says never change ----------------------------------------------
+
+
+def test_frozen_keys_match_whole_components() -> None:
+    from savepoint.blobs.patch import frozen_keys
+
+    match = frozen_keys(["model/base", "emb/"])
+    assert match("model/base") and match("model/base/w") and match("emb/x")
+    assert not match("model/baseline") and not match("model") and not match("embedding")
+    with pytest.raises(TypeError):
+        frozen_keys("model/base")
+    with pytest.raises(ValueError, match="not a key prefix"):
+        frozen_keys(["model", "/"])
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_frozen_tensors_are_reused_unread_and_a_broken_promise_is_caught(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, background: bool
+) -> None:
+    base = np.random.default_rng(1).standard_normal((1024, 512)).astype(np.float32)  # 2 MiB
+    adapter = np.zeros((64, 512), np.float32)
+    run = tmp_path / "run"
+    with sp.CheckpointManager(
+        run, incremental=True, blob_policy=POLICY, frozen=["model/base"], async_save=background
+    ) as mgr:
+        mgr.save(1, {"model": {"base": base, "adapter": adapter}})
+        mgr.wait()
+        before = data_bytes(run / "blobs")
+        adapter += 1.0
+        mgr.save(2, {"model": {"base": base, "adapter": adapter}})
+        mgr.wait()
+        assert data_bytes(run / "blobs") - before < adapter.nbytes + 4096  # base not rewritten
+        out = sp.load(mgr.step_path(2))["model"]
+        assert out["base"].tobytes() == base.tobytes()
+        assert out["adapter"].tobytes() == adapter.tobytes()
+        # The promise broken everywhere (a LoRA merged into the base, say): the sample sees it.
+        base += 0.5
+        with caplog.at_level("WARNING", logger="savepoint.blobs.patch"):
+            mgr.save(3, {"model": {"base": base, "adapter": adapter}})
+            mgr.wait()
+        assert "declared frozen but changed" in caplog.text
+        assert sp.load(mgr.step_path(3))["model"]["base"].tobytes() == base.tobytes()
+        sp.verify(mgr.step_path(3))
+
+
+def test_frozen_needs_incremental_and_prefixes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="without incremental=True"):
+        sp.CheckpointManager(tmp_path / "a", frozen=["model"])
+    with pytest.raises(TypeError, match="iterable of key prefixes"):
+        sp.CheckpointManager(tmp_path / "b", incremental=True, frozen="model")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

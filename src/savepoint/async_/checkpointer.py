@@ -154,6 +154,7 @@ class AsyncCheckpointer:
         blob_policy: Any = None,
         memo: Any = None,
         tracker: Any = None,
+        frozen: Any = None,
     ) -> PendingSave:
         """Snapshot ``state`` now and write it to ``path`` (a local path, a ``file://`` or
         ``memory://`` URL, a ``Location``) in the background.
@@ -165,16 +166,18 @@ class AsyncCheckpointer:
         ``on_commit`` after the session is closed. ``memo``: the
         :class:`savepoint.blobs.FastMemo` naming unchanged chunks, and ``tracker``: the
         :class:`savepoint.blobs.patch.PatchTracker` finding changed rows (default: one of each
-        per checkpointer, when the policy asks for them). With a process group, every rank
+        per checkpointer, when the policy asks for them). ``frozen``: key prefixes of tensors
+        that did not change since the tracker's last save of them (see
+        ``CheckpointManager(frozen=)``; still staged, then only sampled). With a process group, every rank
         puts its pieces in the background (a sharded incremental save, written as chunks).
 
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
         location = resolve_path(path, what="checkpoint path")
         incremental = None
         if blobs is not None:
-            incremental = self._incremental(location, blobs, blob_policy, memo, tracker)
-        elif blob_policy is not None or memo is not None or tracker is not None:
-            raise ValueError("blob_policy, memo and tracker are given without blobs=")
+            incremental = self._incremental(location, blobs, blob_policy, memo, tracker, frozen)
+        elif blob_policy is not None or memo is not None or tracker is not None or frozen:
+            raise ValueError("blob_policy, memo, tracker and frozen are given without blobs=")
         with self._save_lock:
             return self._save(
                 location.store.url(location.path),
@@ -183,7 +186,13 @@ class AsyncCheckpointer:
             )
 
     def _incremental(
-        self, location: Location, blobs: Any, policy: Any, memo: Any, tracker: Any
+        self,
+        location: Location,
+        blobs: Any,
+        policy: Any,
+        memo: Any,
+        tracker: Any,
+        frozen: Any = None,
     ) -> _Incremental:
         """Check the arguments of an incremental save (here, in the caller's thread)."""
         from savepoint.blobs import BlobPolicy, BlobStore, FastMemo
@@ -208,7 +217,12 @@ class AsyncCheckpointer:
                 if self._tracker is None:
                     self._tracker = PatchTracker()
                 tracker = self._tracker
-        return _Incremental(store, policy, memo, tracker)
+        matcher = None
+        if frozen is not None:
+            from savepoint.blobs.patch import frozen_keys
+
+            matcher = frozen_keys(frozen)
+        return _Incremental(store, policy, memo, tracker, matcher)
 
     def save_boostr(
         self,
@@ -365,6 +379,7 @@ class AsyncCheckpointer:
                     policy=inc.policy,
                     memo=inc.memo,
                     tracker=inc.tracker,
+                    frozen=inc.frozen,
                     max_file_bytes=self.max_file_bytes,
                     writers=self.writers,
                     direct=self.direct,
@@ -417,6 +432,7 @@ class _Incremental:
     policy: Any
     memo: Any
     tracker: Any
+    frozen: Any = None  # Callable[[str], bool]: keys the caller says did not change
 
 
 class _ArenaSource(NumpySource):

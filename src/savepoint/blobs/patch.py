@@ -28,8 +28,10 @@ dedupes against the stored chunks), the next ones patch again.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,17 +49,22 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DENSE_PROBE",
+    "FROZEN_SAMPLES",
     "MAX_BLOCK",
     "MIN_BLOCK",
     "PatchTracker",
     "apply_patch",
     "block_size",
     "encode_patch",
+    "frozen_keys",
     "put_tensor",
 ]
 
+log = logging.getLogger(__name__)
+
 MIN_BLOCK = 256
 DENSE_PROBE = 8  # a tensor changed everywhere is block-hashed again every this many saves
+FROZEN_SAMPLES = 256  # blocks of a frozen tensor checked per save (one per chunk, at most)
 MAX_BLOCK = 64 << 10
 _FLAT_BLOCK = 4 << 10  # the block of tensors without rows (one dimension)
 
@@ -214,16 +221,28 @@ def put_tensor(
     policy: BlobPolicy,
     memo: FastMemo,
     tracker: PatchTracker,
+    *,
+    frozen: bool = False,
 ) -> tuple[Recipe, _Entry]:
     """One tensor (``data``: its bytes, a flat uint8 array) into the blob store of ``session``:
     the previous recipe again when nothing changed, the previous recipe plus a patch of the
     changed blocks when that stays within the policy's chain limits, else chunks (see the module
     docstring). Returns the recipe, and what :meth:`PatchTracker.commit` records once the
-    manifest naming it is committed."""
+    manifest naming it is committed.
+
+    ``frozen``: the caller says the tensor has not changed since its last save (a frozen base
+    model): its bytes are not read, but for one block per chunk (at most
+    :data:`FROZEN_SAMPLES`, at random) checked against the hashes of the last save; the
+    previous recipe is reused when they match and its blobs are all there. A mismatch (the
+    promise was wrong) is logged and the tensor saved as any other."""
     chunk = policy.chunk_size
     n = data.size
     block = block_size(shape, itemsize, chunk)
     store = session.blobs.url()
+    if frozen:
+        reused = _frozen(session, data, name, block, chunk, tracker, store)
+        if reused is not None:
+            return reused.recipe, reused
     keys = _chunk_keys(data, chunk, memo)
     chunked = functools.partial(
         _chunked, session, data, itemsize, policy, memo, tracker, block, keys
@@ -302,6 +321,69 @@ def put_tensor(
         base_checks,
     )
     return recipe, _Entry(recipe, block, keys, hashes, prev.chain + size)
+
+
+def frozen_keys(prefixes: Any) -> Callable[[str], bool]:
+    """Whether a tensor's key (its flattened name: ``model/base/w``) is declared frozen by
+    ``prefixes``: a key equal to one of them, or under one (``model/base`` covers
+    ``model/base/w``, not ``model/baseline``). ``prefixes``: an iterable of non-empty
+    strings (TypeError/ValueError otherwise)."""
+    if isinstance(prefixes, str) or not hasattr(prefixes, "__iter__"):
+        raise TypeError(
+            f"frozen must be an iterable of key prefixes (('model/base',), say), not {prefixes!r}"
+        )
+    items = tuple(prefixes)
+    for p in items:
+        if not isinstance(p, str) or not p.strip("/"):
+            raise ValueError(f"frozen: {p!r} is not a key prefix (a non-empty string)")
+    exact = frozenset(p.rstrip("/") for p in items)
+    under = tuple(p.rstrip("/") + "/" for p in items)
+    return lambda key: key in exact or key.startswith(under)
+
+
+def _frozen(
+    session: SaveSession,
+    data: np.ndarray[Any, Any],
+    name: str,
+    block: int,
+    chunk: int,
+    tracker: PatchTracker,
+    store: str,
+) -> _Entry | None:
+    """The last save's entry of a tensor the caller says is frozen, if a sample of its blocks
+    agrees and its blobs are all in the store; None otherwise (the tensor is then saved as any
+    other)."""
+    prev = tracker._get(store, name)
+    n = data.size
+    if (
+        prev is None
+        or prev.hashes is None
+        or prev.block != block
+        or prev.recipe.size != n
+        or prev.recipe.chunk != chunk
+        or prev.recipe.algorithm != session.blobs.algorithm
+    ):
+        return None
+    per_chunk = chunk // block
+    chunks = len(prev.chunk_keys)
+    rng = np.random.default_rng()
+    picked = rng.choice(chunks, min(chunks, FROZEN_SAMPLES), replace=False)
+    blocks = np.minimum(
+        picked * per_chunk + rng.integers(0, per_chunk, picked.size), prev.hashes.size - 1
+    )
+    for b in blocks.tolist():
+        got = tracker.block_hashes(data[b * block : (b + 1) * block], block)
+        if got[0] != prev.hashes[b]:
+            log.warning(
+                "tensor %r was declared frozen but changed since its last save (block %d): "
+                "saved as any other tensor",
+                name,
+                b,
+            )
+            return None
+    if not session.reuse_existing(prev.recipe.names()):
+        return None
+    return prev
 
 
 def _chunked(

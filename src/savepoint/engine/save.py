@@ -454,6 +454,7 @@ def _blob_putter(
     memo: FastMemo | None,
     tracker: PatchTracker | None,
     on_bytes: Callable[[int], None],
+    frozen: Callable[[str], bool] | None = None,
 ) -> Callable[[Mapping[str, TensorSource], list[str]], dict[str, tuple[Recipe, Any]]]:
     """What puts an incremental save's blob tensors: ``put(tensors, names)`` gives each name's
     recipe and the patch tracker's entry for it (None when not tracked). Tensors in host memory
@@ -476,7 +477,10 @@ def _blob_putter(
             return recipe, None
         assert memo is not None
         shape, itemsize = tuple(source.shape), source.dtype.itemsize
-        recipe, entry = put_tensor(session, host, name, shape, itemsize, policy, memo, tracker)
+        still = frozen is not None and frozen(name)
+        recipe, entry = put_tensor(
+            session, host, name, shape, itemsize, policy, memo, tracker, frozen=still
+        )
         source.release()
         counted(source.nbytes)
         return recipe, entry
@@ -563,6 +567,7 @@ def save_blobs(
     policy: BlobPolicy,
     memo: FastMemo | None = None,
     tracker: PatchTracker | None = None,
+    frozen: Callable[[str], bool] | None = None,
     max_file_bytes: int,
     writers: int,
     direct: bool = True,
@@ -574,7 +579,9 @@ def save_blobs(
     tracker saw is written as a patch of its changed rows, see :mod:`savepoint.blobs.patch`),
     the others into data files as usual; the blobs are made durable and the session checked (no
     collection deleted what it reuses) before the manifest is committed, and the tracker told
-    after. The caller closes the session."""
+    after. ``frozen(name)``: the caller says that tensor did not change since the tracker's
+    last save of it (its bytes are then only sampled: :func:`savepoint.blobs.patch.put_tensor`).
+    The caller closes the session."""
     started = time.perf_counter()
     tensors = flat.tensors
     store_path = blob_store_path(location, session.blobs)
@@ -591,7 +598,9 @@ def save_blobs(
     with Transaction(location.store, location.path) as tx:
         recipes: dict[str, mf.TensorRecord] = {}
         if in_blobs:
-            put = _blob_putter(session, policy, memo, tracker if patching else None, on_bytes)
+            put = _blob_putter(
+                session, policy, memo, tracker if patching else None, on_bytes, frozen
+            )
             for name, (recipe, entry) in put(tensors, in_blobs).items():
                 source = tensors[name]
                 if entry is not None:

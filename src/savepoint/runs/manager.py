@@ -246,7 +246,12 @@ class CheckpointManager:
     collection. ``compression``: ``"zstd"`` (or a :class:`savepoint.blobs.Compression`) stores
     blobs zstd-compressed where that saves space (``BlobPolicy.of("zstd")``; needs the
     zstandard package); only with ``incremental=True``, and a ``blob_policy`` naming another
-    compression is a ValueError.
+    compression is a ValueError. ``frozen``: key prefixes (``("model/base_model",)``) of
+    tensors that never change during the run (a frozen base model): after this manager's first
+    save of them, their bytes are not read again but for a random block per chunk, checked
+    against the first save's (a mismatch is logged and the tensor saved as any other); their
+    earlier blobs are reused. A change the sample misses is not saved: declare only what is
+    truly frozen. Unsharded saves only.
     """
 
     # The read-only view (savepoint.runs.view) opens inconsistent runs too, to list their problems.
@@ -279,6 +284,7 @@ class CheckpointManager:
         tiers: Sequence[Tier] | None = None,
         incremental: bool = False,
         blob_policy: Any = None,
+        frozen: Iterable[str] | None = None,
         compression: Any = None,
         options: SaveOptions | None = None,
         **save_options: Any,
@@ -303,6 +309,14 @@ class CheckpointManager:
             )
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
+        if frozen is not None:
+            from savepoint.blobs.patch import frozen_keys
+
+            if not incremental:
+                raise ValueError("frozen is given without incremental=True")
+            if not isinstance(frozen, str) and hasattr(frozen, "__iter__"):
+                frozen = tuple(frozen)  # (a generator, say: read once)
+            frozen_keys(frozen)  # checks them
         if blob_policy is not None:
             from savepoint.blobs import BlobPolicy
 
@@ -351,6 +365,7 @@ class CheckpointManager:
         # Incremental saves (see _save_blobs): the run's blob store, opened at the first save,
         # its policy, and one digest memo for every save of this manager.
         self.incremental = incremental
+        self._frozen = frozen  # key prefixes the caller says never change (None: none)
         self._blob_policy = blob_policy
         self._blob_store: Any = None
         self._blob_memo: Any = None
@@ -916,6 +931,7 @@ class CheckpointManager:
                     "blob_policy": self._blob_policy,
                     "memo": self._blob_memo,
                     "tracker": self._blob_tracker,
+                    "frozen": self._frozen,
                 }
             try:
                 pending = self._async.save(
@@ -992,6 +1008,7 @@ class CheckpointManager:
             o.progress,
             memo=self._blob_memo,
             tracker=self._blob_tracker,
+            frozen=self._frozen,
             # Sharded: every rank puts its pieces; when this returns on rank 0 every rank has
             # closed its session, so the collection after retention (rank 0's) is not deferred.
             process_group=o.process_group,
