@@ -90,6 +90,7 @@ def save(
     timeout: float | None = None,
     blobs: Any = None,
     blob_policy: Any = None,
+    frozen: Any = None,
 ) -> CheckpointInfo:
     """Save ``state`` to the directory ``path``, atomically and durably; return what was written.
 
@@ -128,7 +129,10 @@ def save(
     wrote the same bytes; the others go into data files. See ``docs/blobs.md``. With
     ``process_group`` (or a state holding sharding descriptions) every rank puts the pieces it
     writes into that store, which must then be one all ranks see (a shared filesystem or an
-    object store), named alike on every rank; see ``docs/distributed.md``.
+    object store), named alike on every rank; see ``docs/distributed.md``. ``frozen`` (with
+    ``blobs``, unsharded): key prefixes of tensors the caller says did not change since this
+    process's last save of them into that store: their bytes are only sampled (see
+    ``CheckpointManager(frozen=)``).
     """
     if blobs is not None:
         return save_incremental(
@@ -143,9 +147,10 @@ def save(
             progress,
             process_group=process_group,
             timeout=timeout,
+            frozen=frozen,
         )
-    if blob_policy is not None:
-        raise ValueError("blob_policy is given without blobs=")
+    if blob_policy is not None or frozen is not None:
+        raise ValueError("blob_policy and frozen are given without blobs=")
     options = SaveOptions(
         max_file_bytes=max_file_bytes,
         writers=writers,
