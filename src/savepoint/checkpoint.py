@@ -37,6 +37,7 @@ from savepoint.engine import load as load_engine
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
 from savepoint.engine.read import Reader, rereading
+from savepoint.errors import UnsupportedStateError
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.options import (
     DEFAULT_MAX_FILE_BYTES,
@@ -215,6 +216,8 @@ def save_incremental(
         timeout=timeout,
     )
     location = resolve_path(path, what="checkpoint path")
+    if frozen is not None and process_group is not None:
+        raise UnsupportedStateError("frozen= is not supported for sharded saves")
     if process_group is not None:
         from savepoint.distributed import save as distributed_save
 
@@ -226,6 +229,8 @@ def save_incremental(
         if save_engine.has_shards(flat.tree):
             from savepoint.distributed import save as distributed_save
 
+            if frozen is not None:
+                raise UnsupportedStateError("frozen= is not supported for sharded saves")
             incremental = distributed_save.Incremental(store, policy, memo, tracker)
             return distributed_save.save_flat(location, flat, meta, options, incremental)
         with store.session() as session:

@@ -694,3 +694,9 @@ def test_a_tier_keeps_the_blobs_of_the_sharded_checkpoints_it_holds(
         check(st, rank, 3, version=2)
     manifest = mf.parse((Path(layout.step_path(tier, 2)) / "manifest.json").read_bytes())
     assert set(blob_files(tier / "blobs")) == {d for r in mf.recipes(manifest) for d in r.names()}
+
+
+def test_frozen_is_refused_for_sharded_saves(tmp_path: Path) -> None:
+    with pytest.raises(sp.UnsupportedStateError, match="frozen= is not supported"):
+        sp.save(tmp_path / "ck", rank_state(0, 1), blobs=tmp_path / "blobs", frozen=["emb"])
+    assert not (tmp_path / "ck").exists()

@@ -314,6 +314,8 @@ class CheckpointManager:
 
             if not incremental:
                 raise ValueError("frozen is given without incremental=True")
+            if self.save_options.process_group is not None:
+                raise ValueError("frozen is not supported with a process group (sharded saves)")
             if not isinstance(frozen, str) and hasattr(frozen, "__iter__"):
                 frozen = tuple(frozen)  # (a generator, say: read once)
             frozen_keys(frozen)  # checks them
