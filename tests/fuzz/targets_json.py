@@ -1,4 +1,5 @@
-"""Fuzz targets for the JSON parsers: native manifests (version 1 and sharded version 2), the
+"""Fuzz targets for the JSON parsers: native manifests (version 1, sharded version 2, and the
+incremental versions 4 and 5 read against real blobs), the
 safetensors header and standalone safetensors files, boostr's ``training_state.json`` and
 ``sharding_meta.json``, and a native checkpoint whose data file is the fuzzed input.
 
@@ -243,6 +244,55 @@ def _manifest_target(name: str, sharded: bool, reseal: bool) -> Target:
 register(_manifest_target("manifest", sharded=False, reseal=True))
 register(_manifest_target("manifest:raw", sharded=False, reseal=False))
 register(_manifest_target("manifest:v2", sharded=True, reseal=True))
+
+
+# -- incremental manifests (versions 4 and 5: tensors and shards as blob recipes) ----------------
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+BLOB_TOKENS = (
+    b'"blobs":{"digest":"blake3","size":',
+    b'"chunk":65536',
+    b'"chunk":1073741824',
+    b'"base_xxh3":[',
+    b'"patches":[{"blob":"',
+    b'"block":512,"count":',
+    b'"format_version": 5',
+    b'"blob_store": "../blobs"',
+    b'"blob_store": "../../../x"',
+    b'"world_size": 2',
+    *MANIFEST_TOKENS,
+)
+
+
+def _blob_target() -> Target:
+    """The golden incremental checkpoints (v4, v4 sharded, v5 patched) in one directory whose
+    ``../blobs`` holds all their blobs: a mutated manifest is read against real blobs."""
+    homes: dict[Path, Path] = {}
+
+    def seeds(scratch: Path) -> list[bytes]:
+        root = scratch / "blobs-home"
+        shutil.rmtree(root, ignore_errors=True)
+        (root / "ck").mkdir(parents=True)
+        found = []
+        for name in ("v4", "v4-sharded", "v5"):
+            golden = GOLDEN / name
+            shutil.copytree(golden / "blobs", root / "blobs", dirs_exist_ok=True)
+            for f in (golden / "ck").iterdir():
+                if f.name != mf.NAME:
+                    shutil.copyfile(f, root / "ck" / f.name)
+            found.append((golden / "ck" / mf.NAME).read_bytes())
+        homes[scratch] = root / "ck"
+        return found
+
+    def parse(data: bytes, scratch: Path) -> None:
+        home = homes[scratch]
+        (home / mf.NAME).write_bytes(_reseal(data))
+        _read_native(home)
+
+    return Target("manifest:blobs", seeds, parse, tokens=BLOB_TOKENS, text=True)
+
+
+register(_blob_target())
 
 
 # -- a native checkpoint's data file -----------------------------------------------------------
