@@ -244,6 +244,55 @@ def test_a_crash_anywhere_in_a_save_leaves_a_run_the_next_open_repairs(
         same(sp.load(inner.at("/run/latest")), state(newest))
 
 
+def test_a_crash_anywhere_in_the_first_save_leaves_latest_absent_or_new() -> None:
+    """The first save of a run on an object store creates latest/ and best/ as it points them at
+    step 1. A process that dies between any two store calls leaves each alias absent (no
+    checkpoint: CheckpointNotFoundError) or naming step 1, for a reader that comes before any
+    writer repairs the run. Before the fix the pointer's directory was made first (a marker
+    object) and the pointer put after it: a death in between left an alias directory holding
+    nothing, which sp.load called "no manifest.json: the save that created it did not commit"
+    (tests/faults/test_kill_s3.py saw it once, killing the first save to S3)."""
+
+    def crashable() -> tuple[MemoryStore, FaultyStore, sp.CheckpointManager]:
+        inner = MemoryStore(atomic_rename=False)
+        store = FaultyStore(inner)
+        return inner, store, sp.CheckpointManager(store.at("/run"), best_metric="val")
+
+    def held(inner: MemoryStore, alias: str) -> int | None:
+        try:
+            return int(sp.load(inner.at(f"/run/{alias}"))["step"])
+        except sp.CheckpointNotFoundError:
+            return None
+
+    _, store, m = crashable()
+    before = len(store.mutations())
+    m.save(1, state(1), {"val": 0.2})
+    m.close()
+    calls = len(store.mutations()) - before
+    assert calls > 5
+    seen = set()
+    for k in range(calls):
+        inner, store, m = crashable()
+        store.crash_after(k)
+        with contextlib.suppress(SimulatedCrash):
+            m.save(1, state(1), {"val": 0.2})
+            m.close()
+        assert store.crashed is not None, k
+        got = (held(inner, "latest"), held(inner, "best"))
+        assert got[0] in (None, 1) and got[1] in (None, 1), (k, store.crashed, got)
+        seen.add(got)
+        assert m._release is not None
+        m._release.detach()
+        inner.lock(f"/run/{LOCK_FILE}").release()
+        with sp.CheckpointManager(inner.at("/run"), best_metric="val") as again:
+            newest = again.latest_step()
+        assert newest in (None, 1), k
+        with sp.open_run(inner.at("/run")) as view:
+            assert view.problems() == [], k
+        assert held(inner, "latest") == newest, k
+    assert {(None, None), (1, 1)} <= seen, seen
+
+
 def test_aliases_on_an_object_store_are_pointers_not_copies() -> None:
     """Without hard links, latest/ and best/ hold one small pointer each (a copy would upload the
     whole state again at every save), they load as the step they name, follow a re-save of that

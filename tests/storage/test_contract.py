@@ -441,6 +441,25 @@ def test_put_over_a_directory_fails_and_keeps_it(env: Env) -> None:
     assert env.store.list(env.path("d")) == ["x"]
 
 
+def test_put_making_dir(env: Env) -> None:
+    store = env.store
+    store.put_making_dir(env.path("a", "b", "m"), b"first")  # both directories made
+    assert store.list(env.root) == ["a"] and store.list(env.path("a", "b")) == ["m"]
+    st = store.stat(env.path("a", "b"))
+    assert st is not None and st.kind == "dir"
+    assert read_all(store, env.path("a", "b", "m")) == b"first"
+    with pytest.raises(FileExistsError):
+        store.put_making_dir(env.path("a", "b", "m"), b"second")
+    store.put_making_dir(env.path("a", "b", "m"), b"second", exclusive=False)  # existing: put
+    assert read_all(store, env.path("a", "b", "m")) == b"second"
+    assert store.list(env.path("a", "b")) == ["m"]
+    store.put(env.path("f"), b"x")
+    with pytest.raises(OSError):  # a blob where the directory would be
+        store.put_making_dir(env.path("f", "d", "m"), b"y")
+    assert read_all(store, env.path("f")) == b"x"
+    assert store.list(env.root) == ["a", "f"]
+
+
 # ---------------------------------------------------------------------------------------------
 # stat, list, directories, removal
 # ---------------------------------------------------------------------------------------------

@@ -409,3 +409,19 @@ def test_server_honouring_if_none_match_is_probed_once_without_warning(
     assert raw_keys(s3, s3_bucket) == ["d/.savepoint-dir", "d/m"]
     # No HEAD-then-put: the create-only put itself is the check.
     assert ("HEAD", "d/m") not in [(m, key_of(t)) for m, t, _ in fault_proxy.log]
+
+
+def test_put_making_dir_is_one_put_and_no_marker(
+    store: ObjectStore, fault_proxy: FaultProxy, s3_bucket: str, s3: _s3server.Server
+) -> None:
+    # A run's alias pointer is put this way: a marker put first would leave, if the process died
+    # before the pointer's put, an alias directory holding nothing (read as an uncommitted
+    # checkpoint, tests/runs/test_memory_runs.py).
+    store.put_making_dir(f"/{s3_bucket}/run/latest/p.json", b"one", exclusive=False)
+    assert raw_keys(s3, s3_bucket) == ["run/latest/p.json"]
+    assert [key_of(t) for _, t, _ in fault_proxy.requests("PUT", "")] == ["run/latest/p.json"]
+    st = store.stat(f"/{s3_bucket}/run/latest")
+    assert st is not None and st.kind == "dir"
+    store.put_making_dir(f"/{s3_bucket}/run/latest/p.json", b"two", exclusive=False)
+    assert store.read_small(f"/{s3_bucket}/run/latest/p.json", cap=None) == b"two"
+    assert raw_keys(s3, s3_bucket) == ["run/latest/p.json"]

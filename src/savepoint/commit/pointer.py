@@ -49,8 +49,10 @@ def write(store: Store, alias: str, checkpoint: str) -> None:
     if not checkpoint.startswith(base):
         raise ValueError(f"{checkpoint} is not under {base}: an alias points inside its run")
     data = encode(checkpoint[len(base) :])
-    store.makedirs(alias)
-    store.put(store.join(alias, NAME), data, exclusive=False)
+    # The directory with the pointer, in one put where the store can (an object store): a
+    # makedirs first would leave, if the process died before the put, an alias directory
+    # holding nothing, which sp.load calls an uncommitted checkpoint, not a missing alias.
+    store.put_making_dir(store.join(alias, NAME), data, exclusive=False)
 
 
 class Damaged(ValueError):

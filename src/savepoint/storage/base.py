@@ -58,6 +58,8 @@ Where ``capabilities.hard_links``: ``link`` shares a committed blob's bytes unde
 (FileExistsError if it exists; atomic against concurrent creators and readers where
 ``capabilities.create_only_put``); ``exclusive=False`` replaces the blob atomically (readers see
 the old bytes or the new ones, never a mixture). A failed ``put`` leaves the previous state.
+``put_making_dir`` is ``makedirs`` of the blob's directory, then ``put``: in one step where the
+store can (object stores, memory), so that a new directory is never seen empty.
 
 Durability: ``finish`` and ``put`` make a blob's bytes durable; its name, like every new,
 renamed or removed entry, is durable once ``sync_dir`` of its directory returns.
@@ -254,6 +256,16 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def put(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
         """Write a small blob durably in one call (see the module docstring)."""
+
+    def put_making_dir(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
+        """:meth:`put`, making the blob's directory (and its missing parents) first where it is
+        missing: ``makedirs`` of the parent, then ``put``. A store that can do both in one step
+        overrides this so that nobody ever sees the new directory without the blob (an object
+        store puts the object alone: it makes its prefix exist; the in-memory store creates both
+        under its lock). Where the store cannot (a filesystem through fsspec), a process that dies
+        between the two leaves an empty directory."""
+        self.makedirs(self.parent(path))
+        self.put(path, data, exclusive=exclusive)
 
     @abc.abstractmethod
     def remove(self, path: str) -> None:

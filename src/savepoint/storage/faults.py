@@ -466,6 +466,16 @@ class FaultyStore(Store):
 
         self._call("put", path, put, nbytes=len(data))
 
+    def put_making_dir(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
+        """One call, as the inner store makes it (one step where it can): recorded as a put."""
+
+        def put() -> None:
+            if self._spend(Call("put", path), len(data), partial=False) < len(data):
+                raise self._no_space(path)
+            self.inner.put_making_dir(path, data, exclusive=exclusive)
+
+        self._call("put", path, put, nbytes=len(data))
+
     def remove(self, path: str) -> None:
         self._call("remove", path, lambda: self.inner.remove(path))
 

@@ -301,6 +301,22 @@ class MemoryStore(Store):
     def put(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
         self._publish(path, bytes(data), exclusive=exclusive)
 
+    def put_making_dir(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
+        """The directories and the blob under the store's lock: one step (a failed put leaves
+        no directory it made)."""
+        with self._lock:
+            made = None
+            directory = self.parent(self.abspath(path))
+            while self._get(directory) is None and directory != "/":
+                made, directory = directory, self.parent(directory)
+            self.makedirs(self.parent(path))
+            try:
+                self.put(path, data, exclusive=exclusive)
+            except BaseException:
+                if made is not None:
+                    self.remove_tree(made)
+                raise
+
     def remove(self, path: str) -> None:
         with self._lock:
             found = self._walk(path)

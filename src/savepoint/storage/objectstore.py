@@ -9,7 +9,7 @@ Namespace: paths are ``/bucket/key...`` (``s3://bucket/run/step-1`` is the path
 prefixes: a directory exists while at least one object lies under ``prefix/``. ``mkdir`` and
 ``makedirs`` put an empty marker object, ``prefix/.savepoint-dir`` (object_store paths cannot end
 in ``/``), so that an empty directory exists, as the commit transaction needs; ``list`` never shows
-the marker. The capabilities are those of an object store: no rename, no hard links, no locks, no
+the marker. ``put_making_dir`` puts no marker: its object alone makes the new prefix exist. The capabilities are those of an object store: no rename, no hard links, no locks, no
 zero-copy views; ``create_only_put`` (``If-None-Match: *``) and ``durable``. Saves therefore commit
 manifest-last (:mod:`savepoint.commit`): data blobs under a generation prefix unique to the attempt,
 the manifest last with a create-only put.
@@ -672,6 +672,28 @@ class ObjectStore(Store):
         self._need_parent(path, bucket, key)
         if self._has_children(bucket, key):
             raise IsADirectoryError(errno.EISDIR, "Is a directory", self.url(path))
+        self._put(bucket, key, bytes(data), create=exclusive)
+
+    def put_making_dir(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
+        """One PUT, no marker first where the directory is missing: the object makes its prefix
+        (and every missing parent) exist, so nobody sees the new directory without it."""
+        bucket, key = self._split(path)
+        if not key:
+            raise IsADirectoryError(errno.EISDIR, "Is a bucket", self.url(path))
+        directory = self._parent_key(key)
+        if self._is_dir(bucket, directory):
+            self.put(path, data, exclusive=exclusive)
+            return
+        while directory:  # as makedirs: no blob where a missing directory would be
+            if self._head(bucket, directory) is not None:
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "File exists (not a directory)",
+                    self._shown(bucket, directory),
+                )
+            if self._has_children(bucket, directory):
+                break
+            directory = self._parent_key(directory)
         self._put(bucket, key, bytes(data), create=exclusive)
 
     def remove(self, path: str) -> None:
