@@ -58,7 +58,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -262,6 +262,7 @@ class SaveSession:
         itemsize: int | None = None,
         workers: int = 1,
         memo: _digest.FastMemo | None = None,
+        keys: Sequence[tuple[int, int]] | None = None,
     ) -> Recipe:
         from savepoint.blobs.store import DEFAULT_CHUNK
 
@@ -280,6 +281,7 @@ class SaveSession:
             memo=memo,
             stats=self.stats,
             on_put=seen,
+            keys=keys,
         )
 
     def reuse(self, digests: Iterable[str]) -> None:

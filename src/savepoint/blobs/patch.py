@@ -408,6 +408,7 @@ def _chunked(
         itemsize=itemsize,
         workers=policy.workers,
         memo=memo,
+        keys=keys,  # computed once, by put_tensor
     )
     if hashes is True:
         hashes = tracker.block_hashes(data, block)

@@ -410,12 +410,14 @@ class BlobStore:
         memo: _digest.FastMemo | None = None,
         stats: PutStats | None = None,
         on_put: Callable[[PutResult], None] | None = None,
+        keys: Sequence[tuple[int, int]] | None = None,
     ) -> Recipe:
         """Store ``data`` as fixed-size chunks of ``chunk_size`` bytes (the last one shorter),
         each a blob; the :class:`Recipe` lists them. Unchanged chunks of an earlier save are not
         written again. ``workers`` > 1 hashes, compresses and writes chunks on that many threads
         (the digests, zstd and the stores release the GIL). ``memo``: skip hashing chunks this
-        process has named before (see :class:`savepoint.blobs.digest.FastMemo`)."""
+        process has named before (see :class:`savepoint.blobs.digest.FastMemo`); ``keys``: the
+        memo's key of each chunk, when the caller computed them already (a patch tracker)."""
         if not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
             raise ValueError(f"chunk_size must be between {MIN_CHUNK} and {MAX_CHUNK} bytes")
         view, own_itemsize = _bytes_view(data)
@@ -428,7 +430,7 @@ class BlobStore:
             named: tuple[str, str] | None = None
             key = None
             if memo is not None:
-                key = memo.key(part)
+                key = keys[start // chunk_size] if keys is not None else memo.key(part)
                 named = memo.get(key)
             if named is None:
                 named = (self._hash(part), _checksum.digest(part))
@@ -641,36 +643,27 @@ class BlobStore:
         full: bool,
         workers: int,
     ) -> np.ndarray[Any, Any]:
-        """:meth:`read_recipe` of a patched recipe into ``target`` (bytes ``[start, end)``)."""
+        """:meth:`read_recipe` of a patched recipe into ``target`` (bytes ``[start, end)``):
+        checked, the whole chunks holding the range, each by :meth:`read_chunk`; unchecked, the
+        base's bytes of the range with every patch applied."""
         from savepoint.blobs.patch import apply_patch
 
-        lo, hi = start, end
-        if verify:  # whole content chunks, to check the result against ``checks``
+        if verify:
+            patches = self.patch_contents(recipe, full=full)
             lo = start // recipe.chunk * recipe.chunk
             hi = min(-(-end // recipe.chunk) * recipe.chunk, recipe.size)
-        work = target if (lo, hi) == (start, end) else np.empty(hi - lo, np.uint8)
-        base = recipe.base()
-        self.read_recipe(
-            base, out=work, start=lo, end=hi, verify=verify, full=full, workers=workers
-        )
-        for patch in recipe.patches:
-            content = self.read(
-                patch.blob,
-                size=patch.content_size(recipe.size),
-                verify=verify or full,
-                check=None if full else patch.check,
-            )
-            apply_patch(content, patch, recipe.size, work, lo, hi, shown=self.url(patch.blob))
-        if verify:
-            first = lo // recipe.chunk
-            for i in range(first, -(-hi // recipe.chunk)):
-                s, e = i * recipe.chunk - lo, min((i + 1) * recipe.chunk, recipe.size) - lo
-                if _checksum.digest(work[s:e]) != recipe.checks[i]:
-                    raise CorruptCheckpointError(
-                        f"blobs of {self.url()}: chunk {i} of a patched tensor does not match "
-                        "its checksum once its patches are applied (corrupt)",
-                        path=self.url(),
-                    )
+            work = target if (lo, hi) == (start, end) else np.empty(hi - lo, np.uint8)
+            for i in range(lo // recipe.chunk, -(-hi // recipe.chunk)):
+                s = i * recipe.chunk - lo
+                self.read_chunk(recipe, i, patches=patches, full=full, out=work[s:])
+        else:
+            lo, hi, work = start, end, target
+            base = recipe.base()
+            self.read_recipe(base, out=work, start=lo, end=hi, verify=False, workers=workers)
+            for patch in recipe.patches:
+                size = patch.content_size(recipe.size)
+                content = self.read(patch.blob, size=size, verify=full)
+                apply_patch(content, patch, recipe.size, work, lo, hi, shown=self.url(patch.blob))
         if work is not target:
             target[:] = work[start - lo : end - lo]
         return target

@@ -85,6 +85,7 @@ __all__ = [
     "Reader",
     "RegionCopy",
     "ShardTask",
+    "blob_digests",
     "files_of",
     "locate",
     "rereading",
@@ -193,6 +194,22 @@ def _parse_manifest(shown: str, raw: bytes, columns: bool = True) -> mf.Manifest
         raise IncompatibleCheckpointError(f"{shown}: {exc}", path=shown) from None
     except mf.ManifestError as exc:
         raise CorruptCheckpointError(f"{shown}/{mf.NAME}: {exc}", path=shown) from None
+
+
+def blob_digests(locations: Iterable[Location]) -> set[str]:
+    """Every blob the committed checkpoints at ``locations`` name (tensors', shards' and
+    patches'): what a collection must keep. A location holding no committed checkpoint is
+    skipped; a manifest that cannot be read raises (a collection then deletes nothing)."""
+    found: set[str] = set()
+    for where in locations:
+        try:
+            reader = Reader.open(where, needs=lambda shown, manifest: ())
+        except (CheckpointNotFoundError, IncompleteCheckpointError):
+            continue  # nothing committed there (deleted since a listing, say)
+        with reader:
+            for recipe in mf.recipes(reader.manifest):
+                found.update(recipe.names())
+    return found
 
 
 def files_of(manifest: mf.Manifest, refs: Iterable[str]) -> set[str]:

@@ -1021,22 +1021,12 @@ class CheckpointManager:
         """The blob digests every committed checkpoint of the run names: each step directory
         (pending deletions included, until they are gone) and the aliases that are copies.
         A manifest that cannot be read raises: the collection then deletes nothing."""
-        from savepoint.engine.read import Reader
-        from savepoint.errors import CheckpointNotFoundError, IncompleteCheckpointError
+        from savepoint.engine.read import blob_digests
 
         store, run = self._store, self._run.path
-        paths = [layout.step_location(self._run, s).path for s in layout.committed_steps(self._run)]
-        paths += [store.join(run, alias) for alias in (layout.LATEST, layout.BEST)]
-        found: set[str] = set()
-        for path in paths:
-            try:
-                reader = Reader.open(Location(store, path), needs=lambda shown, manifest: ())
-            except (CheckpointNotFoundError, IncompleteCheckpointError):
-                continue  # nothing committed there
-            with reader:
-                for recipe in mf.recipes(reader.manifest):  # shards' too (sharded saves)
-                    found.update(recipe.names())
-        return found
+        steps = [self._step(s) for s in layout.committed_steps(self._run)]
+        aliases = [Location(store, store.join(run, a)) for a in (layout.LATEST, layout.BEST)]
+        return blob_digests(steps + aliases)
 
     def _collect_blobs(self) -> None:
         """Delete the run's blobs no committed checkpoint names (after retention deleted
@@ -1447,14 +1437,10 @@ class CheckpointManager:
         """Delete the damaged blobs checkpoint ``step`` names (it did not verify): dedupe would
         otherwise name them in every later save; the next save writes them again from the
         state it is given. Best effort: a failure is logged."""
-        from savepoint.blobs import referenced_by
-        from savepoint.codecs import manifest as mf
-        from savepoint.engine.read import Reader
+        from savepoint.engine.read import blob_digests
 
         try:
-            with Reader.open(self._checkpoint(step), needs=lambda shown, m: ()) as reader:
-                digests = referenced_by(mf.recipes(reader.manifest))
-            removed = self._blobs().scrub(digests)
+            removed = self._blobs().scrub(blob_digests([self._step(step)]))
         except (CheckpointError, OSError) as exc:
             log.warning(
                 "%s: cannot check the blobs of checkpoint %d: %s", self.directory, step, exc

@@ -289,20 +289,9 @@ class TierCopier:
     def referenced_blobs(self, tier: Tier) -> set[str]:
         """The blob digests every committed checkpoint on the tier names. A manifest that
         cannot be read raises: a collection then deletes nothing."""
-        from savepoint.blobs import referenced_by
-        from savepoint.codecs import manifest as mf
-        from savepoint.engine.read import Reader
-        from savepoint.errors import CheckpointNotFoundError, IncompleteCheckpointError
+        from savepoint.engine.read import blob_digests
 
-        found: set[str] = set()
-        for step in self._steps(tier):
-            try:
-                reader = Reader.open(self.location(tier, step), needs=lambda shown, manifest: ())
-            except (CheckpointNotFoundError, IncompleteCheckpointError):
-                continue  # deleted (or never committed) since the listing
-            with reader:  # every blob of every recipe: shards' and patches' too
-                found |= referenced_by(mf.recipes(reader.manifest))
-        return found
+        return blob_digests(self.location(tier, step) for step in self._steps(tier))
 
     def _collect(self, tier: Tier) -> None:
         """Delete the tier's blobs that no checkpoint kept there names (after retention deleted
