@@ -20,6 +20,12 @@ side stream first waits for the current stream, so the copies see every kernel q
 (the next training step) cannot overwrite a tensor before it is copied, and the tensors are
 marked as used by the side stream so the caching allocator cannot recycle them early. ``save()``
 returns without waiting for the copies; the writer waits on a CUDA event before touching the bytes.
+
+Device checksums: a CUDA tensor of at least :data:`DEVICE_HASH_MIN` bytes is also hashed on its
+device, on the same side stream, right after its copy is queued (``mlh64``, see
+:mod:`savepoint.codecs.devhash`); the window sums of all of them come back to pinned memory in
+one copy with the staged bytes, and the writer folds them into digests instead of hashing those
+bytes on the host. The manifest then records ``mlh64`` for those tensors (version 6).
 """
 
 from __future__ import annotations
@@ -41,6 +47,12 @@ __all__ = ["Staged", "StagedFile", "StagingArena"]
 
 BLOCK = 4096
 _PIECE = 16 << 20
+# CUDA tensors this large are hashed on their device while staged; smaller ones cost more in
+# kernel launches than XXH3 costs on the host.
+DEVICE_HASH_MIN = 1 << 20
+# Tests only: hash host tensors of DEVICE_HASH_MIN bytes or more with mlh64 too, so the CPU
+# suite runs the device-checksum path through the writer, the manifest and every reader.
+DEVICE_HASH_CPU = False
 
 
 @dataclass
@@ -58,6 +70,8 @@ class Staged:
     files: list[StagedFile]
     order: list[str]  # tensor names in state order (the manifest's order)
     wait: Callable[[], None] = field(default=lambda: _nothing())  # blocks until copies land
+    # Digests computed while staging (mlh64, tagged), by tensor name; call after ``wait``.
+    checks: Callable[[], dict[str, str]] = field(default=lambda: {})
 
     @property
     def nbytes(self) -> int:
@@ -116,33 +130,49 @@ class StagingArena:
         arena = self._reserve(max(total, BLOCK), pinned=bool(cuda))
         files = []
         host_jobs: list[tuple[TensorSource, np.ndarray[Any, Any]]] = []
-        device_jobs: list[tuple[TensorSource, np.ndarray[Any, Any]]] = []
+        device_jobs: list[tuple[str, TensorSource, np.ndarray[Any, Any]]] = []
+        host_checked: list[tuple[str, np.ndarray[Any, Any]]] = []
         for name, header, entries, base, size in layouts:
             image = arena[base : base + _round(size)]
             image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
             for e in entries:
                 source = flat.tensors[e.name]
-                job = (source, image[e.start : e.end])
-                (device_jobs if _on_cuda(source) else host_jobs).append(job)
+                dst = image[e.start : e.end]
+                if _on_cuda(source):
+                    device_jobs.append((e.name, source, dst))
+                else:
+                    host_jobs.append((source, dst))
+                    if DEVICE_HASH_CPU and len(dst) >= DEVICE_HASH_MIN:
+                        host_checked.append((e.name, dst))
             files.append(StagedFile(name, header, entries, image, size))
         wait: Callable[[], None] = _nothing
+        device_checks: Callable[[], dict[str, str]] = dict
         if device_jobs:
             from savepoint.state import torch_tensors
 
             base = arena.__array_interface__["data"][0]
             pinned = self._keep  # the pinned torch tensor behind ``arena``
-            wait = torch_tensors.stage_to_pinned(
+            wait, device_checks = torch_tensors.stage_to_pinned(
                 [
-                    (s, pinned[(o := d.__array_interface__["data"][0] - base) : o + len(d)])
-                    for s, d in device_jobs
-                ]
+                    (name, s, pinned[(o := d.__array_interface__["data"][0] - base) : o + len(d)])
+                    for name, s, d in device_jobs
+                ],
+                hash_min=DEVICE_HASH_MIN,
             )
         for source, dst in host_jobs:
             source.copy_to(dst[:0], 0)  # make any contiguous copy once, before the threads
         parallel.run_all(_copy_piece, _pieces(host_jobs))
         for source, _ in host_jobs:
             source.release()
-        return Staged(flat.tree, files, list(flat.tensors), wait)
+
+        def checks() -> dict[str, str]:
+            from savepoint.codecs import devhash
+
+            out = device_checks()
+            out.update((name, devhash.digest(dst)) for name, dst in host_checked)
+            return out
+
+        return Staged(flat.tree, files, list(flat.tensors), wait, checks)
 
 
 def _nothing() -> None:

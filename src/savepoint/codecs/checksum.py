@@ -9,6 +9,12 @@ hashed in blocks of :func:`block_size` bytes (a power of two, at least :data:`MI
 :data:`MAX_BLOCKS` blocks per record), so a load that needs part of a shard reads and checks only
 the blocks holding that part. Such a record's ``xxh3`` is :func:`combine` of its block digests
 (XXH3-64 of their 8-byte big-endian values, in order): the bytes are hashed once, by block.
+
+Other algorithms (manifest version 6): a digest string is either 16 hex digits (XXH3-64) or
+``"<algorithm>:<16 hex>"``; the one other algorithm is ``mlh64``
+(:mod:`savepoint.codecs.devhash`), which a GPU computes while it stages a tensor. A reader
+checks each tensor with the algorithm its digest names: :func:`matches` and
+``Hasher(expect=...)``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ __all__ = [
     "digest",
     "hexdigest",
     "is_digest",
+    "is_tagged",
+    "matches",
     "new",
     "of",
 ]
@@ -51,6 +59,20 @@ def digest(data: Any) -> str:
 
 def hexdigest(hasher: Any) -> str:
     return f"{hasher.intdigest():016x}"
+
+
+def is_tagged(expected: str) -> bool:
+    """Whether a digest string names another algorithm than XXH3-64 (``mlh64:...``)."""
+    return ":" in expected
+
+
+def matches(data: Any, expected: str) -> bool:
+    """Whether ``data`` has the digest ``expected``, in the algorithm that digest names."""
+    if is_tagged(expected):
+        from savepoint.codecs import devhash
+
+        return devhash.digest(data) == expected
+    return digest(data) == expected
 
 
 def is_digest(value: Any) -> bool:
@@ -88,14 +110,22 @@ class Hasher:
     :meth:`result` gives the :class:`Digest`. ``first`` is the index of the stream's first block
     (a reader checking part of a record starts on a block boundary)."""
 
-    def __init__(self, block: int = 0, first: int = 0) -> None:
+    def __init__(self, block: int = 0, first: int = 0, expect: str = "") -> None:
         self.block = block
         self.first = first
+        self._other: Any = None
+        if not block and expect and is_tagged(expect):
+            from savepoint.codecs import devhash
+
+            self._other = devhash.Hasher()
         self._hasher = new()
         self._fill = 0
         self._blocks: list[str] = []
 
     def update(self, data: Any) -> None:
+        if self._other is not None:
+            self._other.update(data)
+            return
         if not self.block:
             self._hasher.update(data)
             return
@@ -115,6 +145,8 @@ class Hasher:
         return tuple(self._blocks)
 
     def result(self) -> Digest:
+        if self._other is not None:
+            return Digest(self._other.hexdigest())
         if not self.block:
             return Digest(hexdigest(self._hasher))
         blocks = tuple(self._blocks) + ((hexdigest(self._hasher),) if self._fill else ())

@@ -83,9 +83,25 @@ itemsize), and the rules of version 3 for the regions (they tile the tensor). Su
 block checksums are the recipe's per-chunk checks: a rank needing part of it reads and checks
 only the chunks holding that part.
 
+Version 5 (an incremental save whose recipes carry row patches, :mod:`savepoint.blobs.patch`):
+version 4, and a recipe may name ``patches`` (see :class:`savepoint.codecs.recipe.Recipe`).
+
+Version 6 (an async save of a state on a GPU, whose tensors were hashed on the device while they
+were staged): an unsharded manifest whose tensor entries are version 1 entries, each with either
+``"xxh3"`` or, in its place, ``"mlh64": "<16 hex>"`` (:mod:`savepoint.codecs.devhash`: a
+multilinear hash a GPU computes at memory speed and the host computes identically)::
+
+     "tensors": {"model/w": {"dtype": "BF16", "shape": [4096, 4096],
+                             "file": "data-00000.safetensors", "offsets": [128, 33554560],
+                             "mlh64": "0123456789abcdef"}}
+
+The ``blob_store`` and ``blob_digest`` members are optional from version 6 (present together,
+for a version 4 entry set). Readers check each tensor with the algorithm its entry names. Saves
+that hash nothing on a device still write versions 1-5, byte for byte as before.
+
 Compatibility: readers accept every ``format_version`` up to their own and refuse newer ones with
 an IncompatibleCheckpointError. Version 1 is the first; version 2 adds sharding; version 3 adds
-block checksums; version 4 adds blobs.
+block checksums; version 4 adds blobs; version 5 patches; version 6 device checksums.
 
 A manifest is hostile input: :func:`parse` checks it completely (file names that could leave the
 directory, ranges past the recorded file sizes, sizes that disagree with shape x dtype, unknown
@@ -139,6 +155,7 @@ __all__ = [
     "ManifestError",
     "ManifestVersionError",
     "NAME",
+    "DEVICE_CHECKS",
     "PATCHES",
     "SHARDED",
     "ShardRecord",
@@ -164,7 +181,8 @@ SHARDED = 2  # the first version with sharding
 BLOCKED = 3  # the first version with block checksums: what a sharded checkpoint is written as
 BLOBS = 4  # the first version with tensors in a blob store: what an incremental save writes
 PATCHES = 5  # the first version with patched blob recipes (savepoint.blobs.patch)
-VERSION = PATCHES  # the newest version this reader reads
+DEVICE_CHECKS = 6  # the first version with mlh64 tensor checksums (savepoint.codecs.devhash)
+VERSION = DEVICE_CHECKS  # the newest version this reader reads
 NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -359,7 +377,9 @@ class Manifest:
 
     @property
     def has_blobs(self) -> bool:
-        return self.format_version >= BLOBS
+        return self.format_version >= BLOBS and (
+            self.format_version < DEVICE_CHECKS or self.blob_store is not None
+        )
 
     def root(self) -> dict[str, Any]:
         """The tree, read back from ``tree_packed`` the first time where a save kept only that."""
@@ -398,12 +418,13 @@ def _shard_json(s: ShardRecord) -> dict[str, Any]:
 
 def _v4_json(t: TensorRecord) -> dict[str, Any]:
     if t.recipe is None:
+        algorithm, _, value = t.xxh3.rpartition(":")  # a tagged digest (version 6): "mlh64:..."
         return {
             "dtype": t.dtype,
             "shape": list(t.shape),
             "file": t.file,
             "offsets": [t.start, t.end],
-            "xxh3": t.xxh3,
+            algorithm or "xxh3": value,
         }
     return {"dtype": t.dtype, "shape": list(t.shape), "xxh3": t.xxh3, "blobs": t.recipe.to_json()}
 
@@ -518,7 +539,7 @@ def _pieces(
     if m.has_blobs:
         body["blob_store"] = m.blob_store
         body["blob_digest"] = m.blob_digest
-    if m.has_blobs and not m.sharded:
+    if m.format_version >= BLOBS and not m.sharded:
         tensors = {name: _v4_json(t) for name, t in m.tensors.items()}
     elif m.sharded:
         body["world_size"] = m.world_size
@@ -858,6 +879,7 @@ _ITEMSIZE = {name: d.itemsize for name, d in dtypes.BY_NAME.items()}
 _MAX_OFFSET = 1 << 63
 _MAX_WORLD = 1 << 31
 _V1_TENSOR = frozenset(("dtype", "shape", "file", "offsets", "xxh3"))
+_V6_TENSOR = frozenset(("dtype", "shape", "file", "offsets", "mlh64"))
 _V2_TENSOR = frozenset(("dtype", "shape", "shards"))
 _FILE = frozenset(("size", "header_size", "header_xxh3"))
 _BOX_SHARD = frozenset(("file", "offsets", "xxh3", "box"))
@@ -992,7 +1014,7 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
         files[name] = FileRecord(size, header_size, f["header_xxh3"])
 
     blob_store = blob_digest = None
-    if version >= BLOBS:
+    if BLOBS <= version < DEVICE_CHECKS or (version >= DEVICE_CHECKS and "blob_store" in doc):
         blob_store, blob_digest = _blob_members(doc)
     world_size = None
     if SHARDED <= version <= BLOCKED or (version >= BLOBS and "world_size" in doc):
@@ -1084,7 +1106,7 @@ def _v4_record(
 ) -> TensorRecord:
     """One version 4 tensor entry: a version 1 entry, or one naming a blob recipe."""
     if not (type(t) is dict and "blobs" in t):
-        return _v1_record(name, t, files)
+        return _v1_record(name, t, files, version)
     _require(
         t.keys() == _V4_BLOB_TENSOR,
         f"tensor {name!r}: a blob entry must have dtype, shape, xxh3, blobs",
@@ -1295,8 +1317,19 @@ def _v1_each(
         tensors[name] = _v1_record(name, t, files)
 
 
-def _v1_record(name: str, t: Any, files: dict[str, FileRecord]) -> TensorRecord:
-    """One version 1 tensor entry, checked, with a message naming the first problem."""
+def _v1_record(
+    name: str, t: Any, files: dict[str, FileRecord], version: int = UNSHARDED
+) -> TensorRecord:
+    """One version 1 tensor entry, checked, with a message naming the first problem. From
+    version 6 the checksum may be an ``mlh64`` one instead (``"mlh64": "<16 hex>"`` in place
+    of ``xxh3``), held as the tagged digest ``"mlh64:<16 hex>"``."""
+    if version >= DEVICE_CHECKS and type(t) is dict and t.keys() == _V6_TENSOR:
+        _require(_is_digest(t["mlh64"]), f"tensor {name!r}: bad mlh64 checksum")
+        plain = {k: v for k, v in t.items() if k != "mlh64"}
+        plain["xxh3"] = t["mlh64"]
+        record = _v1_record(name, plain, files)
+        _SET_XXH3(record, "mlh64:" + t["mlh64"])
+        return record
     _require(
         type(t) is dict and t.keys() == _V1_TENSOR,
         f"tensor {name!r}: entry must have dtype, shape, file, offsets, xxh3",

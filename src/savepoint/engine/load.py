@@ -21,6 +21,7 @@ import numpy as np
 
 from savepoint.codecs import dtypes, safetensors
 from savepoint.codecs import manifest as mf
+from savepoint.engine import device as device_fill
 from savepoint.engine.read import Needs, Reader, files_of
 from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError, StateMismatchError
 from savepoint.state import arrays, restore, tree
@@ -158,14 +159,44 @@ def load_tree(
         else reader.materialize(found, framework, verify=bool(verify), progress=progress)
     )
     rest = [(ref, kind) for ref, kind in found.items() if ref not in made]
-    fresh = {ref: reader.allocate(ref, kind, framework, share_memory=share) for ref, kind in rest}
+    on_device = {} if share else _allocate_on_device(reader, rest, framework, device)
+    fresh = {
+        ref: reader.allocate(ref, kind, framework, share_memory=share)
+        for ref, kind in rest
+        if ref not in on_device
+    }
     jobs = [
         (ref, None if share and not reader.is_split(ref) else arrays.byte_view(obj))
         for ref, obj in fresh.items()
     ]
     reader.transfer(jobs, verify=bool(verify), progress=progress)
+    device_fill.fill(reader, list(on_device.items()), verify=bool(verify), progress=progress)
     made.update(fresh)
+    made.update(on_device)
     return tree.build(root, getter(made, device))
+
+
+def _allocate_on_device(
+    reader: Reader, rest: list[tuple[str, str]], framework: Framework, device: Any
+) -> dict[str, Any]:
+    """Tensors for ``rest`` allocated straight on ``device`` (a CUDA device) where
+    :mod:`savepoint.engine.device` can fill them: no whole host copy of them is ever made."""
+    if device is None or framework == "numpy":
+        return {}
+    from savepoint.state import torch_tensors
+
+    target = torch_tensors.cuda_device(device)
+    if target is None:
+        return {}
+    out: dict[str, Any] = {}
+    for ref, kind in rest:
+        rec = reader.manifest.tensors[ref]
+        if kind != "torch" and framework != "torch":
+            continue
+        t = torch_tensors.empty(dtypes.from_name(rec.dtype), rec.shape, device=target)
+        if device_fill.eligible(rec, t):
+            out[ref] = t
+    return out
 
 
 def load(
@@ -236,7 +267,15 @@ def _restore(
         raise StateMismatchError(p.problems, path=reader.shown)
     refs = p.refs
     count = counter(progress, manifest, refs)
-    jobs, after = reader.fill_jobs((ref, target) for ref, target, _ in p.inplace)
+    direct = [
+        (ref, target)
+        for ref, target, _ in p.inplace
+        if verify != "first" and device_fill.eligible(manifest.tensors[ref], target)
+    ]
+    taken = {ref for ref, _ in direct}
+    jobs, after = reader.fill_jobs(
+        (ref, target) for ref, target, _ in p.inplace if ref not in taken
+    )
     reader.prepare(refs, check_header=bool(verify))
     found = kinds(root)
     made = {ref: reader.allocate(ref, found[ref], framework) for ref in p.fresh}
@@ -244,6 +283,7 @@ def _restore(
     if verify == "first":
         reader.transfer([(ref, None) for ref, _ in jobs])
     reader.transfer(jobs, verify=verify is True, progress=count)
+    device_fill.fill(reader, direct, verify=verify is True, progress=count)
     for step in after:
         step()
     return p.finish(getter(made, device)), refs

@@ -354,9 +354,13 @@ def write_staged(
                 progress(min(done, total), total)
 
     staged.wait()
+    checks = staged.checks()  # hashed on the device while staged (mlh64)
     jobs = [(f, e) for f in staged.files for e in f.entries]
     digests = parallel.run_all(
-        lambda job: checksum.digest(job[0].image[job[1].start : job[1].end]), jobs
+        lambda job: (
+            checks.get(job[1].name) or checksum.digest(job[0].image[job[1].start : job[1].end])
+        ),
+        jobs,
     )
     by_name = {e.name: (f, e, d) for (f, e), d in zip(jobs, digests)}
 
@@ -403,6 +407,8 @@ def save_staged(
             progress=progress,
         )
         manifest = new_manifest(staged.tree, records, metadata)
+        if any(checksum.is_tagged(r.xxh3) for r in records[1].values()):
+            manifest.format_version = mf.DEVICE_CHECKS  # mlh64 checksums (version 6)
         directory = tx.commit(mf.dumps(manifest))
     return directory, manifest
 

@@ -164,13 +164,19 @@ class MappedTensor(LazyTensor):
                 key=self._name,
             )
 
+    def _check_all(self) -> None:
+        assert self._xxh3 is not None
+        hasher = checksum.Hasher(self._block, expect=self._xxh3)
+        hasher.update(self._view)
+        self._check(hasher.result().xxh3)
+
     def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
         piece = self._view[start : start + len(dst)]
         np.copyto(dst, piece)
         if self._xxh3 is None:
             return
         if start == 0:
-            self._hasher, self._hashed = checksum.Hasher(self._block), 0
+            self._hasher, self._hashed = checksum.Hasher(self._block, expect=self._xxh3), 0
         if self._hasher is not None and start == self._hashed:
             self._hasher.update(piece)
             self._hashed += len(piece)
@@ -180,7 +186,7 @@ class MappedTensor(LazyTensor):
         else:
             # Out-of-order copies (no writer of savepoint does this): check the whole tensor once.
             self._hasher = None
-            self._check(checksum.of(self._view, self._block).xxh3)
+            self._check_all()
 
     def release(self) -> None:
         self._hasher = None
@@ -189,7 +195,7 @@ class MappedTensor(LazyTensor):
     def load(self) -> np.ndarray[Any, Any]:
         """A read-only view of the mapping (no copy), checked first when a checksum is known."""
         if self._xxh3 is not None:
-            self._check(checksum.of(self._view, self._block).xxh3)
+            self._check_all()
         return self._view.view(self.dtype.numpy).reshape(self.shape)
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "TorchSource",
     "byte_view",
     "copy_into",
+    "cuda_device",
     "empty",
     "from_address",
     "from_numpy",
@@ -136,28 +137,48 @@ class TorchSource:
         self._flat = None
 
 
-def stage_to_pinned(jobs: list[tuple[Any, torch.Tensor]]) -> Callable[[], None]:
-    """Start non-blocking device-to-host copies of CUDA sources into pinned destinations.
+def stage_to_pinned(
+    jobs: list[tuple[str, Any, torch.Tensor]], *, hash_min: int | None = None
+) -> tuple[Callable[[], None], Callable[[], dict[str, str]]]:
+    """Start non-blocking device-to-host copies of CUDA sources (``(name, source, pinned
+    destination)``) into pinned destinations, and hash each source of at least ``hash_min``
+    bytes on its device (``mlh64``; None: none).
 
     Ordering (see savepoint.async_.staging): the side stream waits for the current stream, the
-    copies run on the side stream, the current stream then waits for the side stream, and each
-    source tensor is recorded on the side stream. Returns a function that blocks until the
-    copies have landed (the background writer calls it)."""
-    by_device: dict[Any, list[tuple[Any, torch.Tensor]]] = {}
-    for source, dst in jobs:
-        by_device.setdefault(source._tensor.device, []).append((source, dst))
+    copies and the hashing kernels run on the side stream, the window sums are copied to pinned
+    memory on it too, the current stream then waits for the side stream, and each source tensor
+    is recorded on the side stream. Returns a function that blocks until the copies have landed
+    (the background writer calls it), and one that then gives the digests by name."""
+    from savepoint.codecs import devhash
+
+    by_device: dict[Any, list[tuple[str, Any, torch.Tensor]]] = {}
+    for name, source, dst in jobs:
+        by_device.setdefault(source._tensor.device, []).append((name, source, dst))
     events = []
+    hashed: list[tuple[list[tuple[str, int, int]], torch.Tensor]] = []
     for device, items in by_device.items():
         with torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
             side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                for source, dst in items:
+                sums: list[torch.Tensor] = []
+                spans: list[tuple[str, int, int]] = []
+                for name, source, dst in items:
                     src = source._tensor.contiguous().reshape(-1).view(torch.uint8)
                     dst.copy_(src, non_blocking=True)  # dst: a slice of the pinned arena
+                    if hash_min is not None and src.numel() >= hash_min:
+                        part = devhash.torch_window_sums(src)
+                        spans.append((name, src.numel(), part.shape[0]))
+                        sums.append(part)
                     src.record_stream(side)
                     source._tensor.record_stream(side)
+                if sums:
+                    joined = torch.cat(sums)
+                    host = torch.empty(joined.shape, dtype=torch.int64, pin_memory=True)
+                    host.copy_(joined, non_blocking=True)
+                    joined.record_stream(side)
+                    hashed.append((spans, host))
             current.wait_stream(side)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(side)
@@ -167,7 +188,17 @@ def stage_to_pinned(jobs: list[tuple[Any, torch.Tensor]]) -> Callable[[], None]:
         for event in events:
             event.synchronize()
 
-    return wait
+    def digests() -> dict[str, str]:
+        out: dict[str, str] = {}
+        for spans, host in hashed:
+            all_sums = host.numpy()
+            row = 0
+            for name, nbytes, windows in spans:
+                out[name] = devhash.finish(devhash.fold(all_sums[row : row + windows]), nbytes)
+                row += windows
+        return out
+
+    return wait, digests
 
 
 def byte_view(target: Any) -> np.ndarray[Any, Any] | None:
@@ -181,8 +212,26 @@ def byte_view(target: Any) -> np.ndarray[Any, Any] | None:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def empty(d: DType, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtypes.torch_dtype(d))
+def empty(d: DType, shape: tuple[int, ...], device: Any = None) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtypes.torch_dtype(d), device=device)
+
+
+# Tests only: treat "cpu" as a device loads allocate on directly (savepoint.engine.device).
+CPU_AS_DEVICE = False
+
+
+def cuda_device(device: Any) -> torch.device | None:
+    """``device`` (a ``device=`` argument) as a torch device when it is a CUDA device a load can
+    allocate on directly, else None."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        return None
+    if d.type == "cuda" and torch.cuda.is_available():
+        return d
+    if CPU_AS_DEVICE and d.type == "cpu":
+        return d
+    return None
 
 
 def from_address(address: int, nbytes: int, d: DType, shape: tuple[int, ...]) -> torch.Tensor:
