@@ -342,7 +342,31 @@ def test_zero_byte_write_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(os, "write", fake_write)
     with pytest.raises(OSError) as info:
-        write(tmp_path / "f", b"12345678", [rand_bytes(10)], direct=False)
+        write(tmp_path / "f", b"12345678", [rand_bytes(2 * BUF + 10)], direct=False)
+    assert info.value.errno == errno.EIO
+
+
+def test_a_file_that_fits_one_buffer_is_written_without_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing to overlap: no writer thread is started (a small save paid 0.1-3 ms for one),
+    and a zero-byte write on the caller's thread is the same error."""
+    real_write = os.write
+    threads: list[str] = []
+
+    def fake_write(fd: int, data: Any) -> int:
+        threads.append(threading.current_thread().name)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", fake_write)
+    header = bytes(rand_bytes(8))
+    arrays = [rand_bytes(1000), rand_bytes(17)]
+    digests, _ = write(tmp_path / "f", header, arrays, direct=False)
+    assert threads and "savepoint-writer" not in threads
+    check_file(tmp_path / "f", header, arrays, digests)
+    monkeypatch.setattr(os, "write", lambda fd, data: 0)
+    with pytest.raises(OSError) as info:
+        write(tmp_path / "g", header, arrays, direct=False)
     assert info.value.errno == errno.EIO
 
 
@@ -434,13 +458,22 @@ def test_staging_pool_reuse() -> None:
         assert [id(b) for b in second] == [id(b) for b in first]
         with pool.acquire(BUF * 10) as third:  # concurrent user: its own set
             assert {id(b) for b in third}.isdisjoint(id(b) for b in second)
-    # small requests get small temporary buffers and leave the pool alone
+    # small requests get a set of two buffers of their size class (a power of two, at least
+    # 64 KiB, at most the pool's), kept for the next small save of that class
     with pool.acquire(100) as small:
         assert len(small) == 2
-        assert all(len(b.array) == 4096 * 2 for b in small)
+        assert all(len(b.array) == min(64 << 10, BUF) for b in small)
         assert not {id(b) for b in small} & {id(b) for b in first}
-    with pool.acquire(0) as empty:
-        assert all(len(b.array) == 4096 for b in empty)
+    with pool.acquire(0) as again:
+        assert [id(b) for b in again] == [id(b) for b in small]
+    big = pipeline.StagingPool(32 << 20, 2)
+    with big.acquire(3 << 20) as a:
+        assert all(len(b.array) == 4 << 20 for b in a)
+    with big.acquire(3 << 20) as b:
+        assert [id(x) for x in b] == [id(x) for x in a]
+    with big.acquire(5 << 20), big.acquire(9 << 20):
+        pass
+    assert sorted(big._small) == [8 << 20, 16 << 20]  # the two largest classes are kept
     pool.clear()
     with pool.acquire(BUF * 10) as after_clear:
         assert not {id(b) for b in after_clear} & {id(b) for b in first}

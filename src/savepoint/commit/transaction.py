@@ -37,7 +37,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, cast
 
 from savepoint.codecs import manifest as mf
@@ -118,12 +118,19 @@ class Transaction:
         )
         return self
 
-    def commit(self, manifest: bytes | bytearray | None) -> str:
+    def commit(
+        self, manifest: bytes | bytearray | None, *, durable: Sequence[Callable[[], None]] = ()
+    ) -> str:
         """Write ``manifest`` as ``manifest.json`` (create-only, last), publish, and return the
         directory that now holds the checkpoint (the target, or its new generation).
 
         A ``bytearray`` is written as it is, not copied first (a manifest of a million tensors
-        is about 220 MB): every store's ``put`` takes any buffer (a view of it, or its copy)."""
+        is about 220 MB): every store's ``put`` takes any buffer (a view of it, or its copy).
+
+        ``durable``: functions that wait until the staged files are durable (their fsyncs
+        running on other threads, see ``pipeline.write_file(finishing=)``); each is called
+        before anything is published: with the rename strategy after the manifest is written
+        (so the fsyncs overlap), with generations before (the manifest is the commit point)."""
         assert self._begun and self.committed is None, "commit once, after begin"
         store = self.store
         try:
@@ -135,6 +142,8 @@ class Transaction:
                     log.debug(
                         "wrote and fsynced %s (%d bytes)", store.url(manifest_path), len(data)
                     )
+                for wait in durable:
+                    wait()
                 _rename.publish(store, self.staging, self.target)
                 self.committed = self.target
                 log.debug(
@@ -145,6 +154,8 @@ class Transaction:
                 with contextlib.suppress(OSError):
                     _rename.clean_stale(store, self.target)
             else:
+                for wait in durable:
+                    wait()
                 if data is not None:
                     store.sync_dir(self.staging)
                     log.debug("synced %s", store.url(self.staging))
@@ -158,6 +169,9 @@ class Transaction:
                 log.debug("committed %s as generation %s", self.shown, store.url(self.staging))
                 _generations.tidy(store, self.staging, self.target)
         except BaseException as exc:
+            for wait in durable:  # no thread outlives a failed commit
+                with contextlib.suppress(BaseException):
+                    wait()
             self.abort()
             self._reraise(exc)
         log.debug(

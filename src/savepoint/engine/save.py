@@ -14,6 +14,7 @@ directory it does not own and returns their records.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
 import json
@@ -225,7 +226,10 @@ def save_flat(
     names = list(tensors)
     layouts = lay_out(names, tensors, max_file_bytes)
     table = mf.TensorTable(names)
-    with Transaction(location.store, location.path) as tx:
+    # The data files' fsyncs run on threads of their own while the manifest is built and
+    # written; the commit waits for them before it publishes (see pipeline.write_file).
+    finishing: list[Callable[[], None]] = []
+    with Transaction(location.store, location.path) as tx, _waiting(finishing):
         store = tx.store
         take = tensors.pop if release else tensors.__getitem__
 
@@ -269,6 +273,7 @@ def save_flat(
                 layout.size,
                 direct=direct,
                 progress=on_bytes if progress is not None else None,
+                finishing=finishing,
             )
             column = table.digests
             for row, digest in zip(layout.order, digests):
@@ -287,7 +292,7 @@ def save_flat(
             manifest = new_manifest(flat.tree, (files, table), metadata)
             raw = mf.dump(manifest)
             size = len(raw)
-            directory = tx.commit(raw)
+            directory = tx.commit(raw, durable=finishing)
             del raw
         else:
             # A big tree as text, compressed (a million-tensor tree is 190 MB of dicts and 6 MB
@@ -309,7 +314,7 @@ def save_flat(
             manifest = new_manifest({}, (files, table), metadata)
             raw = mf.dump(manifest, unpack())
             size = len(raw)
-            directory = tx.commit(raw)
+            directory = tx.commit(raw, durable=finishing)
             end = size - mf.TRAILER_BYTES
             squeeze = zlib.compressobj(1)
             manifest.tree_packed = squeeze.compress(memoryview(raw)[end - length : end])
@@ -326,6 +331,18 @@ def save_flat(
         total / took / 2**20 if took > 0 else 0.0,
     )
     return directory, manifest
+
+
+@contextlib.contextmanager
+def _waiting(finishing: list[Callable[[], None]]) -> Iterator[None]:
+    """Wait for every deferred finish before leaving (a save that fails before its commit
+    leaves no fsync thread behind)."""
+    try:
+        yield
+    finally:
+        for wait in finishing:
+            with contextlib.suppress(BaseException):
+                wait()
 
 
 def write_staged(
