@@ -21,6 +21,7 @@ from savepoint.blobs import BlobPolicy, BlobStore
 from savepoint.codecs import manifest as mf
 from savepoint.storage.faults import FaultyStore
 from savepoint.storage.local import LocalStore
+from savepoint.storage.memory import MemoryStore
 
 TENSORS = 2  # of 64 KiB, 16 blobs each
 POLICY = BlobPolicy(chunk_size=4 << 10, min_blob_bytes=4 << 10, patches=False)
@@ -185,3 +186,43 @@ def test_readers_of_explicit_steps_racing_retention_never_see_corruption(tmp_pat
     if failures:
         raise failures[0]
     assert outcomes["loaded"] > 0
+
+
+def test_on_an_object_like_store_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Manifest-last commits (a checkpoint is a generation under its step's prefix): a step
+    deleted and collected under the reader is not found; one still there with a blob gone is
+    corrupt."""
+    store = MemoryStore(atomic_rename=False)
+    run = store.at("/run")
+    with sp.CheckpointManager(run, incremental=True, keep_last=1, blob_policy=POLICY) as writer:
+        writer.save(1, state(1))
+        step1 = store.at(writer._step(1).path)
+        _retire_during_first_blob_read(monkeypatch, lambda: writer.save(2, state(2)).wait())
+        with pytest.raises(sp.CheckpointNotFoundError, match="deleted while it was being read"):
+            sp.load(step1)
+        monkeypatch.undo()
+        step2 = store.at(writer._step(2).path)
+        same(sp.load(step2), 2)
+        blobs = BlobStore(store, "/run/blobs", create=False)
+        digest = next(iter(blobs.list()))
+        blobs.delete(digest)
+        with pytest.raises(sp.CorruptCheckpointError, match="missing"):
+            sp.load(step2)
+
+
+def test_a_blob_deleted_after_it_was_opened_on_an_object_store_is_missing() -> None:
+    """An object store answers a read of an object deleted since it was opened with
+    ReplacedWhileReadingError; a blob is never replaced, so that is a missing blob."""
+    from savepoint.blobs.store import MissingBlobError
+
+    store = FaultyStore(MemoryStore(atomic_rename=False))
+    blobs = BlobStore(store, "/blobs")
+    digest = blobs.put(np.arange(4096, dtype=np.uint8)).digest
+
+    def gone(call: Any) -> None:
+        raise sp.ReplacedWhileReadingError("deleted since it was opened", path=call.path)
+
+    store.hook("read", gone, path="*/data/*")
+    with pytest.raises(MissingBlobError) as info:
+        blobs.read(digest)
+    assert info.value.digest == digest and isinstance(info.value, sp.CorruptCheckpointError)

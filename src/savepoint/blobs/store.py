@@ -730,6 +730,13 @@ class BlobStore:
         lo, hi = first * chunk, min(last * chunk, recipe.size)
         base = recipe.base()
         self.read_recipe(base, out=work, start=lo, end=hi, verify=True, full=full, workers=workers)
+        if full:  # checked against the names above; the XXH3-64 too, as verify_recipe does
+            for i in range(first, last):
+                s = i * chunk - lo
+                part = work[s : min(s + chunk, hi - lo)]
+                self._verify_content(
+                    base.digests[i], part, self.path(base.digests[i]), base.checks[i]
+                )
         self._apply_patches(recipe, work, lo, hi, verify=True, full=full)
         for i in range(first, last):
             s = i * chunk - lo
@@ -997,7 +1004,7 @@ class BlobStore:
                 return PutResult(digest, size, False, 0)
             with source._reader(src_path) as reader:
                 header = source._header(reader, src_path, size)
-                stored = np.empty(HEADER + header.stored_size, np.uint8)
+                stored = _empty(HEADER + header.stored_size, "a blob", source.url(src_path))
                 source._read_at(reader, src_path, 0, stored)
             shown = source.url(src_path)
             header = frame.parse_header(
@@ -1008,7 +1015,8 @@ class BlobStore:
             if header.codec == frame.RAW:
                 content = stored[HEADER:]
             else:
-                content = np.empty(header.raw_size, np.uint8)
+                frame.check_frame(header, stored[HEADER:], shown=shown)
+                content = _empty(header.raw_size, "a blob's content", shown)
                 frame.decode(header, stored[HEADER:], content, shown=shown)
             if check is not None:
                 source._verify_content(digest, content, src_path, check)

@@ -528,6 +528,13 @@ class Reader:
                     self._blob_store = opened
                     break
             if self._blob_store is None:
+                if self._left_its_path() == "deleted":  # the run deleted with its store, say
+                    raise CheckpointNotFoundError(
+                        f"{self.shown} was deleted while it was being read (its blob store "
+                        "with it); it was intact when the read began. Load a checkpoint that "
+                        "is still there",
+                        path=self.shown,
+                    )
                 root = posixpath.normpath(posixpath.join(base, rel))
                 raise CorruptCheckpointError(
                     f"{self.shown}: its blob store {self.store.url(root)} cannot be opened: "
