@@ -20,8 +20,12 @@ tensor bytes dedupe whether or not a save compressed them. A raw blob's content 
 of the blob: ranges are read in place, and a mapped local blob gives a zero-copy view of it.
 
 Readers treat a header as hostile: wrong magic or version, a header checksum that fails, sizes
-that disagree with the blob's size or with the size the caller expects, an unknown codec: each is
-a CorruptCheckpointError before anything is allocated.
+that disagree with the blob's size or with the size the caller expects, a zstd payload larger
+than zstd's bound for its content (:func:`compress_bound`), an unknown codec: each is a
+CorruptCheckpointError before anything is allocated. A zstd payload is decompressed straight into
+the caller's buffer (:func:`decode`), once its frame header was found to claim exactly the
+header's content size (:func:`check_frame`); running out of memory there is
+CheckpointMemoryError, never "corrupt".
 """
 
 from __future__ import annotations
