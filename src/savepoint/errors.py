@@ -279,7 +279,8 @@ class CheckpointMemoryError(CheckpointError, MemoryError):
 
 class ReplacedWhileReadingError(CheckpointError):
     """A checkpoint was replaced or deleted by a writer while it was being read, on a store that
-    keeps no bytes for open readers (object stores). Nothing is wrong with either checkpoint:
+    keeps no bytes for open readers (object stores), or replaced while the blobs only it named
+    were collected (incremental checkpoints, any store). Nothing is wrong with either checkpoint:
     ``sp.load`` and ``sp.verify`` start again on the checkpoint now at the path, and raise this
     only when that keeps happening (a writer replacing it faster than it can be read)."""
 

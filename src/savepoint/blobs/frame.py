@@ -20,8 +20,12 @@ tensor bytes dedupe whether or not a save compressed them. A raw blob's content 
 of the blob: ranges are read in place, and a mapped local blob gives a zero-copy view of it.
 
 Readers treat a header as hostile: wrong magic or version, a header checksum that fails, sizes
-that disagree with the blob's size or with the size the caller expects, an unknown codec: each is
-a CorruptCheckpointError before anything is allocated.
+that disagree with the blob's size or with the size the caller expects, a zstd payload larger
+than zstd's bound for its content (:func:`compress_bound`), an unknown codec: each is a
+CorruptCheckpointError before anything is allocated. A zstd payload is decompressed straight into
+the caller's buffer (:func:`decode`), once its frame header was found to claim exactly the
+header's content size (:func:`check_frame`); running out of memory there is
+CheckpointMemoryError, never "corrupt".
 """
 
 from __future__ import annotations
@@ -34,7 +38,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointMemoryError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
 
 __all__ = [
     "Compression",
@@ -43,6 +52,8 @@ __all__ = [
     "MAGIC",
     "RAW",
     "ZSTD",
+    "check_frame",
+    "compress_bound",
     "decode",
     "encode",
     "pack_header",
@@ -130,6 +141,12 @@ def parse_header(
         raise CorruptCheckpointError(f"blob {shown} has an unknown codec or flags", path=shown)
     if codec == RAW and stored_size != raw_size:
         raise CorruptCheckpointError(f"blob {shown}: raw blob with two sizes", path=shown)
+    if codec == ZSTD and stored_size > compress_bound(raw_size):
+        raise CorruptCheckpointError(
+            f"blob {shown}: a zstd payload of {stored_size} bytes for {raw_size} bytes of content "
+            "(larger than zstd ever makes it)",
+            path=shown,
+        )
     if blob_size is not None and HEADER + stored_size != blob_size:
         raise CorruptCheckpointError(
             f"blob {shown} is {blob_size} bytes; its header says {HEADER + stored_size} "
@@ -141,6 +158,13 @@ def parse_header(
             f"blob {shown} holds {raw_size} bytes; {expect_size} were expected", path=shown
         )
     return Header(codec, shuffle, raw_size, stored_size)
+
+
+def compress_bound(size: int) -> int:
+    """The largest zstd payload of ``size`` content bytes (zstd's ``ZSTD_COMPRESSBOUND``): a
+    compressed blob's stored size is refused beyond it, so a reader never allocates a payload
+    bigger than the content its recipe accounts for (about 1/256 more)."""
+    return size + (size >> 8) + (((128 << 10) - size) >> 11 if size < 128 << 10 else 0)
 
 
 _local = threading.local()
@@ -192,20 +216,6 @@ def _shuffle(view: memoryview, itemsize: int) -> np.ndarray[Any, Any]:
     return out
 
 
-def _unshuffle(data: Any, itemsize: int, out: np.ndarray[Any, Any]) -> None:
-    n = out.size - out.size % itemsize
-    arr = np.frombuffer(data, dtype=np.uint8)
-    planes = arr[:n].reshape(itemsize, -1)
-    kind = _UINT[itemsize]
-    items = out[:n].view(kind)
-    np.copyto(items, planes[0])
-    for k in range(1, itemsize):
-        items |= planes[k].astype(kind) << kind(8 * k)
-    if items.dtype.byteorder == ">":  # pragma: no cover - big-endian hosts
-        items.byteswap(inplace=True)
-    out[n:] = arr[n:]
-
-
 def encode(view: memoryview, policy: Compression | None, itemsize: int = 1) -> tuple[int, int, Any]:
     """``(codec, shuffle, payload)`` for the content ``view`` under ``policy`` (None: raw). The
     payload of a raw blob is ``view`` itself (no copy)."""
@@ -227,21 +237,104 @@ def encode(view: memoryview, policy: Compression | None, itemsize: int = 1) -> t
     return ZSTD, shuffle, payload
 
 
-def decode(header: Header, payload: Any, out: np.ndarray[Any, Any], *, shown: str) -> None:
-    """Fill ``out`` (uint8, ``header.raw_size`` long) with the content of a compressed payload."""
+_PIECE = 64 << 10  # decompressed bytes a shuffled blob's planes are scattered from at a time
+
+
+def _memory_error(exc: BaseException) -> bool:
+    """Whether a decompression failure is the machine running out of memory (a MemoryError, or
+    zstd's own allocation failure), not bad bytes."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return "allocat" in text or "not enough memory" in text or "out of memory" in text
+
+
+def _fill(reader: Any, out: memoryview, *, shown: str, raw_size: int, done: int) -> int:
+    """Decompress into all of ``out`` (``done`` bytes of the content came before it) and
+    return the content bytes decompressed so far; CorruptCheckpointError when the frame ends
+    first."""
+    pos = 0
+    while pos < len(out):
+        n = reader.readinto(out[pos:])
+        if not n:
+            raise CorruptCheckpointError(
+                f"blob {shown} decompresses to {done + pos} bytes, not {raw_size}", path=shown
+            )
+        pos += n
+    return done + pos
+
+
+def check_frame(header: Header, payload: Any, *, shown: str) -> None:
+    """Refuse a compressed payload whose zstd frame does not claim exactly ``header.raw_size``
+    bytes of content (from the frame header alone: nothing is decompressed or allocated).
+    savepoint's writer always records the content size, so a frame without one is refused too:
+    its decompression could not be bounded in advance."""
+    zstd = _zstd()
     try:
-        raw = _decompressor().decompress(payload, max_output_size=header.raw_size)
-    except Exception as exc:
-        if isinstance(exc, IncompatibleCheckpointError):
-            raise
+        claimed = zstd.frame_content_size(payload)
+    except zstd.ZstdError:
         raise CorruptCheckpointError(
-            f"blob {shown} does not decompress: {exc}", path=shown
-        ) from exc
-    if len(raw) != header.raw_size:
+            f"blob {shown} does not decompress: its payload is not a zstd frame", path=shown
+        ) from None
+    if claimed != header.raw_size:
+        what = "does not record its content size" if claimed < 0 else f"claims {claimed} bytes"
         raise CorruptCheckpointError(
-            f"blob {shown} decompresses to {len(raw)} bytes, not {header.raw_size}", path=shown
+            f"blob {shown} does not decompress: its zstd frame {what}, its header "
+            f"{header.raw_size}",
+            path=shown,
         )
-    if header.shuffle:
-        _unshuffle(raw, header.shuffle, out)
-    else:
-        out[:] = np.frombuffer(raw, dtype=np.uint8)
+
+
+def decode(header: Header, payload: Any, out: np.ndarray[Any, Any], *, shown: str) -> None:
+    """Fill ``out`` (uint8, ``header.raw_size`` long) with the content of a compressed payload,
+    decompressed straight into it (a shuffled payload through a 64 KiB scratch buffer, its planes
+    scattered into place): no copy of the content is ever held besides ``out``.
+
+    The zstd frame must record its content size, and that size must be ``header.raw_size``
+    (which the caller checked against what its recipe accounts for): a frame claiming more is
+    refused before anything is decompressed. Running out of memory is CheckpointMemoryError;
+    anything else wrong is CorruptCheckpointError naming ``shown``."""
+    check_frame(header, payload, shown=shown)
+    try:
+        with _decompressor().stream_reader(payload, read_across_frames=False) as reader:
+            if header.shuffle:
+                done = _unshuffle_from(reader, header.shuffle, out, shown=shown)
+            else:
+                done = _fill(reader, out.data, shown=shown, raw_size=header.raw_size, done=0)
+            if reader.readinto(bytearray(1)):
+                raise CorruptCheckpointError(
+                    f"blob {shown} decompresses to more than {header.raw_size} bytes", path=shown
+                )
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        if _memory_error(exc):
+            raise CheckpointMemoryError(
+                f"blob {shown}: out of memory while decompressing its {header.raw_size} bytes "
+                f"({exc or type(exc).__name__}); the blob itself was not found damaged. Free "
+                "memory and load again",
+                path=shown,
+            ) from None
+        raise CorruptCheckpointError(
+            f"blob {shown} does not decompress: {exc or type(exc).__name__}", path=shown
+        ) from exc
+    assert done == header.raw_size
+
+
+def _unshuffle_from(reader: Any, itemsize: int, out: np.ndarray[Any, Any], *, shown: str) -> int:
+    """Decompress a shuffled content into ``out``: plane ``k`` (byte ``k`` of every item, as
+    the planes are defined) is scattered into column ``k`` of ``out`` seen as rows of items,
+    64 KiB at a time, then the tail shorter than an item is decompressed into place."""
+    size = out.size
+    n = size - size % itemsize
+    rows = n // itemsize
+    items = out[:n].reshape(rows, itemsize)
+    scratch = np.empty(min(_PIECE, max(rows, 1)), np.uint8)
+    done = 0
+    for k in range(itemsize):
+        column = items[:, k]
+        for pos in range(0, rows, scratch.size):
+            piece = scratch[: min(scratch.size, rows - pos)]
+            done = _fill(reader, piece.data, shown=shown, raw_size=size, done=done)
+            column[pos : pos + piece.size] = piece
+    return _fill(reader, out[n:].data, shown=shown, raw_size=size, done=done)

@@ -34,12 +34,14 @@ from savepoint.blobs import digest as _digest
 from savepoint.blobs import frame
 from savepoint.blobs.frame import HEADER, Compression
 from savepoint.codecs import checksum as _checksum
-from savepoint.codecs.recipe import MAX_CHUNK, Recipe
+from savepoint.codecs.recipe import MAX_CHUNK, Patch, Recipe
 from savepoint.errors import (
     CheckpointError,
+    CheckpointMemoryError,
     CheckpointWriteError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    ReplacedWhileReadingError,
 )
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ __all__ = [
     "DEFAULT_CHUNK",
     "FORMAT",
     "MAX_CHUNK",
+    "MissingBlobError",
     "PutResult",
     "PutStats",
     "Recipe",
@@ -69,6 +72,28 @@ TMP = ".tmp-"
 DEFAULT_CHUNK = 4 << 20  # see docs/blobs.md, "Chunk size"
 MIN_CHUNK = 4 << 10
 _CONFIG_CAP = 64 << 10
+
+
+class MissingBlobError(CorruptCheckpointError):
+    """A blob is not in the store (``digest`` names it): deleted, or never written. Still a
+    CorruptCheckpointError, as for any damaged checkpoint; a reader tells a checkpoint whose
+    blobs a collection took *after a writer deleted it* (not damage) from one that lost a blob
+    while it still exists (see :meth:`savepoint.engine.read.Reader.blob_failure`)."""
+
+    def __init__(self, message: str, *, path: str, digest: str) -> None:
+        super().__init__(message, path=path)
+        self.digest = digest
+
+
+def _empty(n: int, what: str, shown: str) -> np.ndarray[Any, Any]:
+    """``np.empty(n, uint8)``, or CheckpointMemoryError saying what it was for."""
+    try:
+        return np.empty(n, np.uint8)
+    except MemoryError:
+        raise CheckpointMemoryError(
+            f"{shown}: cannot allocate {n} bytes for {what}; free memory and read again",
+            path=shown,
+        ) from None
 
 
 def _bytes_view(data: Any) -> tuple[memoryview, int]:
@@ -453,20 +478,26 @@ class BlobStore:
 
     # -- reading ---------------------------------------------------------------------------------
 
+    def _missing(self, path: str) -> MissingBlobError:
+        return MissingBlobError(
+            f"blob {self.url(path)} is missing (deleted while still referenced, or never "
+            "written); the checkpoint that names it cannot be restored from this store",
+            path=self.url(path),
+            digest=self.store.basename(path),
+        )
+
     def _reader(self, path: str) -> _Open:
         try:
             return _Open(self.store.open_blob(path))
         except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"blob {self.url(path)} is missing (deleted while still referenced, or never "
-                "written); the checkpoint that names it cannot be restored from this store",
-                path=self.url(path),
-            ) from None
+            raise self._missing(path) from None
 
     def _header(self, reader: Any, path: str, expect: int | None) -> frame.Header:
         buf = bytearray(HEADER)
         try:
             reader.read(0, buf)
+        except ReplacedWhileReadingError:  # deleted since it was opened (object stores)
+            raise self._missing(path) from None
         except EOFError:
             raise CorruptCheckpointError(
                 f"blob {self.url(path)} is truncated ({reader.size} bytes)", path=self.url(path)
@@ -484,15 +515,23 @@ class BlobStore:
     def _read_payload(
         self, reader: Any, path: str, header: frame.Header, out: np.ndarray[Any, Any] | None = None
     ) -> np.ndarray[Any, Any]:
-        """The whole content of an open blob, decoded (into ``out`` when given)."""
-        if out is None:
-            out = np.empty(header.raw_size, dtype=np.uint8)
+        """The whole content of an open blob, decoded (into ``out`` when given): a compressed
+        one straight into it, after its zstd frame's claimed content size was found to be the
+        header's (:func:`frame.decode`), so nothing is allocated for a claim the caller did not
+        account for. Memory: the content, plus the payload of a compressed blob (at most
+        :func:`frame.compress_bound` of the content)."""
+        shown = self.url(path)
         if header.codec == frame.RAW:
+            if out is None:
+                out = _empty(header.raw_size, "a blob's content", shown)
             self._read_at(reader, path, HEADER, out)
-        else:
-            payload = np.empty(header.stored_size, dtype=np.uint8)
-            self._read_at(reader, path, HEADER, payload)
-            frame.decode(header, payload, out, shown=self.url(path))
+            return out
+        payload = _empty(header.stored_size, "a compressed blob", shown)
+        self._read_at(reader, path, HEADER, payload)
+        frame.check_frame(header, payload, shown=shown)
+        if out is None:
+            out = _empty(header.raw_size, "a blob's content", shown)
+        frame.decode(header, payload, out, shown=shown)
         return out
 
     def _read_at(self, reader: Any, path: str, offset: int, out: np.ndarray[Any, Any]) -> None:
@@ -500,6 +539,8 @@ class BlobStore:
             return
         try:
             reader.read(offset, out)
+        except ReplacedWhileReadingError:  # deleted since it was opened (object stores)
+            raise self._missing(path) from None
         except EOFError:
             raise CorruptCheckpointError(
                 f"blob {self.url(path)} is truncated", path=self.url(path)
@@ -567,7 +608,9 @@ class BlobStore:
                     f"range [{start}, {end}) outside blob {digest} of {header.raw_size} bytes"
                 )
             target = (
-                np.empty(end - start, np.uint8) if out is None else _out_array(out, end - start)
+                _empty(end - start, "a blob's range", self.url(path))
+                if out is None
+                else _out_array(out, end - start)
             )
             if header.codec == frame.RAW and not verify:
                 self._read_at(reader, path, HEADER + start, target)
@@ -604,7 +647,11 @@ class BlobStore:
         end = recipe.size if end is None else end
         if not 0 <= start <= end <= recipe.size:
             raise ValueError(f"range [{start}, {end}) outside {recipe.size} bytes")
-        target = np.empty(end - start, np.uint8) if out is None else _out_array(out, end - start)
+        target = (
+            _empty(end - start, "a tensor's blobs", self.url())
+            if out is None
+            else _out_array(out, end - start)
+        )
         if recipe.patches:
             return self._read_patched(recipe, target, start, end, verify, full, workers)
         checks: Sequence[str | None] = (
@@ -644,29 +691,104 @@ class BlobStore:
         workers: int,
     ) -> np.ndarray[Any, Any]:
         """:meth:`read_recipe` of a patched recipe into ``target`` (bytes ``[start, end)``):
-        checked, the whole chunks holding the range, each by :meth:`read_chunk`; unchecked, the
-        base's bytes of the range with every patch applied."""
-        from savepoint.blobs.patch import apply_patch
-
+        checked, the whole chunks holding the range (:meth:`_patched_checked`); unchecked, the
+        base's bytes of the range. Either way the patches are then read and applied one at a
+        time (:meth:`_apply_patches`), so the memory a read holds is ``target`` (plus, for a
+        range that does not start and end on chunk boundaries, the chunks holding it) and one
+        patch, however many patches the recipe names."""
         if verify:
-            patches = self.patch_contents(recipe, full=full)
-            lo = start // recipe.chunk * recipe.chunk
-            hi = min(-(-end // recipe.chunk) * recipe.chunk, recipe.size)
-            work = target if (lo, hi) == (start, end) else np.empty(hi - lo, np.uint8)
-            for i in range(lo // recipe.chunk, -(-hi // recipe.chunk)):
-                s = i * recipe.chunk - lo
-                self.read_chunk(recipe, i, patches=patches, full=full, out=work[s:])
+            chunk = recipe.chunk
+            lo = start // chunk * chunk
+            hi = min(-(-end // chunk) * chunk, recipe.size)
+            work = target
+            if (lo, hi) != (start, end):
+                work = _empty(hi - lo, "the chunks of a patched tensor", self.url())
+            self._patched_checked(recipe, work, lo // chunk, -(-hi // chunk), full, workers)
         else:
             lo, hi, work = start, end, target
             base = recipe.base()
             self.read_recipe(base, out=work, start=lo, end=hi, verify=False, workers=workers)
-            for patch in recipe.patches:
-                size = patch.content_size(recipe.size)
-                content = self.read(patch.blob, size=size, verify=full)
-                apply_patch(content, patch, recipe.size, work, lo, hi, shown=self.url(patch.blob))
+            self._apply_patches(recipe, work, lo, hi, verify=full, full=full)
         if work is not target:
             target[:] = work[start - lo : end - lo]
         return target
+
+    def _patched_checked(
+        self,
+        recipe: Recipe,
+        work: np.ndarray[Any, Any],
+        first: int,
+        last: int,
+        full: bool,
+        workers: int = 1,
+    ) -> None:
+        """Chunks ``[first, last)`` of a patched recipe's content into ``work`` (exactly those
+        chunks' bytes), checked: each base chunk against its XXH3-64 (and, with ``full``, its
+        name), then each patch read, checked and applied in turn, then each chunk of the result
+        against the recipe's checks."""
+        chunk = recipe.chunk
+        lo, hi = first * chunk, min(last * chunk, recipe.size)
+        base = recipe.base()
+        self.read_recipe(base, out=work, start=lo, end=hi, verify=True, full=full, workers=workers)
+        if full:  # checked against the names above; the XXH3-64 too, as verify_recipe does
+            for i in range(first, last):
+                s = i * chunk - lo
+                part = work[s : min(s + chunk, hi - lo)]
+                self._verify_content(
+                    base.digests[i], part, self.path(base.digests[i]), base.checks[i]
+                )
+        self._apply_patches(recipe, work, lo, hi, verify=True, full=full)
+        for i in range(first, last):
+            s = i * chunk - lo
+            part = work[s : min(s + chunk, hi - lo)]
+            if _checksum.digest(part) != recipe.checks[i]:
+                raise CorruptCheckpointError(
+                    f"blobs of {self.url()}: chunk {i} of a patched tensor does not match its "
+                    "checksum once its patches are applied (corrupt)",
+                    path=self.url(),
+                )
+
+    def _apply_patches(
+        self,
+        recipe: Recipe,
+        work: np.ndarray[Any, Any],
+        lo: int,
+        hi: int,
+        *,
+        verify: bool,
+        full: bool,
+    ) -> None:
+        """Apply every patch of ``recipe``, in order, to ``work`` (content bytes ``[lo, hi)``):
+        each read whole (checked, with ``verify``, against its XXH3-64 and, with ``full``, its
+        name), applied, and dropped before the next is read. A patch naming the blob the one
+        before it named is not read again."""
+        from savepoint.blobs.patch import apply_patch
+
+        held: np.ndarray[Any, Any] | None = None
+        held_as: tuple[str, int, str] | None = None  # (blob, size, check) of ``held``
+        for p in recipe.patches:
+            size = p.content_size(recipe.size)
+            if held_as is None or held_as[:2] != (p.blob, size):
+                held = held_as = None  # the previous content goes before the next is read
+                held = self._patch_content(recipe, p, verify=verify, full=full)
+                held_as = (p.blob, size, p.check)
+            elif verify and held_as[2] != p.check:
+                self._verify_content(p.blob, held, self.path(p.blob), p.check)
+            assert held is not None
+            apply_patch(held, p, recipe.size, work, lo, hi, shown=self.url(self.path(p.blob)))
+
+    def _patch_content(
+        self, recipe: Recipe, p: Patch, *, verify: bool, full: bool
+    ) -> np.ndarray[Any, Any]:
+        """A patch's content: checked (``verify``) against its XXH3-64, and (``full``) its
+        name."""
+        size = p.content_size(recipe.size)
+        if not verify:
+            return self.read(p.blob, size=size, verify=full)
+        content = self.read(p.blob, size=size, verify=True, check=p.check)
+        if full:
+            self._verify_content(p.blob, content, self.path(p.blob))
+        return content
 
     def verify(self, digest: str, *, size: int | None = None) -> None:
         """Read blob ``digest`` whole and check it against its name; CorruptCheckpointError
@@ -688,23 +810,44 @@ class BlobStore:
     def _verify_patched(self, recipe: Recipe) -> None:
         """:meth:`verify_recipe` of a patched recipe: each patch and each base chunk against
         its name and its XXH3-64, and each chunk of the result against ``checks``; one read of
-        every blob, in memory the patches and one chunk."""
+        every blob. In memory: the patches and one chunk, where the patches' contents add up to
+        at most the tensor (:meth:`patches_in_memory`: every chain a writer makes); otherwise
+        the whole tensor and one patch (the patches applied one at a time)."""
+        if not self.patches_in_memory(recipe):
+            work = _empty(recipe.size, "a patched tensor", self.url())
+            self._patched_checked(recipe, work, 0, len(recipe.digests), full=True)
+            return
         patches = self.patch_contents(recipe, full=True)
-        buf = np.empty(min(recipe.chunk, recipe.size), np.uint8)
+        buf = _empty(min(recipe.chunk, recipe.size), "a chunk", self.url())
         for i in range(len(recipe.digests)):
             self.read_chunk(recipe, i, patches=patches, full=True, out=buf)
 
+    @staticmethod
+    def patches_in_memory(recipe: Recipe) -> bool:
+        """Whether the contents of ``recipe``'s patches add up to at most its content size, so
+        that holding them all (:meth:`patch_contents`, for :meth:`read_chunk`) stays within the
+        tensor's own size. A writer's chains always do (``BlobPolicy.patch_budget``, at most
+        1); a forged recipe naming a big patch 1,024 times does not, and its readers apply the
+        patches one at a time instead."""
+        return recipe.patch_bytes() <= recipe.size
+
     def patch_contents(self, recipe: Recipe, *, full: bool = False) -> list[np.ndarray[Any, Any]]:
         """The content of every patch of ``recipe``, in order, each checked against its XXH3-64
-        and, with ``full``, its name (for :meth:`read_chunk`)."""
+        and, with ``full``, its name (for :meth:`read_chunk`). A blob named by several patches
+        is read once. Holds them all: callers check :meth:`patches_in_memory` first."""
         out = []
+        seen: dict[tuple[str, int], tuple[str, np.ndarray[Any, Any]]] = {}
         for p in recipe.patches:
-            content = self.read(
-                p.blob, size=p.content_size(recipe.size), verify=True, check=p.check
-            )
-            if full:
-                self._verify_content(p.blob, content, self.path(p.blob))
-            out.append(content)
+            key = (p.blob, p.content_size(recipe.size))
+            found = seen.get(key)
+            if found is None:
+                found = seen[key] = (
+                    p.check,
+                    self._patch_content(recipe, p, verify=True, full=full),
+                )
+            elif found[0] != p.check:
+                self._verify_content(p.blob, found[1], self.path(p.blob), p.check)
+            out.append(found[1])
         return out
 
     def read_chunk(
@@ -718,13 +861,19 @@ class BlobStore:
     ) -> np.ndarray[Any, Any]:
         """Chunk ``index`` of the content ``recipe`` describes, checked: its blob against its
         XXH3-64 (and, with ``full``, its name); for a patched recipe, the base chunk so, the
-        patches (``patches``: :meth:`patch_contents`, read here when None) applied, and the
-        result against the chunk's check. Into ``out`` (at least a chunk) when given."""
+        patches applied (``patches``: :meth:`patch_contents`; when None, each read and applied
+        in turn) and the result against the chunk's check. Into ``out`` (at least a chunk) when
+        given."""
         from savepoint.blobs.patch import apply_patch
 
         d, s = recipe.digests[index], index * recipe.chunk
         e = min(s + recipe.chunk, recipe.size)
-        part = np.empty(e - s, np.uint8) if out is None else _out_array(out[: e - s], e - s)
+        part = (
+            _empty(e - s, "a chunk", self.url()) if out is None else _out_array(out[: e - s], e - s)
+        )
+        if recipe.patches and patches is None:
+            self._patched_checked(recipe, part, index, index + 1, full)
+            return part
         checks = recipe.base_checks if recipe.patches else recipe.checks
         check = checks[index] if checks else None
         self.read(d, size=e - s, out=part, verify=True, check=check)
@@ -732,8 +881,7 @@ class BlobStore:
             self._verify_content(d, part, self.path(d))
         if not recipe.patches:
             return part
-        if patches is None:
-            patches = self.patch_contents(recipe, full=full)
+        assert patches is not None
         for p, content in zip(recipe.patches, patches):
             apply_patch(content, p, recipe.size, part, s, e, shown=self.url(self.path(p.blob)))
         if _checksum.digest(part) != recipe.checks[index]:
@@ -856,7 +1004,7 @@ class BlobStore:
                 return PutResult(digest, size, False, 0)
             with source._reader(src_path) as reader:
                 header = source._header(reader, src_path, size)
-                stored = np.empty(HEADER + header.stored_size, np.uint8)
+                stored = _empty(HEADER + header.stored_size, "a blob", source.url(src_path))
                 source._read_at(reader, src_path, 0, stored)
             shown = source.url(src_path)
             header = frame.parse_header(
@@ -867,7 +1015,8 @@ class BlobStore:
             if header.codec == frame.RAW:
                 content = stored[HEADER:]
             else:
-                content = np.empty(header.raw_size, np.uint8)
+                frame.check_frame(header, stored[HEADER:], shown=shown)
+                content = _empty(header.raw_size, "a blob's content", shown)
                 frame.decode(header, stored[HEADER:], content, shown=shown)
             if check is not None:
                 source._verify_content(digest, content, src_path, check)

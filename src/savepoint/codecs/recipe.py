@@ -131,6 +131,10 @@ class Recipe:
             return self.digests
         return self.digests + tuple(p.blob for p in self.patches)
 
+    def patch_bytes(self) -> int:
+        """The content bytes of all its patches (what reading every patch reads)."""
+        return sum(p.content_size(self.size) for p in self.patches)
+
     def base(self) -> Recipe:
         """The recipe of the base alone (itself when it has no patches)."""
         if not self.patches:

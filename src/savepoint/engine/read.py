@@ -528,6 +528,13 @@ class Reader:
                     self._blob_store = opened
                     break
             if self._blob_store is None:
+                if self._left_its_path() == "deleted":  # the run deleted with its store, say
+                    raise CheckpointNotFoundError(
+                        f"{self.shown} was deleted while it was being read (its blob store "
+                        "with it); it was intact when the read began. Load a checkpoint that "
+                        "is still there",
+                        path=self.shown,
+                    )
                 root = posixpath.normpath(posixpath.join(base, rel))
                 raise CorruptCheckpointError(
                     f"{self.shown}: its blob store {self.store.url(root)} cannot be opened: "
@@ -535,6 +542,54 @@ class Reader:
                     path=self.shown,
                 ) from None
         return self._blob_store
+
+    def blob_failure(
+        self, exc: CorruptCheckpointError, ref: str, where: str = ""
+    ) -> CheckpointError:
+        """The error for a blob read of tensor ``ref`` (``where``: which part of it) that failed
+        with ``exc``. The reader pins the checkpoint's directory, not its blobs (they may be
+        thousands, shared with every other checkpoint of the run), so a writer can delete the
+        checkpoint being read and then collect its blobs (a run's retention does, manifest
+        first). A missing blob is therefore damage only while the checkpoint is still at its
+        path: deleted since it was opened, it is CheckpointNotFoundError saying so; replaced by
+        another checkpoint, ReplacedWhileReadingError (``sp.load`` and ``sp.verify`` read the new
+        one). Anything else is CorruptCheckpointError naming the tensor."""
+        from savepoint.blobs.store import MissingBlobError
+
+        if isinstance(exc, MissingBlobError):
+            gone = self._left_its_path()
+            if gone == "deleted":
+                return CheckpointNotFoundError(
+                    f"{self.shown} was deleted while it was being read (by a run's retention, "
+                    f"say), and blob {exc.digest} of tensor {ref!r} with it; it was intact when "
+                    "the read began. Load a checkpoint that is still there",
+                    path=self.shown,
+                )
+            if gone == "replaced":
+                return ReplacedWhileReadingError(
+                    f"{self.shown} was replaced while it was being read, and blob {exc.digest} "
+                    f"of tensor {ref!r} of the checkpoint being read was collected; load again",
+                    path=self.shown,
+                )
+        return self._corrupt(f"tensor {ref!r}{where}: {exc}", key=ref)
+
+    def _left_its_path(self) -> str | None:
+        """Whether the checkpoint this reader pinned has left the path it was opened by:
+        "deleted" (nothing committed there now), "replaced" (another checkpoint there now), or
+        None (it is still there, or that cannot be told)."""
+        try:
+            now = resolve(self.store, self.source, strict=False)
+            if now is None:
+                return "deleted"
+            if self.pinned is None:
+                return None
+            mine = self.pinned.identity()
+            there = self.store.stat(now)
+        except (OSError, CheckpointError):
+            return None
+        if there is not None and mine is not None and there.identity == mine:
+            return None
+        return "replaced"
 
     def _read_blobs(
         self,
@@ -557,7 +612,7 @@ class Reader:
             else:
                 blobs.read_recipe(recipe, out=dst, verify=verify)
         except CorruptCheckpointError as exc:
-            raise self._corrupt(f"tensor {ref!r}: {exc}", key=ref) from None
+            raise self.blob_failure(exc, ref) from None
         if dst is not None and rec.dtype == "BOOL":
             self._check_bool(ref, dst)
         if progress is not None:
@@ -1113,8 +1168,8 @@ class Reader:
                     shard.recipe, out=buf[lo:hi], start=lo, end=hi, verify=False
                 )
             except CorruptCheckpointError as exc:
-                raise self._corrupt(
-                    f"tensor {ref!r} ({boxes.show(shard.region)} in blobs): {exc}", key=ref
+                raise self.blob_failure(
+                    exc, ref, f" ({boxes.show(shard.region)} in blobs)"
                 ) from None
         return buf
 
@@ -1126,14 +1181,15 @@ class Reader:
         lock: threading.Lock,
     ) -> None:
         """Every blob of a shard stored as blobs against its digest and its recipe's check."""
+        where = f" ({boxes.show(shard.region)} in blobs)"
         try:
             self.blob_store().verify_recipe(shard.recipe)
+            if self.manifest.tensors[ref].dtype == "BOOL":
+                content = self.blob_store().read_recipe(shard.recipe, verify=False)
         except CorruptCheckpointError as exc:
-            raise self._corrupt(
-                f"tensor {ref!r} ({boxes.show(shard.region)} in blobs): {exc}", key=ref
-            ) from None
+            raise self.blob_failure(exc, ref, where) from None
         if self.manifest.tensors[ref].dtype == "BOOL":
-            self._check_bool(ref, self.blob_store().read_recipe(shard.recipe, verify=False))
+            self._check_bool(ref, content)
         if progress is not None:
             with lock:
                 progress(shard.nbytes)
