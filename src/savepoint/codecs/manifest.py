@@ -147,6 +147,7 @@ from savepoint.errors import (
 __all__ = [
     "BLOBS",
     "BLOCKED",
+    "DEVICE_CHECKS",
     "FORMAT",
     "FileRecord",
     "MAX_MANIFEST_BYTES",
@@ -155,7 +156,6 @@ __all__ = [
     "ManifestError",
     "ManifestVersionError",
     "NAME",
-    "DEVICE_CHECKS",
     "PATCHES",
     "SHARDED",
     "ShardRecord",
