@@ -20,8 +20,9 @@ state is about 5x ``--gib``. Sections, each skipped when the time budget is spen
   the disk's raw read rate (O_DIRECT, the same files) and ``safetensors.torch.load_file(device=)``
   and ``torch.load`` + ``.to()``; every file is evicted from the page cache before each read
   (``posix_fadvise(DONTNEED)``);
-- ``checksum``: device-side checksum throughput (the lead's kernel: marked place below) and, for
-  reference, host XXH3.
+- ``checksum``: device-side checksum throughput (``mlh64``: the Triton kernel, and the torch
+  operations fallback) over the state's tensors, digests checked against the host's; host XXH3
+  and host mlh64 (one core) for reference.
 
 Prints each figure and the ratios against the issue's targets, and writes them as JSON (``--json``;
 rewritten after each section, so a run cut short still leaves its figures). Without CUDA (and
@@ -254,11 +255,11 @@ class Bench:
         self.out["device"] = self.facts()
         print(f"bench_gpu: {self.out['device']}", flush=True)
         param_bytes = int(args.gib * GiB)
-        # Room for the files (at most 3 states at once: each section deletes what it wrote), the
+        # Room for the files (at most 4 states at once: each section deletes what it wrote), the
         # host copies (savepoint's arena, DCP's two stagers, the floor's buffer, torch.load's
         # result: 5 states) and, on the device, the state, the load targets and one loaded copy.
         free_disk = shutil.disk_usage(self.dir).free
-        limit = min(free_disk / 3.5, mem_available() / 6 if mem_available() else float("inf"))
+        limit = min(free_disk / 4.5, mem_available() / 6 if mem_available() else float("inf"))
         if self.cuda:
             free_dev, _ = torch.cuda.mem_get_info()
             limit = min(limit, (free_dev - 4 * GiB) / 3.2)
@@ -284,7 +285,7 @@ class Bench:
         sections: dict[str, Callable[[], dict[str, Any]]] = {
             "save": lambda: self.section_save(state, total, ck),
             "step": lambda: self.section_step(state, ck),
-            "load": lambda: self.section_load(state, total),
+            "load": lambda: self.section_load(state, total, ck),
             "checksum": lambda: self.section_checksum(state, total),
         }
         # A rough floor for each section, in seconds per GiB of state, so a section that cannot
@@ -472,17 +473,24 @@ class Bench:
 
     # -- load: verified loads against the raw read rate and the peers ---------------------------
 
-    def section_load(self, state: Any, total: int) -> dict[str, Any]:
-        import savepoint as sp
-        from bench_save_load import evict, fsync_path, rm
-
-        torch = self.torch
+    def section_load(self, state: Any, total: int, ck: Any) -> dict[str, Any]:
+        """The savepoint checkpoint read is an async save's (on CUDA: mlh64, checked on the
+        device when loaded); ``sp_load_into_xxh3`` reads a sync save's (XXH3, checked on the
+        host from the pinned pieces)."""
         from safetensors.torch import load_file, save_file
 
+        import savepoint as sp
+        from bench_save_load import evict, fsync_path, rm
+        from savepoint.engine import device as device_fill
+
+        torch = self.torch
         sp_path = os.path.join(self.dir, "load-sp")
+        xxh3_path = os.path.join(self.dir, "load-sp-xxh3")
         st_path = os.path.join(self.dir, "load.safetensors")
         pt_path = os.path.join(self.dir, "load.pt")
-        sp.save(sp_path, state)
+        ck.save(sp_path, state).wait()
+        sp.save(xxh3_path, state)
+        fill_stats: dict[str, Any] = {}
         host = {name: t.detach().cpu() for name, t in leaves(state)}
         save_file(host, st_path)
         torch.save(host, pt_path)
@@ -509,10 +517,19 @@ class Bench:
             return took
 
         def into() -> Any:
-            return sp.load(sp_path, into=targets)
+            out = sp.load(sp_path, into=targets)
+            fill_stats["sp_load_into"] = dict(device_fill.stats)
+            return out
+
+        def into_xxh3() -> Any:
+            out = sp.load(xxh3_path, into=targets)
+            fill_stats["sp_load_into_xxh3"] = dict(device_fill.stats)
+            return out
 
         def device_load() -> Any:
-            return sp.load(sp_path, device=dev)
+            out = sp.load(sp_path, device=dev)
+            fill_stats["sp_load_device"] = dict(device_fill.stats)
+            return out
 
         def safetensors_load() -> Any:
             return load_file(st_path, device=dev)
@@ -524,6 +541,7 @@ class Bench:
         contenders: dict[str, tuple[Callable[[], Any], list[str]]] = {
             "raw_read": (lambda: reader(data_files), [sp_path]),
             "sp_load_into": (into, [sp_path]),
+            "sp_load_into_xxh3": (into_xxh3, [xxh3_path]),
             "sp_load_device": (device_load, [sp_path]),
             "safetensors_load_file": (safetensors_load, [st_path]),
             "torch_load_to": (torch_load, [pt_path]),
@@ -545,48 +563,57 @@ class Bench:
             res[f"{name}_s"] = _median(ts)
             res[f"{name}_gbps"] = total / res[f"{name}_s"] / 1e9
         res["raw_read_mode"] = _READ_MODE.get("mode", "?")
+        res["device_fill"] = fill_stats  # pieces, tensors checked on the device / the host
         res["runs"] = times
         reader.close()
-        for p in (sp_path, st_path, pt_path):
+        for p in (sp_path, xxh3_path, st_path, pt_path):
             rm(p)
         return res
 
     # -- checksum ----------------------------------------------------------------------------------
 
     def section_checksum(self, state: Any, total: int) -> dict[str, Any]:
+        """Device-side ``mlh64`` (savepoint.codecs.devhash) over every tensor of the state, the
+        Triton kernel and the torch-operations fallback, against host XXH3 and host mlh64."""
         import numpy as np
         import xxhash
 
+        from savepoint.codecs import devhash
+
+        torch = self.torch
         res: dict[str, Any] = {}
-        # Host XXH3 (what verifies loads today), one core, over 256 MiB of host memory.
         n = min(256 * MiB, total)
         host = np.random.default_rng(0).integers(0, 255, size=n, dtype=np.uint8)
         t0 = time.perf_counter()
         xxhash.xxh3_64_intdigest(host)
         res["host_xxh3_one_core_gbps"] = n / (time.perf_counter() - t0) / 1e9
-        # ==== LEAD: device checksum throughput ====================================================
-        # Plug the device-side checksum in here: ``device_hash(tensor) -> digest`` computed on
-        # the tensor's device (savepoint.codecs.devhash or wherever it lands; see _device_hash).
-        # The harness below times it over every tensor of the state with a synchronize at each
-        # end, after one warm-up pass, and reports GB/s against the 200 GB/s target; it also
-        # checks that the digest of each tensor's host copy equals the device digest.
-        device_hash = _device_hash()
-        if device_hash is None:
-            res["device_checksum"] = "skipped: no device checksum function yet (LEAD)"
-            return res
-        tensors = [t for _, t in leaves(state)]
-        for t in tensors:
-            device_hash(t)
-        self.sync()
         t0 = time.perf_counter()
-        digests = [device_hash(t) for t in tensors]
-        self.sync()
-        res["device_checksum_s"] = time.perf_counter() - t0
-        res["device_checksum_gbps"] = total / res["device_checksum_s"] / 1e9
-        sample = tensors[: min(4, len(tensors))]
-        res["device_matches_host"] = all(
-            _same_digest(device_hash(t.cpu()), d) for t, d in zip(sample, digests)
-        )
+        devhash.digest(host[: 32 * MiB])
+        res["host_mlh64_one_core_gbps"] = 32 * MiB / (time.perf_counter() - t0) / 1e9
+        flats = [t.reshape(-1).view(torch.uint8) for _, t in leaves(state)]
+        variants: dict[str, bool | None] = {"torch_ops": False}
+        if self.cuda and devhash._triton() is not None:
+            variants = {"triton": True, **variants}
+        if not self.cuda:
+            variants = {"host_numpy": None}  # what torch_window_sums does with CPU tensors
+        res["device_checksum_impl"] = next(iter(variants))
+        for name, use_triton in variants.items():
+            kw = {"use_triton": use_triton} if self.cuda else {}  # the CPU: NumPy, as loads do
+            sums = [devhash.torch_window_sums(f, **kw) for f in flats]  # compile, warm up
+            self.sync()
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                sums = [devhash.torch_window_sums(f, **kw) for f in flats]
+                self.sync()
+                best = min(best, time.perf_counter() - t0)
+            res[f"device_{name}_gbps"] = total / best / 1e9
+            # The device digests are the host's, for a few tensors.
+            for f, s in list(zip(flats, sums))[:: max(1, len(flats) // 4)]:
+                got = devhash.finish(devhash.fold(s.cpu().numpy()), f.numel())
+                if got != devhash.digest(f.cpu().numpy()):
+                    raise AssertionError(f"{name}: a device digest differs from the host's")
+        res["device_checksum_gbps"] = res[f"device_{res['device_checksum_impl']}_gbps"]
         return res
 
     # -- report ------------------------------------------------------------------------------------
@@ -755,29 +782,8 @@ class RawReader:
         return done[0]
 
 
-def _device_hash() -> Callable[[Any], Any] | None:
-    """LEAD: return the device checksum function once it exists (None until then)."""
-    try:
-        from savepoint.codecs import devhash  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    for name in ("digest", "tensor_digest", "hash_tensor"):  # LEAD: the real name
-        fn = getattr(devhash, name, None)
-        if callable(fn):
-            return fn  # type: ignore[no-any-return]
-    return None
-
-
 def _bytes(torch: Any, t: Any) -> Any:
     return t.reshape(-1).view(torch.uint8)
-
-
-def _same_digest(a: Any, b: Any) -> bool:
-    if hasattr(a, "cpu"):
-        a = a.cpu().tolist()
-    if hasattr(b, "cpu"):
-        b = b.cpu().tolist()
-    return bool(a == b)
 
 
 def _short(values: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ torch with CUDA; no virtual environment is made, nothing is downloaded):
 2. records the device facts: device, driver, torch, CUDA, cuDNN, NCCL, Triton, CuPy and JAX
    versions, cuFile/GDS presence, and which third-party modules ``import savepoint`` and a save,
    a load and an incremental (blob) save need;
-3. runs ``pytest -m cuda`` on every test file that has cuda-marked tests (tests/gpu/ and any file
+3. runs ``pytest -m cuda`` on every test file that has cuda-marked tests (tests/cuda/ and any file
    naming the marker), each test under a timeout when pytest-timeout is there, all of them
    under ``--test-budget-s``;
 4. runs ``benchmarks/bench_gpu.py`` in what is left of ``--budget-s`` (at most 8 minutes in all
@@ -338,7 +338,7 @@ class Check:
         return found
 
     def test_files(self) -> list[str]:
-        files = set(glob.glob(str(TESTS / "gpu" / "test_*.py")))
+        files = set(glob.glob(str(TESTS / "cuda" / "test_*.py")))
         for path in glob.glob(str(TESTS / "**" / "test_*.py"), recursive=True):
             with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
                 if "mark.cuda" in f.read():

@@ -49,14 +49,15 @@ def test_the_check_runs_on_a_cpu_machine_and_says_the_cuda_parts_were_skipped(
     md = (out / "gpu-check-report.md").read_text()
     assert report["mode"] == "cpu"
     assert "CPU only: no CUDA device was found, so the CUDA parts were skipped" in md
-    # Every cuda-marked test was collected (tests/gpu and the RNG test) and skipped.
+    # Every cuda-marked test was collected (tests/cuda and the RNG test) and skipped.
     tests = report["tests"]
     assert tests["counts"]["failed"] == tests["counts"]["errors"] == 0, tests
     assert tests["counts"]["passed"] == 0
     assert tests["counts"]["skipped"] >= 12
     names = {s["name"] for s in tests["skipped"]}
-    assert any("test_rng" in n for n in names) and any("gpu.test_cuda_async" in n for n in names)
-    assert "tests/gpu/test_cuda_state.py" in tests["files"]
+    assert any("test_rng" in n for n in names) and any("test_cuda_async" in n for n in names)
+    assert any("test_devhash_cuda" in n for n in names)
+    assert "tests/cuda/test_cuda_state.py" in tests["files"]
     # The facts: versions, and what savepoint imported (the check runs on the device image).
     facts = report["facts"]
     assert facts["torch"]["version"] == torch.__version__
@@ -77,12 +78,12 @@ def test_the_check_runs_on_a_cpu_machine_and_says_the_cuda_parts_were_skipped(
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="4">
-<testcase classname="gpu.test_cuda_async" name="test_ok" time="1.5"/>
-<testcase classname="gpu.test_cuda_async" name="test_bad" time="0.2">
+<testcase classname="test_cuda_async" name="test_ok" time="1.5"/>
+<testcase classname="test_cuda_async" name="test_bad" time="0.2">
   <failure message="AssertionError: f32: bytes differ">long traceback</failure></testcase>
-<testcase classname="gpu.test_cuda_runs" name="test_broken" time="0.1">
+<testcase classname="test_cuda_runs" name="test_broken" time="0.1">
   <error message="failed on setup with RuntimeError: CUDA error">trace</error></testcase>
-<testcase classname="gpu.test_cuda_state" name="test_verify_on_device" time="0.0">
+<testcase classname="test_cuda_state" name="test_verify_on_device" time="0.0">
   <skipped type="pytest.skip" message="device checksums are not written yet">x</skipped></testcase>
 </testsuite></testsuites>"""
 
@@ -90,9 +91,9 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 def test_the_report_of_a_cuda_run_names_failures_and_judges_the_targets() -> None:
     tests = gpu_check.parse_junit(JUNIT)
     assert tests["counts"] == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1}
-    assert tests["failed"][0]["name"] == "gpu.test_cuda_async::test_bad"
+    assert tests["failed"][0]["name"] == "test_cuda_async::test_bad"
     assert tests["failed"][0]["message"] == "AssertionError: f32: bytes differ"
-    assert tests["errors"][0]["name"] == "gpu.test_cuda_runs::test_broken"
+    assert tests["errors"][0]["name"] == "test_cuda_runs::test_broken"
     tests.update(seconds=12.0, exit_code=1, log="x-pytest.log")
 
     args = bench_gpu.parse_args(["--gib", "1"])
@@ -168,8 +169,8 @@ def test_the_report_of_a_cuda_run_names_failures_and_judges_the_targets() -> Non
     assert "CPU only" not in md
     assert "| driver | 580.159.04 |" in md and "| torch | 2.11.0+cu130 |" in md
     assert "1 passed, 1 failed, 1 errors, 1 skipped" in md
-    assert "- `gpu.test_cuda_async::test_bad`: AssertionError: f32: bytes differ" in md
-    assert "- `gpu.test_cuda_runs::test_broken`: failed on setup" in md
+    assert "- `test_cuda_async::test_bad`: AssertionError: f32: bytes differ" in md
+    assert "- `test_cuda_runs::test_broken`: failed on setup" in md
     assert "| async save blocking / DCP async_save pinned | 0.625 | <= 0.5 | **no** |" in md
     assert "| async save blocking / pinned D2H copy | 1.111 | <= 1.2 | yes |" in md
     assert "section checksum skipped: time budget" in md

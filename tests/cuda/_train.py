@@ -1,13 +1,19 @@
 """A small training run with dropout, for the exact-resume tests (run as a script).
 
-    python tests/gpu/_train.py RUN_DIR --device cuda [--steps 24] [--kill-at N]
+    python tests/cuda/_train.py RUN_DIR --device cuda [--steps 24] [--kill-at N]
+    python tests/cuda/_train.py DIR --device cuda --steps 24 --scenario N
+
 
 An MLP with two dropout layers trains on batches drawn from the device's RNG (on CUDA: the CUDA
 generator, which dropout uses too), with AdamW, under a CheckpointManager that saves every
 SAVE_EVERY steps in the background (``async_save=True``) and keeps the last two. The state holds
 the model, the optimizer, the RNG streams (``sp.RNGState``: CUDA's included), the step, and the
 loss of every step as a device tensor. A run resumes from the latest checkpoint in RUN_DIR.
-``--kill-at N`` SIGKILLs the process right after step N (a save started at N may be in flight).
+``--kill-at N`` SIGKILLs the process right after step N, once the saves started are committed.
+``--scenario N`` runs the whole exact-resume scenario, each run in a process of its own forked
+from this one once torch is imported (no CUDA is initialised before the forks): DIR/reference
+unbroken, DIR/resumed killed after step N, then DIR/resumed again; it prints the three exit
+statuses and the steps checkpointed when the kill came, as JSON.
 Its kernels are deterministic on one GPU (cuBLAS with a fixed workspace config, Philox dropout,
 no atomics), so a resumed run must equal an unbroken one bit for bit.
 """
@@ -15,6 +21,7 @@ no atomics), so a resumed run must equal an unbroken one bit for bit.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -53,6 +60,8 @@ def build(device: str, steps: int) -> dict:  # type: ignore[type-arg]
 
 
 def train(run: str, device: str, steps: int, kill_at: int | None) -> None:
+    if device == "cpu":
+        torch.set_num_threads(1)  # a tiny model: threads only contend on a small machine
     state = build(device, steps)
     model, opt = state["model"], state["optimizer"]
     with sp.CheckpointManager(run, keep_last=2, async_save=True) as mgr:
@@ -72,7 +81,41 @@ def train(run: str, device: str, steps: int, kill_at: int | None) -> None:
             if step % SAVE_EVERY == 0 or step == steps:
                 mgr.save(step, state, force=True)
             if step == kill_at:
+                mgr.wait()  # the last save committed: the resume starts from a checkpoint
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _forked(fn: object, *args: object) -> int:
+    """``fn(*args)`` in a forked child; its exit status (minus the signal that killed it)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn(*args)  # type: ignore[operator]
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def scenario(directory: str, device: str, steps: int, kill_at: int) -> dict[str, object]:
+    reference = os.path.join(directory, "reference")
+    resumed = os.path.join(directory, "resumed")
+    out: dict[str, object] = {
+        "reference": _forked(train, reference, device, steps, None),
+        "killed": _forked(train, resumed, device, steps, kill_at),
+    }
+    kept = os.path.join(resumed, "checkpoints")
+    out["steps_after_kill"] = sorted(
+        int(name.split("-")[1]) for name in os.listdir(kept) if name.startswith("step-")
+    )
+    out["resumed"] = _forked(train, resumed, device, steps, None)
+    return out
 
 
 if __name__ == "__main__":
@@ -81,5 +124,9 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--kill-at", type=int, default=None)
+    ap.add_argument("--scenario", type=int, default=None, metavar="KILL_AT")
     a = ap.parse_args()
-    train(a.run, a.device, a.steps, a.kill_at)
+    if a.scenario is not None:
+        print(json.dumps(scenario(a.run, a.device, a.steps, a.scenario)), flush=True)
+    else:
+        train(a.run, a.device, a.steps, a.kill_at)

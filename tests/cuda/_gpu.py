@@ -1,7 +1,7 @@
 """The checks behind the CUDA tests, written once for any device.
 
-``tests/gpu/test_cuda_*.py`` run them on ``"cuda"`` (marked ``cuda``, skipped without a GPU);
-``tests/gpu/test_twins_on_cpu.py`` runs the same functions on ``"cpu"`` in every CPU run of the
+``tests/cuda/test_cuda_*.py`` run them on ``"cuda"`` (marked ``cuda``, skipped without a GPU);
+``tests/cuda/test_twins_on_cpu.py`` runs the same functions on ``"cpu"`` in every CPU run of the
 suite, so a mistake in a check fails here, not on the GPU machine that is lent for minutes. Only
 the CUDA-specific parts (stream ordering, pinned memory, device memory statistics) are guarded by
 ``is_cuda``. Not collected (no ``test_`` prefix).
@@ -206,6 +206,65 @@ def check_save_orders_after_the_current_stream(path: Path, device: str) -> None:
     loaded = sp.load(path)
     for i, key in enumerate(state):
         assert bool((loaded[key] == float(i + 1)).all()), f"{key}: saved before the fill ran"
+
+
+def big_zoo(device: str, seed: int, piece: int) -> dict[str, Any]:
+    """Every stored dtype at just over 1 MiB (the size from which async saves hash a CUDA
+    tensor on its device), and a uint8 tensor of two ``piece``s and an odd remainder (the
+    device load path reads and checks it piece by piece)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {}
+    for name in DTYPE_NAMES:
+        dt = getattr(torch, name)
+        itemsize = torch.empty((), dtype=dt).element_size()
+        out[name] = random_tensor(dt, (MiB // itemsize + 3,), gen, device)
+    out["multi"] = random_tensor(torch.uint8, (2 * piece + 12345,), gen, device)
+    return out
+
+
+def check_device_paths_every_dtype(tmp: Path, device: str, flip_byte: Any) -> None:
+    """Loads onto the device (``savepoint.engine.device``: pinned pieces, checks on the device
+    or from the pinned piece) of every dtype, from a sync save (XXH3, checked on the host) and an
+    async save (``mlh64``, hashed on the device while staged, checked on the device when
+    loaded), and a flipped byte in the last piece of a tensor found on the device."""
+    import json
+
+    from savepoint.engine import device as fill
+
+    state = big_zoo(device, 12, fill.PIECE)
+    direct = len(state) - 1  # every tensor but the bool one takes the device path
+
+    def loads(path: Path, checked: str) -> None:
+        out = sp.load(path, device=device)
+        assert fill.stats[checked] == direct, dict(fill.stats)
+        for key, want in state.items():
+            assert_same(out[key], want, key, device)
+        targets = {k: torch.zeros_like(v) for k, v in state.items()}
+        sp.load(path, into=targets)
+        synchronize(device)
+        assert fill.stats[checked] == direct, dict(fill.stats)
+        for key, want in state.items():
+            assert_same(targets[key], want, key, device)
+
+    sp.save(tmp / "sync", state)
+    loads(tmp / "sync", "host_checked")
+
+    with sp.AsyncCheckpointer() as ck:
+        ck.save(tmp / "async", state)
+    doc = json.loads((tmp / "async" / "manifest.json").read_bytes())
+    assert doc["format_version"] == 6
+    assert all("mlh64" in doc["tensors"][key] for key in state), "not hashed on the device"
+    loads(tmp / "async", "device_checked")
+    host = sp.load(tmp / "async")  # mlh64 checked by NumPy on the host
+    for key, want in state.items():
+        assert_same(host[key], want, key, "cpu")
+    sp.verify(tmp / "async")
+
+    flip_byte(tmp / "async", "multi", 2 * fill.PIECE + 100)
+    with pytest.raises(sp.CorruptCheckpointError, match="'multi'"):
+        sp.load(tmp / "async", device=device)
+    with pytest.raises(sp.CorruptCheckpointError, match="'multi'"):
+        sp.load(tmp / "async", into={"multi": torch.zeros_like(state["multi"])})
 
 
 # -- async saves ---------------------------------------------------------------------------------

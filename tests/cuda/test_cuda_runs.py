@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import _gpu
+import _runs
 import pytest
-
-from gpu import _gpu, _runs
 
 torch = _gpu.torch
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import _gpu
 import pytest
-
-from gpu import _gpu
 
 torch = _gpu.torch
 

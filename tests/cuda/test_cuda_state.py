@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import _gpu
 import pytest
 
 import savepoint as sp
-from gpu import _gpu
 
 torch = _gpu.torch
 
@@ -52,14 +52,7 @@ def test_device_loads_hold_at_most_one_host_copy(ckpt: Path) -> None:
     _gpu.check_device_load_memory(ckpt, "cuda", mib=512)
 
 
-# ==== LEAD: verify on device ========================================================================
-# The device-side checksums (issue 24: savepoint.codecs.devhash or similar, names to come) belong
-# here: (1) the digest of a CUDA tensor computed on the device equals the digest the same function
-# gives for its host copy, for every dtype of _gpu.DTYPE_NAMES and for sizes that are not a multiple
-# of the kernel's block; (2) a verified sp.load(device="cuda") / sp.load(into=cuda targets) of a
-# checkpoint written with device digests checks them on the device (a flipped byte raises
-# CorruptCheckpointError, as in test_device_loads_find_a_flipped_byte) without a host pass;
-# (3) the manifest names the checksum each tensor has.
-def test_verify_on_device() -> None:
-    pytest.importorskip("savepoint.codecs.devhash", reason="device checksums are not written yet")
-    pytest.skip("LEAD: fill in the device-checksum checks described above")
+def test_device_loads_and_device_checksums_of_every_dtype(
+    tmp_path: Path, flip_byte: Callable[..., None]
+) -> None:
+    _gpu.check_device_paths_every_dtype(tmp_path, "cuda", flip_byte)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import _gpu
+import _runs
 import pytest
-
-from gpu import _gpu, _runs
 
 pytestmark = pytest.mark.torch
 
@@ -23,6 +23,21 @@ def test_tied_module(ckpt: Path) -> None:
 
 def test_corrupt_device_load(ckpt: Path, flip_byte: Callable[..., None]) -> None:
     _gpu.check_corrupt_device_load(ckpt, "cpu", flip_byte)
+
+
+def test_device_paths_every_dtype(
+    tmp_path: Path, flip_byte: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from savepoint.async_ import staging
+    from savepoint.engine import device
+    from savepoint.state import torch_tensors
+
+    # The switches under which the CPU runs the device paths (tests/engine/test_device_fill.py).
+    monkeypatch.setattr(staging, "DEVICE_HASH_CPU", True)
+    monkeypatch.setattr(device, "CPU_TARGETS", True)
+    monkeypatch.setattr(torch_tensors, "CPU_AS_DEVICE", True)
+    monkeypatch.setattr(device, "PIECE", 8 * 65536)  # "multi": 2 pieces + 12345 bytes >= 1 MiB
+    _gpu.check_device_paths_every_dtype(tmp_path, "cpu", flip_byte)
 
 
 def test_save_with_several_writers(ckpt: Path) -> None:

@@ -1,7 +1,7 @@
 """A one-process NCCL world beside a gloo group, saving and loading through both (run as a script).
 
-    python tests/gpu/_dist.py DIR --device cuda     # backend nccl, tensors on the GPU
-    python tests/gpu/_dist.py DIR --device cpu      # backend gloo: the same steps on the CPU
+    python tests/cuda/_dist.py DIR --device cuda     # backend nccl, tensors on the GPU
+    python tests/cuda/_dist.py DIR --device cpu      # backend gloo: the same steps on the CPU
 
 World size 1 (one GPU). NCCL collectives run before, between and after the saves, so a save that
 broke the training's group (or interleaved with it) shows. Prints ``OK`` and exits 0 when every

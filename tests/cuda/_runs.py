@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import _gpu
+
 import savepoint as sp
-from gpu import _gpu
 from savepoint.formats.diff import diff
 
 TRAIN = _gpu.HERE / "_train.py"
@@ -31,15 +33,16 @@ def check_resume_after_kill(tmp: Path, device: str, *, steps: int, kill_at: int)
     """A run SIGKILLed after step ``kill_at`` and resumed equals an unbroken run: model,
     optimizer, RNG streams (dropout's included) and every step's loss, bit for bit."""
     runs = {name: tmp / name for name in ("reference", "resumed")}
-    common = ["--device", device, "--steps", str(steps)]
-    ref = _run([str(TRAIN), str(runs["reference"]), *common], 300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    killed = _run([str(TRAIN), str(runs["resumed"]), *common, "--kill-at", str(kill_at)], 300)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    left = sp.CheckpointManager(runs["resumed"]).steps()
-    assert left and max(left) < steps, left
-    resumed = _run([str(TRAIN), str(runs["resumed"]), *common], 300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    args = [str(TRAIN), str(tmp), "--device", device, "--steps", str(steps)]
+    out = _run([*args, "--scenario", str(kill_at)], 600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    statuses = json.loads(out.stdout.strip().splitlines()[-1])
+    left = statuses.pop("steps_after_kill")
+    assert statuses == {"reference": 0, "killed": -signal.SIGKILL, "resumed": 0}, (
+        statuses,
+        out.stderr[-4000:],
+    )
+    assert left and max(left) <= kill_at < steps, left  # the resume starts from a checkpoint
     a, b = (sp.CheckpointManager(runs[n]) for n in ("reference", "resumed"))
     assert a.latest_step() == b.latest_step() == steps
     d = diff(a.step_path(steps), b.step_path(steps))
