@@ -39,8 +39,10 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -349,7 +351,7 @@ class Check:
         files = self.test_files()
         junit = self.work / "junit.xml"
         log = self.out_dir / f"{self.args.name}-pytest.log"
-        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-q"]
+        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-v"]
         has_timeout = (
             subprocess.run(
                 [sys.executable, "-c", "import pytest_timeout"],
@@ -372,23 +374,17 @@ class Check:
             "per_test_timeout_s": self.args.test_timeout if has_timeout else None,
             "limit_s": round(limit),
         }
-        with open(log, "w", encoding="utf-8") as f:
-            try:
-                proc = subprocess.run(
-                    cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit,
-                    check=False,
-                )  # fmt: skip
-                result["exit_code"] = proc.returncode
-            except subprocess.TimeoutExpired:
-                result["exit_code"] = None
-                result["timed_out"] = True
-                self.note(f"pytest stopped at its {limit:.0f} s limit; results so far are lost")
+        result["exit_code"] = run_logged(cmd, env, log, limit)
+        if result["exit_code"] is None:
+            result["timed_out"] = True
+            self.note(f"pytest was stopped at its {limit:.0f} s limit (results from its log)")
         result["seconds"] = round(time.monotonic() - started, 1)
         result["log"] = log.name
         if junit.exists():
             result.update(parse_junit(junit.read_text(encoding="utf-8")))
         else:
-            result["error"] = "pytest wrote no results: " + _tail(log, 3000)
+            result.update(parse_verbose_log(_tail(log, 1 << 20)))
+            result["error"] = "pytest wrote no JUnit results; its log ends: " + _tail(log, 2000)
         if not cuda:
             result["cuda"] = "no CUDA device: every cuda test was collected and skipped"
         return result
@@ -415,16 +411,9 @@ class Check:
             cmd.append("--cpu-smoke")
         print(f"gpu-check: {' '.join(cmd[1:])}", flush=True)
         started = time.monotonic()
-        with open(log, "w", encoding="utf-8") as f:
-            try:
-                proc = subprocess.run(
-                    cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                    timeout=limit, check=False,
-                )  # fmt: skip
-                code: int | None = proc.returncode
-            except subprocess.TimeoutExpired:
-                code = None
-                self.note(f"the benchmark was stopped at {limit:.0f} s; its figures so far kept")
+        code = run_logged(cmd, self.env, log, limit)
+        if code is None:
+            self.note(f"the benchmark was stopped at {limit:.0f} s; its figures so far kept")
         result: dict[str, Any] = {}
         if json_path.exists():
             result = json.loads(json_path.read_text(encoding="utf-8"))
@@ -470,6 +459,60 @@ class Check:
         with open(f"{base}.json", "w", encoding="utf-8") as f:
             json.dump(self.report, f, indent=2, default=str)
         Path(f"{base}.md").write_text(render_markdown(self.report), encoding="utf-8")
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
+    """Run ``cmd`` from the repository root, output to ``log``, in a process group of its own;
+    past ``limit`` seconds the whole group is killed (children holding the GPU included) and
+    None is returned, else the exit code."""
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+
+
+_OUTCOME = re.compile(r"^(\S+::\S+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b(.*)$")
+
+
+def parse_verbose_log(text: str) -> dict[str, Any]:
+    """Outcomes from ``pytest -v`` output, for a run stopped before it wrote its JUnit file
+    (the test it was in is then missing)."""
+    passed: list[str] = []
+    failed: list[dict[str, str]] = []
+    errors: list[dict[str, str]] = []
+    skipped: list[dict[str, str]] = []
+    for line in text.splitlines():
+        m = _OUTCOME.match(line.strip())
+        if not m:
+            continue
+        name, outcome, rest = m.group(1), m.group(2), m.group(3).strip()
+        if outcome in ("PASSED", "XPASS"):
+            passed.append(name)
+        elif outcome == "FAILED":
+            failed.append({"name": name, "message": "see the log", "detail": ""})
+        elif outcome == "ERROR":
+            errors.append({"name": name, "message": "see the log", "detail": ""})
+        else:
+            skipped.append({"name": name, "reason": rest})
+    return {
+        "passed": passed,
+        "failed": failed,
+        "errors": errors,
+        "skipped": skipped,
+        "counts": {
+            "passed": len(passed),
+            "failed": len(failed),
+            "errors": len(errors),
+            "skipped": len(skipped),
+        },
+    }
 
 
 def _tail(path: Path, n: int) -> str:

@@ -5,8 +5,10 @@ GPU machine is lent for its few minutes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,26 @@ def test_the_benchmark_without_cuda_measures_nothing_and_says_so(tmp_path: Path)
         bench_gpu.parse_args(["--sections", "save,nonsense"])
     assert bench_gpu.parse_args(["--cpu-smoke"]).gib < 0.01
     assert bench_gpu.parse_args(["--sections", "load"]).sections == ["load"]
+
+
+def test_a_check_stopped_at_its_limit_keeps_what_its_log_says(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    started = time.monotonic()
+    code = gpu_check.run_logged(
+        [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"],
+        dict(os.environ),
+        log,
+        1.0,
+    )
+    assert code is None and time.monotonic() - started < 30
+    assert log.read_text() == "started\n"
+    got = gpu_check.parse_verbose_log(
+        "tests/cuda/test_cuda_async.py::test_a PASSED                       [ 10%]\n"
+        "tests/cuda/test_cuda_async.py::test_b FAILED                       [ 20%]\n"
+        "tests/cuda/test_cuda_state.py::test_c[x-1] SKIPPED (needs CUDA)   [ 30%]\n"
+        "tests/cuda/test_cuda_runs.py::test_d ERROR                         [ 40%]\n"
+        "some other line\n"
+    )
+    assert got["counts"] == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+    assert got["failed"][0]["name"] == "tests/cuda/test_cuda_async.py::test_b"
+    assert got["skipped"][0]["name"] == "tests/cuda/test_cuda_state.py::test_c[x-1]"
