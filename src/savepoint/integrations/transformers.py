@@ -383,14 +383,19 @@ def export_pretrained(
             "`savepoint export CKPT model.safetensors` and add the model's config.json yourself",
             path=str(checkpoint),
         )
-    from savepoint.formats._files import atomic_file
+    from savepoint.commit.atomic import replace_file
+    from savepoint.commit.transaction import write_error
+    from savepoint.storage.local import STORE
 
     out = os.path.abspath(os.fspath(directory))
     export(checkpoint, os.path.join(out, "model.safetensors"), subtree="model", overwrite=overwrite)
-    with atomic_file(os.path.join(out, "config.json")) as tmp, open(tmp, "wb") as f:
-        f.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
+    target = os.path.join(out, "config.json")
+    try:
+        replace_file(target, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    except OSError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise write_error(STORE, target, exc, what="config.json") from exc
     return out
 
 
