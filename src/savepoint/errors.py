@@ -254,19 +254,31 @@ class ConversionError(UnsupportedStateError):
     ``problems`` lists every part (all of them, found before anything is written).
 
     ``label`` is how the message names the target (``".shrew v1"``); the target's name otherwise.
+    ``hint`` replaces the closing advice (``convert``'s ``--lossy``) where it does not apply
+    (``export``, which takes no ``--lossy``).
     """
 
-    def __init__(self, target: str, problems: list[str], *, label: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        problems: list[str],
+        *,
+        label: str | None = None,
+        hint: str | None = None,
+    ) -> None:
         self.target = target
         self.problems = list(problems)
         shown = self.problems[:25]
         more = len(self.problems) - len(shown)
         lines = _problem_lines(shown) + (f"\n  ... and {more} more" if more else "")
+        if hint is None:
+            hint = (
+                "Convert with lossy=True (savepoint convert --lossy) to leave them out, or choose "
+                "a format that holds them (savepoint's own format holds everything)."
+            )
         super().__init__(
             f"cannot convert to {label or target} without losing data; "
-            f"{len(self.problems)} part(s) it cannot hold:\n{lines}\n"
-            "Convert with lossy=True (savepoint convert --lossy) to leave them out, or choose a "
-            "format that holds them (savepoint's own format holds everything)."
+            f"{len(self.problems)} part(s) it cannot hold:\n{lines}\n{hint}"
         )
 
 
