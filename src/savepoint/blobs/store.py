@@ -33,6 +33,7 @@ import numpy as np
 from savepoint.blobs import digest as _digest
 from savepoint.blobs import frame
 from savepoint.blobs.frame import HEADER, Compression
+from savepoint.codecs import bounded_json
 from savepoint.codecs import checksum as _checksum
 from savepoint.codecs.recipe import MAX_CHUNK, Recipe
 from savepoint.errors import (
@@ -41,6 +42,7 @@ from savepoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
+from savepoint.storage.base import read_error
 
 if TYPE_CHECKING:
     from savepoint.blobs.gc import BlobGcReport, SaveSession
@@ -180,9 +182,11 @@ class BlobStore:
             raw = self.store.read_small(path, cap=_CONFIG_CAP)
         except FileNotFoundError:
             return None
+        except OSError as exc:  # a refused or failed read on a store that says it raw
+            raise read_error(self.url(path), exc) from exc
         try:
-            config = json.loads(raw)
-        except ValueError:
+            config = bounded_json.loads(raw, CorruptCheckpointError, self.url(path))
+        except CorruptCheckpointError:
             config = None
         if (
             not isinstance(config, dict)

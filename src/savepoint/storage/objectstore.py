@@ -117,7 +117,14 @@ from savepoint.errors import (
     NotRegularFileError,
     ReplacedWhileReadingError,
 )
-from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store, pin_prefix
+from savepoint.storage.base import (
+    Capabilities,
+    PrefixPin,
+    Stat,
+    Store,
+    pin_prefix,
+    read_error,
+)
 
 if TYPE_CHECKING:
     from obstore import WritableFile
@@ -387,7 +394,9 @@ class ObjectStore(Store):
         if _is_precondition(exc):
             return FileExistsError(errno.EEXIST, f"Object exists ({_cause(exc)})", shown)
         if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
-            return PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
+            refused = PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
+            # The read side's refusals are CheckpointErrors (the Store contract), as local ones.
+            return read_error(shown, refused) if read else refused
         if attempts is None:
             retries = _retries(exc)
             attempts = None if retries is None else retries + 1
