@@ -264,7 +264,11 @@ class BlobStore:
         return self.store.join(self.data_root, digest[:2], digest)
 
     def exists(self, digest: str) -> bool:
-        st = self.store.stat(self.path(digest))
+        path = self.path(digest)
+        try:
+            st = self.store.stat(path)
+        except PermissionError as exc:  # a refusal (an object store's 403) is no "missing"
+            raise read_error(self.url(path), exc) from exc
         return st is not None and st.kind == "file"
 
     def _present(self, path: str, size: int) -> bool:

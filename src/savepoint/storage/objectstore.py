@@ -256,6 +256,14 @@ def _is_missing(exc: BaseException) -> bool:
     return isinstance(exc, (FileNotFoundError, oe.NotFoundError))
 
 
+def _is_refused(exc: BaseException) -> bool:
+    """A refused credential or request (401, 403): obstore says so for a GET or a HEAD, but a
+    refused LIST reaches here as a generic error naming the status."""
+    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
+        return True
+    return re.search(r"status code: 40[13]\b", str(exc).partition("Debug source:")[0]) is not None
+
+
 def _is_precondition(exc: BaseException) -> bool:
     return isinstance(exc, (oe.AlreadyExistsError, oe.PreconditionError, FileExistsError))
 
@@ -393,7 +401,7 @@ class ObjectStore(Store):
             return FileNotFoundError(errno.ENOENT, f"No such object ({_cause(exc)})", shown)
         if _is_precondition(exc):
             return FileExistsError(errno.EEXIST, f"Object exists ({_cause(exc)})", shown)
-        if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
+        if _is_refused(exc):
             refused = PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
             # The read side's refusals are CheckpointErrors (the Store contract), as local ones.
             return read_error(shown, refused) if read else refused
