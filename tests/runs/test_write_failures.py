@@ -7,6 +7,8 @@ ENOSPC whose message says so. A deletion that fails (retention) does not fail th
 error is a CheckpointError subclass: never a raw OSError, never the bare base class. Faults are
 injected by running the manager on the fault-injecting store (savepoint.storage.faults) wrapped
 around the local filesystem; test_full_disk_tmpfs in tests/faults sweeps a real full filesystem.
+The last test sweeps one EIO over every store call (reads and looks included) of an incremental
+save, on the same fault-injecting store around a memory store.
 """
 
 from __future__ import annotations
