@@ -183,7 +183,7 @@ class BlobStore:
         except FileNotFoundError:
             return None
         except OSError as exc:  # a refused or failed read on a store that says it raw
-            raise read_error(self.url(path), exc) from exc
+            raise read_error(self.url(path), exc) from None
         try:
             config = bounded_json.loads(raw, CorruptCheckpointError, self.url(path))
         except CorruptCheckpointError:
@@ -268,7 +268,7 @@ class BlobStore:
         try:
             st = self.store.stat(path)
         except PermissionError as exc:  # a refusal (an object store's 403) is no "missing"
-            raise read_error(self.url(path), exc) from exc
+            raise read_error(self.url(path), exc) from None
         return st is not None and st.kind == "file"
 
     def _present(self, path: str, size: int) -> bool:

@@ -351,7 +351,7 @@ def read_json(path: PathArg) -> Any:
             errno=exc.errno,
         ) from None
     except OSError as exc:
-        raise read_error(shown, exc) from exc
+        raise read_error(shown, exc) from None
     # Bounded (nesting, memory), and read as Python's json wrote it (NaN allowed).
     return bounded_json.loads(raw, CorruptCheckpointError, shown, strict=False)
 
