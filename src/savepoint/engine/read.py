@@ -61,6 +61,7 @@ from savepoint.errors import (
     CheckpointError,
     CheckpointMemoryError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
@@ -354,6 +355,8 @@ class Reader:
             pinned = store.pin(directory)
         except (FileNotFoundError, NotADirectoryError):
             raise _Replaced from None  # renamed away or deleted since locate saw it
+        except PermissionError as exc:  # a pin looks (stat) and may be refused
+            raise local.permission_error(exc, shown) from None
         blobs: dict[str, BlobReader] = {}
         try:
             try:
@@ -521,12 +524,16 @@ class Reader:
                         self.store, root, algorithm=self.manifest.blob_digest, create=False
                     )
                 except CheckpointError as exc:
-                    first = first or exc
+                    # A refusal says more than the other candidate's "no store here".
+                    refused = isinstance(exc, CheckpointPermissionError)
+                    first = exc if refused else first or exc
                     continue
                 self._blob_store = self._blob_store or opened
                 if probe is None or opened.exists(probe):
                     self._blob_store = opened
                     break
+            if self._blob_store is None and isinstance(first, CheckpointPermissionError):
+                raise first  # may not be read: not damage
             if self._blob_store is None:
                 if self._left_its_path() == "deleted":  # the run deleted with its store, say
                     raise CheckpointNotFoundError(

@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from savepoint._version import __version__
+from savepoint.codecs import bounded_json
 from savepoint.commit import names
 from savepoint.errors import (
     CheckpointPermissionError,
@@ -72,6 +73,7 @@ from savepoint.errors import (
     RunMismatchError,
 )
 from savepoint.runs import history as _history
+from savepoint.storage.base import read_error
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = [
@@ -341,17 +343,17 @@ def read_json(path: PathArg) -> Any:
         raw = store.read_small(store.realpath(where.path), cap=MAX_JSON_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except CheckpointPermissionError as exc:
+    except PermissionError as exc:  # CheckpointPermissionError, or a store's raw refusal
         raise CheckpointPermissionError(
             f"{shown}: permission denied; the run itself may be intact: make the file readable "
             "by this user (or read it as one who may) and try again",
             path=shown,
             errno=exc.errno,
         ) from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{shown} is not valid JSON: {exc}", path=shown) from None
+    except OSError as exc:
+        raise read_error(shown, exc) from None
+    # Bounded (nesting, memory), and read as Python's json wrote it (NaN allowed).
+    return bounded_json.loads(raw, CorruptCheckpointError, shown, strict=False)
 
 
 def write_json(path: PathArg, doc: Mapping[str, Any], *, sync_dir: bool = True) -> None:

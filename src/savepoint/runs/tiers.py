@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from savepoint.codecs import bounded_json
 from savepoint.commit.transaction import discard
 from savepoint.errors import CheckpointError, CheckpointWriteError, RunMismatchError
 from savepoint.runs import layout
@@ -170,7 +171,7 @@ class TierCopier:
                 errno=exc.errno,
             ) from exc
         try:
-            found = json.loads(raw)["run"]
+            found = bounded_json.loads(raw, bounded_json.StrictJSONError, str(where))["run"]
         except (ValueError, KeyError, TypeError):
             found = None
         if found != self.run_id:

@@ -31,7 +31,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from savepoint.errors import CheckpointError
+from savepoint.codecs import bounded_json
+from savepoint.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from savepoint.storage.base import Store
@@ -151,8 +152,8 @@ class LeaseLock:
         except CheckpointError:
             return {}  # over the cap, not a blob: no lease of ours; treated as stale below
         try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
+            doc = bounded_json.loads(raw, CorruptCheckpointError, self.store.url(self.path))
+        except CorruptCheckpointError:  # not JSON, nested too deep: no lease of ours
             return {}
         return doc if isinstance(doc, dict) else {}
 

@@ -117,7 +117,14 @@ from savepoint.errors import (
     NotRegularFileError,
     ReplacedWhileReadingError,
 )
-from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store, pin_prefix
+from savepoint.storage.base import (
+    Capabilities,
+    PrefixPin,
+    Stat,
+    Store,
+    pin_prefix,
+    read_error,
+)
 
 if TYPE_CHECKING:
     from obstore import WritableFile
@@ -247,6 +254,14 @@ def _is_transport(exc: BaseException) -> bool:
 
 def _is_missing(exc: BaseException) -> bool:
     return isinstance(exc, (FileNotFoundError, oe.NotFoundError))
+
+
+def _is_refused(exc: BaseException) -> bool:
+    """A refused credential or request (401, 403): obstore says so for a GET or a HEAD, but a
+    refused LIST reaches here as a generic error naming the status."""
+    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
+        return True
+    return re.search(r"status code: 40[13]\b", str(exc).partition("Debug source:")[0]) is not None
 
 
 def _is_precondition(exc: BaseException) -> bool:
@@ -386,8 +401,10 @@ class ObjectStore(Store):
             return FileNotFoundError(errno.ENOENT, f"No such object ({_cause(exc)})", shown)
         if _is_precondition(exc):
             return FileExistsError(errno.EEXIST, f"Object exists ({_cause(exc)})", shown)
-        if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
-            return PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
+        if _is_refused(exc):
+            refused = PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
+            # The read side's refusals are CheckpointErrors (the Store contract), as local ones.
+            return read_error(shown, refused) if read else refused
         if attempts is None:
             retries = _retries(exc)
             attempts = None if retries is None else retries + 1
