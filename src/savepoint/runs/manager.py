@@ -1932,10 +1932,11 @@ class CheckpointManager:
         Returns the step restored. With ``resume`` (the default) the run continues from that step:
         the report forgets history after it (the resumed run logs those steps again), records the
         lineage, and retention protects that checkpoint; ``resume=False`` only loads. Nothing is
-        written here (restoring works on read-only media): the next save or ``close()`` writes
-        the report. With "latest", a checkpoint that fails verification is skipped (with a
-        warning) for the next older one; None means the run has no checkpoint at all. "best" and
-        explicit steps are never substituted: missing or corrupt is an error.
+        written here (restoring works on read-only media): the next save or ``log()`` records
+        the resume, and a ``close()`` with neither in between writes nothing for it (an
+        evaluation changes nothing). With "latest", a checkpoint that fails verification is
+        skipped (with a warning) for the next older one; None means the run has no checkpoint at
+        all. "best" and explicit steps are never substituted: missing or corrupt is an error.
 
         Next to a live writer (a read-only manager), the checkpoint chosen may be deleted or
         replaced by the writer before it is read: then "latest" and "best" choose again from what
