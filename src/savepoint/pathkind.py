@@ -20,8 +20,8 @@ kind                    what is there
 ``dcp``                 a checkpoint of torch.distributed.checkpoint's own ``FileSystemWriter``
                         (``.metadata`` and ``*.distcp`` files)
 ``format``              a checkpoint of another format savepoint reads (``format``: its name
-                        as :func:`savepoint.formats.detect.detect` gives it; ``remote``: on an
-                        object store, where those formats are not read)
+                        as :func:`savepoint.formats.detect.detect` gives it; ``remote``: at a
+                        URL, where those formats are not read)
 ``artifact-sweep``      a sweep of training artifacts (``comparison.json``)
 ``empty``               an empty directory
 ``directory``           a directory holding none of the above (``entries``: some of its names)
@@ -63,7 +63,7 @@ _DATA_FILE = re.compile(r"data-(?:r\d+-)?\d{5,}\.safetensors")  # savepoint's (a
 _ARTIFACT_SWEEP = "training_comparison.json"  # training_artifact.COMPARISON_FILE
 _DCP_METADATA = ".metadata"
 _DCP_SUFFIX = ".distcp"
-# The other formats by file name (on an object store, where their readers do not go) and the
+# The other formats by file name (at a URL, where their readers do not go) and the
 # marker files of the directory formats.
 _SUFFIXES = {
     ".safetensors": "safetensors",
@@ -90,8 +90,9 @@ class Found:
     """What :func:`classify` found at ``path`` (as messages name it): ``kind`` (one of
     :data:`KINDS`) and what the messages need: the run's committed ``steps`` (``run``,
     ``run-folder``), the ``run`` a ``checkpoints/`` folder belongs to, the ``runs`` of a sweep,
-    the ``format`` of another format's checkpoint (``remote``: on an object store), some
-    ``entries`` of a plain directory, and the ``error`` detection gave for an unknown file."""
+    the ``format`` of another format's checkpoint, some
+    ``entries`` of a plain directory, and the ``error`` detection gave for an unknown file.
+    ``remote``: at a URL (not on the local disk), where the other formats are not read."""
 
     kind: str
     path: str
@@ -237,7 +238,7 @@ def described(found: Found) -> str:
             f"({_DCP_METADATA} and *{_DCP_SUFFIX} files), not a savepoint checkpoint"
         )
     if kind == "format":
-        where = " on an object store" if found.remote else ""
+        where = " at a URL" if found.remote else ""
         return f"{p} is a {found.label}{where}, not a savepoint checkpoint"
     if kind == "artifact-sweep":
         return f"{p} is a sweep of training artifacts, not a checkpoint"
@@ -253,7 +254,7 @@ def described(found: Found) -> str:
     if found.error is not None:
         return str(found.error)
     if found.format:
-        return f"{p} is a file (a {found.label}?) on an object store, not a savepoint checkpoint"
+        return f"{p} is a file (a {found.label}?) at a URL, not a savepoint checkpoint"
     return f"{p} is a file, not a savepoint checkpoint (a directory)"
 
 
@@ -264,7 +265,11 @@ def library_message(found: Found, call: str = "sp.load") -> str:
     kind = found.kind
     head = described(found)
     if kind == "run":
-        held = f"it holds steps {_listed(found.steps)}" if found.steps else "it holds no step yet"
+        held = (
+            f"it holds the checkpoints of step(s) {_listed(found.steps)}"
+            if found.steps
+            else "it holds no checkpoint yet"
+        )
         return (
             f"{head} ({held}): {call}('{p}/latest') takes its newest checkpoint ('{p}/best', "
             f"'{p}/checkpoints/step-N' the others), sp.open_run('{p}').load(step) "
