@@ -26,6 +26,7 @@ ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "MissingCheckpointError": (ValueError, sp.CorruptCheckpointError),
     "RunMismatchError": (ValueError, sp.IncompatibleCheckpointError),
     "UnsupportedStorageError": (ValueError,),
+    "CheckpointArgumentError": (TypeError, ValueError),
 }
 
 

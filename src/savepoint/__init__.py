@@ -20,6 +20,7 @@ from savepoint.checkpoint import inspect, load, save, verify
 from savepoint.distributed import FlatShard, Partitioned, Shard
 from savepoint.errors import (
     ArtifactMismatchError,
+    CheckpointArgumentError,
     CheckpointError,
     CheckpointMemoryError,
     CheckpointNotFoundError,
@@ -70,6 +71,7 @@ from savepoint.transfer import copy
 __all__ = [
     "ArtifactMismatchError",
     "AsyncCheckpointer",
+    "CheckpointArgumentError",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",

@@ -142,8 +142,8 @@ def locate(store: Store, path: str) -> str:
             kind = "a regular file" if st.kind == "file" else _special_kind(store, path)
             raise IncompleteCheckpointError(
                 f"{shown} is {kind}, not a savepoint checkpoint directory (files of other "
-                "formats, .shrew, .safetensors, burn .mpk, are read with sp.convert or "
-                "`savepoint inspect`)",
+                "formats, .safetensors, .pt, .shrew, burn .mpk, are read from local paths by "
+                "sp.load, sp.convert and `savepoint inspect`)",
                 path=shown,
             )
         try:

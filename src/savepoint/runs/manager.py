@@ -424,6 +424,11 @@ class CheckpointManager:
         self._pid = os.getpid()
         self._started = time.monotonic()
         self._resumed_from: int | None = None
+        # A resume no save or log() has followed yet: the report before it, and the history
+        # records it adds. close() then puts the report back and writes nothing for it (an
+        # evaluation script that restores changes nothing); the next save or log() keeps it.
+        self._unresumed: Report | None = None
+        self._resume_marks: list[dict[str, Any]] = []
         self._verified: set[int] = set()
         self._last_saved: int | None = None
         # Steps no longer part of the run whose deletion is pending, and what report.json on disk
@@ -450,8 +455,9 @@ class CheckpointManager:
         self._lock_error_raised = False
         self._release: Callable[[], object] | None = None
         self.read_only_reason: str | None = None
-        # Whether close() has anything to write: a save, a log, a resume, or a report to create.
-        # (Opening and restoring without resuming leave report.json byte for byte as it was.)
+        # Whether close() has anything to write: a save, a log, or a report to create (a resume
+        # alone is not: see _unresumed).
+        # (Opening and restoring leave report.json byte for byte as it was.)
         self._dirty = False
         self._strict_config = strict_config
         self._config_changes: list[dict[str, Any]] = []
@@ -889,6 +895,7 @@ class CheckpointManager:
             return PendingSave.finished(None, step, skipped=True)
         self._check_writer()
         self._dirty = True
+        self._keep_resume()
         clean = _plain(dict(metrics or {}))
         self._warn_unranked(step, clean)
         target = self._checkpoint(step)
@@ -1151,6 +1158,7 @@ class CheckpointManager:
         (:mod:`savepoint.runs.history`) by the next save or ``close()``."""
         with self._lock:
             self._dirty = True
+            self._keep_resume()
             step = int(step)
             value = None if loss is None else float(loss)
             plain = _plain(metrics) if metrics else None
@@ -1924,10 +1932,11 @@ class CheckpointManager:
         Returns the step restored. With ``resume`` (the default) the run continues from that step:
         the report forgets history after it (the resumed run logs those steps again), records the
         lineage, and retention protects that checkpoint; ``resume=False`` only loads. Nothing is
-        written here (restoring works on read-only media): the next save or ``close()`` writes
-        the report. With "latest", a checkpoint that fails verification is skipped (with a
-        warning) for the next older one; None means the run has no checkpoint at all. "best" and
-        explicit steps are never substituted: missing or corrupt is an error.
+        written here (restoring works on read-only media): the next save or ``log()`` records
+        the resume, and a ``close()`` with neither in between writes nothing for it (an
+        evaluation changes nothing). With "latest", a checkpoint that fails verification is
+        skipped (with a warning) for the next older one; None means the run has no checkpoint at
+        all. "best" and explicit steps are never substituted: missing or corrupt is an error.
 
         Next to a live writer (a read-only manager), the checkpoint chosen may be deleted or
         replaced by the writer before it is read: then "latest" and "best" choose again from what
@@ -2150,12 +2159,17 @@ class CheckpointManager:
             self.best_metric, self.best_mode = metric, mode
 
     def _resumed(self, step: int) -> int:
+        """The run continues from ``step``: in memory now; on disk with the next save or
+        ``log()`` (:meth:`_keep_resume`), never by ``close()`` alone."""
         with self._lock:
-            self._dirty = True
+            if self._unresumed is None:
+                self._unresumed = dataclasses.replace(
+                    self.report, lineage=list(self.report.lineage)
+                )
             self._resumed_from = step
             self._last_saved = step
             self.report.truncate_after(step)
-            self._log.append({"resumed_from": step})
+            self._resume_marks.append({"resumed_from": step})
             self.report.lineage.append(
                 {
                     "resumed_from": step,
@@ -2165,6 +2179,21 @@ class CheckpointManager:
             )
             self.report.steps_completed = step
         return step
+
+    def _keep_resume(self) -> None:
+        """The run writes again after a resume: its records join the history log, ahead of
+        what follows, and close() keeps the resumed report."""
+        with self._lock:
+            self._log.extend(self._resume_marks)
+            self._resume_marks = []
+            self._unresumed = None
+
+    def _forget_resume(self) -> None:
+        """close() after a resume nothing followed: the report as it was before it."""
+        with self._lock:
+            if self._unresumed is not None:
+                self.report, self._unresumed = self._unresumed, None
+                self._resume_marks = []
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -2251,6 +2280,7 @@ class CheckpointManager:
             self._join_background()
             if self._tiers is not None:
                 self._tiers.close()  # the copy-ups finish (their failures are raised below)
+            self._forget_resume()
             try:
                 if (
                     self._writes_books()
