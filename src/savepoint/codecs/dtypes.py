@@ -37,7 +37,7 @@ class DType:
     name: str  # safetensors name, as written in headers and manifests
     torch_name: str  # attribute of the torch module; for ml_dtypes' types, theirs too
     itemsize: int
-    kind: str  # numpy's kind letter: "b", "u", "i", "f", "c"; ml_dtypes' floats say "f" too
+    kind: str  # "b", "u", "i", "f", "c" by meaning (numpy says "V" for ml_dtypes' bfloat16)
     plain: np.dtype[Any] | None = field(default=None, repr=False)  # None: an ml_dtypes type
 
     @cached_property
