@@ -330,12 +330,17 @@ def test_a_tier_of_a_savepoint_before_run_ids_is_adopted_by_its_first_writer(
     (tmp_path / "tier" / "checkpoints").mkdir(parents=True)
     legacy = {"format": "savepoint-tier", "version": 1, "run": {"name": "job", "variant": None}}
     (tmp_path / "tier" / "tier.json").write_text(json.dumps(legacy))
+
     # A run made before run ids (its run.json has none) gets one from its writer, then claims it.
+    def made_before_run_ids(run: Path) -> None:
+        for name in ("run.json", "report.json"):
+            doc = json.loads((run / name).read_text())
+            del doc["run_id"]
+            (run / name).write_text(json.dumps(doc))
+
     with sp.CheckpointManager(tmp_path / "a", name="job") as a:
         a.save(1, state(1))
-    doc = json.loads((tmp_path / "a" / "run.json").read_text())
-    del doc["run_id"]
-    (tmp_path / "a" / "run.json").write_text(json.dumps(doc))
+    made_before_run_ids(tmp_path / "a")
     with sp.CheckpointManager(tmp_path / "a", name="job", tiers=[tier]) as a:
         a.save(2, state(2))
     owner = run_id(tmp_path / "a")
@@ -345,6 +350,13 @@ def test_a_tier_of_a_savepoint_before_run_ids_is_adopted_by_its_first_writer(
         b.save(1, state(1))
     with pytest.raises(sp.RunMismatchError, match="another run"):
         sp.CheckpointManager(tmp_path / "b", name="job", tiers=[tier])
+    # Another run directory made before run ids: only its name can be compared, and it matches.
+    with sp.CheckpointManager(tmp_path / "c", name="job") as c:
+        c.save(3, state(3))
+    made_before_run_ids(tmp_path / "c")
+    with sp.CheckpointManager(tmp_path / "c", name="job", tiers=[tier]) as c:
+        assert c.steps() == [3]
+    assert run_id(tmp_path / "c") == owner
 
 
 def test_a_failed_read_of_tier_json_is_not_a_missing_one(
@@ -361,7 +373,30 @@ def test_a_failed_read_of_tier_json_is_not_a_missing_one(
     before = store.inner.read_small("/t/tier.json", cap=None)
     store.fail("read_small", path="*/tier.json", code=errno.EIO)
     with pytest.raises(sp.CheckpointError, match=r"cannot read .*tier\.json"):
-        TierCopier([Tier("memory://t")], {**RUN, "id": "b" * 32}, fresh=True)
+        TierCopier([Tier("memory://t")], {**RUN, "id": "b" * 32}, inherit=True)
     assert store.inner.read_small("/t/tier.json", cap=None) == before  # not claimed over
     # (and its lock was released: the owner opens it again)
     TierCopier([Tier("memory://t")], {**RUN, "id": "a" * 32}).close()
+
+
+def test_a_tier_that_cannot_be_listed_fails_the_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: skipped with a log record, so a new run directory whose only tier failed to
+    # answer restored nothing (None: "a fresh start") and trained over the tier's run.
+    tier = sp.Tier(str(tmp_path / "tier"), name="t")
+    with sp.CheckpointManager(tmp_path / "ram", name="r", tiers=[tier]) as mgr:
+        mgr.save(1, state(1))
+    with sp.CheckpointManager(tmp_path / "new", name="r", tiers=[tier]) as new:
+        real = layout.committed_steps
+
+        def failing(directory: Any, expected: Any = ()) -> list[int]:
+            if str(directory).endswith("/tier"):
+                raise sp.CheckpointError("cannot list it (injected)")
+            return real(directory, expected)
+
+        monkeypatch.setattr(layout, "committed_steps", failing)
+        with pytest.raises(sp.CheckpointError, match=r"tier 't' .* cannot be listed"):
+            new.restore(state(0))
+        monkeypatch.undo()
+        assert new.restore(state(0)) == 1

@@ -457,7 +457,10 @@ class CheckpointManager:
         self._strict_config = strict_config
         self._config_changes: list[dict[str, Any]] = []
         self._new_config: dict[str, Any] | None = None
-        self._created = False  # the run directory's run.json and report.json made by this open
+        # Whether the run's id is made by this open (a new run directory, or a run made before
+        # run ids): then it takes the id of the run its tiers belong to (runs.tiers).
+        self._created = False
+        self._legacy_id = False
         try:
             self.read_only, self._writer = self._open_directory(read_only)
             if self._writer is not None:
@@ -484,13 +487,17 @@ class CheckpointManager:
                 self._tiers = TierCopier(
                     tier_list,
                     {"name": self.run.name, "variant": self.run.variant, "id": self.run.run_id},
-                    fresh=self._created and not on_disk and self._writes_books(),
+                    inherit=self._writes_books()
+                    and ((self._created and not on_disk) or self._legacy_id),
                     protected=lambda: () if self._resumed_from is None else (self._resumed_from,),
                     writable=self._writes_books(),
                 )
                 release_tiers = weakref.finalize(self, self._tiers.release_locks)
                 release_tiers.atexit = False  # (as the run's lock: see above)
-                if self._tiers.run_id != self.run.run_id:
+                if self._tiers.run_id != self.run.run_id or (
+                    self._legacy_id and self._writes_books()
+                ):
+                    # The id the tiers now name (theirs, or one made now) goes to run.json.
                     self.run = dataclasses.replace(self.run, run_id=self._tiers.run_id)
                     self.report.run_id = self.run.run_id
                     new_run_file = True
@@ -635,7 +642,7 @@ class CheckpointManager:
         else:
             report, self._report_version = read_report(self._run)
             if report is None:
-                self._created = True  # (by this open: neither run.json nor report.json)
+                self._created = True  # (no run.json, no report.json: with no checkpoint, new)
                 return wanted, True, None
             source = REPORT_FILE
             run = RunInfo(
@@ -646,11 +653,12 @@ class CheckpointManager:
                 run_id=report.run_id,
             )
         if run.run_id is None:
-            # A run made before run ids (or a run.json that lost it): the report's, else a new
-            # one from its writer, recorded in run.json once the open succeeds.
+            # A run made before run ids: the report's, else a new one from its writer, recorded
+            # in the next report.json it writes (not by the open: opening and restoring change
+            # nothing), and in run.json if the open writes it anyway.
             known = report.run_id if report is not None else None
             run = dataclasses.replace(run, run_id=known or wanted.run_id)
-            stale = stale or run.run_id is not None
+            self._legacy_id = known is None  # (made now: its tiers' run id may replace it)
         problems = []
         if name is not None and name != run.name:
             problems.append(f"name {name!r} ({source} has {run.name!r})")

@@ -9,8 +9,8 @@
 ``run_id`` is the run's identity: 32 random hex digits made with the run (``uuid4``), which no
 other run shares even where names, variants and configs are alike. Storage tiers record it in
 ``tier.json`` (:mod:`savepoint.runs.tiers`). ``report.json`` records it too, so a run that loses
-its ``run.json`` keeps it. A run made by a savepoint without run ids gets one when a writer next
-opens it.
+its ``run.json`` keeps it. A run made by a savepoint without run ids gets one in the next
+``report.json`` a writer writes (an open alone changes nothing).
 
 ``report.json`` (version 2; replaced atomically once per save, by the background step of a save
 that prunes, and at close)::
@@ -95,6 +95,7 @@ __all__ = [
     "lagging_run",
     "load_report",
     "missing_best",
+    "new_run_id",
     "now_iso",
     "plain_value",
     "read_history",

@@ -41,7 +41,9 @@ Two exceptions, both taken under the lock:
 - a run directory created by this very open (no ``run.json``, no ``report.json``, no checkpoint:
   a job restarted on a new machine whose run directory, on a RAM disk, died with the old one)
   continues the run its tiers belong to: it takes that run's id (written to its ``run.json``),
-  so that ``restore()`` can read the tiers. (To start a new run, give it its own tiers.)
+  so that ``restore()`` can read the tiers. (To start a new run, give it its own tiers.) So does
+  a run directory made before run ids (its ``run.json`` has none), whose name and variant are
+  all that can be compared, as before.
 - a ``tier.json`` of version 1 (savepoint before run ids: name and variant only) is adopted by the
   first run of that name and variant whose writer opens it: its id is written there. Until then a
   run with the same name and variant could have written it too, so this is the best that can be
@@ -68,7 +70,8 @@ manager collects its run's store.
 
 Restore: :meth:`TierCopier.candidates` lists, for each step, where it can be read, fastest tier
 first; the manager's ``restore()`` tries them newest step first and falls back tier by tier, then
-step by step (see :mod:`savepoint.runs.manager`).
+step by step (see :mod:`savepoint.runs.manager`). A tier that cannot be listed fails the restore
+(CheckpointError naming it) rather than being skipped: its checkpoints are not "none".
 """
 
 from __future__ import annotations
@@ -148,8 +151,9 @@ class TierCopier:
     ``run``: what ``tier.json`` records and checks of the run (its name and variant), with its
     ``run_id`` under ``"id"`` (None or absent: not known here, as on the ranks other than 0 of a
     sharded run before rank 0 wrote ``run.json``; then name and variant are checked alone).
-    ``fresh``: the run directory was created by this open (it may continue the run its tiers
-    belong to: :attr:`run_id` is then that run's id, for the caller to record).
+    ``inherit``: the run's id was made by this open (a new run directory, or a run made before
+    run ids): it may continue the run its tiers belong to, and :attr:`run_id` is then that run's
+    id, for the caller to record.
     ``protected()``: steps a tier must never delete (the step the run resumed from).
     ``writable``: take each tier's writer lock and claim it (else check ``tier.json`` only).
     Call :meth:`close` to release the locks."""
@@ -159,7 +163,7 @@ class TierCopier:
         tiers: Sequence[Tier],
         run: dict[str, Any],
         *,
-        fresh: bool = False,
+        inherit: bool = False,
         protected: Callable[[], Iterable[int]] = tuple,
         writable: bool = True,
     ) -> None:
@@ -169,7 +173,7 @@ class TierCopier:
         self.tiers = list(tiers)
         self.run = {k: v for k, v in run.items() if k != "id"}
         self.run_id: str | None = run.get("id")
-        self._fresh = fresh
+        self._inherit = inherit
         self._locks: dict[str, WriterLock] = {}
         self._protected = protected
         self._where = {t.label: resolve_path(t.url, what=f"tier {t.label!r}") for t in tiers}
@@ -218,7 +222,7 @@ class TierCopier:
             except OSError as exc:
                 raise self._prepare_error(tier, exc) from exc
             found[tier.label] = self._read(tier)
-        if self._fresh:
+        if self._inherit:
             # A run directory made by this open continues the run its tiers belong to.
             ids = {f.get("id") for f in found.values() if f is not None and self._same_name(f)}
             ids.discard(None)
@@ -535,14 +539,21 @@ class TierCopier:
 
     def candidates(self) -> dict[int, list[tuple[Tier, Location]]]:
         """Every committed checkpoint on the tiers: step -> [(tier, location)], tiers in the
-        order given (fastest first). An unreachable tier is skipped with a log record."""
+        order given (fastest first). A tier that cannot be listed raises CheckpointError naming
+        it: skipped, its checkpoints would read as none, and a restore would start over (or
+        from an older step) with the newest copies out of sight."""
         found: dict[int, list[tuple[Tier, Location]]] = {}
         for tier in self.tiers:
             try:
                 steps = self._steps(tier)
             except (CheckpointError, OSError) as exc:
-                log.warning("tier %r cannot be listed, skipped: %s", tier.label, exc)
-                continue
+                where = self._where[tier.label]
+                raise CheckpointError(
+                    f"tier {tier.label!r} ({where}) cannot be listed ({exc}); a restore without "
+                    "it could miss its newest checkpoints: try again once it answers, or open "
+                    "the manager without that tier",
+                    path=str(where),
+                ) from exc
             for step in steps:
                 found.setdefault(step, []).append((tier, self.location(tier, step)))
         return found
