@@ -1629,7 +1629,7 @@ class CheckpointManager:
         try:
             if aliases_touched:
                 self._repair_aliases(unknown="republish")
-        except CheckpointError as undo_exc:
+        except (CheckpointError, OSError) as undo_exc:
             problems.append(str(undo_exc))
         code = getattr(exc, "errno", None)
         head = f"saving step {step} to {self.directory} failed while {phase}: {_reason(self._store, exc)}"
