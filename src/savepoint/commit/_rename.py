@@ -76,20 +76,22 @@ def _tidy(store: Store, path: str) -> None:
 
 
 def has_manifest(store: Store, directory: str) -> bool:
-    """Whether ``directory`` holds a ``manifest.json`` (not a directory of that name)."""
-    try:
-        st = store.stat(store.join(directory, mf.NAME))
-    except OSError:
-        return False
+    """Whether ``directory`` holds a ``manifest.json`` (not a directory of that name). A lookup
+    that fails raises the store's OSError: a failed read is not an absent manifest."""
+    st = store.stat(store.join(directory, mf.NAME))
     return st is not None and st.kind != "dir"
 
 
 def clean_stale(store: Store, target: str) -> list[str]:
     """Remove hidden siblings of ``target`` left by dead processes; returns what was removed."""
-    removed = []
-    committed = has_manifest(store, target)
+    removed: list[str] = []
+    try:
+        committed = has_manifest(store, target)
+        found = {tag: names.siblings(store, target, tag) for tag in (names.TMP_TAG, names.OLD_TAG)}
+    except OSError:  # tidying is best effort; the next save tries again
+        return removed
     for tag in (names.TMP_TAG, names.OLD_TAG):
-        for path, rest in names.siblings(store, target, tag):
+        for path, rest in found[tag]:
             # A "-old-" directory is the only copy when a fallback replace died between renames.
             if tag == names.OLD_TAG and not committed:
                 continue

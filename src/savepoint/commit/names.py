@@ -65,13 +65,14 @@ def is_generation(name: str) -> bool:
 def siblings(store: Store, path: str, tag: str) -> list[tuple[str, str]]:
     """(hidden path, the part after the tag) for each hidden sibling of ``path`` with ``tag``.
 
-    A parent that is missing or may not be listed has no sibling anyone could use: ``[]``
-    (callers that must tell "unreadable" from "absent" look at the path itself)."""
+    A parent that is missing or may not be listed (EACCES) has no sibling anyone could use:
+    ``[]``. Any other failure to list it (an I/O error, a failed request) raises the store's
+    OSError: a failed read is not an absence."""
     prefix = f".{store.basename(path)}{tag}"
     parent = store.parent(path)
     try:
         entries = store.list(parent)
-    except OSError:
+    except PermissionError:
         return []
     return [(store.join(parent, e), e[len(prefix) :]) for e in entries if e.startswith(prefix)]
 

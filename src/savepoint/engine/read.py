@@ -127,6 +127,7 @@ def locate(store: Store, path: str) -> str:
             st = store.stat(path)
             if st is not None and st.kind == "link":
                 st = store.stat(store.realpath(path))
+            replacing = st is None and bool(names.siblings(store, path, names.OLD_TAG))
         except PermissionError as exc:
             raise local.permission_error(exc, shown) from None
         except OSError as exc:
@@ -134,7 +135,7 @@ def locate(store: Store, path: str) -> str:
                 f"cannot look at {shown}: {exc.strerror or exc}", path=shown
             ) from exc
         if st is None:
-            if not names.siblings(store, path, names.OLD_TAG) or attempt == ATTEMPTS - 1:
+            if not replacing or attempt == ATTEMPTS - 1:
                 raise CheckpointNotFoundError(f"no checkpoint at {shown}", path=shown) from None
             time.sleep(0.001)  # a replace is between its renames: look again
             continue
@@ -151,8 +152,10 @@ def locate(store: Store, path: str) -> str:
         except PermissionError as exc:
             # A directory we may not search hides its manifest: say so, not "no manifest".
             raise local.permission_error(exc, shown) from None
-        except OSError:
-            break
+        except OSError as exc:  # a failed look is not "no manifest"
+            raise CheckpointError(
+                f"cannot look at {shown}: {exc.strerror or exc}", path=shown
+            ) from exc
         if there is None:
             break
         # The manifest is there now: a replace landed while resolve looked. Look again.
