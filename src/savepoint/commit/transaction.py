@@ -77,6 +77,7 @@ class Transaction:
         self.committed: str | None = None
         self._begun = False
         self._made_target = False  # manifest-last: the target directory is this attempt's
+        self._kept_old = False  # rename: an "-old-" sibling was kept by the tidy before the save
         self._started = time.perf_counter()
 
     @property
@@ -100,7 +101,7 @@ class Transaction:
                 self.staging = names.hidden(store, self.target, names.TMP_TAG)
                 self.check(store, self.target)
                 store.makedirs(store.parent(self.target))
-                _rename.clean_stale(store, self.target)
+                self._kept_old = _rename.tidy(store, self.target)[1]
             else:
                 self.staging = store.join(self.target, names.generation())
                 self.check(store, self.target)
@@ -151,9 +152,11 @@ class Transaction:
                     "committed %s: staging fsynced, renamed into place, parent fsynced",
                     self.shown,
                 )
-                # A replace that died between its two renames left "-old-" behind; it is stale.
-                with contextlib.suppress(OSError):
-                    _rename.clean_stale(store, self.target)
+                # A replace that died between its two renames left "-old-" behind; it is stale
+                # now that the target holds a checkpoint (no listing when there was none).
+                if self._kept_old:
+                    with contextlib.suppress(OSError):
+                        _rename.clean_stale(store, self.target)
             else:
                 for wait in durable:
                     wait()
