@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import errno
 import logging
 import os
 import sys
@@ -59,13 +58,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from savepoint import info
+from savepoint import errors_map, info
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.staging import StagingArena
 from savepoint.codecs.dtypes import DType
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
-from savepoint.errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
+from savepoint.errors import CheckpointError, UnsupportedStateError
 from savepoint.formats import boostr
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
@@ -549,12 +548,9 @@ def _reported(exc: BaseException, target: str) -> CheckpointError:
         return exc
     error: CheckpointError
     if isinstance(exc, OSError):
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        hint = "free disk space and save again" if exc.errno == errno.ENOSPC else "see the cause"
-        error = CheckpointWriteError(
-            f"the background save to {target} failed: {reason} ({exc.filename or target}); {hint}",
-            path=target,
-            errno=exc.errno,
+        where = exc.filename if isinstance(exc.filename, str) and exc.filename else target
+        error = errors_map.write_error(
+            exc, target, f"the background save to {target} failed", where=where
         )
     else:
         error = CheckpointError(

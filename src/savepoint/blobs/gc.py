@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from savepoint import errors_map
 from savepoint.blobs import digest as _digest
 from savepoint.blobs.store import GC, SESSIONS, TMP, BlobStore, PutResult, PutStats, Recipe
 from savepoint.codecs import bounded_json
@@ -109,7 +110,9 @@ def _record(kind: str) -> bytes:
 def _write_error(blobs: BlobStore, what: str, exc: OSError) -> CheckpointError:
     if isinstance(exc, CheckpointError):
         return exc
-    return CheckpointWriteError(f"{what} ({blobs.url()}): {exc}", path=blobs.url(), errno=exc.errno)
+    return errors_map.write_error(
+        exc, blobs.url(), f"{what} ({blobs.url()})", scheme=blobs.store.scheme
+    )
 
 
 class SaveSession:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from savepoint import errors_map
 from savepoint.blobs import digest as _digest
 from savepoint.blobs import frame
 from savepoint.blobs.frame import HEADER, Compression
@@ -39,7 +40,6 @@ from savepoint.codecs.recipe import MAX_CHUNK, Patch, Recipe
 from savepoint.errors import (
     CheckpointError,
     CheckpointMemoryError,
-    CheckpointWriteError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     ReplacedWhileReadingError,
@@ -256,10 +256,11 @@ class BlobStore:
             except OSError as exc:
                 if isinstance(exc, CheckpointError):
                     raise
-                raise CheckpointWriteError(
-                    f"cannot create the blob store {self.url()}: {exc}",
-                    path=self.url(),
-                    errno=exc.errno,
+                raise errors_map.write_error(
+                    exc,
+                    self.url(),
+                    f"cannot create the blob store {self.url()}",
+                    scheme=self.store.scheme,
                 ) from exc
             config = self._read_config()
             assert config is not None
@@ -361,8 +362,8 @@ class BlobStore:
         except OSError as exc:
             if isinstance(exc, CheckpointError):
                 raise
-            raise CheckpointWriteError(
-                f"cannot write blob {self.url(path)}: {exc}", path=self.url(path), errno=exc.errno
+            raise errors_map.write_error(
+                exc, self.url(path), f"cannot write blob {self.url(path)}", scheme=self.store.scheme
             ) from exc
         return PutResult(d, n, written, stored if written else 0)
 
@@ -426,10 +427,11 @@ class BlobStore:
                 self._dirty |= dirty
             if isinstance(exc, CheckpointError):
                 raise
-            raise CheckpointWriteError(
-                f"cannot make the blobs of {self.url()} durable: {exc}",
-                path=self.url(),
-                errno=exc.errno,
+            raise errors_map.write_error(
+                exc,
+                self.url(),
+                f"cannot make the blobs of {self.url()} durable",
+                scheme=self.store.scheme,
             ) from exc
 
     def put_chunked(
@@ -1035,10 +1037,11 @@ class BlobStore:
         except OSError as exc:
             if isinstance(exc, CheckpointError):
                 raise
-            raise CheckpointWriteError(
-                f"cannot copy blob {source.url(src_path)} to {self.url(path)}: {exc}",
-                path=self.url(path),
-                errno=exc.errno,
+            raise errors_map.write_error(
+                exc,
+                self.url(path),
+                f"cannot copy blob {source.url(src_path)} to {self.url(path)}",
+                scheme=self.store.scheme,
             ) from exc
         return PutResult(digest, header.raw_size, written, len(stored) if written else 0)
 

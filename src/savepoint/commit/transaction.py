@@ -33,13 +33,12 @@ content, not by capability). :func:`discard` deletes one so that no crash leaves
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Literal, cast
 
+from savepoint import errors_map
 from savepoint.codecs import manifest as mf
 from savepoint.commit import _generations, _rename, names, pointer
 from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
@@ -247,23 +246,16 @@ def write_error(
     """The CheckpointWriteError for an OSError met while saving ``target``."""
     shown = store.url(target)
     # The OSError's own text first: an object store's names the request and its cause.
-    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
     where = exc.filename
     if isinstance(where, str) and where.startswith("/"):
         where = store.url(where)  # the store's path as the user names it (a URL off the disk)
-    if exc.errno == errno.EACCES or (isinstance(exc, PermissionError) and not exc.errno):
-        hint = refused_hint(store)
-    else:
-        hint = {
-            errno.ENOSPC: "free disk space and save again",
-            errno.EDQUOT: "free quota and save again",
-            errno.EROFS: "the filesystem is read-only",
-        }.get(exc.errno or 0, "see the cause below")
-    return CheckpointWriteError(
-        f"saving {shown} failed: {reason} ({where or shown}); any previous {what} "
-        f"there is intact and no temporary files remain; {hint}",
-        path=shown,
-        errno=exc.errno,
+    return errors_map.write_error(
+        exc,
+        shown,
+        f"saving {shown} failed",
+        where=where if isinstance(where, str) and where else shown,
+        tail=f"; any previous {what} there is intact and no temporary files remain",
+        scheme=store.scheme,
     )
 
 
@@ -272,9 +264,7 @@ def refused_hint(store: Store) -> str:
     permissions of the directory; on any other store (an object store answering 403 AccessDenied
     or 401, a remote filesystem) the credentials and the access policy, which no local
     permission bit decides."""
-    if store.scheme.removeprefix("fsspec+") in ("file", "local"):  # the local disk
-        return "check the permissions of the parent directory"
-    return "the store refused the request: check the credentials and the bucket's access policy"
+    return errors_map.write_hint(PermissionError(), scheme=store.scheme)
 
 
 def resolve(store: Store, path: str, *, strict: bool = True) -> str | None:

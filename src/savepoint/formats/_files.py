@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from savepoint import errors_map
 from savepoint.codecs import checksum, dtypes
 from savepoint.codecs import safetensors as st_format
 from savepoint.codecs.dtypes import DType
@@ -376,12 +377,13 @@ def write_safetensors(
 
 
 def write_error(target: str, exc: OSError) -> CheckpointWriteError:
-    reason = os.strerror(exc.errno) if exc.errno else str(exc)
-    return CheckpointWriteError(
-        f"writing {target} failed: {reason} ({exc.filename or target}); any previous file there "
-        "is intact and no temporary file remains",
-        path=target,
-        errno=exc.errno,
+    return errors_map.write_error(
+        exc,
+        target,
+        f"writing {target} failed",
+        where=exc.filename if isinstance(exc.filename, str) and exc.filename else target,
+        tail="; any previous file there is intact and no temporary file remains",
+        cause=False,
     )
 
 

@@ -17,10 +17,8 @@ Contract:
 
 from __future__ import annotations
 
-import errno
-import os
-
-from savepoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
+from savepoint import errors_map
+from savepoint.errors import CheckpointError, CheckpointNotFoundError
 from savepoint.storage.paths import PathArg, resolve
 
 PathLike = PathArg
@@ -35,13 +33,15 @@ def write(path: PathLike, data: bytes, what: str) -> None:
     except CheckpointError:
         raise
     except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        hint = "; free disk space and try again" if exc.errno == errno.ENOSPC else ""
-        raise CheckpointWriteError(
-            f"writing the {what} {target} failed: {reason}{hint}; the file there holds its old "
-            "content or the new one, never a torn file, and no temporary file remains",
-            path=target,
-            errno=exc.errno,
+        raise errors_map.write_error(
+            exc,
+            target,
+            f"writing the {what} {target} failed",
+            where="",
+            tail="; the file there holds its old content or the new one, never a torn file, and "
+            "no temporary file remains",
+            scheme=loc.store.scheme,
+            cause=False,
         ) from None
 
 

@@ -41,16 +41,15 @@ store.
 
 from __future__ import annotations
 
-import errno
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from savepoint import errors_map
 from savepoint.commit.transaction import discard
 from savepoint.commit.transaction import resolve as resolve_commit
-from savepoint.errors import CheckpointWriteError
 from savepoint.inference.snapshot import InferenceSnapshot, SnapshotMetadata
 from savepoint.runs.layout import checkpoint_arg, clean_stale_in
 from savepoint.storage.paths import Location, PathArg, resolve
@@ -211,10 +210,12 @@ class SnapshotHistory:
         try:
             discard(where.store, where.path)
         except OSError as exc:
-            raise CheckpointWriteError(
-                f"deleting snapshot {where} failed: {exc}; the history is unchanged",
-                path=str(where),
-                errno=exc.errno,
+            raise errors_map.write_error(
+                exc,
+                str(where),
+                f"deleting snapshot {where} failed",
+                tail="; the history is unchanged",
+                scheme=where.store.scheme,
             ) from exc
 
     def _open(self, directory: Location) -> None:
@@ -224,11 +225,11 @@ class SnapshotHistory:
             clean_stale_in(store, directory.path)
             names = store.list(directory.path)
         except OSError as exc:
-            hint = "; free disk space and try again" if exc.errno == errno.ENOSPC else ""
-            raise CheckpointWriteError(
-                f"cannot open the snapshot directory {directory}: {exc}{hint}",
-                path=str(directory),
-                errno=exc.errno,
+            raise errors_map.write_error(
+                exc,
+                str(directory),
+                f"cannot open the snapshot directory {directory}",
+                scheme=store.scheme,
             ) from exc
         seqs = []
         committed = []

@@ -57,14 +57,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from savepoint import errors_map
 from savepoint.codecs import manifest as mf
 from savepoint.commit import names, pointer
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointPermissionError,
-    CheckpointWriteError,
 )
 from savepoint.runs import history, layout
 from savepoint.runs.lock import WriterLock
@@ -219,14 +218,8 @@ def _is_run(where: Location) -> bool:
             (st := store.stat(store.join(where.path, name))) is not None and st.kind == "file"
             for name in (RUN_FILE, REPORT_FILE)
         )
-    except PermissionError as exc:
-        raise CheckpointPermissionError(
-            f"cannot look at {where}: {exc.strerror or exc}", path=str(where), errno=exc.errno
-        ) from exc
     except OSError as exc:
-        raise CheckpointError(
-            f"cannot look at {where}: {exc.strerror or exc}", path=str(where)
-        ) from exc
+        raise errors_map.read_error(exc, str(where), head=f"cannot look at {where}") from exc
 
 
 def _is_checkpoint(where: Location) -> bool:
@@ -241,14 +234,9 @@ def _is_checkpoint(where: Location) -> bool:
             entries = store.list(where.path) if st.kind == "dir" else []
             return bool(entries) and all(names.is_generation(e) for e in entries)
         return any(names.siblings(store, where.path, tag) for tag in _TAGS)
-    except PermissionError as exc:
-        raise CheckpointPermissionError(
-            f"cannot look at {where}: {exc.strerror or exc}", path=str(where), errno=exc.errno
-        ) from exc
     except OSError as exc:
-        raise CheckpointError(
-            f"cannot look at {where}: {exc.strerror or exc}; nothing was removed",
-            path=str(where),
+        raise errors_map.read_error(
+            exc, str(where), head=f"cannot look at {where}", tail="; nothing was removed"
         ) from exc
 
 
@@ -261,11 +249,12 @@ def _take_lock(run: Location) -> WriterLock | None:
     except CheckpointError:
         raise
     except OSError as exc:
-        raise CheckpointWriteError(
-            f"cannot collect garbage in {run}: its writer lock cannot be taken "
-            f"({exc.strerror or exc}); nothing was removed",
-            path=str(run),
-            errno=exc.errno,
+        raise errors_map.write_error(
+            exc,
+            str(run),
+            f"cannot collect garbage in {run}: its writer lock cannot be taken",
+            tail="; nothing was removed",
+            scheme=run.store.scheme,
         ) from exc
 
 

@@ -60,6 +60,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from savepoint import errors_map
 from savepoint.codecs import bounded_json
 from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
 from savepoint.storage.base import Store
@@ -324,13 +325,7 @@ def _read_blob(store: Store, path: str) -> bytes:
     try:
         return store.read_small(path, cap=None)
     except CheckpointPermissionError as exc:
-        shown = store.url(path)
-        raise CheckpointPermissionError(
-            f"{shown}: permission denied; the run itself may be intact: make the file readable "
-            "by this user (or read it as one who may) and try again",
-            path=shown,
-            errno=exc.errno,
-        ) from None
+        raise errors_map.permission_error(exc, store.url(path), what="the run itself") from None
 
 
 # -- writing -------------------------------------------------------------------------------------

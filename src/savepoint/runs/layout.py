@@ -31,9 +31,10 @@ import os
 import re
 from collections.abc import Iterable
 
+from savepoint import errors_map
 from savepoint.commit import names
 from savepoint.commit.transaction import resolve as resolve_commit
-from savepoint.errors import CheckpointPermissionError, CorruptCheckpointError
+from savepoint.errors import CorruptCheckpointError
 from savepoint.storage import local
 from savepoint.storage.base import Store
 from savepoint.storage.paths import Location, PathArg, resolve
@@ -112,11 +113,7 @@ def committed_steps(directory: PathArg, expected: Iterable[int] = ()) -> list[in
         found = store.stat(store.realpath(root.path))
         entries = store.list(root.path) if found is None or found.kind == "dir" else None
     except PermissionError as exc:
-        raise CheckpointPermissionError(
-            f"{root}: permission denied; make it readable by this user and try again",
-            path=str(root),
-            errno=exc.errno,
-        ) from None
+        raise errors_map.permission_error(exc, str(root), what="the run itself") from None
     except OSError as exc:
         raise CorruptCheckpointError(
             f"cannot list {root}: {exc.strerror or exc}", path=str(root)

@@ -125,16 +125,15 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
-from savepoint import checkpoint
+from savepoint import checkpoint, errors_map
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.codecs import manifest as mf
-from savepoint.commit.transaction import discard, refused_hint
+from savepoint.commit.transaction import discard
 from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointPermissionError,
     CheckpointWriteError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
@@ -187,11 +186,6 @@ StepSpec = int | Literal["latest", "best"]
 _RESTORE_TRIES = 20
 RUN_DIRECTORY = "run directory"  # restored_from for a checkpoint read from the run itself
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
-_HINTS = {
-    errno.ENOSPC: "free disk space and save again",
-    errno.EDQUOT: "free quota and save again",
-    errno.EROFS: "the filesystem is read-only",
-}
 # Managers whose background step (verification, retention) may still run or failed unreported:
 # finished (and a failure printed) at interpreter exit.
 _LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
@@ -1657,15 +1651,14 @@ class CheckpointManager:
     def _hint(self, code: int | None, exc: BaseException) -> str:
         """What to do about a refused write: the store's own advice for EACCES (credentials and
         bucket policy on an object store, permissions on a disk), a full disk's, or the cause."""
-        if code == errno.EACCES or (isinstance(exc, PermissionError) and not code):
-            return refused_hint(self._store)
-        return _HINTS.get(code or 0, "see the cause below")
+        if code is not None and code != getattr(exc, "errno", None):
+            exc = OSError(code, "")
+        return errors_map.write_hint(exc, scheme=self._store.scheme)
 
     def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
-        return CheckpointWriteError(
-            f"{what}: {_reason(self._store, exc)}; {self._hint(exc.errno, exc)}",
-            path=_shown(self._store, exc.filename),
-            errno=exc.errno,
+        where = _shown(self._store, exc.filename)
+        return errors_map.write_error(
+            exc, where, what, where=where or "", scheme=self._store.scheme
         )
 
     def _finish_discards(self) -> None:
@@ -2518,10 +2511,10 @@ def _shown(store: Store, filename: Any) -> str | None:
 def _background_failure(exc: BaseException) -> CheckpointError:
     """A background step's unexpected failure, as the error the next call raises."""
     if isinstance(exc, OSError):
-        error: CheckpointError = CheckpointWriteError(
-            f"the background step of a save failed: {exc.strerror or exc}",
-            path=exc.filename if isinstance(exc.filename, str) else None,
-            errno=exc.errno,
+        error: CheckpointError = errors_map.write_error(
+            exc,
+            exc.filename if isinstance(exc.filename, str) else None,
+            "the background step of a save failed",
         )
     else:
         error = CheckpointError(f"the background step of a save failed: {exc!r}")
@@ -2575,15 +2568,9 @@ def _not_writable(*paths: str) -> tuple[int, str] | None:
 
 def _open_error(directory: str, exc: OSError) -> CheckpointError:
     """The error for a run whose store could not be looked at while opening it."""
-    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
-    if isinstance(exc, PermissionError):
-        return CheckpointPermissionError(
-            f"cannot open the run {directory}: {reason}; check the credentials or permissions "
-            "for it",
-            path=directory,
-            errno=exc.errno,
-        )
-    return CheckpointError(f"cannot open the run {directory}: {reason}", path=directory)
+    return errors_map.read_error(
+        exc, directory, head=f"cannot open the run {directory}", what="the run"
+    )
 
 
 def _abort(staged: Mapping[str, aliases.Staging]) -> None:

@@ -71,11 +71,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from savepoint import errors_map
 from savepoint._version import __version__
 from savepoint.codecs import bounded_json
 from savepoint.commit import names
 from savepoint.errors import (
-    CheckpointPermissionError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     MissingCheckpointError,
@@ -383,12 +383,7 @@ def read_json(path: PathArg) -> Any:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except PermissionError as exc:  # CheckpointPermissionError, or a store's raw refusal
-        raise CheckpointPermissionError(
-            f"{shown}: permission denied; the run itself may be intact: make the file readable "
-            "by this user (or read it as one who may) and try again",
-            path=shown,
-            errno=exc.errno,
-        ) from None
+        raise errors_map.permission_error(exc, shown, what="the run itself") from None
     except OSError as exc:
         raise read_error(shown, exc) from None
     # Bounded (nesting, memory), and read as Python's json wrote it (NaN allowed).

@@ -87,6 +87,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from savepoint import errors_map
 from savepoint.codecs import bounded_json
 from savepoint.commit.transaction import discard
 from savepoint.errors import (
@@ -250,10 +251,11 @@ class TierCopier:
 
     def _prepare_error(self, tier: Tier, exc: OSError) -> CheckpointWriteError:
         where = self._where[tier.label]
-        return CheckpointWriteError(
-            f"tier {tier.label!r} ({where}): cannot prepare it: {exc.strerror or exc}",
-            path=str(where),
-            errno=exc.errno,
+        return errors_map.write_error(
+            exc,
+            str(where),
+            f"tier {tier.label!r} ({where}): cannot prepare it",
+            scheme=where.store.scheme,
         )
 
     def _take_lock(self, tier: Tier) -> None:

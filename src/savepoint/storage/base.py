@@ -80,7 +80,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from savepoint.errors import CheckpointError, CheckpointPermissionError
+from savepoint import errors_map
+from savepoint.errors import CheckpointError
 
 if TYPE_CHECKING:
     from savepoint.storage.paths import Location
@@ -437,15 +438,4 @@ def read_error(shown: str, exc: OSError) -> CheckpointError:
     may say any failure raw): ``exc`` itself when it is a CheckpointError already;
     CheckpointPermissionError for a refusal (EACCES, EPERM, an object store's 403); a
     CheckpointError naming ``shown`` and the cause for any other failure."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    if isinstance(exc, PermissionError) or exc.errno in (errno.EACCES, errno.EPERM):
-        return CheckpointPermissionError(
-            f"{shown}: permission denied ({reason}); the checkpoint itself may be intact: make "
-            "it readable by this user (on an object store: check the credentials and the "
-            "bucket's policy) and try again",
-            path=shown,
-            errno=exc.errno or errno.EACCES,
-        )
-    return CheckpointError(f"cannot read {shown}: {reason}", path=shown)
+    return errors_map.read_error(exc, shown)

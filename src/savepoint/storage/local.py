@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from savepoint import errors_map
 from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
 from savepoint.storage.base import Capabilities, Kind, Stat, Store
 
@@ -126,13 +127,7 @@ from savepoint.errors import NotRegularFileError, SymlinkError  # noqa: E402
 
 def permission_error(exc: OSError, shown: str) -> CheckpointPermissionError:
     """The CheckpointPermissionError for an EACCES/EPERM met while reading ``shown``."""
-    return CheckpointPermissionError(
-        f"{shown}: permission denied ({os.strerror(exc.errno or errno.EACCES)}); the checkpoint "
-        "itself may be intact: make it readable by this user (or read it as one who may) and try "
-        "again",
-        path=shown,
-        errno=exc.errno,
-    )
+    return errors_map.permission_error(exc, shown, scheme="file")
 
 
 def _shown(path: str, dir_fd: int | None, shown: str | None) -> str:

@@ -106,13 +106,14 @@ import threading
 import time
 import warnings
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import obstore
 import obstore.exceptions as oe
 import obstore.store
 
+from savepoint import errors_map
 from savepoint.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -126,7 +127,6 @@ from savepoint.storage.base import (
     Stat,
     Store,
     pin_prefix,
-    read_error,
 )
 
 if TYPE_CHECKING:
@@ -401,13 +401,14 @@ class ObjectStore(Store):
         bytes (``read``) is a CheckpointError, as the local store's is."""
         shown = self._shown(bucket, key)
         if _is_missing(exc):
-            return FileNotFoundError(errno.ENOENT, f"No such object ({_cause(exc)})", shown)
+            return errors_map.store_error("missing", f"No such object ({_cause(exc)})", shown)
         if _is_precondition(exc):
-            return FileExistsError(errno.EEXIST, f"Object exists ({_cause(exc)})", shown)
+            return errors_map.store_error("exists", f"Object exists ({_cause(exc)})", shown)
         if _is_refused(exc):
-            refused = PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
             # The read side's refusals are CheckpointErrors (the Store contract), as local ones.
-            return read_error(shown, refused) if read else refused
+            return errors_map.store_error(
+                "refused", f"{what} refused: {_cause(exc)}", shown, side="read" if read else None
+            )
         if attempts is None:
             retries = _retries(exc)
             attempts = None if retries is None else retries + 1
@@ -429,11 +430,10 @@ class ObjectStore(Store):
                 f"({timeout}) is cut off: on a slow link pass a larger timeout= or a smaller "
                 "part_size= to the ObjectStore"
             )
-        if write:
-            return CheckpointWriteError(message, path=shown, errno=errno.EIO)
-        if read:
-            return CheckpointError(message, path=shown)
-        return OSError(errno.EIO, message, shown)
+        failed_side: Literal["read", "write"] | None = (
+            "write" if write else "read" if read else None
+        )
+        return errors_map.store_error("failed", message, shown, side=failed_side)
 
     def _backoff(self, attempt: int) -> None:
         """Sleep before retrying, as obstore's backoff would (``attempt`` counts from 1)."""
