@@ -1644,16 +1644,9 @@ class CheckpointManager:
             message = (
                 f"{head}. The save was undone and the run is as before: step {step} is not "
                 "saved, report.json, latest/, best/ and every other checkpoint are unchanged; "
-                f"{self._hint(code, exc)}"
+                f"{errors_map.write_hint(exc, scheme=self._store.scheme)}"
             )
         return CheckpointWriteError(message, path=self.step_path(step), errno=code)
-
-    def _hint(self, code: int | None, exc: BaseException) -> str:
-        """What to do about a refused write: the store's own advice for EACCES (credentials and
-        bucket policy on an object store, permissions on a disk), a full disk's, or the cause."""
-        if code is not None and code != getattr(exc, "errno", None):
-            exc = OSError(code, "")
-        return errors_map.write_hint(exc, scheme=self._store.scheme)
 
     def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
         where = _shown(self._store, exc.filename)
