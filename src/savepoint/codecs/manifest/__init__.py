@@ -43,9 +43,10 @@ them), so any key survives exactly::
     {"t": "bytes", "v": base64}                  standard alphabet, padded
     {"t": "stateful", "type": "module.Class", "state": node}
 
-A reader ignores other members of a node (and other top-level members of the manifest); it
-refuses a node of another type, a ``ref`` naming no tensor, and the other members of ``files``,
-``tensors`` and shard entries than those this specification lists.
+A reader ignores members of a node other than those above, and top-level members of the manifest
+other than those this specification lists; it refuses a node of another type, a ``ref`` naming
+no tensor, and an entry of ``files`` or ``tensors``, a shard or a ``blocks`` object with any
+member this specification does not list for it.
 
 Version 2: sharded checkpoints (written by ``save(..., process_group=...)``, one set of data files
 per rank). A version 2 manifest has one more top-level member after ``checksum``,

@@ -31,7 +31,7 @@ PATCHES = 5  # the first version with patched blob recipes (savepoint.blobs.patc
 DEVICE_CHECKS = 6  # the first version with mlh64 tensor checksums (savepoint.codecs.devhash)
 VERSION = DEVICE_CHECKS  # the newest version this reader reads
 NAME = "manifest.json"
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 1 << 30  # parse and dump read it from here when called (tests lower it)
 CAP = f"{MAX_MANIFEST_BYTES >> 20} MiB"  # the cap, as messages name it
 PIECE_ENTRIES = 8192  # tensor entries per piece of the text dump() writes
 encode_string = encode_basestring_ascii  # what json.dumps(ensure_ascii=True) writes for a str
