@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz torture lint bench clean
+.PHONY: demo test fuzz torture lint bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,24 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save_load.py
+
+# The GPU check (docs/performance.md, "GPU check"): one command on a GPU machine, at most 8
+# minutes. It uses $(PYTHON) as it is (on the GPU image: python3 with CUDA torch), never the venv,
+# and downloads nothing: it installs the wheels `make gpu-wheels` put in .whl/, runs every
+# cuda-marked test and benchmarks/bench_gpu.py, and writes gpu-check-report.md/.json into $OUT
+# (when set) or here. On a machine without CUDA it skips the CUDA parts and says so.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Wheels of what savepoint needs and the GPU image lacks (blake3; zstandard and obstore for
+# compressed blobs and object stores), for CPython 3.12 on x86-64 Linux, into .whl/ (git-ignored).
+GPU_WHEELS ?= blake3==1.0.11 zstandard==0.25.0 obstore==0.12.1
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis fuzz-crashes

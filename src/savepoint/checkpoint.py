@@ -28,16 +28,25 @@ above this module and is imported only then, so unsharded saves and loads never 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from savepoint._arguments import check_path, guarded
 from savepoint.engine import collector
 from savepoint.engine import load as load_engine
 from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
 from savepoint.engine.read import Reader, rereading
-from savepoint.errors import UnsupportedStateError
+from savepoint.errors import (
+    CheckpointArgumentError,
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedStateError,
+)
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.options import (
     DEFAULT_MAX_FILE_BYTES,
@@ -47,7 +56,7 @@ from savepoint.options import (
     check_load,
 )
 from savepoint.state import tree
-from savepoint.storage.paths import PathArg
+from savepoint.storage.paths import Location, PathArg
 from savepoint.storage.paths import resolve as resolve_path
 
 __all__ = [
@@ -78,6 +87,7 @@ Framework = load_engine.Framework
 # ---------------------------------------------------------------------------------------------
 
 
+@guarded
 def save(
     path: PathLike,
     state: Any,
@@ -134,7 +144,15 @@ def save(
     ``blobs``, unsharded): key prefixes of tensors the caller says did not change since this
     process's last save of them into that store: their bytes are only sampled (see
     ``CheckpointManager(frozen=)``).
+
+    A path named like a single file of another format (``*.safetensors``, ``*.pt``, ``*.pth``,
+    ``*.bin``, ``*.shrew``, ``*.mpk``) is refused with CheckpointArgumentError naming that
+    format's writer, unless it already holds a savepoint checkpoint (see docs/training-state.md,
+    "Files of other formats"); so are ``sp.save(state, path)`` (torch.save's order) and
+    torch.save's keywords.
     """
+    check_path("sp.save", path, state)
+    _refuse_file_name(path)
     if blobs is not None:
         return save_incremental(
             path,
@@ -251,6 +269,52 @@ def save_incremental(
     return describe(location.store.url(directory), manifest)
 
 
+# Single-file formats sp.save would otherwise make a directory named like: what writes them.
+_FILE_WRITERS = {
+    ".safetensors": (
+        "a safetensors file",
+        "safetensors.torch.save_file(model.state_dict(), path) (the safetensors package), or "
+        "save a checkpoint and export its weights: sp.save('ckpt', state); sp.export('ckpt', "
+        "'{name}') (savepoint export)",
+    ),
+    ".pt": ("a torch.save file", "torch.save(state, path)"),
+    ".pth": ("a torch.save file", "torch.save(state, path)"),
+    ".bin": ("a torch.save file", "torch.save(state, path)"),
+    ".shrew": (
+        "a .shrew file",
+        "savepoint.formats.shrew.save_tensors(path, tensors) (or save_training)",
+    ),
+    ".mpk": ("a burn record", "savepoint.formats.burn.save_record(path, tensors)"),
+}
+
+
+def _refuse_file_name(path: PathLike) -> None:
+    """Refuse a target named like a single file of another format (``model.safetensors``):
+    ``sp.save`` writes a checkpoint directory, which would carry that name. A path that holds a
+    savepoint checkpoint already is taken as it is (one saved there by an earlier version)."""
+    text = path.path if isinstance(path, Location) else os.fspath(path)
+    suffix = os.path.splitext(text.rstrip("/"))[1].lower()
+    known = _FILE_WRITERS.get(suffix)
+    if known is None:
+        return  # (the common case costs a string operation)
+    from savepoint.commit.transaction import resolve as resolve_commit
+
+    location = resolve_path(path, what="checkpoint path")
+    store = location.store
+    name = store.basename(location.path)
+    if resolve_commit(store, location.path, strict=False) is not None:
+        return
+    what, writer = known
+    raise CheckpointArgumentError(
+        f"sp.save writes a savepoint checkpoint, which is a directory, and {location} names "
+        f"{what}: refusing to make a directory of that name. To write {what}, use "
+        f"{writer.format(name=name)}; to save a checkpoint, give a directory name without the "
+        f"{suffix} suffix (sp.save('{name[: -len(suffix)] or 'ckpt'}', state)). sp.load reads "
+        f"{what} as it is",
+        path=str(location),
+    )
+
+
 _TRACKERS: list[Any] = []  # the PatchTracker of this process's sp.save(..., blobs=...) calls
 _MEMOS: dict[str, Any] = {}  # digest algorithm -> the FastMemo of this process's sp.save calls
 _MEMO_ENTRIES = 1 << 16  # 256 GiB of 4 MiB chunks named, about 15 MB of memo
@@ -335,6 +399,7 @@ def _save_flat(
 # ---------------------------------------------------------------------------------------------
 
 
+@guarded
 def load(
     path: PathLike,
     *,
@@ -383,7 +448,15 @@ def load(
     with ``sp.Shard`` / ``sp.FlatShard`` / ``sp.Partitioned`` / DTensor targets in ``into``, each
     rank reads only the byte ranges of the shards that overlap the parts it holds; a failure on
     any rank raises DistributedCheckpointError on all of them. See ``docs/distributed.md``.
+
+    ``path`` may also be a local file or directory of another format savepoint reads (a
+    ``.safetensors`` or PyTorch ``.pt``/``.pth``/``.bin``/``.ckpt`` file, read with
+    ``torch.load(weights_only=True)`` only; ``.shrew``, burn ``.mpk``, boostr, training
+    artifacts): its tree comes back, or goes into ``into``, the same way (see
+    :mod:`savepoint.formats.load`). A run directory, a sweep, a DCP checkpoint or any other
+    directory raises IncompleteCheckpointError saying what it is and what to call instead.
     """
+    check_path("sp.load", path)
     keys = check_load(
         keys=keys,
         verify=verify,
@@ -410,9 +483,44 @@ def load(
         return distributed_load.load(
             location, process_group=process_group, timeout=timeout, **options
         )
-    # A generation replaced under the read (object stores) is read again from the new one.
-    with collector.paused():
-        return rereading(lambda: load_engine.load(location, **options))
+    try:
+        # A generation replaced under the read (object stores) is read again from the new one.
+        with collector.paused():
+            return rereading(lambda: load_engine.load(location, **options))
+    except (IncompleteCheckpointError, CorruptCheckpointError) as exc:
+        found = _other(location, exc)
+        if found is None:
+            raise
+    if found.kind == "format" and not found.remote:
+        from savepoint.formats.load import load_any
+
+        with collector.paused():
+            return load_any(location.path, found.format, **options)
+    raise _not_a_checkpoint(found, "sp.load")
+
+
+def _other(location: Location, exc: CheckpointError) -> Any:
+    """What is at ``location`` (a :class:`savepoint.pathkind.Found`) when the reader failed with
+    ``exc`` about it and it is no savepoint checkpoint, nor one whose save did not commit: a
+    file or directory of another format, a run directory... None: ``exc`` is the answer."""
+    if exc.path != str(location):
+        return None
+    from savepoint import pathkind
+
+    found = pathkind.classify(location)
+    if found is None or found.kind == "uncommitted":
+        return None
+    if isinstance(exc, CorruptCheckpointError) and found.kind != "format":
+        return None  # a damaged checkpoint is damaged, whatever else its directory holds
+    if found.error is not None and not isinstance(found.error, IncompatibleCheckpointError):
+        return None  # a FIFO, a device, an unreadable file: the reader says which
+    return found
+
+
+def _not_a_checkpoint(found: Any, call: str) -> IncompleteCheckpointError:
+    from savepoint import pathkind
+
+    return IncompleteCheckpointError(pathkind.library_message(found, call), path=found.path)
 
 
 def _has_shard_targets(into: Any) -> bool:
@@ -428,19 +536,42 @@ def _has_shard_targets(into: Any) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+@guarded
 def inspect(path: PathLike) -> CheckpointInfo:
-    """Keys, dtypes, shapes, sizes, plain values and metadata, from the manifest alone."""
+    """Keys, dtypes, shapes, sizes, plain values and metadata, from the manifest alone.
+
+    ``path`` may also be a local file or directory of another format savepoint reads (as
+    ``savepoint inspect``: :func:`savepoint.formats.detect.inspect_any`); a run directory, a
+    sweep, a DCP checkpoint or any other directory raises IncompleteCheckpointError saying what
+    it is and what to call instead."""
+    check_path("sp.inspect", path)
     location = resolve_path(path, what="checkpoint path")
-    with collector.paused(), Reader.open(location, needs=lambda shown, manifest: ()) as reader:
-        return describe(reader.shown, reader.manifest)
+    try:
+        with collector.paused(), Reader.open(location, needs=lambda shown, manifest: ()) as reader:
+            return describe(reader.shown, reader.manifest)
+    except (IncompleteCheckpointError, CorruptCheckpointError) as exc:
+        found = _other(location, exc)
+        if found is None:
+            raise
+    if found.kind == "format" and not found.remote:
+        from savepoint.formats import detect
+
+        return detect.inspect_any(location.path)
+    raise _not_a_checkpoint(found, "sp.inspect")
 
 
+@guarded
 def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInfo:
     """Check the manifest, every data file's header against it, and every tensor's checksum.
 
     Raises a CheckpointError subclass describing the first problem; returns the checkpoint's
-    description when everything is intact.
+    description when everything is intact. A local file or directory of another format is
+    checked as far as its format allows (``savepoint verify``:
+    :func:`savepoint.formats.detect.verify_any`; those formats have no checksums); a run
+    directory and the others ``sp.load`` names raise IncompleteCheckpointError saying what to
+    call (a whole run is checked by ``savepoint verify RUN``).
     """
+    check_path("sp.verify", path)
     check_load(progress=progress, what="verify")
     location = resolve_path(path, what="checkpoint path")
 
@@ -449,5 +580,15 @@ def verify(path: PathLike, *, progress: Progress | None = None) -> CheckpointInf
             load_engine.verify(reader, progress)
             return describe(reader.shown, reader.manifest)
 
-    with collector.paused():
-        return rereading(once)  # a generation replaced under the read (object stores): again
+    try:
+        with collector.paused():
+            return rereading(once)  # a generation replaced under the read (object stores): again
+    except (IncompleteCheckpointError, CorruptCheckpointError) as exc:
+        found = _other(location, exc)
+        if found is None:
+            raise
+    if found.kind == "format" and not found.remote:
+        from savepoint.formats import detect
+
+        return detect.verify_any(location.path, progress=progress)
+    raise _not_a_checkpoint(found, "sp.verify")

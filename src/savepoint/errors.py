@@ -18,6 +18,8 @@
     │   ├── DataStateError               a DataPosition / ResumableSampler cannot be restored
     │   └── RNGStateError                random generator states cannot be restored
     ├── CheckpointPermissionError        (also PermissionError) a file or directory cannot be read
+    ├── CheckpointArgumentError          (also TypeError, ValueError) a call given what it does not
+    │                                    take (torch.save's argument order, map_location=, ...)
     ├── UnsupportedStateError            (also TypeError) a leaf or key savepoint cannot store
     │   └── ConversionError              ``convert`` target cannot hold part of the source
     ├── UnsupportedStorageError          (also ValueError) a URL (s3://, gs://, ...) where only
@@ -40,6 +42,7 @@ from typing import Any
 
 __all__ = [
     "ArtifactMismatchError",
+    "CheckpointArgumentError",
     "CheckpointError",
     "CheckpointMemoryError",
     "CheckpointNotFoundError",
@@ -206,19 +209,24 @@ class RNGStateError(IncompatibleCheckpointError):
 
 
 class StateMismatchError(IncompatibleCheckpointError):
-    """``load(into=...)`` found problems; ``problems`` lists every one (key, what is wrong)."""
+    """``load(into=...)`` found problems; ``problems`` lists every one (key, what is wrong), and
+    ``hints`` what to pass instead where that can be told (``into`` given one level too high or
+    too low: ``into=model`` for a checkpoint saved as ``{"model": model}``)."""
 
     def __init__(
         self,
         problems: Sequence[tuple[str, str]],
         *,
         path: str | os.PathLike[str] | None = None,
+        hints: Sequence[str] = (),
     ) -> None:
         self.problems = list(problems)
+        self.hints = list(hints)
         lines = "\n".join(f"  {key or '<root>'}: {what}" for key, what in self.problems)
+        advice = "".join(f"\nhint: {h}" for h in self.hints)
         super().__init__(
             f"cannot restore into the given state, {len(self.problems)} problem(s); nothing was "
-            f"modified:\n{lines}",
+            f"modified:\n{lines}{advice}",
             path=path,
         )
 
@@ -241,6 +249,15 @@ class CheckpointPermissionError(CheckpointError, PermissionError):
         self.errno = errno
 
 
+class CheckpointArgumentError(CheckpointError, TypeError, ValueError):
+    """A call was given arguments it does not take: ``sp.save(state, path)`` (torch.save's
+    order), ``sp.load(path, model)`` or ``map_location=`` (torch.load's), a misspelt keyword, a
+    path naming a single-file format (``model.safetensors``) where ``sp.save`` writes a
+    checkpoint directory. The message names the savepoint argument or call to use instead.
+    Nothing was read or written. Also a TypeError (what Python raises for a bad call) and a
+    ValueError (a path of the wrong form)."""
+
+
 class UnsupportedStateError(CheckpointError, TypeError):
     """A leaf, key or metadata value savepoint cannot store; ``key`` is its path in the tree."""
 
@@ -254,19 +271,31 @@ class ConversionError(UnsupportedStateError):
     ``problems`` lists every part (all of them, found before anything is written).
 
     ``label`` is how the message names the target (``".shrew v1"``); the target's name otherwise.
+    ``hint`` replaces the closing advice (``convert``'s ``--lossy``) where it does not apply
+    (``export``, which takes no ``--lossy``).
     """
 
-    def __init__(self, target: str, problems: list[str], *, label: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        problems: list[str],
+        *,
+        label: str | None = None,
+        hint: str | None = None,
+    ) -> None:
         self.target = target
         self.problems = list(problems)
         shown = self.problems[:25]
         more = len(self.problems) - len(shown)
         lines = _problem_lines(shown) + (f"\n  ... and {more} more" if more else "")
+        if hint is None:
+            hint = (
+                "Convert with lossy=True (savepoint convert --lossy) to leave them out, or choose "
+                "a format that holds them (savepoint's own format holds everything)."
+            )
         super().__init__(
             f"cannot convert to {label or target} without losing data; "
-            f"{len(self.problems)} part(s) it cannot hold:\n{lines}\n"
-            "Convert with lossy=True (savepoint convert --lossy) to leave them out, or choose a "
-            "format that holds them (savepoint's own format holds everything)."
+            f"{len(self.problems)} part(s) it cannot hold:\n{lines}\n{hint}"
         )
 
 

@@ -22,11 +22,14 @@ notes            empty / what verify can and cannot check, who wrote the file
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from savepoint import _text
 
 __all__ = ["CheckpointInfo", "TensorInfo", "jsonable"]
 
@@ -141,6 +144,40 @@ class CheckpointInfo:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             object.__setattr__(self, name, value)
+
+    def __str__(self) -> str:
+        """The description as ``savepoint inspect`` prints it (``print(sp.inspect(path))``): who
+        wrote it (savepoint's format) or its format (the others), its size, its metadata and
+        Stateful objects, then a table of the tensors (key, dtype, shape, size, file) and one of
+        the plain values. ``repr()`` stays the dataclass's field by field form."""
+        lines = [f"checkpoint  {self.path}"]
+        if self.format == "savepoint":
+            lines.append(f"written by  {self.writer}, format {self.format_version}, {self.created}")
+        else:
+            lines.append(f"format      {self.label}")
+        lines.append(
+            f"data        {_text.size(self.total_bytes)} in {len(self.tensors)} tensors, "
+            f"{len(self.files)} file(s)"
+        )
+        if self.metadata:
+            meta = json.dumps(self.metadata, sort_keys=True, ensure_ascii=False, default=repr)
+            lines.append(f"metadata    {meta}")
+        for key, kind in self.stateful.items():
+            lines.append(f"stateful    {key or '<root>'}: {kind}")
+        if self.tensors:
+            # An incremental checkpoint's (format 4) unsharded tensors live in its blob store.
+            blobs = self.format == "savepoint" and self.format_version == 4
+            rows: list[tuple[str, ...]] = [("key", "dtype", "shape", "size", "file")]
+            for t in self.tensors:
+                where = t.file
+                if not where and t.shards == 1 and blobs and t.nbytes:
+                    where = "(blob store)"
+                note = where + (f" (tied to {t.tied_to})" if t.tied_to else "")
+                rows.append((t.key, t.dtype, _text.shape(t.shape), _text.size(t.nbytes), note))
+            lines += ["", _text.table(rows)]
+        if self.values:
+            lines += ["", _text.table(_text.value_rows(self.values))]
+        return "\n".join(lines)
 
     @property
     def total_bytes(self) -> int:

@@ -5,7 +5,9 @@ records of dead processes are cleared; the caller's own session is not held back
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from savepoint.blobs import BlobStore, SaveSession, collect
+import savepoint as sp
+from savepoint.blobs import BlobPolicy, BlobStore, SaveSession, collect
 from savepoint.blobs.store import GC, SESSIONS
 from savepoint.errors import CheckpointWriteError
 from savepoint.storage.local import LocalStore
@@ -277,3 +280,53 @@ def test_a_long_collection_keeps_its_record_young(local: BlobStore) -> None:
 
     report = collect(local, slow_referenced, grace=0, refresh_every=0.1)
     assert not report.aborted and record_ages and max(record_ages) < 0.6
+
+
+def _not_a_record(path: str, kind: str) -> None:
+    if kind == "junk":
+        Path(path).write_bytes(b"\x00junk, not JSON")
+    elif kind == "list":
+        Path(path).write_bytes(b'[{"kind": "gc"}]\n')
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.mkdir(path)
+        Path(path, "inside").write_bytes(b"{}")
+
+
+@pytest.mark.parametrize("kind", ["junk", "list", "fifo", "directory"])
+def test_what_is_no_collection_record_does_not_hold_saves_and_gc_removes_it(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file under gc/ that is no collection's record (savepoint cannot parse it, or it is no
+    file) is no collection: the next save (default wait: 10.5 minutes) goes on at once, with
+    one warning naming it, and the next collection removes it. Before, the save waited as for
+    a live collection."""
+    run = tmp_path / "run"
+    policy = BlobPolicy(chunk_size=4096, min_blob_bytes=1024)
+    m = sp.CheckpointManager(run, incremental=True, keep_last=1, blob_policy=policy)
+    m.save(1, {"w": np.arange(2048, dtype=np.float32)})
+    stray = str(run / "blobs" / GC / f"{kind}.json")
+    _not_a_record(stray, kind)
+
+    def too_slow(*_: object) -> None:
+        raise TimeoutError("the save waited for what is no collection")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(20)
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="savepoint.blobs.gc"):
+            m.save(2, {"w": np.arange(2048, dtype=np.float32) + 1})  # retires 1: a collection
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t0 < 10
+    assert m.steps() == [2]
+    warned = [r.getMessage() for r in caplog.records if stray in r.getMessage()]
+    assert warned and "not a blob collection's record" in warned[0], warned
+    # The save's own collection (retention of step 1) removed it; nothing else is under gc/.
+    assert not os.path.lexists(stray)
+    assert os.listdir(run / "blobs" / GC) == []
+    m.close()
+    assert sp.load(run / "latest")["w"][0] == 1

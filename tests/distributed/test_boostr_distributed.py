@@ -110,6 +110,73 @@ def scenario_boostr(s: Any) -> None:
     dist.barrier()
 
 
+def scenario_boostr_async(s: Any) -> None:
+    """``AsyncCheckpointer.save_distributed``: every rank snapshots its part and returns at once;
+    the ranks write in the background; changes made after the call are not saved; a failure on
+    one rank is reported on every rank by ``wait()``."""
+    import savepoint as sp
+    from savepoint.errors import DistributedCheckpointError
+    from savepoint.formats import _boostr_write
+
+    rank, world = s.rank, s.world
+    pg = dist.group.WORLD
+
+    def each_strategy() -> None:
+        with sp.AsyncCheckpointer(process_group=pg, timeout=60) as ck:
+            for strategy, kwargs in STRATEGIES:
+                mine = rank_state(strategy, rank, world)
+                pending = ck.save_distributed(
+                    s.path(f"async-{strategy}"),
+                    mine.model,
+                    mine.optimizer,
+                    mine.state,
+                    strategy=strategy,  # type: ignore[arg-type]
+                    **kwargs,
+                )
+                for t in [*mine.model.values(), *(mine.optimizer or {}).values()]:
+                    t += 100  # after the call: not in the checkpoint
+                mine.state.metadata["late"] = "yes"
+                meta = pending.wait()
+                assert meta.world_size == world and len(meta.shards) == world, meta
+
+    s.check("async save, each strategy", each_strategy)
+
+    def group_given_per_call() -> None:
+        done: list[Any] = []
+        with sp.AsyncCheckpointer() as ck:  # no group of its own
+            mine = rank_state("Replicated", rank, world)
+            pending = ck.save_distributed(
+                s.path("async-per-call"), mine.model, process_group=pg, on_commit=done.append
+            )
+            assert pending.wait() is done[0]
+            assert done[0].shards[rank].rank == rank
+
+    s.check("group given per call", group_given_per_call)
+
+    real = _boostr_write._Rank.write
+
+    def failing(self: Any, staging: str) -> None:
+        if rank == world - 1:
+            raise OSError(28, "No space left on device", staging)
+        real(self, staging)
+
+    def fails_everywhere() -> None:
+        _boostr_write._Rank.write = failing  # type: ignore[method-assign]
+        try:
+            with sp.AsyncCheckpointer(process_group=pg, timeout=60) as ck:
+                mine = rank_state("Replicated", rank, world)
+                pending = ck.save_distributed(s.path("async-Replicated"), mine.model)
+                with pytest.raises(DistributedCheckpointError, match="No space left") as info:
+                    ck.wait()  # reported once, here (and by pending.wait())
+                assert list(info.value.ranks) == [world - 1], info.value.ranks
+                assert isinstance(pending.exception(), DistributedCheckpointError)
+        finally:
+            _boostr_write._Rank.write = real  # type: ignore[method-assign]
+
+    s.check("failure on one rank, reported on every rank", fails_everywhere)
+    dist.barrier()
+
+
 # -- tests ------------------------------------------------------------------------------------
 
 
@@ -142,9 +209,60 @@ def test_each_rank_writes_its_own_directory(
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 
+def test_async_save_distributed_writes_each_rank_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seed's ``AsyncCheckpointer::save_distributed``: per-rank writes in the background,
+    the same layout and checks as ``boostr.save_distributed``, the state as it was at the call."""
+    monkeypatch.setattr(_launch, "WORKER", Path(__file__))
+    world = 2
+    session = _launch.run("boostr_async", world, tmp_path)
+    assert not session.failures(), session.failures()
+    assert len(session.checks()) == 3 * world
+    model, opt = full()
+    for strategy, _ in STRATEGIES:
+        path = tmp_path / f"async-{strategy}"
+        whole = boostr.load_consolidated(path)
+        assert whole.state.step == 5 and "late" not in whole.state.metadata
+        for got, want in ((whole.model, model), (whole.optimizer, opt)):
+            assert got is not None and set(got) == set(want)
+            for k, v in want.items():
+                assert np.array_equal(got[k], v), (strategy, k)  # not the +100 made after
+        for r in range(world):
+            assert set(boostr.load_distributed(path, r).model) == set(
+                rank_state(strategy, r, world).model
+            )
+    assert boostr.read_sharding_meta(tmp_path / "async-per-call").world_size == world
+    # The failed save over async-Replicated committed nothing (the loop above read the earlier
+    # checkpoint back intact) and left no staging directory.
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_async_save_distributed_needs_a_group_and_checks_before_returning(
+    tmp_path: Path,
+) -> None:
+    import savepoint as sp
+
+    with sp.AsyncCheckpointer() as ck:
+        with pytest.raises(ValueError, match="process_group"):
+            ck.save_distributed(tmp_path / "x", {"w": np.zeros(2)})
+    with sp.AsyncCheckpointer(on_busy="skip") as ck:
+        with pytest.raises(ValueError, match="skip"):
+            ck.save_distributed(tmp_path / "x", {"w": np.zeros(2)}, process_group=object())
+    with sp.AsyncCheckpointer() as ck:
+        with pytest.raises(TypeError, match="process_group"):
+            ck.save_distributed(tmp_path / "x", {"w": np.zeros(2)}, process_group=object())
+        with pytest.raises(ValueError, match="strategy"):
+            ck.save_distributed(
+                tmp_path / "x", {"w": np.zeros(2)}, strategy="Nope", process_group=object()
+            )
+    assert not list(tmp_path.iterdir())
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _worker
 
     _worker.scenario_boostr = scenario_boostr  # type: ignore[attr-defined]
+    _worker.scenario_boostr_async = scenario_boostr_async  # type: ignore[attr-defined]
     _worker.main()

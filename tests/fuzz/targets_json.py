@@ -17,6 +17,7 @@ one whose file record (size, header size and header checksum) is rewritten to ma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import struct
@@ -27,13 +28,21 @@ import numpy as np
 
 import savepoint as sp
 from fuzz._harness import Target, register
+from savepoint import Tier
+from savepoint.blobs import BlobPolicy, BlobStore, collect
+from savepoint.blobs import gc as blob_gc
 from savepoint.codecs import checksum, dtypes
 from savepoint.codecs import manifest as mf
 from savepoint.codecs import safetensors as st_format
+from savepoint.commit import pointer
 from savepoint.distributed import FlatShard, Partitioned, Shard, plan
 from savepoint.distributed import save as dsave
 from savepoint.formats import _files, boostr, detect
+from savepoint.runs.lock import LOCK_FILE, read_holder
 from savepoint.state import tree
+from savepoint.storage.lease import LeaseLock
+from savepoint.storage.memory import MemoryStore
+from savepoint.storage.paths import Location
 
 _BF16 = dtypes.BY_NAME["BF16"].numpy
 _TRAILER = b',\n "manifest_xxh3"'
@@ -530,3 +539,179 @@ register(
         text=True,
     )
 )
+
+
+# -- savepoint's own JSON files: a run's books, its blob store, its tiers, locks and pointers ------
+#
+# Each is parsed by the bounded reader (codecs.bounded_json); each target writes the input where
+# the file lives in a real incremental run (in memory: no fsync per input) and calls what reads
+# it: a run view, a load, a writer's clearing of dead records with a save session and a
+# collection, a manager with a tier, a lease, the lock's holder, a load of an alias pointer.
+
+_RUN_OPTIONS: dict[str, Any] = {
+    "incremental": True,
+    "keep_last": 2,
+    "blob_policy": BlobPolicy(chunk_size=4096, min_blob_bytes=1024),
+}
+_RUNS: dict[tuple[Path, bool], Location] = {}
+RUN_TOKENS = (
+    b'"version": 2',
+    b'"version": 3',
+    b'"checkpoints": [2, 1]',
+    b'"best": {"step": 2, "value": 1.0}',
+    b'"latest_step": 2',
+    b'"format": "savepoint-blobs"',
+    b'"digest": "xxh3-128"',
+    b'"kind": "gc"',
+    b'"pid": 1',
+    b'"expires": 1e400',
+    b'"run": ',
+    b'{"step":3,"loss":NaN}\n',
+    b'"savepoint_alias": 1',
+    b'"target": "../checkpoints/step-0000000001"',
+    b"[" * 1100,  # past json's recursion limit (the bounded reader stops at 512)
+    b'{"k":' * 600,
+)
+
+
+def _deep(doc: bytes) -> bytes:
+    """``doc`` nested 1,100 arrays deep: past json's recursion limit (the bounded reader refuses
+    more than 512 levels before parsing), so the bounded slice always tries one."""
+    return b"[" * 1100 + doc.strip() + b"]" * 1100 + b"\n"
+
+
+def _run_state(step: int) -> dict[str, Any]:
+    return {"w": np.arange(1500, dtype=np.float32) + step, "step": step, "lr": 1e-3}
+
+
+def _run_home(scratch: Path, atomic_rename: bool = True) -> Location:
+    """An incremental run of two steps with a loss history and a tier, in memory (pointer
+    aliases without ``atomic_rename``), built once per scratch directory."""
+    key = (scratch, atomic_rename)
+    if key not in _RUNS:
+        store = MemoryStore(atomic_rename=atomic_rename)
+        run = store.at("/b/run")
+        with sp.CheckpointManager(run, tiers=[Tier(store.url("/b/tier"))], **_RUN_OPTIONS) as m:
+            for step in (1, 2):
+                m.log(step, loss=1.0 / step, metrics={"acc": 0.5})
+                m.save(step, _run_state(step), metrics={"val": float(step)})
+        _RUNS[key] = run
+    return _RUNS[key]
+
+
+def _file_target(name: str, where: str, call: Any, atomic_rename: bool = True) -> Target:
+    """Input written at ``where`` (relative to the run's parent), then ``call(run)``."""
+
+    def seeds(scratch: Path) -> list[bytes]:
+        run = _run_home(scratch, atomic_rename)
+        real = run.store.read_small(f"/b/{where}", cap=None)
+        return [real, _deep(real)]
+
+    def parse(data: bytes, scratch: Path) -> None:
+        run = _run_home(scratch, atomic_rename)
+        run.store.put(f"/b/{where}", data, exclusive=False)
+        call(run)
+
+    return Target(name, seeds, parse, tokens=RUN_TOKENS, text=True)
+
+
+def _view(run: Location) -> None:
+    view = sp.open_run(run)
+    assert view.info is not None
+    view.steps()
+    _ = view.report
+
+
+def _load_step(run: Location) -> None:
+    sp.load(run.join("checkpoints", "step-0000000002"))
+
+
+def _with_tier(run: Location) -> None:
+    sp.CheckpointManager(run, tiers=[Tier(run.store.url("/b/tier"))], **_RUN_OPTIONS).close()
+
+
+for _where in ("report.json", "run.json"):
+    register(_file_target(f"run_json:{_where}", f"run/{_where}", _view))
+# The history log: in memory (no appends) its segments, one per save here.
+register(_file_target("run_json:history", "run/history/000000000002-000000000002.jsonl", _view))
+register(_file_target("blob_store_json", "run/blobs/store.json", _load_step))
+register(_file_target("tier_json", "tier/tier.json", _with_tier))
+register(
+    _file_target(
+        "alias_pointer",
+        f"run/latest/{pointer.NAME}",
+        lambda run: sp.load(run.join("latest")),
+        atomic_rename=False,
+    )
+)
+
+
+def _record_target(kind: str) -> Target:
+    """A save's record under ``blobs/sessions/`` or a collection's under ``blobs/gc/``: a
+    writer's clearing of dead records, a save session and a collection read it."""
+    folder = "sessions" if kind == "save" else "gc"
+
+    def seeds(scratch: Path) -> list[bytes]:
+        _run_home(scratch)
+        real = blob_gc._record(kind)
+        return [real, blob_gc._record("gc" if kind == "save" else "save"), _deep(real)]
+
+    def parse(data: bytes, scratch: Path) -> None:
+        run = _run_home(scratch)
+        record = run.join("blobs", folder, "fuzzed.json").path
+        run.store.put(record, data, exclusive=False)
+        blobs = BlobStore(run.store, run.join("blobs").path, create=False)
+        blob_gc.clear_dead_records(blobs)
+        with contextlib.suppress(sp.CheckpointWriteError):  # a live collection: no wait
+            with blobs.session(wait=0):
+                pass
+        collect(blobs, [], grace=3600)  # deletes no blob (all younger than an hour)
+        with contextlib.suppress(FileNotFoundError):
+            run.store.remove(record)
+
+    return Target(f"blob_record:{folder}", seeds, parse, tokens=RUN_TOKENS, text=True)
+
+
+register(_record_target("save"))
+register(_record_target("gc"))
+
+_LEASES: dict[Path, MemoryStore] = {}
+
+
+def _lease_seeds(scratch: Path) -> list[bytes]:
+    store = _LEASES.setdefault(scratch, MemoryStore(atomic_rename=False))
+    store.makedirs("/b/run")
+    lock = LeaseLock(store, "/b/run/.writer.lock")
+    assert lock.acquire()
+    held = store.read_small("/b/run/.writer.lock", cap=None)
+    lock.release()
+    return [held, held.replace(b'"expires": ', b'"expires": 1'), _deep(held)[:4000]]
+
+
+def _parse_lease(data: bytes, scratch: Path) -> None:
+    """The lease object of a run on an object store (what ``CheckpointManager("s3://...")``
+    takes): a contender reads it, judges it, and takes it over when it is stale."""
+    store = _LEASES[scratch]
+    store.put("/b/run/.writer.lock", data, exclusive=False)
+    lock = LeaseLock(store, "/b/run/.writer.lock", ttl=60)
+    if lock.acquire():
+        lock.release()
+
+
+register(Target("lease", _lease_seeds, _parse_lease, tokens=RUN_TOKENS, text=True))
+
+
+def _holder_seeds(scratch: Path) -> list[bytes]:
+    run = _run_home(scratch)
+    with sp.CheckpointManager(run, **_RUN_OPTIONS):
+        held = run.store.read_small(run.join(LOCK_FILE).path, cap=None)
+        return [held, _deep(held)[:4000]]
+
+
+def _parse_holder(data: bytes, scratch: Path) -> None:
+    run = _run_home(scratch)
+    run.store.put(run.join(LOCK_FILE).path, data, exclusive=False)
+    read_holder(run)
+
+
+register(Target("writer_lock_holder", _holder_seeds, _parse_holder, tokens=RUN_TOKENS, text=True))

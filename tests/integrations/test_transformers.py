@@ -195,8 +195,58 @@ def test_resume_true_takes_the_newest_and_retention_works(tmp_path: Path) -> Non
     again.train(resume_from_checkpoint=True)
     assert again.state.global_step == MAX_STEPS
     assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-10", "checkpoint-8"]
-    with pytest.raises(ValueError, match="No savepoint checkpoint"):
+    with pytest.raises(sp.CheckpointNotFoundError, match="No savepoint checkpoint"):
         make(tmp_path / "empty").train(resume_from_checkpoint=True)
+
+
+@pytest.mark.parametrize("added", ["init", "add_callback", "path"])
+def test_the_usual_resume_on_a_plain_trainer_with_the_callback(
+    reference: Any, tmp_path: Path, added: str
+) -> None:
+    """Trainer.train(resume_from_checkpoint=True or a path) on a plain Trainer carrying a
+    SavepointCallback, however added, resumes exactly from the savepoint checkpoint (Trainer
+    alone fails: "Can't find a valid checkpoint")."""
+    plain, run = reference
+    out = tmp_path / "out"
+    sp.convert(Path(run.args.output_dir) / "checkpoint-8", out / "checkpoint-8")
+    if added == "add_callback":
+        resumed = make(out, Trainer, init_seed=5)
+        resumed.add_callback(SavepointCallback())
+    else:
+        resumed = make(out, Trainer, init_seed=5, callbacks=[SavepointCallback()])
+    torch.manual_seed(123)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-8") if added == "path" else True)
+    assert_same_training(plain, resumed)
+    assert step_logs(resumed) == step_logs(plain)
+    assert sorted(os.listdir(out)) == ["checkpoint-10", "checkpoint-8"]
+    sp.verify(out / "checkpoint-10")  # the callback's checkpoint, not Trainer's files
+
+
+def test_no_checkpoint_for_the_usual_resume_is_a_savepoint_error(tmp_path: Path) -> None:
+    trainer = make(tmp_path / "none", Trainer, callbacks=[SavepointCallback()])
+    with pytest.raises(sp.CheckpointNotFoundError, match="No savepoint checkpoint"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_export_pretrained_gives_a_from_pretrained_directory(
+    reference: Any, tmp_path: Path
+) -> None:
+    _, run = reference
+    checkpoint = Path(run.args.output_dir) / "checkpoint-8"
+    folder = sp_hf.export_pretrained(checkpoint, tmp_path / "hf")
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+    model = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    saved = sp.load(checkpoint, keys=["model"])["model"]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    with pytest.raises(sp.CheckpointWriteError, match="overwrite"):
+        sp_hf.export_pretrained(checkpoint, folder)
+    sp_hf.export_pretrained(checkpoint, folder, overwrite=True)
+    sp.save(tmp_path / "other", {"model": {"w": torch.ones(2)}})
+    with pytest.raises(sp.IncompatibleCheckpointError, match="no model config"):
+        sp_hf.export_pretrained(tmp_path / "other", tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()
 
 
 def test_best_model_at_end(tmp_path: Path) -> None:

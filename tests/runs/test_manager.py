@@ -1045,29 +1045,62 @@ def test_wall_time_grows(run_dir: Path) -> None:
         assert second >= first + 0.04
     closed = read(run_dir / "report.json")["wall_time_s"]
     assert closed >= second
-    with sp.CheckpointManager(run_dir) as m:  # a resumed process adds to it
+    with sp.CheckpointManager(run_dir) as m:  # a resumed process adds to it once it saves
         assert m.restore(blank()) == 2
         time.sleep(0.05)
+        m.save(3, state(3))
     assert read(run_dir / "report.json")["wall_time_s"] >= closed + 0.04
 
 
-@pytest.mark.parametrize("how", ["open", "restore", "peek"])
+@pytest.mark.parametrize("how", ["open", "restore", "peek", "resume", "resume-best"])
 def test_reading_a_run_does_not_rewrite_its_report(run_dir: Path, how: str) -> None:
-    """Opening a run and restoring without resuming (or peeking) leave report.json as it was,
-    byte for byte (HEAD rewrote it at close(), with a new wall time)."""
+    """Opening a run, restoring (resuming or not: an evaluation script) or peeking leave
+    report.json and history.jsonl as they were, byte for byte. (HEAD rewrote the report at
+    close() with a new wall time; and a resuming restore then close() set steps_completed back
+    to the step restored and appended a resumed_from record: issue 25, item 15.)"""
     with sp.CheckpointManager(run_dir, best_metric="val") as m:
-        m.save(1, state(1), {"val": 0.5})
-        m.save(2, state(2), {"val": 0.4})
-    before = (run_dir / "report.json").read_bytes(), os.stat(run_dir / "report.json").st_mtime_ns
+        for step, val in ((1, 0.5), (2, 0.3), (3, 0.4)):
+            m.log(step, loss=1.0 / step)
+            m.save(step, state(step), {"val": val})
+    files = [run_dir / "report.json", run_dir / "history.jsonl"]
+    before = [(f.read_bytes(), os.stat(f).st_mtime_ns) for f in files]
     time.sleep(0.02)
     with sp.CheckpointManager(run_dir) as m:
         if how == "restore":
-            assert m.restore(blank(), resume=False) == 2
+            assert m.restore(blank(), resume=False) == 3
             assert m.restore(blank(), "best", resume=False) == 2
         elif how == "peek":
-            assert m.peek(["step"]) == {"step": 2}
-    after = (run_dir / "report.json").read_bytes(), os.stat(run_dir / "report.json").st_mtime_ns
+            assert m.peek(["step"]) == {"step": 3}
+        elif how == "resume":
+            assert m.restore(blank()) == 3
+        elif how == "resume-best":
+            assert m.restore(blank(), "best") == 2
+            assert m.report.steps_completed == 2  # the resumed run, in memory
+    after = [(f.read_bytes(), os.stat(f).st_mtime_ns) for f in files]
     assert after == before
+    assert read(run_dir / "report.json")["steps_completed"] == 3
+
+
+def test_a_resume_is_recorded_by_the_next_log_or_save(run_dir: Path) -> None:
+    """The resume an evaluation never records is recorded by the first write that follows it,
+    ahead of that write's own records: the history then forgets the abandoned steps."""
+    with sp.CheckpointManager(run_dir, best_metric="val") as m:
+        for step in (1, 2, 3):
+            m.log(step, loss=float(step))
+            m.save(step, state(step), {"val": 1.0 / step})
+    with sp.CheckpointManager(run_dir) as m:
+        assert m.restore(blank(), 2) == 2
+        m.log(3, loss=30.0)  # the replayed step, logged again
+    report = full_report(run_dir)
+    assert report["loss_history"] == [[1, 1.0], [2, 2.0], [3, 30.0]]
+    assert [e["resumed_from"] for e in report["lineage"]] == [2]
+    assert report["lineage"][0]["steps_completed_before"] == 3
+    with sp.CheckpointManager(run_dir) as m:
+        assert m.restore(blank(), 1) == 1
+        m.save(2, state(2))
+    report = full_report(run_dir)
+    assert report["loss_history"] == [[1, 1.0]]
+    assert [e["resumed_from"] for e in report["lineage"]] == [2, 1]
 
 
 def test_context_manager_closes(run_dir: Path) -> None:

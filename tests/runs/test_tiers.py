@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import savepoint as sp
+import savepoint.runs.tiers
 import savepoint.transfer
 from _compare import same
 from savepoint.runs import layout
@@ -247,3 +248,155 @@ def test_a_read_only_manager_restores_from_tiers_and_writes_nothing(tmp_path: Pa
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == before
     with pytest.raises(TypeError, match="tiers"):
         sp.CheckpointManager(tmp_path / "x", tiers="s3://b/r")  # type: ignore[arg-type]
+
+
+# -- ownership: one run per tier (issue 25, item 1) --------------------------------------------
+
+
+def run_id(run: Path) -> str:
+    import json
+
+    found = json.loads((run / "run.json").read_text())["run_id"]
+    assert isinstance(found, str) and len(found) == 32
+    return found
+
+
+def tier_doc(tier: Path) -> dict[str, Any]:
+    import json
+
+    doc = json.loads((tier / "tier.json").read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_two_runs_of_one_name_never_share_a_tier(tmp_path: Path, where: str) -> None:
+    # Two run directories with the same name (two jobs from one config; a restarted job whose
+    # old process still runs): the second is refused while the first writes the tier, and a run
+    # of its own after it too. Before run ids and the tier's lock both copied up to it, each
+    # overwriting the other's steps, and a restore from it returned the other run's state.
+    url = str(tmp_path / "tier") if where == "disk" else f"memory://own-{tmp_path.name}/tier"
+    tier = sp.Tier(url, name="shared")
+    with sp.CheckpointManager(tmp_path / "b", name="job") as b:
+        b.save(1, state(101))  # a run of its own, with the same name
+    with sp.CheckpointManager(tmp_path / "a", name="job", tiers=[tier]) as a:
+        a.save(1, state(1))
+        a.wait()
+        for other in ("b", "new"):  # an existing run; a run directory made by this open
+            with pytest.raises(sp.RunMismatchError, match="being written by another run"):
+                sp.CheckpointManager(tmp_path / other, name="job", tiers=[tier])
+        a.save(2, state(2))
+    assert layout.committed_steps(url) == [1, 2]
+    with pytest.raises(sp.RunMismatchError, match="another run"):
+        sp.CheckpointManager(tmp_path / "b", name="job", tiers=[tier])
+    with pytest.raises(sp.RunMismatchError, match="another run"):
+        sp.CheckpointManager(tmp_path / "b", name="job", tiers=[tier], read_only=True)
+    assert layout.committed_steps(url) == [1, 2]
+    same(sp.load(layout.step_path(url, 2)), state(2))
+    # a itself opens it again, and restores its own state from it.
+    with sp.CheckpointManager(tmp_path / "a", name="job", tiers=[tier]) as again:
+        for step in (1, 2):
+            __import__("shutil").rmtree(layout.step_path(tmp_path / "a", step))
+        target = state(0)
+        assert again.restore(target) == 2 and again.restored_from == "shared"
+        same(target, state(2))
+
+
+def test_a_new_run_directory_continues_the_run_its_tiers_belong_to(tmp_path: Path) -> None:
+    tier = sp.Tier(str(tmp_path / "tier"))
+    with sp.CheckpointManager(tmp_path / "ram", name="run-7", tiers=[tier]) as old:
+        old.save(1, state(1))
+    owner = run_id(tmp_path / "ram")
+    assert tier_doc(tmp_path / "tier")["run"] == {"name": "run-7", "variant": None, "id": owner}
+    # The machine is gone with its RAM disk: a run directory made by this open takes the run's id.
+    with sp.CheckpointManager(tmp_path / "new-ram", name="run-7", tiers=[tier]) as new:
+        assert new.restore(state(0)) == 1
+        new.save(2, state(2))
+    assert run_id(tmp_path / "new-ram") == owner
+    assert layout.committed_steps(tmp_path / "tier") == [1, 2]
+    # A run directory that is not new (it has a run of its own) is refused.
+    with sp.CheckpointManager(tmp_path / "elsewhere", name="run-7") as other:
+        other.save(1, state(1))
+    with pytest.raises(sp.RunMismatchError, match="another run"):
+        sp.CheckpointManager(tmp_path / "elsewhere", name="run-7", tiers=[tier])
+
+
+def test_a_tier_of_a_savepoint_before_run_ids_is_adopted_by_its_first_writer(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    tier = sp.Tier(str(tmp_path / "tier"))
+    (tmp_path / "tier" / "checkpoints").mkdir(parents=True)
+    legacy = {"format": "savepoint-tier", "version": 1, "run": {"name": "job", "variant": None}}
+    (tmp_path / "tier" / "tier.json").write_text(json.dumps(legacy))
+
+    # A run made before run ids (its run.json has none) gets one from its writer, then claims it.
+    def made_before_run_ids(run: Path) -> None:
+        for name in ("run.json", "report.json"):
+            doc = json.loads((run / name).read_text())
+            del doc["run_id"]
+            (run / name).write_text(json.dumps(doc))
+
+    with sp.CheckpointManager(tmp_path / "a", name="job") as a:
+        a.save(1, state(1))
+    made_before_run_ids(tmp_path / "a")
+    with sp.CheckpointManager(tmp_path / "a", name="job", tiers=[tier]) as a:
+        a.save(2, state(2))
+    owner = run_id(tmp_path / "a")
+    assert tier_doc(tmp_path / "tier")["run"]["id"] == owner
+    assert tier_doc(tmp_path / "tier")["version"] == 2
+    with sp.CheckpointManager(tmp_path / "b", name="job") as b:
+        b.save(1, state(1))
+    with pytest.raises(sp.RunMismatchError, match="another run"):
+        sp.CheckpointManager(tmp_path / "b", name="job", tiers=[tier])
+    # Another run directory made before run ids: only its name can be compared, and it matches.
+    with sp.CheckpointManager(tmp_path / "c", name="job") as c:
+        c.save(3, state(3))
+    made_before_run_ids(tmp_path / "c")
+    with sp.CheckpointManager(tmp_path / "c", name="job", tiers=[tier]) as c:
+        assert c.steps() == [3]
+    assert run_id(tmp_path / "c") == owner
+
+
+def test_a_failed_read_of_tier_json_is_not_a_missing_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+
+    from savepoint.storage.faults import FaultyStore
+    from savepoint.storage.memory import MemoryStore
+
+    store = FaultyStore(MemoryStore())
+    monkeypatch.setattr(savepoint.runs.tiers, "resolve_path", lambda url, what: store.at("/t"))
+    TierCopier([Tier("memory://t")], {**RUN, "id": "a" * 32}).close()
+    before = store.inner.read_small("/t/tier.json", cap=None)
+    store.fail("read_small", path="*/tier.json", code=errno.EIO)
+    with pytest.raises(sp.CheckpointError, match=r"cannot read .*tier\.json"):
+        TierCopier([Tier("memory://t")], {**RUN, "id": "b" * 32}, inherit=True)
+    assert store.inner.read_small("/t/tier.json", cap=None) == before  # not claimed over
+    # (and its lock was released: the owner opens it again)
+    TierCopier([Tier("memory://t")], {**RUN, "id": "a" * 32}).close()
+
+
+def test_a_tier_that_cannot_be_listed_fails_the_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: skipped with a log record, so a new run directory whose only tier failed to
+    # answer restored nothing (None: "a fresh start") and trained over the tier's run.
+    tier = sp.Tier(str(tmp_path / "tier"), name="t")
+    with sp.CheckpointManager(tmp_path / "ram", name="r", tiers=[tier]) as mgr:
+        mgr.save(1, state(1))
+    with sp.CheckpointManager(tmp_path / "new", name="r", tiers=[tier]) as new:
+        real = layout.committed_steps
+
+        def failing(directory: Any, expected: Any = ()) -> list[int]:
+            if str(directory).endswith("/tier"):
+                raise sp.CheckpointError("cannot list it (injected)")
+            return real(directory, expected)
+
+        monkeypatch.setattr(layout, "committed_steps", failing)
+        with pytest.raises(sp.CheckpointError, match=r"tier 't' .* cannot be listed"):
+            new.restore(state(0))
+        monkeypatch.undo()
+        assert new.restore(state(0)) == 1

@@ -6,10 +6,10 @@ regular expression searched in the request target (path and query, ``/bucket/key
 and fires on the ``nth`` matching request and the ``times - 1`` after it (``times=None``: on every
 one from the ``nth`` on), optionally only for ``seconds`` after it was armed. What a rule does:
 
-``"503"``, ``"500"``, ``"404-upload"``
+``"503"``, ``"500"``, ``"404-upload"``, ``"403"``
     answer that status with S3's XML error body (``SlowDown``, ``InternalError``,
-    ``NoSuchUpload``: what S3 answers a second completion of a multipart upload); the request is
-    read but never forwarded.
+    ``NoSuchUpload``: what S3 answers a second completion of a multipart upload, ``AccessDenied``:
+    what a bucket policy denying the request answers); the request is read but never forwarded.
 ``"reset-request"``
     read half of the request body, then reset the connection (``SO_LINGER`` 0: an RST, not a FIN);
     nothing is forwarded.
@@ -58,6 +58,7 @@ ACTIONS = (
     "503",
     "500",
     "404-upload",
+    "403",
     "reset-request",
     "reset-response",
     "lose",
@@ -78,6 +79,7 @@ _ERRORS = {
     "503": ("Service Unavailable", "SlowDown", "Please reduce your request rate."),
     "500": ("Internal Server Error", "InternalError", "We encountered an internal error."),
     "404-upload": ("Not Found", "NoSuchUpload", "The specified upload does not exist."),
+    "403": ("Forbidden", "AccessDenied", "Access Denied"),
 }
 
 

@@ -8,6 +8,7 @@ exclusive creation is not atomic, the read path of large blobs, and URL resoluti
 
 from __future__ import annotations
 
+import errno
 import ftplib
 import os
 import re
@@ -23,11 +24,16 @@ import fsspec
 import numpy as np
 import pytest
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import known_implementations
 
 import savepoint as sp
 from savepoint.commit import pointer
-from savepoint.errors import CorruptCheckpointError, UnsupportedStorageError
+from savepoint.errors import (
+    CheckpointPermissionError,
+    CorruptCheckpointError,
+    UnsupportedStorageError,
+)
 from savepoint.runs import layout
 from savepoint.storage import paths
 from savepoint.storage.fsspecstore import FsspecStore, WeakCreateWarning
@@ -358,3 +364,27 @@ def test_import_savepoint_does_not_import_fsspec() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "False"
+
+
+def test_a_refused_read_is_a_checkpoint_permission_error() -> None:
+    """A filesystem that refuses to open a file (PermissionError, as s3fs or gcsfs say a 403):
+    the load raises CheckpointPermissionError naming it, never a raw PermissionError."""
+
+    class Refusing(MemoryFileSystem):  # type: ignore[misc]
+        refuse = ""
+
+        def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+            if "r" in mode and self.refuse and path.endswith(self.refuse):
+                raise PermissionError(errno.EACCES, "Access Denied", path)
+            return super()._open(path, mode, **kwargs)
+
+    fs = Refusing(global_store=False, skip_instance_cache=True)
+    ckpt = quiet(FsspecStore(fs)).at("/runs/ckpt")
+    sp.save(ckpt, state(1))
+    for name in ("manifest.json", ".safetensors"):
+        fs.refuse = name
+        with pytest.raises(CheckpointPermissionError) as info:
+            sp.load(ckpt)
+        assert name in str(info.value) and "permission denied" in str(info.value)
+    fs.refuse = ""
+    same(sp.load(ckpt), state(1))

@@ -12,6 +12,7 @@ per bucket, warned about, and served with HEAD-then-put.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import warnings
@@ -425,3 +426,68 @@ def test_put_making_dir_is_one_put_and_no_marker(
     store.put_making_dir(f"/{s3_bucket}/run/latest/p.json", b"two", exclusive=False)
     assert store.read_small(f"/{s3_bucket}/run/latest/p.json", cap=None) == b"two"
     assert raw_keys(s3, s3_bucket) == ["run/latest/p.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# error answers cut off, failed lookups: never read as "not there" (issue 25, items 10 and 2)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_404_answer_cut_off_mid_body_is_retried(
+    store: ObjectStore, fault_proxy: FaultProxy, s3_bucket: str
+) -> None:
+    # obstore reads the body of an error answer to build its error; cut off, that read failed
+    # and was not retried: a new run's report.json (a 404) failed the open "after 1 attempt".
+    store.makedirs(f"/{s3_bucket}/d")
+    rule = fault_proxy.fail("GET", r"/d/absent$", "reset-response")
+    with pytest.raises(FileNotFoundError):
+        store.read_small(f"/{s3_bucket}/d/absent", cap=None)
+    assert rule.fired == 1
+    rule = fault_proxy.fail("GET", r"/run/(run|report)\.json$", "reset-response", times=2)
+    with sp.CheckpointManager(store.at(f"/{s3_bucket}/run")) as mgr:
+        mgr.save(1, state(1))
+    assert rule.fired == 2, fault_proxy.log
+    rule = fault_proxy.fail("GET", r"/run/report\.json$", "reset-response", times=None)
+    with pytest.raises(CheckpointError, match=f"after {TRIES} attempts"):
+        sp.CheckpointManager(store.at(f"/{s3_bucket}/run"))
+
+
+def test_a_failed_lookup_of_a_new_checkpoint_fails_the_save_not_the_alias(
+    store: ObjectStore, fault_proxy: FaultProxy, s3_bucket: str
+) -> None:
+    # Right after step 3's manifest is put, its HEADs answer 503 (SlowDown) through every
+    # retry, twice. Before: both lookups of step 3 read as "not committed", so the save returned
+    # with report.json and latest/ naming step 2 (until a later open repaired them). Now the
+    # first failed lookup fails the save, and the run is as before.
+    import json
+
+    from savepoint.runs import layout
+
+    run = f"/{s3_bucket}/run"
+    small = {"w": np.arange(50_000, dtype=np.float32)}
+
+    def books() -> tuple[int, str]:
+        report = json.loads(store.read_small(f"{run}/report.json", cap=None))
+        target = json.loads(store.read_small(f"{run}/latest/savepoint-alias.json", cap=None))
+        return report["latest_step"], target["target"]
+
+    with sp.CheckpointManager(store.at(run), keep_last=2, incremental=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {**small, "step": step})
+        mgr.wait()
+        manifest = r"/step-0000000003/gen-[^/]+/manifest\.json$"
+
+        def slow_down(rule: Rule) -> None:
+            fault_proxy.fail("HEAD", manifest, "503", times=2 * TRIES)
+
+        fault_proxy.fail("PUT", manifest, "stall", stall=0.0, then=slow_down)
+        with pytest.raises(CheckpointWriteError, match="cannot look at"):
+            mgr.save(3, {**small, "step": 3})
+        fault_proxy.clear()
+        assert books() == (2, f"checkpoints/{layout.step_name(2)}")  # the run as before
+        with contextlib.suppress(CheckpointError):
+            mgr.wait()
+    with sp.CheckpointManager(store.at(run), keep_last=2, incremental=True) as mgr:
+        latest = mgr.latest_step()
+        assert latest is not None and books() == (latest, f"checkpoints/{layout.step_name(latest)}")
+    assert sp.load(store.at(f"{run}/latest"))["step"] == latest

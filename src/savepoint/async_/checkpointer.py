@@ -31,6 +31,14 @@ boostr files. It is a separate method rather than a ``format=`` option because t
 different arguments (a state tree and a JSON metadata mapping, against two flat tensor maps and a
 ``TrainingState``) and resolve to different descriptions (a manifest's and a boostr directory's); one
 checkpointer can interleave both kinds of save, one in flight at a time.
+
+``save_distributed(path, model, optimizer, state, strategy=..., process_group=...)`` is the seed's
+``AsyncCheckpointer::save_distributed``: every rank snapshots its own part, then in the background
+writes its ``rank_{r}/`` of the distributed boostr layout and rank 0 commits ``sharding_meta.json``
+(``savepoint.formats.boostr.save_distributed``'s process-group form, split by
+``boostr.prepare_distributed``). The seed passes ``rank`` and ``world_size``; here they are the
+group's. (Sharded checkpoints in savepoint's own format are ``save(path, state)`` with a
+checkpointer made with ``process_group=``: that is savepoint's native async per-rank write.)
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -239,16 +247,78 @@ class AsyncCheckpointer:
         :meth:`save`. The blocking part copies every tensor into host memory owned by the save
         (a fresh copy per save: the staging arena is laid out as native files) and checks
         ``state``; the PendingSave resolves to the written checkpoint's description (``CheckpointInfo``). Not
-        available with a process group (use ``boostr.save_distributed``)."""
+        available with a process group (use :meth:`save_distributed`)."""
         target = os.path.abspath(local_path(path, what="checkpoint path"))
         if self.process_group is not None:
             raise ValueError(
                 "save_boostr writes a single boostr checkpoint; with a process group use "
-                "savepoint.formats.boostr.save_distributed(..., process_group=...)"
+                "AsyncCheckpointer.save_distributed (or, synchronously, "
+                "savepoint.formats.boostr.save_distributed(..., process_group=...))"
             )
         with self._save_lock:
             return self._save(
                 target, on_commit, lambda: _boostr_commit(target, model, optimizer, state)
+            )
+
+    def save_distributed(
+        self,
+        path: str | os.PathLike[str],
+        model: Mapping[str, Any],
+        optimizer: Mapping[str, Any] | None = None,
+        state: boostr.TrainingState | None = None,
+        *,
+        strategy: boostr.Strategy = "Replicated",
+        stage: int | None = None,
+        split_dims: Mapping[str, int] | None = None,
+        owned_params: Sequence[str] | None = None,
+        process_group: Any = None,
+        timeout: float | None = None,
+        on_commit: Callable[[boostr.ShardingMeta], Any] | None = None,
+    ) -> PendingSave:
+        """Snapshot this rank's part of a distributed boostr checkpoint now and write it in the
+        background (the seed's ``AsyncCheckpointer::save_distributed``): every rank of the group
+        calls it, with its own ``model``, ``optimizer`` and ``state``; in the background each
+        rank writes its ``rank_{r}/`` and rank 0 commits ``sharding_meta.json``, exactly as
+        ``boostr.save_distributed(path, BoostrCheckpoint(model, optimizer, state),
+        process_group=..., strategy=..., ...)`` does (same layout, same checks, atomic: a failure
+        on any rank commits nothing and is a DistributedCheckpointError on every rank).
+
+        ``process_group`` and ``timeout`` default to the checkpointer's; one of the two must name
+        a group. The blocking part checks every argument and copies the tensors into host memory
+        owned by the save; the same one-in-flight, error-reporting and exit rules as
+        :meth:`save` apply (``on_busy="skip"`` is refused: ranks could disagree about which saves
+        to skip). The PendingSave resolves to the ``ShardingMeta`` that ``boostr.save_distributed``
+        returns, which ``on_commit`` receives too."""
+        group = self.process_group if process_group is None else process_group
+        if group is None:
+            raise ValueError(
+                "save_distributed writes one rank's part of a distributed checkpoint: give "
+                "process_group= (here or to AsyncCheckpointer); to write every rank from one "
+                "process use savepoint.formats.boostr.save_distributed(path, [rank0, rank1, ...])"
+            )
+        if self.on_busy == "skip":
+            raise ValueError(
+                "on_busy='skip' cannot be used with save_distributed: ranks could disagree about "
+                "which saves to skip"
+            )
+        wait = self.timeout if timeout is None else timeout
+        target = os.path.abspath(local_path(path, what="checkpoint path"))
+        with self._save_lock:
+            return self._save(
+                target,
+                on_commit,
+                lambda: boostr.prepare_distributed(
+                    target,
+                    model,
+                    optimizer,
+                    state,
+                    strategy=strategy,
+                    stage=stage,
+                    split_dims=split_dims,
+                    owned_params=owned_params,
+                    process_group=group,
+                    timeout=wait,
+                ),
             )
 
     def _save(

@@ -7,7 +7,14 @@ The protocol (two kinds of records, each written before the other kind is read):
 
 1. ``begin``: put ``sessions/<id>.json`` (create-only), then list ``gc/``. A live collection
    there (its record younger than ``gc_stale_after`` by the store's own clock) makes the save
-   wait until it is gone; a stale one (its collector died) is removed and ignored.
+   wait until it is gone; a stale one (its collector died) is removed and ignored. What is no
+   collection's record (junk, a JSON list, a FIFO, a directory: every record a collector puts
+   is a JSON object, whole when visible) is ignored with a warning; the next
+   collection removes it. Where a put may be seen half done (fsspec filesystems), text that
+   may be the beginning of a record counts as one. (Elsewhere a record is seen half written
+   only while a create-only put writes it in place, where hard links are missing: ignoring it
+   then is safe, since its collection has not listed ``sessions/`` yet and will see this
+   save's record.)
 2. Put blobs (written or found there already: either way the session remembers the digest), and
    refresh the session record (an overwrite: a new ``mtime``) at least every
    ``refresh_every`` seconds, so that no collector takes a slow save for a dead one.
@@ -53,6 +60,7 @@ put and the record or blob judged), never the local clock, so hosts with skewed 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -64,11 +72,13 @@ from typing import TYPE_CHECKING, Any
 
 from savepoint.blobs import digest as _digest
 from savepoint.blobs.store import GC, SESSIONS, TMP, BlobStore, PutResult, PutStats, Recipe
-from savepoint.errors import CheckpointError, CheckpointWriteError
+from savepoint.codecs import bounded_json
+from savepoint.commit import names
+from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from savepoint.blobs.frame import Compression
-    from savepoint.storage.base import Store
+    from savepoint.storage.base import Stat, Store
 
 __all__ = [
     "BlobGcReport",
@@ -82,6 +92,8 @@ GC_STALE_AFTER = 600.0
 REFRESH_EVERY = 60.0
 DEFAULT_GRACE = 900.0
 _RECORD_CAP = 64 << 10
+
+log = logging.getLogger(__name__)
 
 
 def _record(kind: str) -> bytes:
@@ -131,6 +143,8 @@ class SaveSession:
         self._refreshed = 0.0
         self._lock = threading.Lock()
         self._open = False
+        self._records: set[str] = set()  # names under gc/ read and found to be records
+        self._not_records: set[str] = set()  # ... and found to be no record (warned once)
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -150,26 +164,15 @@ class SaveSession:
         return self
 
     def _wait_for_collections(self) -> None:
-        store = self.blobs.store
-        gc_dir = store.join(self.blobs.root, GC)
         deadline = time.monotonic() + self._wait
         delay = self._poll
         while True:
-            mine = store.stat(self.path)
-            now = mine.mtime if mine is not None else 0.0
-            live = []
-            for name in store.list(gc_dir):
-                path = store.join(gc_dir, name)
-                st = store.stat(path)
-                if st is None:
-                    continue
-                if now - st.mtime > self._gc_stale_after:
-                    try:  # a dead collector's record; removing it also stops a hung one
-                        store.remove(path)
-                    except FileNotFoundError:
-                        pass
-                    continue
-                live.append(name)
+            try:
+                live = self._live_collections()
+            except OSError as exc:
+                raise _write_error(
+                    self.blobs, "cannot check for a running blob collection", exc
+                ) from exc
             if not live:
                 return
             if time.monotonic() >= deadline:
@@ -182,6 +185,44 @@ class SaveSession:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
             self._refresh(force=True)  # stay young while waiting
+
+    def _live_collections(self) -> list[str]:
+        """The records under ``gc/`` of collections that may be running: young ones (by the
+        store's clock, against this session's own record) that are records. A stale record is
+        removed (its collector died or hung); an entry that is no collection's record (junk, a
+        list, a FIFO, a directory) is ignored with a warning, and :func:`collect` removes it."""
+        store = self.blobs.store
+        gc_dir = store.join(self.blobs.root, GC)
+        mine = store.stat(self.path)
+        now = mine.mtime if mine is not None else 0.0
+        live = []
+        for name in store.list(gc_dir):
+            path = store.join(gc_dir, name)
+            if name in self._not_records:
+                continue
+            st = store.stat(path)
+            if st is None:
+                continue
+            if name not in self._records:
+                # Read once per name. A record being put (a temporary of a local put) counts
+                # as one, by its age.
+                if names.TMP_TAG not in name and not _is_record(self.blobs, path, st):
+                    self._not_records.add(name)
+                    log.warning(
+                        "%s is not a blob collection's record (junk, not a JSON record, or "
+                        "not a file): the save ignores it; the next blob collection removes it",
+                        self.blobs.url(path),
+                    )
+                    continue
+                self._records.add(name)
+            if now - st.mtime > self._gc_stale_after:
+                try:  # a dead collector's record; removing it also stops a hung one
+                    store.remove(path)
+                except FileNotFoundError:
+                    pass
+                continue
+            live.append(name)
+        return live
 
     def _refresh(self, *, force: bool = False) -> None:
         if not self._open:
@@ -200,8 +241,13 @@ class SaveSession:
 
     def check(self) -> None:
         """CheckpointWriteError if this session's record is gone (a collector judged it stale:
-        blobs it named may have been deleted); call just before committing a manifest."""
-        if self.blobs.store.stat(self.path) is None:
+        blobs it named may have been deleted); call just before committing a manifest. A
+        failure to look is CheckpointWriteError too: the save cannot know it is safe."""
+        try:
+            mine = self.blobs.store.stat(self.path)
+        except OSError as exc:
+            raise _write_error(self.blobs, "cannot check the save's record", exc) from exc
+        if mine is None:
             raise CheckpointWriteError(
                 f"the save's record {self.blobs.url(self.path)} vanished (the save took longer "
                 "than session_stale_after without refreshing); blobs it relies on may be gone: "
@@ -223,6 +269,16 @@ class SaveSession:
             self.blobs.store.remove(self.path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            # Not a failure of the save (its manifest may be committed by now, and an error
+            # here would hide the one that ended a failed save): a record left behind holds
+            # collections back until it is stale (session_stale_after).
+            log.warning(
+                "cannot remove the save's record %s (%s); blob collections wait until it is "
+                "stale, or until it is removed",
+                self.blobs.url(self.path),
+                exc,
+            )
 
     def __enter__(self) -> SaveSession:
         if not self._open:
@@ -323,6 +379,7 @@ class BlobGcReport:
     kept_referenced: int = 0
     kept_young: int = 0
     stale_sessions_removed: int = 0
+    junk_removed: int = 0
     live_sessions: list[str] = field(default_factory=list)
     deferred: bool = False
     aborted: bool = False
@@ -353,6 +410,8 @@ def collect(
         raise _write_error(blobs, "cannot register the collection", exc) from exc
     keeper = _RecordKeeper(store, gc_path, refresh_every)
     try:
+        if not dry_run:
+            _drop_junk(blobs, report)
         mine = store.stat(gc_path)
         now = mine.mtime if mine is not None else time.time()
         sessions_dir = store.join(blobs.root, SESSIONS)
@@ -489,6 +548,53 @@ class _RecordKeeper:
             self._gone = True  # never put back once the collection is over
 
 
+def _is_record(blobs: BlobStore, path: str, st: Stat) -> bool:
+    """Whether ``path`` (``st`` its stat) may hold a record as :func:`_record` writes one: a
+    file holding a JSON object. One that cannot be read (refused, a failed request) counts as a
+    record: nothing is known against it; so does, on a store where a put may be seen half done
+    (fsspec filesystems), text that may be the beginning of one."""
+    if st.kind != "file":
+        return False
+    store = blobs.store
+    try:
+        raw = store.read_small(path, cap=_RECORD_CAP)
+    except FileNotFoundError:
+        return True  # gone meanwhile: its age (already looked up) decides, as for any record
+    except CorruptCheckpointError:  # over the cap, not a regular file
+        return False
+    except (OSError, CheckpointError):
+        return True
+    try:
+        doc = bounded_json.loads(raw, CorruptCheckpointError, store.url(path))
+    except CorruptCheckpointError:
+        return raw[:1] in (b"", b"{") and not blobs._whole_when_visible
+    return isinstance(doc, dict)
+
+
+def _drop_junk(blobs: BlobStore, report: BlobGcReport) -> None:
+    """Remove what lies under ``gc/`` and is no collection's record (junk, a list, a FIFO, a
+    directory: saves ignore those), best effort."""
+    store = blobs.store
+    gc_dir = store.join(blobs.root, GC)
+    for name in store.list(gc_dir):
+        path = store.join(gc_dir, name)
+        if names.TMP_TAG in name:
+            continue  # a record being put, or a dead put's (clear_dead_records)
+        st = store.stat(path)
+        if st is None or _is_record(blobs, path, st):
+            continue
+        try:
+            if st.kind == "dir":
+                store.remove_tree(path)
+            else:
+                store.remove(path)
+        except OSError as exc:
+            log.warning("cannot remove %s (not a collection's record): %s", blobs.url(path), exc)
+            continue
+        log.warning("removed %s: not a blob collection's record", blobs.url(path))
+        report.junk_removed += 1
+
+
 def clear_dead_records(blobs: BlobStore) -> int:
     """Remove the records of saves and collections in flight (``sessions/``, ``gc/``) that
     processes of this host left when they died (a SIGKILLed save, say): each names its host
@@ -498,7 +604,6 @@ def clear_dead_records(blobs: BlobStore) -> int:
     collection back for ``session_stale_after`` (an hour), a collection's would make the next
     save wait. Records of other hosts are left to those timeouts. For a store's writer (a run's
     manager, a tier's copier); returns how many were removed; OSError propagates."""
-    from savepoint.commit import names
     from savepoint.storage.lease import pid_gone
 
     store, here = blobs.store, socket.gethostname()
@@ -518,9 +623,10 @@ def clear_dead_records(blobs: BlobStore) -> int:
                     removed += 1
                 continue
             try:
-                doc = json.loads(store.read_small(path, cap=64 << 10))
-            except (FileNotFoundError, ValueError):
-                continue  # gone, or not a record: left alone
+                raw = store.read_small(path, cap=_RECORD_CAP)
+                doc = bounded_json.loads(raw, CorruptCheckpointError, blobs.url(path))
+            except (FileNotFoundError, ValueError, CheckpointError):
+                continue  # gone, not a record, or not readable: left alone
             pid = doc.get("pid") if isinstance(doc, dict) else None
             if type(pid) is not int or doc.get("host") != here or not pid_gone(pid):
                 continue

@@ -33,6 +33,7 @@ import numpy as np
 from savepoint.blobs import digest as _digest
 from savepoint.blobs import frame
 from savepoint.blobs.frame import HEADER, Compression
+from savepoint.codecs import bounded_json
 from savepoint.codecs import checksum as _checksum
 from savepoint.codecs.recipe import MAX_CHUNK, Patch, Recipe
 from savepoint.errors import (
@@ -43,6 +44,7 @@ from savepoint.errors import (
     IncompatibleCheckpointError,
     ReplacedWhileReadingError,
 )
+from savepoint.storage.base import read_error
 
 if TYPE_CHECKING:
     from savepoint.blobs.gc import BlobGcReport, SaveSession
@@ -205,9 +207,11 @@ class BlobStore:
             raw = self.store.read_small(path, cap=_CONFIG_CAP)
         except FileNotFoundError:
             return None
+        except OSError as exc:  # a refused or failed read on a store that says it raw
+            raise read_error(self.url(path), exc) from None
         try:
-            config = json.loads(raw)
-        except ValueError:
+            config = bounded_json.loads(raw, CorruptCheckpointError, self.url(path))
+        except CorruptCheckpointError:
             config = None
         if (
             not isinstance(config, dict)
@@ -285,7 +289,11 @@ class BlobStore:
         return self.store.join(self.data_root, digest[:2], digest)
 
     def exists(self, digest: str) -> bool:
-        st = self.store.stat(self.path(digest))
+        path = self.path(digest)
+        try:
+            st = self.store.stat(path)
+        except PermissionError as exc:  # a refusal (an object store's 403) is no "missing"
+            raise read_error(self.url(path), exc) from None
         return st is not None and st.kind == "file"
 
     def _present(self, path: str, size: int) -> bool:

@@ -13,6 +13,7 @@ it has none); an error adds ``error: {type, message, path}`` and exits nonzero.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -24,6 +25,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from savepoint import pathkind
 from savepoint.codecs import manifest as mf
 from savepoint.commit import transaction
 from savepoint.errors import (
@@ -509,35 +511,57 @@ def sweep_runs(where: Location) -> list[str]:
 
 def not_a_checkpoint(path: str, *, any_format: bool = False) -> CheckpointError | None:
     """What the command should say when ``path``, given where a savepoint checkpoint belongs,
-    holds something else it can name: a run directory, a sweep of runs, a run's ``checkpoints/``
-    folder (each with the commands that read it), or a local file that is not a savepoint
-    checkpoint (the reason its format's reader gives, or which format it is and how to convert
-    it; not with ``any_format``). None when there is nothing better to say than the reader's
-    own error."""
-    from savepoint.runs import layout
-
+    holds something else :func:`savepoint.pathkind.classify` (the library's classifier, behind
+    ``sp.load``'s errors too) can name: a run directory, a sweep of runs, a run's
+    ``checkpoints/`` folder (each with the commands that read it), a DCP checkpoint, an empty or
+    plain directory, or a local file or directory of another format (the reason its format's
+    reader gives, or which format it is and how to convert it; not with ``any_format``). None
+    when there is nothing better to say than the reader's own error (a save that did not
+    commit, say)."""
     command = _command_name()
-    try:
-        where = location(path)
-        if where.is_local and os.path.lexists(path) and not os.path.isdir(path):
-            return None if any_format else _foreign_file(path, command)
-        if layout.is_run(where) or layout.lost_run_file(where):
-            return IncompatibleCheckpointError(_run_hint(path, command), path=path)
-        runs = sweep_runs(where)
-        if runs:
-            return IncompatibleCheckpointError(_sweep_hint(path, runs, command), path=path)
-        parent = path.rstrip("/").rpartition("/")[0] or "."
-        if where.store.basename(where.path) == "checkpoints" and layout.is_run(location(parent)):
-            steps = layout.committed_steps(parent)
-            example = f"{path.rstrip('/')}/{layout.step_name(steps[-1] if steps else 1)}"
-            return IncompatibleCheckpointError(
-                f"{path} is the checkpoints/ folder of the run {parent}, not a checkpoint: name "
-                f"one of its steps (`{command} {example}`), or list them with "
-                f"`savepoint ls {parent}`",
-                path=path,
-            )
-    except (OSError, CheckpointError):
+    found = pathkind.classify(location(path))
+    if found is None:
         return None
+    kind, base = found.kind, path.rstrip("/")
+    if kind in ("file", "format"):
+        if any_format or found.remote:
+            return None  # the command reads it; URLs of other formats: see fail_read
+        if found.error is not None:
+            return found.error  # its format's reason: a bad .shrew magic, ...
+        return _foreign(path, found, command)
+    if kind == "run":
+        return IncompatibleCheckpointError(_run_hint(path, command), path=path)
+    if kind == "sweep":
+        return IncompatibleCheckpointError(_sweep_hint(path, list(found.runs), command), path=path)
+    if kind == "run-folder":
+        from savepoint.runs import layout
+
+        parent = base.rpartition("/")[0] or "."
+        example = f"{base}/{layout.step_name(found.steps[-1] if found.steps else 1)}"
+        return IncompatibleCheckpointError(
+            f"{path} is the checkpoints/ folder of the run {parent}, not a checkpoint: name "
+            f"one of its steps (`{command} {example}`), or list them with "
+            f"`savepoint ls {parent}`",
+            path=path,
+        )
+    said = pathkind.described(dataclasses.replace(found, path=path))
+    if kind == "dcp":
+        return IncompatibleCheckpointError(
+            f"{said}: read it with DCP itself (torch.distributed.checkpoint.load); `{command}` "
+            "reads DCP checkpoints written through savepoint.integrations.dcp.SavepointWriter",
+            path=path,
+        )
+    if kind == "artifact-sweep":
+        return IncompatibleCheckpointError(
+            f"{said}: name one of its variant directories (`{command} {base}/VARIANT`)",
+            path=path,
+        )
+    if kind in ("empty", "directory"):
+        return IncompatibleCheckpointError(
+            f"{said}; `{command}` takes a savepoint checkpoint (a directory holding "
+            f"{mf.NAME}), a run's RUN/latest or RUN/checkpoints/step-N",
+            path=path,
+        )
     return None
 
 
@@ -566,16 +590,12 @@ def _sweep_hint(path: str, runs: list[str], command: str) -> str:
     )
 
 
-def _foreign_file(path: str, command: str) -> CheckpointError:
-    """A local file given to a command that reads savepoint checkpoints (directories)."""
-    try:
-        kind = detect.detect(path)
-    except CheckpointError as exc:
-        return exc  # its format's reason: a bad .shrew magic, not a safetensors header, ...
+def _foreign(path: str, found: pathkind.Found, command: str) -> CheckpointError:
+    """A local file or directory of another format given to a command that reads savepoint
+    checkpoints."""
     stem = os.path.splitext(os.path.basename(path.rstrip("/")))[0] or "checkpoint"
     return IncompatibleCheckpointError(
-        f"{path} is a {detect.LABELS.get(kind, kind)}, not a savepoint checkpoint (a directory): "
-        f"`{command}` reads savepoint checkpoints; convert it first with "
-        f"`savepoint convert {path} {stem}-ckpt`",
+        f"{path} is a {found.label}, not a savepoint checkpoint: `{command}` reads savepoint "
+        f"checkpoints; convert it first with `savepoint convert {path} {stem}-ckpt`",
         path=path,
     )

@@ -49,20 +49,28 @@ __all__ = ["report_cmd"]
     type=click.Path(path_type=str, dir_okay=False),
     help="Write the curves to this image (.png, .pdf, .svg, ...; needs matplotlib).",
 )
-@click.option("--log-y", is_flag=True, help="Plot the y axes on a log scale.")
-def report_cmd(path: str, plot_path: str | None, log_y: bool, as_json: bool) -> None:
+@click.option(
+    "--log-y/--linear-y",
+    "log_y",
+    default=None,
+    help="Loss panels on a log y axis (--log-y) or every axis linear (--linear-y). Default: a "
+    "loss panel is logarithmic when its values span 10x or more; accuracy and other metrics "
+    "stay linear.",
+)
+def report_cmd(path: str, plot_path: str | None, log_y: bool | None, as_json: bool) -> None:
     """Summarise a run (RUN_DIR) or a sweep (a directory of runs), optionally plotting the curves.
 
     The plot shows the training loss and every validation loss (metrics named *loss*) on one
-    panel, each other metric on its own (best step starred), and marks the steps the run
-    resumed from.
+    panel and each other metric on its own; the best checkpoint is a star on its metric's
+    panel; dotted lines mark the steps the run resumed from; one legend serves every panel.
+    Loss panels whose values span an order of magnitude or more are drawn on a log axis.
 
     PATH may be a local path or a URL (memory://, s3://, ...); the plot is a local file.
 
     \b
     Examples:
       savepoint report runs/demo
-      savepoint report runs/demo --plot demo.png --log-y
+      savepoint report runs/demo --plot demo.png --linear-y
       savepoint report runs/              # a sweep: its runs ranked by their best metric
     """
     path, plot_path = local(path), (local_file(plot_path, "plot path") if plot_path else None)
@@ -98,7 +106,7 @@ def _check_plot(plot_path: str) -> None:
 
 
 def _plot(
-    reports: list[Report], plot_path: str, where: Location, log_y: bool, as_json: bool
+    reports: list[Report], plot_path: str, where: Location, log_y: bool | None, as_json: bool
 ) -> None:
     from savepoint.runs.plot import plot_reports
 

@@ -590,6 +590,7 @@ def loads(
     memory_factor: float = MEMORY_FACTOR,
     memory_slack: int = MEMORY_SLACK,
     serde: bool = False,
+    strict: bool = True,
 ) -> Any:
     """Parse UTF-8 JSON under the limits above, raising ``error`` with a message naming ``what``
     on any problem (never RecursionError, MemoryError or a UnicodeError).
@@ -598,6 +599,11 @@ def loads(
     is the float ``-0.0``, and a float too large for 64 bits (``1e400``) is left as ``inf`` for
     the caller to refuse by field name (serde_json refuses it only where a value is read, and
     skips unknown members).
+
+    ``strict=False`` keeps the bounds (nesting, memory, UTF-8) but parses as Python's ``json``
+    does, for the run files Python's ``json.dumps`` writes (``report.json``, ``run.json``, the
+    history log): ``NaN`` and ``Infinity`` are read (a metric may be NaN), and a repeated key
+    keeps its last value.
     """
     try:
         # The check runs on the bytes, before the decoded text exists: its own buffers and the
@@ -609,6 +615,8 @@ def loads(
             memory_factor=memory_factor,
             memory_slack=memory_slack,
         )
+        if not strict:
+            return json.loads(raw.decode("utf-8"))
         return json.loads(
             raw.decode("utf-8"),
             object_pairs_hook=_no_duplicates,

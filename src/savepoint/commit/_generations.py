@@ -30,11 +30,9 @@ from savepoint.storage.base import Store
 
 
 def newest(store: Store, target: str) -> str | None:
-    """The newest generation of ``target`` holding a manifest."""
-    try:
-        entries = store.list(target)
-    except OSError:
-        return None
+    """The newest generation of ``target`` holding a manifest; None where there is none. A
+    listing or lookup that fails raises the store's OSError (a failed read is not "none")."""
+    entries = store.list(target)
     for name in sorted((e for e in entries if names.is_generation(e)), reverse=True):
         if has_manifest(store, store.join(target, name)):
             return store.join(target, name)

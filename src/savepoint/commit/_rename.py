@@ -76,22 +76,32 @@ def _tidy(store: Store, path: str) -> None:
 
 
 def has_manifest(store: Store, directory: str) -> bool:
-    """Whether ``directory`` holds a ``manifest.json`` (not a directory of that name)."""
-    try:
-        st = store.stat(store.join(directory, mf.NAME))
-    except OSError:
-        return False
+    """Whether ``directory`` holds a ``manifest.json`` (not a directory of that name). A lookup
+    that fails raises the store's OSError: a failed read is not an absent manifest."""
+    st = store.stat(store.join(directory, mf.NAME))
     return st is not None and st.kind != "dir"
 
 
 def clean_stale(store: Store, target: str) -> list[str]:
     """Remove hidden siblings of ``target`` left by dead processes; returns what was removed."""
-    removed = []
-    committed = has_manifest(store, target)
+    return tidy(store, target)[0]
+
+
+def tidy(store: Store, target: str) -> tuple[list[str], bool]:
+    """:func:`clean_stale`, and whether an ``-old-`` sibling was kept (the only copy, while
+    ``target`` holds no checkpoint): only then is tidying again after a commit worth a listing."""
+    removed: list[str] = []
+    kept_old = False
+    try:
+        committed = has_manifest(store, target)
+        found = names.siblings_by_tag(store, target, (names.TMP_TAG, names.OLD_TAG))
+    except OSError:  # tidying is best effort; the next save tries again
+        return removed, kept_old
     for tag in (names.TMP_TAG, names.OLD_TAG):
-        for path, rest in names.siblings(store, target, tag):
+        for path, rest in found[tag]:
             # A "-old-" directory is the only copy when a fallback replace died between renames.
             if tag == names.OLD_TAG and not committed:
+                kept_old = True
                 continue
             if names.dead_here(rest):
                 try:
@@ -99,7 +109,7 @@ def clean_stale(store: Store, target: str) -> list[str]:
                 except OSError:  # tidying is best effort; the next save tries again
                     continue
                 removed.append(path)
-    return removed
+    return removed, kept_old
 
 
 def discard(store: Store, path: str) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "hidden",
     "is_generation",
     "siblings",
+    "siblings_by_tag",
 ]
 
 TMP_TAG = ".savepoint-tmp-"
@@ -65,15 +66,32 @@ def is_generation(name: str) -> bool:
 def siblings(store: Store, path: str, tag: str) -> list[tuple[str, str]]:
     """(hidden path, the part after the tag) for each hidden sibling of ``path`` with ``tag``.
 
-    A parent that is missing or may not be listed has no sibling anyone could use: ``[]``
-    (callers that must tell "unreadable" from "absent" look at the path itself)."""
-    prefix = f".{store.basename(path)}{tag}"
+    A parent that is missing or may not be listed (EACCES) has no sibling anyone could use:
+    ``[]``. Any other failure to list it (an I/O error, a failed request) raises the store's
+    OSError: a failed read is not an absence."""
+    return siblings_by_tag(store, path, (tag,))[tag]
+
+
+def siblings_by_tag(
+    store: Store, path: str, tags: tuple[str, ...]
+) -> dict[str, list[tuple[str, str]]]:
+    """:func:`siblings` for several tags from one listing of the parent (a parent holding
+    thousands of checkpoints costs a listing each)."""
+    base = f".{store.basename(path)}"
     parent = store.parent(path)
+    out: dict[str, list[tuple[str, str]]] = {tag: [] for tag in tags}
     try:
         entries = store.list(parent)
-    except OSError:
-        return []
-    return [(store.join(parent, e), e[len(prefix) :]) for e in entries if e.startswith(prefix)]
+    except PermissionError:
+        return out
+    for e in entries:
+        if not e.startswith(base):
+            continue
+        for tag in tags:
+            prefix = base + tag
+            if e.startswith(prefix):
+                out[tag].append((store.join(parent, e), e[len(prefix) :]))
+    return out
 
 
 def dead_here(rest: str) -> bool:

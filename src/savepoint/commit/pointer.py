@@ -18,6 +18,11 @@ A directory without a pointer object is no alias. One whose pointer object is da
 pointer, a bad target, a target holding no committed checkpoint) is reported as such by
 :func:`read` (:class:`Damaged`, saying what is wrong) and by ``resolve`` (CorruptCheckpointError);
 :func:`target` reads it as no pointer, for the bookkeeping that only asks where an alias points.
+
+A pointer that cannot be read (a failed request, an I/O error, a refusal) is never taken as "no
+pointer": :func:`read` and :func:`target` raise the store's error. A run's writer that took a
+failed read of ``latest/``'s pointer as "no pointer" could record a wrong step, or a collection
+keep too little; it must publish the alias or fail.
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ class Damaged(ValueError):
 
 def read(store: Store, alias: str) -> str | None:
     """The path ``alias`` points at; None where ``alias`` holds no pointer object (nothing named
-    :data:`NAME` there, or nothing that may be looked at: no OSError is raised); :class:`Damaged`
-    where it holds one that is no pointer (over :data:`CAP`, not a blob, not JSON, not a pointer
-    of this version, a target that is not a relative path inside the run)."""
+    :data:`NAME` there); :class:`Damaged` where it holds one that is no pointer (over :data:`CAP`,
+    not a blob, not JSON, not a pointer of this version, a target that is not a relative path
+    inside the run). A pointer that cannot be read raises what the store raised (an OSError, a
+    CheckpointError): a failed read is not an absent pointer."""
     name = store.join(alias, NAME)
     shown = store.url(name)
     try:
@@ -75,10 +81,6 @@ def read(store: Store, alias: str) -> str | None:
         raise Damaged(f"{shown} is a directory, not a pointer blob") from None
     except CorruptCheckpointError as exc:  # over the cap, a FIFO, a link: the store says which
         raise Damaged(str(exc)) from None
-    except Exception:
-        # May not be looked at (refused, a failed request): reads as absent, as every lookup of
-        # resolve does.
-        return None
     doc = bounded_json.loads(data, Damaged, shown)
     if not isinstance(doc, dict) or "savepoint_alias" not in doc:
         raise Damaged(f'{shown} is JSON but not an alias pointer (no "savepoint_alias" member)')
@@ -106,8 +108,8 @@ def _brief(value: object) -> str:
 
 
 def target(store: Store, alias: str) -> str | None:
-    """The path ``alias`` points at, or None where it holds no readable, well-formed pointer
-    (never raises OSError or a decoding error)."""
+    """The path ``alias`` points at, or None where it holds no pointer or a damaged one (never
+    a decoding error). A pointer that cannot be read raises, as in :func:`read`."""
     try:
         return read(store, alias)
     except Damaged:

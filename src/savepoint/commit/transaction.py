@@ -43,6 +43,7 @@ from typing import Literal, cast
 from savepoint.codecs import manifest as mf
 from savepoint.commit import _generations, _rename, names, pointer
 from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from savepoint.storage import local
 from savepoint.storage.base import Store
 
 __all__ = ["Transaction", "check_target", "discard", "refused_hint", "resolve", "write_error"]
@@ -76,6 +77,7 @@ class Transaction:
         self.committed: str | None = None
         self._begun = False
         self._made_target = False  # manifest-last: the target directory is this attempt's
+        self._kept_old = False  # rename: an "-old-" sibling was kept by the tidy before the save
         self._started = time.perf_counter()
 
     @property
@@ -99,7 +101,7 @@ class Transaction:
                 self.staging = names.hidden(store, self.target, names.TMP_TAG)
                 self.check(store, self.target)
                 store.makedirs(store.parent(self.target))
-                _rename.clean_stale(store, self.target)
+                self._kept_old = _rename.tidy(store, self.target)[1]
             else:
                 self.staging = store.join(self.target, names.generation())
                 self.check(store, self.target)
@@ -150,9 +152,11 @@ class Transaction:
                     "committed %s: staging fsynced, renamed into place, parent fsynced",
                     self.shown,
                 )
-                # A replace that died between its two renames left "-old-" behind; it is stale.
-                with contextlib.suppress(OSError):
-                    _rename.clean_stale(store, self.target)
+                # A replace that died between its two renames left "-old-" behind; it is stale
+                # now that the target holds a checkpoint (no listing when there was none).
+                if self._kept_old:
+                    with contextlib.suppress(OSError):
+                        _rename.clean_stale(store, self.target)
             else:
                 for wait in durable:
                     wait()
@@ -280,14 +284,34 @@ def resolve(store: Store, path: str, *, strict: bool = True) -> str | None:
     (manifest-last layout); else, when nothing at all is at ``path``, the previous checkpoint a
     fallback replace left under an ``-old-`` name when it died between its two renames; else,
     when ``path`` is an alias pointer (:mod:`savepoint.commit.pointer`: run aliases on stores
-    without hard links), the committed checkpoint it names, found by the same rules. Raises no
-    OSError: what may not be looked at reads as absent.
+    without hard links), the committed checkpoint it names, found by the same rules.
+
+    None means nothing committed is there: every lookup answered. A lookup that fails (an I/O
+    error, a failed request, a refused one) is never taken as "nothing there": it raises a
+    CheckpointError (CheckpointPermissionError for a refusal) naming what could not be looked
+    at, so that no caller records, publishes or deletes by a partial view.
 
     A damaged pointer (its object is not a pointer, or names a path holding no committed
     checkpoint) raises CorruptCheckpointError naming the pointer and what is wrong, instead of
     reading as a directory without a manifest; with ``strict=False`` it reads as no checkpoint
     (for the run's bookkeeping, which republishes or skips such an alias)."""
     path = store.abspath(path)
+    try:
+        return _resolve(store, path, strict)
+    except CheckpointError:
+        raise
+    except PermissionError as exc:
+        raise local.permission_error(exc, store.url(path)) from exc
+    except OSError as exc:
+        shown = store.url(path)
+        raise CheckpointError(
+            f"cannot look at {shown} ({exc}); a failed lookup is not taken as absent: try again "
+            "once the store answers",
+            path=shown,
+        ) from exc
+
+
+def _resolve(store: Store, path: str, strict: bool) -> str | None:
     found = _committed(store, path)
     if found is not None:
         return found
@@ -339,13 +363,10 @@ def _damaged(store: Store, alias: str, reason: str) -> CorruptCheckpointError:
 
 
 def _committed(store: Store, path: str) -> str | None:
-    """:func:`resolve` without following an alias pointer."""
+    """:func:`resolve` without following an alias pointer (raises the store's OSError)."""
     if _rename.has_manifest(store, path):
         return path
-    try:
-        st = store.stat(path)
-    except OSError:
-        return None
+    st = store.stat(path)
     if st is not None:
         return _generations.newest(store, path)
     return _rename.old_copy(store, path)

@@ -81,8 +81,21 @@ def fill(
 ) -> None:
     """Read each ``(ref, target)`` (targets :func:`eligible` for their records) into its target,
     checked with ``verify`` (see the module docstring)."""
-    if not items:
-        return
+    by_device: dict[Any, list[tuple[str, Any]]] = {}
+    for ref, target in items:
+        by_device.setdefault(target.device, []).append((ref, target))
+    for group in by_device.values():  # one ring and one side stream per device
+        _fill_device(reader, group, verify=verify, progress=progress)
+
+
+def _fill_device(
+    reader: Reader,
+    items: Sequence[tuple[str, Any]],
+    *,
+    verify: bool,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """:func:`fill` of targets that are all on one device."""
     import torch
 
     cuda = items[0][1].device.type == "cuda"

@@ -23,7 +23,7 @@ from savepoint.codecs import dtypes, safetensors
 from savepoint.codecs import manifest as mf
 from savepoint.engine import device as device_fill
 from savepoint.engine.read import Needs, Reader, files_of
-from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError, StateMismatchError
+from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from savepoint.state import arrays, restore, tree
 from savepoint.storage.paths import Location
 
@@ -40,6 +40,7 @@ __all__ = [
     "load_tree",
     "records_as_dict",
     "select",
+    "select_node",
     "verify",
 ]
 
@@ -101,18 +102,27 @@ def getter(made: dict[str, Any], device: Any) -> Callable[[str, str], Any]:
 
 def select(shown: str, manifest: mf.Manifest, keys: Keys) -> tree.Node:
     """The part of the saved tree under ``keys`` (all of it for None); a key that is not in the
-    checkpoint raises IncompatibleCheckpointError naming it."""
+    checkpoint raises IncompatibleCheckpointError naming it (and the nearest key there is)."""
+    return select_node(shown, manifest.tree, keys)
+
+
+def select_node(shown: str, root: tree.Node, keys: Keys) -> tree.Node:
+    """:func:`select` of the saved tree ``root``."""
     if keys is None:
-        return manifest.tree
+        return root
     wanted = [keys] if isinstance(keys, str) else list(keys)
-    missing = [k for k in wanted if tree.select(manifest.tree, [k]) is None]
+    missing = [k for k in wanted if tree.select(root, [k]) is None]
     if missing:
+        shown_keys = []
+        for key in missing:
+            near = tree.nearest(root, key)
+            shown_keys.append(repr(key) + (f" (did you mean {near!r}?)" if near else ""))
         raise IncompatibleCheckpointError(
-            f"{shown}: no such key(s) in the checkpoint: {', '.join(map(repr, missing))}; "
+            f"{shown}: no such key(s) in the checkpoint: {', '.join(shown_keys)}; "
             "`savepoint inspect` lists the keys",
             path=shown,
         )
-    selected = tree.select(manifest.tree, wanted)
+    selected = tree.select(root, wanted)
     assert selected is not None
     return selected
 
@@ -264,7 +274,7 @@ def _restore(
     manifest = reader.manifest
     p = restore.plan(root, into, manifest.tensors)
     if p.problems:
-        raise StateMismatchError(p.problems, path=reader.shown)
+        raise restore.mismatch(p, root, into, manifest.tensors, path=reader.shown)
     refs = p.refs
     count = counter(progress, manifest, refs)
     direct = [

@@ -29,6 +29,7 @@ import queue
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,7 @@ POOL = StagingPool()
 if hasattr(os, "register_at_fork"):
     # The pool's lock may be held by another thread at fork time; a child starts with a fresh pool.
     os.register_at_fork(after_in_child=lambda: globals().__setitem__("POOL", StagingPool()))
+    os.register_at_fork(after_in_child=lambda: _new_finishers_after_fork())
 
 
 class _WriterThread:
@@ -239,25 +241,45 @@ def write_file(
 
 
 def _finish_on_thread(blob: BlobWriter) -> Callable[[], None]:
-    """Run ``blob.finish()`` on a new thread; return the function that waits for it."""
-    error: list[BaseException] = []
+    """Run ``blob.finish()`` on the finishing pool; return the function that waits for it (and
+    raises its error, the blob then aborted). A pool, not a thread per file: starting a thread
+    cost up to 2 ms of a 1 MB save on a busy machine."""
 
     def run() -> None:
         try:
             blob.finish()
-        except BaseException as exc:
-            error.append(exc)
+        except BaseException:
             blob.abort()
+            raise
 
-    thread = threading.Thread(target=run, name="savepoint-finish", daemon=True)
-    thread.start()
+    try:
+        future = _finishers().submit(run)
+    except RuntimeError:  # the interpreter is shutting down: finish here
+        run()
+        return lambda: None
 
     def wait() -> None:
-        thread.join()
-        if error:
-            raise error[0]
+        future.result()
 
     return wait
+
+
+_finish_pool: ThreadPoolExecutor | None = None
+_finish_lock = threading.Lock()
+
+
+def _finishers() -> ThreadPoolExecutor:
+    global _finish_pool
+    with _finish_lock:
+        if _finish_pool is None:
+            _finish_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="savepoint-finish")
+        return _finish_pool
+
+
+def _new_finishers_after_fork() -> None:
+    global _finish_pool, _finish_lock
+    _finish_pool = None
+    _finish_lock = threading.Lock()
 
 
 def _stream(

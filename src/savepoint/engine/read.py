@@ -61,6 +61,7 @@ from savepoint.errors import (
     CheckpointError,
     CheckpointMemoryError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
@@ -126,6 +127,7 @@ def locate(store: Store, path: str) -> str:
             st = store.stat(path)
             if st is not None and st.kind == "link":
                 st = store.stat(store.realpath(path))
+            replacing = st is None and bool(names.siblings(store, path, names.OLD_TAG))
         except PermissionError as exc:
             raise local.permission_error(exc, shown) from None
         except OSError as exc:
@@ -133,7 +135,7 @@ def locate(store: Store, path: str) -> str:
                 f"cannot look at {shown}: {exc.strerror or exc}", path=shown
             ) from exc
         if st is None:
-            if not names.siblings(store, path, names.OLD_TAG) or attempt == ATTEMPTS - 1:
+            if not replacing or attempt == ATTEMPTS - 1:
                 raise CheckpointNotFoundError(f"no checkpoint at {shown}", path=shown) from None
             time.sleep(0.001)  # a replace is between its renames: look again
             continue
@@ -141,8 +143,8 @@ def locate(store: Store, path: str) -> str:
             kind = "a regular file" if st.kind == "file" else _special_kind(store, path)
             raise IncompleteCheckpointError(
                 f"{shown} is {kind}, not a savepoint checkpoint directory (files of other "
-                "formats, .shrew, .safetensors, burn .mpk, are read with sp.convert or "
-                "`savepoint inspect`)",
+                "formats, .safetensors, .pt, .shrew, burn .mpk, are read from local paths by "
+                "sp.load, sp.convert and `savepoint inspect`)",
                 path=shown,
             )
         try:
@@ -150,8 +152,10 @@ def locate(store: Store, path: str) -> str:
         except PermissionError as exc:
             # A directory we may not search hides its manifest: say so, not "no manifest".
             raise local.permission_error(exc, shown) from None
-        except OSError:
-            break
+        except OSError as exc:  # a failed look is not "no manifest"
+            raise CheckpointError(
+                f"cannot look at {shown}: {exc.strerror or exc}", path=shown
+            ) from exc
         if there is None:
             break
         # The manifest is there now: a replace landed while resolve looked. Look again.
@@ -354,6 +358,8 @@ class Reader:
             pinned = store.pin(directory)
         except (FileNotFoundError, NotADirectoryError):
             raise _Replaced from None  # renamed away or deleted since locate saw it
+        except PermissionError as exc:  # a pin looks (stat) and may be refused
+            raise local.permission_error(exc, shown) from None
         blobs: dict[str, BlobReader] = {}
         try:
             try:
@@ -521,12 +527,16 @@ class Reader:
                         self.store, root, algorithm=self.manifest.blob_digest, create=False
                     )
                 except CheckpointError as exc:
-                    first = first or exc
+                    # A refusal says more than the other candidate's "no store here".
+                    refused = isinstance(exc, CheckpointPermissionError)
+                    first = exc if refused else first or exc
                     continue
                 self._blob_store = self._blob_store or opened
                 if probe is None or opened.exists(probe):
                     self._blob_store = opened
                     break
+            if self._blob_store is None and isinstance(first, CheckpointPermissionError):
+                raise first  # may not be read: not damage
             if self._blob_store is None:
                 if self._left_its_path() == "deleted":  # the run deleted with its store, say
                     raise CheckpointNotFoundError(

@@ -15,9 +15,10 @@ staging directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -356,6 +357,49 @@ def save_distributed(
         raise
     finish(tx, meta)
     return meta
+
+
+def prepare_distributed(
+    path: str | os.PathLike[str],
+    model: Mapping[str, Any],
+    optimizer: Mapping[str, Any] | None = None,
+    state: TrainingState | None = None,
+    *,
+    strategy: Strategy = "Replicated",
+    stage: int | None = None,
+    split_dims: Mapping[str, int] | None = None,
+    owned_params: Sequence[str] | None = None,
+    process_group: Any,
+    timeout: float | None = None,
+) -> Callable[[], ShardingMeta]:
+    """The two halves of ``save_distributed(path, BoostrCheckpoint(model, optimizer, state),
+    process_group=...)`` for one rank, split for a background save (the seed's
+    ``AsyncCheckpointer::save_distributed``): this call checks every argument (the strategy, the
+    tensors' names and types, ``state``, ``owned_params``, the group) and copies this rank's
+    tensors into host memory owned by the result, so the caller may change them as soon as it
+    returns; the returned function, called once on every rank of the group (in any thread),
+    writes ``rank_{r}/`` and commits exactly as :func:`save_distributed` does, returning the
+    ``ShardingMeta``."""
+    from savepoint.options import check_process_group
+
+    target = os.path.abspath(local_path(path, what="boostr checkpoint"))
+    stage, split = _check_strategy(strategy, stage, split_dims)
+    check_process_group(process_group)
+    mine = None if owned_params is None else _owned_list(owned_params, "owned_params")
+    given = state if state is not None else TrainingState()
+    if not isinstance(given, TrainingState):
+        raise TypeError(f"state must be a boostr.TrainingState, not {type(given).__name__}")
+    given.to_json()  # refuse what cannot be written now, in the caller
+    frozen = BoostrCheckpoint(
+        dict(snapshot(model, "model")),
+        None if optimizer is None else dict(snapshot(optimizer, "optimizer")),
+        dataclasses.replace(given, metadata=dict(given.metadata)),
+    )
+
+    def write() -> ShardingMeta:
+        return _save_group(target, frozen, strategy, stage, split, mine, process_group, timeout)
+
+    return write
 
 
 def _save_group(

@@ -57,6 +57,8 @@ and epoch. Then, by strategy:
 Writing: :func:`save_distributed` (specified in ``savepoint.formats._boostr_write``) from a list
 of per-rank checkpoints or from a process group; ``sharding_meta.json`` is written last, into a
 staging directory that is committed atomically once every rank has fsynced its ``rank_{r}/``.
+:func:`prepare_distributed` splits the process-group form into a check-and-copy half and a write
+half, for ``AsyncCheckpointer.save_distributed`` (the seed's async per-rank writer).
 
 Every error is a CorruptCheckpointError naming the directory and what to fix. Tensors are read
 lazily from the mapped files; a concatenated tensor is the only thing ever held in memory.
@@ -90,7 +92,12 @@ from savepoint.formats._boostr_single import (
     save,
     write,
 )
-from savepoint.formats._boostr_write import Strategy, save_distributed, snapshot
+from savepoint.formats._boostr_write import (
+    Strategy,
+    prepare_distributed,
+    save_distributed,
+    snapshot,
+)
 from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo
 from savepoint.storage.paths import local_path
@@ -116,6 +123,7 @@ __all__ = [
     "open_any",
     "open_checkpoint",
     "open_distributed",
+    "prepare_distributed",
     "read_sharding_meta",
     "read_training_state",
     "save",

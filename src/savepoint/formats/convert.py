@@ -98,6 +98,7 @@ __all__ = [
     "check_replaceable",
     "convert",
     "counting",
+    "encode",
     "has_tensor",
     "open_source",
 ]
@@ -537,7 +538,7 @@ def _optimizer_section(node: Any, plan: _Plan) -> shrew.OptimizerSection | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _encode(root: Any) -> tree_mod.Flat:
+def encode(root: Any) -> tree_mod.Flat:
     """A Flat for save_flat from a tree of containers, plain values and lazy tensors."""
     flat = tree_mod.Flat(tree={})
     refs: dict[int, str] = {}
@@ -583,7 +584,7 @@ def _write_savepoint(src: _Source, dst: PathArg, plan: _Plan) -> Callable[[], tu
         node, refs = src.native
         flat = tree_mod.Flat(tree=node, tensors=dict(refs))
     else:
-        flat = _encode(src.tree)
+        flat = encode(src.tree)
     metadata = json.loads(json.dumps(src.metadata, allow_nan=False))
 
     def write() -> tuple[int, int]:

@@ -30,6 +30,18 @@ Refused (:class:`~savepoint.errors.ConversionError`, nothing written): two tenso
 collide once joined, the reserved name ``__metadata__``, a name that is not valid UTF-8, a
 subtree that is not there or holds no tensor.
 
+A checkpoint written through ``torch.distributed.checkpoint`` with savepoint's
+``SavepointWriter`` stores DCP's flat names (``app.model.0.weight``); the export reads it as the
+nested state DCP flattened (DCP's own ``planner_data`` mapping, kept in the manifest), so
+``subtree="app/model"`` names the model's part and its tensors are named as in the model's
+``state_dict`` (``0.weight``). The values DCP serialised itself with ``torch.save`` (every
+non-tensor entry: step counters, an optimizer's ``param_groups``) are pickles, never exported,
+and listed.
+
+Without ``subtree`` and without a ``"model"`` entry, the whole tree is exported except the
+parts shaped like a torch optimizer's state dict (a node holding both ``state`` and
+``param_groups``): they are listed as left out. Name a subtree to export one of them anyway.
+
 The source is any checkpoint savepoint reads (savepoint's own on any store, other formats from
 local files); the file is written atomically (temporary sibling, fsync, rename), one tensor at a
 time, and must not exist unless ``overwrite``.
@@ -60,6 +72,10 @@ log = logging.getLogger(__name__)
 
 MAX_METADATA_VALUE = 1024  # characters of a JSON-encoded metadata value kept in __metadata__
 _LABEL = "a Hugging Face safetensors file"
+_HINT = (
+    "export writes the tensors of one subtree under names joined with --sep: choose --subtree "
+    "among the keys listed (savepoint inspect CKPT shows the whole tree) or another --sep."
+)
 
 
 @dataclass(frozen=True)
@@ -97,13 +113,14 @@ def _find(tree: Any, subtree: str) -> tuple[Any, tuple[Any, ...]]:
                     "safetensors",
                     [f"{subtree}: no {part!r} under {where} (it holds {shown})"],
                     label=_LABEL,
+                    hint=_HINT,
                 )
             node, path = node[key], (*path, key)
         elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
             node, path = node[int(part)], (*path, int(part))
         else:
             raise ConversionError(
-                "safetensors", [f"{subtree}: {part!r} is not a key there"], label=_LABEL
+                "safetensors", [f"{subtree}: {part!r} is not a key there"], label=_LABEL, hint=_HINT
             )
     return node, path
 
@@ -114,6 +131,46 @@ def _utf8(name: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class _Pickled:
+    """A value DCP serialised with ``torch.save``: never exported."""
+
+    name: str
+
+
+def _dcp_view(tree: Any, metadata: Mapping[str, Any]) -> Any:
+    """A checkpoint of savepoint's DCP writer (flat names) as the nested state DCP flattened,
+    the values DCP pickled as :class:`_Pickled` leaves; any other tree as it is."""
+    dcp = metadata.get("dcp")
+    if not isinstance(dcp, Mapping) or not isinstance(tree, Mapping) or dcp.get("version") != 1:
+        return tree
+    opaque = set(dcp.get("bytes") or ())
+    paths = dcp.get("planner_data")
+    nested: dict[Any, Any] = {}
+    for name, value in tree.items():
+        leaf = _Pickled(str(name)) if name in opaque else value
+        path = paths.get(name) if isinstance(paths, Mapping) else None
+        if not isinstance(path, list) or not path:
+            path = str(name).split(".")
+        node = nested
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):  # a leaf where DCP also has a subtree: keep flat
+                node = nested
+                path = [name]
+                break
+            node = child
+        if path[-1] in node:
+            node = nested
+            path = [name]
+        node[path[-1]] = leaf
+    return nested
+
+
+def _optimizer_like(node: Any) -> bool:
+    return isinstance(node, Mapping) and "state" in node and "param_groups" in node
 
 
 def _default_subtree(tree: Any) -> str:
@@ -174,9 +231,11 @@ def export(
     kind = detect(src_loc.path) if src_loc.is_local else "savepoint"
     _convert.check_local_target(src_loc, target, overwrite, verb="export", directories=False)
     with _convert.open_source(src_loc, kind) as source:
-        chosen = _default_subtree(source.tree) if subtree is None else subtree.strip("/")
-        node, base = _find(source.tree, chosen)
         dropped: list[str] = []
+        tree = _dcp_view(source.tree, source.metadata)
+        chosen = _default_subtree(tree) if subtree is None else subtree.strip("/")
+        node, base = _find(tree, chosen)
+        skip_optimizers = subtree is None and not chosen
         problems: list[str] = []
         items: list[tuple[str, LazyTensor]] = []
         stored: dict[int, str] = {}  # id of a stored tensor -> its name
@@ -209,6 +268,15 @@ def export(
                     return
                 stored.setdefault(id(n), name)
                 items.append((name, n))
+            elif isinstance(n, _Pickled):
+                dropped.append(
+                    f"{where}: a value DCP serialised with torch.save (a pickle), not a tensor"
+                )
+            elif skip_optimizers and path and _optimizer_like(n):
+                dropped.append(
+                    f"{where}: an optimizer's state (state and param_groups); name it with "
+                    "--subtree to export it"
+                )
             elif isinstance(n, Mapping):
                 for k, v in n.items():
                     walk(v, (*path, k))
@@ -221,15 +289,15 @@ def export(
                 dropped.append(f"{where}: a plain value ({text}); the file holds tensors only")
 
         walk(node, base)
-        if isinstance(source.tree, Mapping) and base:
-            for key, value in source.tree.items():
+        if isinstance(tree, Mapping) and base:
+            for key, value in tree.items():
                 if key != base[0]:
                     what = "tensors" if _convert.has_tensor(value) else "plain values"
                     dropped.append(f"{key}: {what} outside the exported subtree {chosen!r}")
         if not items and not problems:
             problems.append(f"{chosen or '<root>'}: holds no tensor")
         if problems:
-            raise ConversionError("safetensors", problems, label=_LABEL)
+            raise ConversionError("safetensors", problems, label=_LABEL, hint=_HINT)
         metadata = _metadata(source.metadata, dropped)
         written: list[tuple[str, LazyTensor]] = items
         if progress is not None:

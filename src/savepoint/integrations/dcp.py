@@ -34,6 +34,12 @@ DCP keeps its planner, its resharding and its collectives; savepoint supplies wh
 Only DCP checkpoints written by :class:`SavepointWriter` are read with DCP's metadata; other
 savepoint checkpoints are offered to DCP as their manifest's tensors under their savepoint names
 (``model/w``), box-sharded or whole.
+
+Offline, in one process: :func:`full_state_dict` is the whole nested state DCP saved (what
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` collects, which reads DCP's own
+``.metadata`` file with a hard-coded ``FileSystemReader`` and so cannot read these checkpoints),
+and :func:`dcp_to_torch_save` writes it with ``torch.save``. For a model's weights alone, as
+safetensors, ``savepoint export CKPT model.safetensors --subtree app/model`` (no pickle).
 """
 
 from __future__ import annotations
@@ -86,7 +92,13 @@ from savepoint.state.arrays import NumpySource, TensorSource
 from savepoint.storage.paths import Location, PathArg
 from savepoint.storage.paths import resolve as resolve_path
 
-__all__ = ["DCP_VERSION", "SavepointReader", "SavepointWriter"]
+__all__ = [
+    "DCP_VERSION",
+    "SavepointReader",
+    "SavepointWriter",
+    "dcp_to_torch_save",
+    "full_state_dict",
+]
 
 DCP_VERSION = 1  # the shape of metadata["dcp"]
 _MAX_FILE_BYTES = 4 << 30
@@ -510,3 +522,49 @@ class SavepointReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return SavepointWriter.validate_checkpoint_id(checkpoint_id)
+
+
+def full_state_dict(path: PathArg, *, verify: bool = True) -> dict[str, Any]:
+    """The whole state a ``dcp.save`` through :class:`SavepointWriter` saved at ``path``, nested
+    as it was saved (``{"app": {"model": {...}, "optim": {...}}, "step": 7}``), in this process
+    and without a process group: the equivalent of DCP's
+    ``format_utils.dcp_to_torch_save`` before its ``torch.save``.
+
+    Tensors are read and checked as any ``SavepointReader`` load; the values DCP serialised
+    itself (non-tensor entries) are deserialised by DCP's planner, as ``dcp.load`` does. Memory:
+    the whole state, as with DCP's function.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader = SavepointReader(path, verify=verify)
+    state: dict[str, Any] = {}
+    try:
+        reader.read_metadata()  # a missing or damaged checkpoint: savepoint's error, not DCP's
+        _load_state_dict(
+            state,
+            storage_reader=reader,
+            planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+            no_dist=True,
+        )
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, CheckpointError):
+                raise inner from exc
+        raise CheckpointError(f"reading {path} through DCP failed: {exc}") from exc
+    finally:
+        reader.close()
+    return state
+
+
+def dcp_to_torch_save(
+    dcp_checkpoint_dir: PathArg, torch_save_path: str | os.PathLike[str], *, verify: bool = True
+) -> None:
+    """``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` for checkpoints written
+    through :class:`SavepointWriter` (on any store savepoint takes): :func:`full_state_dict`,
+    then ``torch.save`` to ``torch_save_path`` (torch's own format, a pickle: this is the one
+    function of savepoint that writes one, because it is what was asked for; export weights
+    without pickle with ``savepoint export``)."""
+    torch.save(full_state_dict(dcp_checkpoint_dir, verify=verify), torch_save_path)

@@ -25,6 +25,23 @@ when it falls out of the top k; here it is kept and a log record says so).
 
 Works under Lightning's ``AsyncCheckpointIO(SavepointCheckpointIO())`` (Lightning clones the
 tensors on the training thread, savepoint writes them in Lightning's background thread).
+
+Exact resume, mid-epoch too: add the :class:`ExactResume` callback (random generators and the
+training loader's position in every checkpoint, restored when a fit resumes; the loader's
+sampler must be an ``sp.ResumableSampler`` for mid-epoch checkpoints). Lightning alone restarts
+the epoch's batches and keeps no generator state.
+
+Loading a trained model the usual way: ``Model.load_from_checkpoint(path)`` calls Lightning's
+``pl_load``, which opens ``path`` as one file (``torch.load`` of ``fsspec.open(path)``) and has
+no extension point: on a savepoint checkpoint, a directory, it raises ``IsADirectoryError``.
+Importing this module wraps ``pl_load`` (``lightning.pytorch.core.saving`` and
+``pytorch_lightning.core.saving``): a path that holds a savepoint checkpoint is read with
+``sp.load`` (checksums verified, no pickle; tensors on the CPU unless ``map_location`` names a
+device), every other path goes to Lightning's function unchanged. So in any script that imports
+``savepoint.integrations.lightning`` (or calls :func:`load_from_checkpoint`, the same call
+spelled explicitly), ``Model.load_from_checkpoint(path)`` and
+``DataModule.load_from_checkpoint(path)`` work on savepoint checkpoints, on any store.
+
 Importing this module imports Lightning: ``lightning`` (the unified package) and/or
 ``pytorch_lightning``/``lightning_fabric``, whichever are installed; the plugin is an instance of
 each one's ``CheckpointIO``.
@@ -32,15 +49,20 @@ each one's ``CheckpointIO``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
 from typing import Any
 
 import savepoint as sp
+from savepoint.commit import transaction
 from savepoint.commit.transaction import discard
+from savepoint.errors import CheckpointError
+from savepoint.integrations._lightning_resume import ExactResume
 from savepoint.storage.paths import resolve as resolve_path
 
-__all__ = ["SavepointCheckpointIO"]
+__all__ = ["ExactResume", "SavepointCheckpointIO", "load_from_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +149,66 @@ class SavepointCheckpointIO(*_bases()):  # type: ignore[misc]
 
     def teardown(self) -> None:
         pass
+
+
+# -- Model.load_from_checkpoint on savepoint checkpoints -----------------------------------------
+
+_SAVING = ("lightning.pytorch.core.saving", "pytorch_lightning.core.saving")
+
+
+def _is_savepoint_checkpoint(path: Any) -> bool:
+    """Whether ``path`` (as Lightning's ``pl_load`` gets it) names a savepoint checkpoint: a
+    local directory (``sp.load`` says what is wrong if it is not one), or a path or URL where
+    savepoint finds a committed checkpoint. Files, ``http(s)`` URLs and file objects are not."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    text = os.fspath(path)
+    if not isinstance(text, str) or text.startswith("http"):
+        return False
+    if os.path.isfile(text):
+        return False
+    if os.path.isdir(text):
+        return True
+    try:
+        where = resolve_path(text)
+        return transaction.resolve(where.store, where.path, strict=False) is not None
+    except (CheckpointError, OSError, ValueError):
+        return False
+
+
+def _wrap_pl_load(module: Any) -> None:
+    original = getattr(module, "pl_load", None)
+    if original is None or getattr(original, "_savepoint", False):
+        return
+
+    @functools.wraps(original)
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
+        if _is_savepoint_checkpoint(path_or_url):
+            # weights_only is moot: savepoint never unpickles.
+            return SavepointCheckpointIO().load_checkpoint(path_or_url, map_location)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._savepoint = True  # type: ignore[attr-defined]
+    module.pl_load = pl_load
+
+
+def _install_load_hook() -> None:
+    for name in _SAVING:
+        module = sys.modules.get(name)
+        if module is not None:
+            _wrap_pl_load(module)
+
+
+def load_from_checkpoint(cls: Any, path: Any, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path, **kwargs)`` (a ``LightningModule`` or
+    ``LightningDataModule`` class) for a checkpoint written by :class:`SavepointCheckpointIO`, on
+    any path or URL savepoint takes: Lightning's own classmethod (hyper-parameters, ``strict``,
+    ``hparams_file``, keyword overrides, ``on_load_checkpoint``), with the checkpoint read by
+    ``sp.load``. Importing this module already makes the classmethod itself read savepoint
+    checkpoints; this function is the same call, spelled so that it works whatever the import
+    order (it installs the hook on the Lightning packages imported by then)."""
+    _install_load_hook()
+    return cls.load_from_checkpoint(path, **kwargs)
+
+
+_install_load_hook()

@@ -45,8 +45,20 @@ reads fixed file names). So:
 - :class:`SavepointCallback` on a plain ``Trainer`` replaces, at each save event, the directory
   Trainer just wrote with the savepoint checkpoint (Trainer's files are moved aside, the savepoint
   checkpoint committed in their place, then the old files deleted), so the output directory is
-  the same; Trainer's own write still costs its time. :meth:`SavepointCallback.resume` resumes any
-  Trainer (subclass or not) from a savepoint checkpoint.
+  the same; Trainer's own write still costs its time. The usual resume works on such a trainer:
+  importing this module wraps ``Trainer.train`` so that, on a trainer carrying a
+  ``SavepointCallback`` (however it was added), ``train(resume_from_checkpoint=True)`` takes the
+  newest savepoint checkpoint of ``output_dir`` and ``train(resume_from_checkpoint=path_or_url)``
+  a savepoint checkpoint, through the same reads as :class:`SavepointTrainer`; every other trainer
+  and every other argument go to Trainer's ``train`` unchanged. (Trainer finds and opens its
+  checkpoint inside ``train``, before any callback event, and reads fixed file names: a callback
+  alone cannot take part.) :meth:`SavepointCallback.resume` does the same explicitly.
+
+A savepoint checkpoint is not a ``from_pretrained`` directory (``from_pretrained`` needs
+``config.json`` and ``model.safetensors``, which would be a second copy of the weights in every
+checkpoint): :func:`export_pretrained` writes that directory from any checkpoint of this module
+(the model config recorded in its metadata and the weights, tied ones once, as
+``save_pretrained`` does).
 
 Resuming goes through Trainer's own resume logic, so it is exactly Trainer's: the trainer state is
 restored, the data loader skips the batches already trained on in the current epoch, and the RNG
@@ -65,6 +77,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -83,6 +96,7 @@ from savepoint.checkpoint import load as sp_load
 from savepoint.checkpoint import save as sp_save
 from savepoint.errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     IncompatibleCheckpointError,
     UnsupportedStateError,
 )
@@ -90,7 +104,13 @@ from savepoint.info import CheckpointInfo
 from savepoint.state.rng import RNGState
 from savepoint.storage.paths import PathArg
 
-__all__ = ["SavepointCallback", "SavepointTrainer", "is_savepoint_checkpoint", "last_checkpoint"]
+__all__ = [
+    "SavepointCallback",
+    "SavepointTrainer",
+    "export_pretrained",
+    "is_savepoint_checkpoint",
+    "last_checkpoint",
+]
 
 TRAINER_STATE_NAME = "trainer_state.json"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -264,15 +284,119 @@ def _resuming(trainer: Any, source: PathArg) -> Iterator[str]:
         shutil.rmtree(local, ignore_errors=True)
 
 
+def _none_found(output_dir: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"No savepoint checkpoint found in output directory ({output_dir}), and no Trainer "
+        "checkpoint either: train first, or pass resume_from_checkpoint=<a checkpoint's path>",
+        path=str(output_dir),
+    )
+
+
 def _resume_source(trainer: Any, checkpoint: Any) -> PathArg:
     if checkpoint is None or checkpoint is True:
         found = last_checkpoint(trainer.args.output_dir)
         if found is None:
-            raise ValueError(
-                f"No savepoint checkpoint found in output directory ({trainer.args.output_dir})"
-            )
+            raise _none_found(trainer.args.output_dir)
         return found
     return checkpoint  # type: ignore[no-any-return]
+
+
+def _train(trainer: Any, train: Any, resume: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    """``train(resume_from_checkpoint=resume, *args, **kwargs)`` of Trainer, with savepoint
+    checkpoints for ``resume``: True takes the newest savepoint checkpoint of ``output_dir`` (the
+    newest Trainer checkpoint when there is none), a path or URL of a savepoint checkpoint is
+    read through :func:`_resuming`, a Trainer-format directory goes to Trainer as it is."""
+    if resume is None or resume is False:
+        return train(None, *args, **kwargs)
+    if resume is True:
+        found = last_checkpoint(trainer.args.output_dir)
+        if found is None:
+            if _trainer_checkpoint(trainer.args.output_dir) is None:
+                raise _none_found(trainer.args.output_dir)
+            return train(True, *args, **kwargs)
+        source: PathArg = found
+    else:
+        source = resume
+        if (
+            isinstance(source, (str, os.PathLike))
+            and os.path.isdir(source)
+            and not is_savepoint_checkpoint(source)
+        ):
+            # A Trainer-format checkpoint: Trainer reads it.
+            return train(os.fspath(source), *args, **kwargs)
+    with _resuming(trainer, source) as local:
+        return train(local, *args, **kwargs)
+
+
+def _trainer_checkpoint(output_dir: str) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    try:
+        found = get_last_checkpoint(output_dir)  # type: ignore[no-untyped-call]
+    except OSError:
+        return None
+    return None if found is None else str(found)
+
+
+def _has_callback(trainer: Any) -> bool:
+    handler = getattr(trainer, "callback_handler", None)
+    return any(isinstance(cb, SavepointCallback) for cb in getattr(handler, "callbacks", ()))
+
+
+def _wrap_trainer_train() -> None:
+    """Route ``Trainer.train(resume_from_checkpoint=...)`` of trainers carrying a
+    :class:`SavepointCallback` through :func:`_train` (see the module docstring); idempotent."""
+    original = Trainer.train
+    if getattr(original, "_savepoint_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self, SavepointTrainer) or not _has_callback(self):
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        return _train(self, functools.partial(original, self), resume_from_checkpoint, args, kwargs)
+
+    train._savepoint_wrapped = True  # type: ignore[attr-defined]
+    Trainer.train = train  # type: ignore[method-assign]
+
+
+def export_pretrained(
+    checkpoint: PathArg, directory: str | os.PathLike[str], *, overwrite: bool = False
+) -> str:
+    """Write a ``from_pretrained`` directory (``config.json`` and ``model.safetensors``) from a
+    savepoint checkpoint written by :class:`SavepointTrainer` or :class:`SavepointCallback`
+    (any path or URL): the model config recorded in the checkpoint's metadata, and the weights of
+    its ``model`` part under their ``state_dict`` names, tied weights stored once as
+    ``save_pretrained`` does (``from_pretrained`` re-ties them). Returns the directory.
+
+    Raises ``IncompatibleCheckpointError`` for a checkpoint without a recorded model config
+    (not written through this module), ``CheckpointWriteError`` when ``model.safetensors`` exists
+    and not ``overwrite``; nothing is written then."""
+    from savepoint.formats.export import export
+
+    meta = sp_inspect(checkpoint).metadata.get("transformers")
+    config = meta.get("config") if isinstance(meta, Mapping) else None
+    if not isinstance(config, Mapping):
+        raise IncompatibleCheckpointError(
+            f"{checkpoint}: no model config in the checkpoint's metadata['transformers'] (it was "
+            "not written by SavepointTrainer or SavepointCallback); export the weights with "
+            "`savepoint export CKPT model.safetensors` and add the model's config.json yourself",
+            path=str(checkpoint),
+        )
+    from savepoint.commit.atomic import replace_file
+    from savepoint.commit.transaction import write_error
+    from savepoint.storage.local import STORE
+
+    out = os.path.abspath(os.fspath(directory))
+    export(checkpoint, os.path.join(out, "model.safetensors"), subtree="model", overwrite=overwrite)
+    target = os.path.join(out, "config.json")
+    try:
+        replace_file(target, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    except OSError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise write_error(STORE, target, exc, what="config.json") from exc
+    return out
 
 
 def _load_best(model: Any, best: str) -> bool:
@@ -431,21 +555,10 @@ class SavepointTrainer(Trainer):
                 return cb
         return None
 
-    def train(  # type: ignore[override]
-        self, resume_from_checkpoint: PathArg | bool | None = None, **kwargs: Any
+    def train(
+        self, resume_from_checkpoint: PathArg | bool | None = None, *args: Any, **kwargs: Any
     ) -> Any:
-        if resume_from_checkpoint is None or resume_from_checkpoint is False:
-            return super().train(**kwargs)
-        source = _resume_source(self, resume_from_checkpoint)
-        if (
-            isinstance(source, (str, os.PathLike))
-            and os.path.isdir(source)
-            and not is_savepoint_checkpoint(source)
-        ):
-            # A Trainer-format checkpoint: Trainer reads it.
-            return super().train(resume_from_checkpoint=os.fspath(source), **kwargs)
-        with _resuming(self, source) as local:
-            return super().train(resume_from_checkpoint=local, **kwargs)
+        return _train(self, super().train, resume_from_checkpoint, args, kwargs)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Trainer's checkpoint bookkeeping, with one savepoint checkpoint for all its files."""
@@ -498,3 +611,6 @@ class SavepointTrainer(Trainer):
                 callback._best_loaded = best
             return
         super()._load_best_model()
+
+
+_wrap_trainer_train()

@@ -204,6 +204,8 @@ class Staged:
     nothing visible changes until :meth:`publish`. (With the manifest-last strategy the manifest
     is the commit point, so it is put by :meth:`publish`, not staged.)"""
 
+    restores = False  # undo() does not put the previous alias back: the caller republishes it
+
     def __init__(self, store: Store, target: str, source: str, what: str) -> None:
         self._tx = Transaction(store, target, what=what).begin()
         self._manifest: bytes | None = None
@@ -234,12 +236,21 @@ class Staged:
 class StagedPointer:
     """An alias being replaced on a store without hard links: a pointer to the step
     (:mod:`savepoint.commit.pointer`), put by :meth:`publish` in one overwriting put; nothing
-    is written before that, so :meth:`abort` has nothing to undo."""
+    is written before that, so :meth:`abort` has nothing to undo. The pointer object it
+    replaces is read first (a read that fails fails the staging), so that :meth:`undo` puts it
+    back exactly, with no read that could fail then."""
+
+    restores = True
 
     def __init__(self, store: Store, target: str, source: str) -> None:
         if resolve_commit(store, source, strict=False) is None:
             raise FileNotFoundError(errno.ENOENT, "no committed checkpoint", store.url(source))
         self._store, self._target, self._source = store, target, source
+        self._name = store.join(target, pointer.NAME)
+        try:
+            self._previous: bytes | None = store.read_small(self._name, cap=pointer.CAP)
+        except (FileNotFoundError, NotADirectoryError):
+            self._previous = None
 
     def publish(self, *, sync: bool = True) -> None:
         pointer.write(self._store, self._target, self._source)
@@ -248,7 +259,16 @@ class StagedPointer:
         pass
 
     def undo(self) -> None:
-        pass
+        """Put the previous pointer object back (or none, where there was none). Raises
+        OSError."""
+        store = self._store
+        if self._previous is not None:
+            store.put_making_dir(self._name, self._previous, exclusive=False)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            store.remove(self._name)
+        if not store.list(self._target):  # (a store that keeps an empty directory)
+            store.remove_tree(self._target)
 
     def abort(self) -> None:
         pass
@@ -274,6 +294,8 @@ class StagedLinks:
     it (a missing file, or no manifest: never other data), and the next writing open rebuilds
     it from the report. Where the store cannot exchange, the commit transaction's two-rename
     replace (:class:`Staged`) is used."""
+
+    restores = True
 
     def __init__(self, store: Store, target: str, source: str, what: str) -> None:
         check_target(store, target, what)
@@ -301,6 +323,7 @@ class StagedLinks:
             raise
         if self._moved is None:  # no exchange on this filesystem
             self.abort()
+            self.restores = False  # (the two-rename replace: the caller republishes)
             Staged(store, target, self._source, self._what).publish()
             return
         if sync:

@@ -231,7 +231,7 @@ def _is_run(where: Location) -> bool:
 
 def _is_checkpoint(where: Location) -> bool:
     """A committed checkpoint, a directory of generations, or an absent path with hidden
-    siblings (a first save that died)."""
+    siblings (a first save that died). A lookup that fails is CheckpointError, not "no"."""
     store = where.store
     try:
         if resolve_commit(store, where.path, strict=False) is not None:
@@ -241,8 +241,15 @@ def _is_checkpoint(where: Location) -> bool:
             entries = store.list(where.path) if st.kind == "dir" else []
             return bool(entries) and all(names.is_generation(e) for e in entries)
         return any(names.siblings(store, where.path, tag) for tag in _TAGS)
-    except OSError:
-        return False
+    except PermissionError as exc:
+        raise CheckpointPermissionError(
+            f"cannot look at {where}: {exc.strerror or exc}", path=str(where), errno=exc.errno
+        ) from exc
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot look at {where}: {exc.strerror or exc}; nothing was removed",
+            path=str(where),
+        ) from exc
 
 
 def _take_lock(run: Location) -> WriterLock | None:
@@ -312,6 +319,26 @@ class _Sweep:
             uploads_checked=self.uploads_checked,
             notes=tuple(self.notes),
         )
+
+    # -- looking -------------------------------------------------------------------------------
+
+    def pointer(self, path: str) -> str | bool | None:
+        """Where the alias pointer at ``path`` points (None: no pointer, or a damaged one);
+        True where it cannot be read (recorded as a failure: nothing it may name is removed)."""
+        try:
+            return pointer.target(self.store, path)
+        except (OSError, CheckpointError) as exc:
+            self.failures.append(Skipped(self.url(path), f"cannot be looked at: {exc}"))
+            return True
+
+    def committed(self, path: str) -> bool | None:
+        """Whether ``path`` holds a committed checkpoint; None where that cannot be looked at
+        (recorded as a failure: then nothing there is removed)."""
+        try:
+            return resolve_commit(self.store, path, strict=False) is not None
+        except CheckpointError as exc:
+            self.failures.append(Skipped(self.url(path), f"cannot be looked at: {exc}"))
+            return None
 
     # -- removing ------------------------------------------------------------------------------
 
@@ -406,9 +433,11 @@ class _Sweep:
                 listed.add(best)
             pending = set(report.discarding) - set(report.checkpoints)
         checkpoints = store.join(run, layout.CHECKPOINTS)
-        for alias in (layout.LATEST, layout.BEST):
-            target = pointer.target(store, store.join(run, alias))
-            if target is not None and store.parent(target) == checkpoints:
+        targets = {a: self.pointer(store.join(run, a)) for a in (layout.LATEST, layout.BEST)}
+        # An alias whose pointer cannot be read may name any step: every step counts as named.
+        unknown = any(t is True for t in targets.values())
+        for target in targets.values():
+            if isinstance(target, str) and store.parent(target) == checkpoints:
                 m = _STEP_DIR.fullmatch(store.basename(target))
                 if m:
                     listed.add(int(m.group(1)))
@@ -421,20 +450,20 @@ class _Sweep:
             if m is None:
                 continue  # not savepoint's: never touched
             step = int(m.group(1))
-            if step in pending and resolve_commit(store, path, strict=False) is not None:
+            if step in pending and self.committed(path) is not False:
                 self.skip(
                     path,
                     "pending deletion (report.json's discarding): the run's writer deletes it at "
                     "its next open or save",
                 )
-            self.checkpoint(path, listed=step in listed)
+            self.checkpoint(path, listed=unknown or step in listed)
         self.history_segments(store.join(run, history.SEGMENTS_DIR))
         for entry in _list(store, run):
             if _hidden_tag(entry) is not None:
                 self.hidden(run, entry)
             elif entry in (layout.LATEST, layout.BEST):
                 alias = store.join(run, entry)
-                if pointer.target(store, alias) is None:
+                if targets[entry] is None:
                     # A linked copy (a checkpoint of its own): its superseded generations only.
                     self.checkpoint(alias, listed=True)
 
@@ -461,8 +490,8 @@ class _Sweep:
         """Collect the generations of the checkpoint at ``path``; remove ``path`` itself when it
         holds nothing committed and nothing young (unless ``listed``)."""
         store = self.store
-        if pointer.target(store, path) is not None:
-            return  # an alias pointer: the run's bookkeeping
+        if self.pointer(path) is not None:
+            return  # an alias pointer (or one that cannot be read): the run's bookkeeping
         try:
             st = store.stat(path)
             if st is None or st.kind != "dir":
@@ -492,7 +521,7 @@ class _Sweep:
             reason = f"holds no committed checkpoint ({what}), {_age_text(youngest)}"
             if youngest >= self.grace:
                 # Looked up again, as readers do.
-                if resolve_commit(store, path, strict=False) is None:
+                if self.committed(path) is False:
                     self.remove(path, reason)
                 return
             if not gens:
@@ -557,7 +586,13 @@ class _Sweep:
         path = store.join(parent, entry)
         target = store.join(parent, target_name)
         what = "replaced checkpoint" if tag == names.OLD_TAG else "temporary"
-        if tag == names.OLD_TAG and not _has_manifest(store, target):
+        if tag == names.OLD_TAG:
+            try:
+                replaced = _has_manifest(store, target)
+            except OSError as exc:
+                self.failures.append(Skipped(self.url(path), f"cannot be looked at: {exc}"))
+                return
+        if tag == names.OLD_TAG and not replaced:
             self.skip(
                 path,
                 f"the previous checkpoint of {self.url(target)}, left by a replace interrupted "
@@ -662,10 +697,9 @@ def _hidden_tag(entry: str) -> tuple[str, str, str] | None:
 
 
 def _has_manifest(store: Store, directory: str) -> bool:
-    try:
-        st = store.stat(store.join(directory, mf.NAME))
-    except OSError:
-        return False
+    """Whether ``directory`` holds a manifest; a lookup that fails raises its OSError (a failed
+    read is not "uncommitted": that would remove a committed generation)."""
+    st = store.stat(store.join(directory, mf.NAME))
     return st is not None and st.kind != "dir"
 
 

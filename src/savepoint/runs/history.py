@@ -60,6 +60,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from savepoint.codecs import bounded_json
 from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
 from savepoint.storage.base import Store
 from savepoint.storage.local import LocalStore
@@ -129,38 +130,46 @@ def decode(data: bytes, shown: str) -> list[Record]:
     """The complete records in ``data``: whatever follows the last ``\\n`` (a torn last line, a
     kill in the middle of an append) is ignored, and so are empty lines and lines of NUL bytes
     (what a crash can leave where a filesystem had allocated but not written). A complete line
-    that is not a record is CorruptCheckpointError naming the file and the line."""
+    that is not a record is CorruptCheckpointError naming the file and the line. Every parse is
+    bounded as all JSON savepoint reads is (:mod:`savepoint.codecs.bounded_json`: nesting,
+    memory), and reads what Python's ``json`` wrote (NaN allowed)."""
     end = data.rfind(b"\n")
     if end < 0:
         return []
+    body = data[:end]
     try:
-        text = data[:end].decode("utf-8")
+        body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptCheckpointError(
             f"{shown} is not UTF-8 (byte {exc.start}): the run's history log is damaged",
             path=shown,
         ) from None
-    every = text.split("\n")
-    lines = [line for line in every if line.strip("\x00 \t\r")]
+    every = body.split(b"\n")
+    lines = [line for line in every if line.strip(b"\x00 \t\r")]
     try:
         # One parse of the whole log as an array: about twice as fast as a parse per line.
-        records = json.loads("[" + ",".join(lines) + "]")
+        records = _parse(b"[" + b",".join(lines) + b"]", shown)
         if all(isinstance(r, dict) for r in records) and len(records) == len(lines):
             return records  # type: ignore[no-any-return]
-    except (ValueError, RecursionError):
+    except CorruptCheckpointError:
         pass
     out = []
     for number, line in enumerate(every, start=1):
-        if not line.strip("\x00 \t\r"):
+        if not line.strip(b"\x00 \t\r"):
             continue
         try:
-            record = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            raise _damaged(shown, f"line {number}", f"not JSON ({str(exc)[:80]})") from None
+            record = _parse(line, shown)
+        except CorruptCheckpointError as exc:
+            cause = str(exc).split(" is not valid JSON: ", 1)[-1]
+            raise _damaged(shown, f"line {number}", f"not JSON ({cause[:80]})") from None
         if not isinstance(record, dict):
             raise _damaged(shown, f"line {number}", "not a JSON object")
         out.append(record)
     return out
+
+
+def _parse(raw: bytes, shown: str) -> Any:
+    return bounded_json.loads(raw, CorruptCheckpointError, shown, strict=False)
 
 
 def _damaged(shown: str, where: str, what: str) -> CorruptCheckpointError:

@@ -84,7 +84,9 @@ def checkpoint_arg(where: Location) -> str | Location:
 
 
 def committed(where: Location) -> bool:
-    """Whether ``where`` holds a committed checkpoint (its manifest, in either commit layout)."""
+    """Whether ``where`` holds a committed checkpoint (its manifest, in either commit layout).
+    A lookup that fails raises CheckpointError (``transaction.resolve``): never False for a
+    checkpoint that could not be looked at."""
     return resolve_commit(where.store, where.path, strict=False) is not None
 
 
@@ -97,7 +99,11 @@ def committed_steps(directory: PathArg, expected: Iterable[int] = ()) -> list[in
     committed checkpoint look gone.
 
     An unlistable ``checkpoints/`` is CheckpointPermissionError (EACCES/EPERM) or
-    CorruptCheckpointError (not a directory, or any other failure); a missing one has no steps."""
+    CorruptCheckpointError (not a directory, or any other failure); a missing one has no steps.
+    A step directory whose commit cannot be looked at (a failed request, an I/O error) raises
+    CheckpointError naming it: a step is never left out because a read failed (the run's
+    writer would record, alias and prune by that partial view, and a blob collection would
+    delete the blobs of the checkpoint left out)."""
     run = resolve(directory, what="run directory")
     root = run.join(CHECKPOINTS)
     store = root.store

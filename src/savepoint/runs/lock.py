@@ -47,9 +47,11 @@ import os
 import socket
 import time
 
+from savepoint.codecs import bounded_json
 from savepoint.errors import (
     CheckpointError,
     CheckpointWriteError,
+    CorruptCheckpointError,
     NotRegularFileError,
     RunLockedError,
 )
@@ -209,9 +211,9 @@ def read_holder(directory: PathArg) -> str | None:
     except (OSError, CheckpointError):
         return None
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = bounded_json.loads(raw, CorruptCheckpointError, str(run))
         pid, host, since = int(doc["pid"]), str(doc["host"]), str(doc["since"])
-    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+    except (ValueError, KeyError, TypeError, OverflowError):  # CorruptCheckpointError too
         return None
     here = " (this process)" if pid == os.getpid() and host == socket.gethostname() else ""
     return f"pid {pid}{here} on host {host} since {since}"

@@ -167,6 +167,7 @@ from savepoint.runs.report import (
     count_elements,
     lagging_run,
     load_report,
+    new_run_id,
     now_iso,
     plain_value,
     read_history,
@@ -424,6 +425,11 @@ class CheckpointManager:
         self._pid = os.getpid()
         self._started = time.monotonic()
         self._resumed_from: int | None = None
+        # A resume no save or log() has followed yet: the report before it, and the history
+        # records it adds. close() then puts the report back and writes nothing for it (an
+        # evaluation script that restores changes nothing); the next save or log() keeps it.
+        self._unresumed: Report | None = None
+        self._resume_marks: list[dict[str, Any]] = []
         self._verified: set[int] = set()
         self._last_saved: int | None = None
         # Steps no longer part of the run whose deletion is pending, and what report.json on disk
@@ -450,12 +456,17 @@ class CheckpointManager:
         self._lock_error_raised = False
         self._release: Callable[[], object] | None = None
         self.read_only_reason: str | None = None
-        # Whether close() has anything to write: a save, a log, a resume, or a report to create.
-        # (Opening and restoring without resuming leave report.json byte for byte as it was.)
+        # Whether close() has anything to write: a save, a log, or a report to create (a resume
+        # alone is not: see _unresumed).
+        # (Opening and restoring leave report.json byte for byte as it was.)
         self._dirty = False
         self._strict_config = strict_config
         self._config_changes: list[dict[str, Any]] = []
         self._new_config: dict[str, Any] | None = None
+        # Whether the run's id is made by this open (a new run directory, or a run made before
+        # run ids): then it takes the id of the run its tiers belong to (runs.tiers).
+        self._created = False
+        self._legacy_id = False
         try:
             self.read_only, self._writer = self._open_directory(read_only)
             if self._writer is not None:
@@ -475,6 +486,27 @@ class CheckpointManager:
             lagging = lagging_run(self.run, self.report)
             if lagging is not None:  # a writer was stopped between report.json and run.json
                 self.run, new_run_file = lagging, True
+            if tier_list:
+                # Every rank reads the tiers (restore); rank 0 alone copies up, as it keeps the
+                # books, and holds each tier's writer lock. Before run.json is written: a new
+                # run directory may continue the run its tiers belong to (runs.tiers).
+                self._tiers = TierCopier(
+                    tier_list,
+                    {"name": self.run.name, "variant": self.run.variant, "id": self.run.run_id},
+                    inherit=self._writes_books()
+                    and ((self._created and not on_disk) or self._legacy_id),
+                    protected=lambda: () if self._resumed_from is None else (self._resumed_from,),
+                    writable=self._writes_books(),
+                )
+                release_tiers = weakref.finalize(self, self._tiers.release_locks)
+                release_tiers.atexit = False  # (as the run's lock: see above)
+                if self._tiers.run_id != self.run.run_id or (
+                    self._legacy_id and self._writes_books()
+                ):
+                    # The id the tiers now name (theirs, or one made now) goes to run.json.
+                    self.run = dataclasses.replace(self.run, run_id=self._tiers.run_id)
+                    self.report.run_id = self.run.run_id
+                    new_run_file = True
             if new_run_file:
                 # Only now: an open that fails (a mismatch, a damaged report) writes nothing.
                 self._finish_open_run()
@@ -498,15 +530,6 @@ class CheckpointManager:
             if self._writes_books():
                 self._repair()
                 _LIVE.add(self)
-            if tier_list:
-                # Every rank reads the tiers (restore); rank 0 alone copies up, as it keeps the
-                # books.
-                self._tiers = TierCopier(
-                    tier_list,
-                    {"name": self.run.name, "variant": self.run.variant},
-                    protected=lambda: () if self._resumed_from is None else (self._resumed_from,),
-                    writable=self._leader and not self.read_only,
-                )
             if signals is not None:
                 self._preemption = Preemption(
                     signals, process_group=self.save_options.process_group, every=preemption_every
@@ -603,11 +626,14 @@ class CheckpointManager:
         where = self._run.join(RUN_FILE)
         path = str(where)
         doc = read_json(where)
+        # The run's id: made with the run by its writer (other ranks and read-only managers of
+        # a run without one do not know it: None).
         wanted = RunInfo(
             name=name or self._store.basename(self._run.path),
             variant=variant,
             config=_plain(dict(config or {})),
             num_params=num_params,
+            run_id=new_run_id() if self._writes_books() else None,
         )
         stale = doc is None
         if doc is not None:
@@ -622,6 +648,7 @@ class CheckpointManager:
         else:
             report, self._report_version = read_report(self._run)
             if report is None:
+                self._created = True  # (no run.json, no report.json: with no checkpoint, new)
                 return wanted, True, None
             source = REPORT_FILE
             run = RunInfo(
@@ -629,7 +656,15 @@ class CheckpointManager:
                 variant=report.variant,
                 config=report.config,
                 num_params=report.num_params,
+                run_id=report.run_id,
             )
+        if run.run_id is None:
+            # A run made before run ids: the report's, else a new one from its writer, recorded
+            # in the next report.json it writes (not by the open: opening and restoring change
+            # nothing), and in run.json if the open writes it anyway.
+            known = report.run_id if report is not None else None
+            run = dataclasses.replace(run, run_id=known or wanted.run_id)
+            self._legacy_id = known is None  # (made now: its tiers' run id may replace it)
         problems = []
         if name is not None and name != run.name:
             problems.append(f"name {name!r} ({source} has {run.name!r})")
@@ -663,6 +698,8 @@ class CheckpointManager:
             raise self._write_error(f"cannot create {where}", exc) from exc
 
     def _open_report(self, report: Report | None, on_disk: list[int]) -> Report:
+        if report is not None and report.run_id is None and self._writes_books():
+            report.run_id = self.run.run_id  # (written with the next report)
         if report is None:
             self._dirty = True  # close() writes the first report.json
             fresh = Report.for_run(self.run)
@@ -711,10 +748,27 @@ class CheckpointManager:
         )
 
     def _read_metrics(self, step: int) -> dict[str, Any]:
+        """The metrics checkpoint ``step`` was saved with; {} for a checkpoint that is damaged
+        or gone (restore skips it). A manifest that cannot be read (a failed request, an I/O
+        error, a refusal) raises: metrics taken as absent would move the best checkpoint, and
+        retention by the best metric could delete the real best."""
         try:
             meta = checkpoint.inspect(self._checkpoint(step)).metadata
-        except (CheckpointError, OSError):
+        except (
+            CorruptCheckpointError,
+            IncompleteCheckpointError,
+            IncompatibleCheckpointError,
+            CheckpointNotFoundError,
+        ):
             return {}
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot read the metrics of checkpoint {step} of {self.directory}: "
+                f"{exc.strerror or exc}; nothing was changed: try again once the store answers",
+                path=self.step_path(step),
+            ) from exc
         run_meta = meta.get("savepoint_run")
         return dict(run_meta.get("metrics") or {}) if isinstance(run_meta, dict) else {}
 
@@ -749,20 +803,27 @@ class CheckpointManager:
                     ) from exc
             self._repair_aliases()
 
-    def _repair_aliases(self) -> None:
+    def _repair_aliases(self, unknown: Literal["raise", "republish"] = "raise") -> None:
         """Make each alias hold the checkpoint the report names: republish it, or remove it when
-        the report names none (or republishing fails: a missing alias misleads nobody)."""
+        the report names none (or republishing fails: a missing alias misleads nobody). An
+        alias that cannot be looked at (a failed read is not "it holds it") raises, or with
+        ``unknown="republish"`` (undoing a save that changed it) is republished."""
         for alias, step in aliases.targets(self.report).items():
             path = aliases.path_of(self._run, alias)
-            if step is not None and aliases.holds(self._run, alias, step):
-                continue
+            try:
+                if step is not None and aliases.holds(self._run, alias, step):
+                    continue
+            except CheckpointError as exc:
+                if unknown == "raise":
+                    raise
+                log.info("%s: %s cannot be looked at (%s): republished", self.directory, path, exc)
             if self._store.stat(path.path) is None and (step is None or not self.aliases):
                 continue
             if step is not None and self.aliases:
                 try:
                     aliases.publish(self._run, alias, step)
                     continue
-                except OSError:
+                except (OSError, CheckpointError):
                     pass
             try:
                 aliases.remove(self._run, alias)
@@ -889,6 +950,7 @@ class CheckpointManager:
             return PendingSave.finished(None, step, skipped=True)
         self._check_writer()
         self._dirty = True
+        self._keep_resume()
         clean = _plain(dict(metrics or {}))
         self._warn_unranked(step, clean)
         target = self._checkpoint(step)
@@ -1151,6 +1213,7 @@ class CheckpointManager:
         (:mod:`savepoint.runs.history`) by the next save or ``close()``."""
         with self._lock:
             self._dirty = True
+            self._keep_resume()
             step = int(step)
             value = None if loss is None else float(loss)
             plain = _plain(metrics) if metrics else None
@@ -1214,6 +1277,7 @@ class CheckpointManager:
                 r.num_params = num_params
             staged: dict[str, aliases.Staging] = {}
             swapped: list[aliases.Staging] = []
+            removed = [False]  # whether an alias the report no longer names was removed
             phase = "updating the run's books"
             try:
                 # The step just committed counts even if a listing does not show it yet.
@@ -1247,15 +1311,23 @@ class CheckpointManager:
                 # background step syncs the run directory once for all three (a power cut
                 # before it brings back the previous report and aliases, whole: the next open
                 # lists this checkpoint again), and the save returns one sync earlier.
-                self._swap_aliases(staged, sync=False, swapped=swapped)
+                self._swap_aliases(staged, sync=False, swapped=swapped, removed=removed)
                 phase = f"writing {REPORT_FILE}"
                 self._store_report(durable=False)
             except (OSError, CheckpointError) as exc:
+                # Each alias swapped (or being swapped) is put back as it was, where its kind can
+                # (a linked copy, a pointer) with no read that could fail; the others, and any
+                # whose undo failed, are republished from the previous report by _undo.
+                touched = removed[0]
                 for alias in reversed(swapped):
-                    with contextlib.suppress(OSError):  # else _undo republishes it
+                    try:
                         alias.undo()
+                    except (OSError, CheckpointError):
+                        touched = True
+                    else:
+                        touched = touched or not alias.restores
                 _abort(staged)
-                raise self._undo(step, backup, saved, phase, exc) from exc
+                raise self._undo(step, backup, saved, phase, exc, touched) from exc
             # Done: the checkpoint is saved and recorded. What follows runs in the background
             # (removing the previous aliases too: unlinks the save need not wait for).
             self._drop(backup)
@@ -1427,8 +1499,8 @@ class CheckpointManager:
                 *self.report.verify_failures,
                 {"step": step, "at": now_iso(), "error": str(exc)},
             ]
-            self._fill_report(self._steps_now())
             with contextlib.suppress(OSError, CheckpointError):  # the next save writes them
+                self._fill_report(self._steps_now())
                 self._store_report()
                 self._repair_aliases()  # best/ leaves a checkpoint that failed
         return err
@@ -1503,22 +1575,26 @@ class CheckpointManager:
         *,
         sync: bool = True,
         swapped: list[aliases.Staging] | None = None,
+        removed: list[bool] | None = None,
     ) -> None:
         """Publish the staged aliases, remove those the report no longer names. Without
-        ``sync``, each published one is added to ``swapped``: the caller finishes it (or undoes
-        it) once the report is (or is not) written."""
+        ``sync``, each one published (or being published: a publish that failed may have taken
+        effect) is added to ``swapped``: the caller finishes it (or undoes it) once the report is
+        (or is not) written; ``removed[0]`` is set when an alias is removed."""
         for alias, step in aliases.targets(self.report).items():
             if alias in staged:
                 published = staged.pop(alias)
-                published.publish(sync=sync)
                 if swapped is not None and not sync:
                     swapped.append(published)
+                published.publish(sync=sync)
             elif self._store.stat(aliases.path_of(self._run, alias).path) is not None and (
                 # (with aliases on, _stage_aliases found an unstaged one holding its step)
                 step is None or (not self.aliases and not aliases.holds(self._run, alias, step))
             ):
                 # The report names no such checkpoint (a best pruned with an abandoned
                 # timeline), or aliases are off: a stale alias must not outlive the report.
+                if removed is not None:
+                    removed[0] = True
                 aliases.remove(self._run, alias)
 
     def _undo(
@@ -1528,11 +1604,13 @@ class CheckpointManager:
         saved: _Saved,
         phase: str,
         exc: BaseException,
+        aliases_touched: bool = True,
     ) -> CheckpointWriteError:
         """Roll a failed save back: the new checkpoint goes (or the previous one of that step
         comes back), the report, the history log and the aliases are restored (the report is
         the last thing a save writes, so a failed save never wrote it: the records it would
-        have appended to the log were taken back with it). Returns the error."""
+        have appended to the log were taken back with it; ``aliases_touched``: the aliases
+        may have changed, so they are republished). Returns the error."""
         problems = []
         try:
             if backup is not None:
@@ -1557,8 +1635,9 @@ class CheckpointManager:
         # save's own (its metrics) are gone with it.
         self._log = saved.log
         try:
-            self._repair_aliases()
-        except CheckpointError as undo_exc:
+            if aliases_touched:
+                self._repair_aliases(unknown="republish")
+        except (CheckpointError, OSError) as undo_exc:
             problems.append(str(undo_exc))
         code = getattr(exc, "errno", None)
         head = f"saving step {step} to {self.directory} failed while {phase}: {_reason(self._store, exc)}"
@@ -1846,7 +1925,12 @@ class CheckpointManager:
             self._tiers.raise_error()
         except CheckpointError as exc:
             errors.append(str(exc))
-        return (first.label,) if layout.committed(self._tiers.location(first, step)) else ()
+        try:
+            copied = layout.committed(self._tiers.location(first, step))
+        except CheckpointError as exc:  # not known to be there: not counted as copied
+            errors.append(str(exc))
+            copied = False
+        return (first.label,) if copied else ()
 
     def _end_in_flight(
         self, step: int, wait_until: float, reserve: float
@@ -1924,10 +2008,11 @@ class CheckpointManager:
         Returns the step restored. With ``resume`` (the default) the run continues from that step:
         the report forgets history after it (the resumed run logs those steps again), records the
         lineage, and retention protects that checkpoint; ``resume=False`` only loads. Nothing is
-        written here (restoring works on read-only media): the next save or ``close()`` writes
-        the report. With "latest", a checkpoint that fails verification is skipped (with a
-        warning) for the next older one; None means the run has no checkpoint at all. "best" and
-        explicit steps are never substituted: missing or corrupt is an error.
+        written here (restoring works on read-only media): the next save or ``log()`` records
+        the resume, and a ``close()`` with neither in between writes nothing for it (an
+        evaluation changes nothing). With "latest", a checkpoint that fails verification is
+        skipped (with a warning) for the next older one; None means the run has no checkpoint at
+        all. "best" and explicit steps are never substituted: missing or corrupt is an error.
 
         Next to a live writer (a read-only manager), the checkpoint chosen may be deleted or
         replaced by the writer before it is read: then "latest" and "best" choose again from what
@@ -2127,8 +2212,8 @@ class CheckpointManager:
         try:
             where = resolve_commit(store, self._step(step).path, strict=False)
             found = None if where is None else store.stat(store.join(where, mf.NAME))
-        except OSError:
-            return None
+        except (OSError, CheckpointError):
+            return None  # (unknown: its metrics are read again, which says what is wrong)
         return None if found is None else found.identity
 
     def _refresh_view(self) -> None:
@@ -2150,12 +2235,17 @@ class CheckpointManager:
             self.best_metric, self.best_mode = metric, mode
 
     def _resumed(self, step: int) -> int:
+        """The run continues from ``step``: in memory now; on disk with the next save or
+        ``log()`` (:meth:`_keep_resume`), never by ``close()`` alone."""
         with self._lock:
-            self._dirty = True
+            if self._unresumed is None:
+                self._unresumed = dataclasses.replace(
+                    self.report, lineage=list(self.report.lineage)
+                )
             self._resumed_from = step
             self._last_saved = step
             self.report.truncate_after(step)
-            self._log.append({"resumed_from": step})
+            self._resume_marks.append({"resumed_from": step})
             self.report.lineage.append(
                 {
                     "resumed_from": step,
@@ -2165,6 +2255,21 @@ class CheckpointManager:
             )
             self.report.steps_completed = step
         return step
+
+    def _keep_resume(self) -> None:
+        """The run writes again after a resume: its records join the history log, ahead of
+        what follows, and close() keeps the resumed report."""
+        with self._lock:
+            self._log.extend(self._resume_marks)
+            self._resume_marks = []
+            self._unresumed = None
+
+    def _forget_resume(self) -> None:
+        """close() after a resume nothing followed: the report as it was before it."""
+        with self._lock:
+            if self._unresumed is not None:
+                self.report, self._unresumed = self._unresumed, None
+                self._resume_marks = []
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -2251,6 +2356,7 @@ class CheckpointManager:
             self._join_background()
             if self._tiers is not None:
                 self._tiers.close()  # the copy-ups finish (their failures are raised below)
+            self._forget_resume()
             try:
                 if (
                     self._writes_books()

@@ -3,12 +3,20 @@
 ``run.json`` (written once, when the run directory is created)::
 
     {"format": "savepoint-run", "version": 1, "name": "...", "variant": "...", "config": {...},
-     "num_params": 1234, "created": "2026-11-21T08:00:00Z", "savepoint_version": "0.1.0"}
+     "num_params": 1234, "created": "2026-11-21T08:00:00Z", "savepoint_version": "0.1.0",
+     "run_id": "9f0c...e1"}
+
+``run_id`` is the run's identity: 32 random hex digits made with the run (``uuid4``), which no
+other run shares even where names, variants and configs are alike. Storage tiers record it in
+``tier.json`` (:mod:`savepoint.runs.tiers`). ``report.json`` records it too, so a run that loses
+its ``run.json`` keeps it. A run made by a savepoint without run ids gets one in the next
+``report.json`` a writer writes (an open alone changes nothing).
 
 ``report.json`` (version 2; replaced atomically once per save, by the background step of a save
 that prunes, and at close)::
 
     {"format": "savepoint-report", "version": 2, "name", "variant", "config", "num_params",
+     "run_id",
      "steps_completed": 500, "epoch": 3, "wall_time_s": 12.5,
      "history": {"file": "history.jsonl", "segments": "history/"},
      "best": {"metric": "val_loss", "mode": "min", "step": 400, "metrics": {...}} | null,
@@ -58,11 +66,13 @@ import datetime as _dt
 import json
 import math
 import os
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from savepoint._version import __version__
+from savepoint.codecs import bounded_json
 from savepoint.commit import names
 from savepoint.errors import (
     CheckpointPermissionError,
@@ -72,6 +82,7 @@ from savepoint.errors import (
     RunMismatchError,
 )
 from savepoint.runs import history as _history
+from savepoint.storage.base import read_error
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = [
@@ -86,6 +97,7 @@ __all__ = [
     "lagging_run",
     "load_report",
     "missing_best",
+    "new_run_id",
     "now_iso",
     "plain_value",
     "read_history",
@@ -105,6 +117,22 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+def new_run_id() -> str:
+    """A new run's identity: 128 random bits, as 32 hex digits."""
+    return uuid.uuid4().hex
+
+
+def _run_id(value: Any, path: str) -> str | None:
+    """A ``run_id`` member as read (None: absent, a run made before run ids)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 128:
+        raise CorruptCheckpointError(
+            f"{path}: run_id must be a non-empty string of at most 128 characters", path=path
+        )
+    return value
+
+
 @dataclass
 class RunInfo:
     name: str
@@ -113,9 +141,13 @@ class RunInfo:
     num_params: int | None = None
     created: str = field(default_factory=now_iso)
     savepoint_version: str = __version__
+    run_id: str | None = field(default_factory=new_run_id)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": "savepoint-run", "version": 1, **asdict(self)}
+        doc = {"format": "savepoint-run", "version": 1, **asdict(self)}
+        if doc["run_id"] is None:
+            del doc["run_id"]
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any, path: str) -> RunInfo:
@@ -130,6 +162,7 @@ class RunInfo:
                 num_params=doc.get("num_params"),
                 created=str(doc.get("created", "")),
                 savepoint_version=str(doc.get("savepoint_version", "")),
+                run_id=_run_id(doc.get("run_id"), path),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(f"{path}: malformed run.json ({exc})", path=path) from None
@@ -154,10 +187,17 @@ class Report:
     discarding: list[int] = field(default_factory=list)
     config_changes: list[dict[str, Any]] = field(default_factory=list)
     verify_failures: list[dict[str, Any]] = field(default_factory=list)
+    run_id: str | None = None
 
     @classmethod
     def for_run(cls, run: RunInfo) -> Report:
-        return cls(name=run.name, variant=run.variant, config=run.config, num_params=run.num_params)
+        return cls(
+            name=run.name,
+            variant=run.variant,
+            config=run.config,
+            num_params=run.num_params,
+            run_id=run.run_id,
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The whole report, history included, as one self-contained document (version 1, the
@@ -179,7 +219,7 @@ class Report:
         return {
             f.name: copy.deepcopy(getattr(self, f.name))
             for f in fields(self)
-            if f.name not in _HISTORY_FIELDS
+            if f.name not in _HISTORY_FIELDS and not (f.name == "run_id" and self.run_id is None)
         }
 
     @classmethod
@@ -240,6 +280,7 @@ class Report:
                 discarding=[int(s) for s in doc.get("discarding", [])],
                 config_changes=[dict(c) for c in doc.get("config_changes", [])],
                 verify_failures=[dict(c) for c in doc.get("verify_failures", [])],
+                run_id=_run_id(doc.get("run_id"), path),
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CorruptCheckpointError(
@@ -341,17 +382,17 @@ def read_json(path: PathArg) -> Any:
         raw = store.read_small(store.realpath(where.path), cap=MAX_JSON_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except CheckpointPermissionError as exc:
+    except PermissionError as exc:  # CheckpointPermissionError, or a store's raw refusal
         raise CheckpointPermissionError(
             f"{shown}: permission denied; the run itself may be intact: make the file readable "
             "by this user (or read it as one who may) and try again",
             path=shown,
             errno=exc.errno,
         ) from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{shown} is not valid JSON: {exc}", path=shown) from None
+    except OSError as exc:
+        raise read_error(shown, exc) from None
+    # Bounded (nesting, memory), and read as Python's json wrote it (NaN allowed).
+    return bounded_json.loads(raw, CorruptCheckpointError, shown, strict=False)
 
 
 def write_json(path: PathArg, doc: Mapping[str, Any], *, sync_dir: bool = True) -> None:

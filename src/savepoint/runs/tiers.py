@@ -15,11 +15,42 @@ it received, and keeps the ``keep`` newest of them::
         ],
     )
 
-Layout: a tier holds ``checkpoints/step-<step>/`` as a run directory does, and ``tier.json``
-naming the run it belongs to (a tier of another run is refused with RunMismatchError rather than
-mixed in). No report and no aliases: a tier is a shelf of committed checkpoints. A tier of an
-incremental run (``CheckpointManager(..., incremental=True)``) also has ``blobs/``, its own blob
-store, laid out as the run directory's is (the manifests name it ``../../blobs``).
+Layout: a tier holds ``checkpoints/step-<step>/`` as a run directory does, ``tier.json`` naming
+the run it belongs to, and ``.writer.lock``, the lock of the one manager that copies up to it. No
+report and no aliases: a tier is a shelf of committed checkpoints. A tier of an incremental run
+(``CheckpointManager(..., incremental=True)``) also has ``blobs/``, its own blob store, laid out as
+the run directory's is (the manifests name it ``../../blobs``).
+
+Ownership: a tier belongs to exactly one run. ``tier.json`` records the run's name, variant and
+``id`` (the ``run_id`` made with the run and kept in its ``run.json`` and ``report.json``: random,
+so two runs never share it, whatever their names)::
+
+    {"format": "savepoint-tier", "version": 2,
+     "run": {"name": "run-7", "variant": null, "id": "9f0c...e1"}}
+
+A writing manager takes the tier's writer lock (``store.lock(<tier>/.writer.lock)``: ``flock`` on a
+disk, a lease object on an object store, as a run directory's, :mod:`savepoint.runs.lock`) before
+it reads or writes ``tier.json``, and holds it until ``close()``. A second run is refused with
+RunMismatchError: while another manager holds the tier's lock (two jobs started from one config;
+a restarted job whose old process still runs), and when ``tier.json`` names another run (another
+id, name or variant). Nothing of the other run is touched. Read-only managers (and the ranks
+other than 0 of a sharded run) take no lock; they check ``tier.json`` the same way.
+
+Two exceptions, both taken under the lock:
+
+- a run directory created by this very open (no ``run.json``, no ``report.json``, no checkpoint:
+  a job restarted on a new machine whose run directory, on a RAM disk, died with the old one)
+  continues the run its tiers belong to: it takes that run's id (written to its ``run.json``),
+  so that ``restore()`` can read the tiers. (To start a new run, give it its own tiers.) So does
+  a run directory made before run ids (its ``run.json`` has none), whose name and variant are
+  all that can be compared, as before.
+- a ``tier.json`` of version 1 (savepoint before run ids: name and variant only) is adopted by the
+  first run of that name and variant whose writer opens it: its id is written there. Until then a
+  run with the same name and variant could have written it too, so this is the best that can be
+  known about such a tier: each run should have had its own.
+
+A failed read of ``tier.json`` (a failed request, an I/O error) is never taken as "no
+``tier.json``": the open fails (CheckpointError) and nothing is written.
 
 Copy-up (:class:`TierCopier`): one background thread per manager copies a committed checkpoint to
 each tier it is due on with :func:`savepoint.copy` (every checksum of the source checked first,
@@ -39,11 +70,13 @@ manager collects its run's store.
 
 Restore: :meth:`TierCopier.candidates` lists, for each step, where it can be read, fastest tier
 first; the manager's ``restore()`` tries them newest step first and falls back tier by tier, then
-step by step (see :mod:`savepoint.runs.manager`).
+step by step (see :mod:`savepoint.runs.manager`). A tier that cannot be listed fails the restore
+(CheckpointError naming it) rather than being skipped: its checkpoints are not "none".
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -54,9 +87,17 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from savepoint.codecs import bounded_json
 from savepoint.commit.transaction import discard
-from savepoint.errors import CheckpointError, CheckpointWriteError, RunMismatchError
+from savepoint.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    RunLockedError,
+    RunMismatchError,
+)
 from savepoint.runs import layout
+from savepoint.runs.lock import WriterLock
 from savepoint.storage.paths import Location
 from savepoint.storage.paths import resolve as resolve_path
 
@@ -68,6 +109,8 @@ __all__ = ["TIER_FILE", "Tier", "TierCopier"]
 log = logging.getLogger(__name__)
 
 TIER_FILE = "tier.json"
+TIER_VERSION = 2  # 1: the run named by name and variant only (before run ids)
+_TIER_CAP = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,14 +148,22 @@ class Tier:
 class TierCopier:
     """Background copy-up of a run's checkpoints to its tiers (see the module docstring).
 
-    ``run_id``: what ``tier.json`` records and checks (the run's name and creation time);
-    ``protected()``: steps a tier must never delete (the step the run resumed from)."""
+    ``run``: what ``tier.json`` records and checks of the run (its name and variant), with its
+    ``run_id`` under ``"id"`` (None or absent: not known here, as on the ranks other than 0 of a
+    sharded run before rank 0 wrote ``run.json``; then name and variant are checked alone).
+    ``inherit``: the run's id was made by this open (a new run directory, or a run made before
+    run ids): it may continue the run its tiers belong to, and :attr:`run_id` is then that run's
+    id, for the caller to record.
+    ``protected()``: steps a tier must never delete (the step the run resumed from).
+    ``writable``: take each tier's writer lock and claim it (else check ``tier.json`` only).
+    Call :meth:`close` to release the locks."""
 
     def __init__(
         self,
         tiers: Sequence[Tier],
-        run_id: dict[str, Any],
+        run: dict[str, Any],
         *,
+        inherit: bool = False,
         protected: Callable[[], Iterable[int]] = tuple,
         writable: bool = True,
     ) -> None:
@@ -120,7 +171,10 @@ class TierCopier:
         if len(set(labels)) != len(labels):
             raise ValueError(f"tiers need distinct names (or URLs): {labels}")
         self.tiers = list(tiers)
-        self.run_id = dict(run_id)
+        self.run = {k: v for k, v in run.items() if k != "id"}
+        self.run_id: str | None = run.get("id")
+        self._inherit = inherit
+        self._locks: dict[str, WriterLock] = {}
         self._protected = protected
         self._where = {t.label: resolve_path(t.url, what=f"tier {t.label!r}") for t in tiers}
         self._lock = threading.Lock()
@@ -130,11 +184,18 @@ class TierCopier:
         self._errors: list[CheckpointError] = []
         self._futures: list[Future[None]] = []
         self._executor: ThreadPoolExecutor | None = None
-        for tier in self.tiers:
+        try:
             if writable:
-                self._claim(tier)
-            steps = self._steps(tier)
-            self._last[tier.label] = steps[-1] if steps else None
+                self._claim()
+            else:
+                for tier in self.tiers:
+                    self._check(tier)
+            for tier in self.tiers:
+                steps = self._steps(tier)
+                self._last[tier.label] = steps[-1] if steps else None
+        except BaseException:
+            self.release_locks()
+            raise
 
     # -- where ---------------------------------------------------------------------------------
 
@@ -147,38 +208,150 @@ class TierCopier:
             return []
         return layout.committed_steps(where)
 
-    def _claim(self, tier: Tier) -> None:
-        """Make the tier's directory and check (or write) its ``tier.json``."""
-        where = self._where[tier.label]
-        store = where.store
-        path = where.join(TIER_FILE).path
-        doc = {"format": "savepoint-tier", "version": 1, "run": self.run_id}
-        try:
-            store.makedirs(where.join(layout.CHECKPOINTS).path)
-            if store.stat(path) is None:
+    def _claim(self) -> None:
+        """Make each tier's directory and take its writer lock; then check (or write) every
+        ``tier.json`` (see "Ownership" in the module docstring)."""
+        found: dict[str, dict[str, Any] | None] = {}
+        for tier in self.tiers:
+            where = self._where[tier.label]
+            try:
+                where.store.makedirs(where.join(layout.CHECKPOINTS).path)
+                self._take_lock(tier)
+            except CheckpointError:
+                raise
+            except OSError as exc:
+                raise self._prepare_error(tier, exc) from exc
+            found[tier.label] = self._read(tier)
+        if self._inherit:
+            # A run directory made by this open continues the run its tiers belong to.
+            ids = {f.get("id") for f in found.values() if f is not None and self._same_name(f)}
+            ids.discard(None)
+            if len(ids) == 1:
+                (theirs,) = ids
+                if theirs != self.run_id:
+                    log.info(
+                        "the tiers belong to run %s of the same name: this new run directory "
+                        "continues it (takes its run id)",
+                        theirs,
+                    )
+                    self.run_id = theirs
+        for tier in self.tiers:
+            run = found[tier.label]
+            if run is not None:
+                self._compare(tier, run)
+            if run is None or "id" not in run:
+                # A new tier, or one of version 1 (name and variant only): claimed for this run.
                 try:
-                    store.put(path, json.dumps(doc, sort_keys=True).encode(), exclusive=True)
-                except FileExistsError:
-                    pass  # another writer claimed it a moment ago: checked below
-            raw = store.read_small(path, cap=1 << 16)
+                    self._write(tier, exclusive=run is None)
+                except CheckpointError:
+                    raise
+                except OSError as exc:
+                    raise self._prepare_error(tier, exc) from exc
+
+    def _prepare_error(self, tier: Tier, exc: OSError) -> CheckpointWriteError:
+        where = self._where[tier.label]
+        return CheckpointWriteError(
+            f"tier {tier.label!r} ({where}): cannot prepare it: {exc.strerror or exc}",
+            path=str(where),
+            errno=exc.errno,
+        )
+
+    def _take_lock(self, tier: Tier) -> None:
+        """Take the tier's writer lock (RunMismatchError while another manager holds it)."""
+        where = self._where[tier.label]
+        try:
+            lock = WriterLock.acquire(where)
+        except NotImplementedError:  # a store without locks: tier.json alone decides
+            log.info("tier %r (%s): the store has no locks", tier.label, where)
+            return
+        except RunLockedError as exc:
+            raise RunMismatchError(
+                f"tier {tier.label!r} ({where}) is being written by another run's manager "
+                f"({exc.holder or 'holder unknown'}); a tier belongs to one run: give each run "
+                "its own tier directory (or close the other manager first)",
+                path=str(where),
+            ) from None
+        self._locks[tier.label] = lock
+
+    def _check(self, tier: Tier) -> None:
+        """A reader's check: the tier, if it has a ``tier.json``, belongs to this run."""
+        found = self._read(tier)
+        if found is not None:
+            self._compare(tier, found)
+
+    def _read(self, tier: Tier) -> dict[str, Any] | None:
+        """``tier.json``'s ``run`` member; None where there is no ``tier.json``. A failed read
+        raises (never "absent"); a damaged one is CorruptCheckpointError."""
+        where = self._where[tier.label]
+        path = where.join(TIER_FILE)
+        try:
+            raw = where.store.read_small(path.path, cap=_TIER_CAP)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
         except CheckpointError:
             raise
         except OSError as exc:
-            raise CheckpointWriteError(
-                f"tier {tier.label!r} ({where}): cannot prepare it: {exc.strerror or exc}",
-                path=str(where),
-                errno=exc.errno,
+            raise CheckpointError(
+                f"tier {tier.label!r}: cannot read {path} ({exc.strerror or exc}); nothing was "
+                "written: try again once the store answers",
+                path=str(path),
             ) from exc
-        try:
-            found = json.loads(raw)["run"]
-        except (ValueError, KeyError, TypeError):
-            found = None
-        if found != self.run_id:
-            raise RunMismatchError(
-                f"tier {tier.label!r} ({where}) holds checkpoints of another run ({found}, this "
-                f"is {self.run_id}); give each run its own tier directory",
-                path=str(where),
+        doc = bounded_json.loads(raw, CorruptCheckpointError, str(path))
+        run = doc.get("run") if isinstance(doc, dict) else None
+        if not (isinstance(doc, dict) and doc.get("format") == "savepoint-tier") or not (
+            isinstance(run, dict) and isinstance(run.get("id", ""), str)
+        ):
+            raise CorruptCheckpointError(
+                f"{path} is not a savepoint tier.json; it is not this run's tier: give the run "
+                "another tier directory (or, if the tier is this run's, move the file aside)",
+                path=str(path),
             )
+        return run
+
+    def _same_name(self, found: dict[str, Any]) -> bool:
+        return {k: v for k, v in found.items() if k != "id"} == self.run
+
+    def _compare(self, tier: Tier, found: dict[str, Any]) -> None:
+        theirs = found.get("id")
+        if self._same_name(found) and (
+            theirs is None or self.run_id is None or theirs == self.run_id
+        ):
+            return
+        where = self._where[tier.label]
+        ours = {**self.run, "id": self.run_id} if self.run_id is not None else self.run
+        raise RunMismatchError(
+            f"tier {tier.label!r} ({where}) holds checkpoints of another run ({found}, this "
+            f"is {ours}); give each run its own tier directory",
+            path=str(where),
+        )
+
+    def _write(self, tier: Tier, *, exclusive: bool) -> None:
+        """Write ``tier.json`` naming this run (under the tier's lock)."""
+        where = self._where[tier.label]
+        path = where.join(TIER_FILE).path
+        run = {**self.run, "id": self.run_id} if self.run_id is not None else self.run
+        doc = {"format": "savepoint-tier", "version": TIER_VERSION, "run": run}
+        data = json.dumps(doc, sort_keys=True).encode()
+        try:
+            where.store.put(path, data, exclusive=exclusive)
+        except FileExistsError:  # another writer claimed it a moment ago (a store without locks)
+            found = self._read(tier)
+            if found is None:
+                raise
+            self._compare(tier, found)
+
+    def check_lock(self, tier: Tier) -> None:
+        """Raise unless this manager still holds the tier's writer lock (a lease renewed)."""
+        lock = self._locks.get(tier.label)
+        if lock is not None:
+            lock.check()
+
+    def release_locks(self) -> None:
+        """Release every tier's writer lock (idempotent)."""
+        locks, self._locks = self._locks, {}
+        for lock in locks.values():
+            with contextlib.suppress(OSError, CheckpointError):
+                lock.release()
 
     # -- copy-up -------------------------------------------------------------------------------
 
@@ -223,6 +396,7 @@ class TierCopier:
                 target = self.location(tier, step)
                 started = time.perf_counter()
                 try:
+                    self.check_lock(tier)  # still this run's tier (a lease lost is not)
                     stats = PutStats()
                     copy(source, target, verify=True, stats=stats)
                     log.info(
@@ -351,24 +525,35 @@ class TierCopier:
         return not wait_for(futures, timeout=timeout).not_done
 
     def close(self) -> None:
-        self.wait()
-        with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        """Wait for the copy-ups, then release the tiers' writer locks."""
+        try:
+            self.wait()
+            with self._lock:
+                executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
+        finally:
+            self.release_locks()
 
     # -- restore -------------------------------------------------------------------------------
 
     def candidates(self) -> dict[int, list[tuple[Tier, Location]]]:
         """Every committed checkpoint on the tiers: step -> [(tier, location)], tiers in the
-        order given (fastest first). An unreachable tier is skipped with a log record."""
+        order given (fastest first). A tier that cannot be listed raises CheckpointError naming
+        it: skipped, its checkpoints would read as none, and a restore would start over (or
+        from an older step) with the newest copies out of sight."""
         found: dict[int, list[tuple[Tier, Location]]] = {}
         for tier in self.tiers:
             try:
                 steps = self._steps(tier)
             except (CheckpointError, OSError) as exc:
-                log.warning("tier %r cannot be listed, skipped: %s", tier.label, exc)
-                continue
+                where = self._where[tier.label]
+                raise CheckpointError(
+                    f"tier {tier.label!r} ({where}) cannot be listed ({exc}); a restore without "
+                    "it could miss its newest checkpoints: try again once it answers, or open "
+                    "the manager without that tier",
+                    path=str(where),
+                ) from exc
             for step in steps:
                 found.setdefault(step, []).append((tier, self.location(tier, step)))
         return found

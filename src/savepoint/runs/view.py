@@ -24,6 +24,7 @@ from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, Ru
 from savepoint.runs import aliases, layout
 from savepoint.runs.manager import CheckpointManager, StepSpec
 from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
+from savepoint.storage.base import read_error
 from savepoint.storage.paths import PathArg, resolve
 
 __all__ = ["RunView", "open_run", "run_problems"]
@@ -60,7 +61,11 @@ class RunView:
     def __init__(self, directory: PathArg) -> None:
         self._run = resolve(directory, what="run directory")
         self.directory = str(self._run)
-        if not (layout.is_run(self._run) or layout.lost_run_file(self._run)):
+        try:
+            found = layout.is_run(self._run) or layout.lost_run_file(self._run)
+        except OSError as exc:  # may not look (an object store's 403): not "no run here"
+            raise read_error(self.directory, exc) from None
+        if not found:
             raise CheckpointNotFoundError(
                 f"{self.directory} is not a savepoint run directory (no run.json or report.json)",
                 path=self.directory,

@@ -18,11 +18,11 @@ else is a problem for the caller to report before anything is modified.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from savepoint.codecs import dtypes
@@ -30,24 +30,29 @@ from savepoint.codecs import dtypes
 _INT_RANGE = {
     name: (int(np.iinfo(d.numpy).min), int(np.iinfo(d.numpy).max))
     for name, d in dtypes.BY_NAME.items()
-    if d.numpy.kind in "iu"
+    if d.kind in "iu"
 }
+# The float dtypes; their specs are computed when first asked for (bfloat16's and float8's need
+# ml_dtypes, which is imported only then: see savepoint.codecs.dtypes).
+_FLOATS = frozenset(name for name, d in dtypes.BY_NAME.items() if d.kind == "f")
 
 
-def _float_spec(d: np.dtype[Any]) -> tuple[int, float, float, bool]:
+@functools.cache
+def _float_spec(name: str) -> tuple[int, float, float, bool]:
     """(significand bits, largest finite value, smallest subnormal, has infinities)."""
-    info = ml_dtypes.finfo(d)  # type: ignore[no-untyped-call]
+    d = dtypes.BY_NAME[name].numpy
+    if dtypes.BY_NAME[name].plain is not None:
+        info: Any = np.finfo(d)
+    else:
+        import ml_dtypes
+
+        info = ml_dtypes.finfo(d)  # type: ignore[no-untyped-call]
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # inf into a type without it becomes NaN: that is the test
         has_inf = bool(np.isinf(np.array(np.inf).astype(d).astype(np.float64)))
     return int(info.nmant) + 1, float(info.max), float(info.smallest_subnormal), has_inf
 
 
-_FLOAT = {
-    name: _float_spec(d.numpy)
-    for name, d in dtypes.BY_NAME.items()
-    if name not in _INT_RANGE and name not in ("BOOL", "C64")
-}
 _PYINT = "int"  # a Python int: every integer
 _PYTHON = {bool: "BOOL", int: _PYINT, float: "F64"}
 
@@ -81,12 +86,12 @@ def holds(src: str, dst: str) -> bool:
         if dst in _INT_RANGE:
             dlo, dhi = _INT_RANGE[dst]
             return dlo <= lo and hi <= dhi
-        bits, largest, _, _ = _FLOAT[dst]
+        bits, largest, _, _ = _float_spec(dst)
         return max(-lo, hi) <= 2**bits and hi <= largest
-    if dst not in _FLOAT:
+    if dst not in _FLOATS:
         return False  # a float into an integer
-    sbits, smax, ssub, sinf = _FLOAT[src]
-    dbits, dmax, dsub, dinf = _FLOAT[dst]
+    sbits, smax, ssub, sinf = _float_spec(src)
+    dbits, dmax, dsub, dinf = _float_spec(dst)
     return dbits >= sbits and dmax >= smax and dsub <= ssub and (dinf or not sinf)
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from savepoint.codecs.manifest import TensorRecord
+from savepoint.errors import StateMismatchError
 from savepoint.state import _scalars, wrappers
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import describe
@@ -50,6 +51,8 @@ __all__ = [
     "Mode",
     "Plan",
     "Thunk",
+    "level_hints",
+    "mismatch",
     "needs_new",
     "plan",
 ]
@@ -68,6 +71,8 @@ class Plan:
     inplace: list[tuple[str, Any, str]] = field(default_factory=list)  # (ref, target, key path)
     fresh: set[str] = field(default_factory=set)
     problems: list[tuple[str, str]] = field(default_factory=list)
+    # What may explain some problems: a key of the target a saved key is a likely typo of.
+    hints: list[str] = field(default_factory=list)
     finish: Thunk = lambda get: None
 
     @property
@@ -154,6 +159,75 @@ def needs_new(child: Node, current: Any) -> bool:
             k in names and needs_new(c, getattr(current, k, _MISSING)) for k, c in child["items"]
         )
     return False
+
+
+_TYPOS = 3  # keys of one dict missing from the checkpoint that may each be a typo; more is not
+_NEAR_NAMES = 5_000  # saved names a typo is compared with, at most
+
+
+def _near(key: Any, candidates: list[Any], missing: int) -> str | None:
+    """The name among ``candidates`` ``key`` is likely a typo of (difflib, ratio 0.75 or
+    more), or None; never when ``missing`` keys of the dict are absent (more than
+    :data:`_TYPOS`: a renamed state, not typos) or the names are too many to compare."""
+    names = [c for c in candidates if isinstance(c, str)]
+    if not isinstance(key, str) or not names or missing > _TYPOS or len(names) > _NEAR_NAMES:
+        return None
+    close = tree_mod.close_matches(key, names, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def mismatch(
+    p: Plan,
+    root: Node,
+    into: Any,
+    tensors: Mapping[str, TensorRecord],
+    *,
+    path: str,
+) -> StateMismatchError:
+    """The StateMismatchError for the problems of the plan ``p``, with its hints (likely
+    typos) and what to pass instead when ``into`` is given one level too high or too low
+    (:func:`level_hints`)."""
+    hints = [*p.hints, *level_hints(root, into, tensors)]
+    return StateMismatchError(p.problems, path=path, hints=hints)
+
+
+_HINT_TRIES = 16  # keys of the checkpoint's root (or of into) tried as the level meant
+
+
+def level_hints(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> list[str]:
+    """When ``into`` fits one entry of the saved root (``sp.load(path, into=model)`` for a
+    checkpoint saved as ``{"model": model}``), or the saved root fits one entry of ``into``
+    (``into={"model": model}`` for a checkpoint saved as ``model.state_dict()``), the ``into=``
+    that restores it. Plans only (no I/O), of at most :data:`_HINT_TRIES` candidates each way."""
+    hints: list[str] = []
+    inner = root
+    while inner["t"] == "stateful":
+        inner = inner["state"]
+    what = _type(into)
+    if inner["t"] == "dict":
+        for k, child in inner["items"][:_HINT_TRIES]:
+            if child["t"] in ("dict", "stateful", "list", "tuple") and _fits(child, into, tensors):
+                hints.append(
+                    f"the checkpoint holds this state under the key {k!r} (it was saved as "
+                    f"{{{k!r}: ...}}): restore it with into={{{k!r}: <the {what}>}}"
+                )
+                break
+    if isinstance(into, Mapping) and not is_stateful(into):
+        for k, value in list(into.items())[:_HINT_TRIES]:
+            if value is not None and _fits(root, value, tensors):
+                hints.append(
+                    f"the checkpoint is the state of into[{k!r}] alone (saved without the "
+                    f"{k!r} level): restore it with into=<the {_type(value)}> itself"
+                )
+                break
+    return hints
+
+
+def _fits(node: Node, target: Any, tensors: Mapping[str, TensorRecord]) -> bool:
+    try:
+        return not plan(node, target, tensors).problems
+    except Exception:  # a target's state_dict() failing: no hint, the problems stand
+        return False
 
 
 def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
@@ -287,9 +361,16 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
                 items = [[rename[k], child] for k, child in items]
         saved = {k for k, _ in items}
         if not complete or strict:
-            for k in target:
-                if k not in saved:
-                    p.problems.append((tree_mod.join((*path, k)), "not in the checkpoint"))
+            absent = [k for k in target if k not in saved]
+            spare = [k for k in saved if k not in target] if absent else []
+            for k in absent:
+                p.problems.append((tree_mod.join((*path, k)), "not in the checkpoint"))
+                near = _near(k, spare, len(absent))
+                if near is not None:
+                    p.hints.append(
+                        f"{tree_mod.join((*path, k))!r} is not in the checkpoint, which has "
+                        f"{tree_mod.join((*path, near))!r} (a typo?)"
+                    )
         children: list[tuple[Any, Thunk]] = []
         for k, child in items:
             if k in target:

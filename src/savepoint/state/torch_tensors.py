@@ -80,7 +80,7 @@ class TorchSource:
     class's). The contiguous byte view a copy needs is made on the first :meth:`copy_to`, and a
     small CPU tensor is copied by the write pipeline straight from :meth:`pointer` without one."""
 
-    __slots__ = ("_flat", "_tensor", "dtype", "nbytes")
+    __slots__ = ("_flat", "_stream", "_tensor", "dtype", "nbytes")
 
     kind = "torch"
 
@@ -93,6 +93,10 @@ class TorchSource:
         self._tensor = t
         self._flat: Any = None
         self.nbytes: int = t.nbytes
+        # A CUDA tensor is copied (maybe on a pool thread, whose current stream is the default
+        # one) on the stream that was current where the save was called: the copy then sees
+        # every kernel the caller queued on it before the save, side streams included.
+        self._stream: Any = None if t.is_cpu or t.device.type != "cuda" else _current_stream(t)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -126,15 +130,26 @@ class TorchSource:
         return self._flat
 
     def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        if self._stream is not None:
+            # CUDA tensor: the contiguous copy (if any) and a blocking device-to-host copy of
+            # just this chunk, both on the caller's stream (see __init__).
+            with torch.cuda.stream(self._stream):
+                flat = self._bytes()
+                torch.from_numpy(dst).copy_(flat[start : start + dst.size])
+            return
         flat = self._bytes()
         if isinstance(flat, np.ndarray):
             np.copyto(dst, flat[start : start + dst.size], casting="no")
         else:
-            # Device tensor: a blocking device-to-host copy of just this chunk.
+            # Another device: a blocking device-to-host copy of just this chunk.
             torch.from_numpy(dst).copy_(flat[start : start + dst.size])
 
     def release(self) -> None:
         self._flat = None
+
+
+def _current_stream(t: torch.Tensor) -> Any:
+    return torch.cuda.current_stream(t.device)
 
 
 def stage_to_pinned(

@@ -47,11 +47,13 @@ __all__ = [
     "ROOT_LEVEL",
     "build",
     "child_key",
+    "close_matches",
     "escape",
     "flatten",
     "join",
     "keyed_leaves",
     "leaves",
+    "nearest",
     "plain_value",
     "refs",
     "select",
@@ -438,3 +440,44 @@ def select(node: Node, wanted: list[str]) -> Node | None:
         return None
 
     return walk(node, ())
+
+
+def _children(n: Node) -> list[tuple[str, Node]]:
+    """(escaped key, child) of a container node, through a stateful node."""
+    while n["t"] == "stateful":
+        n = n["state"]
+    if n["t"] == "dict":
+        return [(escape(k), c) for k, c in n["items"]]
+    if n["t"] in ("list", "tuple"):
+        return [(str(i), c) for i, c in enumerate(n["items"])]
+    return []
+
+
+def nearest(node: Node, wanted: str) -> str | None:
+    """The key path of ``node`` nearest to ``wanted`` (``/``-joined, escaped), which is not in
+    it: the components that are there, then the closest name (``difflib``) among the children
+    where ``wanted`` leaves the tree, then the rest of ``wanted`` when that path exists. None
+    when no name there is close. Looks at one level's names only, whatever the tree's size."""
+    parts = wanted.split("/")
+    at: list[str] = []
+    n = node
+    for i, part in enumerate(parts):
+        children = dict(_children(n))
+        if part in children:
+            at.append(part)
+            n = children[part]
+            continue
+        close = close_matches(part, list(children)[:10_000], n=1, cutoff=0.6)
+        if not close:
+            return None
+        guess = "/".join([*at, close[0], *parts[i + 1 :]])
+        return guess if select(node, [guess]) is not None else "/".join([*at, close[0]])
+    return None
+
+
+def close_matches(word: str, names: list[str], *, n: int, cutoff: float) -> list[str]:
+    """``difflib.get_close_matches``, imported when a message needs it (not by ``import
+    savepoint``)."""
+    import difflib
+
+    return difflib.get_close_matches(word, names, n=n, cutoff=cutoff)

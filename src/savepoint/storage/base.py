@@ -80,6 +80,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from savepoint.errors import CheckpointError, CheckpointPermissionError
+
 if TYPE_CHECKING:
     from savepoint.storage.paths import Location
 
@@ -96,6 +98,7 @@ __all__ = [
     "Store",
     "ThreadLock",
     "pin_prefix",
+    "read_error",
     "walk",
 ]
 
@@ -426,3 +429,23 @@ def walk(store: Store, path: str) -> Iterator[str]:
             yield from walk(store, child)
         elif st is not None:
             yield child
+
+
+def read_error(shown: str, exc: OSError) -> CheckpointError:
+    """The error to raise for ``exc``, which a store raised while ``shown`` was read or looked
+    at (``stat`` and ``list`` let a refusal pass through, and a store other than the local one
+    may say any failure raw): ``exc`` itself when it is a CheckpointError already;
+    CheckpointPermissionError for a refusal (EACCES, EPERM, an object store's 403); a
+    CheckpointError naming ``shown`` and the cause for any other failure."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if isinstance(exc, PermissionError) or exc.errno in (errno.EACCES, errno.EPERM):
+        return CheckpointPermissionError(
+            f"{shown}: permission denied ({reason}); the checkpoint itself may be intact: make "
+            "it readable by this user (on an object store: check the credentials and the "
+            "bucket's policy) and try again",
+            path=shown,
+            errno=exc.errno or errno.EACCES,
+        )
+    return CheckpointError(f"cannot read {shown}: {reason}", path=shown)

@@ -87,7 +87,15 @@ from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from savepoint.errors import CorruptCheckpointError, NotRegularFileError
-from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store, ThreadLock, pin_prefix
+from savepoint.storage.base import (
+    Capabilities,
+    PrefixPin,
+    Stat,
+    Store,
+    ThreadLock,
+    pin_prefix,
+    read_error,
+)
 
 if TYPE_CHECKING:
     from savepoint.storage.paths import Location
@@ -302,7 +310,7 @@ class FsspecStore(Store):
         except (IsADirectoryError, PermissionError) as exc:
             if isinstance(exc, IsADirectoryError):
                 raise NotRegularFileError(path, self.url(path)) from None
-            raise
+            raise read_error(self.url(path), exc) from None  # refusals are CheckpointErrors
         except NotADirectoryError:
             raise FileNotFoundError(errno.ENOENT, "No such file", self.url(path)) from None
 

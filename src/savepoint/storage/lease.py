@@ -13,6 +13,12 @@ whose holder is a process of this host that no longer runs, is stale: a contende
 tries its create-only put again (only one of several contenders can win that put). A holder whose
 object was taken over (its token is gone) has lost the lock for good.
 
+A lease that cannot be read (a failed request: a 503 after the retries, a reset) is never taken as
+absent or stale: ``acquire`` raises the store's error instead of deleting or overwriting a lease
+it could not read, and a holder whose renewal fails keeps the lock while its last record stays
+valid for a whole heartbeat more (``ttl / 3``: no contender may take it before it expires), then
+stops as if it had lost it.
+
 What this cannot promise: a holder stalled for longer than ``ttl`` (a process stopped with SIGSTOP,
 a machine that lost the network) loses its lease to a new writer and learns so only at its next
 :meth:`check`, before its next save, which it then refuses. Choose ``ttl`` longer than any stall
@@ -31,7 +37,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from savepoint.errors import CheckpointError
+from savepoint.codecs import bounded_json
+from savepoint.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from savepoint.storage.base import Store
@@ -54,6 +61,7 @@ class LeaseLock:
         self.path = path
         self.ttl = ttl
         self._token: str | None = None
+        self._expires = 0.0  # the ``expires`` of the last record this holder put
         self._since = ""
         self._lost: str | None = None
         self._stop = threading.Event()
@@ -69,13 +77,15 @@ class LeaseLock:
         token = uuid.uuid4().hex
         self._since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for _ in range(3):
+            record = self._record(token)
             try:
-                self.store.put(self.path, self._record(token), exclusive=True)
+                self.store.put(self.path, record, exclusive=True)
             except FileExistsError:
                 if not self._clear_stale():
                     return False
                 continue
             self._token, self._lost = token, None
+            self._expires = json.loads(record)["expires"]
             self._start_heartbeat()
             return True
         return False
@@ -88,8 +98,10 @@ class LeaseLock:
             thread.join(timeout=5)
         with self._mutex:
             token, self._token = self._token, None
-        if token is not None and self._holder_token() == token:
-            with contextlib.suppress(OSError):
+        if token is None:
+            return
+        with contextlib.suppress(OSError, CheckpointError):  # unreadable: it expires by itself
+            if self._holder_token() == token:
                 self.store.remove(self.path)
 
     # -- holding -------------------------------------------------------------------------------
@@ -102,6 +114,7 @@ class LeaseLock:
             return self._lost
 
     def _renew(self, token: str) -> str | None:
+        record = self._record(token)
         try:
             current = self._holder_token()
             if current != token:
@@ -111,9 +124,15 @@ class LeaseLock:
                     if current is not None
                     else f"its lease {self.store.url(self.path)} was deleted"
                 )
-            self.store.put(self.path, self._record(token), exclusive=False)
+            self.store.put(self.path, record, exclusive=False)
         except (OSError, CheckpointError) as exc:
+            # A failed read or put is not a lost lease: while the last record put stays valid
+            # for a whole heartbeat more, no contender may take it, and the next renewal tries
+            # again. Past that, this holder cannot know, and stops.
+            if time.time() + self.ttl / 3 < self._expires:
+                return None
             return f"its lease {self.store.url(self.path)} could not be renewed ({exc})"
+        self._expires = json.loads(record)["expires"]
         return None
 
     def _start_heartbeat(self) -> None:
@@ -144,15 +163,18 @@ class LeaseLock:
         return (json.dumps(doc) + "\n").encode("utf-8")
 
     def _read(self) -> dict[str, Any] | None:
+        # A read that fails (a failed request, an I/O error, a refusal) raises: it is neither
+        # "no lease" (a contender would put its own over a live one's) nor a stale lease (it
+        # would be deleted), and a holder that cannot read its lease has not lost it.
         try:
             raw = self.store.read_small(self.path, cap=_CAP)
         except FileNotFoundError:
             return None
-        except CheckpointError:
+        except CorruptCheckpointError:
             return {}  # over the cap, not a blob: no lease of ours; treated as stale below
         try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
+            doc = bounded_json.loads(raw, CorruptCheckpointError, self.store.url(self.path))
+        except CorruptCheckpointError:  # not JSON, nested too deep: no lease of ours
             return {}
         return doc if isinstance(doc, dict) else {}
 

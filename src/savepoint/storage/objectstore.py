@@ -53,8 +53,11 @@ exceed the time a whole part (``part_size``) or read chunk (``read_chunk``) take
 bandwidth expected: a part that stalls is cut off at the deadline and sent again (part uploads,
 completions and reads are retried after a timeout; ``read_timeout``, off by default, bounds only
 the gaps between reads of a response). ``retry_timeout`` bounds one request's retries as a whole.
-Listings are retried here as well when their response body is cut off (obstore retries only
-failures before the answer).
+Listings and GETs are retried here as well when their response body is cut off (obstore retries
+only failures before the answer): an object's bytes, and the body of an error answer, which
+obstore reads to build its error (a 404 for an object not there yet, cut off mid-body, is retried
+and then read as "not there", never reported as a failure after one attempt). One budget, the
+retry policy's ``max_retries`` attempts and ``retry_timeout``, covers obstore's retries and these.
 
 Reading: ``open_blob`` is one ranged GET of the first ``prefetch`` bytes (1 MiB) that also returns
 the size, ETag and version. A blob no larger than that is served from memory from then on (so it
@@ -117,7 +120,14 @@ from savepoint.errors import (
     NotRegularFileError,
     ReplacedWhileReadingError,
 )
-from savepoint.storage.base import Capabilities, PrefixPin, Stat, Store, pin_prefix
+from savepoint.storage.base import (
+    Capabilities,
+    PrefixPin,
+    Stat,
+    Store,
+    pin_prefix,
+    read_error,
+)
 
 if TYPE_CHECKING:
     from obstore import WritableFile
@@ -247,6 +257,14 @@ def _is_transport(exc: BaseException) -> bool:
 
 def _is_missing(exc: BaseException) -> bool:
     return isinstance(exc, (FileNotFoundError, oe.NotFoundError))
+
+
+def _is_refused(exc: BaseException) -> bool:
+    """A refused credential or request (401, 403): obstore says so for a GET or a HEAD, but a
+    refused LIST reaches here as a generic error naming the status."""
+    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
+        return True
+    return re.search(r"status code: 40[13]\b", str(exc).partition("Debug source:")[0]) is not None
 
 
 def _is_precondition(exc: BaseException) -> bool:
@@ -386,8 +404,10 @@ class ObjectStore(Store):
             return FileNotFoundError(errno.ENOENT, f"No such object ({_cause(exc)})", shown)
         if _is_precondition(exc):
             return FileExistsError(errno.EEXIST, f"Object exists ({_cause(exc)})", shown)
-        if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
-            return PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
+        if _is_refused(exc):
+            refused = PermissionError(errno.EACCES, f"{what} refused: {_cause(exc)}", shown)
+            # The read side's refusals are CheckpointErrors (the Store contract), as local ones.
+            return read_error(shown, refused) if read else refused
         if attempts is None:
             retries = _retries(exc)
             attempts = None if retries is None else retries + 1
@@ -423,16 +443,26 @@ class ObjectStore(Store):
         time.sleep(min(most, first * float(backoff.get("base", 2)) ** (attempt - 1)))
 
     def _counted_error(
-        self, exc: BaseException, bucket: str, key: str, what: str, *, write: bool = False
+        self,
+        exc: BaseException,
+        bucket: str,
+        key: str,
+        what: str,
+        *,
+        write: bool = False,
+        read: bool = False,
     ) -> OSError | CheckpointError:
         """:meth:`_error` of ``exc``, which may be a :class:`_Counted` failure."""
         if isinstance(exc, _Counted):
-            return self._error(exc.cause, bucket, key, what, attempts=exc.attempts, write=write)
-        return self._error(exc, bucket, key, what, write=write)
+            return self._error(
+                exc.cause, bucket, key, what, attempts=exc.attempts, write=write, read=read
+            )
+        return self._error(exc, bucket, key, what, write=write, read=read)
 
     def _read_retrying(self, call: Any) -> Any:
         """``call()``, retried on a transport failure: obstore retries a request that fails before
-        its answer, but not a listing whose response body is cut off."""
+        its answer, but not one whose response body is cut off (a listing's, an object's, or the
+        body of an error answer such as a 404's, which obstore reads to build its error)."""
         attempts = 0
         # One budget for obstore's retries and these: a server that accepts connections and
         # never answers fails a read after about retry_timeout, not retry_timeout per attempt.
@@ -542,7 +572,9 @@ class ObjectStore(Store):
     def _get_all(self, bucket: str, key: str) -> bytes | None:
         """The whole object; None when there is none."""
         try:
-            return bytes(obstore.get(self._client(bucket), key).bytes())
+            return bytes(
+                self._read_retrying(lambda: obstore.get(self._client(bucket), key).bytes())
+            )
         except Exception as exc:
             if _is_missing(exc):
                 return None
@@ -611,13 +643,15 @@ class ObjectStore(Store):
         if not key:
             raise NotRegularFileError(path, shown)
         client = self._client(bucket)
-        try:
+
+        def first() -> tuple[Any, bytes]:
             if self.prefetch:
                 result = obstore.get(client, key, options={"range": (0, self.prefetch)})
-            else:
-                result = obstore.get(client, key, options={"head": True})
-            meta = result.meta
-            head = bytes(result.bytes()) if self.prefetch else b""
+                return result.meta, bytes(result.bytes())
+            return obstore.get(client, key, options={"head": True}).meta, b""
+
+        try:
+            meta, head = self._read_retrying(first)
         except Exception as exc:
             if _is_missing(exc):
                 if self._has_children(bucket, key):
@@ -628,8 +662,8 @@ class ObjectStore(Store):
             with contextlib.suppress(OSError):
                 found = self._head(bucket, key)
             if found is None or found["size"] != 0:
-                raise self._error(exc, bucket, key, "GET", read=True) from exc
-            meta, head = found, b""  # type: ignore[assignment]
+                raise self._counted_error(exc, bucket, key, "GET", read=True) from exc
+            meta, head = found, b""
         return _Reader(self, bucket, key, shown, int(meta["size"]), meta, head)
 
     def read_small(self, path: str, *, cap: int | None) -> bytes:
@@ -639,7 +673,8 @@ class ObjectStore(Store):
             raise FileNotFoundError(errno.ENOENT, "No bucket in the path", shown)
         if not key:
             raise NotRegularFileError(path, shown)
-        try:
+
+        def whole() -> bytes:
             result = obstore.get(self._client(bucket), key)
             size = int(result.meta["size"])
             if cap is not None and size > cap:
@@ -647,12 +682,16 @@ class ObjectStore(Store):
                     f"{shown} is {size} bytes, over the {cap}-byte cap", path=shown
                 )
             return bytes(result.bytes())
+
+        try:
+            data: bytes = self._read_retrying(whole)
+            return data
         except CorruptCheckpointError:
             raise
         except Exception as exc:
             if _is_missing(exc) and self._has_children(bucket, key):
                 raise NotRegularFileError(path, shown) from None
-            raise self._error(exc, bucket, key, "GET", read=True) from None
+            raise self._counted_error(exc, bucket, key, "GET", read=True) from None
 
     def create_blob(self, path: str, *, size: int | None = None, direct: bool = True) -> _Writer:
         bucket, key = self._split(path)
@@ -823,10 +862,14 @@ class _Reader:
 
     def _fetch(self, start: int, dst: memoryview) -> None:
         end = start + len(dst)
+        options: Any = {**self._options, "range": (start, end)}
+        client = self._store._client(self._bucket)
         try:
-            options: Any = {**self._options, "range": (start, end)}
-            result = obstore.get(self._store._client(self._bucket), self._key, options=options)
-            data = memoryview(result.bytes())
+            data = memoryview(
+                self._store._read_retrying(
+                    lambda: obstore.get(client, self._key, options=options).bytes()
+                )
+            )
         except Exception as exc:
             if _is_missing(exc) or _is_precondition(exc):
                 raise ReplacedWhileReadingError(
@@ -834,7 +877,9 @@ class _Reader:
                     f"[{start}, {end})); load again",
                     path=self.name,
                 ) from None
-            raise self._store._error(exc, self._bucket, self._key, "GET", read=True) from exc
+            raise self._store._counted_error(
+                exc, self._bucket, self._key, "GET", read=True
+            ) from exc
         if len(data) != len(dst):
             raise CorruptCheckpointError(
                 f"{self.name}: asked for bytes [{start}, {end}), got {len(data)}", path=self.name
