@@ -74,7 +74,7 @@ def test_layout_and_manifest_are_byte_for_byte(
 ) -> None:
     if stream:  # every file makes its header while it is written
         monkeypatch.setattr(plan, "STREAM_ENTRIES", 2)
-    monkeypatch.setattr(mf, "_TREE_PIECE", 3)  # the tree in many pieces
+    monkeypatch.setattr(mf._encode, "_TREE_PIECE", 3)  # the tree in many pieces
     state = mixed_state()
     expected = _expected_data(tree.flatten(state), max_file_bytes)
     flat = tree.flatten(state)

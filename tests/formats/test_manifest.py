@@ -208,10 +208,10 @@ def test_reordered_members_with_a_fresh_trailer_still_parse() -> None:
 
 def test_size_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     raw = mf.dumps(sample_manifest())
-    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(raw) - 1)
+    monkeypatch.setattr(mf._records, "MAX_MANIFEST_BYTES", len(raw) - 1)
     with pytest.raises(mf.ManifestError, match="cap"):
         mf.parse(raw)
-    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(raw))
+    monkeypatch.setattr(mf._records, "MAX_MANIFEST_BYTES", len(raw))
     mf.parse(raw)
 
 

@@ -370,7 +370,7 @@ def test_writer_refuses_what_readers_refuse(tmp_path: Any) -> None:
 
 
 def test_writer_refuses_a_manifest_over_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", 4096)
+    monkeypatch.setattr(mf._records, "MAX_MANIFEST_BYTES", 4096)
     with pytest.raises(sp.UnsupportedStateError, match="over the"):
         _manifest(100)
 
