@@ -42,11 +42,10 @@ def test_data_files_are_durable_before_the_rename_and_fsynced_beside_the_manifes
     data = [e for e in events if "data-00000" in e[1]]
     assert data[0][2].startswith("savepoint-finish")  # on the finishing pool
     data_end = events.index(data[-1])
-    # It ends before the staging directory is synced and renamed into place.
-    staging_sync = max(
-        i for i, e in enumerate(events) if e[0] == "start" and ".ck.savepoint-tmp" in e[1]
-    )
-    assert data_end < staging_sync
+    # It ends before the staging directory is renamed into place: the parent's fsync, which
+    # follows the rename, starts after it.
+    parent_sync = max(i for i, e in enumerate(events) if e[0] == "start" and e[1] == str(tmp_path))
+    assert data_end < parent_sync
     out = sp.load(tmp_path / "ck")
     assert np.array_equal(out["a"], state["a"])
 

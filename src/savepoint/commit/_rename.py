@@ -29,14 +29,15 @@ from savepoint.commit import names
 from savepoint.storage.base import Store
 
 
-def publish(store: Store, staging: str, target: str) -> None:
+def publish(store: Store, staging: str, target: str, *, synced: bool = False) -> None:
     """Steps 2-5 above. ``target`` must be absent, an empty directory, or a committed checkpoint.
 
     If a step fails before the parent directory is synced, the renames done so far are undone
     (best effort) so that ``target`` holds the previous checkpoint again and ``staging`` the new
     one, which the caller then removes; the error is re-raised."""
     parent = store.parent(target)
-    store.sync_dir(staging)
+    if not synced:  # ``synced``: the caller synced ``staging`` after its last entry was made
+        store.sync_dir(staging)
     if store.stat(target) is None:
         store.rename(staging, target)
         _or_undo(lambda: store.sync_dir(parent), lambda: store.rename(target, staging))

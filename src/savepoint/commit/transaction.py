@@ -143,9 +143,13 @@ class Transaction:
                     log.debug(
                         "wrote and fsynced %s (%d bytes)", store.url(manifest_path), len(data)
                     )
-                for wait in durable:
-                    wait()
-                _rename.publish(store, self.staging, self.target)
+                if durable:
+                    # The staging directory's entries are all made: sync it while the data
+                    # files' fsyncs may still run, then wait for those.
+                    store.sync_dir(self.staging)
+                    for wait in durable:
+                        wait()
+                _rename.publish(store, self.staging, self.target, synced=bool(durable))
                 self.committed = self.target
                 log.debug(
                     "committed %s: staging fsynced, renamed into place, parent fsynced",

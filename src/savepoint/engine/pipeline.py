@@ -219,8 +219,8 @@ def write_file(
     (no block checksums): a million tensors cost 8 MB here, against about 200 MB of digest
     objects and hex strings.
 
-    ``finishing``: finish the blob (make it durable: an fsync on local disks) on a thread of
-    its own and append to this list the function that waits for it (and raises its error, the
+    ``finishing``: on a local disk, finish the blob (make it durable: an fsync) on the
+    finishing pool and append to this list the function that waits for it (and raises its error, the
     blob then aborted). The caller must call it before it publishes anything naming the file;
     meanwhile it can write its manifest, whose own fsync then runs at the same time (one
     journal commit instead of two on ext4: a small save's cost is mostly its fsyncs)."""
@@ -230,8 +230,8 @@ def write_file(
     try:
         with pool.acquire(size) as buffers:
             _stream(blob, header, sources, buffers, progress, False, digests, header_size)
-        if finishing is None:
-            blob.finish()
+        if finishing is None or not store.capabilities.direct_io:
+            blob.finish()  # only local disks defer: elsewhere a finish is no fsync to overlap
         else:
             finishing.append(_finish_on_thread(blob))
     except BaseException:
