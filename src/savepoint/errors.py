@@ -22,8 +22,13 @@
     │                                    take (torch.save's argument order, map_location=, ...)
     ├── UnsupportedStateError            (also TypeError) a leaf or key savepoint cannot store
     │   └── ConversionError              ``convert`` target cannot hold part of the source
-    ├── UnsupportedStorageError          (also ValueError) a URL (s3://, gs://, ...) where only
-    │                                    local paths and file:// are supported yet
+    ├── CheckpointMemoryError            (also MemoryError) the memory a load needs for a tensor
+    │                                    cannot be allocated
+    ├── ReplacedWhileReadingError        a writer kept replacing the checkpoint while it was read
+    ├── UnsupportedStorageError          (also ValueError) a URL savepoint cannot read or write
+    │                                    here (no backend, or its extra is not installed)
+    ├── UnsupportedDeviceError           (also ValueError) ``device=`` names a device this process
+    │                                    cannot use
     ├── CheckpointWriteError             (also OSError) the save failed (disk full, fsync error, ...)
     │   └── RunLockedError               another process holds the run directory's writer lock
     └── DistributedCheckpointError       (also RuntimeError) a sharded save or load failed on some
