@@ -243,9 +243,13 @@ def test_sigkill_while_saving_to_one_s3_path(
         old = got
         start = max([start, *child.steps("saving")]) + 1
     assert PATH_KILLS + RUN_KILLS >= 50
-    assert outcomes["old"] and outcomes["new"], f"kills never split a save: {dict(outcomes)}"
-    assert removed > 0, "no kill ever left a generation to collect"
-    assert aborted > 0, "no kill ever left a multipart upload open"
+    # Coverage, not correctness: that random kills landed in each window. The 32 kills of
+    # `make test` miss one now and then (a fresh clone's run, 2026-12-02: no kill during a
+    # multipart upload); `make torture`'s hundreds must not.
+    if PATH_KILLS >= 100:
+        assert outcomes["old"] and outcomes["new"], f"kills never split a save: {dict(outcomes)}"
+        assert removed > 0, "no kill ever left a generation to collect"
+        assert aborted > 0, "no kill ever left a multipart upload open"
 
 
 def test_sigkill_while_a_manager_saves_to_s3(
