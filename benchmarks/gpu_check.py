@@ -481,6 +481,14 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, limit: float) -> 
 _OUTCOME = re.compile(r"^(\S+::\S+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b(.*)$")
 
 
+def _outcomes(
+    passed: list[Any], failed: list[Any], errors: list[Any], skipped: list[Any]
+) -> dict[str, Any]:
+    """The tests' part of the report, with its counts."""
+    lists = {"passed": passed, "failed": failed, "errors": errors, "skipped": skipped}
+    return {**lists, "counts": {k: len(v) for k, v in lists.items()}}
+
+
 def parse_verbose_log(text: str) -> dict[str, Any]:
     """Outcomes from ``pytest -v`` output, for a run stopped before it wrote its JUnit file
     (the test it was in is then missing)."""
@@ -501,18 +509,7 @@ def parse_verbose_log(text: str) -> dict[str, Any]:
             errors.append({"name": name, "message": "see the log", "detail": ""})
         else:
             skipped.append({"name": name, "reason": rest})
-    return {
-        "passed": passed,
-        "failed": failed,
-        "errors": errors,
-        "skipped": skipped,
-        "counts": {
-            "passed": len(passed),
-            "failed": len(failed),
-            "errors": len(errors),
-            "skipped": len(skipped),
-        },
-    }
+    return _outcomes(passed, failed, errors, skipped)
 
 
 def _tail(path: Path, n: int) -> str:
@@ -550,18 +547,7 @@ def parse_junit(text: str) -> dict[str, Any]:
                     outcome = "error"
         if outcome == "passed":
             passed.append(f"{name} ({seconds:.1f} s)")
-    return {
-        "passed": passed,
-        "failed": failed,
-        "errors": errors,
-        "skipped": skipped,
-        "counts": {
-            "passed": len(passed),
-            "failed": len(failed),
-            "errors": len(errors),
-            "skipped": len(skipped),
-        },
-    }
+    return _outcomes(passed, failed, errors, skipped)
 
 
 # -- the markdown report ---------------------------------------------------------------------------

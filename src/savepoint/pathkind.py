@@ -74,15 +74,6 @@ _SUFFIXES = {
     ".bin": "torch",
     ".ckpt": "torch",
 }
-_LABELS = {
-    "shrew": ".shrew file",
-    "safetensors": "safetensors file",
-    "boostr": "boostr checkpoint",
-    "boostr-distributed": "distributed boostr checkpoint",
-    "burn": "burn record (.mpk)",
-    "training-artifact": "training artifact",
-    "torch": "PyTorch file (torch.save)",
-}
 
 
 @dataclass(frozen=True)
@@ -107,7 +98,9 @@ class Found:
     @property
     def label(self) -> str:
         """The other format's name as a sentence names one ("safetensors file")."""
-        return _LABELS.get(self.format, self.format)
+        from savepoint.formats import detect  # only once a path was found not to be ours
+
+        return detect.LABELS.get(self.format, self.format)
 
 
 def classify(where: Location) -> Found | None:

@@ -262,7 +262,7 @@ def torch_window_sums(flat: Any, *, use_triton: bool | None = None) -> Any:
     units = flat[:even].view(torch.int16) if even and flat.storage_offset() % 2 == 0 else None
     if even and units is None:
         units = flat[:even].clone().view(torch.int16)  # an odd start address: realign once
-    k = _device_keys(flat.device)
+    k = _keys_on(flat.device)[0]
     if use_triton:
         out = _triton_sums(units, even // 2, windows, k)
     else:
@@ -280,7 +280,7 @@ def _torch_sums(units: Any, count: int, windows: int, device: Any) -> Any:
     out = torch.zeros((windows, 2), dtype=torch.int64, device=device)
     if units is None or count == 0:
         return out
-    k = _device_float_keys(device)
+    k = _keys_on(device)[1]
     full = count // WINDOW_UNITS
     view = units[: full * WINDOW_UNITS].view(full, WINDOW_UNITS)
     for start in range(0, full, 4 * _BATCH):
@@ -293,26 +293,20 @@ def _torch_sums(units: Any, count: int, windows: int, device: Any) -> Any:
     return out
 
 
-_DEVICE_KEYS: dict[Any, tuple[Any, Any]] = {}
+_DEVICE_KEYS: dict[Any, tuple[Any, Any, Any]] = {}
 
 
-def _device_keys(device: Any) -> Any:
-    return _keys_on(device)[0]
-
-
-def _device_float_keys(device: Any) -> Any:
-    return _keys_on(device)[1]
-
-
-def _keys_on(device: Any) -> tuple[Any, Any]:
+def _keys_on(device: Any) -> tuple[Any, Any, Any]:
+    """``K`` on ``device``, copied once: as int64 (the odd byte's products), float64 transposed
+    (the torch-operations product) and int32 (the Triton kernel's)."""
     import torch
 
     cached = _DEVICE_KEYS.get(device)
     if cached is None:
-        k = torch.from_numpy(keys().copy()).to(device)
         cached = _DEVICE_KEYS[device] = (
-            k,
+            torch.from_numpy(keys().copy()).to(device),
             torch.from_numpy(_float_keys().copy()).to(device),
+            torch.from_numpy(keys().astype(np.int32)).to(device),
         )
     return cached
 
@@ -362,18 +356,6 @@ def _triton_sums(units: Any, count: int, windows: int, k: Any) -> Any:
     out = torch.zeros((windows, 2), dtype=torch.int64, device=k.device)
     if units is None or count == 0:
         return out
-    keys32 = _keys32_on(k.device)
+    keys32 = _keys_on(k.device)[2]
     kernel[(windows,)](units, keys32, out, count, WINDOW_UNITS=WINDOW_UNITS, BLOCK=2048)
     return out
-
-
-_KEYS32: dict[Any, Any] = {}
-
-
-def _keys32_on(device: Any) -> Any:
-    import torch
-
-    cached = _KEYS32.get(device)
-    if cached is None:
-        cached = _KEYS32[device] = torch.from_numpy(keys().astype(np.int32)).to(device)
-    return cached

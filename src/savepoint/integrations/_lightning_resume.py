@@ -40,32 +40,37 @@ from savepoint.errors import DataStateError, UnsupportedStateError
 from savepoint.state.data import ResumableSampler
 from savepoint.state.rng import RNGState
 
-__all__ = ["ExactResume"]
+__all__ = ["ExactResume", "lightning_classes"]
 
 _VERSION = 1
 
 
-def _callback_bases() -> tuple[type, ...]:
+def lightning_classes(name: str, unified: str, standalone: str) -> tuple[type, ...]:
+    """Class ``name`` from each installed Lightning package (``unified``: its module in the
+    ``lightning`` package, ``standalone``: in ``pytorch_lightning``/``lightning_fabric``), so
+    savepoint's classes work with either; ImportError naming what to install if neither is."""
+    import importlib
+
     found: list[type] = []
-    try:
-        from lightning.pytorch.callbacks import Callback as Unified
-
-        found.append(Unified)
-    except ImportError:
-        pass
-    try:
-        from pytorch_lightning.callbacks import Callback as Standalone
-
-        if Standalone not in found:
-            found.append(Standalone)
-    except ImportError:
-        pass
+    for module in (unified, standalone):
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except ImportError:
+            continue
+        if cls not in found:
+            found.append(cls)
     if not found:
         raise ImportError(
             "savepoint.integrations.lightning needs Lightning: pip install lightning "
             "(or pytorch-lightning)"
         )
     return tuple(found)
+
+
+def _callback_bases() -> tuple[type, ...]:
+    return lightning_classes(
+        "Callback", "lightning.pytorch.callbacks", "pytorch_lightning.callbacks"
+    )
 
 
 def _loaders(trainer: Any) -> list[Any]:

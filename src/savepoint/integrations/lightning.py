@@ -59,7 +59,7 @@ import savepoint as sp
 from savepoint.commit import transaction
 from savepoint.commit.transaction import discard
 from savepoint.errors import CheckpointError
-from savepoint.integrations._lightning_resume import ExactResume
+from savepoint.integrations._lightning_resume import ExactResume, lightning_classes
 from savepoint.storage.paths import resolve as resolve_path
 
 __all__ = ["ExactResume", "SavepointCheckpointIO", "load_from_checkpoint"]
@@ -68,26 +68,11 @@ log = logging.getLogger(__name__)
 
 
 def _bases() -> tuple[type, ...]:
-    found: list[type] = []
-    try:
-        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as Unified
-
-        found.append(Unified)
-    except ImportError:
-        pass
-    try:
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as Standalone
-
-        if Standalone not in found:
-            found.append(Standalone)
-    except ImportError:
-        pass
-    if not found:
-        raise ImportError(
-            "savepoint.integrations.lightning needs Lightning: pip install lightning "
-            "(or pytorch-lightning)"
-        )
-    return tuple(found)
+    return lightning_classes(
+        "CheckpointIO",
+        "lightning.fabric.plugins.io.checkpoint_io",
+        "lightning_fabric.plugins.io.checkpoint_io",
+    )
 
 
 def _key(path: Any) -> str:
