@@ -82,12 +82,12 @@ def main() -> None:
     elif hook == "mid-manifest":
 
         def half_manifest(call: Call) -> None:
-            # A torn manifest where a put wrote in place (filesystems without hard links).
-            with open(call.path, "xb") as f:
+            # A torn manifest: half its first bytes written into the staging directory.
+            with open(call.path, "ab") as f:
                 f.write(b'{"format": "savepoint"'[: (call.nbytes or 2) // 2])
             _kill_self()
 
-        store.hook("put", half_manifest, path=f"*/{mf.NAME}")
+        store.hook("write", half_manifest, path=f"*/{mf.NAME}")
     elif hook == "before-commit":  # every byte written, the staging directory not yet synced
         store.hook("sync_dir", _kill_self, path=staging)
     elif hook == "after-exchange":
@@ -115,7 +115,7 @@ def main() -> None:
     # Phase markers for the parent's aimed kills.
     for kind, pattern, phase in [
         ("create_blob", "*/data-*", "data"),
-        ("put", f"*/{mf.NAME}", "manifest"),
+        ("create_blob", f"*/{mf.NAME}", "manifest"),
         ("sync_dir", staging, "commit"),
         ("exchange", None, "exchange"),
         ("remove_tree", None, "cleanup"),

@@ -171,12 +171,12 @@ def test_enospc_creating_the_staging_directory(path: Path) -> None:
 # injected fsync failures: the call that ends with an fsync fails once it has written
 # ---------------------------------------------------------------------------------------------
 
-# case -> (call kind, path pattern, which matching call, errno). A blob's ``finish``, the
-# manifest's ``put`` and ``sync_dir`` each end with an fsync.
+# case -> (call kind, path pattern, which matching call, errno). A blob's ``finish`` (the
+# manifest is one on a local disk) and ``sync_dir`` each end with an fsync.
 FSYNC_CASES: dict[str, tuple[str, str, int, int]] = {
     "first-data-file": ("finish", "*/data-*", 1, errno.EIO),
     "third-data-file": ("finish", "*/data-*", 3, errno.EIO),
-    "manifest": ("put", "*/manifest.json", 1, errno.EIO),
+    "manifest": ("finish", "*/manifest.json", 1, errno.EIO),
     "staging-directory": ("sync_dir", f"*/*{names.TMP_TAG}*", 1, errno.EIO),
     "parent-directory": ("sync_dir", "*/parent", 1, errno.EIO),
     "data-file-enospc": ("finish", "*/data-*", 2, errno.ENOSPC),

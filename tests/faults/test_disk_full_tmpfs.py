@@ -70,8 +70,12 @@ FORCE_NAMESPACE = os.environ.get("SAVEPOINT_TMPFS_USERNS") == "1" and not IN_NAM
 DATA = r"write_all$"
 DATA_OPEN = r"_open_for_write$"
 STAGING_DIR = r"^transaction\.begin>local\.mkdir$"
-MANIFEST = r"transaction\.commit>local\.put>local\.write_small$"
-REPORT = r"(?<!_open_run)>report\.write_json>.*write_small$"  # not run.json
+# The manifest goes straight into the staging directory on a local disk (a blob), or through
+# put; the report is staged aside (a blob) by a save, or put by write_json (never run.json).
+MANIFEST = r"transaction\._write_staged_manifest>(local\.put>local\.write_small|local\.write>local\.write_all|local\.create_blob>.*_open_for_write)$"
+REPORT = (
+    r"(?<!_open_run)>report\.(write_json>.*write_small|stage_json>.*(write_all|_open_for_write))$"
+)
 ALIAS = r"link_tree"
 SAVE_PHASES = {
     BLOCKS: {"data files": DATA, "manifest": MANIFEST},

@@ -15,8 +15,8 @@ WHERE:STEP makes the child SIGKILL itself at one point inside the save of STEP:
   (in the background step of the save, which the loop waits for before the next save when a kill
   point is set).
 
-Each hook wraps the local store's call that takes the step (``LocalStore.put`` of report.json or
-of the temporary a save writes it under,
+Each hook wraps the local store's call that takes the step (``LocalStore.put`` of report.json,
+or the ``replace`` that renames the temporary a save wrote it under over report.json,
 the ``rename``/``exchange`` that publishes an alias, the ``rename`` that moves a checkpoint away to
 delete it) and fires only for that file, so the point is the same whatever the order of the
 manager's other steps.
@@ -97,8 +97,12 @@ def install_kill_hook(where: str, at_step: int, current: list[int]) -> None:
         name = os.path.basename(path)
         return name == "report.json" or name.startswith(".report.json.savepoint-tmp-")
 
+    def report_in_place(_temporary: str, path: str) -> bool:
+        return os.path.basename(path) == "report.json"
+
     if where == "report":
         wrap("put", report)
+        wrap("replace", report_in_place)
     elif where == "alias":
         wrap("rename", alias)
         wrap("exchange", alias)

@@ -73,7 +73,7 @@ class Full:
 # Where a managed save writes after its checkpoint is committed; each failure undoes the save.
 UNDONE: dict[str, tuple[str | tuple[str, ...], str]] = {
     # (a save writes it under a temporary name, then renames it over report.json)
-    "report.json": ("put", "*/*report.json*"),
+    "report.json": (("put", "create_blob"), "*/*report.json*"),
     "staging latest/": ("link", f"*/.latest{names.TMP_TAG}*"),
     "staging best/": ("link", f"*/.best{names.TMP_TAG}*"),
     "swapping latest/": (("rename", "exchange"), "*/latest"),
@@ -153,7 +153,7 @@ def test_enospc_when_resaving_a_step_puts_the_old_checkpoint_back(
     """Saving a step that exists (resumed from it, say) replaces it; undoing that save must bring
     the old checkpoint back, not delete the step the run resumed from."""
     run = tmp_path / "run"
-    full = Full("put", "*/*report.json*")
+    full = Full(("put", "create_blob"), "*/*report.json*")
     m = _prepare(full.at(run), async_save)
     assert m.restore(blank(), 3) == 3
     before = snapshot(run)

@@ -42,7 +42,7 @@ from savepoint import errors_map
 from savepoint.codecs import manifest as mf
 from savepoint.commit import _generations, _rename, names, pointer
 from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
-from savepoint.storage import local
+from savepoint.storage import finishing, local
 from savepoint.storage.base import Store
 
 __all__ = ["Transaction", "check_target", "discard", "refused_hint", "resolve", "write_error"]
@@ -134,22 +134,20 @@ class Transaction:
         (so the fsyncs overlap), with generations before (the manifest is the commit point)."""
         assert self._begun and self.committed is None, "commit once, after begin"
         store = self.store
+        waits = list(durable)
         try:
             data = None if manifest is None else cast(bytes, manifest)
             manifest_path = store.join(self.staging, mf.NAME)
             if self.strategy == "rename":
                 if data is not None:
-                    store.put(manifest_path, data, exclusive=True)
-                    log.debug(
-                        "wrote and fsynced %s (%d bytes)", store.url(manifest_path), len(data)
-                    )
-                if durable:
-                    # The staging directory's entries are all made: sync it while the data
-                    # files' fsyncs may still run, then wait for those.
+                    waits.extend(_write_staged_manifest(store, manifest_path, data))
+                if waits:
+                    # The staging directory's entries are all made: sync it while the files'
+                    # fsyncs may still run, then wait for those.
                     store.sync_dir(self.staging)
-                    for wait in durable:
+                    for wait in waits:
                         wait()
-                _rename.publish(store, self.staging, self.target, synced=bool(durable))
+                _rename.publish(store, self.staging, self.target, synced=bool(waits))
                 self.committed = self.target
                 log.debug(
                     "committed %s: staging fsynced, renamed into place, parent fsynced",
@@ -161,7 +159,7 @@ class Transaction:
                     with contextlib.suppress(OSError):
                         _rename.clean_stale(store, self.target)
             else:
-                for wait in durable:
+                for wait in waits:
                     wait()
                 if data is not None:
                     store.sync_dir(self.staging)
@@ -176,7 +174,7 @@ class Transaction:
                 log.debug("committed %s as generation %s", self.shown, store.url(self.staging))
                 _generations.tidy(store, self.staging, self.target)
         except BaseException as exc:
-            for wait in durable:  # no thread outlives a failed commit
+            for wait in waits:  # no thread outlives a failed commit
                 with contextlib.suppress(BaseException):
                     wait()
             self.abort()
@@ -269,6 +267,30 @@ def refused_hint(store: Store) -> str:
     or 401, a remote filesystem) the credentials and the access policy, which no local
     permission bit decides."""
     return errors_map.write_hint(PermissionError(), scheme=store.scheme)
+
+
+def _write_staged_manifest(store: Store, path: str, data: bytes) -> list[Callable[[], None]]:
+    """Write ``manifest.json`` into a staging directory (create-only). On a local disk the
+    staging directory is private, so it goes straight to its name and its fsync starts on the
+    finishing pool: returned is the function that waits for it (a failed fsync removes the
+    file; the caller aborts the staging). Elsewhere it is put, synced, and nothing returned."""
+    if not store.capabilities.direct_io:
+        store.put(path, data, exclusive=True)
+        log.debug("wrote and fsynced %s (%d bytes)", store.url(path), len(data))
+        return []
+    blob = store.create_blob(path, size=len(data), direct=False)
+    try:
+        blob.write(memoryview(data))
+    except BaseException:
+        blob.abort()
+        raise
+    wait = finishing.finish_later(blob)
+
+    def synced() -> None:
+        wait()
+        log.debug("wrote and fsynced %s (%d bytes)", store.url(path), len(data))
+
+    return [synced]
 
 
 def resolve(store: Store, path: str, *, strict: bool = True) -> str | None:

@@ -29,7 +29,6 @@ import queue
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ import xxhash
 
 from savepoint.codecs import checksum
 from savepoint.state.arrays import TensorSource
+from savepoint.storage import finishing as finishing_pool
 from savepoint.storage.base import BlobWriter, Store
 
 __all__ = ["BLOCK", "POOL", "SMALL", "StagingPool", "write_blob", "write_file", "write_image"]
@@ -125,7 +125,6 @@ POOL = StagingPool()
 if hasattr(os, "register_at_fork"):
     # The pool's lock may be held by another thread at fork time; a child starts with a fresh pool.
     os.register_at_fork(after_in_child=lambda: globals().__setitem__("POOL", StagingPool()))
-    os.register_at_fork(after_in_child=lambda: _new_finishers_after_fork())
 
 
 class _WriterThread:
@@ -233,53 +232,11 @@ def write_file(
         if finishing is None or not store.capabilities.direct_io:
             blob.finish()  # only local disks defer: elsewhere a finish is no fsync to overlap
         else:
-            finishing.append(_finish_on_thread(blob))
+            finishing.append(finishing_pool.finish_later(blob))
     except BaseException:
         blob.abort()
         raise
     return digests
-
-
-def _finish_on_thread(blob: BlobWriter) -> Callable[[], None]:
-    """Run ``blob.finish()`` on the finishing pool; return the function that waits for it (and
-    raises its error, the blob then aborted). A pool, not a thread per file: starting a thread
-    cost up to 2 ms of a 1 MB save on a busy machine."""
-
-    def run() -> None:
-        try:
-            blob.finish()
-        except BaseException:
-            blob.abort()
-            raise
-
-    try:
-        future = _finishers().submit(run)
-    except RuntimeError:  # the interpreter is shutting down: finish here
-        run()
-        return lambda: None
-
-    def wait() -> None:
-        future.result()
-
-    return wait
-
-
-_finish_pool: ThreadPoolExecutor | None = None
-_finish_lock = threading.Lock()
-
-
-def _finishers() -> ThreadPoolExecutor:
-    global _finish_pool
-    with _finish_lock:
-        if _finish_pool is None:
-            _finish_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="savepoint-finish")
-        return _finish_pool
-
-
-def _new_finishers_after_fork() -> None:
-    global _finish_pool, _finish_lock
-    _finish_pool = None
-    _finish_lock = threading.Lock()
 
 
 def _stream(

@@ -29,12 +29,15 @@ Sequence of ``save(step, state, metrics)``:
    has no hard links), so a failed save can put it back;
 3. once committed, the run's books: after a resume, checkpoints newer than this step (the
    abandoned timeline) leave the run (the report names them under ``discarding``);
-4. the aliases that change are staged (hard links, :class:`~savepoint.runs.aliases.StagedLinks`,
-   or a pointer on object stores: the last step that needs free space) and swapped in;
-5. the records logged since the last save (and this save's metrics) are appended to the history
-   log (:mod:`savepoint.runs.history`), then ``report.json`` is replaced atomically: it lists the
-   new checkpoint. ``save`` returns here: the checkpoint is committed and synced, the report
-   names it. On a disk that is one fsync beyond a plain ``sp.save`` (the report's bytes); the
+4. the records logged since the last save (and this save's metrics) are appended to the history
+   log (:mod:`savepoint.runs.history`) and the new ``report.json`` is written aside, its fsync
+   started (:func:`~savepoint.runs.report.stage_json`); the aliases that change are staged (hard
+   links, :class:`~savepoint.runs.aliases.StagedLinks`, or a pointer on object stores: the last
+   step that needs free space) and swapped in;
+5. ``report.json`` is replaced atomically (a rename, once its fsync is done): it lists the new
+   checkpoint. ``save`` returns here: the checkpoint is committed and synced, the report names
+   it. On a disk that is one fsync beyond a plain ``sp.save`` (the report's bytes, made while
+   the aliases are linked); the
    renames of the report and the aliases are synced in step 6, and a power cut before that
    brings back the previous report and aliases, whole, which the next open repairs as it does
    after a kill;
@@ -161,6 +164,7 @@ from savepoint.runs.report import (
     RUN_FILE,
     Report,
     RunInfo,
+    StagedJson,
     check_consistent,
     config_diff,
     count_elements,
@@ -172,6 +176,7 @@ from savepoint.runs.report import (
     read_history,
     read_json,
     read_report,
+    stage_json,
     write_json,
 )
 from savepoint.runs.tiers import Tier, TierCopier
@@ -1298,16 +1303,24 @@ class CheckpointManager:
                 # Retention decides in the background, once this checkpoint is verified.
                 discarding = frozenset((self._discarding | abandoned) - set(live))
                 self._fill_report(live, discarding)
-                phase = "linking latest/ and best/"
-                staged = self._stage_aliases()
-                phase = "updating latest/ and best/"
-                # The aliases first, then the report, none of their renames synced: the
-                # background step syncs the run directory once for all three (a power cut
-                # before it brings back the previous report and aliases, whole: the next open
-                # lists this checkpoint again), and the save returns one sync earlier.
-                self._swap_aliases(staged, sync=False, swapped=swapped, removed=removed)
+                # The report is written aside first, its fsync running while the aliases are
+                # linked; then the aliases are swapped in, then the report, none of their
+                # renames synced: the background step syncs the run directory once for all
+                # three (a power cut before it brings back the previous report and aliases,
+                # whole: the next open lists this checkpoint again), and the save returns one
+                # sync earlier.
                 phase = f"writing {REPORT_FILE}"
-                self._store_report(durable=False)
+                report_staged = self._stage_report()
+                try:
+                    phase = "linking latest/ and best/"
+                    staged = self._stage_aliases()
+                    phase = "updating latest/ and best/"
+                    self._swap_aliases(staged, sync=False, swapped=swapped, removed=removed)
+                    phase = f"writing {REPORT_FILE}"
+                    report_staged.publish()
+                except BaseException:
+                    report_staged.abort()
+                    raise
             except (OSError, CheckpointError) as exc:
                 # Each alias swapped (or being swapped) is put back as it was, where its kind can
                 # (a linked copy, a pointer) with no read that could fail; the others, and any
@@ -1704,15 +1717,36 @@ class CheckpointManager:
         try:
             write_json(self._run.join(REPORT_FILE), self.report.to_file_json(), sync_dir=durable)
         except BaseException:
-            if flushed is not None and not flushed.rewrote:
-                assert self._history is not None
-                with contextlib.suppress(OSError):
-                    self._history.rollback(flushed.mark)
-                self._log = flushed.records + self._log
+            self._unflush(flushed)
             raise
+        self._stored(flushed)
+
+    def _stored(self, flushed: _Flushed | None) -> None:
+        """What a written report changes: the report version, what it lists as discarding."""
         if flushed is not None and flushed.rewrote:
             self._report_version = REPORT_VERSION
         self._discarding_on_disk = frozenset(self.report.discarding)
+
+    def _stage_report(self) -> _StagedReport:
+        """:meth:`_store_report` with ``durable=False`` in two steps: the history records are
+        appended and the report written aside now (its fsync started), and the returned
+        handle's ``publish()`` puts it in place (or ``abort()`` takes both back). Raises
+        OSError, nothing written."""
+        flushed = self._flush_history()
+        try:
+            staged = stage_json(self._run.join(REPORT_FILE), self.report.to_file_json())
+        except BaseException:
+            self._unflush(flushed)
+            raise
+        return _StagedReport(self, staged, flushed)
+
+    def _unflush(self, flushed: _Flushed | None) -> None:
+        """Take back a history append whose report was not written (the records stay pending)."""
+        if flushed is not None and not flushed.rewrote:
+            assert self._history is not None
+            with contextlib.suppress(OSError):
+                self._history.rollback(flushed.mark)
+            self._log = flushed.records + self._log
 
     def _flush_history(self) -> _Flushed | None:
         """Write the pending records to the history log (all of the history, the first time
@@ -2466,6 +2500,30 @@ class _Saved:
     last_saved: int | None
     log: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]]
     failed: frozenset[int]
+
+
+class _StagedReport:
+    """A report :meth:`CheckpointManager._stage_report` wrote aside, with its history append."""
+
+    def __init__(
+        self, manager: CheckpointManager, staged: StagedJson, flushed: _Flushed | None
+    ) -> None:
+        self._manager, self._flushed = manager, flushed
+        self._staged: StagedJson | None = staged
+
+    def publish(self) -> None:
+        """Put the report in place (raises OSError: then call :meth:`abort`)."""
+        assert self._staged is not None, "published once"
+        self._staged.publish()
+        self._manager._stored(self._flushed)
+        self._staged = None
+
+    def abort(self) -> None:
+        """Take back the report and its history append (never raises; nothing once published)."""
+        if self._staged is None:
+            return
+        self._staged.abort()
+        self._manager._unflush(self._flushed)
 
 
 @dataclasses.dataclass

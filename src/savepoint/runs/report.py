@@ -67,7 +67,7 @@ import json
 import math
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -82,7 +82,8 @@ from savepoint.errors import (
     RunMismatchError,
 )
 from savepoint.runs import history as _history
-from savepoint.storage.base import read_error
+from savepoint.storage import finishing
+from savepoint.storage.base import Store, read_error
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = [
@@ -90,6 +91,7 @@ __all__ = [
     "RUN_FILE",
     "Report",
     "RunInfo",
+    "StagedJson",
     "check_consistent",
     "config_diff",
     "count_elements",
@@ -103,6 +105,7 @@ __all__ = [
     "read_history",
     "read_json",
     "read_report",
+    "stage_json",
     "write_json",
 ]
 
@@ -398,26 +401,96 @@ def write_json(path: PathArg, doc: Mapping[str, Any], *, sync_dir: bool = True) 
     ``sync_dir=False`` (a store that renames): the new document is written and synced under a
     hidden temporary name (:mod:`savepoint.commit.names`) and renamed over ``path``, and the
     directory is *not* synced: a power cut before the caller syncs it may bring back the
-    previous document (whole), never a mixture. The manager's save uses it and syncs the run
-    directory in its background step (one sync fewer before ``save`` returns)."""
+    previous document (whole), never a mixture (see :func:`stage_json`)."""
+    if sync_dir:
+        where = resolve(path, what="run file")
+        where.store.put(where.path, _encode_json(doc), exclusive=False)
+        return
+    stage_json(path, doc).publish()
+
+
+def _encode_json(doc: Mapping[str, Any]) -> bytes:
     members = ",\n".join(
         f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), default=_jsonable)}"
         for k, v in doc.items()
     )
-    data = ("{\n" + members + "\n}\n").encode("utf-8")
+    return ("{\n" + members + "\n}\n").encode("utf-8")
+
+
+class StagedJson:
+    """A document :func:`stage_json` wrote aside: :meth:`publish` puts it in place, :meth:`abort`
+    drops it. One of the two must be called."""
+
+    def __init__(
+        self,
+        store: Store,
+        path: str,
+        data: bytes,
+        temporary: str | None,
+        synced: Callable[[], None],
+    ) -> None:
+        self._store, self._path, self._data = store, path, data
+        self._temporary, self._synced = temporary, synced
+
+    def publish(self) -> None:
+        """Wait for the temporary's fsync, then rename it over the path (the directory is not
+        synced); on a store that does not rename, write the document in place. Raises OSError
+        (the temporary removed)."""
+        store = self._store
+        if self._temporary is None:
+            store.put(self._path, self._data, exclusive=False)
+            return
+        try:
+            self._synced()
+            store.replace(self._temporary, self._path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                store.remove(self._temporary)
+            raise
+
+    def abort(self) -> None:
+        """Drop the document (never raises)."""
+        if self._temporary is not None:
+            with contextlib.suppress(BaseException):
+                self._synced()
+            with contextlib.suppress(OSError):
+                self._store.remove(self._temporary)
+
+
+def stage_json(path: PathArg, doc: Mapping[str, Any]) -> StagedJson:
+    """Write the document that will replace ``path`` (:func:`write_json`'s text) under a hidden
+    temporary name (:mod:`savepoint.commit.names`, create-only) and start its fsync on the
+    finishing pool (:mod:`savepoint.storage.finishing`): the caller can do other work before it
+    calls :meth:`StagedJson.publish`, which waits for the fsync and renames, leaving the
+    directory unsynced. A manager's save stages its report before it links the aliases, so the
+    report's fsync runs while they are made. On a store that does not rename nothing is written
+    until ``publish`` (a put is atomic there). Raises OSError."""
+    data = _encode_json(doc)
     where = resolve(path, what="run file")
     store = where.store
-    if sync_dir or not store.capabilities.atomic_rename:
-        store.put(where.path, data, exclusive=False)
-        return
+    if not store.capabilities.atomic_rename:
+        return StagedJson(store, where.path, data, None, lambda: None)
     temporary = names.hidden(store, where.path, names.TMP_TAG)
-    store.put(temporary, data, exclusive=True)
+    blob = store.create_blob(temporary, size=len(data), direct=False)
     try:
-        store.replace(temporary, where.path)
+        blob.write(memoryview(data))
     except BaseException:
-        with contextlib.suppress(OSError):
-            store.remove(temporary)
+        blob.abort()
         raise
+    if store.capabilities.direct_io:
+        synced = finishing.finish_later(blob)
+    else:
+        try:
+            blob.finish()
+        except BaseException:
+            blob.abort()
+            raise
+        synced = _done
+    return StagedJson(store, where.path, data, temporary, synced)
+
+
+def _done() -> None:
+    pass
 
 
 def _jsonable(value: Any) -> Any:

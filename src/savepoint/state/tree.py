@@ -174,7 +174,10 @@ def flatten(state: Any) -> Flat:
                 f"{STATEFUL_COST}; at most {(MAX_DEPTH - ROOT_LEVEL) // DICT_COST} nested dicts)",
                 key=key,
             )
-        source = make_source(obj, key)
+        cls = type(obj)  # plain values and dicts (never tensors) first: most nodes are
+        if cls is str or cls is bool or cls is int or obj is None:
+            return {"t": "value", "v": obj}
+        source = None if cls is dict else make_source(obj, key)
         if source is not None:
             return leaf_tensor(source, key)
         if obj is None or isinstance(obj, (bool, str)):

@@ -109,7 +109,7 @@ def dump(m: Manifest, tree: Iterable[tuple[bytes, int]] | None = None) -> bytear
             f"the manifest would be {len(raw)} bytes, over the {CAP} cap readers enforce; "
             "split the state over several checkpoints"
         )
-    if not counter.clears(len(raw)):
+    if not counter.clears(len(raw), raw):
         try:
             _json.check(bytes(raw))  # rare: a copy, as the whole text was always checked
         except _json.StrictJSONError as exc:
@@ -162,13 +162,27 @@ class _Counter:
         self.depth = max(self.depth, self._level + depth)
         self.cost += cost
 
-    def clears(self, size: int) -> bool:
+    def clears(self, size: int, text: bytes | bytearray | None = None) -> bool:
+        if text is not None and _small_clears(text):
+            return True  # (its fixed NumPy costs were a tenth of a 1 MB save)
         self._count()
         budget = int(_json.MEMORY_FACTOR * size + _json.MEMORY_SLACK)
         return self.exact and self.depth <= _json.MAX_DEPTH and self.cost <= budget
 
 
 _BATCH = 1 << 20  # bytes of manifest text counted at a time
+
+# Whatever its bytes, a text this short costs a reader less than its memory bound: the counts
+# charge each byte at most 1 + width + content (<= 9) plus, for a structural byte, the most any
+# one of them costs with its slot and a following scalar (an object's '{': 280 + 9 + 32 < 360),
+# against a budget of MEMORY_FACTOR * size + MEMORY_SLACK.
+_SMALL_TEXT = (_json.MEMORY_SLACK - 1024) // (9 + 360)
+
+
+def _small_clears(text: bytes | bytearray) -> bool:
+    """Whether ``text`` clears the reader's bounds without counting: short enough (above), and
+    with fewer opening brackets (counting those inside strings) than the depth cap."""
+    return len(text) <= _SMALL_TEXT and text.count(b"{") + text.count(b"[") <= _json.MAX_DEPTH
 
 
 def tree_pieces(root: dict[str, Any]) -> Iterator[tuple[bytes, int]]:
