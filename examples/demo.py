@@ -27,8 +27,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import savepoint as sp
-from savepoint.state.data import ResumableSampler
-from savepoint.state.rng import RNGState
+from savepoint import ResumableSampler, RNGState
 
 STEPS = 240
 SAVE_EVERY = 20
@@ -79,7 +78,7 @@ def _kill_inside(phase: str, at_step: int) -> None:
     """Arrange a SIGKILL inside a save: "write" kills the save of ``at_step`` after its data files
     are written but before the commit; "prune" kills the first deletion of an old checkpoint by
     retention from the save of ``at_step`` on (the new checkpoint is committed by then)."""
-    from savepoint.storage.local import LocalStore
+    from savepoint.storage import LocalStore
 
     rename, exchange = LocalStore.rename, LocalStore.exchange
     step = f"step-{at_step:010d}"
@@ -202,7 +201,7 @@ def main() -> None:
     print("\n$ savepoint ls demo-output/resumed")
     subprocess.run([sys.executable, "-m", "savepoint", "ls", resumed], check=True)
     plot = os.path.join(out, "report.png")
-    from savepoint.runs.plot import plot_reports
+    from savepoint.runs import plot_reports
 
     plot_reports([ref_mgr.report, res_mgr.report], plot, "reference vs killed-and-resumed run")
     print(f"\nreport plot: {os.path.relpath(plot)}")

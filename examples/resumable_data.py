@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import savepoint as sp
-from savepoint.state.data import ResumableSampler
+from savepoint import ResumableSampler
 
 BATCH = 4
 EPOCHS = 3

@@ -96,12 +96,14 @@ def test_bfloat16_and_float8_still_round_trip() -> None:
 
 
 def test_every_public_name_resolves_lazily_to_its_object() -> None:
+    from savepoint import policies
     from savepoint.checkpoint import save
-    from savepoint.runs import policies
+    from savepoint.runs import policies as home
     from savepoint.runs.manager import CheckpointManager
 
     assert sp.save is save and sp.CheckpointManager is CheckpointManager
-    assert sp.policies is policies
+    assert sp.policies is policies and policies.__all__ == home.__all__
+    assert all(getattr(policies, n) is getattr(home, n) for n in home.__all__)
     assert set(sp.__all__) <= set(dir(sp))
     for name in sp.__all__:
         assert getattr(sp, name) is not None, name

@@ -14,6 +14,7 @@ import ast
 import importlib
 import inspect
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -199,3 +200,115 @@ def test_codecs_import_only_errors_and_codecs() -> None:
                 and not name.startswith("savepoint.codecs")
             ]
     assert not found, found
+
+
+# ---------------------------------------------------------------------------------------------
+# What is public (docs/api.md)
+# ---------------------------------------------------------------------------------------------
+
+API_DOC = ROOT.parent.parent / "docs" / "api.md"
+REPO_ROOT = ROOT.parent.parent
+IMPLEMENTATION_MARK = "Implementation, not public API"
+
+
+def _public_table() -> dict[str, str]:
+    """docs/api.md's table of public modules: module -> scope ("names" or "module")."""
+    rows: dict[str, str] = {}
+    in_table = False
+    for line in API_DOC.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            in_table = line.strip() == "## Public modules"
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if in_table and len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def is_public_module(dotted: str, table: dict[str, str]) -> bool:
+    """Whether ``dotted`` (a savepoint module) is public by the table: listed, or under a module
+    listed with scope "module" and no component of its name private."""
+    if dotted in table:
+        return True
+    parts = dotted.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        scope = table.get(".".join(parts[:i]))
+        if scope is not None:
+            return scope == "module" and not any(p.startswith("_") for p in parts[i:])
+    return False
+
+
+def test_the_public_table_names_real_modules() -> None:
+    table = _public_table()
+    assert "savepoint" in table and "savepoint.storage.base" in table, table
+    assert set(table.values()) <= {"names", "module"}, table
+    for module in table:
+        assert _is_module(module), f"docs/api.md lists {module}, which does not exist"
+        assert module in PUBLIC, f"docs/api.md lists {module}, a private module"
+
+
+def test_the_public_check_tells_public_from_implementation() -> None:
+    table = {"savepoint": "names", "savepoint.formats": "module", "savepoint.runs": "names"}
+    assert is_public_module("savepoint.formats.burn", table)
+    assert not is_public_module("savepoint.formats._files", table)
+    assert is_public_module("savepoint.runs", table)
+    assert not is_public_module("savepoint.runs.manager", table)
+    assert not is_public_module("savepoint.engine.read", table)
+
+
+def _documented_imports() -> Iterator[tuple[str, str]]:
+    """(where, module) for each savepoint module imported by the README, the Python blocks of
+    the user docs (not docs/architecture.md, which describes the implementation) and the
+    examples; ``from savepoint.x import y`` counts ``savepoint.x.y`` when that is a module."""
+    sources: list[tuple[str, str]] = []
+    for doc in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
+        if doc.name == "architecture.md":
+            continue
+        text = doc.read_text(encoding="utf-8")
+        for n, block in enumerate(re.findall(r"```python\n(.*?)```", text, flags=re.S)):
+            sources.append((f"{doc.relative_to(REPO_ROOT)} block {n + 1}", block))
+    for example in sorted((REPO_ROOT / "examples").glob("*.py")):
+        sources.append((str(example.relative_to(REPO_ROOT)), example.read_text(encoding="utf-8")))
+    for where, code in sources:
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:  # a fragment with "..." placeholders: read its import lines alone
+            lines = [ln for ln in code.splitlines() if ln.lstrip().startswith(("import ", "from "))]
+            tree = ast.parse("\n".join(ln.strip() for ln in lines if not ln.rstrip().endswith("(")))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "savepoint":
+                        yield where, alias.name
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] != "savepoint":
+                    continue
+                yield where, node.module
+                for alias in node.names:
+                    if _is_module(f"{node.module}.{alias.name}"):
+                        yield where, f"{node.module}.{alias.name}"
+
+
+def test_the_documentation_imports_public_modules_only() -> None:
+    table = _public_table()
+    found = list(_documented_imports())
+    assert len(found) > 10, "the scan found almost no imports: is it reading the docs?"
+    wrong = sorted(
+        {f"{where}: {module}" for where, module in found if not is_public_module(module, table)}
+    )
+    assert not wrong, (
+        "the docs and examples import implementation modules (docs/api.md); use the public "
+        "names instead:\n" + "\n".join(wrong)
+    )
+
+
+def test_implementation_packages_say_so() -> None:
+    table = _public_table()
+    unmarked = []
+    for path in sorted(ROOT.glob("*/__init__.py")):
+        package = _name(path)
+        if is_public_module(package, table) or any(m.startswith(package + ".") for m in table):
+            continue
+        if IMPLEMENTATION_MARK not in (importlib.import_module(package).__doc__ or ""):
+            unmarked.append(package)
+    assert not unmarked, f"implementation packages whose docstring does not say so: {unmarked}"

@@ -52,6 +52,7 @@ from savepoint.errors import (
 )
 
 if _typing.TYPE_CHECKING:
+    from savepoint import policies as policies
     from savepoint.async_.checkpointer import AsyncCheckpointer
     from savepoint.async_.pending import PendingSave
     from savepoint.checkpoint import inspect, load, save, verify
@@ -62,7 +63,6 @@ if _typing.TYPE_CHECKING:
     from savepoint.inference import InferenceSnapshot, SnapshotHistory, SnapshotMetadata
     from savepoint.info import CheckpointInfo, TensorInfo
     from savepoint.options import SaveOptions
-    from savepoint.runs import policies as policies
     from savepoint.runs.gc import GcReport
     from savepoint.runs.manager import CheckpointManager
     from savepoint.runs.sweep import Sweep
@@ -119,7 +119,7 @@ _LAZY: dict[str, str] = {
 
 
 # Public names that are modules themselves.
-_MODULES: dict[str, str] = {"policies": "savepoint.runs.policies"}
+_MODULES: dict[str, str] = {"policies": "savepoint.policies"}
 
 
 def __getattr__(name: str) -> _typing.Any:

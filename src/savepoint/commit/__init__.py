@@ -6,6 +6,9 @@
 - :mod:`~savepoint.commit.names`: the hidden and generation names, and who may tidy them;
 - :mod:`~savepoint.commit.atomic`: the rename strategy by local path, for single files of the
   foreign formats (directories of every format go through the transaction).
+
+Implementation, not public API (docs/api.md): no compatibility promise across releases; import
+what you need from ``savepoint`` itself.
 """
 
 __all__: list[str] = []

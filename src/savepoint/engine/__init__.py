@@ -13,6 +13,9 @@
 
 The engine talks to a :class:`~savepoint.storage.base.Store` only, so every backend gets the same
 checks and the same speed paths where its capabilities allow them.
+
+Implementation, not public API (docs/api.md): no compatibility promise across releases; import
+what you need from ``savepoint`` itself.
 """
 
 __all__: list[str] = []

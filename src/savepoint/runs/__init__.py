@@ -8,6 +8,36 @@
   :mod:`~savepoint.runs.plot`: a run's books, read-only views of runs, sweeps and plots;
 - :mod:`~savepoint.runs.aliases`, :mod:`~savepoint.runs.layout`, :mod:`~savepoint.runs.lock`:
   ``latest/`` and ``best/``, the directory layout, the writer lock.
+
+Public (docs/api.md): this package's ``__all__`` (run garbage collection, reading a report,
+the consistency check, plots); the modules themselves are implementation.
 """
 
-__all__: list[str] = []
+import importlib as _importlib
+from typing import Any as _Any
+
+# The public functions of the runs layer (docs/api.md), imported on first use (the manager and
+# the plots are heavy). The manager, the view and the policies are public at the root
+# (``sp.CheckpointManager``, ``sp.open_run``, ``sp.policies``).
+_LAZY: dict[str, str] = {
+    "collect": "savepoint.runs.gc",
+    "figure": "savepoint.runs.plot",
+    "load_report": "savepoint.runs.report",
+    "plot_reports": "savepoint.runs.plot",
+    "run_problems": "savepoint.runs.view",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'savepoint.runs' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = sorted(_LAZY)

@@ -4,6 +4,9 @@ in :mod:`~savepoint.state.torch_tensors`, imported only when torch objects are p
 in place (:mod:`~savepoint.state.restore`), and the training-state building blocks
 (:mod:`~savepoint.state.optimizer`, :mod:`~savepoint.state.rng`, :mod:`~savepoint.state.data`,
 :mod:`~savepoint.state.stateful`).
+
+Implementation, not public API (docs/api.md): no compatibility promise across releases; import
+what you need from ``savepoint`` itself.
 """
 
 __all__: list[str] = []

@@ -12,6 +12,44 @@
 - :mod:`~savepoint.storage.lease`: the lock of stores without locks (a lease object);
 - :mod:`~savepoint.storage.faults`: a wrapper that injects failures into any store (tests);
 - :mod:`~savepoint.storage.paths`: path arguments and URLs to a store and a path in it.
+
+Public (docs/api.md): the names of this package's ``__all__`` (the protocol, the backends, the
+fault injector, ``resolve``), and the modules :mod:`~savepoint.storage.base` (for backend
+authors) and :mod:`~savepoint.storage.faults` (for users' own fault tests). The other modules
+are implementation.
 """
 
-__all__: list[str] = []
+import importlib as _importlib
+from typing import Any as _Any
+
+# The public names of the storage layer (docs/api.md), each imported from its module on first
+# use: importing ``savepoint.storage.base`` (a backend author's protocol) loads no backend.
+_LAZY: dict[str, str] = {
+    "BlobReader": "savepoint.storage.base",
+    "BlobWriter": "savepoint.storage.base",
+    "Capabilities": "savepoint.storage.base",
+    "FaultyStore": "savepoint.storage.faults",
+    "FsspecStore": "savepoint.storage.fsspecstore",
+    "LocalStore": "savepoint.storage.local",
+    "Location": "savepoint.storage.paths",
+    "MemoryStore": "savepoint.storage.memory",
+    "ObjectStore": "savepoint.storage.objectstore",
+    "Stat": "savepoint.storage.base",
+    "Store": "savepoint.storage.base",
+    "resolve": "savepoint.storage.paths",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'savepoint.storage' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = sorted(_LAZY)
