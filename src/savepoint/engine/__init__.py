@@ -6,7 +6,9 @@
 - :mod:`~savepoint.engine.save`: an unsharded save or a staged (async) one, through one
   :class:`~savepoint.commit.transaction.Transaction`; the file writer sharded saves share;
 - :mod:`~savepoint.engine.read`: the read engine (pin one generation, check sizes and headers,
-  copy with fused checksums, assemble shards), on ``BlobReader.view`` or reads into buffers;
+  copy with fused checksums, assemble shards), on ``BlobReader.view`` or reads into buffers; its
+  jobs are private modules over the pinned generation: ``_pin`` (pin and re-read), ``_checks``,
+  ``_copies`` (whole and ranged copies), ``_shards`` (shard assembly), ``_blobreads``;
 - :mod:`~savepoint.engine.load`: an unsharded load and ``verify``, and the helpers sharded loads
   share;
 - :mod:`~savepoint.engine.parallel`: the process-wide thread pool for copies and checksums.

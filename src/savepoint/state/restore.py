@@ -50,6 +50,7 @@ __all__ = [
     "Getter",
     "Mode",
     "Plan",
+    "Planner",
     "Thunk",
     "level_hints",
     "mismatch",
@@ -231,86 +232,123 @@ def _fits(node: Node, target: Any, tensors: Mapping[str, TensorRecord]) -> bool:
 
 
 def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
-    p = Plan()
+    """The plan of restoring the saved tree ``root`` into ``into`` (see :class:`Planner`)."""
+    return Planner(tensors).plan(root, into)
 
-    def fresh(node: Node) -> Thunk:
-        p.fresh.update(tree_mod.refs(node))
+
+class Planner:
+    """One walk of the saved tree against ``into``, its binding rules one method each.
+
+    Each rule binds a saved node to the live object in its place and returns the thunk that,
+    after the reads, gives what the place ends up holding; it records the tensors to read in
+    place or fresh, and every problem, in :attr:`p`. ``path`` is the node's key path;
+    ``complete`` the mode (:data:`Mode`: False outside any Stateful)."""
+
+    def __init__(self, tensors: Mapping[str, TensorRecord]) -> None:
+        self.tensors = tensors
+        self.p = Plan()
+
+    def plan(self, root: Node, into: Any) -> Plan:
+        self.p.finish = self.bind(root, into, (), False)
+        self.check_root(root, into)
+        return self.p
+
+    def fresh(self, node: Node) -> Thunk:
+        """Nothing to bind to: the saved subtree is built from fresh tensors."""
+        self.p.fresh.update(tree_mod.refs(node))
         return lambda get: tree_mod.build(node, get)
 
-    def bind(node: Node, target: Any, path: tuple[Key, ...], complete: Mode) -> Thunk:
-        key = tree_mod.join(path)
+    def bind(self, node: Node, target: Any, path: tuple[Key, ...], complete: Mode) -> Thunk:
+        """The rule for ``node`` over ``target``: by the target (none, a Stateful), then by
+        what was saved (a Stateful's state, a tensor, a container, a plain value)."""
         t = node["t"]
         if target is _MISSING:
-            return fresh(node)
-        if t != "tensor" and is_stateful(target):
-            inner = node["state"] if t == "stateful" else node
-            # A compile/DDP wrapper loads through the model it wraps, whose keys are the saved ones.
-            obj = wrappers.unwrap(target)
-            template = obj.state_dict()
-            # torch modules and optimizers are checked up front (their load_state_dict would fail
-            # half-way, or not check shapes at all); other objects get the saved tree and judge.
-            mode: Mode = "checked" if _is_torch_object(obj) else "lenient"
-            sub = bind_container(inner, template, path, mode, strict=_is_module(obj))
-
-            def load_stateful(get: Getter) -> Any:
-                obj.load_state_dict(sub(get))
-                return target
-
-            return load_stateful
-        if t == "stateful":
-            return bind(node["state"], target, path, complete)
+            return self.fresh(node)
         if t == "tensor":
-            ref = node["ref"]
-            found = describe(target)
-            rec = tensors[ref]
-            if found is None:
-                if not complete and target is not None:
-                    if rec.shape == () and _scalars.target_dtype(target) is not None:
-                        return tensor_to_scalar(node, target, path, rec.dtype)
-                    p.problems.append(
-                        (key, f"the checkpoint holds a tensor here, found {_type(target)}")
-                    )
-                return fresh(node)
-            dtype, shape = found
-            read_only = getattr(getattr(target, "flags", None), "writeable", True) is False
-            if complete == "lenient" and (
-                read_only or (dtype, tuple(shape)) != (rec.dtype, rec.shape)
-            ):
-                return fresh(node)  # the object's own load_state_dict decides what to do with it
-            if read_only:
-                p.problems.append((key, "the target array is read-only"))
-            if dtype != rec.dtype:
-                p.problems.append(
-                    (key, f"dtype {rec.dtype} in the checkpoint, {dtype} in the target")
-                )
-            if tuple(shape) != rec.shape:
-                p.problems.append(
-                    (key, f"shape {list(rec.shape)} in the checkpoint, {list(shape)} in the target")
-                )
-            p.inplace.append((ref, target, key))
-            return lambda get: target
+            return self.bind_tensor(node, target, path, complete)
+        if is_stateful(target):
+            return self.bind_stateful(node, target, path)
+        if t == "stateful":
+            return self.bind(node["state"], target, path, complete)
         if t in ("dict", "list", "tuple"):
-            return bind_container(node, target, path, complete, strict=False)
+            return self.bind_container(node, target, path, complete, strict=False)
+        return self.bind_value(node, target, path, complete)
+
+    def bind_stateful(self, node: Node, target: Any, path: tuple[Key, ...]) -> Thunk:
+        """A Stateful target: its ``load_state_dict`` gets the whole saved subtree, its current
+        ``state_dict()`` supplying the tensors to fill in place."""
+        inner = node["state"] if node["t"] == "stateful" else node
+        # A compile/DDP wrapper loads through the model it wraps, whose keys are the saved ones.
+        obj = wrappers.unwrap(target)
+        template = obj.state_dict()
+        # torch modules and optimizers are checked up front (their load_state_dict would fail
+        # half-way, or not check shapes at all); other objects get the saved tree and judge.
+        mode: Mode = "checked" if _is_torch_object(obj) else "lenient"
+        sub = self.bind_container(inner, template, path, mode, strict=_is_module(obj))
+
+        def load_stateful(get: Getter) -> Any:
+            obj.load_state_dict(sub(get))
+            return target
+
+        return load_stateful
+
+    def bind_tensor(self, node: Node, target: Any, path: tuple[Key, ...], complete: Mode) -> Thunk:
+        """A saved tensor: read in place into an array or tensor of its dtype and shape (else a
+        problem, or fresh for a lenient Stateful), into a scalar where exact, else fresh."""
+        p = self.p
+        key = tree_mod.join(path)
+        ref = node["ref"]
+        found = describe(target)
+        rec = self.tensors[ref]
+        if found is None:
+            if not complete and target is not None:
+                if rec.shape == () and _scalars.target_dtype(target) is not None:
+                    return self.tensor_to_scalar(node, target, path, rec.dtype)
+                p.problems.append(
+                    (key, f"the checkpoint holds a tensor here, found {_type(target)}")
+                )
+            return self.fresh(node)
+        dtype, shape = found
+        read_only = getattr(getattr(target, "flags", None), "writeable", True) is False
+        if complete == "lenient" and (read_only or (dtype, tuple(shape)) != (rec.dtype, rec.shape)):
+            return self.fresh(node)  # the object's own load_state_dict decides what to do with it
+        if read_only:
+            p.problems.append((key, "the target array is read-only"))
+        if dtype != rec.dtype:
+            p.problems.append((key, f"dtype {rec.dtype} in the checkpoint, {dtype} in the target"))
+        if tuple(shape) != rec.shape:
+            p.problems.append(
+                (key, f"shape {list(rec.shape)} in the checkpoint, {list(shape)} in the target")
+            )
+        p.inplace.append((ref, target, key))
+        return lambda get: target
+
+    def bind_value(self, node: Node, target: Any, path: tuple[Key, ...], complete: Mode) -> Thunk:
+        """A saved plain value: into a 0-d tensor where it fits, else it replaces the target
+        (in its parent's slot; at the root of a partial load, a problem)."""
+        key = tree_mod.join(path)
         value = tree_mod.plain_value(node)
         if not complete and describe(target) is not None:
-            return scalar_to_tensor(value, target, key)
+            return self.scalar_to_tensor(value, target, key)
         if not path and not complete:
-            p.problems.append((key, "a plain value cannot be restored in place; use sp.load()"))
+            self.p.problems.append(
+                (key, "a plain value cannot be restored in place; use sp.load()")
+            )
         return lambda get: value
 
-    def tensor_to_scalar(node: Node, target: Any, path: tuple[Key, ...], dtype: str) -> Thunk:
+    def tensor_to_scalar(self, node: Node, target: Any, path: tuple[Key, ...], dtype: str) -> Thunk:
         """A saved 0-d tensor into a Python or numpy scalar: exact by dtype, or a problem."""
         key = tree_mod.join(path)
         why = _scalars.tensor_into_scalar(dtype, target)
         if why is None and not path:
             why = "a plain value cannot be restored in place; use sp.load()"
         if why is not None:
-            p.problems.append((key, why))
+            self.p.problems.append((key, why))
             return lambda get: target
-        read = fresh(node)
+        read = self.fresh(node)
         return lambda get: _scalars.to_scalar(read(get), target)
 
-    def scalar_to_tensor(value: Any, target: Any, key: str) -> Thunk:
+    def scalar_to_tensor(self, value: Any, target: Any, key: str) -> Thunk:
         """A saved plain value into an existing array or tensor: only a 0-d one it fits exactly."""
         dtype, shape = describe(target) or ("", ())
         if tuple(shape) != ():
@@ -323,7 +361,7 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         else:
             why = _scalars.value_into_tensor(value, dtype)
         if why is not None:
-            p.problems.append((key, why))
+            self.p.problems.append((key, why))
             return lambda get: target
 
         def put(get: Getter) -> Any:
@@ -333,26 +371,39 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         return put
 
     def bind_container(
-        node: Node, target: Any, path: tuple[Key, ...], complete: Mode, strict: bool
+        self, node: Node, target: Any, path: tuple[Key, ...], complete: Mode, strict: bool
     ) -> Thunk:
-        key = tree_mod.join(path)
+        """A saved container onto a container of its kind (a dict also onto a dataclass); inside
+        a Stateful, onto anything else it is built fresh; otherwise a mismatch is a problem."""
         t = node["t"]
         if t == "stateful":
-            return bind_container(node["state"], target, path, complete, strict)
+            return self.bind_container(node["state"], target, path, complete, strict)
         if t == "dict" and isinstance(target, Mapping):
-            return bind_dict(node, target, path, complete, strict)
+            return self.bind_dict(node, target, path, complete, strict)
         if t in ("list", "tuple") and isinstance(target, (list, tuple)):
-            return bind_sequence(node, target, path, complete)
+            return self.bind_sequence(node, target, path, complete)
         if t == "dict" and _is_dataclass(target):
-            return bind_dataclass(node, target, path, complete)
+            return self.bind_dataclass(node, target, path, complete)
         if complete and not isinstance(target, (Mapping, list, tuple)):
-            return fresh(node)
-        p.problems.append((key, f"the checkpoint holds a {t} here, found {_type(target)}"))
+            return self.fresh(node)
+        self.p.problems.append(
+            (tree_mod.join(path), f"the checkpoint holds a {t} here, found {_type(target)}")
+        )
         return lambda get: target
 
     def bind_dict(
-        node: Node, target: Mapping[Any, Any], path: tuple[Key, ...], complete: Mode, strict: bool
+        self,
+        node: Node,
+        target: Mapping[Any, Any],
+        path: tuple[Key, ...],
+        complete: Mode,
+        strict: bool,
     ) -> Thunk:
+        """A saved dict onto a mapping, key by key: keys renamed where only a wrapper prefix
+        differs; the target's keys the checkpoint lacks are problems (with likely typos) in a
+        partial or ``strict`` bind; saved keys the target lacks are skipped (partial), built
+        fresh (complete) or, with ``strict``, problems too."""
+        p = self.p
         items = node["items"]
         # Keys saved from (or for) a wrapped model: rename them when only the prefix differs.
         if strict or (not complete and _tensor_dict(node, target)):
@@ -374,15 +425,15 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         children: list[tuple[Any, Thunk]] = []
         for k, child in items:
             if k in target:
-                children.append((k, bind(child, target[k], (*path, k), complete)))
+                children.append((k, self.bind(child, target[k], (*path, k), complete)))
                 if not complete and not isinstance(target, MutableMapping):
-                    immutable_slot(child, target[k], (*path, k), target)
+                    self.immutable_slot(child, target[k], (*path, k), target)
             elif complete:
                 if strict:
                     p.problems.append(
                         (tree_mod.join((*path, k)), "unexpected key: not in the target")
                     )
-                children.append((k, fresh(child)))
+                children.append((k, self.fresh(child)))
         if complete:
             return lambda get: {k: sub(get) for k, sub in children}
 
@@ -396,36 +447,26 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
         return fill
 
     def bind_sequence(
-        node: Node, target: list[Any] | tuple[Any, ...], path: tuple[Key, ...], complete: Mode
+        self,
+        node: Node,
+        target: list[Any] | tuple[Any, ...],
+        path: tuple[Key, ...],
+        complete: Mode,
     ) -> Thunk:
+        """A saved list or tuple onto a list or tuple, item by item; of another length it
+        replaces a list's contents or a tuple whole, is bound as far as it goes inside a
+        Stateful, and is otherwise a problem. A tuple that changes is remade."""
         items = node["items"]
-        key = tree_mod.join(path)
         if len(items) != len(target):
             if complete:
                 subs = [
-                    bind(c, target[i] if i < len(target) else _MISSING, (*path, i), complete)
+                    self.bind(c, target[i] if i < len(target) else _MISSING, (*path, i), complete)
                     for i, c in enumerate(items)
                 ]
-            elif isinstance(target, MutableSequence):
-                # A list of another length (a loss history, say) takes the saved contents whole.
-                whole = fresh(node)
-
-                def replace(get: Getter) -> Any:
-                    target[:] = whole(get)
-                    return target
-
-                return replace
-            elif _remakeable(target):
-                # A tuple of another length is replaced whole, in its parent's slot.
-                saved_whole = fresh(node)
-                return lambda get: _remake(target, saved_whole(get))
             else:
-                p.problems.append(
-                    (key, f"{len(items)} items in the checkpoint, {len(target)} in the target")
-                )
-                return lambda get: target
+                return self.resized_sequence(node, target, path)
         else:
-            subs = [bind(c, target[i], (*path, i), complete) for i, c in enumerate(items)]
+            subs = [self.bind(c, target[i], (*path, i), complete) for i, c in enumerate(items)]
         kind = tuple if node["t"] == "tuple" else list
         if complete:
             return lambda get: kind(sub(get) for sub in subs)
@@ -440,7 +481,7 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             return remake
         if not isinstance(target, MutableSequence):
             for i, c in enumerate(items):
-                immutable_slot(c, target[i], (*path, i), target)
+                self.immutable_slot(c, target[i], (*path, i), target)
 
         def fill(get: Getter) -> Any:
             for i, sub in enumerate(subs):
@@ -451,21 +492,48 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
 
         return fill
 
-    def bind_dataclass(node: Node, target: Any, path: tuple[Key, ...], complete: Mode) -> Thunk:
+    def resized_sequence(
+        self, node: Node, target: list[Any] | tuple[Any, ...], path: tuple[Key, ...]
+    ) -> Thunk:
+        """A saved sequence of another length than ``target``, outside any Stateful: a list (a
+        loss history, say) takes the saved contents whole, a tuple is replaced whole in its
+        parent's slot; anything else is a problem."""
+        if isinstance(target, MutableSequence):
+            whole = self.fresh(node)
+
+            def replace(get: Getter) -> Any:
+                target[:] = whole(get)
+                return target
+
+            return replace
+        if _remakeable(target):
+            saved_whole = self.fresh(node)
+            return lambda get: _remake(target, saved_whole(get))
+        self.p.problems.append(
+            (
+                tree_mod.join(path),
+                f"{len(node['items'])} items in the checkpoint, {len(target)} in the target",
+            )
+        )
+        return lambda get: target
+
+    def bind_dataclass(
+        self, node: Node, target: Any, path: tuple[Key, ...], complete: Mode
+    ) -> Thunk:
         """A saved dict onto a dataclass's fields: all of them, and nothing else."""
         names = [f.name for f in dc.fields(target)]
         saved = dict(node["items"])
         cls = _type(target)
         for name in names:
             if name not in saved:
-                p.problems.append(
+                self.p.problems.append(
                     (tree_mod.join((*path, name)), f"not in the checkpoint (a field of {cls})")
                 )
         for k in saved:
             if k not in names:
-                p.problems.append((tree_mod.join((*path, k)), f"not a field of {cls}"))
+                self.p.problems.append((tree_mod.join((*path, k)), f"not a field of {cls}"))
         children = [
-            (name, bind(saved[name], getattr(target, name, _MISSING), (*path, name), complete))
+            (name, self.bind(saved[name], getattr(target, name, _MISSING), (*path, name), complete))
             for name in names
             if name in saved
         ]
@@ -490,7 +558,7 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
 
         return fill
 
-    def immutable_slot(child: Node, current: Any, path: tuple[Key, ...], parent: Any) -> None:
+    def immutable_slot(self, child: Node, current: Any, path: tuple[Key, ...], parent: Any) -> None:
         """A problem if restoring ``child`` would need assigning into an immutable container:
         nested containers and arrays are filled in place, equal plain values need nothing. A
         tuple that would need remaking is reported item by item, where the difference is."""
@@ -502,30 +570,31 @@ def plan(root: Node, into: Any, tensors: Mapping[str, TensorRecord]) -> Plan:
             and len(child["items"]) == len(current)
         ):
             for i, (c, x) in enumerate(zip(child["items"], current)):
-                immutable_slot(c, x, (*path, i), current)
+                self.immutable_slot(c, x, (*path, i), current)
             return
         what = f"a frozen {_type(current)} must be replaced; " if _is_frozen(current) else ""
-        p.problems.append((tree_mod.join(path), f"{what}cannot assign into a {_type(parent)}"))
+        self.p.problems.append((tree_mod.join(path), f"{what}cannot assign into a {_type(parent)}"))
 
-    p.finish = bind(root, into, (), False)
-    # The root has no slot: an immutable value there that would need replacing is a problem.
-    if isinstance(into, tuple) and needs_new(root, into):
-        if root["t"] in ("list", "tuple") and len(root["items"]) == len(into):
-            for i, (c, x) in enumerate(zip(root["items"], into)):
-                immutable_slot(c, x, (i,), into)
-        else:
-            p.problems.append(
+    def check_root(self, root: Node, into: Any) -> None:
+        """The root has no slot: an immutable value there that would need replacing (a tuple,
+        a frozen dataclass) is a problem."""
+        if isinstance(into, tuple) and needs_new(root, into):
+            if root["t"] in ("list", "tuple") and len(root["items"]) == len(into):
+                for i, (c, x) in enumerate(zip(root["items"], into)):
+                    self.immutable_slot(c, x, (i,), into)
+            else:
+                self.p.problems.append(
+                    (
+                        "",
+                        f"{len(root.get('items', ()))} items in the checkpoint, {len(into)} in "
+                        "the target",
+                    )
+                )
+        if _is_frozen(into) and needs_new(root, into):
+            self.p.problems.append(
                 (
                     "",
-                    f"{len(root.get('items', ()))} items in the checkpoint, {len(into)} in the target",
+                    f"a frozen {_type(into)} cannot be changed in place; pass it inside a dict "
+                    "(into={'config': cfg}) and take the new instance from there, or use sp.load()",
                 )
             )
-    if _is_frozen(into) and needs_new(root, into):
-        p.problems.append(
-            (
-                "",
-                f"a frozen {_type(into)} cannot be changed in place; pass it inside a dict "
-                "(into={'config': cfg}) and take the new instance from there, or use sp.load()",
-            )
-        )
-    return p
