@@ -61,13 +61,12 @@ def traced_steps(mem: PeakRSS, t0: float) -> Iterator[None]:
     """Print the time and the extra resident memory before and after each step of a save."""
     from savepoint.codecs import manifest as mf
     from savepoint.commit.transaction import Transaction
-    from savepoint.engine import pipeline
-    from savepoint.engine import save as save_engine
+    from savepoint.engine import pipeline, sinks
     from savepoint.state import tree
 
     steps = [
         (tree, "flatten"),
-        (save_engine, "lay_out"),
+        (sinks, "lay_out"),
         (pipeline, "write_file"),
         (mf, "dump"),
         (Transaction, "commit"),

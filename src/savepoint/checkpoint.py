@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from savepoint._arguments import check_path, guarded
 from savepoint.engine import collector
@@ -179,14 +179,7 @@ def save(
         timeout=timeout,
     )
     location = resolve_path(path, what="checkpoint path")
-    if process_group is not None:
-        from savepoint.distributed import save as distributed_save
-
-        return distributed_save.save(location, state, metadata, options)
-    meta = save_engine.check_metadata(metadata)
-    with collector.paused():
-        flat = tree.flatten(state)
-        return _save_flat(location, flat, meta, options, release=True)
+    return _write(location, options, metadata, state=state, release=True)
 
 
 def save_incremental(
@@ -234,39 +227,99 @@ def save_incremental(
         timeout=timeout,
     )
     location = resolve_path(path, what="checkpoint path")
-    if frozen is not None and process_group is not None:
+    return _write(
+        location,
+        options,
+        metadata,
+        state=state,
+        release=False,
+        blobs=_Blobs(store, policy, memo, tracker),
+        frozen=frozen,
+    )
+
+
+class _Blobs(NamedTuple):
+    """What makes a save incremental: the blob store, its policy, the memo and the tracker."""
+
+    store: Any
+    policy: Any
+    memo: Any
+    tracker: Any
+
+
+def _write(
+    location: Location,
+    options: SaveOptions,
+    metadata: Any,
+    *,
+    state: Any = None,
+    flat: tree.Flat | None = None,
+    release: bool,
+    blobs: _Blobs | None = None,
+    frozen: Any = None,
+) -> CheckpointInfo:
+    """Every save of savepoint's format, routed: the one place that decides whether it is
+    sharded (a process group, or a flattened state holding sharding descriptions: then
+    :mod:`savepoint.distributed.save` writes it) or not (the engine's writer,
+    :mod:`savepoint.engine.save`). ``flat``: the state already flattened and ``metadata``
+    already checked (``save_flat``); otherwise ``state`` is flattened here. ``release``: see
+    :func:`savepoint.engine.save.save_flat`. ``blobs``: an incremental save; ``frozen`` its key
+    prefixes of unchanged tensors (unsharded only)."""
+    grouped = options.process_group is not None
+    if grouped and frozen is not None:
         raise UnsupportedStateError("frozen= is not supported for sharded saves")
-    if process_group is not None:
+    if grouped and flat is None:
         from savepoint.distributed import save as distributed_save
 
-        incremental = distributed_save.Incremental(store, policy, memo, tracker)
-        return distributed_save.save(location, state, metadata, options, incremental)
-    meta = save_engine.check_metadata(metadata)
+        return distributed_save.save(location, state, metadata, options, _sharded(blobs))
     with collector.paused():
-        flat = tree.flatten(state)
-        if save_engine.has_shards(flat.tree):
+        meta = metadata
+        if flat is None:
+            meta = save_engine.check_metadata(metadata)
+            flat = tree.flatten(state)
+        if grouped or save_engine.has_shards(flat.tree):
             from savepoint.distributed import save as distributed_save
 
             if frozen is not None:
                 raise UnsupportedStateError("frozen= is not supported for sharded saves")
-            incremental = distributed_save.Incremental(store, policy, memo, tracker)
-            return distributed_save.save_flat(location, flat, meta, options, incremental)
-        with store.session() as session:
-            directory, manifest = save_engine.save_blobs(
+            return distributed_save.save_flat(location, flat, meta, options, _sharded(blobs))
+        if blobs is None:
+            directory, manifest = save_engine.save_flat(
                 location,
                 flat,
                 meta,
-                session=session,
-                policy=policy,
-                memo=memo,
-                tracker=tracker,
-                frozen=None if frozen is None else _frozen_keys(frozen),
-                max_file_bytes=max_file_bytes,
-                writers=writers,
-                direct=direct,
-                progress=progress,
+                max_file_bytes=options.max_file_bytes,
+                writers=options.writers,
+                direct=options.direct,
+                progress=options.progress,
+                release=release,
             )
-    return describe(location.store.url(directory), manifest)
+        else:
+            with blobs.store.session() as session:
+                directory, manifest = save_engine.save_blobs(
+                    location,
+                    flat,
+                    meta,
+                    session=session,
+                    policy=blobs.policy,
+                    memo=blobs.memo,
+                    tracker=blobs.tracker,
+                    frozen=None if frozen is None else _frozen_keys(frozen),
+                    max_file_bytes=options.max_file_bytes,
+                    writers=options.writers,
+                    direct=options.direct,
+                    progress=options.progress,
+                )
+        return describe(location.store.url(directory), manifest)
+
+
+def _sharded(blobs: _Blobs | None) -> Any:
+    """``blobs`` as a sharded save takes them (None: not incremental)."""
+    if blobs is None:
+        return None
+    from savepoint.distributed import save as distributed_save
+
+    return distributed_save.Incremental(blobs.store, blobs.policy, blobs.memo, blobs.tracker)
 
 
 # Single-file formats sp.save would otherwise make a directory named like: what writes them.
@@ -361,37 +414,8 @@ def save_flat(
     With ``options.process_group``, or when the state holds sharding descriptions (``sp.Shard``
     saved by a single process), this is a sharded save
     (:func:`savepoint.distributed.save.save_flat`)."""
-    return _save_flat(path, flat, metadata, options, release=False)
-
-
-def _save_flat(
-    path: PathLike,
-    flat: tree.Flat,
-    metadata: dict[str, Any],
-    options: SaveOptions | None,
-    *,
-    release: bool,
-) -> CheckpointInfo:
-    """:func:`save_flat`; ``release``: ``flat`` is the caller's own, and its tensors may be
-    dropped once written (see :func:`savepoint.engine.save.save_flat`)."""
-    options = options or SaveOptions()
     location = resolve_path(path, what="checkpoint path")
-    if options.process_group is not None or save_engine.has_shards(flat.tree):
-        from savepoint.distributed import save as distributed_save
-
-        return distributed_save.save_flat(location, flat, metadata, options)
-    with collector.paused():
-        directory, manifest = save_engine.save_flat(
-            location,
-            flat,
-            metadata,
-            max_file_bytes=options.max_file_bytes,
-            writers=options.writers,
-            direct=options.direct,
-            progress=options.progress,
-            release=release,
-        )
-    return describe(location.store.url(directory), manifest)
+    return _write(location, options or SaveOptions(), metadata, flat=flat, release=False)
 
 
 # ---------------------------------------------------------------------------------------------

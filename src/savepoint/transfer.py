@@ -49,7 +49,8 @@ from savepoint.engine import collector, plan
 from savepoint.engine import load as load_engine
 from savepoint.engine.describe import describe
 from savepoint.engine.read import Reader
-from savepoint.engine.save import write_files, writer_version
+from savepoint.engine.save import writer_version
+from savepoint.engine.sinks import write_files
 from savepoint.errors import (
     CheckpointError,
     CheckpointWriteError,

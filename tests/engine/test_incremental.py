@@ -249,9 +249,9 @@ def test_a_lora_style_second_save_writes_at_most_5_percent(tmp_path: Path) -> No
 def test_non_contiguous_and_segmented_tensors_round_trip(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from savepoint.engine import save as save_engine
+    from savepoint.engine import sinks
 
-    monkeypatch.setattr(save_engine, "BLOB_SEGMENT", 128 << 10)  # several segments per tensor
+    monkeypatch.setattr(sinks, "BLOB_SEGMENT", 128 << 10)  # several segments per tensor
     base = np.arange(600 * 500, dtype=np.float32).reshape(600, 500)
     s: dict[str, Any] = {"t": base.T, "every_other": base[::2], "big_endian": base.astype(">f4")}
     torch = pytest.importorskip("torch")

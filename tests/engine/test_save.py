@@ -11,7 +11,7 @@ import pytest
 import savepoint as sp
 from _concurrency import CountingStore
 from savepoint.codecs import manifest as mf
-from savepoint.engine import plan
+from savepoint.engine import plan, sinks
 from savepoint.engine import save as save_engine
 from savepoint.state import tree
 
@@ -91,6 +91,53 @@ def test_has_shards() -> None:
     sharded = tree.flatten({"w": sp.Shard(np.ones(3), (6,), (0,))}).tree
     assert not save_engine.has_shards(plain)
     assert save_engine.has_shards(sharded)
+
+
+def test_the_manifest_builder_merges_sinks_in_the_state_order() -> None:
+    """new_manifest (the writer's step 3): several sinks' records in the state's order, the
+    newest version any sink needs, the blob store a sink names."""
+    rec = mf.TensorRecord.plain
+    files = sinks.Written(
+        {"data-00000.safetensors": mf.FileRecord(24, 16, "0" * 16)},
+        {"b": rec("uint8", (8,), "data-00000.safetensors", 16, 24, "1" * 16)},
+    )
+    blobs = sinks.Written(
+        {}, {"a": rec("uint8", (8,), "", 0, 8, "2" * 16)}, mf.BLOBS, ("../blobs", "blake3")
+    )
+    manifest = save_engine.new_manifest({}, [files, blobs], {"k": 1}, order=["a", "b"])
+    assert list(manifest.tensors) == ["a", "b"]
+    assert list(manifest.files) == ["data-00000.safetensors"]
+    assert manifest.format_version == mf.BLOBS
+    assert (manifest.blob_store, manifest.blob_digest) == ("../blobs", "blake3")
+    assert manifest.metadata == {"k": 1} and manifest.world_size is None
+    alone = save_engine.new_manifest({}, [files], {})
+    assert alone.tensors is files.tensors and alone.format_version == mf.UNSHARDED
+
+
+def test_a_streamed_tree_is_dropped_before_the_manifest_is_built(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that owns a big state keeps its tree as compressed text: nothing in the writer
+    holds the tree's dicts while the manifest is encoded (190 MB at a million tensors)."""
+    import weakref
+
+    class Node(dict):  # type: ignore[type-arg]  # (a dict that can be weakly referenced)
+        pass
+
+    monkeypatch.setattr(plan, "STREAM_ENTRIES", 2)
+    flat = tree.flatten({f"t{i}": np.ones(3) for i in range(5)})
+    flat.tree = Node(flat.tree)
+    alive = weakref.ref(flat.tree)
+    seen = []
+    real = mf.dump
+    monkeypatch.setattr(mf, "dump", lambda m, t=None: seen.append(alive()) or real(m, t))
+    from savepoint.storage.paths import resolve
+
+    _, manifest = save_engine.save_flat(
+        resolve(str(tmp_path / "ck")), flat, {}, max_file_bytes=1 << 20, writers=1, release=True
+    )
+    assert seen == [None] and flat.tree == {}
+    assert len(manifest.root()["items"]) == 5
 
 
 @pytest.mark.parametrize(("max_file_bytes", "writers"), [(0, 1), (-5, 1), (100, 0)])

@@ -63,6 +63,7 @@ from savepoint.async_.pending import PendingSave
 from savepoint.async_.staging import StagingArena
 from savepoint.codecs.dtypes import DType
 from savepoint.engine import save as save_engine
+from savepoint.engine import sinks
 from savepoint.engine.describe import describe
 from savepoint.errors import CheckpointError, UnsupportedStateError
 from savepoint.formats import boostr
@@ -213,7 +214,7 @@ class AsyncCheckpointer:
             raise TypeError("memo must be a savepoint.blobs.FastMemo")
         if tracker is not None and not isinstance(tracker, PatchTracker):
             raise TypeError("tracker must be a savepoint.blobs.patch.PatchTracker")
-        save_engine.blob_store_path(location, store)  # reachable from the checkpoint
+        sinks.blob_store_path(location, store)  # reachable from the checkpoint
         if memo is None and policy.memo:
             with self._lock:
                 if self._memo is None:

@@ -8,12 +8,16 @@ Call order (``save(path, state, process_group=pg)`` on every rank of ``pg``):
    gets one writer), checks the target path, creates the staging directory next to it and sends
    each rank its list of pieces and the staging path;
 2. **write** (all ranks): each rank writes its pieces as ``data-r<rank>-<i>.safetensors`` files
-   into the shared staging directory (through the same streaming, checksumming writer as an
-   unsharded save, :func:`savepoint.engine.save.write_files`, each file finished: durable) and
-   syncs the directory; rank 0 gathers every rank's file and shard records, builds the version 2
-   manifest and commits it through its :class:`~savepoint.commit.transaction.Transaction` (the
-   manifest last, then the rename, or on stores without rename the manifest's create-only put);
-   every rank gets the committed manifest back.
+   into the shared staging directory (through the same sink as an unsharded save's planned
+   files, :func:`savepoint.engine.sinks.write_files`, each file finished: durable) and syncs the
+   directory; rank 0 gathers every rank's file and shard records, builds the manifest with the
+   writer's one builder (:func:`savepoint.engine.save.new_manifest`) and commits it through the
+   writer's one commit point (:func:`savepoint.engine.save.commit`: the manifest last, then the
+   rename, or on stores without rename the manifest's create-only put); every rank gets the
+   committed manifest back.
+
+This is the writer of :mod:`savepoint.engine.save` spread over the ranks, in the steps of DCP's
+``state_dict_saver``: local plan, global plan (step 1), write data, finish (step 2).
 
 A failure anywhere, in either step, raises one DistributedCheckpointError on every rank naming
 the failing ranks; rank 0 aborts the transaction (the staging directory is removed); the previous
@@ -38,7 +42,6 @@ the blobs it wrote are garbage for the next collection.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -52,6 +55,7 @@ from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction, write_error
 from savepoint.distributed import collectives, plan, shard
 from savepoint.engine import save as save_engine
+from savepoint.engine import sinks
 from savepoint.engine.describe import describe as describe_checkpoint
 from savepoint.engine.plan import FilePlan, plan_files
 from savepoint.errors import CheckpointError, DistributedCheckpointError, UnsupportedStateError
@@ -223,7 +227,7 @@ class _Save:
         place: BlobPlace = None
         if self.incremental is not None:
             blobs = self.incremental.blobs
-            place = (save_engine.blob_store_path(self.location, blobs), blobs.algorithm)
+            place = (sinks.blob_store_path(self.location, blobs), blobs.algorithm)
         return local_plan, place
 
     def plan_global(
@@ -306,12 +310,10 @@ class _Save:
 
     def commit(self, results: list[Records]) -> tuple[str, mf.Manifest]:
         assert self.plan is not None and self.tx is not None
-        manifest = _manifest(self.plan, results, self.metadata, self.coord.world_size)
-        if self.blob_place is not None:
-            patched = any(r.patches for r in mf.recipes(manifest))
-            manifest.format_version = mf.PATCHES if patched else mf.BLOBS
-            manifest.blob_store, manifest.blob_digest = self.blob_place
-        directory = self.tx.commit(mf.dumps(manifest))
+        manifest = _manifest(
+            self.plan, results, self.metadata, self.coord.world_size, self.blob_place
+        )
+        directory, _ = save_engine.commit(self.tx, manifest)
         self.tx = None  # committed: nothing to clean up any more
         return directory, manifest
 
@@ -456,7 +458,7 @@ def write_pieces(
     tensors = {name: sources[item.key] for name, item in names.items()}
     plans: list[FilePlan] = plan_files(tensors, max_file_bytes, lambda i: file_name(rank, i))
     try:
-        files, records = save_engine.write_files(
+        files, records = sinks.write_files(
             Location(where.store, staging),
             plans,
             tensors,
@@ -506,13 +508,11 @@ def put_pieces(
         return []
     biggest = max(item.nbytes for item in items)
     chunk = policy.chunk_size
-    scratch = np.empty(
-        min(biggest, max(chunk, save_engine.BLOB_SEGMENT // chunk * chunk)), np.uint8
-    )
+    scratch = np.empty(min(biggest, max(chunk, sinks.BLOB_SEGMENT // chunk * chunk)), np.uint8)
     out: list[tuple[str, mf.ShardRecord]] = []
     for item in items:
         source = sources[item.key]
-        host = save_engine.host_bytes(source) if tracker is not None and memo else None
+        host = sinks.host_bytes(source) if tracker is not None and memo else None
         if host is not None:
             assert tracker is not None and memo is not None and pending is not None
             name = f"{item.key}@{item.region}"
@@ -522,7 +522,7 @@ def put_pieces(
             )
             source.release()
         else:
-            recipe = save_engine.put_source(session, source, policy, memo, scratch)
+            recipe = sinks.put_source(session, source, policy, memo, scratch)
         digest = recipe.checksum()
         assert digest is not None and recipe.size == item.nbytes
         record = mf.ShardRecord(
@@ -539,7 +539,11 @@ def _manifest(
     results: list[Records],
     metadata: dict[str, Any],
     world: int,
+    blob_place: BlobPlace = None,
 ) -> mf.Manifest:
+    """The manifest of what every rank wrote, from the writer's one builder: the files in name
+    order, each tensor's shards in region order; version 3 (block checksums), 4 or 5 when the
+    pieces went to the blob store ``blob_place`` (5: a patched one)."""
     files: dict[str, mf.FileRecord] = {}
     shards: dict[str, list[mf.ShardRecord]] = {}
     for rank_files, rank_shards in results:
@@ -552,17 +556,14 @@ def _manifest(
         )
         for key, (dtype, shape) in global_plan.tensors.items()
     }
-    manifest = mf.Manifest(
-        tree=global_plan.tree,
-        files=dict(sorted(files.items())),
-        tensors=tensors,
-        metadata=metadata,
-        writer=save_engine.writer_version(),
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
-        format_version=mf.BLOCKED,
-        world_size=world,
-    )
+    version = mf.BLOCKED
+    if blob_place is not None:
+        patched = any(
+            s.recipe is not None and s.recipe.patches for pieces in shards.values() for s in pieces
+        )
+        version = mf.PATCHES if patched else mf.BLOBS
     # What the reader's parser checks holds by construction: merge() checked that the pieces of
     # every tensor tile it, the writer recorded each piece's byte range and checksum (the tests
     # parse every manifest written; parsing here too would cost ~10 ms per 1000 shards).
-    return manifest
+    written = sinks.Written(dict(sorted(files.items())), tensors, version, blob_place)
+    return save_engine.new_manifest(global_plan.tree, [written], metadata, world_size=world)

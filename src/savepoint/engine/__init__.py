@@ -3,8 +3,11 @@
 - :mod:`~savepoint.engine.plan`: save plans as plain data (which tensors in which file, where);
 - :mod:`~savepoint.engine.pipeline`: the write pipeline (copy and hash into aligned staging
   buffers while a writer thread hands the previous buffer to the store's blob writer);
-- :mod:`~savepoint.engine.save`: an unsharded save or a staged (async) one, through one
-  :class:`~savepoint.commit.transaction.Transaction`; the file writer sharded saves share;
+- :mod:`~savepoint.engine.save`: the one writer of savepoint's format (plan, write, manifest,
+  commit), configured by its sinks for a synchronous, staged (async) or incremental save; its
+  manifest builder and commit point, which a sharded save's rank 0 uses too;
+- :mod:`~savepoint.engine.sinks`: where the writer's bytes go (data files from live tensors or
+  the async arena's images, the blob store); the data-file writer sharded saves share;
 - :mod:`~savepoint.engine.read`: the read engine (pin one generation, check sizes and headers,
   copy with fused checksums, assemble shards), on ``BlobReader.view`` or reads into buffers; its
   jobs are private modules over the pinned generation: ``_pin`` (pin and re-read), ``_checks``,

@@ -80,6 +80,7 @@ from savepoint.commit.transaction import Transaction, write_error
 from savepoint.distributed import plan as dplan
 from savepoint.distributed import save as dsave
 from savepoint.engine import save as save_engine
+from savepoint.engine import sinks
 from savepoint.engine.plan import plan_files
 from savepoint.engine.read import Reader, RegionCopy, ShardTask
 from savepoint.errors import (
@@ -207,7 +208,7 @@ class SavepointWriter(StorageWriter):
                 sources, self.max_file_bytes, lambda i: dsave.file_name(staging.rank, i)
             )
             try:
-                files, records = save_engine.write_files(
+                files, records = sinks.write_files(
                     Location(where.store, staging.path),
                     plans,
                     sources,
