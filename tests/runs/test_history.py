@@ -721,21 +721,21 @@ def test_a_child_forked_during_a_background_step_does_not_hang(
     forked then must not wait for a lock no thread of its own will release."""
     import select
 
-    from savepoint.runs import manager as manager_module
+    from savepoint.runs import settle as settle_module
 
     run = tmp_path / "run"
     m = sp.CheckpointManager(run, keep_last=1)
     m.save(1, state(1))
     m.wait()
     inside, release = threading.Event(), threading.Event()
-    real = manager_module.CheckpointManager._doomed
+    real = settle_module.Settle.doomed
 
     def slow_doomed(self: Any, newest: int, live: list[int]) -> set[int]:
         inside.set()
         assert release.wait(30)
         return real(self, newest, live)
 
-    monkeypatch.setattr(manager_module.CheckpointManager, "_doomed", slow_doomed)
+    monkeypatch.setattr(settle_module.Settle, "doomed", slow_doomed)
     m.save(2, state(2))
     assert inside.wait(30)  # the background step now holds the lock
     read_end, write_end = os.pipe()

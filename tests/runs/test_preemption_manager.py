@@ -219,7 +219,7 @@ def test_preemption_during_pruning_defers_the_rest(
 
         def discard(store: Any, path: str) -> None:
             calls.append(path)
-            mgr._preempting.set()  # the notice arrives during the first deletion
+            mgr._settle.preempting.set()  # the notice arrives during the first deletion
             real(store, path)
 
         monkeypatch.setattr(books, "discard", discard)

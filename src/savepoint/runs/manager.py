@@ -43,7 +43,8 @@ an open's repair is :func:`savepoint.runs.opening.repair`):
    renames of the report and the aliases are synced in step 6, and a power cut before that
    brings back the previous report and aliases, whole, which the next open repairs as it does
    after a kill;
-6. *the background step* (a thread per save; inside the writer thread of an async save): the
+6. *the background step* (:mod:`savepoint.runs.settle`: on the manager's one worker thread,
+   started by its first save; inside the writer thread of an async save): the
    previous aliases are removed, the run directory and the history log are synced, checkpoints
    left under ``discarding`` are deleted; then, if retention would delete anything, the new
    checkpoint is read back and verified (manifest and every checksum: ``verify_before_prune``),
@@ -152,7 +153,7 @@ from savepoint.runs.books import Books, plain, write_error
 from savepoint.runs.catalog import Catalog
 from savepoint.runs.gc import GcReport, collect
 from savepoint.runs.lock import WriterLock
-from savepoint.runs.policies import Entry, Mode, RetentionPolicy, SavePolicy
+from savepoint.runs.policies import Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.preemption import (
     DEFAULT_GRACE,
     Preemption,
@@ -176,6 +177,7 @@ from savepoint.runs.report import (
     read_report,
     write_json,
 )
+from savepoint.runs.settle import Settle
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.paths import Location, PathArg, resolve
 
@@ -404,15 +406,25 @@ class CheckpointManager:
             if async_save
             else None
         )
-        # Preemption (see save_on_preemption): the handlers (installed once the open succeeded),
-        # and whether a preemption save started: from then on the background steps defer
+        # The background step of each save (runs.settle: syncs, verification, retention), on
+        # one worker thread, and the error it left for the next save, wait() or close().
+        self._settle = Settle(
+            self._books,
+            self._lock,
+            retention=self.retention,
+            verify_before_prune=verify_before_prune,
+            collect=_weakly(self._collect_blobs),
+            scrub=_weakly(self._scrub_blobs),
+        )
+        stop_worker = weakref.finalize(self, self._settle.worker.stop)
+        stop_worker.atexit = False  # (at exit the worker finishes its step: see _finish_at_exit)
+        # Preemption (see save_on_preemption): the handlers (installed once the open succeeded);
+        # once a preemption save started (_settle.preempting) the background steps defer
         # verification, retention and deletions to the next run.
         self._preemption: Preemption | None = None
-        self._preempting = threading.Event()
         self._preemption_logged = False
         self._noticed_at: float | None = None  # when preempted() first answered True
         self._write_seconds: float | None = None  # how long the last save took to commit
-        self._verifying: int | None = None  # the step a background step is reading back
         self._preempt_sync_error: CheckpointError | None = None
         # Slower tiers that committed checkpoints are copied up to (runs.tiers), and where the
         # last restore read its checkpoint from ("run directory" or a tier's name).
@@ -421,10 +433,6 @@ class CheckpointManager:
         self._closed = False
         self._pid = os.getpid()
         self._last_saved: int | None = None
-        # The background step of the last save (history sync, verification, retention), and
-        # the error it left for the next save, wait() or close() to raise.
-        self._background: threading.Thread | None = None
-        self._background_error: BaseException | None = None
         self._best_warned = False
         self._inflight: int | None = None  # the step an async save is writing
         self._last_async: _AsyncSave | None = None
@@ -472,6 +480,7 @@ class CheckpointManager:
                     ),
                     writable=self._writes_books(),
                 )
+                self._settle.tiers = self._tiers
                 release_tiers = weakref.finalize(self, self._tiers.release_locks)
                 release_tiers.atexit = False  # (as the run's lock: see above)
                 if self._tiers.run_id != self.run.run_id or (
@@ -707,7 +716,7 @@ class CheckpointManager:
         """Finish what an interrupted writer left (see the module docstring), then make the
         aliases agree with the report."""
         with self._lock:
-            opening.repair(self._books, self._preempting.is_set)
+            opening.repair(self._books, self._settle.preempting.is_set)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -1116,167 +1125,21 @@ class CheckpointManager:
             if preempt:
                 # What must survive the exit: the report's and aliases' renames, the history.
                 # Verification, retention and deletions wait for the next run.
-                self._preempt_sync_error = self._sync_books(swapped)
+                self._preempt_sync_error = self._settle.sync_books(swapped)
                 return False
             if self._async is None:
-                self._start_background(step, info, settled, swapped)
+                self._settle.start(step, info, settled, swapped)
                 return True
         # An async save: this is the background already (its writer thread); the save's
         # PendingSave is done once this is, and raises what it found.
         if booked is not None:
             booked()
-        error = self._settle(step, swapped)
+        error = self._settle.run(step, swapped)
         if error is not None:
             raise error
         return False
 
-    # -- the background step of a save ----------------------------------------------------------
-
-    def _start_background(
-        self,
-        step: int,
-        info: CheckpointInfo | None,
-        settled: PendingSave | None,
-        swapped: list[aliases.Staging],
-    ) -> None:
-        """Step 6 of the module docstring for checkpoint ``step``, in a thread: the caller's
-        save returns now. The caller holds the lock; the last background step has finished."""
-        worker = threading.Thread(
-            target=self._background_step,
-            args=(step, info, settled, swapped),
-            name="savepoint-books",
-            daemon=True,
-        )
-        worker.start()
-        self._background = worker  # (started first: a thread is joined only once started)
-
-    def _background_step(
-        self,
-        step: int,
-        info: CheckpointInfo | None,
-        settled: PendingSave | None,
-        swapped: list[aliases.Staging],
-    ) -> None:
-        error: BaseException | None = None
-        try:
-            error = self._settle(step, swapped)
-        except Exception as exc:  # a thread has nobody to raise to: the next call raises it
-            error = exc if isinstance(exc, CheckpointError) else _background_failure(exc)
-        except BaseException as exc:  # (a simulated crash, an interpreter shutting down)
-            error = exc
-        finally:
-            if error is not None:
-                with self._lock:
-                    if self._background_error is None:
-                        self._background_error = error
-            if settled is not None and not settled.done():
-                if error is None:
-                    settled.set_result(info)
-                else:
-                    settled.set_exception(error)
-
-    def _settle(self, step: int, swapped: list[aliases.Staging]) -> CheckpointError | None:
-        """Remove the aliases ``swapped`` replaced, make the books durable, delete what left the
-        run, verify checkpoint ``step`` and apply retention, compact the history. Returns the
-        error to report (a failed verification, a failed sync); tidying that fails is retried
-        later. Once a preemption save started, all but the syncs wait for the next run."""
-        error = self._sync_books(swapped)
-        if error is not None or self._preempting.is_set():
-            return error
-        if self._tiers is not None:
-            self._tiers.submit(step, self._checkpoint(step))
-        with self._lock:
-            self._finish_discards()  # an abandoned timeline, deletions an earlier save left
-            doomed = self._doomed(step, self._books.steps_now())
-        if not doomed:
-            self._compact()
-            return None
-        if self.verify_before_prune and step not in self._books.verified:
-            if self._preempting.is_set():
-                return None
-            self._verifying = step  # (a preemption save does not wait for this)
-            try:
-                checkpoint.verify(self._checkpoint(step))
-            except (CheckpointError, OSError) as exc:
-                return self._verification_failed(step, exc)
-            finally:
-                self._verifying = None
-            self._books.verified.add(step)
-        with self._lock:
-            if self._preempting.is_set():
-                return None  # retention decides in the next run
-            live = self._books.steps_now()
-            doomed = self._doomed(step, live)
-            if doomed:
-                log.info(
-                    "%s: retention deletes checkpoints %s: not kept by %s (kept: %s; the newest, "
-                    "step %d, verified)",
-                    self.directory,
-                    sorted(doomed),
-                    policies.to_spec(self.retention),
-                    [s for s in live if s not in doomed],
-                    step,
-                )
-                discarding = self._catalog.discarding | doomed
-                self._books.fill([s for s in live if s not in doomed], discarding)
-                try:
-                    # The report names them as leaving before they are deleted: a crash in
-                    # between leaves them for the next open to delete.
-                    self._books.store_report()
-                except OSError:
-                    self._books.fill(live)  # nothing deleted; the next save decides again
-                else:
-                    self._catalog.discarding = discarding
-                    self._finish_discards()
-                    self._collect_blobs()
-        self._compact()
-        return None
-
-    def _sync_books(self, swapped: list[aliases.Staging]) -> CheckpointError | None:
-        """The first part of step 6: remove the aliases ``swapped`` replaced, then make the
-        report's and the aliases' renames and the history log durable. Returns the error."""
-        for alias in swapped:
-            alias.finish()
-        try:
-            # The report's and the aliases' renames (and a new history.jsonl's name), then the
-            # records appended to the history log.
-            self._store.sync_dir(self._run.path)
-            if self._books.history is not None:
-                self._books.history.sync()
-        except OSError as exc:
-            return self._write_error(
-                f"cannot make the books of {self.directory} durable (the checkpoints are "
-                "intact; report.json, latest/, best/ and the loss and metric history logged "
-                "since the previous save may be brought back to their previous state by a "
-                "power cut, which the next open repairs)",
-                exc,
-            )
-        return None
-
-    def _compact(self) -> None:
-        if self._books.history is not None and not self._preempting.is_set():
-            with contextlib.suppress(OSError, CheckpointError):  # the next save compacts
-                self._books.history.compact()
-
-    def _verification_failed(self, step: int, exc: BaseException) -> CheckpointError:
-        """Record that checkpoint ``step`` did not verify (report.verify_failures); from now on
-        retention does not count it and it is never the best. Returns the error to raise."""
-        err = CorruptCheckpointError(
-            f"checkpoint {step} of {self.directory} did not verify when read back after saving "
-            f"({exc}); it is saved but nothing was pruned, and retention will not count it (nor "
-            "choose it as best): it is recorded in report.json under verify_failures and "
-            "deleted once a newer checkpoint verifies",
-            path=self.step_path(step),
-        )
-        err.__cause__ = exc
-        log.warning(
-            "%s: checkpoint %d did not verify when read back: %s", self.directory, step, exc
-        )
-        if self.incremental and isinstance(exc, CorruptCheckpointError):
-            self._scrub_blobs(step)
-        with self._lock:
-            self._books.record_failure(step, exc)
-        return err
+    # -- the background step of a save (runs.settle) ------------------------------------------
 
     def _scrub_blobs(self, step: int) -> None:
         """Delete the damaged blobs checkpoint ``step`` names (it did not verify): dedupe would
@@ -1284,6 +1147,8 @@ class CheckpointManager:
         state it is given. Best effort: a failure is logged."""
         from savepoint.engine.read import blob_digests
 
+        if not self.incremental:
+            return
         try:
             removed = self._blobs().scrub(blob_digests([self._step(step)]))
         except (CheckpointError, OSError) as exc:
@@ -1302,48 +1167,20 @@ class CheckpointManager:
             )
 
     def _join_background(self) -> None:
-        """Wait for the background step of the last save (not from that thread itself)."""
-        while True:
-            worker = self._background
-            if worker is None or worker is threading.current_thread():
-                return
-            worker.join()
-            if self._background is worker:
-                return
+        """Wait for the background step of the last save (not from that step itself)."""
+        self._settle.join()
 
     def _raise_verification_error(self) -> None:
         """Raise (once) what the last background step reported."""
-        with self._lock:
-            error, self._background_error = self._background_error, None
+        error = self._settle.take_error()
         if error is not None:
             raise error
-
-    def _doomed(self, newest: int, live: list[int]) -> set[int]:
-        """The steps retention deletes from ``live`` once ``newest`` is verified. Checkpoints
-        that failed verification are not counted (they never take a good one's place); the
-        newest, the best and the one resumed from are always kept."""
-        entries = [
-            Entry(s, self._catalog.metrics.get(s, {}))
-            for s in live
-            if s not in self._catalog.failed
-        ]
-        keep = self.retention.keep(entries)
-        keep |= {
-            s
-            for s in (newest, self._catalog.best_among(live), self._books.resumed_from)
-            if s is not None
-        }
-        if self._tiers is not None:
-            keep |= self._tiers.pending_steps()  # a copy-up is reading it
-        return {s for s in live if s not in keep}
 
     def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
         return write_error(self._store, what, exc)
 
     def _finish_discards(self) -> None:
-        """Delete the checkpoints that left the run (runs.books); none once a preemption save
-        started (the next open deletes them)."""
-        self._books.finish_discards(self._preempting.is_set)
+        self._settle.finish_discards()
 
     # -- preemption ----------------------------------------------------------------------------
 
@@ -1426,7 +1263,7 @@ class CheckpointManager:
         base = notice if notice is not None else self._noticed_at
         deadline = (started if base is None else base) + budget
         # From now on, background steps stop before verifying, pruning or deleting.
-        self._preempting.set()
+        self._settle.preempting.set()
         errors: list[str] = []
         deferred: list[str] = []
         in_flight: Literal["none", "finished", "abandoned", "failed"] = "none"
@@ -1576,15 +1413,14 @@ class CheckpointManager:
     def _end_background(self, wait_until: float, errors: list[str], deferred: list[str]) -> None:
         """Let the background step of the last save reach its end (it stops before retention);
         past ``wait_until`` leave a verification that is still reading a checkpoint back."""
-        worker = self._background
-        if worker is not None and worker.is_alive():
-            self._wait_unless_verifying(lambda: not worker.is_alive(), wait_until)
-        verifying = self._verifying
+        busy = self._settle.worker.busy
+        if busy():
+            self._wait_unless_verifying(lambda: not busy(), wait_until)
+        verifying = self._settle.verifying
         if verifying is not None:
             deferred.append(f"verifying step {verifying} (still reading it back)")
-        if worker is None or not worker.is_alive():
-            with self._lock:
-                earlier, self._background_error = self._background_error, None
+        if not busy():
+            earlier = self._settle.take_error()
             if earlier is not None:
                 errors.append(str(earlier))
 
@@ -1592,7 +1428,7 @@ class CheckpointManager:
         """Wait until ``done()``; past ``until`` stop waiting for a background step that is
         reading a checkpoint back (it only reads, then stops before retention)."""
         while not done():
-            if time.monotonic() >= until and self._verifying is not None:
+            if time.monotonic() >= until and self._settle.verifying is not None:
                 return
             time.sleep(0.005)
 
@@ -1886,8 +1722,7 @@ class CheckpointManager:
             try:
                 self._close()
             except BaseException as exc:
-                with self._lock:
-                    also, self._background_error = self._background_error, None
+                also = self._settle.take_error()
                 if also is not None and hasattr(exc, "add_note"):
                     exc.add_note(f"and the background step of a save failed: {also}")
                 raise
@@ -1905,6 +1740,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._join_background()
+            self._settle.worker.stop()
             if self._tiers is not None:
                 self._tiers.close()  # the copy-ups finish (their failures are raised below)
             self._forget_resume()
@@ -2023,36 +1859,17 @@ class _Abandon:
             self.user(done, total)
 
 
-class _Saved:
-    report: Report
-    history: dict[str, Any] | None
-    metrics: dict[int, dict[str, Any]]
-    last_saved: int | None
-    log: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]]
-    failed: frozenset[int]
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` holding no reference to its manager: a manager nobody closed is freed once
+    dropped (its finalizer releases the run's lock), not at the next cyclic collection."""
+    ref = weakref.WeakMethod(method)
 
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
 
-class _Flushed:
-    """What a report write appended to the history log: ``mark`` to roll back to, the
-    ``records`` appended; ``rewrote``: the whole history was written (a version 1 report's)."""
-
-    mark: history.Mark | None
-    records: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]]
-    rewrote: bool = False
-
-
-def _background_failure(exc: BaseException) -> CheckpointError:
-    """A background step's unexpected failure, as the error the next call raises."""
-    if isinstance(exc, OSError):
-        error: CheckpointError = errors_map.write_error(
-            exc,
-            exc.filename if isinstance(exc.filename, str) else None,
-            "the background step of a save failed",
-        )
-    else:
-        error = CheckpointError(f"the background step of a save failed: {exc!r}")
-    error.__cause__ = exc
-    return error
+    return call
 
 
 def _forget_in_child() -> None:
@@ -2063,8 +1880,7 @@ def _forget_in_child() -> None:
     for manager in list(_LIVE):
         manager._lock = threading.RLock()
         manager._saving = threading.RLock()
-        manager._background = None
-        manager._background_error = None
+        manager._settle.forget_in_child(manager._lock)  # (its worker forgets its own step)
 
 
 if hasattr(os, "register_at_fork"):
