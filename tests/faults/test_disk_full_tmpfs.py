@@ -689,8 +689,8 @@ def test_managed_save_that_failed_is_not_listed(
     listed, report.json and latest/ and best/ agree with the steps on disk, and the manager
     closes (or says the disk is full) and reopens on the full disk."""
     result = sweep(mountpoint, scratch, name, resource)
-    # The manager's bookkeeping after a commit runs in CheckpointManager._after_commit.
-    after_commit = [p.free for p in result.points if p.failed and "_after_commit" in p.site]
+    # The manager's bookkeeping after a commit runs in the run's books (runs.books.Books.record).
+    after_commit = [p.free for p in result.points if p.failed and "books.record" in p.site]
     assert after_commit, f"{result.describe()}\nno point failed after the commit"
     semantic = result.semantic()
     assert not semantic, f"{result.describe()}\n" + "\n".join(semantic)

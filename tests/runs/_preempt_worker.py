@@ -123,7 +123,7 @@ def train_step(state: dict[str, Any], step: int, rank: int, world: int) -> str:
 def _arm(phase: str, at: int, rank: int, world: int) -> Any:
     """Deliver SIGTERM to this process from inside ``phase``; returns the progress callback."""
     import savepoint.checkpoint
-    import savepoint.runs.manager as manager
+    import savepoint.runs.books as books  # (retention deletes through the books)
 
     fired = threading.Event()
 
@@ -144,13 +144,13 @@ def _arm(phase: str, at: int, rank: int, world: int) -> Any:
             time.sleep(1.0)
 
     if phase == "prune":
-        discard = vars(manager)["discard"]
+        discard = vars(books)["discard"]
 
         def discarding(store: Any, path: str) -> None:
             fire()
             discard(store, path)
 
-        vars(manager)["discard"] = discarding
+        vars(books)["discard"] = discarding
     if phase == "verify":
         verify = savepoint.checkpoint.verify
 

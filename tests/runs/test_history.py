@@ -192,10 +192,10 @@ def test_a_failed_first_save_leaves_no_log_behind(
 ) -> None:
     """The log a save creates goes with the save when it is undone (the inode and pages it took
     are given back), and its records come back when the run is written next."""
-    from savepoint.runs import manager as manager_module
+    from savepoint.runs import books as books_module
 
     run = tmp_path / "run"
-    real = manager_module.stage_json
+    real = books_module.stage_json
     failures = [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run / "report.json"))]
 
     def stage_json(path: Any, doc: Any) -> Any:  # (a save stages its report)
@@ -203,7 +203,7 @@ def test_a_failed_first_save_leaves_no_log_behind(
             raise failures.pop()
         return real(path, doc)
 
-    monkeypatch.setattr(manager_module, "stage_json", stage_json)
+    monkeypatch.setattr(books_module, "stage_json", stage_json)
     m = sp.CheckpointManager(run)
     m.log(1, loss=2.0)
     with pytest.raises(sp.CheckpointWriteError) as info:
@@ -291,9 +291,9 @@ def test_a_migration_cut_short_leaves_the_old_report_in_charge(
     """The log is written before the report that points readers at it: a failure (or a kill) in
     between leaves the version 1 report, which readers follow (the log beside it is ignored), and
     the next writer writes the log again, without duplicating a record."""
-    from savepoint.runs import manager as manager_module
+    from savepoint.runs import books as books_module
 
-    real = manager_module.write_json
+    real = books_module.write_json
     calls = []
 
     def failing(path: Any, doc: Any, **options: Any) -> None:
@@ -302,10 +302,10 @@ def test_a_migration_cut_short_leaves_the_old_report_in_charge(
 
     m = sp.CheckpointManager(old_run)
     m.log(9, loss=0.0625)
-    monkeypatch.setattr(manager_module, "write_json", failing)
+    monkeypatch.setattr(books_module, "write_json", failing)
     with pytest.raises(sp.CheckpointWriteError):
         m.close()
-    monkeypatch.setattr(manager_module, "write_json", real)
+    monkeypatch.setattr(books_module, "write_json", real)
     assert calls and (old_run / history.HISTORY_FILE).exists()
     assert read(old_run / "report.json")["version"] == 1
     report = load_report(old_run)
@@ -565,9 +565,9 @@ def test_nothing_is_pruned_before_the_new_checkpoint_verifies(
         events.append(f"verified {os.path.basename(str(path))}")
         return out
 
-    from savepoint.runs import manager as manager_module
+    from savepoint.runs import books as books_module
 
-    real_discard = manager_module.discard
+    real_discard = books_module.discard
 
     def recording_discard(store: Any, path: str) -> None:
         events.append(f"deleted {os.path.basename(path)}")
@@ -576,7 +576,7 @@ def test_nothing_is_pruned_before_the_new_checkpoint_verifies(
     m = sp.CheckpointManager(run, keep_last=1)
     m.save(1, state(1))
     monkeypatch.setattr(savepoint.checkpoint, "verify", slow_verify)
-    monkeypatch.setattr(manager_module, "discard", recording_discard)
+    monkeypatch.setattr(books_module, "discard", recording_discard)
     pending = m.save(2, state(2))
     assert entered.wait(30) and not pending.done()
     assert layout.committed_steps(str(run)) == [1, 2]
@@ -721,21 +721,21 @@ def test_a_child_forked_during_a_background_step_does_not_hang(
     forked then must not wait for a lock no thread of its own will release."""
     import select
 
-    from savepoint.runs import manager as manager_module
+    from savepoint.runs import settle as settle_module
 
     run = tmp_path / "run"
     m = sp.CheckpointManager(run, keep_last=1)
     m.save(1, state(1))
     m.wait()
     inside, release = threading.Event(), threading.Event()
-    real = manager_module.CheckpointManager._doomed
+    real = settle_module.Settle.doomed
 
     def slow_doomed(self: Any, newest: int, live: list[int]) -> set[int]:
         inside.set()
         assert release.wait(30)
         return real(self, newest, live)
 
-    monkeypatch.setattr(manager_module.CheckpointManager, "_doomed", slow_doomed)
+    monkeypatch.setattr(settle_module.Settle, "doomed", slow_doomed)
     m.save(2, state(2))
     assert inside.wait(30)  # the background step now holds the lock
     read_end, write_end = os.pipe()

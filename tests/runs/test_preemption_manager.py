@@ -206,25 +206,25 @@ def test_preemption_during_pruning_defers_the_rest(
 ) -> None:
     """A notice while retention deletes: the deletions stop, the report names what is left
     under discarding, and the next open deletes it."""
-    import savepoint.runs.manager as manager
+    import savepoint.runs.books as books
 
     run = tmp_path / "run"
-    real = vars(manager)["discard"]
+    real = vars(books)["discard"]
     mgr = sp.CheckpointManager(run, keep_last=1, keep_every=1000, preemption=True)
     try:
         for step in (1, 2, 3):
             mgr.save(step, state(step)).wait()
-        mgr._discarding = frozenset({1, 2})  # as if retention had just decided it
+        mgr._catalog.discarding = frozenset({1, 2})  # as if retention had just decided it
         calls: list[str] = []
 
         def discard(store: Any, path: str) -> None:
             calls.append(path)
-            mgr._preempting.set()  # the notice arrives during the first deletion
+            mgr._settle.preempting.set()  # the notice arrives during the first deletion
             real(store, path)
 
-        monkeypatch.setattr(manager, "discard", discard)
+        monkeypatch.setattr(books, "discard", discard)
         mgr._finish_discards()
-        assert len(calls) == 1 and mgr._discarding == {2}  # checked before each deletion
+        assert len(calls) == 1 and mgr._catalog.discarding == {2}  # checked before each deletion
     finally:
         monkeypatch.undo()
         mgr.close()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from savepoint import checkpoint
 from savepoint.codecs import manifest as mf
@@ -45,6 +45,7 @@ __all__ = [
     "StagedLinks",
     "StagedPointer",
     "Staging",
+    "abort",
     "by_pointer",
     "copy_aside",
     "disagreements",
@@ -57,6 +58,8 @@ __all__ = [
     "remove",
     "run_problems",
     "stage",
+    "stage_changed",
+    "swap",
     "targets",
 ]
 
@@ -375,6 +378,56 @@ def stage(directory: PathArg, alias: str, step: int) -> Staging:
     if run.store.capabilities.atomic_rename:
         return StagedLinks(run.store, target, source, f"{alias}/ alias")
     return Staged(run.store, target, source, f"{alias}/ alias")
+
+
+def stage_changed(run: Location, report: Report, enabled: bool) -> dict[str, Staging]:
+    """Stage each alias that must change to agree with ``report`` (none when aliases are off,
+    ``enabled`` False); the caller publishes them (:func:`swap`) or aborts them (:func:`abort`)."""
+    staged: dict[str, Staging] = {}
+    if not enabled:
+        return staged
+    try:
+        for alias, step in targets(report).items():
+            if step is not None and not holds(run, alias, step):
+                staged[alias] = stage(run, alias, step)
+    except BaseException:
+        abort(staged)
+        raise
+    return staged
+
+
+def swap(
+    run: Location,
+    report: Report,
+    enabled: bool,
+    staged: dict[str, Staging],
+    *,
+    swapped: list[Staging],
+    removed: list[bool],
+) -> None:
+    """Publish the aliases :func:`stage_changed` staged, unsynced, and remove those ``report``
+    no longer names. Each one published (or being published: a publish that failed may have
+    taken effect) is added to ``swapped``: the caller finishes it (or undoes it) once the report
+    is (or is not) written; ``removed[0]`` is set when an alias is removed."""
+    for alias, step in targets(report).items():
+        if alias in staged:
+            published = staged.pop(alias)
+            swapped.append(published)
+            published.publish(sync=False)
+        elif run.store.stat(path_of(run, alias).path) is not None and (
+            # (with aliases on, stage_changed found an unstaged one holding its step)
+            step is None or (not enabled and not holds(run, alias, step))
+        ):
+            # The report names no such checkpoint (a best pruned with an abandoned timeline),
+            # or aliases are off: a stale alias must not outlive the report.
+            removed[0] = True
+            remove(run, alias)
+
+
+def abort(staged: Mapping[str, Staging]) -> None:
+    """Abandon staged aliases without letting cleanup hide an error."""
+    for alias in staged.values():
+        alias.abort()
 
 
 def publish(directory: PathArg, alias: str, step: int) -> None:

@@ -20,7 +20,9 @@ have written the run since), raises RunLockedError and writes nothing more, not 
 ``close()`` (:mod:`savepoint.runs.lock`). Threads may share a manager: ``save``, ``restore`` and
 ``close`` run one at a time.
 
-Sequence of ``save(step, state, metrics)``:
+Sequence of ``save(step, state, metrics)`` (steps 3-5 are the run's books,
+:class:`savepoint.runs.books.Books`, over the checkpoints' metrics, :mod:`savepoint.runs.catalog`;
+an open's repair is :func:`savepoint.runs.opening.repair`):
 
 1. the save policy decides whether this step is written (``force=True`` always writes);
 2. the checkpoint is written with the commit protocol to ``checkpoints/step-<step>``
@@ -41,7 +43,8 @@ Sequence of ``save(step, state, metrics)``:
    renames of the report and the aliases are synced in step 6, and a power cut before that
    brings back the previous report and aliases, whole, which the next open repairs as it does
    after a kill;
-6. *the background step* (a thread per save; inside the writer thread of an async save): the
+6. *the background step* (:mod:`savepoint.runs.settle`: on the manager's one worker thread,
+   started by its first save; inside the writer thread of an async save): the
    previous aliases are removed, the run directory and the history log are synced, checkpoints
    left under ``discarding`` are deleted; then, if retention would delete anything, the new
    checkpoint is read back and verified (manifest and every checksum: ``verify_before_prune``),
@@ -131,9 +134,7 @@ from typing import Any, ClassVar, Literal
 from savepoint import checkpoint, errors_map
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
-from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import discard
-from savepoint.commit.transaction import resolve as resolve_commit
 from savepoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -147,10 +148,12 @@ from savepoint.errors import (
 )
 from savepoint.info import CheckpointInfo
 from savepoint.options import SaveOptions
-from savepoint.runs import aliases, history, layout, policies
+from savepoint.runs import aliases, history, layout, opening, policies
+from savepoint.runs.books import Books, plain, write_error
+from savepoint.runs.catalog import Catalog
 from savepoint.runs.gc import GcReport, collect
 from savepoint.runs.lock import WriterLock
-from savepoint.runs.policies import Entry, Mode, RetentionPolicy, SavePolicy
+from savepoint.runs.policies import Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.preemption import (
     DEFAULT_GRACE,
     Preemption,
@@ -160,27 +163,22 @@ from savepoint.runs.preemption import (
 )
 from savepoint.runs.report import (
     REPORT_FILE,
-    REPORT_VERSION,
     RUN_FILE,
     Report,
     RunInfo,
-    StagedJson,
     check_consistent,
     config_diff,
     count_elements,
     lagging_run,
-    load_report,
     new_run_id,
     now_iso,
-    plain_value,
     read_history,
     read_json,
     read_report,
-    stage_json,
     write_json,
 )
+from savepoint.runs.settle import Settle
 from savepoint.runs.tiers import Tier, TierCopier
-from savepoint.storage.base import Store
 from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = ["CheckpointManager", "PreemptionSave", "StepSpec"]
@@ -379,13 +377,15 @@ class CheckpointManager:
             self._blob_memo = FastMemo()
             self._blob_tracker = PatchTracker()
         self.directory = str(self._run)
-        self.best_metric = best_metric
-        self.best_mode: Mode = best_mode
         if retention is not None:
             rules.append(retention)
         self.retention: RetentionPolicy = (
             policies.AnyOf(*rules) if rules else policies.AnyOf(policies.KeepAll())
         )
+        # The run's checkpoints and their metrics (runs.catalog), and its books (report, history
+        # log, lineage, aliases: runs.books).
+        self._catalog = Catalog(self._run, best_metric=best_metric, best_mode=best_mode)
+        self._books = Books(self._run, self._catalog, retention=self.retention, aliases=aliases)
         if save_policy is None:
             save_policy = every if every is not None else policies.SaveAlways()
         self.save_policy = save_policy
@@ -406,15 +406,25 @@ class CheckpointManager:
             if async_save
             else None
         )
-        # Preemption (see save_on_preemption): the handlers (installed once the open succeeded),
-        # and whether a preemption save started: from then on the background steps defer
+        # The background step of each save (runs.settle: syncs, verification, retention), on
+        # one worker thread, and the error it left for the next save, wait() or close().
+        self._settle = Settle(
+            self._books,
+            self._lock,
+            retention=self.retention,
+            verify_before_prune=verify_before_prune,
+            collect=_weakly(self._collect_blobs),
+            scrub=_weakly(self._scrub_blobs),
+        )
+        stop_worker = weakref.finalize(self, self._settle.worker.stop)
+        stop_worker.atexit = False  # (at exit the worker finishes its step: see _finish_at_exit)
+        # Preemption (see save_on_preemption): the handlers (installed once the open succeeded);
+        # once a preemption save started (_settle.preempting) the background steps defer
         # verification, retention and deletions to the next run.
         self._preemption: Preemption | None = None
-        self._preempting = threading.Event()
         self._preemption_logged = False
         self._noticed_at: float | None = None  # when preempted() first answered True
         self._write_seconds: float | None = None  # how long the last save took to commit
-        self._verifying: int | None = None  # the step a background step is reading back
         self._preempt_sync_error: CheckpointError | None = None
         # Slower tiers that committed checkpoints are copied up to (runs.tiers), and where the
         # last restore read its checkpoint from ("run directory" or a tier's name).
@@ -422,43 +432,13 @@ class CheckpointManager:
         self.restored_from: str | None = None
         self._closed = False
         self._pid = os.getpid()
-        self._started = time.monotonic()
-        self._resumed_from: int | None = None
-        # A resume no save or log() has followed yet: the report before it, and the history
-        # records it adds. close() then puts the report back and writes nothing for it (an
-        # evaluation script that restores changes nothing); the next save or log() keeps it.
-        self._unresumed: Report | None = None
-        self._resume_marks: list[dict[str, Any]] = []
-        self._verified: set[int] = set()
         self._last_saved: int | None = None
-        # Steps no longer part of the run whose deletion is pending, and what report.json on disk
-        # lists as such (a step there must not be reused before the report stops listing it).
-        # (Both are replaced, never mutated: the background thread of an async save updates
-        # them while the caller's thread reads them.)
-        self._discarding: frozenset[int] = frozenset()
-        self._discarding_on_disk: frozenset[int] = frozenset()
-        # The background step of the last save (history sync, verification, retention), and
-        # the error it left for the next save, wait() or close() to raise.
-        self._background: threading.Thread | None = None
-        self._background_error: BaseException | None = None
-        # Steps whose checkpoint did not verify when read back (report.verify_failures): never
-        # counted by retention, never the best.
-        self._failed: frozenset[int] = frozenset()
         self._best_warned = False
-        # The history log (writers only) and the records not yet appended to it.
-        self._history: history.HistoryWriter | None = None
-        # (a log() call is kept as its (step, loss, metrics) tuple: made a record when written)
-        self._log: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]] = []
-        self._report_version: int | None = None  # of report.json on disk (1: history inline)
         self._inflight: int | None = None  # the step an async save is writing
         self._last_async: _AsyncSave | None = None
         self._lock_error_raised = False
         self._release: Callable[[], object] | None = None
         self.read_only_reason: str | None = None
-        # Whether close() has anything to write: a save, a log, or a report to create (a resume
-        # alone is not: see _unresumed).
-        # (Opening and restoring leave report.json byte for byte as it was.)
-        self._dirty = False
         self._strict_config = strict_config
         self._config_changes: list[dict[str, Any]] = []
         self._new_config: dict[str, Any] | None = None
@@ -468,6 +448,7 @@ class CheckpointManager:
         self._legacy_id = False
         try:
             self.read_only, self._writer = self._open_directory(read_only)
+            self._catalog.read_only = self.read_only
             if self._writer is not None:
                 # Garbage collection releases the lock of a manager never closed (the finalizer
                 # holds the lock object, not the manager). Not at interpreter exit: background
@@ -478,11 +459,11 @@ class CheckpointManager:
                 self._release = release
             self.run, new_run_file, report = self._open_run(name, variant, config, num_params)
             if self._writes_books():
-                self._history = history.writer(self._run)
+                self._books.history = history.writer(self._run)
             listed = report.checkpoints if report is not None else ()
             on_disk = layout.committed_steps(self._run, expected=listed)
-            self.report = self._open_report(report, on_disk)
-            lagging = lagging_run(self.run, self.report)
+            self._books.report = self._open_report(report, on_disk)
+            lagging = lagging_run(self.run, self._books.report)
             if lagging is not None:  # a writer was stopped between report.json and run.json
                 self.run, new_run_file = lagging, True
             if tier_list:
@@ -494,9 +475,12 @@ class CheckpointManager:
                     {"name": self.run.name, "variant": self.run.variant, "id": self.run.run_id},
                     inherit=self._writes_books()
                     and ((self._created and not on_disk) or self._legacy_id),
-                    protected=lambda: () if self._resumed_from is None else (self._resumed_from,),
+                    protected=lambda: (
+                        () if self._books.resumed_from is None else (self._books.resumed_from,)
+                    ),
                     writable=self._writes_books(),
                 )
+                self._settle.tiers = self._tiers
                 release_tiers = weakref.finalize(self, self._tiers.release_locks)
                 release_tiers.atexit = False  # (as the run's lock: see above)
                 if self._tiers.run_id != self.run.run_id or (
@@ -504,26 +488,14 @@ class CheckpointManager:
                 ):
                     # The id the tiers now name (theirs, or one made now) goes to run.json.
                     self.run = dataclasses.replace(self.run, run_id=self._tiers.run_id)
-                    self.report.run_id = self.run.run_id
+                    self._books.report.run_id = self.run.run_id
                     new_run_file = True
             if new_run_file:
                 # Only now: an open that fails (a mismatch, a damaged report) writes nothing.
                 self._finish_open_run()
-            if self.best_metric is None and self.report.best:
-                metric, mode = self.report.best.get("metric"), self.report.best.get("mode")
-                if isinstance(metric, str) and mode in ("min", "max"):
-                    self.best_metric, self.best_mode = metric, mode
-            self._wall_before = self.report.wall_time_s
-            self._failed = _failed_steps(self.report)
-            pending = set(self.report.discarding) - set(self.report.checkpoints)
-            self._discarding_on_disk = frozenset(self.report.discarding)
-            self._discarding = frozenset(pending & set(on_disk))
-            self._metrics: dict[int, dict[str, Any]] = {}
-            self._metrics_seen: dict[int, Any] = {}  # manifest identities (read-only managers)
-            for step in (s for s in on_disk if s not in self._discarding):
-                if self.read_only:
-                    self._metrics_seen[step] = self._manifest_id(step)
-                self._metrics[step] = self._read_metrics(step)
+            self._books.wall_before = self._books.report.wall_time_s
+            self._books.discarding_on_disk = frozenset(self._books.report.discarding)
+            self._catalog.opened(self._books.report, on_disk)
             if self._config_changes:
                 self._record_config_change()
             if self._writes_books():
@@ -539,9 +511,9 @@ class CheckpointManager:
             if self._tiers is not None:
                 self._tiers.close()
             self._release_lock()
-            if self._history is not None:
+            if self._books.history is not None:
                 with contextlib.suppress(OSError):
-                    self._history.close()
+                    self._books.history.close()
             if self._async is not None:
                 self._async.close()
             if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
@@ -605,12 +577,6 @@ class CheckpointManager:
         if self._release is not None:
             self._release()
 
-    def _drop(self, path: str | None) -> None:
-        """Remove a temporary (a backup) without letting cleanup hide an error."""
-        if path is not None:
-            with contextlib.suppress(OSError):
-                self._store.remove_tree(path)
-
     def _open_run(
         self,
         name: str | None,
@@ -630,7 +596,7 @@ class CheckpointManager:
         wanted = RunInfo(
             name=name or self._store.basename(self._run.path),
             variant=variant,
-            config=_plain(dict(config or {})),
+            config=plain(dict(config or {})),
             num_params=num_params,
             run_id=new_run_id() if self._writes_books() else None,
         )
@@ -640,12 +606,12 @@ class CheckpointManager:
             # Compare with what the run really is: a writer stopped between report.json and
             # run.json left run.json behind (report.lagging_run); the caller's config is checked
             # against the caught-up one, and run.json is rewritten once the open succeeds.
-            report, self._report_version = read_report(self._run)
+            report, self._books.version = read_report(self._run)
             caught_up = lagging_run(run, report) if report is not None else None
             if caught_up is not None:
                 run, stale = caught_up, True
         else:
-            report, self._report_version = read_report(self._run)
+            report, self._books.version = read_report(self._run)
             if report is None:
                 self._created = True  # (no run.json, no report.json: with no checkpoint, new)
                 return wanted, True, None
@@ -700,7 +666,7 @@ class CheckpointManager:
         if report is not None and report.run_id is None and self._writes_books():
             report.run_id = self.run.run_id  # (written with the next report)
         if report is None:
-            self._dirty = True  # close() writes the first report.json
+            self._books.dirty = True  # close() writes the first report.json
             fresh = Report.for_run(self.run)
             # A log without a report: a first save killed before its report, or a report moved
             # aside to be rebuilt; its history is the run's.
@@ -728,13 +694,13 @@ class CheckpointManager:
                 stacklevel=3,
             )
             return
-        self.report.config = self._new_config
-        self.report.config_changes.append(
+        self._books.report.config = self._new_config
+        self._books.report.config_changes.append(
             {"step": step, "at": now_iso(), "changes": self._config_changes}
         )
         self.run = dataclasses.replace(self.run, config=self._new_config)
         try:
-            self._store_report()
+            self._books.store_report()
         except OSError as exc:
             raise self._write_error(
                 f"cannot record the config change in {REPORT_FILE}", exc
@@ -746,90 +712,11 @@ class CheckpointManager:
             stacklevel=3,
         )
 
-    def _read_metrics(self, step: int) -> dict[str, Any]:
-        """The metrics checkpoint ``step`` was saved with; {} for a checkpoint that is damaged
-        or gone (restore skips it). A manifest that cannot be read (a failed request, an I/O
-        error, a refusal) raises: metrics taken as absent would move the best checkpoint, and
-        retention by the best metric could delete the real best."""
-        try:
-            meta = checkpoint.inspect(self._checkpoint(step)).metadata
-        except (
-            CorruptCheckpointError,
-            IncompleteCheckpointError,
-            IncompatibleCheckpointError,
-            CheckpointNotFoundError,
-        ):
-            return {}
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot read the metrics of checkpoint {step} of {self.directory}: "
-                f"{exc.strerror or exc}; nothing was changed: try again once the store answers",
-                path=self.step_path(step),
-            ) from exc
-        run_meta = meta.get("savepoint_run")
-        return dict(run_meta.get("metrics") or {}) if isinstance(run_meta, dict) else {}
-
     def _repair(self) -> None:
         """Finish what an interrupted writer left (see the module docstring), then make the
         aliases agree with the report."""
         with self._lock:
-            assert self._history is not None
-            try:
-                self._history.repair()  # a torn last line, segments a compaction left behind
-            except OSError as exc:
-                raise self._write_error(
-                    f"cannot repair the history log of {self.directory}", exc
-                ) from exc
-            self._finish_discards()
-            r = self.report
-            live = self._steps_now()
-            unlisted = [s for s in live if s not in r.checkpoints]
-            for step in unlisted:  # committed by a save that was killed before its books
-                if self._metrics.get(step):
-                    r.metric_history.setdefault(step, {}).update(self._metrics[step])
-                    self._log.append({"step": step, "metrics": self._metrics[step]})
-                r.steps_completed = max(r.steps_completed, step)
-            before = (r.checkpoints, r.latest_step, r.best, r.discarding)
-            self._fill_report(live)
-            if (r.checkpoints, r.latest_step, r.best, r.discarding) != before:
-                try:
-                    self._store_report()
-                except OSError as exc:
-                    raise self._write_error(
-                        f"cannot repair {REPORT_FILE} of {self.directory}", exc
-                    ) from exc
-            self._repair_aliases()
-
-    def _repair_aliases(self, unknown: Literal["raise", "republish"] = "raise") -> None:
-        """Make each alias hold the checkpoint the report names: republish it, or remove it when
-        the report names none (or republishing fails: a missing alias misleads nobody). An
-        alias that cannot be looked at (a failed read is not "it holds it") raises, or with
-        ``unknown="republish"`` (undoing a save that changed it) is republished."""
-        for alias, step in aliases.targets(self.report).items():
-            path = aliases.path_of(self._run, alias)
-            try:
-                if step is not None and aliases.holds(self._run, alias, step):
-                    continue
-            except CheckpointError as exc:
-                if unknown == "raise":
-                    raise
-                log.info("%s: %s cannot be looked at (%s): republished", self.directory, path, exc)
-            if self._store.stat(path.path) is None and (step is None or not self.aliases):
-                continue
-            if step is not None and self.aliases:
-                try:
-                    aliases.publish(self._run, alias, step)
-                    continue
-                except (OSError, CheckpointError):
-                    pass
-            try:
-                aliases.remove(self._run, alias)
-            except OSError as exc:
-                raise self._write_error(
-                    f"{path} disagrees with {REPORT_FILE} and cannot be removed", exc
-                ) from exc
+            opening.repair(self._books, self._settle.preempting.is_set)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -837,14 +724,7 @@ class CheckpointManager:
         """Steps with a committed checkpoint that is part of the run, ascending (once the
         background step of the last save, which may prune, has finished)."""
         self._join_background()
-        return self._steps_now()
-
-    def _steps_now(self) -> list[int]:
-        return [
-            s
-            for s in layout.committed_steps(self._run, expected=self.report.checkpoints)
-            if s not in self._discarding
-        ]
+        return self._books.steps_now()
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -853,15 +733,23 @@ class CheckpointManager:
     def best_step(self) -> int | None:
         """The best step by ``best_metric`` among the checkpoints on disk (never one that failed
         verification), or None."""
-        return self._best_among(self.steps())
+        return self._catalog.best_among(self.steps())
 
     def _best_among(self, steps: list[int]) -> int | None:
-        """The best of ``steps``; never one that failed verification (``_failed``)."""
-        if self.best_metric is None:
-            return None
-        entries = [Entry(s, self._metrics_of(s)) for s in steps if s not in self._failed]
-        best = policies.best_entries(entries, self.best_metric, self.best_mode)
-        return best[0].step if best else None
+        return self._catalog.best_among(steps)
+
+    @property
+    def report(self) -> Report:
+        """The run's report as this manager keeps it (``report.json`` once written)."""
+        return self._books.report
+
+    @property
+    def best_metric(self) -> str | None:
+        return self._catalog.best_metric
+
+    @property
+    def best_mode(self) -> Mode:
+        return self._catalog.best_mode
 
     def step_path(self, step: int) -> str:
         """Checkpoint ``step``'s directory, as ``sp.load`` takes it (a URL off the local disk)."""
@@ -875,22 +763,10 @@ class CheckpointManager:
         return layout.checkpoint_arg(self._step(step))
 
     def metrics(self, step: int) -> dict[str, Any]:
-        return dict(self._metrics.get(step, {}))
+        return dict(self._catalog.metrics.get(step, {}))
 
     def _metrics_of(self, step: int) -> dict[str, Any]:
-        """A checkpoint's metrics; read from its manifest the first time for a checkpoint this
-        manager did not save (a read-only manager next to a live writer sees new ones)."""
-        known = self._metrics.get(step)
-        if self.read_only:
-            # The writer may have saved this step again since: the manifest's identity says so.
-            seen = self._manifest_id(step)
-            if known is None or self._metrics_seen.get(step) != seen:
-                known = self._metrics[step] = self._read_metrics(step)
-                self._metrics_seen[step] = seen
-            return known
-        if known is None:
-            known = self._metrics[step] = self._read_metrics(step)
-        return known
+        return self._catalog.metrics_of(step)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -948,15 +824,15 @@ class CheckpointManager:
         if not force and not self.save_policy.should_save(step, self._last_saved):
             return PendingSave.finished(None, step, skipped=True)
         self._check_writer()
-        self._dirty = True
+        self._books.dirty = True
         self._keep_resume()
-        clean = _plain(dict(metrics or {}))
+        clean = plain(dict(metrics or {}))
         self._warn_unranked(step, clean)
         target = self._checkpoint(step)
         meta = {"savepoint_run": {"step": step, "epoch": epoch, "metrics": clean}}
         # A run given no num_params records the size of its state (report.json, then run.json).
         derived = None
-        if self._leader and self.run.num_params is None and self.report.num_params is None:
+        if self._leader and self.run.num_params is None and self._books.report.num_params is None:
             derived = count_elements(state)
         backup = self._before_commit(step, preempt) if self._leader else None
         previous, self._last_saved = self._last_saved, step
@@ -980,7 +856,7 @@ class CheckpointManager:
                 flight.booked.set,
             )
             if derived is not None and self.run.num_params is None:
-                self.run = dataclasses.replace(self.run, num_params=self.report.num_params)
+                self.run = dataclasses.replace(self.run, num_params=self._books.report.num_params)
                 with contextlib.suppress(CheckpointWriteError):  # the next open rewrites it
                     self._finish_open_run()
 
@@ -1001,12 +877,12 @@ class CheckpointManager:
                     target, state, metadata=meta, on_commit=committed, **incremental
                 )
             except BaseException:
-                self._drop(backup)
+                self._books.drop(backup)
                 self._last_saved = previous
                 raise
             pending._future.add_done_callback(lambda _: flight.booked.set())
             if backup is not None:  # a failed background commit leaves it; committed() uses it
-                pending._future.add_done_callback(lambda _: self._drop(backup))
+                pending._future.add_done_callback(lambda _: self._books.drop(backup))
             pending.step = step
             flight.pending = pending
             self._last_async = flight
@@ -1020,7 +896,7 @@ class CheckpointManager:
             else:
                 info = checkpoint.save(target, state, metadata=meta, **self.save_options.changed())
         except BaseException:
-            self._drop(backup)
+            self._books.drop(backup)
             self._last_saved = previous
             raise
         committed(info)
@@ -1112,16 +988,16 @@ class CheckpointManager:
         misspelt name, say): that checkpoint can never be the best, nor be kept by
         ``keep_best``. A save given no metrics at all is a deliberate unranked save: no
         warning."""
-        if self.best_metric is None or not metrics or self.best_metric in metrics:
+        if self._catalog.best_metric is None or not metrics or self._catalog.best_metric in metrics:
             return
         if self._best_warned or not self._leader:
             return
         self._best_warned = True
         given = ", ".join(sorted(metrics)) or "none"
         warnings.warn(
-            f"{self.directory}: save({step}) gave no {self.best_metric!r} in its metrics (it gave "
+            f"{self.directory}: save({step}) gave no {self._catalog.best_metric!r} in its metrics (it gave "
             f"{given}), so that checkpoint is never ranked as the best (best_metric="
-            f"{self.best_metric!r}); this warning is given once per CheckpointManager",
+            f"{self._catalog.best_metric!r}); this warning is given once per CheckpointManager",
             stacklevel=4,
         )
 
@@ -1171,7 +1047,7 @@ class CheckpointManager:
         def exists() -> bool:
             return layout.committed(self._step(step))
 
-        pending = self._discarding | self._discarding_on_disk
+        pending = self._catalog.discarding | self._books.discarding_on_disk
         if not exists() and step not in pending and step != self._inflight:
             return None
         # The save in flight (async) or the background step may be verifying, deleting or
@@ -1186,15 +1062,15 @@ class CheckpointManager:
             self.wait()
         with self._lock:
             try:
-                if step in self._discarding:
+                if step in self._catalog.discarding:
                     discard(self._store, self._step(step).path)
-                    self._discarding = self._discarding - {step}
-                    self._metrics.pop(step, None)
-                if step in self._discarding_on_disk:
+                    self._catalog.discarding = self._catalog.discarding - {step}
+                    self._catalog.metrics.pop(step, None)
+                if step in self._books.discarding_on_disk:
                     # The report must stop naming it for deletion before a new checkpoint takes
                     # its name: an open after a kill would delete the new one otherwise.
-                    self._fill_report(self._steps_now())
-                    self._store_report()
+                    self._books.fill(self._books.steps_now())
+                    self._books.store_report()
                 if not exists():
                     return None
                 return aliases.copy_aside(self._step(step))
@@ -1211,18 +1087,7 @@ class CheckpointManager:
         O(1): the record joins the report in memory and is appended to the run's history log
         (:mod:`savepoint.runs.history`) by the next save or ``close()``."""
         with self._lock:
-            self._dirty = True
-            self._keep_resume()
-            step = int(step)
-            value = None if loss is None else float(loss)
-            plain = _plain(metrics) if metrics else None
-            if value is not None:
-                self.report.loss_history.append((step, value))
-            if plain:
-                self.report.metric_history.setdefault(step, {}).update(plain)
-            if value is not None or plain:
-                self._log.append((step, value, plain))
-            self.report.steps_completed = max(self.report.steps_completed, step)
+            self._books.log(step, loss, metrics)
 
     def _after_commit(
         self,
@@ -1247,270 +1112,34 @@ class CheckpointManager:
             self._join_background()  # an async save's books wait for the last background step
         with self._lock:
             if not self._leader:
-                self._metrics[step] = metrics
+                self._catalog.metrics[step] = metrics
                 return False
-            # What an undo restores: _fill_report assigns fresh lists, so a shallow copy of the
-            # report keeps the old ones; only this step's metric history is updated in place.
-            history_before = self.report.metric_history.get(step)
-            saved = _Saved(
-                dataclasses.replace(self.report),
-                None if history_before is None else dict(history_before),
-                dict(self._metrics),
-                previous,
-                list(self._log),
-                self._failed,
-            )
-            self._metrics[step] = metrics
-            self._verified.discard(step)
-            r = self.report
-            if step in self._failed:  # a new checkpoint of a step that failed: a fresh start
-                self._failed = self._failed - {step}
-                r.verify_failures = [f for f in r.verify_failures if f.get("step") != step]
-            if metrics:
-                r.metric_history.setdefault(step, {}).update(metrics)
-                self._log.append({"step": step, "metrics": metrics})
-            r.steps_completed = max(r.steps_completed, step)
-            if epoch is not None:
-                r.epoch = epoch
-            if num_params is not None and r.num_params is None:
-                r.num_params = num_params
-            staged: dict[str, aliases.Staging] = {}
-            swapped: list[aliases.Staging] = []
-            removed = [False]  # whether an alias the report no longer names was removed
-            phase = "updating the run's books"
             try:
-                # The step just committed counts even if a listing does not show it yet.
-                on_disk = layout.committed_steps(
-                    self._run, expected=[*self.report.checkpoints, step]
-                )
-                abandoned: set[int] = set()
-                if self._resumed_from is not None:
-                    # After a resume, checkpoints past this step belong to the abandoned timeline
-                    # (a rollback, or newer checkpoints that failed verification): now that the
-                    # new timeline has a committed checkpoint they go, or a restart would undo the
-                    # resume. (The checkpoint resumed from is never one of them.)
-                    horizon = max(step, self._resumed_from)
-                    abandoned = {s for s in on_disk if s > horizon}
-                    if abandoned:
-                        log.info(
-                            "%s: checkpoints %s leave the run: they are newer than step %d, "
-                            "resumed from, and belong to the abandoned timeline",
-                            self.directory,
-                            sorted(abandoned),
-                            self._resumed_from,
-                        )
-                live = [s for s in on_disk if s not in abandoned and s not in self._discarding]
-                # Retention decides in the background, once this checkpoint is verified.
-                discarding = frozenset((self._discarding | abandoned) - set(live))
-                self._fill_report(live, discarding)
-                # The report is written aside first, its fsync running while the aliases are
-                # linked; then the aliases are swapped in, then the report, none of their
-                # renames synced: the background step syncs the run directory once for all
-                # three (a power cut before it brings back the previous report and aliases,
-                # whole: the next open lists this checkpoint again), and the save returns one
-                # sync earlier.
-                phase = f"writing {REPORT_FILE}"
-                report_staged = self._stage_report()
-                try:
-                    phase = "linking latest/ and best/"
-                    staged = self._stage_aliases()
-                    phase = "updating latest/ and best/"
-                    self._swap_aliases(staged, sync=False, swapped=swapped, removed=removed)
-                    phase = f"writing {REPORT_FILE}"
-                    report_staged.publish()
-                except BaseException:
-                    report_staged.abort()
-                    raise
-            except (OSError, CheckpointError) as exc:
-                # Each alias swapped (or being swapped) is put back as it was, where its kind can
-                # (a linked copy, a pointer) with no read that could fail; the others, and any
-                # whose undo failed, are republished from the previous report by _undo.
-                touched = removed[0]
-                for alias in reversed(swapped):
-                    try:
-                        alias.undo()
-                    except (OSError, CheckpointError):
-                        touched = True
-                    else:
-                        touched = touched or not alias.restores
-                _abort(staged)
-                raise self._undo(step, backup, saved, phase, exc, touched) from exc
+                swapped = self._books.record(step, metrics, epoch, num_params, backup)
+            except CheckpointWriteError:  # undone (runs.books): the save did not happen
+                if self._last_saved == step:  # the save policy counts from the last save
+                    self._last_saved = previous
+                raise
             # Done: the checkpoint is saved and recorded. What follows runs in the background
             # (removing the previous aliases too: unlinks the save need not wait for).
-            self._drop(backup)
-            self._discarding = discarding
             if preempt:
                 # What must survive the exit: the report's and aliases' renames, the history.
                 # Verification, retention and deletions wait for the next run.
-                self._preempt_sync_error = self._sync_books(swapped)
+                self._preempt_sync_error = self._settle.sync_books(swapped)
                 return False
             if self._async is None:
-                self._start_background(step, info, settled, swapped)
+                self._settle.start(step, info, settled, swapped)
                 return True
         # An async save: this is the background already (its writer thread); the save's
         # PendingSave is done once this is, and raises what it found.
         if booked is not None:
             booked()
-        error = self._settle(step, swapped)
+        error = self._settle.run(step, swapped)
         if error is not None:
             raise error
         return False
 
-    # -- the background step of a save ----------------------------------------------------------
-
-    def _start_background(
-        self,
-        step: int,
-        info: CheckpointInfo | None,
-        settled: PendingSave | None,
-        swapped: list[aliases.Staging],
-    ) -> None:
-        """Step 6 of the module docstring for checkpoint ``step``, in a thread: the caller's
-        save returns now. The caller holds the lock; the last background step has finished."""
-        worker = threading.Thread(
-            target=self._background_step,
-            args=(step, info, settled, swapped),
-            name="savepoint-books",
-            daemon=True,
-        )
-        worker.start()
-        self._background = worker  # (started first: a thread is joined only once started)
-
-    def _background_step(
-        self,
-        step: int,
-        info: CheckpointInfo | None,
-        settled: PendingSave | None,
-        swapped: list[aliases.Staging],
-    ) -> None:
-        error: BaseException | None = None
-        try:
-            error = self._settle(step, swapped)
-        except Exception as exc:  # a thread has nobody to raise to: the next call raises it
-            error = exc if isinstance(exc, CheckpointError) else _background_failure(exc)
-        except BaseException as exc:  # (a simulated crash, an interpreter shutting down)
-            error = exc
-        finally:
-            if error is not None:
-                with self._lock:
-                    if self._background_error is None:
-                        self._background_error = error
-            if settled is not None and not settled.done():
-                if error is None:
-                    settled.set_result(info)
-                else:
-                    settled.set_exception(error)
-
-    def _settle(self, step: int, swapped: list[aliases.Staging]) -> CheckpointError | None:
-        """Remove the aliases ``swapped`` replaced, make the books durable, delete what left the
-        run, verify checkpoint ``step`` and apply retention, compact the history. Returns the
-        error to report (a failed verification, a failed sync); tidying that fails is retried
-        later. Once a preemption save started, all but the syncs wait for the next run."""
-        error = self._sync_books(swapped)
-        if error is not None or self._preempting.is_set():
-            return error
-        if self._tiers is not None:
-            self._tiers.submit(step, self._checkpoint(step))
-        with self._lock:
-            self._finish_discards()  # an abandoned timeline, deletions an earlier save left
-            doomed = self._doomed(step, self._steps_now())
-        if not doomed:
-            self._compact()
-            return None
-        if self.verify_before_prune and step not in self._verified:
-            if self._preempting.is_set():
-                return None
-            self._verifying = step  # (a preemption save does not wait for this)
-            try:
-                checkpoint.verify(self._checkpoint(step))
-            except (CheckpointError, OSError) as exc:
-                return self._verification_failed(step, exc)
-            finally:
-                self._verifying = None
-            self._verified.add(step)
-        with self._lock:
-            if self._preempting.is_set():
-                return None  # retention decides in the next run
-            live = self._steps_now()
-            doomed = self._doomed(step, live)
-            if doomed:
-                log.info(
-                    "%s: retention deletes checkpoints %s: not kept by %s (kept: %s; the newest, "
-                    "step %d, verified)",
-                    self.directory,
-                    sorted(doomed),
-                    policies.to_spec(self.retention),
-                    [s for s in live if s not in doomed],
-                    step,
-                )
-                discarding = self._discarding | doomed
-                self._fill_report([s for s in live if s not in doomed], discarding)
-                try:
-                    # The report names them as leaving before they are deleted: a crash in
-                    # between leaves them for the next open to delete.
-                    self._store_report()
-                except OSError:
-                    self._fill_report(live)  # nothing deleted; the next save decides again
-                else:
-                    self._discarding = discarding
-                    self._finish_discards()
-                    self._collect_blobs()
-        self._compact()
-        return None
-
-    def _sync_books(self, swapped: list[aliases.Staging]) -> CheckpointError | None:
-        """The first part of step 6: remove the aliases ``swapped`` replaced, then make the
-        report's and the aliases' renames and the history log durable. Returns the error."""
-        for alias in swapped:
-            alias.finish()
-        try:
-            # The report's and the aliases' renames (and a new history.jsonl's name), then the
-            # records appended to the history log.
-            self._store.sync_dir(self._run.path)
-            if self._history is not None:
-                self._history.sync()
-        except OSError as exc:
-            return self._write_error(
-                f"cannot make the books of {self.directory} durable (the checkpoints are "
-                "intact; report.json, latest/, best/ and the loss and metric history logged "
-                "since the previous save may be brought back to their previous state by a "
-                "power cut, which the next open repairs)",
-                exc,
-            )
-        return None
-
-    def _compact(self) -> None:
-        if self._history is not None and not self._preempting.is_set():
-            with contextlib.suppress(OSError, CheckpointError):  # the next save compacts
-                self._history.compact()
-
-    def _verification_failed(self, step: int, exc: BaseException) -> CheckpointError:
-        """Record that checkpoint ``step`` did not verify (report.verify_failures); from now on
-        retention does not count it and it is never the best. Returns the error to raise."""
-        err = CorruptCheckpointError(
-            f"checkpoint {step} of {self.directory} did not verify when read back after saving "
-            f"({exc}); it is saved but nothing was pruned, and retention will not count it (nor "
-            "choose it as best): it is recorded in report.json under verify_failures and "
-            "deleted once a newer checkpoint verifies",
-            path=self.step_path(step),
-        )
-        err.__cause__ = exc
-        log.warning(
-            "%s: checkpoint %d did not verify when read back: %s", self.directory, step, exc
-        )
-        if self.incremental and isinstance(exc, CorruptCheckpointError):
-            self._scrub_blobs(step)
-        with self._lock:
-            self._failed = self._failed | {step}
-            self.report.verify_failures = [
-                *self.report.verify_failures,
-                {"step": step, "at": now_iso(), "error": str(exc)},
-            ]
-            with contextlib.suppress(OSError, CheckpointError):  # the next save writes them
-                self._fill_report(self._steps_now())
-                self._store_report()
-                self._repair_aliases()  # best/ leaves a checkpoint that failed
-        return err
+    # -- the background step of a save (runs.settle) ------------------------------------------
 
     def _scrub_blobs(self, step: int) -> None:
         """Delete the damaged blobs checkpoint ``step`` names (it did not verify): dedupe would
@@ -1518,6 +1147,8 @@ class CheckpointManager:
         state it is given. Best effort: a failure is logged."""
         from savepoint.engine.read import blob_digests
 
+        if not self.incremental:
+            return
         try:
             removed = self._blobs().scrub(blob_digests([self._step(step)]))
         except (CheckpointError, OSError) as exc:
@@ -1536,236 +1167,20 @@ class CheckpointManager:
             )
 
     def _join_background(self) -> None:
-        """Wait for the background step of the last save (not from that thread itself)."""
-        while True:
-            worker = self._background
-            if worker is None or worker is threading.current_thread():
-                return
-            worker.join()
-            if self._background is worker:
-                return
+        """Wait for the background step of the last save (not from that step itself)."""
+        self._settle.join()
 
     def _raise_verification_error(self) -> None:
         """Raise (once) what the last background step reported."""
-        with self._lock:
-            error, self._background_error = self._background_error, None
+        error = self._settle.take_error()
         if error is not None:
             raise error
 
-    def _doomed(self, newest: int, live: list[int]) -> set[int]:
-        """The steps retention deletes from ``live`` once ``newest`` is verified. Checkpoints
-        that failed verification are not counted (they never take a good one's place); the
-        newest, the best and the one resumed from are always kept."""
-        entries = [Entry(s, self._metrics.get(s, {})) for s in live if s not in self._failed]
-        keep = self.retention.keep(entries)
-        keep |= {s for s in (newest, self._best_among(live), self._resumed_from) if s is not None}
-        if self._tiers is not None:
-            keep |= self._tiers.pending_steps()  # a copy-up is reading it
-        return {s for s in live if s not in keep}
-
-    def _stage_aliases(self) -> dict[str, aliases.Staging]:
-        staged: dict[str, aliases.Staging] = {}
-        if not self.aliases:
-            return staged
-        try:
-            for alias, step in aliases.targets(self.report).items():
-                if step is not None and not aliases.holds(self._run, alias, step):
-                    staged[alias] = aliases.stage(self._run, alias, step)
-        except BaseException:
-            _abort(staged)
-            raise
-        return staged
-
-    def _swap_aliases(
-        self,
-        staged: dict[str, aliases.Staging],
-        *,
-        sync: bool = True,
-        swapped: list[aliases.Staging] | None = None,
-        removed: list[bool] | None = None,
-    ) -> None:
-        """Publish the staged aliases, remove those the report no longer names. Without
-        ``sync``, each one published (or being published: a publish that failed may have taken
-        effect) is added to ``swapped``: the caller finishes it (or undoes it) once the report is
-        (or is not) written; ``removed[0]`` is set when an alias is removed."""
-        for alias, step in aliases.targets(self.report).items():
-            if alias in staged:
-                published = staged.pop(alias)
-                if swapped is not None and not sync:
-                    swapped.append(published)
-                published.publish(sync=sync)
-            elif self._store.stat(aliases.path_of(self._run, alias).path) is not None and (
-                # (with aliases on, _stage_aliases found an unstaged one holding its step)
-                step is None or (not self.aliases and not aliases.holds(self._run, alias, step))
-            ):
-                # The report names no such checkpoint (a best pruned with an abandoned
-                # timeline), or aliases are off: a stale alias must not outlive the report.
-                if removed is not None:
-                    removed[0] = True
-                aliases.remove(self._run, alias)
-
-    def _undo(
-        self,
-        step: int,
-        backup: str | None,
-        saved: _Saved,
-        phase: str,
-        exc: BaseException,
-        aliases_touched: bool = True,
-    ) -> CheckpointWriteError:
-        """Roll a failed save back: the new checkpoint goes (or the previous one of that step
-        comes back), the report, the history log and the aliases are restored (the report is
-        the last thing a save writes, so a failed save never wrote it: the records it would
-        have appended to the log were taken back with it; ``aliases_touched``: the aliases
-        may have changed, so they are republished). Returns the error."""
-        problems = []
-        try:
-            if backup is not None:
-                aliases.put_back(self._store, backup, self._step(step).path)
-            else:
-                discard(self._store, self._step(step).path)
-        except OSError as undo_exc:
-            problems.append(
-                f"checkpoint {step} could not be removed again ({undo_exc.strerror or undo_exc}): "
-                "it is committed but not in report.json"
-            )
-        self.report, self._metrics = saved.report, saved.metrics
-        self._failed = saved.failed
-        if self._last_saved == step:  # the save policy counts from the last save that happened
-            self._last_saved = saved.last_saved
-        if saved.history is None:
-            self.report.metric_history.pop(step, None)
-        else:
-            self.report.metric_history[step] = saved.history
-        self._verified.discard(step)
-        # The records logged before this save are written again by the next report; this
-        # save's own (its metrics) are gone with it.
-        self._log = saved.log
-        try:
-            if aliases_touched:
-                self._repair_aliases(unknown="republish")
-        except (CheckpointError, OSError) as undo_exc:
-            problems.append(str(undo_exc))
-        code = getattr(exc, "errno", None)
-        head = f"saving step {step} to {self.directory} failed while {phase}: {_reason(self._store, exc)}"
-        if problems:
-            message = (
-                f"{head}; undoing it failed too: {'; '.join(problems)}. Opening the run again "
-                "with a CheckpointManager repairs report.json and the aliases"
-            )
-        else:
-            message = (
-                f"{head}. The save was undone and the run is as before: step {step} is not "
-                "saved, report.json, latest/, best/ and every other checkpoint are unchanged; "
-                f"{errors_map.write_hint(exc, scheme=self._store.scheme)}"
-            )
-        return CheckpointWriteError(message, path=self.step_path(step), errno=code)
-
     def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
-        where = _shown(self._store, exc.filename)
-        return errors_map.write_error(
-            exc, where, what, where=where or "", scheme=self._store.scheme
-        )
+        return write_error(self._store, what, exc)
 
     def _finish_discards(self) -> None:
-        """Delete the checkpoints that left the run; one that cannot be deleted stays pending.
-        Once a preemption save started, none is: the next open deletes them (report.json lists
-        them under ``discarding``)."""
-        remaining: set[int] = set()
-        for step in sorted(self._discarding):
-            if self._preempting.is_set():
-                remaining.add(step)
-                continue
-            try:
-                discard(self._store, self._step(step).path)
-            except OSError as exc:
-                log.info("%s: cannot delete checkpoint %d yet: %s", self.directory, step, exc)
-                remaining.add(step)
-                continue
-            log.info("%s: deleted checkpoint %d (it left the run)", self.directory, step)
-            self._metrics.pop(step, None)
-            self._verified.discard(step)
-        self._discarding = frozenset(remaining)
-
-    def _fill_report(self, live: list[int], discarding: frozenset[int] | None = None) -> None:
-        r = self.report
-        r.wall_time_s = self._wall_before + (time.monotonic() - self._started)
-        r.checkpoints = sorted(live, reverse=True)
-        r.retention = policies.to_spec(self.retention)
-        r.latest_step = r.checkpoints[0] if r.checkpoints else None
-        best = self._best_among(live)
-        r.best = (
-            None
-            if best is None
-            else {
-                "metric": self.best_metric,
-                "mode": self.best_mode,
-                "step": best,
-                "metrics": self._metrics.get(best, {}),
-            }
-        )
-        pending = self._discarding if discarding is None else discarding
-        r.discarding = sorted(pending - set(live))
-
-    def _store_report(self, *, durable: bool = True) -> None:
-        """Append the records logged since the last report to the history log, then replace
-        report.json with ``self.report`` (atomic). Both or neither: if the report cannot be
-        written the append is taken back (the records stay pending). ``durable=False``: the run
-        directory is left unsynced (the background step of the save syncs it). Raises
-        OSError."""
-        flushed = self._flush_history()
-        try:
-            write_json(self._run.join(REPORT_FILE), self.report.to_file_json(), sync_dir=durable)
-        except BaseException:
-            self._unflush(flushed)
-            raise
-        self._stored(flushed)
-
-    def _stored(self, flushed: _Flushed | None) -> None:
-        """What a written report changes: the report version, what it lists as discarding."""
-        if flushed is not None and flushed.rewrote:
-            self._report_version = REPORT_VERSION
-        self._discarding_on_disk = frozenset(self.report.discarding)
-
-    def _stage_report(self) -> _StagedReport:
-        """:meth:`_store_report` with ``durable=False`` in two steps: the history records are
-        appended and the report written aside now (its fsync started), and the returned
-        handle's ``publish()`` puts it in place (or ``abort()`` takes both back). Raises
-        OSError, nothing written."""
-        flushed = self._flush_history()
-        try:
-            staged = stage_json(self._run.join(REPORT_FILE), self.report.to_file_json())
-        except BaseException:
-            self._unflush(flushed)
-            raise
-        return _StagedReport(self, staged, flushed)
-
-    def _unflush(self, flushed: _Flushed | None) -> None:
-        """Take back a history append whose report was not written (the records stay pending)."""
-        if flushed is not None and not flushed.rewrote:
-            assert self._history is not None
-            with contextlib.suppress(OSError):
-                self._history.rollback(flushed.mark)
-            self._log = flushed.records + self._log
-
-    def _flush_history(self) -> _Flushed | None:
-        """Write the pending records to the history log (all of the history, the first time
-        after a version 1 report, whose history was inline). Raises OSError, nothing written."""
-        if self._history is None:
-            return None
-        if self._report_version == 1:
-            r = self.report
-            self._history.rewrite(
-                history.encode(history.records_of(r.loss_history, r.metric_history))
-            )
-            self._log = []
-            return _Flushed(None, [], rewrote=True)
-        if not self._log:
-            return None
-        records = self._log
-        mark = self._history.append(history.encode(records))
-        self._log = []
-        return _Flushed(mark, records)
+        self._settle.finish_discards()
 
     # -- preemption ----------------------------------------------------------------------------
 
@@ -1848,7 +1263,7 @@ class CheckpointManager:
         base = notice if notice is not None else self._noticed_at
         deadline = (started if base is None else base) + budget
         # From now on, background steps stop before verifying, pruning or deleting.
-        self._preempting.set()
+        self._settle.preempting.set()
         errors: list[str] = []
         deferred: list[str] = []
         in_flight: Literal["none", "finished", "abandoned", "failed"] = "none"
@@ -1865,7 +1280,7 @@ class CheckpointManager:
                 errors.append(flight_error)
             self._end_background(wait_until, errors, deferred)
             with self._lock:
-                have = step in self._steps_now() and step not in self._failed
+                have = step in self._books.steps_now() and step not in self._catalog.failed
             signum = None if p is None else p.signum
             # One all-reduce: the ranks' steps (they must agree), the signal, whether any rank
             # lacks the step, whether any rank abandoned the save in flight.
@@ -1998,15 +1413,14 @@ class CheckpointManager:
     def _end_background(self, wait_until: float, errors: list[str], deferred: list[str]) -> None:
         """Let the background step of the last save reach its end (it stops before retention);
         past ``wait_until`` leave a verification that is still reading a checkpoint back."""
-        worker = self._background
-        if worker is not None and worker.is_alive():
-            self._wait_unless_verifying(lambda: not worker.is_alive(), wait_until)
-        verifying = self._verifying
+        busy = self._settle.worker.busy
+        if busy():
+            self._wait_unless_verifying(lambda: not busy(), wait_until)
+        verifying = self._settle.verifying
         if verifying is not None:
             deferred.append(f"verifying step {verifying} (still reading it back)")
-        if worker is None or not worker.is_alive():
-            with self._lock:
-                earlier, self._background_error = self._background_error, None
+        if not busy():
+            earlier = self._settle.take_error()
             if earlier is not None:
                 errors.append(str(earlier))
 
@@ -2014,7 +1428,7 @@ class CheckpointManager:
         """Wait until ``done()``; past ``until`` stop waiting for a background step that is
         reading a checkpoint back (it only reads, then stops before retention)."""
         while not done():
-            if time.monotonic() >= until and self._verifying is not None:
+            if time.monotonic() >= until and self._settle.verifying is not None:
                 return
             time.sleep(0.005)
 
@@ -2141,9 +1555,9 @@ class CheckpointManager:
             best = self.best_step()
             if best is None:
                 raise MissingCheckpointError(
-                    f"{self.directory}: no best checkpoint (best_metric={self.best_metric!r}): "
+                    f"{self.directory}: no best checkpoint (best_metric={self._catalog.best_metric!r}): "
                     "no checkpoint has a finite value for that metric"
-                    if self.best_metric is not None
+                    if self._catalog.best_metric is not None
                     else f"{self.directory}: no best checkpoint: the run ranks no metric; open it "
                     "with best_metric=... to choose one",
                     path=self.directory,
@@ -2161,7 +1575,7 @@ class CheckpointManager:
         try:
             return self._first_intact(step, steps, copies, load_options)
         except _Moved:
-            if self._manifest_id(step) is not None:
+            if self._catalog.manifest_id(step) is not None:
                 raise  # replaced by a new save of that step: read the new one
             raise CheckpointNotFoundError(
                 f"checkpoint {step} of {self.directory} was deleted while it was being restored "
@@ -2217,79 +1631,32 @@ class CheckpointManager:
     def _load(self, step: int, load_options: dict[str, Any]) -> Any:
         """Load checkpoint ``step``; _Moved if it was deleted or replaced meanwhile (a failure
         that must not be taken for corruption)."""
-        before = self._manifest_id(step)
+        before = self._catalog.manifest_id(step)
         try:
             return checkpoint.load(self._checkpoint(step), **load_options)
         except (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError):
-            if before is None or self._manifest_id(step) != before:
+            if before is None or self._catalog.manifest_id(step) != before:
                 raise _Moved from None
             raise
 
-    def _manifest_id(self, step: int) -> Any:
-        """The identity of checkpoint ``step``'s manifest (None: no checkpoint): it changes when
-        the writer saves the step again."""
-        store = self._store
-        try:
-            where = resolve_commit(store, self._step(step).path, strict=False)
-            found = None if where is None else store.stat(store.join(where, mf.NAME))
-        except (OSError, CheckpointError):
-            return None  # (unknown: its metrics are read again, which says what is wrong)
-        return None if found is None else found.identity
-
     def _refresh_view(self) -> None:
-        """A read-only manager rereads which steps the writer is deleting (and, if it has none,
-        the metric the run ranks by): a live writer may have changed both since it opened."""
-        if not self.read_only:
-            return
-        try:
-            report = load_report(self._run, history=False)
-        except CheckpointError:
-            return  # restoring needs only the checkpoints: keep the view from opening
-        if report is None:
-            return
-        self._discarding = frozenset(set(report.discarding) - set(report.checkpoints))
-        self._failed = _failed_steps(report)
-        best = report.best or {}
-        metric, mode = best.get("metric"), best.get("mode", "min")
-        if self.best_metric is None and isinstance(metric, str) and mode in ("min", "max"):
-            self.best_metric, self.best_mode = metric, mode
+        self._catalog.refresh()
 
     def _resumed(self, step: int) -> int:
         """The run continues from ``step``: in memory now; on disk with the next save or
-        ``log()`` (:meth:`_keep_resume`), never by ``close()`` alone."""
+        ``log()``, never by ``close()`` alone (runs.books)."""
         with self._lock:
-            if self._unresumed is None:
-                self._unresumed = dataclasses.replace(
-                    self.report, lineage=list(self.report.lineage)
-                )
-            self._resumed_from = step
+            self._books.resume(step)
             self._last_saved = step
-            self.report.truncate_after(step)
-            self._resume_marks.append({"resumed_from": step})
-            self.report.lineage.append(
-                {
-                    "resumed_from": step,
-                    "at": now_iso(),
-                    "steps_completed_before": self.report.steps_completed,
-                }
-            )
-            self.report.steps_completed = step
         return step
 
     def _keep_resume(self) -> None:
-        """The run writes again after a resume: its records join the history log, ahead of
-        what follows, and close() keeps the resumed report."""
         with self._lock:
-            self._log.extend(self._resume_marks)
-            self._resume_marks = []
-            self._unresumed = None
+            self._books.keep_resume()
 
     def _forget_resume(self) -> None:
-        """close() after a resume nothing followed: the report as it was before it."""
         with self._lock:
-            if self._unresumed is not None:
-                self.report, self._unresumed = self._unresumed, None
-                self._resume_marks = []
+            self._books.forget_resume()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -2355,8 +1722,7 @@ class CheckpointManager:
             try:
                 self._close()
             except BaseException as exc:
-                with self._lock:
-                    also, self._background_error = self._background_error, None
+                also = self._settle.take_error()
                 if also is not None and hasattr(exc, "add_note"):
                     exc.add_note(f"and the background step of a save failed: {also}")
                 raise
@@ -2374,20 +1740,21 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._join_background()
+            self._settle.worker.stop()
             if self._tiers is not None:
                 self._tiers.close()  # the copy-ups finish (their failures are raised below)
             self._forget_resume()
             try:
                 if (
                     self._writes_books()
-                    and (self._dirty or self._discarding or self._log)
+                    and (self._books.dirty or self._catalog.discarding or self._books.pending)
                     and self._still_writer()
                 ):
                     with self._lock:
                         self._finish_discards()
-                        self._fill_report(self._steps_now())
+                        self._books.fill(self._books.steps_now())
                         try:
-                            self._store_report()
+                            self._books.store_report()
                         except OSError as exc:
                             raise self._write_error(
                                 f"cannot write the final {REPORT_FILE} of {self.directory} "
@@ -2397,9 +1764,9 @@ class CheckpointManager:
                             ) from exc
             finally:
                 self._release_lock()
-                if self._history is not None:
+                if self._books.history is not None:
                     with contextlib.suppress(OSError):
-                        self._history.close()
+                        self._books.history.close()
                 _LIVE.discard(self)
                 if self._preemption is not None and not self._preemption.close():
                     log.info(
@@ -2492,85 +1859,17 @@ class _Abandon:
             self.user(done, total)
 
 
-@dataclasses.dataclass
-class _Saved:
-    report: Report
-    history: dict[str, Any] | None
-    metrics: dict[int, dict[str, Any]]
-    last_saved: int | None
-    log: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]]
-    failed: frozenset[int]
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` holding no reference to its manager: a manager nobody closed is freed once
+    dropped (its finalizer releases the run's lock), not at the next cyclic collection."""
+    ref = weakref.WeakMethod(method)
 
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
 
-class _StagedReport:
-    """A report :meth:`CheckpointManager._stage_report` wrote aside, with its history append."""
-
-    def __init__(
-        self, manager: CheckpointManager, staged: StagedJson, flushed: _Flushed | None
-    ) -> None:
-        self._manager, self._flushed = manager, flushed
-        self._staged: StagedJson | None = staged
-
-    def publish(self) -> None:
-        """Put the report in place (raises OSError: then call :meth:`abort`)."""
-        assert self._staged is not None, "published once"
-        self._staged.publish()
-        self._manager._stored(self._flushed)
-        self._staged = None
-
-    def abort(self) -> None:
-        """Take back the report and its history append (never raises; nothing once published)."""
-        if self._staged is None:
-            return
-        self._staged.abort()
-        self._manager._unflush(self._flushed)
-
-
-@dataclasses.dataclass
-class _Flushed:
-    """What a report write appended to the history log: ``mark`` to roll back to, the
-    ``records`` appended; ``rewrote``: the whole history was written (a version 1 report's)."""
-
-    mark: history.Mark | None
-    records: list[dict[str, Any] | tuple[int, float | None, dict[str, Any] | None]]
-    rewrote: bool = False
-
-
-def _failed_steps(report: Report) -> frozenset[int]:
-    """The steps ``report.verify_failures`` names (checkpoints that did not verify)."""
-    steps = (f.get("step") for f in report.verify_failures if isinstance(f, dict))
-    return frozenset(s for s in steps if isinstance(s, int) and not isinstance(s, bool))
-
-
-def _reason(store: Store, exc: BaseException) -> str:
-    """What went wrong, in the store's own words (an object store's message names the request
-    and its cause; a local error is its strerror), and where."""
-    if not isinstance(exc, OSError) or isinstance(exc, CheckpointError):
-        return str(exc)
-    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
-    where = _shown(store, exc.filename)
-    return f"{reason} ({where})" if where else reason
-
-
-def _shown(store: Store, filename: Any) -> str | None:
-    """A path an OSError names, as the user names it (a URL off the local disk)."""
-    if isinstance(filename, str) and filename.startswith("/") and store.scheme != "file":
-        return store.url(filename)
-    return filename if isinstance(filename, str) else None
-
-
-def _background_failure(exc: BaseException) -> CheckpointError:
-    """A background step's unexpected failure, as the error the next call raises."""
-    if isinstance(exc, OSError):
-        error: CheckpointError = errors_map.write_error(
-            exc,
-            exc.filename if isinstance(exc.filename, str) else None,
-            "the background step of a save failed",
-        )
-    else:
-        error = CheckpointError(f"the background step of a save failed: {exc!r}")
-    error.__cause__ = exc
-    return error
+    return call
 
 
 def _forget_in_child() -> None:
@@ -2581,8 +1880,7 @@ def _forget_in_child() -> None:
     for manager in list(_LIVE):
         manager._lock = threading.RLock()
         manager._saving = threading.RLock()
-        manager._background = None
-        manager._background_error = None
+        manager._settle.forget_in_child(manager._lock)  # (its worker forgets its own step)
 
 
 if hasattr(os, "register_at_fork"):
@@ -2622,12 +1920,6 @@ def _open_error(directory: str, exc: OSError) -> CheckpointError:
     return errors_map.read_error(
         exc, directory, head=f"cannot open the run {directory}", what="the run"
     )
-
-
-def _abort(staged: Mapping[str, aliases.Staging]) -> None:
-    """Abandon staged aliases without letting cleanup hide an error."""
-    for alias in staged.values():
-        alias.abort()
 
 
 def _policy(argument: str, make: Callable[..., Any], n: Any, *more: Any) -> Any:
@@ -2718,10 +2010,3 @@ def _rank(process_group: Any) -> int:
     import torch.distributed as dist
 
     return int(dist.get_rank(group=process_group))
-
-
-def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Metrics and configs as the JSON values a reader gets back: numpy and torch scalars become
-    Python numbers, tuples lists, and non-finite floats the strings "nan", "inf", "-inf" (not
-    numbers, so retention and ranking never pick them, and the files stay standard JSON)."""
-    return {str(k): plain_value(v) for k, v in values.items()}
