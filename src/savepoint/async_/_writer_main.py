@@ -23,7 +23,7 @@ process group must not tear a commit in half; the trainer decides, and its exit 
 process); SIGKILL ends it like any process, leaving only an uncommitted staging directory.
 
 ``SAVEPOINT_WRITER_FAULT`` (tests only) injects a failure: ``raise:<savepoint error name>``,
-``oserror:<errno name>``, or ``stall`` (the save sends its first progress, then sleeps: a test
+``oserror:<errno name>``, ``delay:<seconds>`` (before writing), or ``stall`` (the save sends its first progress, then sleeps: a test
 kills the process mid-write).
 """
 
@@ -160,7 +160,9 @@ def _fault_before() -> None:
     kind, _, name = fault.partition(":")
     if kind == "raise":
         cls = getattr(errors, name)
-        raise cls(f"injected {name} (SAVEPOINT_WRITER_FAULT)", path=None)
+        raise cls(f"injected {name} (SAVEPOINT_WRITER_FAULT)")
+    if kind == "delay":
+        time.sleep(float(name))
     if kind == "oserror":
         number = getattr(_errno, name)
         raise OSError(number, os.strerror(number), "injected")
