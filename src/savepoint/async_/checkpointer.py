@@ -97,7 +97,13 @@ class AsyncCheckpointer:
     tensor bytes are written; ``process_group`` and ``timeout`` make every save a sharded one
     (every rank calls ``save``). ``options`` (a :class:`~savepoint.options.SaveOptions`) gives
     them all at once; keyword arguments given as well override it. Every option is checked
-    here, so a bad one fails at construction, not at the first save."""
+    here, so a bad one fails at construction, not at the first save.
+
+    ``writer="process"`` hashes, writes and commits in a separate writer process
+    (:mod:`savepoint.async_.process`) instead of a thread of this one: the training loop keeps
+    the GIL and its cores; a save handed over commits even if this process is then killed.
+    Local directories and host tensors only, for now (incremental, sharded, boostr and CUDA
+    saves refuse it with a ValueError); ``progress`` is called as the writer reports."""
 
     def __init__(
         self,
