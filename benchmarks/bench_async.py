@@ -3,6 +3,7 @@
 Usage::
 
     .venv/bin/python benchmarks/bench_async.py [--gib 1 4] [--repeats 3] [--dir /tmp/sp-bench]
+    .venv/bin/python benchmarks/bench_async.py --writer both --mib 256 [--repeats 7]
 
 For each state size (about 300 float32 tensors: a few 64 MiB, many 4 KiB-1 MiB), after one
 warm-up round, interleaved rounds measure:
@@ -18,6 +19,11 @@ warm-up round, interleaved rounds measure:
   as a fraction of its throughput with no save running.
 
 Medians are printed with the ratios the async-save issue sets as targets.
+
+``--writer process|thread|both`` (with ``--mib``, the state's size) measures only the writers of
+``sp.AsyncCheckpointer(writer=...)`` (issue 27): for each round and each writer, the loop's
+throughput with no save (right before), then while a background save writes; medians of the
+throughputs, of their ratio, of the time ``save()`` blocks and of the time until durable.
 """
 
 from __future__ import annotations
@@ -66,6 +72,14 @@ def train_loop(stop: threading.Event | None, seconds: float | None = None) -> fl
 
 def _set_when_done(pending: sp.PendingSave, stop: threading.Event) -> None:
     pending.wait()
+    stop.set()
+
+
+def _durable_after(
+    pending: sp.PendingSave, t0: float, out: list[float], stop: threading.Event
+) -> None:
+    pending.wait()
+    out.append(time.perf_counter() - t0)
     stop.set()
 
 
@@ -210,6 +224,52 @@ def run_size(gib: float, repeats: int, base: str) -> None:
         rm(p)
 
 
+def run_writers(mib: float, writers: list[str], repeats: int, base: str) -> None:
+    """Training throughput while each writer's background save writes, against no save."""
+    state = make_state(int(mib * MiB))
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    print(f"\n=== writers {writers}: {len(state)} float32 tensors, {nbytes / MiB:.0f} MiB ===")
+    cks = {w: sp.AsyncCheckpointer(writer=w) for w in writers}  # type: ignore[arg-type]
+    paths = {w: os.path.join(base, f"writer-{w}") for w in writers}
+    for w in writers:  # warm-up: the arena touched, the writer process started
+        cks[w].save(paths[w], state).wait()
+    alone: list[float] = []
+    rows: dict[str, dict[str, list[float]]] = {
+        w: {"rate": [], "ratio": [], "blocked": [], "durable": []} for w in writers
+    }
+    for _ in range(max(repeats, 5)):
+        for w in writers:
+            base_rate = train_loop(None, 0.6)
+            alone.append(base_rate)
+            stop = threading.Event()
+            durable: list[float] = []
+            t0 = time.perf_counter()
+            pending = cks[w].save(paths[w], state)
+            blocked = time.perf_counter() - t0
+
+            threading.Thread(
+                target=_durable_after, args=(pending, t0, durable, stop), daemon=True
+            ).start()
+            rate = train_loop(stop)
+            row = rows[w]
+            row["rate"].append(rate)
+            row["ratio"].append(rate / base_rate)
+            row["blocked"].append(blocked)
+            row["durable"].append(durable[0] if durable else float("nan"))
+    med = statistics.median
+    print(f"  loop alone                 {med(alone):8.1f} it/s   (median of {len(alone)})")
+    for w in writers:
+        r = rows[w]
+        print(
+            f"  writer={w:8s} loop {med(r['rate']):8.1f} it/s  ratio {med(r['ratio']):5.2f}  "
+            f"blocks {med(r['blocked']):6.3f} s  durable after {med(r['durable']):6.3f} s   "
+            f"ratios {[round(x, 2) for x in r['ratio']]}"
+        )
+    for w in writers:
+        cks[w].close()
+        rm(paths[w])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -217,12 +277,20 @@ def main() -> None:
     ap.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/savepoint-bench")
+    ap.add_argument("--writer", choices=["process", "thread", "both"], default=None)
+    ap.add_argument("--mib", type=float, nargs="+", default=[256.0])
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     print(
         f"torch {torch.__version__}, savepoint {sp.__version__}, {os.cpu_count()} cores, "
         f"torch threads {torch.get_num_threads()}"
     )
+    if args.writer is not None:
+        writers = ["thread", "process"] if args.writer == "both" else [args.writer]
+        for mib in args.mib:
+            run_writers(mib, writers, args.repeats, args.dir)
+        shutil.rmtree(args.dir, ignore_errors=True)
+        return
     for gib in args.gib:
         run_size(gib, args.repeats, args.dir)
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -58,14 +58,16 @@ from typing import Any, Literal
 
 import numpy as np
 
-from savepoint import errors_map, info
+from savepoint import info
+from savepoint.async_._wire import reported as _reported
 from savepoint.async_.pending import PendingSave
+from savepoint.async_.process import ProcessWriter
 from savepoint.async_.staging import StagingArena
 from savepoint.codecs.dtypes import DType
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
-from savepoint.errors import CheckpointError, UnsupportedStateError
+from savepoint.errors import UnsupportedStateError
 from savepoint.formats import boostr
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
@@ -75,9 +77,10 @@ from savepoint.storage.paths import resolve as resolve_path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncCheckpointer", "OnBusy"]
+__all__ = ["AsyncCheckpointer", "OnBusy", "Writer"]
 
 OnBusy = Literal["wait", "skip"]
+Writer = Literal["thread", "process"]
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
 # Strong references while a save is in flight or its failure is unreported, so that dropping the
 # last reference to a checkpointer cannot drop an error with it (the exit hook reports it).
@@ -95,7 +98,13 @@ class AsyncCheckpointer:
     tensor bytes are written; ``process_group`` and ``timeout`` make every save a sharded one
     (every rank calls ``save``). ``options`` (a :class:`~savepoint.options.SaveOptions`) gives
     them all at once; keyword arguments given as well override it. Every option is checked
-    here, so a bad one fails at construction, not at the first save."""
+    here, so a bad one fails at construction, not at the first save.
+
+    ``writer="process"`` hashes, writes and commits in a separate writer process
+    (:mod:`savepoint.async_.process`) instead of a thread of this one: the training loop keeps
+    the GIL and its cores; a save handed over commits even if this process is then killed.
+    Local directories and host tensors only, for now (incremental, sharded, boostr and CUDA
+    saves refuse it with a ValueError); ``progress`` is called as the writer reports."""
 
     def __init__(
         self,
@@ -108,6 +117,7 @@ class AsyncCheckpointer:
         process_group: Any = _UNSET,
         timeout: float | None = _UNSET,
         options: SaveOptions | None = None,
+        writer: Writer = "thread",
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
@@ -138,7 +148,9 @@ class AsyncCheckpointer:
         self.direct = self.options.direct  # False: buffered writes + fsync even with O_DIRECT
         self.writers = self.options.writers  # files written at once (sharded: per rank)
         self.progress = self.options.progress
-        self._arena = StagingArena()
+        self.writer = _writer(writer, self.options)
+        self._process = ProcessWriter() if writer == "process" else None
+        self._arena = self._process.arena if self._process else StagingArena()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
         self._pending: PendingSave | None = None
         self._error: BaseException | None = None  # failed in the background, not yet reported
@@ -183,7 +195,7 @@ class AsyncCheckpointer:
         location = resolve_path(path, what="checkpoint path")
         incremental = None
         if blobs is not None:
-            incremental = self._incremental(location, blobs, blob_policy, memo, tracker, frozen)
+            incremental = _incremental(self, location, blobs, blob_policy, memo, tracker, frozen)
         elif blob_policy is not None or memo is not None or tracker is not None or frozen:
             raise ValueError("blob_policy, memo, tracker and frozen are given without blobs=")
         with self._save_lock:
@@ -192,45 +204,6 @@ class AsyncCheckpointer:
                 on_commit,
                 lambda: self._native(location, state, metadata, incremental),
             )
-
-    def _incremental(
-        self,
-        location: Location,
-        blobs: Any,
-        policy: Any,
-        memo: Any,
-        tracker: Any,
-        frozen: Any = None,
-    ) -> _Incremental:
-        """Check the arguments of an incremental save (here, in the caller's thread)."""
-        from savepoint.blobs import BlobPolicy, BlobStore, FastMemo
-        from savepoint.blobs.patch import PatchTracker
-
-        store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
-        policy = BlobPolicy() if policy is None else policy
-        if not isinstance(policy, BlobPolicy):
-            raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
-        if memo is not None and not isinstance(memo, FastMemo):
-            raise TypeError("memo must be a savepoint.blobs.FastMemo")
-        if tracker is not None and not isinstance(tracker, PatchTracker):
-            raise TypeError("tracker must be a savepoint.blobs.patch.PatchTracker")
-        sinks.blob_store_path(location, store)  # reachable from the checkpoint
-        if memo is None and policy.memo:
-            with self._lock:
-                if self._memo is None:
-                    self._memo = FastMemo()
-                memo = self._memo
-        if tracker is None and policy.patches:
-            with self._lock:
-                if self._tracker is None:
-                    self._tracker = PatchTracker()
-                tracker = self._tracker
-        matcher = None
-        if frozen is not None:
-            from savepoint.blobs.patch import frozen_keys
-
-            matcher = frozen_keys(frozen)
-        return _Incremental(store, policy, memo, tracker, matcher)
 
     def save_boostr(
         self,
@@ -249,6 +222,7 @@ class AsyncCheckpointer:
         ``state``; the PendingSave resolves to the written checkpoint's description (``CheckpointInfo``). Not
         available with a process group (use :meth:`save_distributed`)."""
         target = os.path.abspath(local_path(path, what="checkpoint path"))
+        _thread_only(self.writer, "save_boostr")
         if self.process_group is not None:
             raise ValueError(
                 "save_boostr writes a single boostr checkpoint; with a process group use "
@@ -289,6 +263,7 @@ class AsyncCheckpointer:
         :meth:`save` apply (``on_busy="skip"`` is refused: ranks could disagree about which saves
         to skip). The PendingSave resolves to the ``ShardingMeta`` that ``boostr.save_distributed``
         returns, which ``on_commit`` receives too."""
+        _thread_only(self.writer, "save_distributed")
         group = self.process_group if process_group is None else process_group
         if group is None:
             raise ValueError(
@@ -403,7 +378,10 @@ class AsyncCheckpointer:
 
             return commit
         if incremental is not None:
+            _thread_only(self.writer, "an incremental save (blobs=)")
             return self._staged_blobs(location, state, meta, incremental)
+        if self._process is not None:
+            return self._process.stage(location, state, meta, self.options)
         # The previous save is finished (waited for above), so its arena may be overwritten.
         staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
 
@@ -484,6 +462,8 @@ class AsyncCheckpointer:
             self._closed = True
             self._executor.shutdown(wait=True)
             self._arena.release()
+            if self._process is not None:
+                self._process.close()
             _LIVE.discard(self)
             _UNFINISHED.discard(self)
 
@@ -492,6 +472,66 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _incremental(
+    ckpt: AsyncCheckpointer,
+    location: Location,
+    blobs: Any,
+    policy: Any,
+    memo: Any,
+    tracker: Any,
+    frozen: Any = None,
+) -> _Incremental:
+    """Check the arguments of an incremental save (here, in the caller's thread)."""
+    from savepoint.blobs import BlobPolicy, BlobStore, FastMemo
+    from savepoint.blobs.patch import PatchTracker
+
+    store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
+    policy = BlobPolicy() if policy is None else policy
+    if not isinstance(policy, BlobPolicy):
+        raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
+    if memo is not None and not isinstance(memo, FastMemo):
+        raise TypeError("memo must be a savepoint.blobs.FastMemo")
+    if tracker is not None and not isinstance(tracker, PatchTracker):
+        raise TypeError("tracker must be a savepoint.blobs.patch.PatchTracker")
+    sinks.blob_store_path(location, store)  # reachable from the checkpoint
+    if memo is None and policy.memo:
+        with ckpt._lock:
+            if ckpt._memo is None:
+                ckpt._memo = FastMemo()
+            memo = ckpt._memo
+    if tracker is None and policy.patches:
+        with ckpt._lock:
+            if ckpt._tracker is None:
+                ckpt._tracker = PatchTracker()
+            tracker = ckpt._tracker
+    matcher = None
+    if frozen is not None:
+        from savepoint.blobs.patch import frozen_keys
+
+        matcher = frozen_keys(frozen)
+    return _Incremental(store, policy, memo, tracker, matcher)
+
+
+def _writer(writer: str, options: SaveOptions) -> Writer:
+    """``writer=`` checked: "thread" or "process" (not with a process group, for now)."""
+    if writer not in ("thread", "process"):
+        raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
+    if writer == "process" and options.process_group is not None:
+        raise ValueError(
+            "writer='process' does not write sharded saves (process_group=) yet: use "
+            "writer='thread'"
+        )
+    return "process" if writer == "process" else "thread"
+
+
+def _thread_only(writer: Writer, what: str) -> None:
+    if writer != "thread":
+        raise ValueError(
+            f"{what} is not written by the writer process yet: use AsyncCheckpointer("
+            "writer='thread') for it"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,27 +578,6 @@ def _boostr_commit(
         return boostr.inspect(target)
 
     return commit
-
-
-def _reported(exc: BaseException, target: str) -> CheckpointError:
-    """What a background failure is reported as, by ``PendingSave.wait()`` and by the next
-    ``save()``, ``wait()`` or ``close()`` alike: a CheckpointError as it is; an OSError (a full
-    disk while ``on_commit`` writes its bookkeeping, say) as a CheckpointWriteError with its
-    ``errno``; anything else as a CheckpointError. The original is the ``__cause__``."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    error: CheckpointError
-    if isinstance(exc, OSError):
-        where = exc.filename if isinstance(exc.filename, str) and exc.filename else target
-        error = errors_map.write_error(
-            exc, target, f"the background save to {target} failed", where=where
-        )
-    else:
-        error = CheckpointError(
-            f"a background save failed: {exc!r}", path=getattr(exc, "filename", None)
-        )
-    error.__cause__ = exc
-    return error
 
 
 def _forget_in_child() -> None:

@@ -43,7 +43,7 @@ from savepoint.engine.plan import plan_files
 from savepoint.state.arrays import TensorSource
 from savepoint.state.tree import Flat, Node
 
-__all__ = ["Staged", "StagedFile", "StagingArena"]
+__all__ = ["Staged", "StagedFile", "StagingArena", "on_cuda"]
 
 BLOCK = 4096
 _PIECE = 16 << 20
@@ -109,12 +109,17 @@ class StagingArena:
             t.fill_(0)
             self._keep, self._array = t, t.numpy()
         else:
-            m = mmap.mmap(-1, size)
+            m = self._host_map(size)
             a = np.frombuffer(m, dtype=np.uint8)
             parallel.run_all(lambda i: a[i : i + _PIECE].fill(0), range(0, size, _PIECE))
             self._keep, self._array = m, a
         self.pinned = pinned
         return self._array
+
+    def _host_map(self, size: int) -> mmap.mmap:
+        """The host memory of an arena of ``size`` bytes (anonymous here; shared with the writer
+        process in :class:`savepoint.async_.process.SharedArena`)."""
+        return mmap.mmap(-1, size)
 
     def release(self) -> None:
         self._array = self._keep = None
@@ -126,7 +131,7 @@ class StagingArena:
         for fp in plan_files(flat.tensors, max_file_bytes):
             layouts.append((fp.name, fp.header, list(fp.entries), total, fp.size))
             total += _round(fp.size)
-        cuda = [s for s in flat.tensors.values() if _on_cuda(s)]
+        cuda = [s for s in flat.tensors.values() if on_cuda(s)]
         arena = self._reserve(max(total, BLOCK), pinned=bool(cuda))
         files = []
         host_jobs: list[tuple[TensorSource, np.ndarray[Any, Any]]] = []
@@ -138,7 +143,7 @@ class StagingArena:
             for e in entries:
                 source = flat.tensors[e.name]
                 dst = image[e.start : e.end]
-                if _on_cuda(source):
+                if on_cuda(source):
                     device_jobs.append((e.name, source, dst))
                 else:
                     host_jobs.append((source, dst))
@@ -179,7 +184,7 @@ def _nothing() -> None:
     pass
 
 
-def _on_cuda(source: TensorSource) -> bool:
+def on_cuda(source: TensorSource) -> bool:
     return source.kind == "torch" and getattr(source, "device_type", "cpu") != "cpu"
 
 

@@ -1,0 +1,172 @@
+"""The writer process of ``AsyncCheckpointer(writer="process")``: hashes, writes and commits saves
+staged by its trainer, from the trainer's staging arena in shared memory.
+
+Run as ``python -m savepoint.async_._writer_main FD`` by :mod:`savepoint.async_.process` (a plain
+subprocess, not ``multiprocessing``: a spawned ``multiprocessing`` child re-imports the trainer's
+``__main__``, which usually imports torch, and its protocol is pickle). FD is this end of a Unix
+socket pair; each message is JSON (:mod:`savepoint.async_._wire`). This process never imports
+torch: it only hashes and writes bytes that are already laid out as files, and torch would cost
+it seconds of start-up and hundreds of MiB of memory (and, on a GPU machine, could initialise CUDA
+in a second process). ``tests/async_/test_process_writer.py`` checks it is not loaded.
+
+Per save the trainer sends the staged layout (file names, sizes, headers' lengths, the tensor
+entries, the tree and the metadata of the manifest) and, when the arena is new, its descriptor.
+This process rebuilds the :class:`~savepoint.async_.staging.Staged` over its own mapping of the
+arena, commits it with :func:`savepoint.engine.save.save_staged` (the same writer as the thread
+writer's) and answers ``done`` with the checksums (the trainer builds its description from them)
+or ``error`` with the error's type and message.
+
+Lifetime: the process ends when its socket reaches end of stream (the trainer closed it, exited
+or was killed), or when its parent is gone; a save already handed over is finished first (a save
+outlives its trainer). SIGINT and SIGTERM are ignored (a Ctrl-C or a scheduler's SIGTERM to the
+process group must not tear a commit in half; the trainer decides, and its exit ends this
+process); SIGKILL ends it like any process, leaving only an uncommitted staging directory.
+
+``SAVEPOINT_WRITER_FAULT`` (tests only) injects a failure: ``raise:<savepoint error name>``,
+``oserror:<errno name>``, ``delay:<seconds>`` (before writing), or ``stall`` (the save sends its first progress, then sleeps: a test
+kills the process mid-write).
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import mmap
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from savepoint import errors
+from savepoint.async_ import _wire
+from savepoint.async_.staging import BLOCK, Staged, StagedFile
+from savepoint.codecs.safetensors import Entry
+from savepoint.engine import save as save_engine
+from savepoint.storage.paths import resolve
+
+__all__ = ["main"]
+
+_POLL = 1.0  # seconds between checks that the parent still lives, while idle
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    sock = socket.socket(fileno=int(args[0]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    arena: np.ndarray[Any, Any] | None = None
+    while True:
+        while not select.select([sock], [], [], _POLL)[0]:
+            if os.getppid() != parent:
+                return 0  # the trainer is gone and nothing was handed over
+        try:
+            message, fds = _wire.receive(sock)
+        except (OSError, EOFError, ValueError):
+            return 0  # a trainer killed in the middle of a message: nothing was handed over
+        if message is None:
+            return 0
+        if fds:
+            arena = _map(fds, int(message["arena_size"]))
+        if message["op"] != "save":
+            continue
+        if arena is None:
+            answer = {"op": "error", "type": "CheckpointWriteError", "path": message.get("path")}
+            answer["message"] = "the writer process was sent a save without its staging arena"
+        else:
+            answer = _save(message, arena, sock)
+        try:
+            _wire.send(sock, answer)
+        except OSError:
+            pass  # the trainer is gone: the commit stands, nobody is left to tell
+
+
+def _map(fds: list[int], size: int) -> np.ndarray[Any, Any]:
+    """The arena, mapped from the descriptor the trainer sent (pages faulted in at once)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    try:
+        m = mmap.mmap(fds[0], size, flags=flags)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+def _staged(message: dict[str, Any], arena: np.ndarray[Any, Any]) -> Staged:
+    files = []
+    for f in message["files"]:
+        offset, size, header = int(f["offset"]), int(f["size"]), int(f["header"])
+        image = arena[offset : offset + -(-size // BLOCK) * BLOCK]
+        entries = [Entry(n, d, tuple(s), a, b) for n, d, s, a, b in f["entries"]]
+        files.append(StagedFile(f["name"], image[:header].tobytes(), entries, image, size))
+    return Staged(message["tree"], files, list(message["order"]))
+
+
+def _save(message: dict[str, Any], arena: np.ndarray[Any, Any], sock: socket.socket) -> Any:
+    target = str(message["path"])
+    try:
+        staged = _staged(message, arena)
+        location = resolve(target, what="checkpoint path")
+        progress = _progress(sock, bool(message.get("progress")))
+        _fault_before()
+        directory, manifest = save_engine.save_staged(
+            location,
+            staged,
+            message["metadata"],
+            direct=bool(message["direct"]),
+            writers=int(message["writers"]),
+            progress=progress,
+        )
+    except BaseException as exc:
+        return {"op": "error", **_wire.error_fields(_wire.reported(exc, target))}
+    return {
+        "op": "done",
+        "directory": directory,
+        "created": manifest.created,
+        "format_version": manifest.format_version,
+        "files": {name: r.header_xxh3 for name, r in manifest.files.items()},
+        "digests": [manifest.tensors[name].xxh3 for name in staged.order],
+    }
+
+
+def _progress(sock: socket.socket, wanted: bool) -> Any:
+    """The progress callback of a save: forwards ``(done, total)`` to the trainer (at most every
+    50 ms, and the last), when it asked for progress; ``stall`` sleeps at the first call."""
+    stall = os.environ.get("SAVEPOINT_WRITER_FAULT") == "stall"
+    if not wanted and not stall:
+        return None
+    lock = threading.Lock()
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        with lock:
+            now = time.monotonic()
+            if wanted and (done >= total or now - last[0] >= 0.05 or stall):
+                last[0] = now
+                _wire.send(sock, {"op": "progress", "done": done, "total": total})
+            if stall:
+                time.sleep(600)
+
+    return progress
+
+
+def _fault_before() -> None:
+    fault = os.environ.get("SAVEPOINT_WRITER_FAULT", "")
+    kind, _, name = fault.partition(":")
+    if kind == "raise":
+        cls = getattr(errors, name)
+        raise cls(f"injected {name} (SAVEPOINT_WRITER_FAULT)")
+    if kind == "delay":
+        time.sleep(float(name))
+    if kind == "oserror":
+        number = getattr(_errno, name)
+        raise OSError(number, os.strerror(number), "injected")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The trainer's end of ``AsyncCheckpointer(writer="process")``: a staging arena in shared memory
+and one long-lived writer process (:mod:`savepoint.async_._writer_main`) that hashes, writes and
+commits what is staged there.
+
+``save()`` (the caller's thread) starts the writer process if none runs (its start-up overlaps the
+copy), copies the state into the :class:`SharedArena` exactly as the thread writer does, and hands
+the layout over on the socket before returning: from then on the save no longer depends on the
+trainer (it commits even if the trainer raises, calls ``os._exit`` or is SIGKILLed). The
+checkpointer's background thread then only waits for the answer (the GIL is free while it waits)
+and builds the description from the checksums it carries; the writer process's death is a
+CheckpointWriteError naming it (pid, exit status or signal), raised as any background failure, and
+the next save starts a new one.
+
+The arena is a ``memfd`` (an unlinked temporary file where there is none) mapped by both
+processes: nothing is named in ``/dev/shm``, so nothing can leak when either process is killed,
+and its memory is counted once. The writer process maps it when it is new (sent with the save as
+``SCM_RIGHTS``) and keeps the mapping.
+
+A forked child does not share its parent's writer process: its copy of the socket is closed at
+fork, and a checkpointer it makes starts its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import weakref
+from typing import Any
+
+import numpy as np
+
+from savepoint import info
+from savepoint.async_ import _wire
+from savepoint.async_.staging import Staged, StagingArena, on_cuda
+from savepoint.codecs import manifest as mf
+from savepoint.engine import save as save_engine
+from savepoint.engine import sinks
+from savepoint.engine.describe import describe
+from savepoint.errors import CheckpointWriteError
+from savepoint.options import SaveOptions
+from savepoint.state import tree
+from savepoint.storage.local import LocalStore
+from savepoint.storage.paths import Location
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ProcessWriter", "SharedArena"]
+
+_LIVE: weakref.WeakSet[ProcessWriter] = weakref.WeakSet()
+_EXIT_WAIT = 60.0  # seconds close() waits for an idle writer process to exit before killing it
+
+
+class SharedArena(StagingArena):
+    """A staging arena whose memory the writer process maps too (``fd``; ``generation`` counts
+    the arenas made, so a new one is sent to the writer process once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fd = -1
+        self.generation = 0
+
+    def _host_map(self, size: int) -> mmap.mmap:
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create("savepoint-arena", os.MFD_CLOEXEC)
+        else:
+            with tempfile.TemporaryFile() as f:
+                fd = os.dup(f.fileno())
+        try:
+            os.ftruncate(fd, size)
+            m = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._close_fd()
+        self.fd, self.generation = fd, self.generation + 1
+        return m
+
+    def offset(self, image: np.ndarray[Any, Any]) -> int:
+        """Where ``image`` (a view of the arena) starts in it."""
+        assert self._array is not None
+        base: int = self._array.__array_interface__["data"][0]
+        return int(image.__array_interface__["data"][0]) - base
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def release(self) -> None:
+        super().release()
+        self._close_fd()
+
+
+class ProcessWriter:
+    """One writer process and its shared arena (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.arena = SharedArena()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._mapped = 0  # the arena generation the writer process has
+        _LIVE.add(self)
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process's pid (None before the first save)."""
+        return None if self._proc is None else self._proc.pid
+
+    def stage(
+        self, location: Location, state: Any, meta: dict[str, Any], options: SaveOptions
+    ) -> functools.partial[info.CheckpointInfo]:
+        """Copy ``state`` into the arena and hand the save over (the caller's part); the returned
+        function waits for the writer process's answer (the background thread's part)."""
+        if type(location.store) is not LocalStore:
+            raise ValueError(
+                f"writer='process' writes local directories only, not "
+                f"{location.store.url(location.path)}: use AsyncCheckpointer(writer='thread')"
+            )
+        target = os.path.abspath(location.path)
+        self._ensure()  # its start-up overlaps the copy
+        flat = tree.flatten(state)
+        if any(on_cuda(s) for s in flat.tensors.values()):
+            raise ValueError(
+                "writer='process' stages host (CPU) tensors only for now; for CUDA tensors use "
+                "AsyncCheckpointer(writer='thread')"
+            )
+        staged = self.arena.stage(flat, options.max_file_bytes)
+        message = {
+            "op": "save",
+            "path": target,
+            "arena_size": self.arena.capacity,
+            "files": [
+                {
+                    "name": f.name,
+                    "offset": self.arena.offset(f.image),
+                    "size": f.size,
+                    "header": len(f.header),
+                    "entries": [
+                        [e.name, e.dtype, list(e.shape), e.start, e.end] for e in f.entries
+                    ],
+                }
+                for f in staged.files
+            ],
+            "order": staged.order,
+            "tree": staged.tree,
+            "metadata": meta,
+            "direct": options.direct,
+            "writers": options.writers,
+            "progress": options.progress is not None,
+        }
+        self._hand_over(message)
+        return functools.partial(self._answer, location, target, staged, meta, options)
+
+    def _ensure(self) -> None:
+        """A running writer process: a new one if none runs or the last one died while idle."""
+        if self._proc is not None and self._proc.poll() is not None:
+            log.warning("the savepoint writer process %s %s; starting a new one", *self._status())
+            self._forget()
+        if self._proc is not None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.environ.get("PYTHONPATH")
+        env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "savepoint.async_._writer_main", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock, self._mapped = ours, 0
+
+    def _hand_over(self, message: dict[str, Any]) -> None:
+        for attempt in (1, 2):
+            assert self._sock is not None
+            fds = [self.arena.fd] if self._mapped != self.arena.generation else []
+            try:
+                _wire.send(self._sock, message, fds)
+            except OSError:
+                if attempt == 2:
+                    raise
+                self._forget()  # it died since the last save: start a new one, send again
+                self._ensure()
+            else:
+                self._mapped = self.arena.generation
+                return
+
+    def _answer(
+        self,
+        location: Location,
+        target: str,
+        staged: Staged,
+        meta: dict[str, Any],
+        options: SaveOptions,
+    ) -> info.CheckpointInfo:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            try:
+                message, fds = _wire.receive(sock)
+            except (OSError, EOFError, ValueError):
+                message, fds = None, []
+            for fd in fds:
+                os.close(fd)
+            if message is None:
+                raise self._died(target)
+            if message["op"] == "progress" and options.progress is not None:
+                options.progress(int(message["done"]), int(message["total"]))
+            elif message["op"] == "error":
+                raise _wire.error_from(message)
+            elif message["op"] == "done":
+                return _described(location, staged, meta, message)
+
+    def _died(self, target: str) -> CheckpointWriteError:
+        """The error for a writer process that ended (or broke its protocol) mid-save."""
+        proc = self._proc
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)  # its socket is closed: it is exiting
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        pid, how = self._status()
+        self._forget()
+        return CheckpointWriteError(
+            f"the savepoint writer process (pid {pid}) {how} before the save to {target} was "
+            "committed: nothing was committed there and earlier checkpoints are untouched; the "
+            "next save starts a new writer process",
+            path=target,
+        )
+
+    def _status(self) -> tuple[int | None, str]:
+        proc = self._proc
+        code = None if proc is None else proc.returncode
+        if code is None:
+            return self.pid, "stopped answering"
+        if code < 0:
+            try:
+                return self.pid, f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return self.pid, f"was killed by signal {-code}"
+        return self.pid, f"exited with status {code}"
+
+    def _forget(self) -> None:
+        """Drop the writer process (dead, or the parent's in a forked child) and its socket."""
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = self._proc = None
+
+    def close(self) -> None:
+        """Stop the writer process (idle: the checkpointer waited for its save) and free the arena."""
+        proc = self._proc
+        self._forget()  # end of stream: the writer process exits
+        if proc is not None:
+            try:
+                proc.wait(timeout=_EXIT_WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.arena.release()
+        _LIVE.discard(self)
+
+
+def _described(
+    location: Location, staged: Staged, meta: dict[str, Any], answer: dict[str, Any]
+) -> info.CheckpointInfo:
+    """The description of the checkpoint the writer process committed, from its answer (the
+    checksums) and what the trainer staged: the manifest it wrote, without reading it back."""
+    files = {
+        f.name: mf.FileRecord(f.size, len(f.header), answer["files"][f.name]) for f in staged.files
+    }
+    digests = dict(zip(staged.order, answer["digests"]))
+    where = {e.name: (f.name, e) for f in staged.files for e in f.entries}
+    tensors = {
+        name: mf.TensorRecord(e.dtype, e.shape, file, e.start, e.end, digests[name])
+        for name in staged.order
+        for file, e in [where[name]]
+    }
+    written = sinks.Written(files, tensors, answer["format_version"])
+    manifest = save_engine.new_manifest(staged.tree, [written], meta)
+    manifest.created = answer["created"]
+    return describe(location.store.url(answer["directory"]), manifest)
+
+
+def _forget_in_child() -> None:
+    # The parent's writer process stays the parent's: close this copy of each socket (the
+    # parent's end stays open) and forget the process, so the child neither waits for nor kills it.
+    for writer in list(_LIVE):
+        writer._forget()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
