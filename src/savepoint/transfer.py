@@ -141,10 +141,7 @@ def copy(
                 session.sync()
                 with Transaction(store, target.path, check=check) as tx:
                     copied = _copy_files(reader, tx, direct, meter, session.check)
-                    # sealed: the record is there, so no collection deleted a blob
-                    path, _ = save_engine.commit(
-                        tx, manifest, encoded=raw, seal=[_Checked(session)]
-                    )
+                    path, _ = save_engine.commit(tx, manifest, encoded=raw, seal=[_Seal(session)])
             written = manifest
         elif mode == "materialize":
             with Transaction(store, target.path, check=check) as tx:
@@ -186,7 +183,7 @@ def _new_stats() -> PutStats:
     return PutStats()
 
 
-class _Checked:
+class _Seal:
     """The copy's blob session as what the commit seals: checked (its record is still there,
     so no collection deleted a blob the copy reuses) just before the manifest commits."""
 
