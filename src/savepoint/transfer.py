@@ -47,10 +47,10 @@ from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction, check_target
 from savepoint.engine import collector, plan
 from savepoint.engine import load as load_engine
+from savepoint.engine import save as save_engine
 from savepoint.engine.describe import describe
 from savepoint.engine.read import Reader
-from savepoint.engine.save import writer_version
-from savepoint.engine.sinks import write_files
+from savepoint.engine.sinks import Written, write_files
 from savepoint.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -141,20 +141,19 @@ def copy(
                 session.sync()
                 with Transaction(store, target.path, check=check) as tx:
                     copied = _copy_files(reader, tx, direct, meter, session.check)
-                    session.check()  # the record is there: no collection deleted a blob
-                    path = tx.commit(raw)
+                    path, _ = save_engine.commit(tx, manifest, encoded=raw, seal=[_Seal(session)])
             written = manifest
         elif mode == "materialize":
             with Transaction(store, target.path, check=check) as tx:
                 copied = _copy_files(reader, tx, direct, meter)
                 written = _materialize(reader, tx, blob_tensors, verify, direct, meter)
                 copied += sum(manifest.tensors[r].nbytes for r in blob_tensors)
-                path = tx.commit(mf.dumps(written))
+                path, _ = save_engine.commit(tx, written)
         else:
             raw = reader.pinned.read_small(mf.NAME, cap=mf.MAX_MANIFEST_BYTES)
             with Transaction(store, target.path, check=check) as tx:
                 copied = _copy_files(reader, tx, direct, meter)
-                path = tx.commit(raw)
+                path, _ = save_engine.commit(tx, manifest, encoded=raw)
             written = manifest
         shown = store.url(path)
         info = describe(shown, written)
@@ -182,6 +181,17 @@ def _new_stats() -> PutStats:
     from savepoint.blobs import PutStats
 
     return PutStats()
+
+
+class _Seal:
+    """The copy's blob session as what the commit seals: checked (its record is still there,
+    so no collection deleted a blob the copy reuses) just before the manifest commits."""
+
+    def __init__(self, session: SaveSession) -> None:
+        self.session = session
+
+    def seal(self) -> None:
+        self.session.check()
 
 
 class _Meter:
@@ -543,14 +553,9 @@ def _materialize(
                     f"{reader.shown}: tensor {r!r} changed while being copied", key=r
                 )
     tensors = {r: records.get(r, rec) for r, rec in manifest.tensors.items()}
-    return mf.Manifest(
-        tree=manifest.root(),
-        files=files,
-        tensors=tensors,
-        metadata=manifest.metadata,
-        writer=writer_version(),
-        created=manifest.created,
-        format_version=mf.UNSHARDED,
+    written = Written(files, tensors, mf.UNSHARDED)
+    return save_engine.new_manifest(
+        manifest.root(), [written], manifest.metadata, created=manifest.created
     )
 
 

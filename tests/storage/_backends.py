@@ -8,6 +8,9 @@ the session's moto server (:mod:`tests.storage._s3server`); the contract suite's
 is the bucket ``contract``, emptied by every ``make("s3")`` (a child process's ``make`` leaves it
 as it is, so it sees what the test wrote).
 
+``dict`` is :class:`tests.storage._dictstore.DictStore`, the example backend of the required
+core alone (``docs/storage.md``).
+
 ``fsspec-memory`` is :class:`savepoint.storage.fsspecstore.FsspecStore` over fsspec's in-memory
 filesystem, which is global to the process: each test gets a root of its own (:func:`root`) and
 removes it afterwards (:func:`cleanup`). ``fsspec-local`` is the same store over fsspec's
@@ -26,11 +29,13 @@ from savepoint.storage.local import LocalStore
 from savepoint.storage.memory import MemoryStore
 
 from . import _s3server
+from ._dictstore import DictStore
 
 PLAIN = [
     "local",
     "memory",
     "memory-object",
+    "dict",
     "fsspec-memory",
     "fsspec-local",
     *(["s3"] if _s3server.AVAILABLE else []),
@@ -55,6 +60,7 @@ if _s3server.AVAILABLE:
 
 def make(name: str) -> Store:
     """A fresh store: ``local``, ``memory``, ``memory-object`` (MemoryStore(atomic_rename=False)),
+    ``dict`` (the core alone),
     ``s3`` (an ObjectStore on the moto server, bucket ``contract`` emptied) or
     ``faulty-<one of those>`` (a FaultyStore with no fault armed around it)."""
     if name.startswith("faulty-"):
@@ -65,6 +71,8 @@ def make(name: str) -> Store:
         return MemoryStore()
     if name == "memory-object":
         return MemoryStore(atomic_rename=False)
+    if name == "dict":
+        return DictStore()
     if name in ("fsspec-memory", "fsspec-local"):
         import fsspec
 
@@ -122,11 +130,19 @@ def _fsspec(protocol):
     warnings.simplefilter("ignore")
     return FsspecStore(fsspec.filesystem(protocol))
 
+def _dict():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_dictstore", DICT_STORE_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DictStore()
+
 def make(name):
     if name.startswith("faulty-"):
         return FaultyStore(make(name[len("faulty-"):]))
-    return {"local": LocalStore, "memory": MemoryStore,
+    return {"local": LocalStore, "memory": MemoryStore, "dict": _dict,
             "memory-object": lambda: MemoryStore(atomic_rename=False), "s3": _s3,
             "fsspec-memory": lambda: _fsspec("memory"),
             "fsspec-local": lambda: _fsspec("file")}[name]()
 """
+CHILD_PRELUDE += f"\nDICT_STORE_FILE = {str(Path(__file__).with_name('_dictstore.py'))!r}\n"

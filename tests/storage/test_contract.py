@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from savepoint.errors import CheckpointError, CorruptCheckpointError
-from savepoint.storage.base import BlobWriter, Store, walk
+from savepoint.storage.base import BlobWriter, Store, capability_problems, walk
 from savepoint.storage.faults import FaultyStore
 from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import resolve as resolve_path
@@ -903,6 +903,26 @@ def test_capability_locks(env: Env) -> None:
     finally:
         lock.release()
     assert child(env.name, code, env.path("writer.lock")) == "True"
+
+
+def test_capability_flags_and_methods_agree(env: Env) -> None:
+    # Each flag claimed is backed by its mixin's methods (capability_problems), and each flag
+    # not claimed is refused by those methods, whether the class has the mixin (chosen per
+    # instance: the memory store's object-store mode, a FaultyStore around a store without) or
+    # not (Store's own refusals).
+    store = env.store
+    assert capability_problems(store) == []
+    a, b = env.path("a"), env.path("b")
+    store.put(a, b"x")
+    if not store.capabilities.atomic_rename:
+        for method in (store.rename, store.replace):
+            with pytest.raises(NotImplementedError):
+                method(a, b)
+        assert store.exchange(a, b) is False
+    if not store.capabilities.hard_links:
+        with pytest.raises(NotImplementedError):
+            store.link(a, b)
+    assert store.list(env.root) == ["a"]  # nothing refused changed anything
 
 
 def test_disarmed_faulty_store_reports_its_inner_store(env: Env) -> None:

@@ -22,6 +22,12 @@ The configurations:
 | :func:`save_staged` (``AsyncCheckpointer``) | the arena's | file images | ``ImageFiles`` |
 | :func:`save_blobs` (``blobs=``) | the blob policy, ``plan_files`` | live tensors or the arena | ``BlobTensors`` + ``PlannedFiles`` |
 | ``distributed/save.py`` (``process_group=``) | merged across ranks | each rank's pieces | per rank: ``put_pieces`` + ``write_pieces``; rank 0: :func:`new_manifest`, :func:`commit` |
+| ``integrations/dcp.py`` (DCP's ``StorageWriter``) | DCP's planner | each rank's chunks | per rank: ``write_files``; the coordinator: :func:`new_manifest`, :func:`commit` |
+| ``transfer.py`` (``sp.copy``) | the source's manifest | the source's data files and blobs | streamed files; :func:`commit` of the source's manifest bytes (``encoded=``), the blob session sealed; ``materialize=True``: :func:`new_manifest` with the source's ``created`` |
+
+No other module builds a ``Manifest`` to commit; the one other ``Transaction.commit`` of a
+manifest is the run aliases' (``runs/aliases.py``), which republish a committed checkpoint's
+manifest bytes under the alias.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import logging
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from savepoint._version import __version__
 from savepoint.codecs import manifest as mf
@@ -57,6 +63,7 @@ if TYPE_CHECKING:
     from savepoint.blobs.patch import PatchTracker
 
 __all__ = [
+    "Seal",
     "byte_counter",
     "check_metadata",
     "commit",
@@ -164,10 +171,12 @@ def new_manifest(
     *,
     order: Sequence[str] | None = None,
     world_size: int | None = None,
+    created: str | None = None,
 ) -> mf.Manifest:
     """The one manifest builder: the manifest naming what the sinks ``written`` wrote (their
     records merged in ``order`` where there are several), at the newest format version any of
-    them needs; ``world_size``: the ranks of a sharded save."""
+    them needs; ``world_size``: the ranks of a sharded save; ``created``: the creation time
+    where it is not now (a copy keeps its source's)."""
     if len(written) == 1:
         files, tensors = written[0].files, written[0].tensors
     else:
@@ -183,7 +192,7 @@ def new_manifest(
         tensors=tensors,
         metadata=metadata,
         writer=writer_version(),
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
+        created=created if created is not None else _now(),
         format_version=max(part.version for part in written),
         world_size=world_size,
     )
@@ -193,24 +202,36 @@ def new_manifest(
     return manifest
 
 
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class Seal(Protocol):
+    """What :func:`commit` seals before it publishes (every :class:`Sink` is one)."""
+
+    def seal(self) -> None: ...
+
+
 def commit(
     tx: Transaction,
     manifest: mf.Manifest,
     *,
     durable: Sequence[Callable[[], None]] = (),
-    seal: Sequence[Sink] = (),
+    seal: Sequence[Seal] = (),
     text: _Tree | None = None,
+    encoded: bytes | None = None,
 ) -> tuple[str, int]:
     """Step 4, the one commit point of savepoint's format: ``manifest`` encoded (UnsupportedStateError
     when readers would refuse it, before anything is sealed), what the sinks ``seal`` wrote
     outside the staging directory made durable and checked, then ``tx`` committed (the
     manifest written last, the fsyncs ``durable`` waited for, published). Returns the directory
-    committed and the manifest's size."""
-    raw = mf.dump(manifest, None if text is None else text.pieces())
+    committed and the manifest's size. ``encoded``: the manifest's bytes, already encoded and
+    committed unchanged (``sp.copy`` commits its source's, byte for byte)."""
+    raw = mf.dump(manifest, None if text is None else text.pieces()) if encoded is None else encoded
     for sink in seal:
         sink.seal()
-    directory = tx.commit(raw, durable=durable)
-    if text is not None:
+    directory = tx.commit(raw, durable=durable) if durable else tx.commit(raw)
+    if text is not None and isinstance(raw, bytearray):
         text.keep(manifest, raw)
     return directory, len(raw)
 

@@ -13,8 +13,9 @@ outside that directory durable and checked before the commit, :meth:`Sink.commit
 | :class:`ImageFiles` | the staging arena's (:mod:`savepoint.async_.staging`) | the arena's file images | data files written straight from the images (:func:`write_staged`) |
 | :class:`BlobTensors` | the blob policy's choice | live tensors, or views of the arena | the blob store, through a save session (chunks, patches) |
 
-:func:`write_files` is also the data-file writer of savepoint's other writers (a sharded
-rank's pieces, ``sp.copy``, DCP's ``StorageWriter``), which commit through their own steps.
+:func:`write_files` is also the data-file writer of a sharded rank's pieces, of ``sp.copy``'s
+``materialize=True`` and of DCP's ``StorageWriter``; all of them build their manifest and commit
+through :mod:`savepoint.engine.save` (``new_manifest``, ``commit``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ DCP keeps its planner, its resharding and its collectives; savepoint supplies wh
   in ``prepare_global_plan`` and hands its staging directory to every rank with the plans; each
   rank writes its chunks there (``data-r<rank>-<i>.safetensors``, through the write pipeline:
   checksums fused with the copy, O_DIRECT on local disks, multipart uploads on object stores);
-  ``finish`` writes the manifest last. A save that fails on any rank never reaches ``finish``
+  ``finish`` builds the manifest with savepoint's one builder and commits it through the one
+  commit point (:func:`savepoint.engine.save.new_manifest`, :func:`~savepoint.engine.save.commit`),
+  manifest last. A save that fails on any rank never reaches ``finish``
   (DCP raises on every rank), so no half-written checkpoint is ever visible: ``dcp.load`` of the
   path still sees the previous checkpoint or none. What the failed attempt wrote is removed by
   the next save through the same writer, by the next save to the path, or by ``savepoint gc``.
@@ -45,7 +47,6 @@ safetensors, ``savepoint export CKPT model.safetensors --subtree app/model`` (no
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import io
 import os
 import uuid
@@ -243,7 +244,7 @@ class SavepointWriter(StorageWriter):
             raise CheckpointError("SavepointWriter.finish without prepare_global_plan")
         try:
             manifest = _manifest(metadata, results, self.metadata)
-            tx.commit(mf.dumps(manifest))
+            save_engine.commit(tx, manifest)
         finally:
             self._abort()
             self._tx = None
@@ -363,15 +364,10 @@ def _manifest(
         "properties": properties,
         "bytes": opaque,
     }
-    return mf.Manifest(
-        tree={"t": "dict", "items": items},
-        files=files,
-        tensors=tensors,
-        metadata={**user, "dcp": dcp_meta},
-        writer=save_engine.writer_version(),
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat().replace("+00:00", "Z"),
-        format_version=mf.BLOCKED,
-        world_size=len(results),
+    written = sinks.Written(files, tensors, mf.BLOCKED)
+    tree_node = {"t": "dict", "items": items}
+    return save_engine.new_manifest(
+        tree_node, [written], {**user, "dcp": dcp_meta}, world_size=len(results)
     )
 
 

@@ -1,7 +1,7 @@
 """Where bytes go: the one protocol every layer above uses, and its backends.
 
-- :mod:`~savepoint.storage.base`: the :class:`~savepoint.storage.base.Store` protocol, its call
-  order and its capability flags;
+- :mod:`~savepoint.storage.base`: the :class:`~savepoint.storage.base.Store` protocol: its required
+  core with the call order, and the optional capabilities tied to their flags;
 - :mod:`~savepoint.storage.local`: the local filesystem (O_DIRECT, mmap, directory descriptors,
   renameat2, flock);
 - :mod:`~savepoint.storage.memory`: the in-memory store (``memory://``), also in object-store mode;

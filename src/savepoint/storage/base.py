@@ -7,6 +7,42 @@ checkpoint's files itself: it asks a store, and chooses its strategy from the st
 :class:`Capabilities`. (The foreign formats of ``formats/`` are local files by definition and
 do their own file I/O; anonymous memory maps for staging buffers are not files.)
 
+The contract has two parts (``docs/storage.md`` walks a backend author through it):
+
+- **the required core**, what every backend implements: the ten abstract methods of
+  :class:`Store` (``open_blob``, ``create_blob``, ``put``, ``remove``, ``stat``, ``list``,
+  ``makedirs``, ``mkdir``, ``remove_tree``, ``sync_dir``), a ``scheme`` and its
+  ``capabilities``. Everything else has a default built on the core: ``read_small``,
+  ``put_making_dir``, ``pin`` (by path, as object stores pin), ``lock`` (a lease object where
+  ``put`` is create-only) and the path helpers. A store of the core alone is a manifest-last
+  store, as an object store is (``tests/storage/_dictstore.py`` is one, in 200 lines);
+- **optional capabilities**, each a small mixin tied to its flag in :data:`CAPABILITIES`, the one
+  table that says which methods a flag promises: :class:`Renames` (``atomic_rename``: ``rename``,
+  ``replace``, ``exchange``, and a ``pin`` by handle), :class:`HardLinks` (``hard_links``:
+  ``link``), :class:`Locks` (``locks``: a ``lock`` that excludes other processes). The other flags
+  (``create_only_put``, ``direct_io``, ``zero_copy``, ``durable``) qualify core methods and need
+  none. A backend class that fixes its ``capabilities`` in its body is checked when the class is
+  created: a flag claimed without its mixin, a mixin without its flag, or a capability's method
+  defined outside its mixin is a TypeError there. A backend whose flags are chosen per instance
+  (the memory store's object-store mode, the fault injector, an fsspec filesystem) is checked by
+  :func:`capability_problems`, which the contract suite (``tests/storage/test_contract.py``) runs
+  on every backend; such an instance refuses the methods of a flag it does not claim
+  (NotImplementedError; ``exchange`` answers False), as :class:`Store`'s own defaults do.
+  Callers check the flag before they call the optional methods (``if
+  store.capabilities.atomic_rename: store.rename(...)``), so :class:`Store` keeps those refusing
+  defaults and every store can be typed as one ``Store``.
+
+What was taken from peers: DCP's ``StorageWriter``/``StorageReader`` document the order in which
+a backend is called, numbered, in the class itself (here: :class:`Store`'s docstring); fsspec's
+``AbstractFileSystem`` derives most of its surface from a few primitives (``read_small``,
+``put_making_dir``, ``pin`` and ``lock`` are derived here), but leaves its optional methods as
+``NotImplementedError`` found at call time, which is what the capability table replaces;
+obspec/obstore split the protocol into one small protocol per operation (``Put``, ``Rename``,
+``Copy``, ...) that consumers compose, which is the shape of the mixins, kept nominal here
+(a mixin, not a structural protocol) so that a flag and its methods are checked together at
+class creation; etils' ``epath`` registers backends by scheme, as
+:mod:`savepoint.storage.paths` does.
+
 Writing a blob, in this order::
 
     w = store.create_blob(path, size=n)   # exclusive: the blob must not exist (FileExistsError);
@@ -45,17 +81,18 @@ opened through it resolve inside that very directory even if ``path`` is renamed
 meanwhile (a directory descriptor on local disks, the directory node in memory), so a reader
 never mixes two generations of a checkpoint (see :mod:`savepoint.engine.read`). Once the
 directory itself is deleted its ``identity()`` is None and names no longer open (blobs already
-open stay readable).
+open stay readable). A store without renames never replaces a directory (a save commits a new
+generation beside the old one), so its directories are pinned by path (:class:`PrefixPin`, the
+default ``pin``); a :class:`Renames` store must pin by handle.
 
 Directories: ``makedirs``, ``mkdir`` (exclusive), ``list`` (child names, sorted; ``[]`` when
 absent), ``stat``, ``remove`` (a blob), ``remove_tree``, ``sync_dir`` (make entries durable).
 Where ``capabilities.atomic_rename``: ``rename`` (the destination must not exist), ``replace``
 (a blob over a blob) and ``exchange`` (swap two directories in one step; False where the
-filesystem cannot); elsewhere they raise NotImplementedError (``exchange``: returns False).
-Where ``capabilities.hard_links``: ``link`` shares a committed blob's bytes under a second name
-(it may still raise OSError where one filesystem has none: EXDEV, EPERM; callers copy then).
-``put`` writes a small blob in one call: ``exclusive=True`` is a create-only put
-(FileExistsError if it exists; atomic against concurrent creators and readers where
+filesystem cannot). Where ``capabilities.hard_links``: ``link`` shares a committed blob's bytes
+under a second name (it may still raise OSError where one filesystem has none: EXDEV, EPERM;
+callers copy then). ``put`` writes a small blob in one call: ``exclusive=True`` is a create-only
+put (FileExistsError if it exists; atomic against concurrent creators and readers where
 ``capabilities.create_only_put``); ``exclusive=False`` replaces the blob atomically (readers see
 the old bytes or the new ones, never a mixture). A failed ``put`` leaves the previous state.
 ``put_making_dir`` is ``makedirs`` of the blob's directory, then ``put``: in one step where the
@@ -81,7 +118,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from savepoint import errors_map
-from savepoint.errors import CheckpointError
+from savepoint.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from savepoint.storage.paths import Location
@@ -89,15 +126,21 @@ if TYPE_CHECKING:
 __all__ = [
     "BlobReader",
     "BlobWriter",
+    "CAPABILITIES",
     "Capabilities",
+    "Capability",
+    "HardLinks",
     "Kind",
     "Lock",
+    "Locks",
     "Pinned",
     "PinnedContext",
     "PrefixPin",
+    "Renames",
     "Stat",
     "Store",
     "ThreadLock",
+    "capability_problems",
     "pin_prefix",
     "read_error",
     "walk",
@@ -196,10 +239,42 @@ class Pinned(Protocol):
 
 
 class Store(abc.ABC):
-    """A backend. Subclasses implement every abstract method; see the module docstring."""
+    """A backend: the required core (see the module docstring for each call's promises).
+
+    A subclass sets ``scheme`` and ``capabilities`` and implements the ten abstract methods.
+    The layers above call them in these orders (a store of the core alone is a manifest-last
+    store; a :class:`Renames` store commits by rename instead, steps 3 to 5 of a save then
+    being ``sync_dir``, ``rename`` or ``exchange``, ``sync_dir`` of the parent):
+
+    A save (:class:`savepoint.commit.transaction.Transaction`):
+
+    1. ``stat(target)``, ``list(target)``: what is there (nothing, an empty directory, a
+       checkpoint); ``makedirs(target)``, then ``mkdir(staging)``, the attempt's own directory;
+    2. per data file: ``create_blob(staging/name, size=n)``, ``write`` ..., ``finish`` (or
+       ``abort``); small files: ``put(path, data, exclusive=True)``;
+    3. ``sync_dir(staging)``;
+    4. ``put(staging/manifest.json, data, exclusive=True)``: the commit point;
+    5. ``sync_dir(staging)``; then ``list``, ``remove_tree`` of older generations.
+       Failure at any step: ``remove_tree(staging)``.
+
+    A load (:mod:`savepoint.engine.read`):
+
+    1. ``stat(path)``, ``list(path)``: the newest committed generation;
+    2. ``pin(generation)``; through it ``read_small("manifest.json", cap=...)``, then
+       ``open_blob(name)`` per data file: ``size``, ``read(offset, out)`` or ``view``,
+       ``close``; ``close`` the pin.
+
+    Runs and retention: ``lock(run/.writer.lock)`` (by default a lease: ``put`` exclusive,
+    ``read_small``, ``remove``), ``put`` (``exclusive=False``) of the run's books, ``list``,
+    ``stat``, ``remove_tree`` and ``remove`` of old checkpoints.
+    """
 
     scheme: str  # "file", "memory", ...
     capabilities: Capabilities
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_class(cls)
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -253,9 +328,20 @@ class Store(abc.ABC):
 
     def read_small(self, path: str, *, cap: int | None) -> bytes:
         """The whole blob at ``path``; CorruptCheckpointError when it is over ``cap`` bytes
-        (checked before anything is read). FileNotFoundError passes through."""
-        with self.pin(self.parent(path)) as pinned:
-            return pinned.read_small(self.basename(path), cap=cap)
+        (checked before anything is read). FileNotFoundError passes through. By default
+        ``open_blob``, ``read``, ``close``."""
+        reader = self.open_blob(path)
+        try:
+            if cap is not None and reader.size > cap:
+                shown = self.url(path)
+                raise CorruptCheckpointError(
+                    f"{shown} is {reader.size} bytes, over the {cap}-byte cap", path=shown
+                )
+            out = bytearray(reader.size)
+            reader.read(0, out)
+            return bytes(out)
+        finally:
+            reader.close()
 
     @abc.abstractmethod
     def put(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
@@ -303,11 +389,17 @@ class Store(abc.ABC):
     def sync_dir(self, path: str) -> None:
         """Make the entries of directory ``path`` durable (a no-op where that is implied)."""
 
-    @abc.abstractmethod
     def pin(self, path: str) -> PinnedContext:
-        """Pin directory ``path``; FileNotFoundError and NotADirectoryError pass through."""
+        """Pin directory ``path``; FileNotFoundError and NotADirectoryError pass through. By
+        default by path (:func:`pin_prefix`: right for a store without renames, whose directories
+        are never replaced); a :class:`Renames` store pins by handle."""
+        return pin_prefix(self, path, self._is_directory)
 
-    # -- optional: by capability ---------------------------------------------------------------
+    def _is_directory(self, path: str) -> bool:
+        st = self.stat(path)
+        return st is not None and st.kind == "dir"
+
+    # -- optional: the refusals of a capability not claimed (see CAPABILITIES) -----------------
 
     def rename(self, src: str, dst: str) -> None:
         """Atomically move ``src`` (a blob or a directory) to ``dst``, which must not exist
@@ -337,6 +429,113 @@ class Store(abc.ABC):
 
             return LeaseLock(self, path)
         raise NotImplementedError(f"{self.scheme} storage has no locks")
+
+
+# -- optional capabilities -------------------------------------------------------------------
+
+
+class Renames(abc.ABC):
+    """``atomic_rename``: directories and blobs renamed atomically, so a save commits by renaming
+    a synced staging directory into place. The store pins directories by handle (a renamed or
+    replaced path must not change what a pinned reader sees)."""
+
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically move ``src`` (a blob or a directory) to ``dst``, which must not exist
+        (FileExistsError). A missing ``src`` is FileNotFoundError; a directory moved into
+        itself is OSError(EINVAL)."""
+
+    @abc.abstractmethod
+    def replace(self, src: str, dst: str) -> None:
+        """Atomically move the blob ``src`` over the blob ``dst``."""
+
+    @abc.abstractmethod
+    def exchange(self, a: str, b: str) -> bool:
+        """Atomically swap two existing paths (FileNotFoundError if one is missing); False,
+        with nothing changed, where this filesystem cannot (the caller then renames twice)."""
+
+    @abc.abstractmethod
+    def pin(self, path: str) -> PinnedContext:
+        """Pin directory ``path`` by handle (see the module docstring)."""
+
+
+class HardLinks(abc.ABC):
+    """``hard_links``: a committed blob's bytes shared under a second name (run aliases that
+    cost no space)."""
+
+    @abc.abstractmethod
+    def link(self, src: str, dst: str) -> None:
+        """A second name ``dst`` (which must not exist) for the committed blob ``src``; OSError
+        (EXDEV, EPERM) where this one filesystem has none: callers copy then."""
+
+
+class Locks(abc.ABC):
+    """``locks``: :meth:`Store.lock` excludes other processes, not only this process's threads
+    (every store has a ``lock``; this says whose holders it excludes)."""
+
+    @abc.abstractmethod
+    def lock(self, path: str) -> Lock:
+        """An exclusive, non-blocking lock named by ``path``, excluding other processes."""
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One row of :data:`CAPABILITIES`: the flag, its mixin, and the methods the mixin adds.
+    ``own``: those methods exist for this capability alone, so a backend defining one without
+    the mixin is refused (``lock`` is every store's: a store without ``locks`` has an
+    in-process lock or a lease)."""
+
+    flag: str
+    mixin: type
+    methods: tuple[str, ...]
+    own: bool = True
+
+
+CAPABILITIES: tuple[Capability, ...] = (
+    Capability("atomic_rename", Renames, ("rename", "replace", "exchange")),
+    Capability("hard_links", HardLinks, ("link",)),
+    Capability("locks", Locks, ("lock",), own=False),
+)
+"""The one place each capability flag is tied to its methods (see the module docstring)."""
+
+
+def _check_class(cls: type[Store]) -> None:
+    """TypeError when backend class ``cls`` defines a capability's method outside its mixin
+    or, where its body fixes ``capabilities``, claims a flag without the mixin or has a mixin
+    without the flag."""
+    fixed = cls.__dict__.get("capabilities")
+    for cap in CAPABILITIES:
+        has = issubclass(cls, cap.mixin)
+        if cap.own and not has:
+            for name in cap.methods:
+                owner = next(k for k in cls.__mro__ if name in k.__dict__)
+                if owner is not Store:
+                    raise TypeError(
+                        f"{cls.__qualname__} defines {name}() but is not a {cap.mixin.__name__}: "
+                        f"derive it from savepoint.storage.base.{cap.mixin.__name__} and claim "
+                        f"{cap.flag}, or drop {name}()"
+                    )
+        if isinstance(fixed, Capabilities) and getattr(fixed, cap.flag) != has:
+            raise TypeError(
+                f"{cls.__qualname__} says {cap.flag}={getattr(fixed, cap.flag)} but "
+                + (f"is not a {cap.mixin.__name__}" if not has else f"is a {cap.mixin.__name__}")
+                + f" ({', '.join(cap.methods)}): the flag and the mixin go together"
+            )
+
+
+def capability_problems(store: Store) -> list[str]:
+    """What is wrong with ``store``'s capability flags, as sentences (none: nothing): a flag
+    claimed by an instance whose class lacks the capability's mixin. (A class that has the
+    mixin may still refuse it per instance, as the flag says; the contract suite calls the
+    methods to check that they do.)"""
+    problems = []
+    for cap in CAPABILITIES:
+        if getattr(store.capabilities, cap.flag) and not isinstance(store, cap.mixin):
+            problems.append(
+                f"{type(store).__qualname__} claims {cap.flag} but is not a "
+                f"{cap.mixin.__name__} ({', '.join(cap.methods)})"
+            )
+    return problems
 
 
 class PinnedContext(Pinned, Protocol):

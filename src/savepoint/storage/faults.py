@@ -55,8 +55,11 @@ from savepoint.storage.base import (
     BlobReader,
     BlobWriter,
     Capabilities,
+    HardLinks,
     Lock,
+    Locks,
     PinnedContext,
+    Renames,
     Stat,
     Store,
 )
@@ -247,7 +250,7 @@ class _Space(Fault):
         self.left = left
 
 
-class FaultyStore(Store):
+class FaultyStore(Renames, HardLinks, Locks, Store):
     """``inner`` with faults injected on demand (see the module docstring).
 
     ``exchange=False`` makes ``exchange`` answer False (nothing swapped), as on a filesystem

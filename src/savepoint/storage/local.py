@@ -36,7 +36,7 @@ import numpy as np
 
 from savepoint import errors_map
 from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
-from savepoint.storage.base import Capabilities, Kind, Stat, Store
+from savepoint.storage.base import Capabilities, HardLinks, Kind, Locks, Renames, Stat, Store
 
 __all__ = [
     "LocalBlobReader",
@@ -644,7 +644,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
-class LocalStore(Store):
+class LocalStore(Renames, HardLinks, Locks, Store):
     """The local filesystem: O_DIRECT writes, mmap reads, directory descriptors, renameat2."""
 
     scheme = "file"

@@ -26,7 +26,15 @@ from typing import Any
 import numpy as np
 
 from savepoint.errors import CorruptCheckpointError, NotRegularFileError
-from savepoint.storage.base import BlobReader, Capabilities, Stat, Store, ThreadLock
+from savepoint.storage.base import (
+    BlobReader,
+    Capabilities,
+    HardLinks,
+    Renames,
+    Stat,
+    Store,
+    ThreadLock,
+)
 
 __all__ = ["MemoryStore", "by_number", "shared"]
 
@@ -181,7 +189,7 @@ class _Pinned:
         pass
 
 
-class MemoryStore(Store):
+class MemoryStore(Renames, HardLinks, Store):
     """Blobs and directories in this process's memory (see the module docstring).
 
     ``capacity`` (bytes, None: unlimited) makes writes past it fail with ENOSPC, as a full disk
