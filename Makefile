@@ -30,7 +30,8 @@ TORTURE_SCALE ?= 25
 TORTURE_SECONDS ?= 120
 torture: $(STAMP)
 	SAVEPOINT_TORTURE=1 SAVEPOINT_TORTURE_SCALE=$(TORTURE_SCALE) SAVEPOINT_TORTURE_SECONDS=$(TORTURE_SECONDS) \
-		$(PY) -m pytest -q -p no:cacheprovider tests/faults tests/runs tests/test_resume_exact.py
+		$(PY) -m pytest -q -p no:cacheprovider tests/faults tests/runs tests/test_resume_exact.py \
+		tests/integrations/test_dcp.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
