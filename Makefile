@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file in one of them, so that a
+# module's fixtures are built once; TEST_WORKERS=0 runs it in this process (docs/performance.md,
+# "Test suite time").
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Long campaigns; `make test` runs a bounded slice of each.
 # make fuzz FUZZ_SECONDS=600 runs every parser for ten minutes, each under a memory cap.
@@ -31,7 +35,7 @@ TORTURE_SECONDS ?= 120
 torture: $(STAMP)
 	SAVEPOINT_TORTURE=1 SAVEPOINT_TORTURE_SCALE=$(TORTURE_SCALE) SAVEPOINT_TORTURE_SECONDS=$(TORTURE_SECONDS) \
 		$(PY) -m pytest -q -p no:cacheprovider tests/faults tests/runs tests/test_resume_exact.py \
-		tests/async_/test_process_writer.py
+		tests/async_/test_process_writer.py tests/integrations/test_dcp.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

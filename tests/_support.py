@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,12 @@ def load_generator(script: Path, name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def stable_id(value: Any) -> str:
+    """``repr(value)`` without memory addresses, as a test id: pytest-xdist's workers must collect
+    the same ids (``<function f at 0x7f...>`` differs from one process to the next)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
 def in_thread(fn: Any, timeout: float = 10.0) -> Any:

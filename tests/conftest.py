@@ -9,6 +9,12 @@ from pathlib import Path
 
 import pytest
 
+# Torch and OpenBLAS start a thread per core for each operation. The suite's tensors are tiny and
+# it runs on small shared machines (2 cores in CI), where those threads only contend (the demo's
+# training took 2.3 x the CPU time with two): one thread, in this process and in every child it
+# starts. An explicit OMP_NUM_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:

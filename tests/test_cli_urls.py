@@ -23,6 +23,7 @@ from savepoint.commit.transaction import resolve as committed_dir
 from savepoint.formats import detect
 from savepoint.storage import memory
 from savepoint.storage.paths import resolve
+from storage._s3server import fresh_bucket
 
 REFUSAL = "this reads and writes local files only"
 # What a command says of a URL naming something other than a savepoint checkpoint (a file of
@@ -571,38 +572,48 @@ def test_s3_a_bucket_that_cannot_be_listed_exits_1(s3: Any) -> None:
 
 @pytest.fixture
 def s3_run(s3_bucket: str) -> str:
+    """The run of ``make_run`` on S3, for a test that changes it or writes beside it."""
     make_run(f"s3://{s3_bucket}/run", 0.1)
     return f"s3://{s3_bucket}/run"
 
 
-def test_s3_ls_and_report(s3_run: str) -> None:
-    result = invoke("ls", s3_run)
+@pytest.fixture(scope="module")
+def s3_read_run(s3: Any) -> str:
+    """The same run, alone in its bucket, built once for the tests that only read it (ls, report,
+    inspect, diff): each build is six saves on the moto server."""
+    bucket = fresh_bucket()
+    make_run(f"s3://{bucket}/run", 0.1)
+    return f"s3://{bucket}/run"
+
+
+def test_s3_ls_and_report(s3_read_run: str) -> None:
+    result = invoke("ls", s3_read_run)
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[0] == "run run (small): 3 checkpoint(s), 30 steps completed"
     assert result.stderr == ""
-    doc = json.loads(invoke("ls", "--json", s3_run).stdout)
-    assert doc["run"] == s3_run
+    doc = json.loads(invoke("ls", "--json", s3_read_run).stdout)
+    assert doc["run"] == s3_read_run
     assert [(c["step"], c["tags"]) for c in doc["checkpoints"]] == [
         (20, []),
         (25, []),
         (30, ["latest", "best"]),
     ]
     assert doc["problems"] == []
-    report = invoke("report", s3_run)
+    report = invoke("report", s3_read_run)
     assert report.exit_code == 0 and "checkpoints  30, 25, 20" in report.stdout
-    sweep = invoke("report", s3_run.rsplit("/", 1)[0])
+    sweep = invoke("report", s3_read_run.rsplit("/", 1)[0])
     assert sweep.exit_code == 0, sweep.output
-    assert sweep.stdout.startswith(f"sweep {s3_run.rsplit('/', 1)[0]}: 1 runs ranked by val")
+    assert sweep.stdout.startswith(f"sweep {s3_read_run.rsplit('/', 1)[0]}: 1 runs ranked by val")
 
 
-def test_s3_inspect(s3_run: str) -> None:
-    step = s3_run + "/checkpoints/step-0000000025"
+def test_s3_inspect(s3_read_run: str) -> None:
+    step = s3_read_run + "/checkpoints/step-0000000025"
     result = invoke("inspect", step)
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[0] == f"checkpoint  {step}"
-    doc = json.loads(invoke("inspect", "--json", s3_run + "/latest").stdout)
-    assert doc["path"] == s3_run + "/latest" and doc["values"] == {"step": 30}
-    missing = invoke("inspect", s3_run + "/checkpoints/step-0000000001")
+    doc = json.loads(invoke("inspect", "--json", s3_read_run + "/latest").stdout)
+    assert doc["path"] == s3_read_run + "/latest" and doc["values"] == {"step": 30}
+    missing = invoke("inspect", s3_read_run + "/checkpoints/step-0000000001")
     assert missing.exit_code == 1 and "no checkpoint at" in missing.stderr
 
 
@@ -622,16 +633,16 @@ def test_s3_verify_a_checkpoint_and_a_run(s3_run: str) -> None:
     assert invoke("verify", step).exit_code == 1
 
 
-def test_s3_diff_two_steps(s3_run: str) -> None:
-    result = invoke("diff", s3_run, "20", "30")
+def test_s3_diff_two_steps(s3_read_run: str) -> None:
+    result = invoke("diff", s3_read_run, "20", "30")
     assert result.exit_code == 1, result.output
     assert result.stdout.splitlines()[:3] == [
-        f"a: {s3_run}/checkpoints/step-0000000020",
-        f"b: {s3_run}/checkpoints/step-0000000030",
+        f"a: {s3_read_run}/checkpoints/step-0000000020",
+        f"b: {s3_read_run}/checkpoints/step-0000000030",
         "~ step: 20 -> 30",
     ]
-    doc = json.loads(invoke("diff", "--json", s3_run, "latest", "best").stdout)
-    assert doc["a"] == doc["b"] == f"{s3_run}/checkpoints/step-0000000030"
+    doc = json.loads(invoke("diff", "--json", s3_read_run, "latest", "best").stdout)
+    assert doc["a"] == doc["b"] == f"{s3_read_run}/checkpoints/step-0000000030"
     assert doc["tensors"][0]["equal"] is True
 
 

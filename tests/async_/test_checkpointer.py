@@ -25,6 +25,7 @@ import savepoint.checkpoint
 import savepoint.engine.save
 from _compare import same
 from _concurrency import CountingStore
+from _support import stable_id
 from savepoint.async_.checkpointer import AsyncCheckpointer
 from savepoint.async_.pending import PendingSave
 from savepoint.options import DEFAULT_MAX_FILE_BYTES, SaveOptions
@@ -452,7 +453,7 @@ MERGES: list[tuple[SaveOptions | None, dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.parametrize(("options", "keywords"), MERGES, ids=repr)
+@pytest.mark.parametrize(("options", "keywords"), MERGES, ids=stable_id)
 def test_keywords_override_options_as_in_the_manager(
     tmp_path: Path, options: SaveOptions | None, keywords: dict[str, Any]
 ) -> None:

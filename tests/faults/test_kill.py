@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import savepoint as sp
-from _torture import scale
+from _torture import campaign
 from savepoint.commit import names
 from savepoint.storage import local
 
@@ -184,9 +184,10 @@ def exchange_supported(directory: Path) -> bool:
 # random kills while replacing an existing checkpoint
 # ---------------------------------------------------------------------------------------------
 
-RANDOM_KILLS = scale(44)
+# make test: 12 random kills + one aimed at each phase (17); make torture: (44 + 5 * 4) * scale.
+RANDOM_KILLS = campaign(12, 44)
 AIMED = ("data", "manifest", "commit", "exchange", "cleanup")
-AIMED_EACH = scale(4)  # 44 + 5 * 4 = 64 kill points
+AIMED_EACH = campaign(1, 4)
 
 
 def test_sigkill_at_random_moments_while_replacing(tmp_path: Path, save_seconds: float) -> None:
@@ -218,7 +219,7 @@ def test_sigkill_at_random_moments_while_replacing(tmp_path: Path, save_seconds:
         if i % 4 == 3:
             save_and_expect_tidy(path, rng.choice("AB"))
     save_and_expect_tidy(path, "B")
-    assert len(plan) >= 50
+    assert len(plan) >= campaign(17, 64)
     # The kills were spread: they left partial saves behind and hit several steps of a save.
     assert stale_seen > 0, "no kill ever interrupted a save"
     assert len(phases) >= 3, f"kills landed in too few phases: {dict(phases)}"
@@ -229,7 +230,7 @@ def test_sigkill_at_random_moments_while_replacing(tmp_path: Path, save_seconds:
 # the very first save
 # ---------------------------------------------------------------------------------------------
 
-FIRST_SAVE_KILLS = scale(16)
+FIRST_SAVE_KILLS = campaign(6, 16)  # every 4th aimed at the commit
 
 
 def test_sigkill_during_first_save(tmp_path: Path, save_seconds: float) -> None:

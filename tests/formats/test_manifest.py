@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from _support import stable_id
 from savepoint.codecs import checksum
 from savepoint.codecs import manifest as mf
 from savepoint.errors import UnsupportedStateError
@@ -242,7 +243,7 @@ def test_older_and_current_versions_are_read() -> None:
         assert mf.parse(encode(doc)).format_version == version
 
 
-@pytest.mark.parametrize("version", ["1", 1.0, 2.0, True, -1, None, [1]], ids=repr)
+@pytest.mark.parametrize("version", ["1", 1.0, 2.0, True, -1, None, [1]], ids=stable_id)
 def test_bad_version_values(version: Any) -> None:
     doc = sample_doc()
     doc["format_version"] = version
@@ -408,7 +409,7 @@ def _rename_file(doc: dict[str, Any], name: str) -> None:
         "dätä",
         "a\x00b",
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_bad_file_names(name: str) -> None:
     doc = sample_doc()
@@ -519,7 +520,7 @@ _DROP = object()
         ({"xxh3": ""}, "bad checksum"),
         ({"xxh3": None}, "bad checksum"),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_tensor_entries(changes: dict[str, Any], match: str) -> None:
     rejects(_tensor(**changes), match)

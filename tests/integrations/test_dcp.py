@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import savepoint as sp  # noqa: E402
-from _torture import scale  # noqa: E402
+from _torture import campaign  # noqa: E402
 from savepoint.integrations.dcp import SavepointReader, SavepointWriter  # noqa: E402
 
 WORKER = Path(__file__).with_name("_dcp_worker.py")
@@ -153,7 +153,7 @@ def test_sigkill_during_dcp_save_leaves_old_or_new(tmp_path: Path) -> None:
     """SIGKILL a process saving in a loop at random moments: the checkpoint at the path is always
     one whole save (every element equal to one save's counter), never half-written."""
     rng = random.Random(1)
-    trials = scale(6)
+    trials = campaign(3, 6)  # make torture: 6 * SAVEPOINT_TORTURE_SCALE
     seen: set[int] = set()
     marker = tmp_path / "saved"
     for trial in range(trials):

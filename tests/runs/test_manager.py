@@ -23,7 +23,7 @@ import pytest
 import savepoint as sp
 import savepoint.checkpoint
 from _compare import same
-from _torture import scale
+from _torture import campaign
 from savepoint.commit import names, transaction
 from savepoint.runs import aliases, layout
 from savepoint.runs.report import config_diff
@@ -1168,7 +1168,7 @@ def test_sigkill_during_saves_leaves_a_usable_run(tmp_path: Path) -> None:
     mid_save = 0
     newest_seen = 0
     unpruned = 0  # saves whose retention may not have run yet
-    kills = scale(15)
+    kills = campaign(8, 15)  # make torture: 15 * SAVEPOINT_TORTURE_SCALE
     started = time.monotonic()
     for i in range(kills):
         proc = subprocess.Popen(
