@@ -247,14 +247,8 @@ class Reader:
         verify: bool = True,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """Copy each ``(ref, dst)`` tensor into ``dst`` (uint8, exact length; None: check only).
-
-        With ``verify`` each tensor is hashed as it is copied, piece by piece, so the check reads
-        memory that the copy has just brought into cache (about 15% over a bare copy). Tensors are
-        spread over the thread pool, largest first, small ones in bundles. A mismatch raises
-        CorruptCheckpointError naming the tensor; other tensors may already have been copied.
-        A tensor split over shards is assembled from them, each shard checked the same way.
-        """
+        """Copy each ``(ref, dst)`` tensor into ``dst`` (uint8, exact length; None: check only),
+        hashed as it is copied with ``verify``: see :func:`._copies.transfer`."""
         _copies.transfer(self.generation, jobs, verify=verify, progress=progress)
 
     def check_small(

@@ -13,8 +13,7 @@ Public (docs/api.md): this package's ``__all__`` (run garbage collection, readin
 the consistency check, plots); the modules themselves are implementation.
 """
 
-import importlib as _importlib
-from typing import Any as _Any
+from savepoint._lazy import exports as _exports
 
 # The public functions of the runs layer (docs/api.md), imported on first use (the manager and
 # the plots are heavy). The manager, the view and the policies are public at the root
@@ -28,16 +27,5 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'savepoint.runs' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
-
+__getattr__, __dir__ = _exports(globals(), _LAZY)
 __all__ = sorted(_LAZY)

@@ -19,8 +19,7 @@ authors) and :mod:`~savepoint.storage.faults` (for users' own fault tests). The 
 are implementation.
 """
 
-import importlib as _importlib
-from typing import Any as _Any
+from savepoint._lazy import exports as _exports
 
 # The public names of the storage layer (docs/api.md), each imported from its module on first
 # use: importing ``savepoint.storage.base`` (a backend author's protocol) loads no backend.
@@ -40,16 +39,5 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'savepoint.storage' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
-
+__getattr__, __dir__ = _exports(globals(), _LAZY)
 __all__ = sorted(_LAZY)
