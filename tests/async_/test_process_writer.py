@@ -161,6 +161,9 @@ def test_injected_errors_cross_with_their_class(
     with pytest.raises(cls) as raised:
         c.close()  # close() reports it too
     assert type(raised.value) is cls
+    # what happened in the writer process, as its traceback (the cause of the error here)
+    assert isinstance(raised.value.__cause__, _wire.WriterProcessTraceback)
+    assert "_fault_before" in str(raised.value.__cause__)
     assert getattr(raised.value, "errno", None) == number
     assert not (tmp_path / "p").exists()
 
@@ -172,6 +175,21 @@ def test_an_unknown_error_type_becomes_a_write_error() -> None:
     fields = _wire.error_fields(sp.RunLockedError("held", path="/r", holder="pid 1"))
     back = _wire.error_from(fields)
     assert type(back) is sp.RunLockedError and back.errno == errno.EWOULDBLOCK
+
+
+def test_a_writer_process_error_carries_its_traceback() -> None:
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/p/x.safetensors")
+        except OSError as exc:
+            raise _wire.reported(exc, "/p") from exc
+    except sp.CheckpointWriteError as exc:
+        fields = _wire.error_fields(exc)
+    back = _wire.error_from(fields)
+    assert isinstance(back.__cause__, _wire.WriterProcessTraceback)
+    text = str(back.__cause__)
+    assert "in the savepoint writer process" in text and "No space left on device" in text
+    assert "Traceback" in text
 
 
 def test_the_writer_process_killed_mid_write(
