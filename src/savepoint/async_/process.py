@@ -22,6 +22,7 @@ fork, and a checkpointer it makes starts its own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import mmap
@@ -43,7 +44,7 @@ from savepoint.codecs import manifest as mf
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
-from savepoint.errors import CheckpointWriteError
+from savepoint.errors import CheckpointWriteError, UnsupportedStateError
 from savepoint.options import SaveOptions
 from savepoint.state import tree
 from savepoint.storage.local import LocalStore
@@ -114,10 +115,18 @@ class ProcessWriter:
         return None if self._proc is None else self._proc.pid
 
     def stage(
-        self, location: Location, state: Any, meta: dict[str, Any], options: SaveOptions
+        self,
+        location: Location,
+        state: Any,
+        meta: dict[str, Any],
+        options: SaveOptions,
+        incremental: Any = None,
     ) -> functools.partial[info.CheckpointInfo]:
         """Copy ``state`` into the arena and hand the save over (the caller's part); the returned
-        function waits for the writer process's answer (the background thread's part)."""
+        function waits for the writer process's answer (the background thread's part).
+        ``incremental``: the checked blob store, policy and frozen prefixes of an incremental
+        save (``AsyncCheckpointer.save(blobs=...)``); the writer process runs its save session
+        with the memo and tracker it keeps for that blob store."""
         if type(location.store) is not LocalStore:
             raise ValueError(
                 f"writer='process' writes local directories only, not "
@@ -131,8 +140,10 @@ class ProcessWriter:
                 "writer='process' stages host (CPU) tensors only for now; for CUDA tensors use "
                 "AsyncCheckpointer(writer='thread')"
             )
+        if incremental is not None and save_engine.has_shards(flat.tree):
+            raise UnsupportedStateError("blobs= is not supported for sharded states yet")
         staged = self.arena.stage(flat, options.max_file_bytes)
-        message = {
+        message: dict[str, Any] = {
             "op": "save",
             "path": target,
             "arena_size": self.arena.capacity,
@@ -153,8 +164,12 @@ class ProcessWriter:
             "metadata": meta,
             "direct": options.direct,
             "writers": options.writers,
+            "max_file_bytes": options.max_file_bytes,
             "progress": options.progress is not None,
         }
+        if incremental is not None:
+            message["blobs"] = _blobs_fields(incremental)
+            message["kinds"] = {n: [s.kind] for n, s in flat.tensors.items()}
         self._hand_over(message)
         return functools.partial(self._answer, location, target, staged, meta, options)
 
@@ -222,6 +237,10 @@ class ProcessWriter:
                 options.progress(int(message["done"]), int(message["total"]))
             elif message["op"] == "error":
                 raise _wire.error_from(message)
+            elif message["op"] == "done" and "manifest" in message:
+                # An incremental save: its manifest names blobs the trainer never saw.
+                manifest = mf.parse(message["manifest"].encode())
+                return describe(location.store.url(message["directory"]), manifest)
             elif message["op"] == "done":
                 return _described(location, staged, meta, message)
 
@@ -273,6 +292,17 @@ class ProcessWriter:
                 proc.wait()
         self.arena.release()
         _LIVE.discard(self)
+
+
+def _blobs_fields(incremental: Any) -> dict[str, Any]:
+    """An incremental save's blob store, policy and frozen prefixes, as a message's fields."""
+    policy = dataclasses.asdict(incremental.policy)
+    return {
+        "root": incremental.blobs.root,
+        "algorithm": incremental.blobs.algorithm,
+        "policy": policy,
+        "frozen": None if incremental.prefixes is None else list(incremental.prefixes),
+    }
 
 
 def _described(
