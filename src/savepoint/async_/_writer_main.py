@@ -152,7 +152,8 @@ def _staged(message: dict[str, Any], arena: np.ndarray[Any, Any]) -> Staged:
         image = arena[offset : offset + -(-size // BLOCK) * BLOCK]
         entries = [Entry(n, d, tuple(s), a, b) for n, d, s, a, b in f["entries"]]
         files.append(StagedFile(f["name"], image[:header].tobytes(), entries, image, size))
-    return Staged(message["tree"], files, list(message["order"]))
+    checks = dict(message.get("checks") or {})  # hashed on the device while staged (mlh64)
+    return Staged(message["tree"], files, list(message["order"]), checks=lambda: checks)
 
 
 def _save(message: dict[str, Any], arena: np.ndarray[Any, Any], sock: socket.socket) -> Any:

@@ -104,9 +104,7 @@ class StagingArena:
         self._array = self._keep = None
         size = -(-int(needed * grow) // (2 << 20)) * (2 << 20)
         if pinned:
-            import torch
-
-            t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            t = self._pinned_map(size)
             t.fill_(0)
             self._keep, self._array = t, t.numpy()
         else:
@@ -116,6 +114,14 @@ class StagingArena:
             self._keep, self._array = m, a
         self.pinned = pinned
         return self._array
+
+    def _pinned_map(self, size: int) -> Any:
+        """Pinned host memory of ``size`` bytes, as a torch uint8 tensor (the caching host
+        allocator's here; the shared memory registered with CUDA in
+        :class:`savepoint.async_.process.SharedArena`)."""
+        import torch
+
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     def _host_map(self, size: int) -> mmap.mmap:
         """The host memory of an arena of ``size`` bytes (anonymous here; shared with the writer
