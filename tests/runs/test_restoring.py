@@ -161,6 +161,16 @@ def test_latest_deleted_while_read_is_chosen_again_without_a_warning(
     same(tree, state(2))
 
 
+def test_best_deleted_while_read_is_chosen_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = new_run([1, 2, 3], {1: 0.5, 2: 0.1, 3: 0.3})
+    writer_meanwhile(monkeypatch, lambda path: discard(run.store, step_at(run, 2).path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step, tree = read(restorer(run), "best")
+    assert step == 3  # the best of what the run holds now
+    same(tree, state(3))
+
+
 def test_an_explicit_step_deleted_while_read_is_not_found_and_replaced_is_read_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
