@@ -200,3 +200,15 @@ def test_a_run_without_num_params_takes_its_first_state_s() -> None:
         saver.save(11, _w(1.0), None, False, None)
     with pytest.raises(ValueError, match="non-negative int"):
         saver.save(-1, _w(1.0), None, False, None)
+
+
+def test_the_unranked_warning_points_at_the_caller(tmp_path: Any) -> None:
+    """Once per manager, at the line that called save() (or save_on_preemption())."""
+    with sp.CheckpointManager(tmp_path / "run", best_metric="val") as m:
+        with pytest.warns(UserWarning, match="never ranked as the best") as caught:
+            m.save(1, _w(1.0), {"loss": 0.5})
+        assert [w.filename for w in caught] == [__file__]
+    with sp.CheckpointManager(tmp_path / "run2", best_metric="val") as m:
+        with pytest.warns(UserWarning, match="never ranked as the best") as caught:
+            m.save_on_preemption(1, _w(1.0), {"loss": 0.5})
+        assert [w.filename for w in caught] == [__file__]

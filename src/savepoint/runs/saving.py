@@ -223,13 +223,7 @@ class Saver:
                 self.settle.tiers.raise_error()
         check_step(step)
         if self.read_only:
-            raise CheckpointWriteError(
-                f"cannot save step {step}: the run directory {self.books.directory} is read-only "
-                f"for this manager ({self.read_only_reason}); nothing was written. Restoring "
-                "works; to save, open the run where it can be written",
-                path=self.books.directory,
-                errno=errno.EROFS,
-            )
+            raise _read_only(self.books.directory, step, self.read_only_reason)
 
     def _decide(self, step: int, force: bool) -> bool:
         """Whether ``step`` is written (step 1)."""
@@ -521,6 +515,16 @@ def check_step(step: Any) -> None:
     """A step is a non-negative int (ValueError otherwise)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
+
+
+def _read_only(directory: str, step: int, reason: str | None) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"cannot save step {step}: the run directory {directory} is read-only for this manager "
+        f"({reason}); nothing was written. Restoring works; to save, open the run where it can "
+        "be written",
+        path=directory,
+        errno=errno.EROFS,
+    )
 
 
 def abandoned(error: BaseException | None) -> bool:
