@@ -202,7 +202,8 @@ class Saver:
         """save_on_preemption's save (it dealt with the save in flight and the background step
         already): forced, synchronous, its books synced here, no background step. Returns the
         error of that sync (the checkpoint is committed and recorded all the same).
-        ``stacklevel``: of the caller's frame, for warnings, from here."""
+        ``stacklevel``: the frame a warning points at (the manager's caller), counting this one
+        as 1."""
         self._check(step, preempt=True)
         job = self._prepare(step, state, metrics, epoch, preempt=True, stacklevel=stacklevel + 1)
         self._write_sync(job, state)
@@ -240,7 +241,7 @@ class Saver:
     ) -> _Job:
         """Check the writer lock, note the resume, the metadata, the backup of an existing
         checkpoint of ``step`` (step 2); from here the save policy counts ``step`` as saved
-        (put back if the save fails)."""
+        (put back if the save fails). ``stacklevel``: as :meth:`save_now`'s, from here."""
         self.check_writer()
         self.books.dirty = True
         with self.lock:
