@@ -118,7 +118,7 @@ from savepoint.runs.report import (
     write_json,
 )
 from savepoint.runs.restoring import Restorer, StepSpec
-from savepoint.runs.saving import Saver
+from savepoint.runs.saving import Saver, check_step
 from savepoint.runs.settle import Settle
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.paths import Location, PathArg, resolve
@@ -718,6 +718,18 @@ class CheckpointManager:
         self._check_open()
         with self._saving:
             return self._saver.save(step, state, metrics, force, epoch)
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step)`` would write (the save policy's answer), without saving: ask
+        it before building a state that costs something to gather. The next ``save(step)``
+        reuses this answer instead of asking the policy again. With a process group and a
+        policy whose answer depends on this process's clock (``sp.policies.Continuous``), every
+        rank's answer is agreed (one all-reduce: ask at the same steps on every rank), so the
+        ranks save the same steps (:mod:`savepoint.runs.pacing`)."""
+        self._check_open()
+        check_step(step)
+        with self._saving:
+            return self._saver.pacing.should_save(step, self._saver.last_saved)
 
     def log(self, step: int, loss: float | None = None, **metrics: Any) -> None:
         """Record a training step's loss (the report's loss curve) and any other values.

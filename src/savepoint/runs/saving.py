@@ -73,7 +73,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from savepoint import checkpoint
-from savepoint.async_.checkpointer import AsyncCheckpointer
+from savepoint.async_.checkpointer import AsyncCheckpointer, Writer
 from savepoint.async_.pending import PendingSave
 from savepoint.commit.transaction import discard
 from savepoint.errors import CheckpointError, CheckpointWriteError, RunLockedError
@@ -82,12 +82,13 @@ from savepoint.options import SaveOptions
 from savepoint.runs import aliases, layout
 from savepoint.runs.books import Books, plain, write_error
 from savepoint.runs.lock import WriterLock
+from savepoint.runs.pacing import Pacing
 from savepoint.runs.policies import SavePolicy
 from savepoint.runs.report import count_elements
 from savepoint.runs.settle import Settle
 from savepoint.storage.paths import Location
 
-__all__ = ["BlobSaving", "Host", "Saver", "abandoned", "check_step"]
+__all__ = ["BlobSaving", "Host", "Saver", "abandoned", "check_step", "unranked_warning"]
 
 
 class Host(Protocol):
@@ -137,9 +138,11 @@ class Saver:
         async_save: bool,
         blobs: BlobSaving | None,
         host: Host,
+        writer: Writer = "thread",
     ) -> None:
         self.books, self.catalog, self.settle = books, books.catalog, settle
-        self.options, self.save_policy, self.leader = options, save_policy, leader
+        self.options, self.leader = options, leader
+        self.pacing = Pacing(save_policy, options.process_group)  # the save policy, asked
         self.blobs, self.host = blobs, host
         self.read_only = False
         self.read_only_reason: str | None = None
@@ -154,7 +157,9 @@ class Saver:
         # its next write.
         self.abandon = _Abandon(options.progress)
         self.checkpointer = (
-            AsyncCheckpointer(**{**options.changed(), "progress": self.abandon.progress})
+            AsyncCheckpointer(
+                **{**options.changed(), "progress": self.abandon.progress}, writer=writer
+            )
             if async_save
             else None
         )
@@ -227,8 +232,8 @@ class Saver:
             raise _read_only(self.books.directory, step, self.read_only_reason)
 
     def _decide(self, step: int, force: bool) -> bool:
-        """Whether ``step`` is written (step 1)."""
-        return force or self.save_policy.should_save(step, self.last_saved)
+        """Whether ``step`` is written (step 1: :class:`~savepoint.runs.pacing.Pacing`)."""
+        return self.pacing.decide(step, self.last_saved, force)
 
     def _prepare(
         self,
@@ -256,6 +261,7 @@ class Saver:
             derived = count_elements(state)
         backup = self._before_commit(step, preempt) if self.leader else None
         previous, self.last_saved = self.last_saved, step
+        self.pacing.started(step)
         return _Job(
             step, epoch, clean, preempt, target, meta, derived, backup, _AsyncSave(step, previous)
         )
@@ -280,6 +286,7 @@ class Saver:
         except BaseException:
             self.books.drop(backup)
             self.last_saved = flight.previous
+            self.pacing.failed(job.step)
             raise
         pending._future.add_done_callback(lambda _: flight.booked.set())
         if backup is not None:  # a failed background commit leaves it; _book uses it
@@ -304,6 +311,7 @@ class Saver:
         except BaseException:
             self.books.drop(job.backup)
             self.last_saved = job.flight.previous
+            self.pacing.failed(job.step)
             raise
         self._book(job, info)
         if not job.flight.background:
@@ -315,6 +323,8 @@ class Saver:
         flight = job.flight
         flight.committed = True
         self.write_seconds = time.monotonic() - job.begun
+        self.pacing.durable(job.step)
+        self.books.report.save_intervals = self.pacing.achieved()  # (None: not such a policy)
         flight.background = self._after_commit(job, info)
         if job.derived is not None:
             self.host.adopt_num_params()
@@ -466,6 +476,8 @@ class Saver:
         with self.lock:
             if failed and not flight.committed and self.last_saved == flight.step:
                 self.last_saved = flight.previous
+            if failed and not flight.committed:
+                self.pacing.failed(flight.step)
             if self.last_async is flight:
                 self.last_async = None
 
@@ -487,29 +499,41 @@ class Saver:
             raise
 
     def _warn_unranked(self, step: int, metrics: Mapping[str, Any], stacklevel: int) -> None:
-        """Warn (once per manager) when a save gives metrics but none named ``best_metric`` (a
-        misspelt name, say): that checkpoint can never be the best, nor be kept by
-        ``keep_best``. A save given no metrics at all is a deliberate unranked save: no
-        warning."""
-        best = self.catalog.best_metric
-        if best is None or not metrics or best in metrics:
-            return
+        """Warn (once per manager) when a save gives metrics but none named ``best_metric``
+        (:func:`unranked_warning`)."""
         if self._best_warned or not self.leader:
             return
-        self._best_warned = True
-        given = ", ".join(sorted(metrics)) or "none"
-        warnings.warn(
-            f"{self.books.directory}: save({step}) gave no {best!r} in its metrics (it gave "
-            f"{given}), so that checkpoint is never ranked as the best (best_metric="
-            f"{best!r}); this warning is given once per CheckpointManager",
-            stacklevel=stacklevel,
-        )
+        message = unranked_warning(self.books.directory, step, metrics, self.catalog.best_metric)
+        if message is not None:
+            self._best_warned = True
+            warnings.warn(message, stacklevel=stacklevel)
+
+    @property
+    def save_policy(self) -> SavePolicy:
+        return self.pacing.policy
 
     def log(self, step: int, loss: float | None, metrics: dict[str, Any]) -> None:
         """The manager's ``log()``: the record joins the report in memory (the history log gets
         it with the next save or ``close()``)."""
         with self.lock:
             self.books.log(step, loss, metrics)
+
+
+def unranked_warning(
+    directory: str, step: int, metrics: Mapping[str, Any], best: str | None
+) -> str | None:
+    """The warning for a save that gives metrics but none named ``best_metric`` (a misspelt
+    name, say): that checkpoint can never be the best, nor be kept by ``keep_best``. None when
+    there is nothing to warn about (a save given no metrics at all is a deliberate unranked
+    save)."""
+    if best is None or not metrics or best in metrics:
+        return None
+    given = ", ".join(sorted(metrics)) or "none"
+    return (
+        f"{directory}: save({step}) gave no {best!r} in its metrics (it gave {given}), so that "
+        f"checkpoint is never ranked as the best (best_metric={best!r}); this warning is given "
+        "once per CheckpointManager"
+    )
 
 
 def check_step(step: Any) -> None:
