@@ -65,7 +65,7 @@ from typing import Any, Literal
 import numpy as np
 
 from savepoint.codecs import bounded_json as _json
-from savepoint.codecs import dtypes
+from savepoint.codecs import dtypes, serde_text
 from savepoint.commit import atomic
 from savepoint.errors import (
     ArtifactMismatchError,
@@ -142,10 +142,9 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
 
 
 def _pretty(doc: Any) -> bytes:
-    """``serde_json::to_string_pretty``'s layout (floats as Python writes them: same values)."""
+    """``serde_json::to_string_pretty``, floats as ryu writes an f64 (``codecs/serde_text.py``)."""
     try:
-        text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
-        return text.encode("utf-8")
+        return serde_text.dumps(doc, indent=2).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise UnsupportedStateError(f"cannot be written as JSON: {exc}") from None
     except UnicodeEncodeError:
