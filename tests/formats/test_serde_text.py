@@ -98,6 +98,8 @@ def test_f32_markers_and_refusals() -> None:
     for bad in (math.nan, math.inf, -math.inf):
         with pytest.raises(ValueError):
             dumps([bad])
+    with pytest.raises(ValueError, match="out of range for an f32"):
+        dumps([F32(1e39)])
     with pytest.raises(TypeError):
         dumps({1: 2})
     with pytest.raises(TypeError):

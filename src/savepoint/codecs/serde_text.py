@@ -175,23 +175,38 @@ def _is_power_of_two32(x: float) -> bool:
     return _bits32(x) & 0x7FFFFF == 0
 
 
-def f32_text(x: float) -> str:
-    """serde_json's text of an f32: ``x`` (a float32 value, or rounded to the nearest one)."""
-    x = _f32(x)
-    if x == 0:
-        return "-0.0" if math.copysign(1.0, x) < 0 else "0.0"
-    a = abs(x)
-    if _is_power_of_two32(a):
-        digits, exponent = _exact32(a)
-        return layout(x < 0, digits, exponent, wide=False)
-    lo, hi = 1, 9  # the shortest p whose nearest p-digit decimal reads back (monotone in p)
+def _shortest32(a: float) -> int:
+    """The fewest significant digits p whose nearest p-digit decimal reads back as float32 ``a``
+    (> 0, not a power of two: its interval is symmetric, so this is monotone in p). Most values
+    need 8 or 9: those are tried first."""
+    if not _rounds_to(f"{a:.7e}", a):
+        return 9
+    if not _rounds_to(f"{a:.6e}", a):
+        return 8
+    lo, hi = 1, 7
     while lo < hi:
         mid = (lo + hi) // 2
         if _rounds_to(f"{a:.{mid - 1}e}", a):
             hi = mid
         else:
             lo = mid + 1
-    digits, exponent = _split(f"{a:.{lo - 1}e}")
+    return lo
+
+
+def f32_text(x: float) -> str:
+    """serde_json's text of an f32: ``x`` (a float32 value, or rounded to the nearest one;
+    ValueError beyond float32's range)."""
+    try:
+        x = _f32(x)
+    except OverflowError:
+        raise ValueError(f"{x!r} is out of range for an f32") from None
+    if x == 0:
+        return "-0.0" if math.copysign(1.0, x) < 0 else "0.0"
+    a = abs(x)
+    if _is_power_of_two32(a):
+        digits, exponent = _exact32(a)
+        return layout(x < 0, digits, exponent, wide=False)
+    digits, exponent = _split(f"{a:.{_shortest32(a) - 1}e}")
     return layout(x < 0, digits, exponent, wide=False)
 
 

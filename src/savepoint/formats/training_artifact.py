@@ -46,6 +46,12 @@ Errors: no directory, CheckpointNotFoundError; no ``training_report.json`` or ``
 IncompleteCheckpointError (the seed writes the weights and manifest, then the report: an interrupted
 save); unreadable or malformed JSON, missing weights, bad records, CorruptCheckpointError.
 
+The seed's parts: :func:`save_checkpoint` (weights then ``manifest.json``, no report),
+:func:`load_manifest`, :func:`save_training_report`, :func:`load_training_report`; each writer
+refuses, before writing, a document that would disagree with the directory's other one. Floats in
+every JSON file are ryu's f64 text (``1e-7``, ``1e20``), as serde_json writes them; Python's
+spelling (``1e-07``) reads too.
+
 Writing (:func:`save`, the seed's ``save_training_artifact``) builds the whole directory under a
 hidden sibling and swaps it in with one rename (:func:`savepoint.formats._files.atomic_directory`),
 so a reader sees the old artifact or the new one, never a mix; an existing ``best_validation/`` is
