@@ -407,7 +407,8 @@ def decode_json(text: str | bytes | bytearray) -> SnapshotRecord:
 
 
 def decode_msgpack(data: bytes | bytearray | memoryview) -> SnapshotRecord:
-    """The record held by MessagePack ``data``: savepoint's maps or the seed's arrays.
+    """The record held by MessagePack ``data``: structs as arrays (the seed's layout, which
+    savepoint writes) or as maps (rmp_serde's named layout, what savepoint 0.1 wrote).
 
     Bounded (see :mod:`savepoint.codecs._kizzasi_msgpack`): nesting deeper than :data:`MAX_DEPTH` levels, more decoded
     objects than :data:`BUDGET_FACTOR` x ``len(data)`` + :data:`BUDGET_SLACK` bytes, a length
