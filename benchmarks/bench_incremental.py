@@ -244,6 +244,10 @@ def main() -> int:
             f"{med[f'incremental save 2{tag} bytes'] / med['full save bytes']:.1%} of a full "
             f"save's bytes, {med[f'incremental save 2{tag} s'] / med['full save s']:.2f}x its time"
         )
+    # (the same ratios as lines benchmarks/compare_trees.py collects: no digit in the name)
+    for tag, name in (("", "second save"), (" frozen=", "second save, frozen")):
+        ratio = med[f"incremental save 2{tag} s"] / med["full save s"]
+        print(f"  {name} / full save, time   {ratio:.2f}")
     return 0
 
 
