@@ -18,11 +18,11 @@ snapshot: a save in progress may show a disagreement that its next step resolves
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, RunMismatchError
 from savepoint.runs import aliases, layout
-from savepoint.runs.manager import CheckpointManager, StepSpec
+from savepoint.runs.manager import StepSpec, reader
 from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
 from savepoint.storage.base import read_error
 from savepoint.storage.paths import PathArg, resolve
@@ -45,12 +45,6 @@ def run_problems(
     return problems + aliases.run_problems(directory, report, steps)
 
 
-class _Reader(CheckpointManager):
-    """A read-only manager that opens inconsistent runs too (the view lists their problems)."""
-
-    _check_on_open: ClassVar[bool] = False
-
-
 class RunView:
     """A read-only view of the run at ``directory`` (see the module docstring).
 
@@ -70,7 +64,8 @@ class RunView:
                 f"{self.directory} is not a savepoint run directory (no run.json or report.json)",
                 path=self.directory,
             )
-        self._manager = _Reader(self._run, read_only=True)
+        # A read-only manager that opens inconsistent runs too (the view lists their problems).
+        self._manager = reader(self._run, check_consistent=False)
 
     @property
     def info(self) -> RunInfo:
