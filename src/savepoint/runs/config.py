@@ -104,16 +104,13 @@ class ManagerConfig:
         """Check the arguments of ``CheckpointManager(directory, ...)`` (all but the directory)
         in the order the manager always has, so that the first wrong one is the one named."""
         checked = SaveOptions.of(save_options, base=options)
-        flags = {
-            "async_save": async_save,
-            "verify_before_prune": verify_before_prune,
-            "aliases": aliases,
-            "strict_config": strict_config,
-            "incremental": incremental,
-        }
-        for flag, value in flags.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, not {type(value).__name__} ({value!r})")
+        _flags(
+            async_save=async_save,
+            verify_before_prune=verify_before_prune,
+            aliases=aliases,
+            strict_config=strict_config,
+            incremental=incremental,
+        )
         if read_only is not None and not isinstance(read_only, bool):
             raise TypeError(
                 f"read_only must be None, True or False, not {type(read_only).__name__} "
@@ -123,15 +120,7 @@ class ManagerConfig:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
         frozen = _frozen(frozen, incremental, checked)
         blob_policy = _blob_policy(blob_policy, compression, incremental)
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
-        rules: list[RetentionPolicy] = []
-        if keep_last is not None:
-            rules.append(_policy("keep_last", policies.KeepLatest, keep_last))
-        if keep_best is not None and best_metric is not None:
-            rules.append(_policy("keep_best", policies.KeepBest, keep_best, best_metric, best_mode))
-        if keep_every is not None:
-            rules.append(_policy("keep_every", policies.KeepEvery, keep_every))
+        rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
         if save_every is not None:
             every = _policy("save_every", policies.SaveEvery, save_every)
             save_policy = every if save_policy is None else save_policy
@@ -160,6 +149,28 @@ class ManagerConfig:
             config=config,
             num_params=num_params,
         )
+
+
+def _flags(**flags: Any) -> None:
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, not {type(value).__name__} ({value!r})")
+
+
+def _rules(
+    keep_last: Any, keep_best: Any, best_metric: str | None, best_mode: Mode, keep_every: Any
+) -> list[RetentionPolicy]:
+    """The retention rules the ``keep_*`` arguments ask for, each checked (and ``best_mode``)."""
+    if best_mode not in ("min", "max"):
+        raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+    rules: list[RetentionPolicy] = []
+    if keep_last is not None:
+        rules.append(_policy("keep_last", policies.KeepLatest, keep_last))
+    if keep_best is not None and best_metric is not None:
+        rules.append(_policy("keep_best", policies.KeepBest, keep_best, best_metric, best_mode))
+    if keep_every is not None:
+        rules.append(_policy("keep_every", policies.KeepEvery, keep_every))
+    return rules
 
 
 def seconds(value: Any, name: str) -> float:

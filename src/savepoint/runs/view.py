@@ -22,7 +22,7 @@ from typing import Any
 
 from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, RunMismatchError
 from savepoint.runs import aliases, layout
-from savepoint.runs.manager import StepSpec, reader
+from savepoint.runs.manager import CheckpointManager, StepSpec, reader
 from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
 from savepoint.storage.base import read_error
 from savepoint.storage.paths import PathArg, resolve
@@ -65,7 +65,7 @@ class RunView:
                 path=self.directory,
             )
         # A read-only manager that opens inconsistent runs too (the view lists their problems).
-        self._manager = reader(self._run, check_consistent=False)
+        self._manager: CheckpointManager = reader(self._run, check_consistent=False)
 
     @property
     def info(self) -> RunInfo:
