@@ -23,7 +23,10 @@ Medians are printed with the ratios the async-save issue sets as targets.
 ``--writer process|thread|both`` (with ``--mib``, the state's size) measures only the writers of
 ``sp.AsyncCheckpointer(writer=...)`` (issue 27): for each round and each writer, the loop's
 throughput with no save (right before), then while a background save writes; medians of the
-throughputs, of their ratio, of the time ``save()`` blocks and of the time until durable.
+throughputs, of their ratio, of the time ``save()`` blocks (against a memcpy of the state) and of
+the time until durable. DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, on
+a one-rank gloo group on 127.0.0.1) runs in the same rounds unless ``--no-dcp``; the order of the
+writers alternates between rounds.
 """
 
 from __future__ import annotations
@@ -224,50 +227,121 @@ def run_size(gib: float, repeats: int, base: str) -> None:
         rm(p)
 
 
-def run_writers(mib: float, writers: list[str], repeats: int, base: str) -> None:
-    """Training throughput while each writer's background save writes, against no save."""
+def _finish(wait: Callable[[], None], t0: float, out: list[float], stop: threading.Event) -> None:
+    wait()
+    out.append(time.perf_counter() - t0)
+    stop.set()
+
+
+def _dcp_process(path: str) -> Callable[[dict[str, torch.Tensor]], Callable[[], None]]:
+    """DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``), which needs a
+    process group: a one-rank gloo group on 127.0.0.1. Returns ``start(state) -> wait``."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+    def start(state: dict[str, torch.Tensor]) -> Callable[[], None]:
+        rm(path)
+        fut = dcp.async_save(
+            state, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
+
+        def wait() -> None:
+            fut.result()  # (DCP's FileSystemWriter fsyncs its files: sync_files=True)
+
+        return wait
+
+    return start
+
+
+def run_writers(mib: float, writers: list[str], repeats: int, base: str, dcp: bool) -> None:
+    """Training throughput while each writer's background save writes, against no save; with
+    ``dcp``, DCP's process-based async_save in the same rounds."""
     state = make_state(int(mib * MiB))
     nbytes = sum(t.numel() * 4 for t in state.values())
     print(f"\n=== writers {writers}: {len(state)} float32 tensors, {nbytes / MiB:.0f} MiB ===")
-    cks = {w: sp.AsyncCheckpointer(writer=w) for w in writers}  # type: ignore[arg-type]
-    paths = {w: os.path.join(base, f"writer-{w}") for w in writers}
-    for w in writers:  # warm-up: the arena touched, the writer process started
-        cks[w].save(paths[w], state).wait()
+    starts: dict[str, Callable[[dict[str, torch.Tensor]], Callable[[], None]]] = {}
+    closers: list[Callable[[], None]] = []
+    for w in writers:
+        ck = sp.AsyncCheckpointer(writer=w)  # type: ignore[arg-type]
+        closers.append(ck.close)
+        starts[f"sp {w}"] = lambda st, ck=ck, w=w: ck.save(os.path.join(base, f"w-{w}"), st).wait
+    if dcp:
+        starts["dcp process"] = _dcp_process(os.path.join(base, "w-dcp"))
+    names = list(starts)
+    for name in names:  # warm-up: the arenas touched, the writer processes started
+        starts[name](state)()
+    target = torch.empty(nbytes // 4, dtype=torch.float32)
+    target.fill_(0)
+
+    def memcpy() -> float:
+        t0 = time.perf_counter()
+        pos = 0
+        for t in state.values():
+            target[pos : pos + t.numel()].copy_(t.reshape(-1))
+            pos += t.numel()
+        return time.perf_counter() - t0
+
     alone: list[float] = []
+    copies: list[float] = []
     rows: dict[str, dict[str, list[float]]] = {
-        w: {"rate": [], "ratio": [], "blocked": [], "durable": []} for w in writers
+        n: {"rate": [], "ratio": [], "blocked": [], "durable": []} for n in names
     }
-    for _ in range(max(repeats, 5)):
-        for w in writers:
+    for rnd in range(max(repeats, 5)):
+        copies.append(memcpy())
+        order = names if rnd % 2 == 0 else names[::-1]
+        for name in order:
             base_rate = train_loop(None, 0.6)
             alone.append(base_rate)
             stop = threading.Event()
             durable: list[float] = []
             t0 = time.perf_counter()
-            pending = cks[w].save(paths[w], state)
+            wait = starts[name](state)
             blocked = time.perf_counter() - t0
 
-            threading.Thread(
-                target=_durable_after, args=(pending, t0, durable, stop), daemon=True
-            ).start()
+            threading.Thread(target=_finish, args=(wait, t0, durable, stop), daemon=True).start()
             rate = train_loop(stop)
-            row = rows[w]
+            row = rows[name]
             row["rate"].append(rate)
             row["ratio"].append(rate / base_rate)
             row["blocked"].append(blocked)
             row["durable"].append(durable[0] if durable else float("nan"))
     med = statistics.median
     print(f"  loop alone                 {med(alone):8.1f} it/s   (median of {len(alone)})")
-    for w in writers:
-        r = rows[w]
+    print(f"  memcpy of the state        {med(copies):8.3f} s")
+    for name in names:
+        r = rows[name]
         print(
-            f"  writer={w:8s} loop {med(r['rate']):8.1f} it/s  ratio {med(r['ratio']):5.2f}  "
+            f"  {name:14s} loop {med(r['rate']):8.1f} it/s  ratio {med(r['ratio']):5.2f}  "
             f"blocks {med(r['blocked']):6.3f} s  durable after {med(r['durable']):6.3f} s   "
             f"ratios {[round(x, 2) for x in r['ratio']]}"
         )
-    for w in writers:
-        cks[w].close()
-        rm(paths[w])
+    for name in names:
+        if name.startswith("sp "):
+            print(f"  {name} throughput during a write / no save   {med(rows[name]['ratio']):5.2f}")
+            print(
+                f"  {name} blocking / memcpy                    "
+                f"{med(rows[name]['blocked']) / med(copies):5.2f}"
+            )
+            if "dcp process" in rows:
+                print(
+                    f"  {name} throughput / DCP process throughput  "
+                    f"{med(rows[name]['rate']) / med(rows['dcp process']['rate']):5.2f}"
+                )
+    for close in closers:
+        close()
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base, exist_ok=True)
 
 
 def main() -> None:
@@ -279,6 +353,9 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/savepoint-bench")
     ap.add_argument("--writer", choices=["process", "thread", "both"], default=None)
     ap.add_argument("--mib", type=float, nargs="+", default=[256.0])
+    ap.add_argument(
+        "--no-dcp", action="store_true", help="with --writer: leave out DCP's process-based save"
+    )
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     print(
@@ -288,7 +365,7 @@ def main() -> None:
     if args.writer is not None:
         writers = ["thread", "process"] if args.writer == "both" else [args.writer]
         for mib in args.mib:
-            run_writers(mib, writers, args.repeats, args.dir)
+            run_writers(mib, writers, args.repeats, args.dir, not args.no_dcp)
         shutil.rmtree(args.dir, ignore_errors=True)
         return
     for gib in args.gib:

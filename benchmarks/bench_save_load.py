@@ -147,8 +147,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/savepoint-bench")
     ap.add_argument("--no-dcp", action="store_true", help="skip torch.distributed.checkpoint")
-    ap.add_argument("--writers", type=int, default=sp.checkpoint.DEFAULT_WRITERS)
-    ap.add_argument("--max-file-mib", type=int, default=sp.checkpoint.DEFAULT_MAX_FILE_BYTES // MiB)
+    ap.add_argument("--writers", type=int, default=sp.SaveOptions().writers)
+    ap.add_argument("--max-file-mib", type=int, default=sp.SaveOptions().max_file_bytes // MiB)
     args = ap.parse_args()
 
     total = int(args.gib * (1 << 30))

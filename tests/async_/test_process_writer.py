@@ -28,6 +28,7 @@ import _torture
 import savepoint as sp
 from _compare import same
 from savepoint.async_ import _wire
+from savepoint.blobs import BlobPolicy, FastMemo
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="checks processes through /proc"
@@ -161,6 +162,9 @@ def test_injected_errors_cross_with_their_class(
     with pytest.raises(cls) as raised:
         c.close()  # close() reports it too
     assert type(raised.value) is cls
+    # what happened in the writer process, as its traceback (the cause of the error here)
+    assert isinstance(raised.value.__cause__, _wire.WriterProcessTraceback)
+    assert "_fault_before" in str(raised.value.__cause__)
     assert getattr(raised.value, "errno", None) == number
     assert not (tmp_path / "p").exists()
 
@@ -172,6 +176,21 @@ def test_an_unknown_error_type_becomes_a_write_error() -> None:
     fields = _wire.error_fields(sp.RunLockedError("held", path="/r", holder="pid 1"))
     back = _wire.error_from(fields)
     assert type(back) is sp.RunLockedError and back.errno == errno.EWOULDBLOCK
+
+
+def test_a_writer_process_error_carries_its_traceback() -> None:
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/p/x.safetensors")
+        except OSError as exc:
+            raise _wire.reported(exc, "/p") from exc
+    except sp.CheckpointWriteError as exc:
+        fields = _wire.error_fields(exc)
+    back = _wire.error_from(fields)
+    assert isinstance(back.__cause__, _wire.WriterProcessTraceback)
+    text = str(back.__cause__)
+    assert "in the savepoint writer process" in text and "No space left on device" in text
+    assert "Traceback" in text
 
 
 def test_the_writer_process_killed_mid_write(
@@ -217,8 +236,10 @@ def test_refused_combinations(tmp_path: Path, ckpt: Any) -> None:
         sp.AsyncCheckpointer(writer="fork")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="local directories only"):
         ckpt.save("memory://x/p", state(1))
-    with pytest.raises(ValueError, match="incremental"):
-        ckpt.save(tmp_path / "p", state(1), blobs=tmp_path / "blobs")
+    with pytest.raises(ValueError, match="keeps its own"):
+        ckpt.save(tmp_path / "p", state(1), blobs=tmp_path / "blobs", memo=FastMemo())
+    with pytest.raises(ValueError, match="local blob stores only"):
+        ckpt.save("memory://x/p", state(1), blobs="memory://x/blobs")
     with pytest.raises(ValueError, match="save_boostr"):
         ckpt.save_boostr(tmp_path / "b", {"w": np.ones(3, np.float32)})
     ckpt.save(tmp_path / "p", state(1)).wait()  # still usable
@@ -324,3 +345,25 @@ def test_a_save_outlives_its_trainer_killed(tmp_path: Path) -> None:
         time.sleep(rng.uniform(0, 0.02))
         proc.kill()
         check_committed(where, proc, writer)
+
+
+def test_incremental_saves_through_the_writer_process(tmp_path: Path, ckpt: Any) -> None:
+    """The writer process runs the blob store's save session: chunks unchanged since its last
+    save are not written again (its memo and tracker live there), and each checkpoint loads
+    bit-exactly."""
+    blobs = tmp_path / "blobs"
+    policy = BlobPolicy(min_blob_bytes=1 << 10, chunk_size=1 << 16)
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal(1 << 17).astype(np.float32)  # 512 KiB: 8 chunks
+    first = {"w": big.copy(), "b": np.ones(4, np.float32)}
+    info = ckpt.save(tmp_path / "s1", first, blobs=blobs, blob_policy=policy).wait()
+    assert info.format_version >= 4
+    chunks = sorted(p.name for p in blobs.rglob("*") if p.is_file())
+    second = {"w": big.copy(), "b": np.full(4, 2, np.float32)}
+    second["w"][:16] += 1  # one chunk changes
+    ckpt.save(tmp_path / "s2", second, blobs=blobs, blob_policy=policy).wait()
+    grown = sorted(p.name for p in blobs.rglob("*") if p.is_file())
+    assert 0 < len(set(grown) - set(chunks)) <= 2  # the changed chunk (or its patch) only
+    same(sp.load(tmp_path / "s1"), first)
+    same(sp.load(tmp_path / "s2"), second)
+    sp.verify(tmp_path / "s2")  # every checksum, blobs included (raises otherwise)

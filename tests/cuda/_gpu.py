@@ -294,15 +294,16 @@ def async_state(device: str, mib: int) -> dict[str, Any]:
 
 
 def check_async_captures_state_at_return(
-    tmp: Path, device: str, *, saves: int, rounds: int, mib: int
+    tmp: Path, device: str, *, saves: int, rounds: int, mib: int, writer: str = "thread"
 ) -> None:
     """Each ``AsyncCheckpointer.save()`` writes the state as it was when ``save()`` returned,
     although ``rounds`` in-place updates of every tensor are queued on the current stream right
     after it. On CUDA a long kernel queued just before ``save()`` holds the side stream's copies
-    back, so updates that did not wait for the copies would overtake them."""
+    back, so updates that did not wait for the copies would overtake them. ``writer``: the
+    checkpointer's (``"process"``: the staging arena is shared memory registered with CUDA)."""
     state = async_state(device, mib)
     expected = []
-    with sp.AsyncCheckpointer() as ck:
+    with sp.AsyncCheckpointer(writer=writer) as ck:
         for i in range(saves):
             state["step"] = i
             if is_cuda(device):
@@ -319,14 +320,16 @@ def check_async_captures_state_at_return(
             assert_same(got[key], want[key], f"save {i}: {key}", "cpu")
 
 
-def check_async_survives_freed_tensors(tmp: Path, device: str, *, mib: int) -> None:
+def check_async_survives_freed_tensors(
+    tmp: Path, device: str, *, mib: int, writer: str = "thread"
+) -> None:
     """The state's tensors are dropped right after ``save()`` and new tensors of the same sizes
     filled on the same stream (the caching allocator would hand them the same blocks, were the
     staging copies not ordered before them): the save still writes the dropped tensors'
     values."""
     state = async_state(device, mib)
     expected = {k: host_bytes(v) for k, v in state.items() if k != "step"}
-    with sp.AsyncCheckpointer() as ck:
+    with sp.AsyncCheckpointer(writer=writer) as ck:
         if is_cuda(device):
             torch.cuda._sleep(100_000_000)
         pending = ck.save(tmp / "freed", state)

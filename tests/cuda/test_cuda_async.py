@@ -30,3 +30,14 @@ def test_tensors_freed_right_after_save_are_still_saved(tmp_path: Path) -> None:
 
 def test_one_pinned_arena_for_a_hundred_saves(tmp_path: Path) -> None:
     _gpu.check_arena_reused(tmp_path, "cuda", saves=100, mib=4)
+
+
+def test_the_writer_process_stages_cuda_state_at_return(tmp_path: Path) -> None:
+    # The shared arena, registered with cudaHostRegister: copies as for the thread writer.
+    _gpu.check_async_captures_state_at_return(
+        tmp_path, "cuda", saves=3, rounds=500, mib=64, writer="process"
+    )
+
+
+def test_the_writer_process_saves_tensors_freed_right_after_save(tmp_path: Path) -> None:
+    _gpu.check_async_survives_freed_tensors(tmp_path, "cuda", mib=64, writer="process")

@@ -56,6 +56,12 @@ def test_async_survives_freed_tensors(tmp_path: Path) -> None:
     _gpu.check_async_survives_freed_tensors(tmp_path, "cpu", mib=2)
 
 
+def test_async_process_writer_captures_state_at_return(tmp_path: Path) -> None:
+    _gpu.check_async_captures_state_at_return(
+        tmp_path, "cpu", saves=2, rounds=20, mib=2, writer="process"
+    )
+
+
 def test_arena_reused(tmp_path: Path) -> None:
     _gpu.check_arena_reused(tmp_path, "cpu", saves=20, mib=1)
 

@@ -316,13 +316,13 @@ def test_compression_merges_into_a_blob_policy_without_one(tmp_path: Path) -> No
         tmp_path / "run", incremental=True, compression="zstd", blob_policy=POLICY
     )
     with mgr:
-        assert mgr._blob_policy == dataclasses.replace(POLICY, compression=Compression())
+        assert mgr._blob_handles.policy == dataclasses.replace(POLICY, compression=Compression())
     level3 = Compression(level=3)
     with sp.CheckpointManager(
         tmp_path / "run", incremental=True, compression=level3, blob_policy=POLICY
     ) as mgr:
         mgr.save(1, state(1))
-        assert mgr._blob_policy.compression == level3
+        assert mgr._blob_handles.policy.compression == level3
     same(sp.load(tmp_path / "run" / "latest"), state(1))
     # the same compression twice is no conflict
     sp.CheckpointManager(

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import traceback
 from typing import Any
 
 from savepoint import errors, errors_map
 
-__all__ = ["error_fields", "error_from", "receive", "reported", "send"]
+__all__ = ["WriterProcessTraceback", "error_fields", "error_from", "receive", "reported", "send"]
 
 _HEAD = struct.Struct("!Q")
 MAX_MESSAGE = 1 << 32  # a layout of millions of tensors is tens of MiB; refuse nonsense lengths
@@ -65,14 +66,24 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
+class WriterProcessTraceback(Exception):
+    """The ``__cause__`` of an error raised in the writer process: its traceback there, as text
+    (the exception objects themselves stay in that process; nothing is unpickled)."""
+
+
+_TRACEBACK_CHARS = 16_384  # the end of a longer traceback is kept
+
+
 def error_fields(exc: errors.CheckpointError) -> dict[str, Any]:
-    """A CheckpointError as a message's fields."""
+    """A CheckpointError as a message's fields, with the traceback of it and its causes."""
     number = getattr(exc, "errno", None)
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return {
         "type": type(exc).__name__,
         "message": exc.message,
         "path": exc.path,
         "errno": number if isinstance(number, int) else None,
+        "traceback": text[-_TRACEBACK_CHARS:],
     }
 
 
@@ -93,6 +104,11 @@ def error_from(fields: dict[str, Any]) -> errors.CheckpointError:
         error.message, error.path = message, path
     if isinstance(error, OSError):
         error.errno = number
+    remote = fields.get("traceback")
+    if isinstance(remote, str) and remote:
+        error.__cause__ = WriterProcessTraceback(
+            "in the savepoint writer process:\n" + remote[-_TRACEBACK_CHARS:]
+        )
     return error
 
 

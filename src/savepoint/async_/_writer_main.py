@@ -44,7 +44,7 @@ import numpy as np
 
 from savepoint import errors
 from savepoint.async_ import _wire
-from savepoint.async_.staging import BLOCK, Staged, StagedFile
+from savepoint.async_.staging import BLOCK, Staged, StagedFile, staged_sources
 from savepoint.codecs.safetensors import Entry
 from savepoint.engine import save as save_engine
 from savepoint.storage.paths import resolve
@@ -86,6 +86,54 @@ def main(argv: list[str] | None = None) -> int:
             pass  # the trainer is gone: the commit stands, nobody is left to tell
 
 
+# The memo and tracker of each blob store this process writes to (root -> (memo, tracker)):
+# unchanged chunks are named at XXH3 speed and changed rows found from the second save on, as
+# they are for the thread writer's checkpointer. Lost with the process: the next one hashes again.
+_MEMOS: dict[str, tuple[Any, Any]] = {}
+
+
+def _save_blobs(
+    message: dict[str, Any], staged: Staged, location: Any, progress: Any
+) -> dict[str, Any]:
+    """An incremental save: the blob store's save session over the staged bytes, then the
+    manifest committed; answered with the manifest's text (it names blobs the trainer never saw)."""
+    from savepoint.blobs import BlobPolicy, BlobStore, Compression, FastMemo
+    from savepoint.blobs.patch import PatchTracker, frozen_keys
+    from savepoint.codecs import manifest as mf
+    from savepoint.codecs.dtypes import BY_NAME
+    from savepoint.storage.local import LocalStore
+
+    spec = message["blobs"]
+    fields = dict(spec["policy"])
+    if fields.get("compression") is not None:
+        fields["compression"] = Compression(**fields["compression"])
+    policy = BlobPolicy(**fields)
+    blobs = BlobStore(LocalStore(), str(spec["root"]), algorithm=spec["algorithm"])
+    memo, tracker = _MEMOS.setdefault(blobs.root, (FastMemo(), PatchTracker()))
+    kinds = {
+        e.name: (BY_NAME[e.dtype], tuple(e.shape), str(message["kinds"][e.name][0]))
+        for f in staged.files
+        for e in f.entries
+    }
+    frozen = None if spec["frozen"] is None else frozen_keys(spec["frozen"])
+    with blobs.session() as session:
+        directory, manifest = save_engine.save_blobs(
+            location,
+            staged_sources(staged, kinds),
+            message["metadata"],
+            session=session,
+            policy=policy,
+            memo=memo if policy.memo else None,
+            tracker=tracker if policy.patches else None,
+            frozen=frozen,
+            max_file_bytes=int(message["max_file_bytes"]),
+            writers=int(message["writers"]),
+            direct=bool(message["direct"]),
+            progress=progress,
+        )
+    return {"op": "done", "directory": directory, "manifest": mf.dump(manifest).decode()}
+
+
 def _map(fds: list[int], size: int) -> np.ndarray[Any, Any]:
     """The arena, mapped from the descriptor the trainer sent (pages faulted in at once)."""
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -104,7 +152,8 @@ def _staged(message: dict[str, Any], arena: np.ndarray[Any, Any]) -> Staged:
         image = arena[offset : offset + -(-size // BLOCK) * BLOCK]
         entries = [Entry(n, d, tuple(s), a, b) for n, d, s, a, b in f["entries"]]
         files.append(StagedFile(f["name"], image[:header].tobytes(), entries, image, size))
-    return Staged(message["tree"], files, list(message["order"]))
+    checks = dict(message.get("checks") or {})  # hashed on the device while staged (mlh64)
+    return Staged(message["tree"], files, list(message["order"]), checks=lambda: checks)
 
 
 def _save(message: dict[str, Any], arena: np.ndarray[Any, Any], sock: socket.socket) -> Any:
@@ -114,6 +163,8 @@ def _save(message: dict[str, Any], arena: np.ndarray[Any, Any], sock: socket.soc
         location = resolve(target, what="checkpoint path")
         progress = _progress(sock, bool(message.get("progress")))
         _fault_before()
+        if "blobs" in message:
+            return _save_blobs(message, staged, location, progress)
         directory, manifest = save_engine.save_staged(
             location,
             staged,

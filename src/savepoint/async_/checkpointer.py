@@ -56,14 +56,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-import numpy as np
-
 from savepoint import info
 from savepoint.async_._wire import reported as _reported
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.process import ProcessWriter
-from savepoint.async_.staging import StagingArena
-from savepoint.codecs.dtypes import DType
+from savepoint.async_.staging import StagingArena, staged_sources
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
@@ -71,7 +68,7 @@ from savepoint.errors import UnsupportedStateError
 from savepoint.formats import boostr
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
-from savepoint.state.arrays import NumpySource, TensorSource
+from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import Location, PathArg, local_path
 from savepoint.storage.paths import resolve as resolve_path
 
@@ -377,11 +374,10 @@ class AsyncCheckpointer:
                 return distributed_save.save_flat(location, frozen, meta, self.options, sharded)
 
             return commit
-        if incremental is not None:
-            _thread_only(self.writer, "an incremental save (blobs=)")
-            return self._staged_blobs(location, state, meta, incremental)
         if self._process is not None:
-            return self._process.stage(location, state, meta, self.options)
+            return self._process.stage(location, state, meta, self.options, incremental)
+        if incremental is not None:
+            return self._staged_blobs(location, state, meta, incremental)
         # The previous save is finished (waited for above), so its arena may be overwritten.
         staged = self._arena.stage(tree.flatten(state), self.max_file_bytes)
 
@@ -413,15 +409,10 @@ class AsyncCheckpointer:
 
         def commit_blobs() -> info.CheckpointInfo:
             staged.wait()
-            sources: dict[str, TensorSource] = {}
-            for f in staged.files:
-                for e in f.entries:
-                    sources[e.name] = _ArenaSource(f.image[e.start : e.end], *kinds[e.name])
-            frozen = tree.Flat(staged.tree, {name: sources[name] for name in staged.order})
             with inc.blobs.session() as session:
                 directory, manifest = save_engine.save_blobs(
                     location,
-                    frozen,
+                    staged_sources(staged, kinds),
                     meta,
                     session=session,
                     policy=inc.policy,
@@ -488,6 +479,7 @@ def _incremental(
     from savepoint.blobs.patch import PatchTracker
 
     store = blobs if isinstance(blobs, BlobStore) else BlobStore.open(blobs)
+    matcher: Callable[[str], bool] | None = None
     policy = BlobPolicy() if policy is None else policy
     if not isinstance(policy, BlobPolicy):
         raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
@@ -496,6 +488,26 @@ def _incremental(
     if tracker is not None and not isinstance(tracker, PatchTracker):
         raise TypeError("tracker must be a savepoint.blobs.patch.PatchTracker")
     sinks.blob_store_path(location, store)  # reachable from the checkpoint
+    prefixes = None
+    if frozen is not None:
+        from savepoint.blobs.patch import frozen_keys
+
+        prefixes = (frozen,) if isinstance(frozen, str) else tuple(frozen)
+        matcher = frozen_keys(prefixes)
+    if ckpt.writer == "process":
+        # The writer process keeps the memo and tracker of its saves (one per blob store): they
+        # live where the chunks are hashed, and objects of this process cannot cross to it.
+        if memo is not None or tracker is not None:
+            raise ValueError(
+                "memo= and tracker= cannot be given with writer='process': the writer process "
+                "keeps its own (one per blob store, for all the saves it writes)"
+            )
+        if type(store.store) is not LocalStore:
+            raise ValueError(
+                f"writer='process' writes local blob stores only, not {store.url()}: use "
+                "AsyncCheckpointer(writer='thread')"
+            )
+        return _Incremental(store, policy, None, None, matcher, prefixes)
     if memo is None and policy.memo:
         with ckpt._lock:
             if ckpt._memo is None:
@@ -506,12 +518,7 @@ def _incremental(
             if ckpt._tracker is None:
                 ckpt._tracker = PatchTracker()
             tracker = ckpt._tracker
-    matcher = None
-    if frozen is not None:
-        from savepoint.blobs.patch import frozen_keys
-
-        matcher = frozen_keys(frozen)
-    return _Incremental(store, policy, memo, tracker, matcher)
+    return _Incremental(store, policy, memo, tracker, matcher, prefixes)
 
 
 def _writer(writer: str, options: SaveOptions) -> Writer:
@@ -543,21 +550,7 @@ class _Incremental:
     memo: Any
     tracker: Any
     frozen: Any = None  # Callable[[str], bool]: keys the caller says did not change
-
-
-class _ArenaSource(NumpySource):
-    """A staged tensor: its bytes in the staging arena (a uint8 view), with the dtype, shape and
-    kind of the tensor it was copied from."""
-
-    __slots__ = ()
-
-    def __init__(
-        self, data: np.ndarray[Any, Any], dtype: DType, shape: tuple[int, ...], kind: str
-    ) -> None:
-        super().__init__(data, "")
-        self.dtype = dtype
-        self.shape = shape
-        self.kind = kind
+    prefixes: tuple[str, ...] | None = None  # ...as the caller gave them (for the writer process)
 
 
 def _boostr_commit(

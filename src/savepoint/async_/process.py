@@ -22,6 +22,7 @@ fork, and a checkpointer it makes starts its own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import mmap
@@ -43,7 +44,7 @@ from savepoint.codecs import manifest as mf
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
-from savepoint.errors import CheckpointWriteError
+from savepoint.errors import CheckpointWriteError, UnsupportedStateError
 from savepoint.options import SaveOptions
 from savepoint.state import tree
 from savepoint.storage.local import LocalStore
@@ -65,6 +66,7 @@ class SharedArena(StagingArena):
         super().__init__()
         self.fd = -1
         self.generation = 0
+        self._registered: tuple[Any, int, mmap.mmap] | None = None  # cudaHostRegister'ed
 
     def _host_map(self, size: int) -> mmap.mmap:
         if hasattr(os, "memfd_create"):
@@ -82,6 +84,25 @@ class SharedArena(StagingArena):
         self.fd, self.generation = fd, self.generation + 1
         return m
 
+    def _pinned_map(self, size: int) -> Any:
+        """The shared memory, page-locked for CUDA (``cudaHostRegister``): device-to-host copies
+        into it are as fast and as asynchronous as into ``pin_memory=True`` tensors, and the
+        writer process maps the same pages. Unregistered when the arena is released."""
+        import torch
+
+        m = self._host_map(size)
+        tensor = torch.frombuffer(m, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        code = cudart.cudaHostRegister(tensor.data_ptr(), size, 0)
+        if int(code) != 0:
+            raise CheckpointWriteError(
+                f"cannot page-lock the {size}-byte staging arena shared with the writer process "
+                f"for CUDA (cudaHostRegister returned {code}); check the memlock limit "
+                "(ulimit -l) or use AsyncCheckpointer(writer='thread')"
+            )
+        self._registered = (cudart, tensor.data_ptr(), m)
+        return tensor
+
     def offset(self, image: np.ndarray[Any, Any]) -> int:
         """Where ``image`` (a view of the arena) starts in it."""
         assert self._array is not None
@@ -95,6 +116,10 @@ class SharedArena(StagingArena):
 
     def release(self) -> None:
         super().release()
+        if self._registered is not None:
+            cudart, pointer, _ = self._registered
+            self._registered = None
+            cudart.cudaHostUnregister(pointer)
         self._close_fd()
 
 
@@ -114,10 +139,18 @@ class ProcessWriter:
         return None if self._proc is None else self._proc.pid
 
     def stage(
-        self, location: Location, state: Any, meta: dict[str, Any], options: SaveOptions
+        self,
+        location: Location,
+        state: Any,
+        meta: dict[str, Any],
+        options: SaveOptions,
+        incremental: Any = None,
     ) -> functools.partial[info.CheckpointInfo]:
         """Copy ``state`` into the arena and hand the save over (the caller's part); the returned
-        function waits for the writer process's answer (the background thread's part)."""
+        function waits for the writer process's answer (the background thread's part).
+        ``incremental``: the checked blob store, policy and frozen prefixes of an incremental
+        save (``AsyncCheckpointer.save(blobs=...)``); the writer process runs its save session
+        with the memo and tracker it keeps for that blob store."""
         if type(location.store) is not LocalStore:
             raise ValueError(
                 f"writer='process' writes local directories only, not "
@@ -126,13 +159,10 @@ class ProcessWriter:
         target = os.path.abspath(location.path)
         self._ensure()  # its start-up overlaps the copy
         flat = tree.flatten(state)
-        if any(on_cuda(s) for s in flat.tensors.values()):
-            raise ValueError(
-                "writer='process' stages host (CPU) tensors only for now; for CUDA tensors use "
-                "AsyncCheckpointer(writer='thread')"
-            )
+        if incremental is not None and save_engine.has_shards(flat.tree):
+            raise UnsupportedStateError("blobs= is not supported for sharded states yet")
         staged = self.arena.stage(flat, options.max_file_bytes)
-        message = {
+        message: dict[str, Any] = {
             "op": "save",
             "path": target,
             "arena_size": self.arena.capacity,
@@ -153,10 +183,33 @@ class ProcessWriter:
             "metadata": meta,
             "direct": options.direct,
             "writers": options.writers,
+            "max_file_bytes": options.max_file_bytes,
             "progress": options.progress is not None,
         }
+        if incremental is not None:
+            message["blobs"] = _blobs_fields(incremental)
+            message["kinds"] = {n: [s.kind] for n, s in flat.tensors.items()}
+        if any(on_cuda(s) for s in flat.tensors.values()):
+            # CUDA copies land in the background: the save is handed over once they have (by
+            # the background thread), with the digests hashed on the device.
+            return functools.partial(
+                self._hand_over_then_answer, message, staged, location, meta, options
+            )
         self._hand_over(message)
         return functools.partial(self._answer, location, target, staged, meta, options)
+
+    def _hand_over_then_answer(
+        self,
+        message: dict[str, Any],
+        staged: Staged,
+        location: Location,
+        meta: dict[str, Any],
+        options: SaveOptions,
+    ) -> info.CheckpointInfo:
+        staged.wait()
+        message["checks"] = staged.checks()
+        self._hand_over(message)
+        return self._answer(location, message["path"], staged, meta, options)
 
     def _ensure(self) -> None:
         """A running writer process: a new one if none runs or the last one died while idle."""
@@ -222,6 +275,10 @@ class ProcessWriter:
                 options.progress(int(message["done"]), int(message["total"]))
             elif message["op"] == "error":
                 raise _wire.error_from(message)
+            elif message["op"] == "done" and "manifest" in message:
+                # An incremental save: its manifest names blobs the trainer never saw.
+                manifest = mf.parse(message["manifest"].encode())
+                return describe(location.store.url(message["directory"]), manifest)
             elif message["op"] == "done":
                 return _described(location, staged, meta, message)
 
@@ -273,6 +330,17 @@ class ProcessWriter:
                 proc.wait()
         self.arena.release()
         _LIVE.discard(self)
+
+
+def _blobs_fields(incremental: Any) -> dict[str, Any]:
+    """An incremental save's blob store, policy and frozen prefixes, as a message's fields."""
+    policy = dataclasses.asdict(incremental.policy)
+    return {
+        "root": incremental.blobs.root,
+        "algorithm": incremental.blobs.algorithm,
+        "policy": policy,
+        "frozen": None if incremental.prefixes is None else list(incremental.prefixes),
+    }
 
 
 def _described(

@@ -38,12 +38,13 @@ from typing import Any
 import numpy as np
 
 from savepoint.codecs import safetensors
+from savepoint.codecs.dtypes import DType
 from savepoint.engine import parallel
 from savepoint.engine.plan import plan_files
-from savepoint.state.arrays import TensorSource
+from savepoint.state.arrays import NumpySource, TensorSource
 from savepoint.state.tree import Flat, Node
 
-__all__ = ["Staged", "StagedFile", "StagingArena", "on_cuda"]
+__all__ = ["ArenaSource", "Staged", "StagedFile", "StagingArena", "on_cuda", "staged_sources"]
 
 BLOCK = 4096
 _PIECE = 16 << 20
@@ -103,9 +104,7 @@ class StagingArena:
         self._array = self._keep = None
         size = -(-int(needed * grow) // (2 << 20)) * (2 << 20)
         if pinned:
-            import torch
-
-            t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            t = self._pinned_map(size)
             t.fill_(0)
             self._keep, self._array = t, t.numpy()
         else:
@@ -115,6 +114,14 @@ class StagingArena:
             self._keep, self._array = m, a
         self.pinned = pinned
         return self._array
+
+    def _pinned_map(self, size: int) -> Any:
+        """Pinned host memory of ``size`` bytes, as a torch uint8 tensor (the caching host
+        allocator's here; the shared memory registered with CUDA in
+        :class:`savepoint.async_.process.SharedArena`)."""
+        import torch
+
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     def _host_map(self, size: int) -> mmap.mmap:
         """The host memory of an arena of ``size`` bytes (anonymous here; shared with the writer
@@ -204,3 +211,29 @@ def _pieces(
 def _copy_piece(bundle: list[tuple[TensorSource, np.ndarray[Any, Any], int]]) -> None:
     for source, dst, pos in bundle:
         source.copy_to(dst, pos)
+
+
+class ArenaSource(NumpySource):
+    """A staged tensor: its bytes in the staging arena (a uint8 view), with the dtype, shape and
+    kind of the tensor it was copied from."""
+
+    __slots__ = ()
+
+    def __init__(
+        self, data: np.ndarray[Any, Any], dtype: DType, shape: tuple[int, ...], kind: str
+    ) -> None:
+        super().__init__(data, "")
+        self.dtype = dtype
+        self.shape = shape
+        self.kind = kind
+
+
+def staged_sources(staged: Staged, kinds: dict[str, tuple[DType, tuple[int, ...], str]]) -> Flat:
+    """The staged state as a :class:`~savepoint.state.tree.Flat` whose sources are the arena's
+    bytes (``kinds``: each tensor's dtype, shape and kind as it was staged): what an incremental
+    save puts into the blob store, from the thread writer or the writer process alike."""
+    sources: dict[str, TensorSource] = {}
+    for f in staged.files:
+        for e in f.entries:
+            sources[e.name] = ArenaSource(f.image[e.start : e.end], *kinds[e.name])
+    return Flat(staged.tree, {name: sources[name] for name in staged.order})

@@ -101,17 +101,13 @@ and its books synced (steps 2-5, and the syncs of step 6); the result carries ``
 (128 + the signal). Retention decisions, deletions, restore choices and fallbacks, and preemption
 are logged (``logging``, logger ``savepoint.runs.manager``, INFO).
 
-``restore(into, step="latest")`` writes nothing: it reads checkpoints only, so it works on
-read-only media. Its bookkeeping (lineage, history truncated after the step resumed from) is
-written by the next save or by ``close()``. It tries the newest checkpoint first; one that fails
-verification is skipped with a warning and the next older one is tried. It returns the step
-restored, or None when the run has no checkpoint at all (a fresh start: the only case that returns
-None). If checkpoints exist but none is intact, it raises CorruptCheckpointError rather than start
-over. "latest" and "best" are resolved from the checkpoints and their metrics, never through the
-alias directories. Next to a live writer (``read_only=True``), a checkpoint the writer deletes or
-replaces while it is being read is never taken for a corrupt one: "latest" and "best" choose again
-(a read-only manager rereads the report's ``discarding`` and reads the metrics of checkpoints saved
-after it opened), an explicit step deleted meanwhile is CheckpointNotFoundError saying so.
+``restore(into, step="latest")`` and ``peek`` write nothing (they work on read-only media); which
+checkpoint they read, its fallbacks ("latest" falls back to an older intact step, "best" and
+explicit steps are never substituted), tiers as sources and a checkpoint a live writer deletes
+or replaces meanwhile: :mod:`savepoint.runs.restoring`. The resume's bookkeeping (lineage,
+history truncated after the step resumed from) is written by the next save or by ``close()``.
+Incremental runs' blob store (saves into it, collection, scrubbing):
+:mod:`savepoint.runs.incremental`.
 """
 
 from __future__ import annotations
@@ -120,7 +116,6 @@ import atexit
 import contextlib
 import dataclasses
 import errno
-import functools
 import logging
 import os
 import signal
@@ -138,11 +133,7 @@ from savepoint.async_.pending import PendingSave
 from savepoint.commit.transaction import discard
 from savepoint.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointWriteError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    MissingCheckpointError,
     RunLockedError,
 )
 from savepoint.info import CheckpointInfo
@@ -153,6 +144,7 @@ from savepoint.runs.catalog import Catalog
 from savepoint.runs.config import ManagerConfig
 from savepoint.runs.config import seconds as _grace
 from savepoint.runs.gc import GcReport, collect
+from savepoint.runs.incremental import BlobHandles
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.policies import Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.preemption import (
@@ -166,6 +158,7 @@ from savepoint.runs.report import (
     Report,
     count_elements,
 )
+from savepoint.runs.restoring import Restorer, StepSpec
 from savepoint.runs.settle import Settle
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.base import Store
@@ -175,9 +168,6 @@ __all__ = ["CheckpointManager", "PreemptionSave", "StepSpec", "reader"]
 
 log = logging.getLogger(__name__)
 
-StepSpec = int | Literal["latest", "best"]
-_RESTORE_TRIES = 20
-RUN_DIRECTORY = "run directory"  # restored_from for a checkpoint read from the run itself
 # Managers whose background step (verification, retention) may still run or failed unreported:
 # finished (and a failure printed) at interpreter exit.
 _LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
@@ -283,17 +273,12 @@ class CheckpointManager:
         """The open (runs.opening) of a manager asked for ``config``: see :func:`reader`."""
         self._config = config
         self._run = resolve(directory, what="run directory")
-        # Incremental saves (see _save_blobs): the run's blob store, opened at the first save,
-        # and one digest memo for every save of this manager.
-        self._blob_store: Any = None
-        self._blob_memo: Any = None
-        self._blob_tracker: Any = None
-        if config.incremental:
-            from savepoint.blobs import FastMemo
-            from savepoint.blobs.patch import PatchTracker
-
-            self._blob_memo = FastMemo()
-            self._blob_tracker = PatchTracker()
+        # Incremental saves: the run's blob store and what its saves share (runs.incremental).
+        self._blob_handles = (
+            BlobHandles(self._run, policy=config.blob_policy, frozen=config.frozen)
+            if config.incremental
+            else None
+        )
         # The run's checkpoints and their metrics (runs.catalog), and its books (report, history
         # log, lineage, aliases: runs.books).
         self._catalog = Catalog(
@@ -302,6 +287,8 @@ class CheckpointManager:
         self._books = Books(
             self._run, self._catalog, retention=config.retention, aliases=config.aliases
         )
+        # Which checkpoint restore() and peek() read, and from where (runs.restoring).
+        self._restorer = Restorer(self._run, self._catalog, self._books.steps_now)
         self._lock = threading.RLock()
         # save(), restore() and close() run one at a time (threads sharing a manager): two saves
         # at once would stage into one buffer, or verify a checkpoint the other is replacing.
@@ -313,8 +300,8 @@ class CheckpointManager:
             self._lock,
             retention=config.retention,
             verify_before_prune=config.verify_before_prune,
-            collect=_weakly(self._collect_blobs),
-            scrub=_weakly(self._scrub_blobs),
+            collect=_nothing if self._blob_handles is None else self._blob_handles.collect,
+            scrub=_nothing if self._blob_handles is None else self._blob_handles.scrub,
         )
         stop_worker = weakref.finalize(self, self._settle.worker.stop)
         stop_worker.atexit = False  # (at exit the worker finishes its step: see _finish_at_exit)
@@ -325,8 +312,6 @@ class CheckpointManager:
         self._noticed_at: float | None = None  # when preempted() first answered True
         self._write_seconds: float | None = None  # how long the last save took to commit
         self._preempt_sync_error: CheckpointError | None = None
-        # Where the last restore read its checkpoint from ("run directory" or a tier's name).
-        self.restored_from: str | None = None
         self._closed = False
         self._last_saved: int | None = None
         self._best_warned = False
@@ -338,6 +323,7 @@ class CheckpointManager:
             self._run, config, self._books, self._settle, check_consistent=check_consistent
         ).open(self)
         self.run = self._opened.run
+        self._restorer.tiers = self._opened.tiers
         # Set by save_on_preemption: an async save it gives up on stops at its next write.
         self._abandon = _Abandon(self.save_options.progress)
         self._async = (
@@ -393,7 +379,7 @@ class CheckpointManager:
         """Why the manager is read-only (None when it writes)."""
         return self._opened.read_only_reason
 
-    # (for the save route, restore and the blob handles)
+    # (for the save route and the preemption flow)
 
     @property
     def _store(self) -> Store:
@@ -414,14 +400,6 @@ class CheckpointManager:
     @property
     def _preemption(self) -> Preemption | None:
         return self._opened.preemption
-
-    @property
-    def _blob_policy(self) -> Any:
-        return self._config.blob_policy
-
-    @property
-    def _frozen(self) -> tuple[str, ...] | None:
-        return self._config.frozen
 
     def _finish_open_run(self) -> None:
         """Write ``run.json`` again (a writer's): the first save counted the parameters."""
@@ -445,13 +423,16 @@ class CheckpointManager:
         verification), or None."""
         return self._catalog.best_among(self.steps())
 
-    def _best_among(self, steps: list[int]) -> int | None:
-        return self._catalog.best_among(steps)
-
     @property
     def report(self) -> Report:
         """The run's report as this manager keeps it (``report.json`` once written)."""
         return self._books.report
+
+    @property
+    def restored_from(self) -> str | None:
+        """Where the last restore (or peek) read its checkpoint: "run directory" or a tier's
+        name; None before the first."""
+        return self._restorer.restored_from
 
     @property
     def best_metric(self) -> str | None:
@@ -474,9 +455,6 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> dict[str, Any]:
         return dict(self._catalog.metrics.get(step, {}))
-
-    def _metrics_of(self, step: int) -> dict[str, Any]:
-        return self._catalog.metrics_of(step)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -571,17 +549,8 @@ class CheckpointManager:
                     self._finish_open_run()
 
         if self._async is not None and not preempt:
-            incremental: dict[str, Any] = {}
-            if self.incremental:
-                # The background thread runs the blob store's save session, then (committed:
-                # retention and the blob collection) after the session is closed.
-                incremental = {
-                    "blobs": self._blobs(),
-                    "blob_policy": self._blob_policy,
-                    "memo": self._blob_memo,
-                    "tracker": self._blob_tracker,
-                    "frozen": self._frozen,
-                }
+            blobs = self._blob_handles
+            incremental = {} if blobs is None else blobs.async_options()
             try:
                 pending = self._async.save(
                     target, state, metadata=meta, on_commit=committed, **incremental
@@ -601,8 +570,8 @@ class CheckpointManager:
         # Done when the background step (verification, retention) is: wait() raises its error.
         settled = PendingSave(self.step_path(step), step)
         try:
-            if self.incremental:
-                info = self._save_blobs(target, state, meta)
+            if self._blob_handles is not None:
+                info = self._blob_handles.save(target, state, meta, self.save_options)
             else:
                 info = checkpoint.save(target, state, metadata=meta, **self.save_options.changed())
         except BaseException:
@@ -613,85 +582,6 @@ class CheckpointManager:
         if not flight.background:
             settled.set_result(info)
         return settled
-
-    def _blobs(self) -> Any:
-        """The run's blob store, ``<run>/blobs`` (created at the first incremental save). The
-        first use removes what dead processes of this host left in flight there."""
-        if self._blob_store is None:
-            from savepoint.blobs import RUN_BLOBS, BlobStore
-
-            blobs = BlobStore(self._store, self._store.join(self._run.path, RUN_BLOBS))
-            self._clear_dead_records(blobs)
-            self._blob_store = blobs
-        return self._blob_store
-
-    def _clear_dead_records(self, blobs: Any) -> None:
-        """Remove the blob store records dead processes of this host left
-        (:func:`savepoint.blobs.gc.clear_dead_records`), before the first save and at gc()."""
-        from savepoint.blobs.gc import clear_dead_records
-
-        try:
-            removed = clear_dead_records(blobs)
-        except OSError as exc:  # (CheckpointError included) the timeouts deal with them
-            log.warning("%s: cannot look for dead saves' blob records: %s", self.directory, exc)
-            return
-        if removed:
-            log.info(
-                "%s: removed %d blob store records of dead processes of this host",
-                self.directory,
-                removed,
-            )
-
-    def _save_blobs(self, target: str | Location, state: Any, meta: dict[str, Any]) -> Any:
-        """An incremental save of checkpoint ``target`` into the run's blob store."""
-        o = self.save_options
-        return checkpoint.save_incremental(
-            target,
-            state,
-            meta,
-            self._blobs(),
-            self._blob_policy,
-            o.max_file_bytes,
-            o.writers,
-            o.direct,
-            o.progress,
-            memo=self._blob_memo,
-            tracker=self._blob_tracker,
-            frozen=self._frozen,
-            # Sharded: every rank puts its pieces; when this returns on rank 0 every rank has
-            # closed its session, so the collection after retention (rank 0's) is not deferred.
-            process_group=o.process_group,
-            timeout=o.timeout,
-        )
-
-    def _referenced_blobs(self) -> set[str]:
-        """The blob digests every committed checkpoint of the run names: each step directory
-        (pending deletions included, until they are gone) and the aliases that are copies.
-        A manifest that cannot be read raises: the collection then deletes nothing."""
-        from savepoint.engine.read import blob_digests
-
-        store, run = self._store, self._run.path
-        steps = [self._step(s) for s in layout.committed_steps(self._run)]
-        aliases = [Location(store, store.join(run, a)) for a in (layout.LATEST, layout.BEST)]
-        return blob_digests(steps + aliases)
-
-    def _collect_blobs(self) -> None:
-        """Delete the run's blobs no committed checkpoint names (after retention deleted
-        checkpoints). A failure is logged and left for the next collection."""
-        if not self.incremental or self._blob_store is None:
-            return
-        try:
-            report = self._blob_store.collect(self._referenced_blobs, grace=0)
-        except (CheckpointError, OSError) as exc:
-            log.warning("%s: cannot collect unused blobs yet: %s", self.directory, exc)
-            return
-        if report.deleted:
-            log.info(
-                "%s: deleted %d unused blobs (%d bytes)",
-                self.directory,
-                len(report.deleted),
-                report.bytes_freed,
-            )
 
     def _warn_unranked(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Warn (once per manager) when a save gives metrics but none named ``best_metric`` (a
@@ -850,31 +740,6 @@ class CheckpointManager:
         return False
 
     # -- the background step of a save (runs.settle) ------------------------------------------
-
-    def _scrub_blobs(self, step: int) -> None:
-        """Delete the damaged blobs checkpoint ``step`` names (it did not verify): dedupe would
-        otherwise name them in every later save; the next save writes them again from the
-        state it is given. Best effort: a failure is logged."""
-        from savepoint.engine.read import blob_digests
-
-        if not self.incremental:
-            return
-        try:
-            removed = self._blobs().scrub(blob_digests([self._step(step)]))
-        except (CheckpointError, OSError) as exc:
-            log.warning(
-                "%s: cannot check the blobs of checkpoint %d: %s", self.directory, step, exc
-            )
-            return
-        if removed:
-            log.warning(
-                "%s: removed %d damaged blob(s) named by checkpoint %d (%s); the next save "
-                "writes their content again",
-                self.directory,
-                len(removed),
-                step,
-                ", ".join(d[:12] for d in removed),
-            )
 
     def _join_background(self) -> None:
         """Wait for the background step of the last save (not from that step itself)."""
@@ -1166,7 +1031,7 @@ class CheckpointManager:
         self._check_open()
         with self._saving:
             self.wait()
-            found = self._read(step, {**load_options, "into": into})
+            found = self._restorer.read(step, {**load_options, "into": into})
             if found is None:
                 log.info("%s: no checkpoint to restore: a fresh start", self.directory)
                 return None
@@ -1191,166 +1056,8 @@ class CheckpointManager:
         self._check_open()
         with self._saving:
             self.wait()
-            found = self._read(step, {**load_options, "keys": keys})
+            found = self._restorer.read(step, {**load_options, "keys": keys})
             return None if found is None else found[1]
-
-    def _read(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
-        """Load checkpoint ``step`` with ``load_options``: (the step loaded, what
-        :func:`savepoint.load` returned), or None when the run has no checkpoint at all."""
-        if not (isinstance(step, int) and not isinstance(step, bool)) and step not in (
-            "latest",
-            "best",
-        ):
-            raise ValueError(f"step must be 'latest', 'best' or an int, not {step!r}")
-        for _ in range(_RESTORE_TRIES):
-            self._refresh_view()
-            try:
-                return self._restore_once(step, load_options)
-            except _Moved:
-                continue
-        raise CheckpointNotFoundError(
-            f"{self.directory}: each checkpoint chosen to restore ({step!r}) was deleted or "
-            f"replaced by the run's writer before it could be read ({_RESTORE_TRIES} tries); try "
-            "again, or restore a step retention keeps",
-            path=self.directory,
-        )
-
-    def _restore_once(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
-        """One attempt of :meth:`_read`; raises _Moved when the checkpoint chosen was deleted
-        or replaced while it was being read. With tiers, a step is read from the run directory
-        first, then from each tier holding it (fastest first); "latest" then falls back to
-        older steps."""
-        steps = self.steps()
-        copies = self._tiers.candidates() if self._tiers is not None else {}
-        if step == "latest":
-            every = sorted(set(steps) | set(copies))
-            if not every:
-                return None
-            failures = []
-            for candidate in reversed(every):
-                for source, load in self._sources(candidate, steps, copies):
-                    try:
-                        loaded = load(load_options)
-                    except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-                        failures.append(
-                            f"step {candidate}: {exc}"
-                            if not copies
-                            else f"step {candidate} ({source}): {exc}"
-                        )
-                        log.info(
-                            "%s: checkpoint %d (%s) failed verification, trying another copy or "
-                            "an older one: %s",
-                            self.directory,
-                            candidate,
-                            source,
-                            exc,
-                        )
-                        where = "" if not copies else f" ({source})"
-                        warnings.warn(
-                            f"checkpoint {candidate} of {self.directory}{where} failed "
-                            f"verification, trying an older one: {exc}"
-                            if not copies
-                            else f"checkpoint {candidate} of {self.directory}{where} failed "
-                            f"verification, trying another copy or an older one: {exc}",
-                            stacklevel=4,
-                        )
-                        continue
-                    return self._restored(candidate, source, loaded)
-            raise CorruptCheckpointError(
-                f"{self.directory}: no intact checkpoint among {len(every)}: "
-                + "; ".join(failures),
-                path=self.directory,
-            )
-        if step == "best":
-            best = self.best_step()
-            if best is None:
-                raise MissingCheckpointError(
-                    f"{self.directory}: no best checkpoint (best_metric={self._catalog.best_metric!r}): "
-                    "no checkpoint has a finite value for that metric"
-                    if self._catalog.best_metric is not None
-                    else f"{self.directory}: no best checkpoint: the run ranks no metric; open it "
-                    "with best_metric=... to choose one",
-                    path=self.directory,
-                )
-            return self._first_intact(best, steps, copies, load_options)
-        assert isinstance(step, int)
-        if step not in steps and step not in copies:
-            held = f"it has {steps}"
-            if copies:
-                held += f"; its tiers have {sorted(copies)}"
-            raise CheckpointNotFoundError(
-                f"{self.directory} has no checkpoint for step {step} ({held})",
-                path=self.step_path(step),
-            )
-        try:
-            return self._first_intact(step, steps, copies, load_options)
-        except _Moved:
-            if self._catalog.manifest_id(step) is not None:
-                raise  # replaced by a new save of that step: read the new one
-            raise CheckpointNotFoundError(
-                f"checkpoint {step} of {self.directory} was deleted while it was being restored "
-                "(the run's writer pruned it); choose a step the run still has",
-                path=self.step_path(step),
-            ) from None
-
-    def _sources(
-        self, step: int, steps: list[int], copies: dict[int, list[tuple[Tier, Location]]]
-    ) -> list[tuple[str, Callable[[dict[str, Any]], Any]]]:
-        """Where checkpoint ``step`` can be read, in the order to try: the run directory, then
-        the tiers holding a copy (fastest first); each as (its name, a load function)."""
-        found: list[tuple[str, Callable[[dict[str, Any]], Any]]] = []
-        if step in steps or step not in copies:
-            # (not listed and no copy: read it all the same; a live writer's deletion then
-            # shows as _Moved, and a restore chooses again)
-            found.append((RUN_DIRECTORY, lambda options: self._load(step, options)))
-        for tier, where in copies.get(step, ()):
-            found.append((tier.label, functools.partial(_load_copy, layout.checkpoint_arg(where))))
-        return found
-
-    def _first_intact(
-        self,
-        step: int,
-        steps: list[int],
-        copies: dict[int, list[tuple[Tier, Location]]],
-        load_options: dict[str, Any],
-    ) -> tuple[int, Any]:
-        """Checkpoint ``step`` from the first of its copies that loads (never another step)."""
-        sources = self._sources(step, steps, copies)
-        for i, (source, load) in enumerate(sources):
-            try:
-                return self._restored(step, source, load(load_options))
-            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-                if i == len(sources) - 1:
-                    raise
-                log.warning(
-                    "%s: checkpoint %d (%s) failed verification, trying its copy on %s: %s",
-                    self.directory,
-                    step,
-                    source,
-                    sources[i + 1][0],
-                    exc,
-                )
-        raise AssertionError("unreachable: a step always has a source")
-
-    def _restored(self, step: int, source: str, loaded: Any) -> tuple[int, Any]:
-        self.restored_from = source
-        if self._tiers is not None:
-            log.info("%s: step %d read from %s", self.directory, step, source)
-        return step, loaded
-
-    def _load(self, step: int, load_options: dict[str, Any]) -> Any:
-        """Load checkpoint ``step``; _Moved if it was deleted or replaced meanwhile (a failure
-        that must not be taken for corruption)."""
-        before = self._catalog.manifest_id(step)
-        try:
-            return checkpoint.load(self._checkpoint(step), **load_options)
-        except (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError):
-            if before is None or self._catalog.manifest_id(step) != before:
-                raise _Moved from None
-            raise
-
-    def _refresh_view(self) -> None:
-        self._catalog.refresh()
 
     def _resumed(self, step: int) -> int:
         """The run continues from ``step``: in memory now; on disk with the next save or
@@ -1393,13 +1100,9 @@ class CheckpointManager:
                 if not dry_run:
                     self._check_writer()
                 report = collect(self._run, grace=grace, dry_run=dry_run, lock=False)
-                if not dry_run:
-                    if self.incremental:
-                        fresh = self._blob_store is None
-                        blobs = self._blobs()  # (a fresh one clears dead records itself)
-                        if not fresh:
-                            self._clear_dead_records(blobs)
-                    self._collect_blobs()
+                if not dry_run and self._blob_handles is not None:
+                    self._blob_handles.before_gc()
+                    self._blob_handles.collect()
                 return report
 
     def wait(self) -> None:
@@ -1538,10 +1241,6 @@ class CheckpointManager:
         return f"CheckpointManager({self.directory!r}, retention={self.retention!r}{mode})"
 
 
-class _Moved(Exception):
-    """The checkpoint being restored was deleted or replaced by the run's writer meanwhile."""
-
-
 @dataclasses.dataclass
 class _AsyncSave:
     """A background save, for the save policy: the step and the last save before it."""
@@ -1579,17 +1278,8 @@ class _Abandon:
             self.user(done, total)
 
 
-def _weakly(method: Callable[..., None]) -> Callable[..., None]:
-    """``method`` holding no reference to its manager: a manager nobody closed is freed once
-    dropped (its finalizer releases the run's lock), not at the next cyclic collection."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-
-    return call
+def _nothing(*_: object) -> None:
+    """The background step's blob callbacks of a run that is not incremental."""
 
 
 def _forget_in_child() -> None:
@@ -1627,10 +1317,6 @@ def _signal_name(signum: int | None) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _load_copy(where: str | Location, options: dict[str, Any]) -> Any:
-    return checkpoint.load(where, **options)
 
 
 def reader(directory: PathArg, *, check_consistent: bool = True) -> CheckpointManager:

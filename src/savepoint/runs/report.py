@@ -114,6 +114,7 @@ REPORT_FILE = "report.json"
 REPORT_VERSION = 2  # 1: the history inline (before issue 16); 2: the history in the log
 MAX_JSON_BYTES = 64 << 20
 _HISTORY_FIELDS = ("loss_history", "metric_history")
+_OMITTED_WHEN_NONE = ("run_id", "save_intervals")  # (files written before them stay byte-identical)
 
 
 def now_iso() -> str:
@@ -191,6 +192,9 @@ class Report:
     config_changes: list[dict[str, Any]] = field(default_factory=list)
     verify_failures: list[dict[str, Any]] = field(default_factory=list)
     run_id: str | None = None
+    # What a save policy that watches its saves achieved (policies.Continuous.achieved): the
+    # intervals between saves and their times to durable. Absent from report.json when None.
+    save_intervals: dict[str, Any] | None = None
 
     @classmethod
     def for_run(cls, run: RunInfo) -> Report:
@@ -222,7 +226,8 @@ class Report:
         return {
             f.name: copy.deepcopy(getattr(self, f.name))
             for f in fields(self)
-            if f.name not in _HISTORY_FIELDS and not (f.name == "run_id" and self.run_id is None)
+            if f.name not in _HISTORY_FIELDS
+            and not (f.name in _OMITTED_WHEN_NONE and getattr(self, f.name) is None)
         }
 
     @classmethod
@@ -230,7 +235,7 @@ class Report:
         if not isinstance(doc, dict) or doc.get("format") != "savepoint-report":
             raise CorruptCheckpointError(f"{path} is not a savepoint report.json", path=path)
         _check_version(doc, path, REPORT_VERSION)
-        kinds = {
+        kinds: dict[str, type | tuple[type, ...]] = {
             "metric_history": dict,
             "loss_history": list,
             "lineage": list,
@@ -238,12 +243,12 @@ class Report:
             "discarding": list,
             "config_changes": list,
             "verify_failures": list,
+            "save_intervals": (dict, type(None)),
         }
         for key, kind in kinds.items():
-            if not isinstance(doc.get(key, kind()), kind):
-                raise CorruptCheckpointError(
-                    f"{path}: {key} must be a JSON {kind.__name__}", path=path
-                )
+            if key in doc and not isinstance(doc[key], kind):
+                name = kind.__name__ if isinstance(kind, type) else "object or null"
+                raise CorruptCheckpointError(f"{path}: {key} must be a JSON {name}", path=path)
         best = doc.get("best")
         if best is not None and not (
             isinstance(best, dict)
@@ -284,6 +289,7 @@ class Report:
                 config_changes=[dict(c) for c in doc.get("config_changes", [])],
                 verify_failures=[dict(c) for c in doc.get("verify_failures", [])],
                 run_id=_run_id(doc.get("run_id"), path),
+                save_intervals=doc.get("save_intervals"),
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CorruptCheckpointError(

@@ -1,12 +1,15 @@
 """``sp.open_run(directory)``: a read-only view of a run directory.
 
 The view writes nothing, ever: no lock, no repair, no report rewrite, no temporary; it works on
-read-only media and next to a live writer. It is a read-only :class:`CheckpointManager` that also
-opens runs whose files disagree (so that :meth:`RunView.problems` can list what is wrong), and it
-shares the manager's reading logic: "latest" and "best" are resolved from the checkpoints and
-their metrics, a "latest" that fails verification is skipped with a warning for the next older
-one, and a checkpoint the writer deletes or replaces while it is read is chosen again, never
-taken for a corrupt one.
+read-only media and next to a live writer. It opens the run as a read-only
+:class:`CheckpointManager` that also opens runs whose files disagree (so that
+:meth:`RunView.problems` can list what is wrong), and reads through the run's parts, as the manager
+does: the checkpoints and their metrics (:class:`~savepoint.runs.catalog.Catalog`, reread from
+the run as a live writer changes it) and the choice of restore
+(:class:`~savepoint.runs.restoring.Restorer`): "latest" and "best" are resolved from the
+checkpoints and their metrics, a "latest" that fails verification is skipped with a warning for
+the next older one, and a checkpoint the writer deletes or replaces while it is read is chosen
+again, never taken for a corrupt one.
 
 The consistency check (:func:`run_problems`) is the one ``savepoint ls``, ``savepoint report``
 and ``savepoint verify RUN`` print: ``run.json`` against ``report.json`` (variant, config,
@@ -17,13 +20,16 @@ snapshot: a save in progress may show a disagreement that its next step resolves
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, RunMismatchError
 from savepoint.runs import aliases, layout
-from savepoint.runs.manager import CheckpointManager, StepSpec, reader
+from savepoint.runs.catalog import Catalog
+from savepoint.runs.manager import CheckpointManager, reader
 from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
+from savepoint.runs.restoring import Restorer, StepSpec
 from savepoint.storage.base import read_error
 from savepoint.storage.paths import PathArg, resolve
 
@@ -66,6 +72,18 @@ class RunView:
             )
         # A read-only manager that opens inconsistent runs too (the view lists their problems).
         self._manager: CheckpointManager = reader(self._run, check_consistent=False)
+        # The view's own catalog (read-only: reread as the writer changes the run) and restorer;
+        # the steps the report listed at open are looked up even where a listing lacks them.
+        self._catalog = Catalog(
+            self._run,
+            best_metric=self._manager.best_metric,
+            best_mode=self._manager.best_mode,
+            read_only=True,
+        )
+        listed = list(self._manager.report.checkpoints)
+        self._restorer = Restorer(
+            self._run, self._catalog, functools.partial(self._catalog.steps, listed)
+        )
 
     @property
     def info(self) -> RunInfo:
@@ -79,8 +97,8 @@ class RunView:
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint that is part of the run, ascending."""
-        self._manager._refresh_view()
-        return self._manager.steps()
+        self._catalog.refresh()
+        return self._restorer.steps()
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -88,12 +106,11 @@ class RunView:
 
     def best_step(self) -> int | None:
         """The best step by the metric the run ranks by (its report's), or None."""
-        self._manager._refresh_view()
-        return self._manager.best_step()
+        return self._catalog.best_among(self.steps())
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics saved with checkpoint ``step`` (empty if none, or no such checkpoint)."""
-        return dict(self._manager._metrics_of(step))
+        return dict(self._catalog.metrics_of(step))
 
     def checkpoint_path(self, step: StepSpec = "latest") -> str:
         """The directory of checkpoint ``step`` ("latest", "best" or a number); loadable with
@@ -103,7 +120,7 @@ class RunView:
         if step == "latest":
             number = steps[-1] if steps else None
         elif step == "best":
-            number = self._manager._best_among(steps)
+            number = self._catalog.best_among(steps)
             if number is None:
                 raise MissingCheckpointError(
                     f"{self.directory} has no best checkpoint (no metric ranks its checkpoints)",
@@ -127,7 +144,7 @@ class RunView:
         """Load checkpoint ``step`` as :func:`savepoint.load` does (the saved tree, or ``into``
         restored in place; ``keys`` selects paths), choosing it as ``CheckpointManager.restore``
         does. CheckpointNotFoundError when the run has no checkpoint."""
-        found = self._manager._read(step, {**load_options, "into": into, "keys": keys})
+        found = self._restorer.read(step, {**load_options, "into": into, "keys": keys})
         if found is None:
             raise CheckpointNotFoundError(
                 f"{self.directory} has no checkpoint yet", path=self.directory
@@ -139,7 +156,8 @@ class RunView:
     ) -> Any:
         """As ``CheckpointManager.peek``: the values of ``keys``, None when there is no
         checkpoint."""
-        return self._manager.peek(keys, step, **load_options)
+        found = self._restorer.read(step, {**load_options, "keys": keys})
+        return None if found is None else found[1]
 
     def problems(self) -> list[str]:
         """Every disagreement between run.json, report.json, the checkpoints and the aliases

@@ -1,0 +1,121 @@
+"""Continuous checkpointing (issue 27): a training loop whose step takes about 50 ms, saving with
+``CheckpointManager(save_policy=sp.policies.Continuous(), async_save=True)`` at every step (the
+policy skips the steps while a save is in flight).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_continuous.py [--mib 64] [--seconds 20] [--rounds 3]
+        [--writer thread|process] [--min-interval 0] [--dir /tmp/sp-continuous]
+
+Each round runs the loop for ``--seconds`` with no checkpointing, then for ``--seconds`` with
+continuous checkpointing of a ``--mib`` state (float32 tensors, changed a little every step), and
+reads what the policy achieved from the run's ``report.json`` (``save_intervals``). Printed, as
+medians over the rounds:
+
+- achieved interval / time to durable: the interval between save starts against the time one
+  save takes to become durable (target: at most 1.2);
+- throughput with continuous saves / without (target: at least 0.95).
+
+The step is a fixed amount of matmul work calibrated at start to take about 50 ms alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+
+import torch
+
+import savepoint as sp
+
+MiB = 1 << 20
+
+
+def calibrate(target: float = 0.05) -> int:
+    """Matmul iterations that take about ``target`` seconds."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    n = 8
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            a = torch.tanh(a @ b) * 0.5
+        elapsed = time.perf_counter() - t0
+        if elapsed >= target / 2:
+            return max(1, round(n * target / elapsed))
+        n *= 2
+
+
+def make_state(mib: float) -> dict[str, torch.Tensor]:
+    n = max(1, int(mib * MiB) // (4 * MiB))
+    return {f"layer{i}.weight": torch.randn(MiB) for i in range(n)}
+
+
+def loop(
+    iters: int, seconds: float, state: dict[str, torch.Tensor], mgr: sp.CheckpointManager | None
+) -> float:
+    """Steps per second for ``seconds``; with ``mgr``, ``mgr.save`` at every step."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    first = next(iter(state.values()))
+    steps = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(iters):
+            a = torch.tanh(a @ b) * 0.5
+        first[steps % first.numel()] += 1.0  # the state changes every step
+        if mgr is not None:
+            mgr.save(steps, state)
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    if mgr is not None:
+        mgr.wait()
+    return steps / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--mib", type=float, default=64.0)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--writer", choices=["thread", "process"], default="thread")
+    ap.add_argument("--min-interval", type=float, default=0.0)
+    ap.add_argument("--dir", default="/tmp/sp-continuous")
+    args = ap.parse_args()
+    iters = calibrate()
+    state = make_state(args.mib)
+    print(
+        f"torch {torch.__version__}, savepoint {sp.__version__}, {os.cpu_count()} cores; "
+        f"{len(state)} tensors, {args.mib:.0f} MiB; a step is {iters} matmuls (~50 ms); "
+        f"writer={args.writer}"
+    )
+    ratios, speeds = [], []
+    for rnd in range(args.rounds):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        alone = loop(iters, args.seconds, state, None)
+        policy = sp.policies.Continuous(min_interval=args.min_interval)
+        with sp.CheckpointManager(
+            args.dir, keep_last=2, async_save=True, writer=args.writer, save_policy=policy
+        ) as mgr:
+            during = loop(iters, args.seconds, state, mgr)
+        with open(os.path.join(args.dir, "report.json")) as f:
+            achieved = json.load(f)["save_intervals"]
+        interval, durable = achieved["interval_median_s"], achieved["durable_median_s"]
+        ratios.append(interval / durable)
+        speeds.append(during / alone)
+        print(
+            f"round {rnd + 1}: {alone:.1f} steps/s alone, {during:.1f} with saves; "
+            f"{achieved['saves']} saves, interval {interval:.3f} s, durable after {durable:.3f} s"
+        )
+    med = statistics.median
+    print(f"  achieved interval / time to durable      {med(ratios):5.2f}  (target <= 1.2)")
+    print(f"  throughput with continuous saves / none  {med(speeds):5.2f}  (target >= 0.95)")
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
