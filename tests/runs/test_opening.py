@@ -23,6 +23,13 @@ from savepoint.runs.settle import Settle
 from savepoint.storage.paths import Location, resolve
 
 
+class Owner:
+    """Stands for the manager an open belongs to."""
+
+
+OWNERS: list[Owner] = []  # kept for the whole session: a lock is released by hand
+
+
 def fresh() -> Location:
     return resolve(f"memory://opening/{uuid.uuid4().hex}", what="run directory")
 
@@ -40,11 +47,9 @@ def open_alone(run: Location, *, check_consistent: bool = True, **arguments: obj
         collect=lambda: None,
         scrub=lambda step: None,
     )
-    owner = type("Owner", (), {})()  # (its finalizers release the locks)
-    opened = Opening(run, config, books, settle, check_consistent=check_consistent).open(owner)
-    opened.owner = owner  # type: ignore[attr-defined]  (kept alive with the record)
-    opened.books = books  # type: ignore[attr-defined]
-    return opened
+    owner = Owner()  # (the open's finalizers release its locks once the owner is gone)
+    OWNERS.append(owner)
+    return Opening(run, config, books, settle, check_consistent=check_consistent).open(owner)
 
 
 def files(run: Location) -> list[str]:
