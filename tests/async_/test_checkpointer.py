@@ -473,11 +473,13 @@ def test_keywords_override_options_as_in_the_manager(
         assert m.save_options == wanted
     with sp.CheckpointManager(tmp_path / "run", async_save=True, options=options, **keywords) as m:
         assert m.save_options == wanted
-        assert m._async is not None
+        assert m._saver.checkpointer is not None
         # The manager's writer reports progress through its own callback (it calls the user's,
         # and lets save_on_preemption abandon a save in flight); every other option is passed on.
-        assert dataclasses.replace(m._async.options, progress=wanted.progress) == wanted
-        assert m._async.options.progress == m._abandon.progress
+        assert (
+            dataclasses.replace(m._saver.checkpointer.options, progress=wanted.progress) == wanted
+        )
+        assert m._saver.checkpointer.options.progress == m._saver.abandon.progress
 
 
 @pytest.mark.parametrize("options", [{"writers": 0}, {"max_file_bytes": 0}])

@@ -11,6 +11,7 @@ so every load is compared exactly against what was saved.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -915,6 +916,34 @@ def scenario_incremental3(s: Session) -> None:
             inc_check_whole(sp.load(s.path(f"inc/v{version}")), version)
 
     s.check("a rank killed mid-save", killed)
+
+
+def scenario_continuous(s: Session) -> None:
+    """sp.policies.Continuous with a process group: each rank's clock runs at its own pace (rank
+    1's 1.6x rank 0's), yet both save the same steps, and no rank's interval is below its
+    minimum; should_save and save agree."""
+    now = [0.0]
+    pace = 1.0 + 0.6 * s.rank
+    policy = sp.policies.Continuous(min_interval=1.0, clock=lambda: now[0] * pace)
+    shard = torch.full((4,), float(s.rank))
+
+    def run() -> None:
+        saved = []
+        with sp.CheckpointManager(
+            s.path("cont"), save_policy=policy, process_group=dist.group.WORLD
+        ) as mgr:
+            for step in range(24):
+                now[0] = step * 0.25
+                if mgr.should_save(step):
+                    parts = sp.Shard(shard, offsets=(4 * s.rank,), global_shape=(4 * s.world,))
+                    assert not mgr.save(step, {"w": parts}).skipped
+                    saved.append(step)
+            s.data["saved"] = saved
+            s.data["steps"] = mgr.steps()
+        starts = [step * 0.25 * pace for step in saved]
+        assert all(b - a >= 1.0 for a, b in itertools.pairwise(starts))
+
+    s.check("continuous", run)
 
 
 def main() -> None:

@@ -249,3 +249,13 @@ def test_two_ranks_on_an_object_store(
     tree = sp.load(f"s3://{s3_bucket}/sessions/ckpt")
     assert torch.equal(tree["model"]["tp0"], _global()["tp0"])
     assert sp.verify(f"s3://{s3_bucket}/sessions/ckpt").world_size == 2
+
+
+def test_continuous_policy_ranks_agree(tmp_path: Path) -> None:
+    """Two gloo ranks whose clocks run at different paces save the same steps with
+    sp.policies.Continuous (one all-reduce per question), never below either's minimum."""
+    session = _launch.run("continuous", 2, tmp_path, timeout=90)
+    assert not session.failures(), session.failures()
+    saved = [session.results[r]["data"]["saved"] for r in range(2)]
+    assert saved[0] == saved[1] and len(saved[0]) >= 3
+    assert session.results[0]["data"]["steps"] == saved[0]

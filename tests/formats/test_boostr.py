@@ -42,6 +42,53 @@ MODEL = {
 OPT = {"layers.0.weight.m": np.full((2, 2), 0.01, np.float32)}
 
 
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+
+
+def _f64_rows() -> list[tuple[float, str]]:
+    rows = []
+    for line in (GOLDEN / "serde" / "floats.txt").read_text("ascii").splitlines():
+        kind, bits, text = line.split(" ")
+        if kind == "f64":
+            rows.append((float(np.uint64(int(bits, 16)).view(np.float64)), text))
+    return rows
+
+
+@pytest.mark.parametrize(("value", "text"), _f64_rows())
+def test_learning_rate_is_written_as_serde_writes_an_f64(value: float, text: str) -> None:
+    # ryu's f64 text (1e-7, 1e20, 1e16, -0.0, 2.0, 5e-324), not Python's (1e-07, 1e+20).
+    raw = boostr.TrainingState(step=1, learning_rate=value).to_json()
+    assert f'  "learning_rate": {text},\n'.encode() in raw
+    back = boostr.TrainingState.parse(json.loads(raw)).learning_rate
+    assert np.float64(back).tobytes() == np.float64(value).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "state"),
+    [
+        (
+            "training_state_1e-7.json",
+            boostr.TrainingState(7, 1, 1e-7, {"note": "serde_json pretty, ryu f64 text"}),
+        ),
+        ("training_state_1e20.json", boostr.TrainingState(0, 0, 1e20, {})),
+    ],
+)
+def test_training_state_golden_bytes(
+    name: str, state: boostr.TrainingState, tmp_path: Path
+) -> None:
+    golden = (GOLDEN / "boostr" / name).read_bytes()
+    assert state.to_json() == golden
+    boostr.save(tmp_path / "ck", MODEL, None, state)
+    assert (tmp_path / "ck" / "training_state.json").read_bytes() == golden
+    assert boostr.load(tmp_path / "ck").state == state
+
+
+def test_reads_the_old_spelling(tmp_path: Path) -> None:
+    # What savepoint 0.1 wrote (Python's repr: 1e-07) still reads as the same value.
+    doc = json.loads((GOLDEN / "boostr" / "training_state_1e-07_old.json").read_bytes())
+    assert boostr.TrainingState.parse(doc).learning_rate == 1e-7
+
+
 # ---------------------------------------------------------------------------------------------
 # single checkpoints
 # ---------------------------------------------------------------------------------------------

@@ -99,12 +99,54 @@ def test_reads_the_seeds_msgpack(name: str) -> None:
     assert InferenceSnapshot.from_msgpack(raw) == compact_snapshot()
 
 
-def test_msgpack_is_rmp_serde_named_layout_byte_for_byte() -> None:
-    # For the seed's plain case savepoint writes exactly rmp_serde::encode::write_named.
-    assert compact_snapshot().to_msgpack() == (GOLDEN / "seed_v1_named.msgpack").read_bytes()
+def test_msgpack_is_rmp_serde_positional_layout_byte_for_byte() -> None:
+    # For the seed's plain case savepoint writes exactly rmp_serde::encode::write (the seed's
+    # save_msgpack): every struct an array of its fields, the checkpoint's first byte 0x96.
+    raw = compact_snapshot().to_msgpack()
+    assert raw == (GOLDEN / "seed_v1_positional.msgpack").read_bytes()
+    assert raw[0] == 0x96
+
+
+def test_writes_the_seeds_pretty_json_byte_for_byte() -> None:
+    # ryu's float32 text: 0.1, 1e-7, 3.4028235e38, 1.1754944e-38, 1e-45, 16777216.0, -0.0.
+    text = (GOLDEN / "seed_v1_pretty.json").read_text("utf-8")
+    assert InferenceSnapshot.from_json(text).to_json(indent=2) == text
+
+
+def test_float_text_follows_the_field_type() -> None:
+    # float32 (and narrower) values in f32 text, float64 arrays and the config in f64 text.
+    snap = InferenceSnapshot(
+        states=[
+            np.array([[0.1, 1e-7, 1e20, 1e13, 1e-6, 2.5e-45]], np.float32),
+            np.array([[0.1, 1e-7, 1e16, 1e15, 1e-5, 5e-324]], np.float64),
+            np.array([[0.1, 65504.0]], np.float16),
+        ],
+        history=[np.array([-0.0, 3.0], np.float32)],
+        config={**CONTEXT_CONFIG, "lr": 1e-7, "scale": 2.0},
+    )
+    doc = snap.to_json()
+    assert '"state_data":[0.1,1e-7,1e20,1e13,0.000001,3e-45]' in doc
+    assert '"state_data":[0.1,1e-7,1e16,1000000000000000.0,0.00001,5e-324]' in doc
+    assert '"state_data":[0.099975586,65504.0]' in doc  # float16 values, as their float32 text
+    assert '"history":[[-0.0,3.0]]' in doc
+    assert '"lr":1e-7,"scale":2.0' in doc
+    assert InferenceSnapshot.from_json(doc) == snap
 
 
 # -- golden files savepoint wrote -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "decode"),
+    [
+        ("savepoint_v1_serde.json", lambda raw: kizzasi.decode_json(raw)),
+        ("savepoint_v1_positional.msgpack", lambda raw: kizzasi.decode_msgpack(raw)),
+    ],
+)
+def test_savepoint_golden_files(name: str, decode: Callable[[bytes], Any]) -> None:
+    raw = (GOLDEN / name).read_bytes()
+    assert_records_equal(decode(raw), gen.golden_record())
+    assert gen.FILES[name]() == raw  # the writer still produces exactly these bytes
 
 
 @pytest.mark.parametrize(
@@ -114,14 +156,21 @@ def test_msgpack_is_rmp_serde_named_layout_byte_for_byte() -> None:
         ("savepoint_v1.msgpack", lambda raw: kizzasi.decode_msgpack(raw)),
     ],
 )
-def test_savepoint_golden_files(name: str, decode: Callable[[bytes], Any]) -> None:
+def test_reads_what_savepoint_0_1_wrote(name: str, decode: Callable[[bytes], Any]) -> None:
+    # The old spellings: floats as Python's repr of the widened value (0.10000000149011612,
+    # 1e+300), every struct a MessagePack map.
+    assert name in gen.OLD_FILES
     raw = (GOLDEN / name).read_bytes()
     assert_records_equal(decode(raw), gen.golden_record())
-    assert gen.FILES[name]() == raw  # the writer still produces exactly these bytes
+    if name.endswith(".json"):
+        assert b"0.10000000149011612" in raw and b"1e+300" in raw
+    else:
+        assert raw[0] == 0x87  # a map: version, config, ..., history_layout
 
 
-def test_savepoint_golden_json_is_readable_by_the_seed() -> None:
-    doc = json.loads((GOLDEN / "savepoint_v1.json").read_text("utf-8"))
+@pytest.mark.parametrize("name", ["savepoint_v1.json", "savepoint_v1_serde.json"])
+def test_savepoint_golden_json_is_readable_by_the_seed(name: str) -> None:
+    doc = json.loads((GOLDEN / name).read_text("utf-8"))
     seen = seed_read(doc)
     record = gen.golden_record()
     assert len(seen["states"]) == len(record.states)
@@ -134,10 +183,27 @@ def test_savepoint_golden_json_is_readable_by_the_seed() -> None:
     assert seen["step_count"] == 2**40 + 1
 
 
-def test_seed_reads_savepoint_msgpack() -> None:
+@pytest.mark.parametrize("name", ["savepoint_v1.msgpack", "savepoint_v1_positional.msgpack"])
+def test_seed_reads_savepoint_msgpack(name: str) -> None:
     # rmp_serde reads maps into structs and ignores unknown keys: the same checks apply.
-    doc = msgpack.unpackb((GOLDEN / "savepoint_v1.msgpack").read_bytes(), raw=False)
-    seed_read(doc)
+    doc = msgpack.unpackb((GOLDEN / name).read_bytes(), raw=False)
+    seed_read(_named(doc))
+
+
+def _named(doc: Any) -> Any:
+    """rmp_serde's reading of a struct from an array: its fields in order, exactly that many."""
+
+    def struct(value: Any, fields: tuple[str, ...]) -> Any:
+        if not isinstance(value, list):
+            return value
+        assert len(value) == len(fields)
+        return dict(zip(fields, value))
+
+    doc = struct(doc, kizzasi.CHECKPOINT_FIELDS)
+    doc["config"] = struct(doc["config"], kizzasi.CONTEXT_CONFIG_FIELDS)
+    doc["states"] = [struct(state, kizzasi.STATE_FIELDS) for state in doc["states"]]
+    doc["metadata"] = struct(doc["metadata"], kizzasi.METADATA_FIELDS)
+    return doc
 
 
 # -- what the seed reads of what savepoint writes -------------------------------------------

@@ -99,6 +99,64 @@ def test_v2_golden_reads_exactly_and_writes_back_identically(name: str, tmp_path
     assert shrew.read_version(io.BytesIO(data)) == 2
 
 
+@pytest.mark.parametrize("name", V1_FILES)
+def test_seed_named_stream_functions_v1(name: str) -> None:
+    # write_checkpoint / read_checkpoint: the seed's names, on binary streams.
+    data = golden(name)
+    same_tensors(shrew.read_checkpoint(io.BytesIO(data)), gen.expected(name))
+    out = io.BytesIO(b"head")
+    out.seek(4)
+    shrew.write_checkpoint(out, gen.expected(name))
+    assert out.getvalue() == b"head" + data
+
+
+@pytest.mark.parametrize("name", V2_FILES)
+def test_seed_named_stream_functions_v2(name: str) -> None:
+    data = golden(name)
+    ckpt = shrew.read_training_checkpoint(io.BytesIO(data))
+    same_tensors(dict(ckpt.model_params), gen.expected(name)["model_params"])
+    assert ckpt.global_step == gen.expected(name)["global_step"]
+    out = io.BytesIO()
+    shrew.write_training_checkpoint(out, ckpt)
+    assert out.getvalue() == data
+
+
+def test_training_checkpoint_builders_are_the_seeds() -> None:
+    state = sp.OptimizerState("Adam", {"lr": 0.001}, {"m": np.zeros(2)})
+    base = shrew.TrainingCheckpoint(model_params={"w": np.ones(2, np.float32)})
+    built = (
+        base.with_optimizer_state(state)
+        .with_epoch(3)
+        .with_global_step(300)
+        .with_best_loss(0.25)
+        .with_loss_history((1.0, 0.5))
+    )
+    assert (built.epoch, built.global_step, built.best_loss) == (3, 300, 0.25)
+    assert built.loss_history == [1.0, 0.5] and built.optimizer_state is state
+    assert built.model_params is base.model_params
+    # Each builder returns a copy: the seed's defaults stay on the original.
+    assert (base.epoch, base.global_step, base.best_loss, base.loss_history) == (0, 0, math.inf, [])
+    assert base.optimizer_state is None
+    assert shrew.training_from_bytes(shrew.training_to_bytes(built)).global_step == 300
+
+
+def test_errors_carry_the_seeds_texts() -> None:
+    v1, v2 = golden(V1_FILES[0]), golden(V2_FILES[0])
+    with pytest.raises(CorruptCheckpointError) as bad_magic:
+        shrew.from_bytes(b"SHRX" + v1[4:])
+    assert "Invalid checkpoint: expected magic [83, 72, 82, 87], got [83, 72, 82, 88]" in str(
+        bad_magic.value
+    )
+    with pytest.raises(IncompatibleCheckpointError, match="Unsupported checkpoint version: 3"):
+        shrew.read_checkpoint(io.BytesIO(b"SHRW" + struct.pack("<I", 3) + v1[8:]))
+    with pytest.raises(IncompatibleCheckpointError) as v2_as_v1:
+        shrew.read_checkpoint(io.BytesIO(v2))
+    assert "Unsupported checkpoint version: 2 (expected 1)" in str(v2_as_v1.value)
+    with pytest.raises(IncompatibleCheckpointError) as v1_as_v2:
+        shrew.read_training_checkpoint(io.BytesIO(v1))
+    assert "Unsupported training checkpoint version: 1 (expected 2)" in str(v1_as_v2.value)
+
+
 def test_seed_test_values() -> None:
     # The seed's test_training_checkpoint_roundtrip, against the hand-built file.
     ckpt = shrew.load_training(GOLDEN / "v2_adam.shrew")

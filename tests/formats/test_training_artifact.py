@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -608,3 +609,61 @@ def test_public_names_and_errors_survive_pickling() -> None:
     ):
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and (back.path, str(back)) == (err.path, str(err))
+
+
+# ---------------------------------------------------------------------------------------------
+# the seed's functions: load_manifest, save_checkpoint, save_training_report, load_training_report
+# ---------------------------------------------------------------------------------------------
+
+SERDE = GOLDEN.parent / "serde"
+
+
+def test_seed_functions_write_serde_json_byte_for_byte(tmp_path: Path) -> None:
+    # Floats as the seed's serde_json writes them: 1e-7 (not 1e-07), 1e16, 1e20, 0.00001, -0.0.
+    want_manifest = (SERDE / "manifest.json").read_bytes()
+    want_report = (SERDE / "training_report.json").read_bytes()
+    doc = json.loads(want_report)
+    manifest = ta.save_checkpoint(tmp_path / "a", MODEL, "ddl", doc["config"], num_params=9)
+    assert (tmp_path / "a" / "manifest.json").read_bytes() == want_manifest
+    assert sorted(os.listdir(tmp_path / "a")) == ["manifest.json", "model.mpk"]  # no report
+    assert ta.load_manifest(tmp_path / "a") == manifest
+    ta.save_training_report(tmp_path / "a", doc)
+    assert (tmp_path / "a" / "training_report.json").read_bytes() == want_report
+    back = ta.load_training_report(tmp_path / "a")
+    assert back == doc and math.copysign(1.0, back["config"]["init_scale"]) < 0
+    loaded = ta.load(tmp_path / "a")  # best step == last step: the final model stands in
+    assert loaded.best_validation_source == "model" and loaded.manifest == manifest
+    same_flat(loaded.model, MODEL)
+    # The whole-artifact save writes the same documents.
+    ta.save(tmp_path / "b", MODEL, doc, num_params=9)
+    assert (tmp_path / "b" / "manifest.json").read_bytes() == want_manifest
+    assert (tmp_path / "b" / "training_report.json").read_bytes() == want_report
+
+
+def test_seed_functions_read_the_old_spelling(tmp_path: Path) -> None:
+    # What savepoint 0.1 wrote (Python's json: 1e-07, 1e+16) still reads as the same values.
+    make(tmp_path / "a")
+    edit_json(tmp_path / "a" / "training_report.json", history=[1e-07, 1e16])
+    text = (tmp_path / "a" / "training_report.json").read_text("utf-8")
+    assert "1e-07" in text and "1e+16" in text
+    assert ta.load_training_report(tmp_path / "a")["history"] == [1e-7, 1e16]
+    assert ta.load_manifest(tmp_path / "a").num_params == 12
+
+
+def test_seed_functions_refuse_what_would_not_load(tmp_path: Path) -> None:
+    make(tmp_path / "a")
+    before = tree_state(tmp_path / "a")
+    with pytest.raises(ArtifactMismatchError, match="report variant baseline does not match"):
+        ta.save_checkpoint(tmp_path / "a", MODEL, "ddl", report()["config"])
+    with pytest.raises(ArtifactMismatchError, match="num_params"):
+        ta.save_training_report(tmp_path / "a", report(num_params=13))
+    with pytest.raises(UnsupportedStateError, match="steps_completed"):
+        ta.save_training_report(tmp_path / "a", report(steps_completed=...))
+    assert tree_state(tmp_path / "a") == before
+    with pytest.raises(CheckpointNotFoundError):
+        ta.load_manifest(tmp_path / "nope")
+    with pytest.raises(IncompleteCheckpointError):
+        ta.load_training_report(tmp_path)
+    # A checkpoint that agrees with the report replaces the weights and the manifest.
+    ta.save_checkpoint(tmp_path / "a", BEST, "baseline", report()["config"])
+    same_flat(ta.load(tmp_path / "a").model, BEST)

@@ -25,7 +25,7 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from fuzz._harness import Target, register
-from savepoint.codecs import checksum, dtypes
+from savepoint.codecs import checksum, dtypes, kizzasi
 from savepoint.errors import CheckpointError
 from savepoint.formats import detect, shrew
 from savepoint.inference.snapshot import InferenceSnapshot
@@ -297,29 +297,23 @@ MSGPACK_TOKENS = (
 )
 
 
-def _positional(snap: InferenceSnapshot) -> bytes:
-    """The seed's rmp_serde layout: every struct an array of its fields."""
-    doc = msgpack.unpackb(snap.to_msgpack())
-    meta = doc["metadata"]
-    return msgpack.packb(
-        [
-            doc["version"],
-            [doc["config"][k] for k in ("max_context", "store_history", "num_layers")] + [3, 4],
-            [
-                [s["hidden_dim"], s["state_dim"], s["state_data"], s["updated"]]
-                for s in doc["states"]
-            ],
-            doc["history"],
-            doc["step_count"],
-            [meta["timestamp"], meta["description"], meta["model_id"], meta["tags"]],
-        ],
-        use_bin_type=True,
-    )
+def _named(snap: InferenceSnapshot) -> bytes:
+    """rmp_serde's ``write_named`` layout (every struct a map), from what ``to_msgpack`` writes
+    (the seed's ``write``: structs without extra keys as arrays of their fields)."""
+
+    def struct(value: Any, fields: tuple[str, ...]) -> Any:
+        return dict(zip(fields, value)) if isinstance(value, list) else value
+
+    doc = struct(msgpack.unpackb(snap.to_msgpack()), kizzasi.CHECKPOINT_FIELDS)
+    doc["config"] = struct(doc["config"], kizzasi.CONTEXT_CONFIG_FIELDS)
+    doc["states"] = [struct(state, kizzasi.STATE_FIELDS) for state in doc["states"]]
+    doc["metadata"] = struct(doc["metadata"], kizzasi.METADATA_FIELDS)
+    return msgpack.packb(doc, use_bin_type=True)
 
 
 def _msgpack_seeds(scratch: Path) -> list[bytes]:
     snaps = _snapshots()
-    return [s.to_msgpack() for s in snaps] + [_positional(snaps[1])]
+    return [s.to_msgpack() for s in snaps] + [_named(snaps[1])]
 
 
 def _parse_kizzasi_msgpack(data: bytes, scratch: Path) -> None:

@@ -63,17 +63,18 @@ def test_rollback_pops_the_newest() -> None:
 def test_get_latest_and_empty() -> None:
     history = SnapshotHistory(4)
     assert history.latest() is None and history.rollback() is None and history.get(0) is None
-    assert len(history) == 0 and not history
+    assert len(history) == 0 and not history and history.is_empty()
     pushed = [snap(i) for i in range(3)]
     for s in pushed:
         history.push(s)
+    assert not history.is_empty()  # the seed's CheckpointManager::is_empty
     assert history.get(0) is pushed[2] and history.get(2) is pushed[0]  # no copy on push
     assert history.get(-1) is pushed[0] and history.get(-3) is pushed[2]
     assert history.get(3) is None and history.get(-4) is None
     with pytest.raises(TypeError):
         history.get("0")  # type: ignore[arg-type]
     history.clear()
-    assert len(history) == 0 and history.latest() is None
+    assert len(history) == 0 and history.latest() is None and history.is_empty()
     assert repr(history) == "SnapshotHistory(0/4)"
 
 

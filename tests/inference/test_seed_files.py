@@ -70,8 +70,13 @@ def test_seed_bytes_and_savepoint_bytes_do_not_collide() -> None:
     # Each reader refuses the other's bytes with a CheckpointError, never a guess.
     with pytest.raises(sp.CorruptCheckpointError):
         InferenceSnapshot.from_seed_bytes(own)
-    with pytest.raises(sp.CheckpointError):
+    with pytest.raises(sp.CorruptCheckpointError, match="from_seed_bytes") as info:
         InferenceSnapshot.from_bytes(seed)
+    assert "JSON" in str(info.value)  # names what the bytes are and what reads them
+    with pytest.raises(sp.CorruptCheckpointError, match="from_seed_bytes"):
+        InferenceSnapshot.from_bytes(b"\n  " + (GOLDEN / "seed_v1_compact.json").read_bytes())
+    with pytest.raises(sp.CorruptCheckpointError, match="not a snapshot"):
+        InferenceSnapshot.from_bytes(b"garbage garbage garbage")
 
 
 def test_from_seed_bytes_refuses_text() -> None:
@@ -99,7 +104,10 @@ def test_save_json_is_the_seeds_pretty_file(tmp_path: Path) -> None:
         GOLDEN / "seed_v1_compact_pretty.json"
     ).read_bytes()
     snap.save_msgpack(tmp_path / "c.msgpack")
-    assert (tmp_path / "c.msgpack").read_bytes() == (GOLDEN / "seed_v1_named.msgpack").read_bytes()
+    # The seed's save_msgpack (rmp_serde::encode::write): structs as positional arrays.
+    assert (tmp_path / "c.msgpack").read_bytes() == (
+        GOLDEN / "seed_v1_positional.msgpack"
+    ).read_bytes()
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ def test_only_rank_zero_of_a_process_group_takes_the_lock(
         monkeypatch.setattr(opening, "rank", lambda group: groups.index(group))
         leader = sp.CheckpointManager(run, process_group=groups[0])
         others = [sp.CheckpointManager(run, process_group=g) for g in groups[1:]]
-        assert leader._writer is not None and all(o._writer is None for o in others)
+        assert leader._opened.writer is not None and all(o._opened.writer is None for o in others)
         for o in others:
             o.close()
         leader.close()

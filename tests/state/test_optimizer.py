@@ -585,3 +585,19 @@ def test_torch_amsgrad_needs_max_v() -> None:
     _, opt2 = _make("Adam", lr=1e-2)
     with pytest.raises(OptimizerStateError, match=r"parameter 2 lacks max_v\.2"):
         optimizer_state_to_torch(state, opt2)
+
+
+def test_load_state_dict_accepts_an_optimizer_state_as_the_seed_does() -> None:
+    # Seed 004: Stateful::load_state_dict(&OptimizerState), with the same validation.
+    saved = OptimizerState("Adam", {"lr": 0.001, "t": 3.0}, {"m.0": np.arange(3.0)})
+    target = OptimizerState("Adam", {"lr": 0.1, "t": 0.0}, {"m.0": np.zeros(3)})
+    target.load_state_dict(saved)
+    assert target == saved
+    assert target.buffers["m.0"] is not saved.buffers["m.0"]  # copied, never shared
+    saved.buffers["m.0"][0] = 99.0
+    assert target.buffers["m.0"][0] == 0.0
+    with pytest.raises(OptimizerStateError, match="optimizer type 'SGD'"):
+        target.load_state_dict(OptimizerState("SGD", {"lr": 0.1}))
+    with pytest.raises(OptimizerStateError, match="has 2 values in the checkpoint, 3 here"):
+        target.load_state_dict(OptimizerState("Adam", {"lr": 0.1, "t": 1.0}, {"m.0": [1, 2]}))
+    assert target.scalars == {"lr": 0.001, "t": 3.0}  # unchanged by the refused loads

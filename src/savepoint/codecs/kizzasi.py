@@ -19,8 +19,9 @@ order::
     }
 
 ``save_json`` pretty-prints it (serde_json ``to_writer_pretty``: two-space indent, no trailing
-newline), ``to_bytes`` writes it compact. The seed's MessagePack (``rmp_serde::encode::write``)
-holds the same values with every struct written as an array of its fields in the order above
+newline), ``to_bytes`` writes it compact; savepoint writes both byte for byte. The seed's
+MessagePack (``rmp_serde::encode::write``) holds the same values with every struct written as an
+array of its fields in the order above
 (``config`` included: ``[max_context, store_history, num_layers, hidden_dim, state_dim]``);
 ``rmp_serde`` reads structs from such arrays or from maps keyed by field name. The seed's readers
 ignore unknown keys; its reader fails on a missing field, on a ``null``, a string or a boolean
@@ -51,22 +52,26 @@ seed cannot express, so the seed still reads every document (as f32 matrices):
   ``"history_layout"`` list, parallel to ``"history"`` (``null`` for a plain entry; the key is
   omitted when every entry is plain).
 
-Numbers. JSON floats are written with Python's ``repr`` of the value widened to float64: the
-shortest text that parses back to exactly that float64, and a float32 (or float16, bfloat16,
-float8) widened to float64 is exact, so the value comes back bit for bit, through Python's
-parser and through serde_json's (even without its ``float_roundtrip`` feature: a one-ulp float64
-error cannot move a value that is exactly a float32). Values that print the same both ways
-(``0.5``, ``-0.0``, ``100.0``) give the seed's bytes exactly; others are longer than the seed's
-(``0.10000000149011612`` for its ``0.1``) and exponents are spelled ``1e+300`` (serde: ``1e300``),
-all valid JSON for the same values. The seed writes float32 as their shortest float32 text
-(``0.1``), which savepoint parses to float64 and narrows, the path serde_json itself takes.
-Integers (usize, u64, int64 and uint64 data) are exact in both directions.
+Numbers. JSON floats are written as serde_json writes them (:mod:`savepoint.codecs.serde_text`:
+ryu's shortest text that reads back to the same value of the field's type): float32 values, and
+the narrower floats widened to float32 (exact), as the seed's ``f32`` (``0.1``, ``1e-7``,
+``1e20``, ``3.4028235e38``, ``1e-45``, ``-0.0``, ``100.0``); float64 arrays (an extension the seed
+reads as f32) and floats in ``config`` as ``f64`` (``0.1``, ``1e300``, ``5e-324``). So a snapshot
+the seed could have written gives the seed's bytes, compact and pretty, and every value comes
+back bit for bit (savepoint parses float32 text to float64 and narrows, the path serde_json
+itself takes). Integers (usize, u64, int64 and uint64 data) are exact in both directions.
+Readers take either spelling: Python's ``repr`` text that savepoint 0.1 wrote
+(``0.10000000149011612``, ``1e+300``) reads as before.
 
 MessagePack numbers are fixed width by dtype: float32 (and the narrower floats, widened) as
 ``float 32`` (0xca), float64 as ``float 64`` (0xcb), integers as the int/uint family of their
-width (0xcc-0xd3), booleans as positive fixints 0/1. Savepoint writes maps (rmp_serde's named
-form: for the seed's plain case its bytes are exactly ``rmp_serde::encode::write_named``'s) and
-reads maps or the seed's arrays.
+width (0xcc-0xd3), booleans as positive fixints 0/1. Structs are written as the seed's
+``save_msgpack`` (``rmp_serde::encode::write``) writes them: an array of their fields in
+declaration order (the checkpoint's first byte is 0x96), so for the seed's plain case the bytes
+are exactly the seed's. A struct carrying savepoint's extra keys (a state with ``dtype``, the
+checkpoint with ``history_layout``, a config with other fields than the five of ContextConfig)
+is written as a map keyed by field name instead, which rmp_serde also reads (ignoring the
+unknown keys). Savepoint reads maps or arrays, at every level (what savepoint 0.1 wrote: maps).
 
 The seed's reader also requires its ContextConfig fields in ``config``; savepoint writes the
 snapshot's config verbatim, so give it those fields when the seed is to read the result.
@@ -107,7 +112,6 @@ own size once decoded.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,7 +121,7 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from savepoint.codecs import bounded_json as _json
-from savepoint.codecs import dtypes
+from savepoint.codecs import dtypes, serde_text
 from savepoint.codecs._kizzasi_msgpack import (
     CHECKPOINT_FIELDS,
     CHECKPOINT_VERSION,
@@ -208,6 +212,11 @@ class _Numbers:
         if name in INT_DTYPES or name in ("F32", "F64", "C64"):
             return self.flat.tolist()  # type: ignore[no-any-return]
         return self.flat.astype(np.float64).tolist()  # type: ignore[no-any-return]
+
+    def to_json(self) -> list[Any]:
+        """:meth:`to_list`, floats narrower than float64 marked to be written as the seed's f32."""
+        values = self.to_list()
+        return values if self.dtype.name == "F64" else serde_text.F32List(values)
 
     def to_msgpack(self, packer: Any) -> bytes:
         name, flat = self.dtype.name, self.flat
@@ -310,11 +319,7 @@ def _document(record: SnapshotRecord, numbers: Callable[[_Numbers], Any]) -> dic
 def encode_json(record: SnapshotRecord, *, indent: int | None = None) -> str:
     """The JSON text of ``record``: compact (the seed's ``to_bytes``) or, with ``indent=2``,
     laid out as the seed's ``save_json`` lays it out."""
-    doc = _document(record, _Numbers.to_list)
-    separators = (",", ": ") if indent is not None else (",", ":")
-    return json.dumps(
-        doc, indent=indent, separators=separators, ensure_ascii=False, allow_nan=False
-    )
+    return serde_text.dumps(_document(record, _Numbers.to_json), indent=indent)
 
 
 def to_bytes(record: SnapshotRecord) -> bytes:
@@ -335,7 +340,8 @@ def from_bytes(data: bytes | bytearray | memoryview) -> SnapshotRecord:
 
 
 def encode_msgpack(record: SnapshotRecord) -> bytes:
-    """The MessagePack bytes of ``record``: the JSON document as maps, numbers fixed width."""
+    """The MessagePack bytes of ``record``: the JSON document with the seed's structs as
+    positional arrays (:func:`_positional`), numbers fixed width."""
     packer = msgpack.Packer(use_bin_type=True, autoreset=True)
     out: list[bytes] = []
 
@@ -354,8 +360,29 @@ def encode_msgpack(record: SnapshotRecord) -> bytes:
         else:
             out.append(packer.pack(obj))
 
-    pack(_document(record, lambda numbers: numbers))
+    pack(_positional(_document(record, lambda numbers: numbers)))
     return b"".join(out)
+
+
+def _as_array(doc: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any] | list[Any]:
+    """``doc`` as rmp_serde's positional struct when it holds exactly the struct's fields."""
+    if len(doc) == len(fields) and set(doc) == set(fields):
+        return [doc[k] for k in fields]
+    return doc
+
+
+def _positional(doc: dict[str, Any]) -> dict[str, Any] | list[Any]:
+    """The document with every struct the seed could have written as ``rmp_serde::encode::write``
+    writes it (an array of its fields in declaration order); a struct carrying savepoint's extra
+    keys stays a map (rmp_serde reads either, and ignores the unknown keys of a map)."""
+    config = doc["config"]
+    doc = {
+        **doc,
+        "config": _as_array(config, CONTEXT_CONFIG_FIELDS) if isinstance(config, dict) else config,
+        "states": [_as_array(state, STATE_FIELDS) for state in doc["states"]],
+        "metadata": _as_array(doc["metadata"], METADATA_FIELDS),
+    }
+    return _as_array(doc, CHECKPOINT_FIELDS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,7 +407,8 @@ def decode_json(text: str | bytes | bytearray) -> SnapshotRecord:
 
 
 def decode_msgpack(data: bytes | bytearray | memoryview) -> SnapshotRecord:
-    """The record held by MessagePack ``data``: savepoint's maps or the seed's arrays.
+    """The record held by MessagePack ``data``: structs as arrays (the seed's layout, which
+    savepoint writes) or as maps (rmp_serde's named layout, what savepoint 0.1 wrote).
 
     Bounded (see :mod:`savepoint.codecs._kizzasi_msgpack`): nesting deeper than :data:`MAX_DEPTH` levels, more decoded
     objects than :data:`BUDGET_FACTOR` x ``len(data)`` + :data:`BUDGET_SLACK` bytes, a length

@@ -254,12 +254,15 @@ def _key_cost(key: str) -> int:
 def read_header(inp: Input) -> int:
     magic = inp.read(4, "the magic number")
     if magic != MAGIC:
-        raise inp.corrupt(f"not a .shrew file: magic {magic!r}, expected {MAGIC!r}")
+        raise inp.corrupt(
+            f"Invalid checkpoint: expected magic {list(MAGIC)}, got {list(magic)} (not a .shrew "
+            f"file: magic {magic!r}, expected {MAGIC!r})"
+        )
     version = inp.u32("the version")
     if version not in (VERSION_TENSORS, VERSION_TRAINING):
         raise IncompatibleCheckpointError(
-            f"{inp.name}: .shrew version {version} is not supported (savepoint reads versions 1 "
-            "and 2)",
+            f"{inp.name}: Unsupported checkpoint version: {version} (.shrew version {version} is "
+            "not supported; savepoint reads versions 1 and 2)",
             path=inp.name,
         )
     return version

@@ -358,6 +358,16 @@ def _corrupt(message: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"snapshot bytes: {message}")
 
 
+def _undecodable(exc: Exception, buf: memoryview) -> CorruptCheckpointError:
+    """The error for bytes whose header cannot be read; JSON (the seed's ``to_bytes``) is named."""
+    if bytes(buf[:64]).lstrip(b" \t\r\n").startswith(b"{"):
+        return _corrupt(
+            "these bytes are JSON, not savepoint's binary snapshot: the seed's Checkpoint::to_bytes "
+            "layout (kizzasi) is read by InferenceSnapshot.from_seed_bytes (or from_json)"
+        )
+    return _corrupt(f"{exc} (truncated, or not a snapshot)")
+
+
 def decode(data: bytes | bytearray | memoryview) -> SnapshotRecord:
     """The record held by ``data``; CorruptCheckpointError / IncompatibleCheckpointError if not.
 
@@ -375,7 +385,7 @@ def decode(data: bytes | bytearray | memoryview) -> SnapshotRecord:
         header = bytes(buf[8 : 8 + n])
         entries, meta = safetensors.parse_header(header, size)
     except safetensors.HeaderError as exc:
-        raise _corrupt(f"{exc} (truncated, or not a snapshot)") from None
+        raise _undecodable(exc, buf) from None
     if meta.get("format") != FORMAT:
         raise _corrupt(f"not a savepoint inference snapshot (format {show(meta.get('format'))})")
     if set(meta) != {"format", "version", "xxh3", "snapshot"}:

@@ -17,7 +17,17 @@ Call order (``save(path, state, process_group=pg)`` on every rank of ``pg``):
    committed manifest back.
 
 This is the writer of :mod:`savepoint.engine.save` spread over the ranks, in the steps of DCP's
-``state_dict_saver``: local plan, global plan (step 1), write data, finish (step 2).
+``state_dict_saver``: local plan, global plan (step 1), write data, finish (step 2). Its bytes go
+through the code of the writer's sinks (:mod:`savepoint.engine.sinks`): data files through
+``write_files`` (the ``PlannedFiles`` sink's writer), blobs through ``put_source``,
+``host_bytes`` and ``BLOB_SEGMENT`` and :func:`savepoint.blobs.patch.put_tensor` (the
+``BlobTensors`` sink's), its manifest through ``new_manifest`` and its commit through
+``commit``. What is not :func:`savepoint.engine.save.write` with sinks, and why: ``write`` opens
+its own transaction and runs every sink, the manifest and the commit in one process, whereas
+here the transaction is rank 0's, every rank writes into its staging directory, and a gather
+lies between a rank's write (and its seal: its session synced and checked, by that rank, which
+alone holds it) and rank 0's manifest; and a rank's records are shard records (a region each,
+several per tensor), not a sink's one record per tensor (``Written``).
 
 A failure anywhere, in either step, raises one DistributedCheckpointError on every rank naming
 the failing ranks; rank 0 aborts the transaction (the staging directory is removed); the previous

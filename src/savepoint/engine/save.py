@@ -25,9 +25,25 @@ The configurations:
 | ``integrations/dcp.py`` (DCP's ``StorageWriter``) | DCP's planner | each rank's chunks | per rank: ``write_files``; the coordinator: :func:`new_manifest`, :func:`commit` |
 | ``transfer.py`` (``sp.copy``) | the source's manifest | the source's data files and blobs | streamed files; :func:`commit` of the source's manifest bytes (``encoded=``), the blob session sealed; ``materialize=True``: :func:`new_manifest` with the source's ``created`` |
 
-No other module builds a ``Manifest`` to commit; the one other ``Transaction.commit`` of a
-manifest is the run aliases' (``runs/aliases.py``), which republish a committed checkpoint's
-manifest bytes under the alias.
+No other module builds a ``Manifest`` to commit. Two kinds of ``Transaction.commit`` stay
+outside :func:`commit`, because they write nothing of savepoint's format:
+
+- the run aliases (``runs/aliases.py``: ``latest/``, ``best/``, and ``put_back``, which
+  republishes a checkpoint a failed save of its step set aside) publish the files of a
+  checkpoint that :func:`commit` already committed: hard links to them (copies where the store
+  has none or a link is refused), its ``manifest.json`` among them. Under the rename strategy
+  the manifest is linked into the staging directory with the rest and the commit carries no
+  bytes at all (``tx.commit(None)``); only under the manifest-last strategy (stores without
+  rename) are the step's manifest bytes read back and committed unchanged. :func:`commit`
+  would have nothing to do there: no manifest to encode or check (the bytes are the step's,
+  checked when it committed), no sink to seal, no data file's fsync to wait for (the linked
+  files are durable), and handing it a ``Manifest`` would cost a parse of the step's whole
+  tensor table at every alias update of every managed save. (On stores without hard links an
+  alias is a pointer object, ``commit/pointer.py``, put in one overwriting put: no
+  transaction.)
+- other systems' formats that are directories (``formats/_boostr_write.py``,
+  ``formats/_files.py:atomic_directory`` for boostr and training artifacts) commit with
+  ``tx.commit(None)``: they have no ``manifest.json``.
 """
 
 from __future__ import annotations

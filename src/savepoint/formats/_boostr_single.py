@@ -3,7 +3,6 @@ and writing. The format is specified in :mod:`savepoint.formats.boostr`, the pub
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from savepoint.codecs import bounded_json as _json
+from savepoint.codecs import serde_text
 from savepoint.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -142,7 +142,7 @@ class TrainingState:
             "learning_rate": float(lr),
             "metadata": dict(self.metadata),
         }
-        return json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8")
+        return serde_text.dumps(doc, indent=2).encode("utf-8")
 
 
 def check_uint(value: Any, what: str) -> int:

@@ -16,13 +16,13 @@ staging directory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
+from savepoint.codecs import serde_text
 from savepoint.commit.transaction import Transaction, write_error
 from savepoint.errors import CheckpointError, CorruptCheckpointError
 from savepoint.formats import _files
@@ -247,7 +247,7 @@ def meta_json(meta: ShardingMeta) -> bytes:
         "world_size": meta.world_size,
         "shards": [config(c) for c in meta.shards],
     }
-    return json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8")
+    return serde_text.dumps(doc, indent=2).encode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,17 @@ bytes of UTF-8; ``f64`` is an IEEE 754 double, little-endian::
         0x03 metadata    epoch u64; global_step u64; best_loss f64; n u32; n x f64 (loss history)
         0xFF end of file
 
+The seed's functions have their namesakes here: ``write_checkpoint`` / ``read_checkpoint`` and
+``write_training_checkpoint`` / ``read_training_checkpoint`` (binary streams), ``save_tensors`` /
+``load_tensors``, ``save`` / ``load`` (a model: ``load`` updates only the parameters the file and
+the model share and returns their count), ``save_training`` / ``load_training``, ``to_bytes`` /
+``from_bytes``, ``training_to_bytes`` / ``training_from_bytes``, and ``TrainingCheckpoint`` with
+its defaults and builders (``with_optimizer_state``, ``with_epoch``, ``with_global_step``,
+``with_best_loss``, ``with_loss_history``: each returns a copy). Errors carry the seed's texts
+("Invalid checkpoint: expected magic [83, 72, 82, 87], got [...]", "Unsupported checkpoint
+version: 3 ...", "Unsupported training checkpoint version: 1 (expected 2)") inside savepoint's
+messages.
+
 What this module writes:
 - tensor data is the raw little-endian bytes of the stored dtype. (The seed goes through f64 on
   both sides, which is exact for every dtype but I64 beyond 2**53; savepoint never converts.)
@@ -69,6 +80,7 @@ rename, fsync of the directory); streams are written from their current position
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -128,6 +140,8 @@ __all__ = [
     "load_params",
     "load_tensors",
     "load_training",
+    "read_checkpoint",
+    "read_training_checkpoint",
     "read_version",
     "save",
     "save_parts",
@@ -137,8 +151,10 @@ __all__ = [
     "training_from_bytes",
     "training_to_bytes",
     "verify",
+    "write_checkpoint",
     "write_tensors",
     "write_training",
+    "write_training_checkpoint",
 ]
 
 Framework = Literal["numpy", "torch"]
@@ -191,6 +207,23 @@ class TrainingCheckpoint:
             loss_history=list(loss_history),
         )
 
+    # The seed's builders: each returns a copy with one field set (this one is unchanged).
+
+    def with_optimizer_state(self, state: OptimizerState) -> TrainingCheckpoint:
+        return dataclasses.replace(self, optimizer_state=state)
+
+    def with_epoch(self, epoch: int) -> TrainingCheckpoint:
+        return dataclasses.replace(self, epoch=epoch)
+
+    def with_global_step(self, step: int) -> TrainingCheckpoint:
+        return dataclasses.replace(self, global_step=step)
+
+    def with_best_loss(self, loss: float) -> TrainingCheckpoint:
+        return dataclasses.replace(self, best_loss=loss)
+
+    def with_loss_history(self, history: Iterable[float]) -> TrainingCheckpoint:
+        return dataclasses.replace(self, loss_history=list(history))
+
     def restore(self, model: Any, optimizer: Any = None) -> int:
         """Copy the parameters present here into ``model`` (see :func:`load_params`) and, when
         ``optimizer`` is given, this optimizer state into it (``optimizer_state_to_torch``).
@@ -241,8 +274,11 @@ def _wrong_version(inp: Input, found: int, wanted: int) -> IncompatibleCheckpoin
         if found == VERSION_TRAINING
         else "read it with load_tensors"
     )
+    seed = "training checkpoint" if wanted == VERSION_TRAINING else "checkpoint"
     return IncompatibleCheckpointError(
-        f"{inp.name} is a .shrew v{found} file, not v{wanted}; {hint}", path=inp.name
+        f"Unsupported {seed} version: {found} (expected {wanted}): {inp.name} is a .shrew "
+        f"v{found} file, not v{wanted}; {hint}",
+        path=inp.name,
     )
 
 
@@ -353,6 +389,30 @@ def _write_checkpoint(stream: BinaryIO, ckpt: TrainingCheckpoint) -> None:
         best_loss=ckpt.best_loss,
         loss_history=ckpt.loss_history,
     )
+
+
+def write_checkpoint(writer: BinaryIO, tensors: Tensors) -> None:
+    """The seed's ``write_checkpoint``: named tensors as a v1 file, written to a binary stream
+    from its position (:func:`save_tensors` writes a path atomically)."""
+    write_tensors(writer, tensors)
+
+
+def read_checkpoint(reader: BinaryIO, *, framework: Framework = "numpy") -> dict[str, Any]:
+    """The seed's ``read_checkpoint``: the named tensors of the v1 file a binary stream holds."""
+    return load_tensors(reader, framework=framework)
+
+
+def write_training_checkpoint(writer: BinaryIO, ckpt: TrainingCheckpoint) -> None:
+    """The seed's ``write_training_checkpoint``: ``ckpt`` as a v2 file, written to a binary
+    stream from its position (:func:`save_training` writes a path atomically)."""
+    _write_checkpoint(writer, ckpt)
+
+
+def read_training_checkpoint(
+    reader: BinaryIO, *, framework: Framework = "numpy"
+) -> TrainingCheckpoint:
+    """The seed's ``read_training_checkpoint``: the v2 file a binary stream holds."""
+    return _load_training(reader, framework)
 
 
 def save_training(target: PathOrStream, ckpt: TrainingCheckpoint) -> None:

@@ -46,6 +46,12 @@ Errors: no directory, CheckpointNotFoundError; no ``training_report.json`` or ``
 IncompleteCheckpointError (the seed writes the weights and manifest, then the report: an interrupted
 save); unreadable or malformed JSON, missing weights, bad records, CorruptCheckpointError.
 
+The seed's parts: :func:`save_checkpoint` (weights then ``manifest.json``, no report),
+:func:`load_manifest`, :func:`save_training_report`, :func:`load_training_report`; each writer
+refuses, before writing, a document that would disagree with the directory's other one. Floats in
+every JSON file are ryu's f64 text (``1e-7``, ``1e20``), as serde_json writes them; Python's
+spelling (``1e-07``) reads too.
+
 Writing (:func:`save`, the seed's ``save_training_artifact``) builds the whole directory under a
 hidden sibling and swaps it in with one rename (:func:`savepoint.formats._files.atomic_directory`),
 so a reader sees the old artifact or the new one, never a mix; an existing ``best_validation/`` is
@@ -64,11 +70,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from savepoint.codecs import bounded_json as _json
 from savepoint.codecs import dtypes
 from savepoint.commit import atomic
 from savepoint.errors import (
-    ArtifactMismatchError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -77,6 +81,21 @@ from savepoint.errors import (
     UnsupportedStateError,
 )
 from savepoint.formats import _files, burn
+from savepoint.formats._artifact_docs import (
+    MANIFEST_FILE,
+    MAX_JSON_BYTES,
+    REPORT_FILE,
+    WEIGHTS_STEM,
+    CheckpointManifest,
+    Report,
+    check,
+    check_stem,
+    mismatch,
+    pretty,
+    read_json,
+    report_fields,
+    slug_of,
+)
 from savepoint.formats._files import LazyTensor, MappedTensor
 from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo, TensorInfo
@@ -103,163 +122,22 @@ __all__ = [
     "load",
     "load_checkpoint",
     "load_comparison",
+    "load_manifest",
     "load_sweep",
+    "load_training_report",
     "open_artifact",
     "save",
+    "save_checkpoint",
     "save_comparison",
     "save_sweep",
+    "save_training_report",
     "verify",
 ]
 
-MANIFEST_FILE = "manifest.json"
-WEIGHTS_STEM = "model"
-REPORT_FILE = "training_report.json"
 COMPARISON_FILE = "training_comparison.json"
 OPTIMIZER_STATE_FILE = "optimizer_state.bin"
 BEST_VALIDATION_DIR = "best_validation"
-MAX_JSON_BYTES = 64 << 20
-_U64 = 1 << 64
 Framework = Literal["numpy", "torch"]
-
-
-# ---------------------------------------------------------------------------------------------
-# documents
-# ---------------------------------------------------------------------------------------------
-
-
-def _read_json(path: str, what: str) -> dict[str, Any]:
-    try:
-        raw = local.read_small(path, cap=MAX_JSON_BYTES)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing ({what})", path=path) from None
-    try:
-        doc = _json.loads(raw, CorruptCheckpointError, path)
-    except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(str(exc), path=path) from None
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{path} is not a JSON object", path=path)
-    return doc
-
-
-def _pretty(doc: Any) -> bytes:
-    """``serde_json::to_string_pretty``'s layout (floats as Python writes them: same values)."""
-    try:
-        text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
-        return text.encode("utf-8")
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedStateError(f"cannot be written as JSON: {exc}") from None
-    except UnicodeEncodeError:
-        raise UnsupportedStateError("cannot be written as JSON: a string is not UTF-8") from None
-
-
-def _uint(doc: Mapping[str, Any], key: str, *, optional: bool = False) -> int | None:
-    value = doc.get(key)
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U64:
-        state = "missing" if key not in doc else f"{value!r}"
-        raise ValueError(f"{key!r} must be an unsigned integer, got {state}")
-    return value
-
-
-def _check_stem(stem: Any) -> str:
-    if not isinstance(stem, str) or stem in ("", ".", "..") or "/" in stem or "\x00" in stem:
-        raise ValueError(
-            f"'weights_stem' {stem!r} is not a plain file name (a manifest may not point "
-            "outside its directory)"
-        )
-    return stem
-
-
-@dataclass(frozen=True)
-class CheckpointManifest:
-    """``manifest.json``: the variant and config (JSON values), the parameter count and the
-    stem of the weights file."""
-
-    variant: Any
-    config: Any
-    num_params: int
-    weights_stem: str = WEIGHTS_STEM
-
-    @classmethod
-    def parse(cls, doc: Mapping[str, Any]) -> CheckpointManifest:
-        """Validate a parsed document (ValueError with the reason)."""
-        for key in ("variant", "config"):
-            if key not in doc:
-                raise ValueError(f"{key!r} is missing")
-        num = _uint(doc, "num_params")
-        assert num is not None
-        return cls(doc["variant"], doc["config"], num, _check_stem(doc.get("weights_stem")))
-
-    @property
-    def weights_file(self) -> str:
-        """The weights file's name: burn's recorder sets the stem's extension to ``mpk``."""
-        return burn.file_name(self.weights_stem)
-
-    def to_json(self) -> bytes:
-        return _pretty(
-            {
-                "variant": self.variant,
-                "config": self.config,
-                "num_params": self.num_params,
-                "weights_stem": self.weights_stem,
-            }
-        )
-
-
-@dataclass(frozen=True)
-class _Report:
-    variant: Any
-    config: Any
-    num_params: int
-    steps_completed: int
-    has_best: bool
-    best_step: int | None
-
-
-def _report(doc: Mapping[str, Any]) -> _Report:
-    for key in ("variant", "config"):
-        if key not in doc:
-            raise ValueError(f"{key!r} is missing")
-    num, steps = _uint(doc, "num_params"), _uint(doc, "steps_completed")
-    assert num is not None and steps is not None
-    return _Report(
-        doc["variant"],
-        doc["config"],
-        num,
-        steps,
-        doc.get("best_validation") is not None,
-        _uint(doc, "best_validation_step", optional=True),
-    )
-
-
-def _mismatch(path: str, message: str) -> ArtifactMismatchError:
-    return ArtifactMismatchError(
-        f"training artifact is inconsistent: {message} ({path})", path=path
-    )
-
-
-def _slug(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False, sort_keys=True)
-
-
-def _check(path: str, report: _Report, manifest: CheckpointManifest) -> None:
-    """The seed's three checks, in its order, with its messages."""
-    if report.variant != manifest.variant:
-        raise _mismatch(
-            path,
-            f"report variant {_slug(report.variant)} does not match manifest variant "
-            f"{_slug(manifest.variant)}",
-        )
-    if report.config != manifest.config:
-        raise _mismatch(path, "report config does not match manifest config")
-    if report.num_params != manifest.num_params:
-        raise _mismatch(
-            path,
-            f"report num_params {report.num_params} does not match manifest {manifest.num_params}",
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +160,7 @@ def _document(directory: str, name: str, what: str) -> dict[str, Any]:
             "interrupted; save it again",
             path=directory,
         )
-    return _read_json(path, what)
+    return read_json(path, what)
 
 
 def _read_manifest(directory: str) -> CheckpointManifest:
@@ -294,10 +172,10 @@ def _read_manifest(directory: str) -> CheckpointManifest:
         raise CorruptCheckpointError(f"{where}: {exc}", path=where) from None
 
 
-def _read_report(directory: str) -> tuple[dict[str, Any], _Report]:
+def _read_report(directory: str) -> tuple[dict[str, Any], Report]:
     doc = _document(directory, REPORT_FILE, "every training artifact has one")
     try:
-        return doc, _report(doc)
+        return doc, report_fields(doc)
     except ValueError as exc:
         where = os.path.join(directory, REPORT_FILE)
         raise CorruptCheckpointError(f"{where}: {exc}", path=where) from None
@@ -336,7 +214,7 @@ class ArtifactDirectory:
         self._optimizer: local.MappedFile | None = None
         try:
             self.manifest = self._main.manifest
-            _check(self.path, fields, self.manifest)
+            check(self.path, fields, self.manifest)
             self.model: dict[str, LazyTensor] = self._main.record.tensors()
             self.best_validation_model: dict[str, LazyTensor] | None = None
             self.best_validation_source: str | None = None
@@ -353,7 +231,7 @@ class ArtifactDirectory:
             self.close()
             raise
 
-    def _open_best(self, fields: _Report) -> None:
+    def _open_best(self, fields: Report) -> None:
         best_dir = os.path.join(self.path, BEST_VALIDATION_DIR)
         if not fields.has_best:
             return
@@ -366,10 +244,10 @@ class ArtifactDirectory:
                 ("num_params", best.num_params, self.manifest.num_params),
             ):
                 if got != want:
-                    raise _mismatch(
+                    raise mismatch(
                         self.path,
-                        f"{BEST_VALIDATION_DIR}/{MANIFEST_FILE} {what} {_slug(got)} does not "
-                        f"match manifest {what} {_slug(want)}",
+                        f"{BEST_VALIDATION_DIR}/{MANIFEST_FILE} {what} {slug_of(got)} does not "
+                        f"match manifest {what} {slug_of(want)}",
                     )
             self.best_validation_model = self._best.record.tensors()
             self.best_validation_source = BEST_VALIDATION_DIR
@@ -454,7 +332,7 @@ class ArtifactDirectory:
         if self._best is not None and self.best_validation_model is not None:
             file = os.path.join(BEST_VALIDATION_DIR, self._best.manifest.weights_file)
             tensors += entries("best_validation_model", self.best_validation_model, file)
-        fields = _report(self.report)
+        fields = report_fields(self.report)
         values: dict[str, Any] = {
             "variant": self.manifest.variant,
             "num_params": self.manifest.num_params,
@@ -545,6 +423,21 @@ def load_checkpoint(
         checkpoint.close()
 
 
+def load_manifest(path: str | os.PathLike[str]) -> CheckpointManifest:
+    """The seed's ``load_manifest``: the checked ``manifest.json`` of a checkpoint directory."""
+    directory = os.path.abspath(local_path(path, what="training artifact"))
+    _require_dir(directory)
+    return _read_manifest(directory)
+
+
+def load_training_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The seed's ``load_training_report``: ``training_report.json`` of a directory, checked as
+    :func:`load` checks it (the fields it reads), whole."""
+    directory = os.path.abspath(local_path(path, what="training artifact"))
+    _require_dir(directory)
+    return _read_report(directory)[0]
+
+
 def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe the artifact at ``path`` (every check of :func:`load`, no tensor data read)."""
     with open_artifact(path) as d:
@@ -565,8 +458,8 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None) ->
             tally.drain(t)
         copy = os.path.join(d.path, BEST_VALIDATION_DIR, REPORT_FILE)
         own_best = d.best_validation_source == BEST_VALIDATION_DIR
-        if own_best and os.path.lexists(copy) and _read_json(copy, "a copy") != d.report:
-            raise _mismatch(d.path, f"{BEST_VALIDATION_DIR}/{REPORT_FILE} differs from the report")
+        if own_best and os.path.lexists(copy) and read_json(copy, "a copy") != d.report:
+            raise mismatch(d.path, f"{BEST_VALIDATION_DIR}/{REPORT_FILE} differs from the report")
         return d.info()
 
 
@@ -659,17 +552,17 @@ def save(
     target = os.path.abspath(local_path(path, what="training artifact"))
     doc = dict(report)
     try:
-        fields = _report(doc)
-        _check_stem(weights_stem)
+        fields = report_fields(doc)
+        check_stem(weights_stem)
     except ValueError as exc:
         raise UnsupportedStateError(f"cannot write the training artifact: {exc}") from None
     if num_params is None:
         num_params = burn.num_params(model)
     manifest = CheckpointManifest(fields.variant, fields.config, int(num_params), weights_stem)
-    _check(target, fields, manifest)
+    check(target, fields, manifest)
     last = fields.best_step is not None and fields.best_step == fields.steps_completed
     if fields.has_best and best_validation_model is None and not last:
-        raise _mismatch(
+        raise mismatch(
             target,
             f"the report has a best validation at step {fields.best_step}, not the last step "
             f"{fields.steps_completed}, and no best_validation_model was given: the artifact "
@@ -679,7 +572,7 @@ def save(
         raise UnsupportedStateError(
             f"optimizer_state must be bytes, got {type(optimizer_state).__name__}"
         )
-    report_json = _pretty(doc)
+    report_json = pretty(doc)
     manifest_json = manifest.to_json()
     main_tree = _weights(model, ids)
     best_tree = None if best_validation_model is None else _weights(best_validation_model, ids)
@@ -703,6 +596,77 @@ def save(
     return manifest
 
 
+def _existing(directory: str, name: str) -> Any:
+    """What ``directory/name`` holds (CheckpointManifest or Report), None when it is absent."""
+    if not os.path.lexists(os.path.join(directory, name)):
+        return None
+    return _read_manifest(directory) if name == MANIFEST_FILE else _read_report(directory)[1]
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: Mapping[str, Any],
+    variant: Any,
+    config: Any,
+    *,
+    num_params: int | None = None,
+    weights_stem: str = WEIGHTS_STEM,
+    ids: Mapping[str, str] | None = None,
+    metadata: burn.Metadata | None = None,
+) -> CheckpointManifest:
+    """The seed's ``save_checkpoint``: the weights, then ``manifest.json``, into the directory
+    ``path`` (created if needed; other files are left as they are), each file atomically. No
+    report, no optimizer state (:func:`save` writes the whole artifact). Returns the manifest.
+
+    Where the directory already holds a ``training_report.json`` the new manifest must agree with
+    it (ArtifactMismatchError before anything is written): savepoint writes no artifact that
+    its reader, or the seed's, would refuse."""
+    directory = os.path.abspath(local_path(path, what="training artifact"))
+    try:
+        check_stem(weights_stem)
+    except ValueError as exc:
+        raise UnsupportedStateError(f"cannot write the checkpoint: {exc}") from None
+    count = burn.num_params(model) if num_params is None else int(num_params)
+    manifest = CheckpointManifest(variant, config, count, weights_stem)
+    manifest_json, tree = manifest.to_json(), _weights(model, ids)
+    if os.path.lexists(directory):
+        _require_dir(directory)
+        report = _existing(directory, REPORT_FILE)
+        if report is not None:
+            check(directory, report, manifest)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        burn.write_record(os.path.join(directory, manifest.weights_file), tree, metadata=metadata)
+        atomic.replace_file(os.path.join(directory, MANIFEST_FILE), manifest_json)
+    except OSError as exc:
+        raise _files.write_error(directory, exc) from exc
+    return manifest
+
+
+def save_training_report(path: str | os.PathLike[str], report: Mapping[str, Any]) -> None:
+    """The seed's ``save_training_report``: ``training_report.json`` into the directory ``path``
+    (created if needed), atomically. The report must hold the fields :func:`load` reads
+    (UnsupportedStateError) and agree with the directory's ``manifest.json`` where there is one
+    (ArtifactMismatchError), both before anything is written."""
+    directory = os.path.abspath(local_path(path, what="training artifact"))
+    doc = dict(report)
+    try:
+        fields = report_fields(doc)
+    except ValueError as exc:
+        raise UnsupportedStateError(f"cannot write the training report: {exc}") from None
+    data = pretty(doc)
+    if os.path.lexists(directory):
+        _require_dir(directory)
+        manifest = _existing(directory, MANIFEST_FILE)
+        if manifest is not None:
+            check(directory, fields, manifest)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        atomic.replace_file(os.path.join(directory, REPORT_FILE), data)
+    except OSError as exc:
+        raise _files.write_error(os.path.join(directory, REPORT_FILE), exc) from exc
+
+
 # ---------------------------------------------------------------------------------------------
 # sweeps
 # ---------------------------------------------------------------------------------------------
@@ -721,7 +685,7 @@ def save_comparison(path: str | os.PathLike[str], comparison: Mapping[str, Any])
     """Write ``training_comparison.json`` into the directory ``path`` (created if needed),
     atomically."""
     directory = os.path.abspath(local_path(path, what="training artifact"))
-    data = _pretty(dict(comparison))
+    data = pretty(dict(comparison))
     try:
         os.makedirs(directory, exist_ok=True)
         atomic.replace_file(os.path.join(directory, COMPARISON_FILE), data)

@@ -102,6 +102,10 @@ class SnapshotHistory:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def is_empty(self) -> bool:
+        """The seed's ``is_empty``: whether no snapshot is held (``len(history) == 0``)."""
+        return not self._entries
+
     def __repr__(self) -> str:
         where = f", directory={self._dir!r}" if self._dir is not None else ""
         return f"SnapshotHistory({len(self)}/{self._max}{where})"

@@ -451,7 +451,7 @@ class InferenceSnapshot:
         return cls._from_record(kizzasi.decode_json(text), framework)
 
     def to_msgpack(self) -> bytes:
-        """The JSON document as MessagePack, numbers fixed width (compact)."""
+        """The seed's MessagePack (structs as arrays of fields), numbers fixed width."""
         return kizzasi.encode_msgpack(self._record())
 
     @classmethod

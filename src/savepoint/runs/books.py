@@ -4,7 +4,7 @@ and the ``latest/`` and ``best/`` aliases, as one object with no threads and no 
 :class:`Books` owns that state for a :class:`~savepoint.runs.manager.CheckpointManager` (which
 holds its lock around every call: a background step and the caller's thread share the books) and
 for the read-only view of :func:`savepoint.open_run`; it works on any store (``memory://`` in the
-tests). It writes what the manager's save sequence (the manager's module docstring) calls steps
+tests). It writes what the manager's save sequence (:mod:`savepoint.runs.saving`) calls steps
 3-5, :meth:`Books.record`: after a resume, checkpoints newer than the step saved leave the run
 (the report names them under ``discarding``); the records logged since the last save are
 appended to the history log and the new ``report.json`` is written aside, its fsync started;

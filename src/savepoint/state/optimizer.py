@@ -298,7 +298,9 @@ class OptimizerState:
     def load_state_dict(self, state_dict: Any, strict: bool = True) -> None:
         """Validate ``state_dict`` against this state, then replace this state's contents with it.
 
-        ``state_dict`` is a ``state_dict()`` tree: exactly the keys ``optimizer_type`` (str),
+        ``state_dict`` is another OptimizerState (the seed's ``load_state_dict(&OptimizerState)``;
+        its buffers are copied, never shared) or a ``state_dict()`` tree: exactly the keys
+        ``optimizer_type`` (str),
         ``scalars`` (name -> real number) and ``buffers`` (name -> array or tensor of real
         numbers float64 holds exactly; converted and flattened). On top of those structure
         checks, ``validate_against(self, strict=strict)``'s rules apply. Every problem is reported
@@ -316,6 +318,8 @@ class OptimizerState:
         after such a load, those arrays already hold the checkpoint's values: load a compatible
         checkpoint or rebuild the state.
         """
+        if isinstance(state_dict, OptimizerState):
+            state_dict = state_dict.state_dict()
         parsed, problems = _parse(state_dict, self.buffers)
         if parsed is not None:
             problems += parsed.problems_against(self, strict=strict)
