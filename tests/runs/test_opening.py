@@ -124,3 +124,17 @@ def test_the_config_change_warning_points_at_the_caller() -> None:
         sp.CheckpointManager(str(run), config={"lr": 0.3}, read_only=True).close()
     assert [w.filename for w in caught] == [__file__, __file__], [str(w) for w in caught]
     assert "records nothing" in str(caught[1].message)
+
+
+def test_a_failed_open_closes_the_async_writer() -> None:
+    """The save route is built before the open (all that the arguments make, first); an open
+    that fails closes its AsyncCheckpointer again."""
+    from savepoint.async_ import checkpointer
+
+    run = fresh()
+    sp.CheckpointManager(str(run), variant="a").close()
+    before = len(checkpointer._LIVE)
+    with pytest.raises(sp.RunMismatchError) as info:
+        sp.CheckpointManager(str(run), variant="b", async_save=True)
+    assert info.value is not None  # (the failed constructor's frame is still alive here)
+    assert len(checkpointer._LIVE) == before

@@ -251,14 +251,11 @@ class CheckpointManager:
         stop_worker = weakref.finalize(self, self._settle.worker.stop)
         stop_worker.atexit = False  # (at exit the worker finishes its step: see _finish_at_exit)
         self._closed = False
-        # The open (runs.opening): the lock, run.json and report.json, the tiers, the repair.
-        self._opened = opening.Opening(
+        opener = opening.Opening(
             self._run, config, self._books, self._settle, check_consistent=check_consistent
-        ).open(self)
-        self.run = self._opened.run
-        self._restorer.tiers = self._opened.tiers
+        )
         # The save route (runs.saving: the save policy's state, the async writer) and the
-        # preemption flow over it (runs.preempting: the handlers the open installed); once a
+        # preemption flow over it (runs.preempting: the handlers, installed by the open); once a
         # preemption save started (_settle.preempting) the background steps defer verification,
         # retention and deletions to the next run.
         self._saver = Saver(
@@ -266,14 +263,20 @@ class CheckpointManager:
             self._settle,
             config.save_options,
             save_policy=config.save_policy,
-            leader=self._opened.leader,
+            leader=opener.leader,
             async_save=config.async_save,
             blobs=self._blob_handles,
             host=_SaverHost(self),
         )
-        opened = self._opened
-        self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
         self._preempting = Preempting(self._saver, _grace)
+        try:  # the open (runs.opening): the lock, run.json and report.json, the tiers, the repair
+            opened = self._opened = opener.open(self)
+        except BaseException:
+            self._saver.close()  # (its async writer; the open gave back what it took)
+            raise
+        self.run = opened.run
+        self._restorer.tiers = opened.tiers
+        self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
         self._preempting.preemption = opened.preemption
         if self._opened.writes_books:
             _LIVE.add(self)
