@@ -74,7 +74,7 @@ STAGING_DIR = r"^transaction\.begin>local\.mkdir$"
 # put; the report is staged aside (a blob) by a save, or put by write_json (never run.json).
 MANIFEST = r"transaction\._write_staged_manifest>(local\.put>local\.write_small|local\.write>local\.write_all|local\.create_blob>.*_open_for_write)$"
 REPORT = (
-    r"(?<!_open_run)>report\.(write_json>.*write_small|stage_json>.*(write_all|_open_for_write))$"
+    r"(?<!write_run)>report\.(write_json>.*write_small|stage_json>.*(write_all|_open_for_write))$"
 )
 ALIAS = r"link_tree"
 SAVE_PHASES = {
@@ -372,14 +372,14 @@ class ManagedFirstSave(ManagedSave):
         super().__init__(name, async_save=False)
         self.phases = {
             BLOCKS: {
-                "run.json": r"_open_run>.*write_small$",
+                "run.json": r"write_run>.*write_small$",
                 "data files": DATA,
                 "manifest": MANIFEST,
                 "report.json": REPORT,
             },
             INODES: {
-                "run directory": r"^manager\.\w+(>local\.makedirs)?$",  # its own makedirs
-                "run.json": r"_open_run>",
+                "run directory": r"^(manager|opening)\.\w+(>local\.makedirs)?$",  # its own makedirs
+                "run.json": r"write_run>",
                 **SAVE_PHASES[INODES],
                 "report.json": REPORT,
                 "aliases": ALIAS,

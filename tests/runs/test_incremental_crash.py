@@ -124,8 +124,8 @@ def crashable(atomic_rename: bool, async_save: bool) -> tuple[MemoryStore, Fault
 
 def bury(m: sp.CheckpointManager, inner: MemoryStore, pid: int) -> None:
     """The dead process is gone: its lock with it, and the records it left name its pid."""
-    assert m._release is not None
-    m._release.detach()
+    assert m._opened.release is not None
+    m._opened.release.detach()
     inner.lock(f"/run/{LOCK_FILE}").release()
     for sub in ("sessions", "gc"):
         folder = f"/run/blobs/{sub}"

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 import savepoint as sp
-import savepoint.runs.manager as manager_module
 from _support import one_rank_world
 from savepoint.runs import lock as run_lock
+from savepoint.runs import opening
 
 from ._util import CHILD_ENV, blank, state
 
@@ -78,10 +78,10 @@ def test_only_rank_zero_of_a_process_group_takes_the_lock(
     with one_rank_world() as dist:
         # Four groups of this one process, each standing for a rank (the first for rank 0).
         groups = [dist.group.WORLD, *(dist.new_group([0]) for _ in range(3))]
-        monkeypatch.setattr(manager_module, "_rank", lambda group: groups.index(group))
+        monkeypatch.setattr(opening, "rank", lambda group: groups.index(group))
         leader = sp.CheckpointManager(run, process_group=groups[0])
         others = [sp.CheckpointManager(run, process_group=g) for g in groups[1:]]
-        assert leader._writer is not None and all(o._writer is None for o in others)
+        assert leader._opened.writer is not None and all(o._opened.writer is None for o in others)
         for o in others:
             o.close()
         leader.close()

@@ -230,8 +230,8 @@ def test_a_crash_anywhere_in_a_save_leaves_a_run_the_next_open_repairs(
             m.save(3, state(3), {"val": 0.1})
             m.wait()
         assert store.crashed is not None, k
-        assert m._release is not None
-        m._release.detach()  # the dead process's lock goes with it (below), not through `store`
+        assert m._opened.release is not None
+        m._opened.release.detach()  # the dead process's lock goes with it (below), not through `store`
         inner.lock(f"/run/{LOCK_FILE}").release()
         with sp.CheckpointManager(inner.at("/run"), keep_last=2, best_metric="val") as again:
             assert again.steps() in ([1, 2], [1, 2, 3], [2, 3]), k
@@ -281,8 +281,8 @@ def test_a_crash_anywhere_in_the_first_save_leaves_latest_absent_or_new() -> Non
         got = (held(inner, "latest"), held(inner, "best"))
         assert got[0] in (None, 1) and got[1] in (None, 1), (k, store.crashed, got)
         seen.add(got)
-        assert m._release is not None
-        m._release.detach()
+        assert m._opened.release is not None
+        m._opened.release.detach()
         inner.lock(f"/run/{LOCK_FILE}").release()
         with sp.CheckpointManager(inner.at("/run"), best_metric="val") as again:
             newest = again.latest_step()

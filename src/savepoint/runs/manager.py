@@ -1,18 +1,20 @@
 """``CheckpointManager``: a run directory whose checkpoints survive crashes, full disks and retention.
 
-Opening (``CheckpointManager(directory, ...)``): a manager that can write the directory takes the
-run's writer lock (:mod:`savepoint.runs.lock`; with a ``process_group`` only rank 0 does, the rank
-that keeps the books), so a second writer gets RunLockedError naming the holder. It then removes
-temporaries of dead processes and repairs what an interrupted writer left: it finishes deletions
-the report lists as ``discarding``, lists checkpoints a killed save committed but did not record
-(nothing committed is dropped), and makes ``latest/`` and ``best/`` agree with ``report.json``
-(republished, or removed when the report names no such checkpoint). A directory this process
-cannot write (read-only media, no write permission, or ``read_only=True``) gives a *read-only*
-manager: it writes nothing and takes no lock; ``steps``, ``latest_step``, ``best_step`` and
-``restore`` work, ``save`` raises CheckpointWriteError. Unreadable run files are
-CheckpointPermissionError. A run that lost its ``run.json`` gets it back from the identity its
-``report.json`` records; a damaged ``report.json`` is CorruptCheckpointError saying how to have it
-rebuilt. An open that fails writes nothing.
+Opening (``CheckpointManager(directory, ...)``): every argument is checked first, before anything
+is touched (:class:`savepoint.runs.config.ManagerConfig`). The open itself is
+:class:`savepoint.runs.opening.Opening` (its docstring has the steps): a manager that can write the
+directory takes the run's writer lock (:mod:`savepoint.runs.lock`; with a ``process_group`` only
+rank 0 does, the rank that keeps the books), so a second writer gets RunLockedError naming the
+holder. It then removes temporaries of dead processes and repairs what an interrupted writer left:
+it finishes deletions the report lists as ``discarding``, lists checkpoints a killed save
+committed but did not record (nothing committed is dropped), and makes ``latest/`` and ``best/``
+agree with ``report.json`` (republished, or removed when the report names no such checkpoint). A
+directory this process cannot write (read-only media, no write permission, or ``read_only=True``)
+gives a *read-only* manager: it writes nothing and takes no lock; ``steps``, ``latest_step``,
+``best_step`` and ``restore`` work, ``save`` raises CheckpointWriteError. Unreadable run files
+are CheckpointPermissionError. A run that lost its ``run.json`` gets it back from the identity
+its ``report.json`` records; a damaged ``report.json`` is CorruptCheckpointError saying how to
+have it rebuilt. An open that fails writes nothing and holds nothing.
 
 One writer, checked at every save: the writer lock is checked before each save and at
 ``close()``; a manager in a forked child, or one whose lock file was replaced (another writer may
@@ -69,53 +71,37 @@ import contextlib
 import dataclasses
 import errno
 import logging
-import math
 import os
 import signal
 import sys
 import threading
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from savepoint import errors_map
 from savepoint.async_.pending import PendingSave
 from savepoint.errors import (
     CheckpointError,
     CheckpointWriteError,
-    IncompatibleCheckpointError,
-    RunMismatchError,
 )
 from savepoint.options import SaveOptions
-from savepoint.runs import history, layout, opening, policies
-from savepoint.runs.books import Books, plain, write_error
+from savepoint.runs import layout, opening
+from savepoint.runs.books import Books, write_error
 from savepoint.runs.catalog import Catalog
+from savepoint.runs.config import ManagerConfig
+from savepoint.runs.config import seconds as _grace
 from savepoint.runs.gc import GcReport, collect
 from savepoint.runs.incremental import BlobHandles
-from savepoint.runs.lock import WriterLock
 from savepoint.runs.policies import Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.preempting import Preempting
 from savepoint.runs.preemption import (
     DEFAULT_GRACE,
     Preemption,
     PreemptionSave,
-    signals_of,
 )
 from savepoint.runs.report import (
     REPORT_FILE,
-    RUN_FILE,
     Report,
-    RunInfo,
-    check_consistent,
-    config_diff,
-    lagging_run,
-    new_run_id,
-    now_iso,
-    read_history,
-    read_json,
-    read_report,
-    write_json,
 )
 from savepoint.runs.restoring import Restorer, StepSpec
 from savepoint.runs.saving import Saver, check_step
@@ -123,11 +109,10 @@ from savepoint.runs.settle import Settle
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.paths import Location, PathArg, resolve
 
-__all__ = ["CheckpointManager", "PreemptionSave", "StepSpec"]
+__all__ = ["CheckpointManager", "PreemptionSave", "StepSpec", "reader"]
 
 log = logging.getLogger(__name__)
 
-_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 # Managers whose background step (verification, retention) may still run or failed unreported:
 # finished (and a failure printed) at interpreter exit.
 _LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
@@ -145,8 +130,8 @@ class CheckpointManager:
     How checkpoints are written: ``options`` (a :class:`~savepoint.options.SaveOptions`) and/or
     its fields as keywords (``max_file_bytes``, ``writers``, ``direct``, ``progress``,
     ``process_group``, ``timeout``), checked here: an unknown or invalid option is a TypeError or
-    ValueError from this constructor, naming it, before anything is touched. ``save_options`` is
-    the result.
+    ValueError from this constructor, naming it, before anything is touched (as is every other
+    argument: :class:`savepoint.runs.config.ManagerConfig`). ``save_options`` is the result.
 
     Retention (a step is kept if any rule wants it; with no rule, every checkpoint is kept):
     ``keep_last`` newest steps, ``keep_best`` best by ``best_metric`` (``best_mode`` "min" or
@@ -191,9 +176,6 @@ class CheckpointManager:
     truly frozen. Unsharded saves only.
     """
 
-    # The read-only view (savepoint.runs.view) opens inconsistent runs too, to list their problems.
-    _check_on_open: ClassVar[bool] = True
-
     def __init__(
         self,
         directory: PathArg,
@@ -226,106 +208,32 @@ class CheckpointManager:
         options: SaveOptions | None = None,
         **save_options: Any,
     ) -> None:
-        # Every argument is checked before anything is touched; every save option here, not at
-        # the first save (savepoint.options).
-        self.save_options = SaveOptions.of(save_options, base=options)
-        flags = {
-            "async_save": async_save,
-            "verify_before_prune": verify_before_prune,
-            "aliases": aliases,
-            "strict_config": strict_config,
-            "incremental": incremental,
-        }
-        for flag, value in flags.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, not {type(value).__name__} ({value!r})")
-        if read_only is not None and not isinstance(read_only, bool):
-            raise TypeError(
-                f"read_only must be None, True or False, not {type(read_only).__name__} "
-                f"({read_only!r})"
-            )
-        if keep_best is not None and best_metric is None:
-            raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
-        if frozen is not None:
-            from savepoint.blobs.patch import frozen_keys
+        # Every argument is checked (runs.config) before anything is touched.
+        arguments = dict(locals())
+        del arguments["self"], arguments["directory"]
+        extra = arguments.pop("save_options")
+        self._start(directory, ManagerConfig.of(**arguments, **extra), check_consistent=True)
 
-            if not incremental:
-                raise ValueError("frozen is given without incremental=True")
-            if self.save_options.process_group is not None:
-                raise ValueError("frozen is not supported with a process group (sharded saves)")
-            if not isinstance(frozen, str) and hasattr(frozen, "__iter__"):
-                frozen = tuple(frozen)  # (a generator, say: read once)
-            frozen_keys(frozen)  # checks them
-        if blob_policy is not None:
-            from savepoint.blobs import BlobPolicy
-
-            if not incremental:
-                raise ValueError("blob_policy is given without incremental=True")
-            if not isinstance(blob_policy, BlobPolicy):
-                raise TypeError("blob_policy must be a savepoint.blobs.BlobPolicy")
-        if compression is not None:
-            if not incremental:
-                raise ValueError(
-                    "compression is given without incremental=True (only the blobs of "
-                    "incremental saves are compressed)"
-                )
-            blob_policy = _compressed(blob_policy, compression)
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
-        rules: list[RetentionPolicy] = []
-        if keep_last is not None:
-            rules.append(_policy("keep_last", policies.KeepLatest, keep_last))
-        if keep_best is not None and best_metric is not None:
-            rules.append(_policy("keep_best", policies.KeepBest, keep_best, best_metric, best_mode))
-        if keep_every is not None:
-            rules.append(_policy("keep_every", policies.KeepEvery, keep_every))
-        every: SavePolicy | None = None
-        if save_every is not None:
-            every = _policy("save_every", policies.SaveEvery, save_every)
-        signals = None if preemption is None or preemption is False else signals_of(preemption)
-        tier_list = _tiers(tiers)
-        self.preemption_grace = _grace(preemption_grace, "preemption_grace")
-        if (
-            not isinstance(preemption_every, int)
-            or isinstance(preemption_every, bool)
-            or preemption_every < 1
-        ):
-            raise ValueError(
-                f"preemption_every must be a positive integer, not {preemption_every!r}"
-            )
-        if signals is not None and threading.current_thread() is not threading.main_thread():
-            raise RuntimeError(
-                "preemption=: signal handlers can only be installed from the main thread (Python "
-                "runs them there): create the CheckpointManager in the main thread, or leave "
-                "preemption off and call save_on_preemption() when your own handler says so"
-            )
+    def _start(self, directory: PathArg, config: ManagerConfig, *, check_consistent: bool) -> None:
+        """The open (runs.opening) of a manager asked for ``config``: see :func:`reader`."""
+        self._config = config
         self._run = resolve(directory, what="run directory")
-        self._store = self._run.store
         # Incremental saves: the run's blob store and what its saves share (runs.incremental).
-        self.incremental = incremental
         self._blob_handles = (
-            BlobHandles(self._run, policy=blob_policy, frozen=frozen) if incremental else None
-        )
-        self.directory = str(self._run)
-        if retention is not None:
-            rules.append(retention)
-        self.retention: RetentionPolicy = (
-            policies.AnyOf(*rules) if rules else policies.AnyOf(policies.KeepAll())
+            BlobHandles(self._run, policy=config.blob_policy, frozen=config.frozen)
+            if config.incremental
+            else None
         )
         # The run's checkpoints and their metrics (runs.catalog), and its books (report, history
         # log, lineage, aliases: runs.books).
-        self._catalog = Catalog(self._run, best_metric=best_metric, best_mode=best_mode)
-        self._books = Books(self._run, self._catalog, retention=self.retention, aliases=aliases)
+        self._catalog = Catalog(
+            self._run, best_metric=config.best_metric, best_mode=config.best_mode
+        )
+        self._books = Books(
+            self._run, self._catalog, retention=config.retention, aliases=config.aliases
+        )
         # Which checkpoint restore() and peek() read, and from where (runs.restoring).
         self._restorer = Restorer(self._run, self._catalog, self._books.steps_now)
-        if save_policy is None:
-            save_policy = every if every is not None else policies.SaveAlways()
-        self.verify_before_prune = verify_before_prune
-        self.aliases = aliases
-        # With a process group every rank saves its part; the run's bookkeeping (report, aliases,
-        # retention, the writer lock) is done by rank 0 alone, so no two processes rewrite the
-        # same files.
-        self._leader = _rank(self.save_options.process_group) == 0
         self._lock = threading.RLock()
         # save(), restore() and close() run one at a time (threads sharing a manager): two saves
         # at once would stage into one buffer, or verify a checkpoint the other is replacing.
@@ -335,312 +243,95 @@ class CheckpointManager:
         self._settle = Settle(
             self._books,
             self._lock,
-            retention=self.retention,
-            verify_before_prune=verify_before_prune,
+            retention=config.retention,
+            verify_before_prune=config.verify_before_prune,
             collect=_nothing if self._blob_handles is None else self._blob_handles.collect,
             scrub=_nothing if self._blob_handles is None else self._blob_handles.scrub,
         )
         stop_worker = weakref.finalize(self, self._settle.worker.stop)
         stop_worker.atexit = False  # (at exit the worker finishes its step: see _finish_at_exit)
+        self._closed = False
+        opener = opening.Opening(
+            self._run, config, self._books, self._settle, check_consistent=check_consistent
+        )
         # The save route (runs.saving: the save policy's state, the async writer) and the
-        # preemption flow over it (runs.preempting: the handlers, installed once the open
-        # succeeded); once a preemption save started (_settle.preempting) the background steps
-        # defer verification, retention and deletions to the next run.
+        # preemption flow over it (runs.preempting: the handlers, installed by the open); once a
+        # preemption save started (_settle.preempting) the background steps defer verification,
+        # retention and deletions to the next run.
         self._saver = Saver(
             self._books,
             self._settle,
-            self.save_options,
-            save_policy=save_policy,
-            leader=self._leader,
-            async_save=async_save,
+            config.save_options,
+            save_policy=config.save_policy,
+            leader=opener.leader,
+            async_save=config.async_save,
             blobs=self._blob_handles,
             host=_SaverHost(self),
         )
         self._preempting = Preempting(self._saver, _grace)
-        # Slower tiers that committed checkpoints are copied up to (runs.tiers).
-        self._tiers: TierCopier | None = None
-        self._closed = False
-        self._pid = os.getpid()
-        self._release: Callable[[], object] | None = None
-        self.read_only_reason: str | None = None
-        self._strict_config = strict_config
-        self._config_changes: list[dict[str, Any]] = []
-        self._new_config: dict[str, Any] | None = None
-        # Whether the run's id is made by this open (a new run directory, or a run made before
-        # run ids): then it takes the id of the run its tiers belong to (runs.tiers).
-        self._created = False
-        self._legacy_id = False
-        try:
-            self.read_only, self._writer = self._open_directory(read_only)
-            self._catalog.read_only = self.read_only
-            self._saver.opened(self.read_only, self.read_only_reason, self._writer)
-            if self._writer is not None:
-                # Garbage collection releases the lock of a manager never closed (the finalizer
-                # holds the lock object, not the manager). Not at interpreter exit: background
-                # saves are finished then (async_.checkpointer), still under the lock, which
-                # the kernel drops when the process ends.
-                release = weakref.finalize(self, self._writer.release)
-                release.atexit = False
-                self._release = release
-            self.run, new_run_file, report = self._open_run(name, variant, config, num_params)
-            if self._writes_books():
-                self._books.history = history.writer(self._run)
-            listed = report.checkpoints if report is not None else ()
-            on_disk = layout.committed_steps(self._run, expected=listed)
-            self._books.report = self._open_report(report, on_disk)
-            lagging = lagging_run(self.run, self._books.report)
-            if lagging is not None:  # a writer was stopped between report.json and run.json
-                self.run, new_run_file = lagging, True
-            if tier_list:
-                # Every rank reads the tiers (restore); rank 0 alone copies up, as it keeps the
-                # books, and holds each tier's writer lock. Before run.json is written: a new
-                # run directory may continue the run its tiers belong to (runs.tiers).
-                self._tiers = TierCopier(
-                    tier_list,
-                    {"name": self.run.name, "variant": self.run.variant, "id": self.run.run_id},
-                    inherit=self._writes_books()
-                    and ((self._created and not on_disk) or self._legacy_id),
-                    protected=lambda: (
-                        () if self._books.resumed_from is None else (self._books.resumed_from,)
-                    ),
-                    writable=self._writes_books(),
-                )
-                self._settle.tiers = self._restorer.tiers = self._tiers
-                release_tiers = weakref.finalize(self, self._tiers.release_locks)
-                release_tiers.atexit = False  # (as the run's lock: see above)
-                if self._tiers.run_id != self.run.run_id or (
-                    self._legacy_id and self._writes_books()
-                ):
-                    # The id the tiers now name (theirs, or one made now) goes to run.json.
-                    self.run = dataclasses.replace(self.run, run_id=self._tiers.run_id)
-                    self._books.report.run_id = self.run.run_id
-                    new_run_file = True
-            if new_run_file:
-                # Only now: an open that fails (a mismatch, a damaged report) writes nothing.
-                self._finish_open_run()
-            self._books.wall_before = self._books.report.wall_time_s
-            self._books.discarding_on_disk = frozenset(self._books.report.discarding)
-            self._catalog.opened(self._books.report, on_disk)
-            if self._config_changes:
-                self._record_config_change()
-            if self._writes_books():
-                self._repair()
-                _LIVE.add(self)
-            if signals is not None:
-                self._preempting.preemption = Preemption(
-                    signals, process_group=self.save_options.process_group, every=preemption_every
-                )
-        except BaseException as exc:
-            if self._preempting.preemption is not None:
-                self._preempting.preemption.close()
-            if self._tiers is not None:
-                self._tiers.close()
-            self._release_lock()
-            if self._books.history is not None:
-                with contextlib.suppress(OSError):
-                    self._books.history.close()
-            self._saver.close()
-            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
-                # The store refused to be looked at (no such bucket, a refused credential, an
-                # unreachable endpoint): a savepoint error naming the run, the cause below.
-                raise _open_error(self.directory, exc) from exc
+        try:  # the open (runs.opening): the lock, run.json and report.json, the tiers, the repair
+            opened = self._opened = opener.open(self)
+        except BaseException:
+            self._saver.close()  # (its async writer; the open gave back what it took)
             raise
+        self.run = opened.run
+        self._restorer.tiers = opened.tiers
+        self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
+        self._preempting.preemption = opened.preemption
+        if self._opened.writes_books:
+            _LIVE.add(self)
 
-    # -- opening -----------------------------------------------------------------------------
+    # -- what was asked for (runs.config) and what the open found (runs.opening) ---------------
 
-    def _open_directory(self, read_only: bool | None) -> tuple[bool, WriterLock | None]:
-        """Create the directory and take the writer lock: (read-only?, the lock if taken)."""
-        if read_only:
-            self.read_only_reason = "opened with read_only=True"
-            return True, None
-        store, checkpoints = self._store, self._run.join(layout.CHECKPOINTS)
-        found = store.stat(checkpoints.path)
-        if found is not None and not layout.is_dir(checkpoints):
-            raise CheckpointWriteError(
-                f"{checkpoints} is not a directory, but a run keeps its checkpoints there: move it "
-                "out of the way and open the run again",
-                path=str(checkpoints),
-                errno=errno.ENOTDIR,
-            )
-        if not self._leader:
-            # Other ranks write only their part of each checkpoint, never the run's books.
-            with contextlib.suppress(OSError):
-                store.makedirs(checkpoints.path)
-            return False, None
-        exists = layout.is_dir(self._run)
-        if exists and self._run.is_local:
-            problem = _not_writable(self._run.path, checkpoints.path)
-            if problem is not None and read_only is None:
-                self.read_only_reason = problem[1]
-                return True, None
-            if problem is not None:
-                raise CheckpointWriteError(
-                    f"cannot open {self.directory} for writing (read_only=False): {problem[1]}",
-                    path=self.directory,
-                    errno=problem[0],
-                )
-        try:
-            store.makedirs(checkpoints.path)
-            writer = WriterLock.acquire(self._run)
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            if read_only is None and exists and exc.errno in _READ_ONLY_ERRNOS:
-                self.read_only_reason = f"{os.strerror(exc.errno or 0)} ({exc.filename})"
-                return True, None
-            raise self._write_error(f"cannot open the run directory {self.directory}", exc) from exc
-        with contextlib.suppress(OSError, CheckpointError):  # tidying is best effort
-            layout.clean_stale_in(store, checkpoints.path)
-            layout.clean_stale_in(store, self._run.path)
-        return False, writer
+    @property
+    def directory(self) -> str:
+        """The run directory: a plain path on the local disk, else its URL."""
+        return self._books.directory
 
-    def _writes_books(self) -> bool:
-        return self._leader and not self.read_only
+    @property
+    def save_options(self) -> SaveOptions:
+        return self._config.save_options
 
-    def _release_lock(self) -> None:
-        if self._release is not None:
-            self._release()
+    @property
+    def retention(self) -> RetentionPolicy:
+        """Every retention rule given, as one :class:`~savepoint.runs.policies.AnyOf`."""
+        return self._config.retention
 
-    def _open_run(
-        self,
-        name: str | None,
-        variant: str | None,
-        config: Mapping[str, Any] | None,
-        num_params: int | None,
-    ) -> tuple[RunInfo, bool, Report | None]:
-        """What the run is, whether ``run.json`` must be written (the caller writes it once
-        the whole open has succeeded), and ``report.json`` as read (None: the run has none yet).
-        A run that lost its ``run.json`` (its report remains) gets back the identity its report
-        records; a new run gets the one given here."""
-        where = self._run.join(RUN_FILE)
-        path = str(where)
-        doc = read_json(where)
-        # The run's id: made with the run by its writer (other ranks and read-only managers of
-        # a run without one do not know it: None).
-        wanted = RunInfo(
-            name=name or self._store.basename(self._run.path),
-            variant=variant,
-            config=plain(dict(config or {})),
-            num_params=num_params,
-            run_id=new_run_id() if self._writes_books() else None,
-        )
-        stale = doc is None
-        if doc is not None:
-            run, source = RunInfo.from_json(doc, path), RUN_FILE
-            # Compare with what the run really is: a writer stopped between report.json and
-            # run.json left run.json behind (report.lagging_run); the caller's config is checked
-            # against the caught-up one, and run.json is rewritten once the open succeeds.
-            report, self._books.version = read_report(self._run)
-            caught_up = lagging_run(run, report) if report is not None else None
-            if caught_up is not None:
-                run, stale = caught_up, True
-        else:
-            report, self._books.version = read_report(self._run)
-            if report is None:
-                self._created = True  # (no run.json, no report.json: with no checkpoint, new)
-                return wanted, True, None
-            source = REPORT_FILE
-            run = RunInfo(
-                name=report.name,
-                variant=report.variant,
-                config=report.config,
-                num_params=report.num_params,
-                run_id=report.run_id,
-            )
-        if run.run_id is None:
-            # A run made before run ids: the report's, else a new one from its writer, recorded
-            # in the next report.json it writes (not by the open: opening and restoring change
-            # nothing), and in run.json if the open writes it anyway.
-            known = report.run_id if report is not None else None
-            run = dataclasses.replace(run, run_id=known or wanted.run_id)
-            self._legacy_id = known is None  # (made now: its tiers' run id may replace it)
-        problems = []
-        if name is not None and name != run.name:
-            problems.append(f"name {name!r} ({source} has {run.name!r})")
-        if variant is not None and variant != run.variant:
-            problems.append(f"variant {variant!r} ({source} has {run.variant!r})")
-        if config is not None and wanted.config != run.config:
-            changes = config_diff(run.config, wanted.config)
-            if self._strict_config:
-                keys = ", ".join(c["key"] for c in changes)
-                problems.append(f"a different config (keys: {keys}; strict_config=True)")
-            else:
-                self._config_changes, self._new_config = changes, wanted.config
-        if num_params is not None and num_params != run.num_params:
-            problems.append(f"num_params {num_params} ({source} has {run.num_params})")
-        if problems:
-            raise RunMismatchError(
-                f"{self.directory} is an existing run, opened with {'; '.join(problems)}; use "
-                "another directory for a different run",
-                path=self.directory,
-            )
-        return run, stale, report
+    @property
+    def verify_before_prune(self) -> bool:
+        return self._config.verify_before_prune
+
+    @property
+    def aliases(self) -> bool:
+        return self._config.aliases
+
+    @property
+    def incremental(self) -> bool:
+        return self._config.incremental
+
+    @property
+    def preemption_grace(self) -> float:
+        return self._config.preemption.grace
+
+    @property
+    def read_only(self) -> bool:
+        return self._opened.read_only
+
+    @property
+    def read_only_reason(self) -> str | None:
+        """Why the manager is read-only (None when it writes)."""
+        return self._opened.read_only_reason
+
+    # (for restore's and the preemption flow's tiers)
+
+    @property
+    def _tiers(self) -> TierCopier | None:
+        return self._opened.tiers
 
     def _finish_open_run(self) -> None:
-        """Write the ``run.json`` that :meth:`_open_run` decided on (the books' writer only)."""
-        if not self._writes_books():
-            return
-        where = self._run.join(RUN_FILE)
-        try:
-            write_json(where, self.run.to_json())
-        except OSError as exc:
-            raise self._write_error(f"cannot create {where}", exc) from exc
-
-    def _open_report(self, report: Report | None, on_disk: list[int]) -> Report:
-        if report is not None and report.run_id is None and self._writes_books():
-            report.run_id = self.run.run_id  # (written with the next report)
-        if report is None:
-            self._books.dirty = True  # close() writes the first report.json
-            fresh = Report.for_run(self.run)
-            # A log without a report: a first save killed before its report, or a report moved
-            # aside to be rebuilt; its history is the run's.
-            read_history(self._run, fresh)
-            return fresh
-        if self._check_on_open:
-            check_consistent(self.directory, self.run, report, on_disk)
-        return report
-
-    def _record_config_change(self) -> None:
-        """Warn about the config change found at open; a writer records it (report.json first,
-        then run.json: a run.json left behind by a kill in between is brought up to date by the
-        next open, see report.lagging_run)."""
-        assert self._new_config is not None
-        # Against the run's config as the report records it (run.json may have lagged behind).
-        self._config_changes = config_diff(self.run.config, self._new_config)
-        if not self._config_changes:
-            return
-        keys = ", ".join(c["key"] for c in self._config_changes)
-        step = self.latest_step()
-        if not self._writes_books():
-            warnings.warn(
-                f"{self.directory} was opened with a config that differs from its run.json in "
-                f"{keys}; this read-only manager records nothing",
-                stacklevel=3,
-            )
-            return
-        self._books.report.config = self._new_config
-        self._books.report.config_changes.append(
-            {"step": step, "at": now_iso(), "changes": self._config_changes}
-        )
-        self.run = dataclasses.replace(self.run, config=self._new_config)
-        try:
-            self._books.store_report()
-        except OSError as exc:
-            raise self._write_error(
-                f"cannot record the config change in {REPORT_FILE}", exc
-            ) from exc
-        self._finish_open_run()
-        warnings.warn(
-            f"{self.directory}: the run's config changed at step {step} ({keys}); recorded in "
-            f"{REPORT_FILE} under config_changes (strict_config=True refuses config changes)",
-            stacklevel=3,
-        )
-
-    def _repair(self) -> None:
-        """Finish what an interrupted writer left (see the module docstring), then make the
-        aliases agree with the report."""
-        with self._lock:
-            opening.repair(self._books, self._settle.preempting.is_set)
+        """Write ``run.json`` again (a writer's): the first save counted the parameters."""
+        if self._opened.writes_books:
+            opening.write_run(self._run, self.run)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -751,7 +442,7 @@ class CheckpointManager:
             raise error
 
     def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
-        return write_error(self._store, what, exc)
+        return write_error(self._run.store, what, exc)
 
     def _finish_discards(self) -> None:
         self._settle.finish_discards()
@@ -897,7 +588,7 @@ class CheckpointManager:
         checkpoint, the report, ``run.json`` or an alias. ``dry_run`` removes nothing. A
         read-only manager (or another rank's) raises CheckpointWriteError."""
         self._check_open()
-        if not self._writes_books():
+        if not self._opened.writes_books:
             why = self.read_only_reason if self.read_only else "only rank 0 writes the run's files"
             raise CheckpointWriteError(
                 f"cannot collect garbage in {self.directory}: this manager does not write the run "
@@ -954,42 +645,52 @@ class CheckpointManager:
                 self._tiers.close()  # the copy-ups finish (their failures are raised below)
             self._forget_resume()
             try:
-                if (
-                    self._writes_books()
-                    and (self._books.dirty or self._catalog.discarding or self._books.pending)
-                    and self._still_writer()
-                ):
-                    with self._lock:
-                        self._finish_discards()
-                        self._books.fill(self._books.steps_now())
-                        try:
-                            self._books.store_report()
-                        except OSError as exc:
-                            raise self._write_error(
-                                f"cannot write the final {REPORT_FILE} of {self.directory} "
-                                "(the checkpoints are intact; the report is rewritten by the "
-                                "next save)",
-                                exc,
-                            ) from exc
+                self._write_final_report()
             finally:
-                self._release_lock()
-                if self._books.history is not None:
-                    with contextlib.suppress(OSError):
-                        self._books.history.close()
-                _LIVE.discard(self)
-                preemption = self._preempting.preemption
-                if preemption is not None and not preemption.close():
-                    log.info(
-                        "%s: closed outside the main thread: its preemption handlers (flag "
-                        "only) stay installed",
-                        self.directory,
-                    )
+                self._give_back()
+
+    def _write_final_report(self) -> None:
+        """close()'s ``report.json``: what saves, logs and deletions left unwritten (by a
+        writer that still holds the run: see _still_writer)."""
+        books = self._books
+        if not self._opened.writes_books:
+            return
+        if not (books.dirty or self._catalog.discarding or books.pending):
+            return
+        if not self._still_writer():
+            return
+        with self._lock:
+            self._finish_discards()
+            books.fill(books.steps_now())
+            try:
+                books.store_report()
+            except OSError as exc:
+                raise self._write_error(
+                    f"cannot write the final {REPORT_FILE} of {self.directory} (the checkpoints "
+                    "are intact; the report is rewritten by the next save)",
+                    exc,
+                ) from exc
+
+    def _give_back(self) -> None:
+        """close()'s last step, whatever failed: what the open took is released."""
+        self._opened.release_lock()
+        if self._books.history is not None:
+            with contextlib.suppress(OSError):
+                self._books.history.close()
+        _LIVE.discard(self)
+        preemption = self._preempting.preemption
+        if preemption is not None and not preemption.close():
+            log.info(
+                "%s: closed outside the main thread: its preemption handlers (flag only) stay "
+                "installed",
+                self.directory,
+            )
 
     def _still_writer(self) -> bool:
         """For close(): whether this manager may still write the run's books."""
-        if self._writer is None:
+        if self._opened.writer is None:
             return True  # another rank's manager (its books are rank 0's) or none needed
-        if os.getpid() != self._pid:
+        if os.getpid() != self._opened.pid:
             return False  # a forked child: the books are the parent's
         if self._saver.lock_error_raised:
             return False
@@ -1088,7 +789,7 @@ def _finish_at_exit() -> None:
     """At interpreter exit, let background steps finish (they may be deleting), and print what
     failed: there is nobody left to raise it to."""
     for manager in list(_LIVE):
-        if manager._pid != os.getpid():
+        if manager._opened.pid != os.getpid():
             continue  # a forked child's copy: the books are the parent's
         try:
             manager.wait()
@@ -1096,100 +797,10 @@ def _finish_at_exit() -> None:
             print(f"savepoint: {exc}", file=sys.stderr)
 
 
-def _not_writable(*paths: str) -> tuple[int, str] | None:
-    """(errno, why) this process cannot create files in ``paths`` (the existing ones), or None."""
-    effective = os.access in os.supports_effective_ids
-    for path in paths:
-        if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK, effective_ids=effective):
-            try:
-                read_only_fs = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-            except OSError:
-                read_only_fs = False
-            if read_only_fs:
-                return errno.EROFS, f"{path} is on a read-only filesystem"
-            return errno.EACCES, f"{path} is not writable by this user"
-    return None
-
-
-def _open_error(directory: str, exc: OSError) -> CheckpointError:
-    """The error for a run whose store could not be looked at while opening it."""
-    return errors_map.read_error(
-        exc, directory, head=f"cannot open the run {directory}", what="the run"
-    )
-
-
-def _policy(argument: str, make: Callable[..., Any], n: Any, *more: Any) -> Any:
-    """``make(n, *more)``, its TypeError or ValueError naming the manager's ``argument`` (the
-    policy checks ``n``: an int, at least its minimum)."""
-    try:
-        return make(n, *more)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{argument}={n!r}: {exc}") from None
-
-
-def _grace(value: Any, name: str) -> float:
-    """A grace budget in seconds: a positive finite number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-    return float(value)
-
-
-def _compressed(policy: Any, compression: Any) -> Any:
-    """The blob policy of ``CheckpointManager(..., compression=)``: ``"zstd"`` or a
-    :class:`savepoint.blobs.Compression`, merged into ``policy`` (a BlobPolicy or None); a policy
-    that names another compression is a ValueError."""
-    import importlib.util
-
-    from savepoint.blobs import BlobPolicy, Compression
-
-    if isinstance(compression, str):
-        if compression != "zstd":
-            raise ValueError(
-                f"compression must be None, 'zstd' or a savepoint.blobs.Compression, not "
-                f"{compression!r} (for another zstd level: compression=Compression(level=3))"
-            )
-        chosen = BlobPolicy.of(compression).compression
-    elif isinstance(compression, Compression):
-        chosen = compression
-    else:
-        raise TypeError(
-            "compression must be None, 'zstd' or a savepoint.blobs.Compression, not "
-            f"{type(compression).__name__} ({compression!r})"
-        )
-    if importlib.util.find_spec("zstandard") is None:
-        raise IncompatibleCheckpointError(
-            "compression='zstd' needs the zstandard package: pip install zstandard "
-            "(or pip install 'savepoint[zstd]')"
-        )
-    if policy is None:
-        return BlobPolicy(compression=chosen)
-    if policy.compression is None:
-        return dataclasses.replace(policy, compression=chosen)
-    if policy.compression != chosen:
-        raise ValueError(
-            f"compression={compression!r} conflicts with blob_policy's compression "
-            f"({policy.compression!r}): give one of them"
-        )
-    return policy
-
-
-def _tiers(value: Any) -> list[Tier]:
-    """The ``tiers=`` argument: None or a sequence of :class:`~savepoint.runs.tiers.Tier`."""
-    if value is None:
-        return []
-    if isinstance(value, (str, bytes, Tier)) or not isinstance(value, Sequence):
-        raise TypeError(f"tiers must be a list of sp.Tier, not {value!r}")
-    for tier in value:
-        if not isinstance(tier, Tier):
-            raise TypeError(f"tiers must be a list of sp.Tier, not one holding {tier!r}")
-    return list(value)
-
-
-def _rank(process_group: Any) -> int:
-    if process_group is None:
-        return 0
-    import torch.distributed as dist
-
-    return int(dist.get_rank(group=process_group))
+def reader(directory: PathArg, *, check_consistent: bool = True) -> CheckpointManager:
+    """A read-only manager of the run at ``directory`` (``read_only=True``: no lock, writes
+    nothing). ``check_consistent=False`` also opens a run whose ``report.json`` disagrees with
+    its ``run.json`` or its checkpoints, as it is (``sp.open_run``'s view lists the problems)."""
+    manager = CheckpointManager.__new__(CheckpointManager)
+    manager._start(directory, ManagerConfig.of(read_only=True), check_consistent=check_consistent)
+    return manager

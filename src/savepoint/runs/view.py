@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, RunMismatchError
 from savepoint.runs import aliases, layout
 from savepoint.runs.catalog import Catalog
-from savepoint.runs.manager import CheckpointManager
+from savepoint.runs.manager import CheckpointManager, reader
 from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
 from savepoint.runs.restoring import Restorer, StepSpec
 from savepoint.storage.base import read_error
@@ -51,12 +51,6 @@ def run_problems(
     return problems + aliases.run_problems(directory, report, steps)
 
 
-class _Reader(CheckpointManager):
-    """A read-only manager that opens inconsistent runs too (the view lists their problems)."""
-
-    _check_on_open: ClassVar[bool] = False
-
-
 class RunView:
     """A read-only view of the run at ``directory`` (see the module docstring).
 
@@ -76,7 +70,8 @@ class RunView:
                 f"{self.directory} is not a savepoint run directory (no run.json or report.json)",
                 path=self.directory,
             )
-        self._manager = _Reader(self._run, read_only=True)
+        # A read-only manager that opens inconsistent runs too (the view lists their problems).
+        self._manager: CheckpointManager = reader(self._run, check_consistent=False)
         # The view's own catalog (read-only: reread as the writer changes the run) and restorer;
         # the steps the report listed at open are looked up even where a listing lacks them.
         self._catalog = Catalog(
