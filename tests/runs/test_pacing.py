@@ -98,3 +98,34 @@ def test_agreement_rules() -> None:
     assert achieved(sp.policies.SaveEvery(5)) is None
     pacing = Pacing(sp.policies.SaveEvery(5))
     assert pacing.decide(3, None, force=True) and not pacing.decide(3, None, force=False)
+
+
+def test_manager_writer_process(tmp_path: Path) -> None:
+    """CheckpointManager(async_save=True, writer="process"), plain and incremental: checkpoints
+    written by the writer process load bit-exactly; the memo stays in the writer process."""
+    big = np.arange(1 << 18, dtype=np.float32)
+    for incremental in (False, True):
+        run = tmp_path / f"run-{incremental}"
+        with sp.CheckpointManager(
+            run, async_save=True, writer="process", incremental=incremental, keep_last=2
+        ) as mgr:
+            for step in range(3):
+                big[step] += 1
+                mgr.save(step, {"w": big, "step": step})
+            mgr.wait()
+            assert mgr.steps() == [1, 2]
+            pid = mgr._saver.checkpointer._process.pid
+            assert pid is not None and pid != __import__("os").getpid()
+        with sp.CheckpointManager(run, read_only=True) as reader:
+            got = sp.load(reader.step_path(2))
+        np.testing.assert_array_equal(got["w"], big)
+
+
+def test_manager_writer_refusals(tmp_path: Path) -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="writer must be"):
+        sp.CheckpointManager(tmp_path / "a", async_save=True, writer="fork")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="without async_save"):
+        sp.CheckpointManager(tmp_path / "b", writer="process")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

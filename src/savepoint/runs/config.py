@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from savepoint.async_.checkpointer import Writer
 from savepoint.errors import IncompatibleCheckpointError
 from savepoint.options import SaveOptions
 from savepoint.runs import policies
@@ -59,6 +60,7 @@ class ManagerConfig:
     frozen: tuple[str, ...] | None = None
     tiers: tuple[Tier, ...] = ()
     async_save: bool = False
+    writer: Writer = "thread"  # who writes async saves: "thread" or "process" (AsyncCheckpointer)
     verify_before_prune: bool = True
     aliases: bool = True
     read_only: bool | None = None
@@ -80,6 +82,7 @@ class ManagerConfig:
         keep_every: int | None = None,
         save_every: int | None = None,
         async_save: bool = False,
+        writer: Writer = "thread",
         retention: RetentionPolicy | None = None,
         save_policy: SavePolicy | None = None,
         name: str | None = None,
@@ -118,6 +121,7 @@ class ManagerConfig:
             )
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
+        _writer(writer, async_save, checked)
         frozen = _frozen(frozen, incremental, checked)
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
@@ -140,6 +144,7 @@ class ManagerConfig:
             frozen=frozen,
             tiers=tier_list,
             async_save=async_save,
+            writer=writer,
             verify_before_prune=verify_before_prune,
             aliases=aliases,
             read_only=read_only,
@@ -148,6 +153,22 @@ class ManagerConfig:
             variant=variant,
             config=config,
             num_params=num_params,
+        )
+
+
+def _writer(writer: Any, async_save: bool, options: SaveOptions) -> None:
+    """``writer=``: "thread" or "process", the latter for async saves, unsharded (for now)."""
+    if writer not in ("thread", "process"):
+        raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
+    if writer == "process" and not async_save:
+        raise ValueError(
+            "writer='process' is given without async_save=True (the writer process writes "
+            "background saves; a synchronous save is written by the caller)"
+        )
+    if writer == "process" and options.process_group is not None:
+        raise ValueError(
+            "writer='process' does not write sharded saves (process_group=) yet: use "
+            "writer='thread'"
         )
 
 

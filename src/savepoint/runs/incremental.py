@@ -80,17 +80,15 @@ class BlobHandles:
             timeout=options.timeout,
         )
 
-    def async_options(self) -> dict[str, Any]:
+    def async_options(self, shared: bool = True) -> dict[str, Any]:
         """The keywords of an async save into the store (``AsyncCheckpointer.save``): its
         background thread runs the store's save session, then (committed) retention and the
-        collection, after the session is closed."""
-        return {
-            "blobs": self.store(),
-            "blob_policy": self.policy,
-            "memo": self.memo,
-            "tracker": self.tracker,
-            "frozen": self.frozen,
-        }
+        collection, after the session is closed. ``shared=False``: without this manager's memo
+        and tracker (a writer process keeps its own)."""
+        options = {"blobs": self.store(), "blob_policy": self.policy, "frozen": self.frozen}
+        if shared:
+            options.update(memo=self.memo, tracker=self.tracker)
+        return options
 
     def before_gc(self) -> None:
         """For ``gc()``, before the blob collection: remove the records dead processes of this

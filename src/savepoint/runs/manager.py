@@ -77,7 +77,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from savepoint.async_.pending import PendingSave
 from savepoint.errors import (
@@ -137,7 +137,12 @@ class CheckpointManager:
     ``keep_last`` newest steps, ``keep_best`` best by ``best_metric`` (``best_mode`` "min" or
     "max", ties to the later step), ``keep_every`` multiples of that step, or any ``retention``
     policy object from :mod:`savepoint.runs.policies`. ``save_every`` (or a ``save_policy``)
-    makes ``save`` skip steps. ``name``, ``variant``, ``config`` and ``num_params`` describe the
+    makes ``save`` skip steps (``sp.policies.Continuous``: the next save once the previous one
+    is durable, see :meth:`should_save`). ``async_save=True`` writes each checkpoint in the
+    background (``save`` returns once the state is staged); ``writer`` chooses who writes it:
+    ``"thread"`` (the default) or ``"process"`` (a long-lived writer process, see
+    :class:`~savepoint.async_.checkpointer.AsyncCheckpointer`; unsharded saves only, local
+    directories). ``name``, ``variant``, ``config`` and ``num_params`` describe the
     run in ``run.json``; opening an existing run with a different name, variant or ``num_params``
     is a RunMismatchError. A different ``config`` is a change of the run's config: it warns
     (UserWarning naming the keys), becomes the config of ``run.json`` and ``report.json``, and
@@ -187,6 +192,7 @@ class CheckpointManager:
         keep_every: int | None = None,
         save_every: int | None = None,
         async_save: bool = False,
+        writer: Literal["thread", "process"] = "thread",
         retention: RetentionPolicy | None = None,
         save_policy: SavePolicy | None = None,
         name: str | None = None,
@@ -265,6 +271,7 @@ class CheckpointManager:
             save_policy=config.save_policy,
             leader=opener.leader,
             async_save=config.async_save,
+            writer=config.writer,
             blobs=self._blob_handles,
             host=_SaverHost(self),
         )

@@ -116,7 +116,7 @@ class BlobSaving(Protocol):
     ) -> CheckpointInfo:
         """A synchronous incremental save of ``target``."""
 
-    def async_options(self) -> dict[str, Any]:
+    def async_options(self, shared: bool = True) -> dict[str, Any]:
         """The keywords an async save passes (``blobs``, ``blob_policy``, ``memo``, ...)."""
 
 
@@ -272,7 +272,8 @@ class Saver:
         assert self.checkpointer is not None
         # The background thread runs the blob store's save session, then (committed: retention
         # and the blob collection) after the session is closed.
-        incremental = self.blobs.async_options() if self.blobs is not None else {}
+        shared = self.checkpointer.writer == "thread"  # (a writer process has its own memo)
+        incremental = self.blobs.async_options(shared) if self.blobs is not None else {}
         job.keep = self.host.keep()  # (the manager stays alive until the save is done)
         flight, backup = job.flight, job.backup
         try:
