@@ -9,6 +9,7 @@ kill campaign 50 times (``tests/_torture.py``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -367,3 +368,32 @@ def test_incremental_saves_through_the_writer_process(tmp_path: Path, ckpt: Any)
     same(sp.load(tmp_path / "s1"), first)
     same(sp.load(tmp_path / "s2"), second)
     sp.verify(tmp_path / "s2")  # every checksum, blobs included (raises otherwise)
+
+
+def test_a_save_the_caller_stops_is_cancelled_in_the_writer_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A progress callback that raises (save_on_preemption abandoning the save) cancels it in
+    the writer process: its next write stops, nothing is committed, the caller gets its own
+    error, and the same writer process writes the next save."""
+    monkeypatch.setenv(FAULT, "crawl")
+
+    class Stop(Exception):
+        pass
+
+    def stop(done: int, total: int) -> None:
+        raise Stop("abandoned")
+
+    big = {f"t{i}": np.full(1 << 16, i, np.float32) for i in range(24)}
+    c = sp.AsyncCheckpointer(writer="process", progress=stop, max_file_bytes=1 << 18)
+    pending = c.save(tmp_path / "p", big)
+    with pytest.raises(Exception) as raised:
+        pending.wait()
+    assert isinstance(raised.value, Stop) or isinstance(raised.value.__cause__, Stop)
+    proc = c._process._proc
+    assert proc is not None and proc.poll() is None  # the writer process lives on
+    with contextlib.suppress(Exception):
+        c.close()  # (the background error is reported by close() too)
+    # Closed: the writer process has exited, so a save it had not cancelled would be there now.
+    assert proc.poll() is not None
+    assert not (tmp_path / "p").exists()

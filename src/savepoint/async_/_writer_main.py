@@ -23,8 +23,9 @@ process group must not tear a commit in half; the trainer decides, and its exit 
 process); SIGKILL ends it like any process, leaving only an uncommitted staging directory.
 
 ``SAVEPOINT_WRITER_FAULT`` (tests only) injects a failure: ``raise:<savepoint error name>``,
-``oserror:<errno name>``, ``delay:<seconds>`` (before writing), or ``stall`` (the save sends its first progress, then sleeps: a test
-kills the process mid-write).
+``oserror:<errno name>``, ``delay:<seconds>`` (before writing), ``stall`` (the save sends its first progress, then sleeps: a test
+kills the process mid-write), or ``crawl`` (every progress call sleeps 50 ms: a test cancels the
+save mid-write).
 """
 
 from __future__ import annotations
@@ -187,12 +188,16 @@ def _save(message: dict[str, Any], arena: np.ndarray[Any, Any], sock: socket.soc
 
 def _progress(sock: socket.socket, wanted: bool) -> Any:
     """The progress callback of a save: forwards ``(done, total)`` to the trainer (at most every
-    50 ms, and the last), when it asked for progress; ``stall`` sleeps at the first call."""
-    stall = os.environ.get("SAVEPOINT_WRITER_FAULT") == "stall"
-    if not wanted and not stall:
-        return None
+    50 ms, and the last), when it asked for progress, and (at most every 20 ms) looks for a
+    ``cancel`` from the trainer (``save_on_preemption`` abandoning the save): it then raises, the
+    save's transaction removes what it wrote, and the answer is that error. A trainer that is
+    gone cancels nothing: the save goes on (a save outlives its trainer). ``stall`` sleeps at
+    the first call."""
+    fault = os.environ.get("SAVEPOINT_WRITER_FAULT", "")
+    stall, crawl = fault == "stall", fault == "crawl"
     lock = threading.Lock()
-    last = [0.0]
+    last = [0.0, 0.0]  # the last progress sent, the last look for a cancel
+    listening = [True]
 
     def progress(done: int, total: int) -> None:
         with lock:
@@ -200,10 +205,35 @@ def _progress(sock: socket.socket, wanted: bool) -> Any:
             if wanted and (done >= total or now - last[0] >= 0.05 or stall):
                 last[0] = now
                 _wire.send(sock, {"op": "progress", "done": done, "total": total})
+            if listening[0] and now - last[1] >= 0.02:
+                last[1] = now
+                _look_for_cancel(sock, listening)
             if stall:
                 time.sleep(600)
+            if crawl:
+                time.sleep(0.05)
 
     return progress
+
+
+def _look_for_cancel(sock: socket.socket, listening: list[bool]) -> None:
+    if not select.select([sock], [], [], 0)[0]:
+        return
+    try:
+        message, fds = _wire.receive(sock)
+    except (OSError, EOFError, ValueError):
+        message, fds = None, []
+    for fd in fds:
+        os.close(fd)
+    if message is None:
+        listening[0] = False  # the trainer is gone: finish the save
+        return
+    if message.get("op") == "cancel":
+        raise errors.CheckpointWriteError(
+            "the save was cancelled by its trainer before its commit (a preemption save "
+            "abandoned it); nothing of it was committed",
+            path=None,
+        )
 
 
 def _fault_before() -> None:

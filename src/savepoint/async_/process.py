@@ -22,6 +22,7 @@ fork, and a checkpointer it makes starts its own.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -262,6 +263,7 @@ class ProcessWriter:
     ) -> info.CheckpointInfo:
         sock = self._sock
         assert sock is not None
+        progress, stop = options.progress, None
         while True:
             try:
                 message, fds = _wire.receive(sock)
@@ -271,9 +273,18 @@ class ProcessWriter:
                 os.close(fd)
             if message is None:
                 raise self._died(target)
-            if message["op"] == "progress" and options.progress is not None:
-                options.progress(int(message["done"]), int(message["total"]))
+            if message["op"] == "progress" and progress is not None:
+                try:
+                    progress(int(message["done"]), int(message["total"]))
+                except BaseException as exc:
+                    # The caller stops this save (save_on_preemption abandoning it): the writer
+                    # process stops at its next write unless it has committed already.
+                    stop, progress = exc, None
+                    with contextlib.suppress(OSError):
+                        _wire.send(sock, {"op": "cancel"})
             elif message["op"] == "error":
+                if stop is not None:
+                    raise stop from _wire.error_from(message)
                 raise _wire.error_from(message)
             elif message["op"] == "done" and "manifest" in message:
                 # An incremental save: its manifest names blobs the trainer never saw.
