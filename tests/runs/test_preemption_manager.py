@@ -187,6 +187,31 @@ def test_a_save_in_flight_that_cannot_finish_is_abandoned_cleanly(
         assert mgr.steps() == [11]
 
 
+def test_a_save_in_flight_in_the_writer_process_is_abandoned_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """writer="process": the save in flight is cancelled in the writer process (it stops at its
+    next write; nothing of it is committed) and the preemption save commits in the budget."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("SAVEPOINT_WRITER_FAULT", "crawl")  # 50 ms per write in the writer
+    with sp.CheckpointManager(
+        run,
+        async_save=True,
+        writer="process",
+        preemption=True,
+        preemption_grace=1.5,
+        max_file_bytes=64 * 1024,
+    ) as mgr:
+        mgr.save(10, many(10))
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert mgr.preempted()
+        r = mgr.save_on_preemption(11, many(11))
+        assert (r.in_flight, r.in_flight_step, r.step, r.saved) == ("abandoned", 10, 11, True)
+        assert r.within_budget and r.errors == ()
+        assert mgr.steps() == [11]
+    assert layout.committed_steps(str(run)) == [11] and leftovers(run) == []
+
+
 def test_a_save_in_flight_that_fails_on_its_own_is_reported_not_raised(tmp_path: Path) -> None:
     run = tmp_path / "run"
     armed = threading.Event()
