@@ -129,3 +129,20 @@ def test_manager_writer_refusals(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="without async_save"):
         sp.CheckpointManager(tmp_path / "b", writer="process")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_manager_writer_process_with_tiers(tmp_path: Path) -> None:
+    """Checkpoints the writer process commits are copied up to the run's tiers as any other."""
+    tier = sp.Tier(str(tmp_path / "disk"), every=1)
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    with sp.CheckpointManager(
+        tmp_path / "run", async_save=True, writer="process", tiers=[tier]
+    ) as mgr:
+        for step in (1, 2):
+            state["w"] += 1
+            mgr.save(step, state)
+        mgr.wait()
+    copies = sorted(p.name for p in (tmp_path / "disk" / "checkpoints").iterdir())
+    assert copies[-2:] == ["step-0000000001", "step-0000000002"]
+    got = sp.load(tmp_path / "disk" / "checkpoints" / "step-0000000002")
+    np.testing.assert_array_equal(got["w"], state["w"])
