@@ -1,7 +1,7 @@
 """Child process for test_kill_s3.py: saves checkpoints to an S3 bucket (the moto server of the
 tests) until it is SIGKILLed.
 
-Usage: python _kill_s3_child.py MODE PATH START
+Usage: python _kill_s3_child.py MODE PATH START [AIM]
 
 MODE  "path": ``sp.save`` of step START, START+1, ... to ``/bucket/key`` PATH, forever;
       "run": a CheckpointManager on the run at PATH (keep_last=2) restores its newest checkpoint
@@ -11,11 +11,20 @@ The store is configured from the environment the parent set (endpoint, credentia
 
 The child prints "ready R" (R: the step it starts after; -1 for none), then "saving N" just
 before each save and "saved N" after it, flushed at once.
+
+AIM (one of :data:`AIMS`) stops the first save of an even step (a multipart upload) at its
+commit point, so that the parent's kill lands there for certain: "before-commit" once its data
+is up and its generation's manifest is not (the save leaves an uncommitted generation, which
+gc must remove), "after-commit" once the manifest is up and the run's books are not (the step
+is committed but unrecorded: it must load as the newest). The child prints "AIM N" there and
+waits to be killed.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +34,8 @@ KEEP_LAST = 2
 SMALL = (256, 1024)  # 1 MiB of float32
 BIG = (1536, 1024)  # 6 MiB of float32: a multipart upload of two parts
 RUN_OPTIONS: dict[str, Any] = {"keep_last": KEEP_LAST, "name": "killed-s3"}
+AIMS = ("before-commit", "after-commit")
+_GEN_MANIFEST = re.compile(r".*/checkpoints/step-(\d{10,})/gen-[^/]+/manifest\.json")
 
 
 def make_state(step: int) -> dict[str, Any]:
@@ -38,19 +49,42 @@ def make_state(step: int) -> dict[str, Any]:
     }
 
 
-def make_store() -> Any:
+def make_store(aim: str = "") -> Any:
     """An S3 store configured from the environment, with 5 MiB parts (its writer lock is a
-    lease object, :mod:`savepoint.storage.lease`)."""
+    lease object, :mod:`savepoint.storage.lease`); with ``aim``, one that stops the first
+    even-step save there (see the module docstring)."""
     from savepoint.storage.objectstore import ObjectStore
 
-    return ObjectStore("s3", part_size=PART)
+    if not aim:
+        return ObjectStore("s3", part_size=PART)
+    if aim not in AIMS:
+        raise SystemExit(f"unknown aim {aim!r}")
+
+    class Aimed(ObjectStore):
+        def put(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
+            m = _GEN_MANIFEST.fullmatch(path)
+            step = int(m.group(1)) if m is not None and int(m.group(1)) % 2 == 0 else None
+            if step is not None and aim == "before-commit":
+                _wait_for_the_kill(f"{aim} {step}")
+            super().put(path, data, exclusive=exclusive)
+            if step is not None and aim == "after-commit":
+                _wait_for_the_kill(f"{aim} {step}")
+
+    return Aimed("s3", part_size=PART)
+
+
+def _wait_for_the_kill(line: str) -> None:
+    print(line, flush=True)
+    while True:
+        time.sleep(60)
 
 
 def main() -> None:
     mode, path, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    aim = sys.argv[4] if len(sys.argv) > 4 else ""
     import savepoint as sp
 
-    store = make_store()
+    store = make_store(aim)
     where = store.at(path)
     if mode == "path":
         print(f"ready {start - 1}", flush=True)
