@@ -12,12 +12,13 @@ The store is configured from the environment the parent set (endpoint, credentia
 The child prints "ready R" (R: the step it starts after; -1 for none), then "saving N" just
 before each save and "saved N" after it, flushed at once.
 
-AIM (one of :data:`AIMS`) stops the first save of an even step (a multipart upload) at its
-commit point, so that the parent's kill lands there for certain: "before-commit" once its data
-is up and its generation's manifest is not (the save leaves an uncommitted generation, which
-gc must remove), "after-commit" once the manifest is up and the run's books are not (the step
-is committed but unrecorded: it must load as the newest). The child prints "AIM N" there and
-waits to be killed.
+AIM (one of :data:`AIMS`) stops the first save of an even step (a multipart upload) at one
+moment, so that the parent's kill lands there for certain: "mid-upload" once the first part of
+its data is up and the upload is not complete (an open multipart upload, which gc must abort),
+"before-commit" once its data is up and its generation's manifest is not (an uncommitted
+generation, which gc must remove), "after-commit" once the manifest is up and the run's books
+are not (the step is committed but unrecorded: it must load as the newest). The child prints
+"AIM N" there and waits to be killed.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ KEEP_LAST = 2
 SMALL = (256, 1024)  # 1 MiB of float32
 BIG = (1536, 1024)  # 6 MiB of float32: a multipart upload of two parts
 RUN_OPTIONS: dict[str, Any] = {"keep_last": KEEP_LAST, "name": "killed-s3"}
-AIMS = ("before-commit", "after-commit")
-_GEN_MANIFEST = re.compile(r".*/checkpoints/step-(\d{10,})/gen-[^/]+/manifest\.json")
+AIMS = ("mid-upload", "before-commit", "after-commit")
+_GEN_FILE = re.compile(r".*/checkpoints/step-(\d{10,})/gen-[^/]+/(manifest\.json|data-.*)")
 
 
 def make_state(step: int) -> dict[str, Any]:
@@ -60,15 +61,36 @@ def make_store(aim: str = "") -> Any:
     if aim not in AIMS:
         raise SystemExit(f"unknown aim {aim!r}")
 
+    def aimed_step(path: str, kind: str) -> int | None:
+        m = _GEN_FILE.fullmatch(path)
+        if m is None or int(m.group(1)) % 2 or not m.group(2).startswith(kind):
+            return None
+        return int(m.group(1))
+
     class Aimed(ObjectStore):
         def put(self, path: str, data: bytes, *, exclusive: bool = True) -> None:
-            m = _GEN_MANIFEST.fullmatch(path)
-            step = int(m.group(1)) if m is not None and int(m.group(1)) % 2 == 0 else None
+            step = aimed_step(path, "manifest")
             if step is not None and aim == "before-commit":
                 _wait_for_the_kill(f"{aim} {step}")
             super().put(path, data, exclusive=exclusive)
             if step is not None and aim == "after-commit":
                 _wait_for_the_kill(f"{aim} {step}")
+
+        def create_blob(self, path: str, *, size: int | None = None, direct: bool = True) -> Any:
+            writer = super().create_blob(path, size=size, direct=direct)
+            step = aimed_step(path, "data-")
+            if step is None or aim != "mid-upload":
+                return writer
+            finish = writer.finish
+
+            def stop_before_finishing() -> None:
+                if writer._upload is not None:  # the multipart upload its first part opened
+                    writer._upload.flush()  # that part is up
+                    _wait_for_the_kill(f"{aim} {step}")
+                finish()
+
+            writer.finish = stop_before_finishing
+            return writer
 
     return Aimed("s3", part_size=PART)
 
