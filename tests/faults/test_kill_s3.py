@@ -3,8 +3,11 @@ garbage collection.
 
 A child process (_kill_s3_child.py) saves checkpoints of 1-7 MiB with 5 MiB parts (the even
 steps go up as multipart uploads) in a loop: ``sp.save`` to one path, or through a
-CheckpointManager with keep_last=2. The parent kills it after a seeded random delay; after
-each kill:
+CheckpointManager with keep_last=2. The parent kills it after a seeded random delay, or (three
+of each ten manager kills) at a moment the child stops at in a multipart save
+(_kill_s3_child.AIMS): during its upload, just before its commit point, just after it; so that
+kills leave an open upload, an uncommitted generation and a committed, unrecorded step for
+certain, not by chance. After each kill:
 
 - the path (and the run's ``latest`` alias, and ``open_run(...).load("latest")``) loads as
   either the checkpoint committed before the save in flight or the one it was writing, exactly
@@ -13,7 +16,11 @@ each kill:
   no open multipart upload under the prefix (listed with boto3), and every object under it is
   referenced: it lies in the newest committed generation of its checkpoint, or is a directory
   marker of such a checkpoint or of the run, or the run's bookkeeping (report.json, run.json,
-  the writer lock's description, the alias pointers); the same checkpoints load afterwards.
+  the writer lock's description, the alias pointers); the same checkpoints load afterwards;
+- after the kills aimed during the upload and before the commit point, the run loads the step
+  before the aimed one and ``gc(grace=0)`` reports the aimed step's directory removed (and, for
+  the first, its data's upload aborted); after the one aimed after it, the run loads the aimed
+  step.
 
 ``make test`` runs 10 + 8 kills; ``make torture`` runs (32 + 18) * SAVEPOINT_TORTURE_SCALE
 (tests/_torture.py).
@@ -44,7 +51,7 @@ from savepoint.runs import layout
 from savepoint.runs.gc import GcReport, collect
 from storage._s3server import Server
 
-from ._kill_s3_child import RUN_OPTIONS, make_state, make_store
+from ._kill_s3_child import AIMS, RUN_OPTIONS, make_state, make_store
 
 pytestmark = [
     pytest.mark.slow,
@@ -64,9 +71,9 @@ HISTORY = re.compile(rf"history/({re.escape(MARKER)}|\d{{12}}-\d{{12}}\.jsonl)")
 class Child:
     """The child process, with a line reader over its stdout that never blocks past a timeout."""
 
-    def __init__(self, mode: str, path: str, start: int) -> None:
+    def __init__(self, mode: str, path: str, start: int, aim: str = "") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD), mode, path, str(start)],
+            [sys.executable, str(CHILD), mode, path, str(start), *([aim] if aim else [])],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
@@ -265,8 +272,13 @@ def test_sigkill_while_a_manager_saves_to_s3(
     removed = aborted = by_manager = 0
     outcomes: Counter[str] = Counter()
     for i in range(RUN_KILLS):
-        with Child("run", run.path, 0) as child:
-            if i % 5 == 4:  # now and then, during the open's repair and restore
+        # Kills 1-3 of each ten aimed (a random delay lands in the ~0.2 s of a save that leaves
+        # garbage only about one time in five, during an upload less often).
+        aim = {1: AIMS[0], 2: AIMS[1], 3: AIMS[2]}.get(i % 10, "")
+        with Child("run", run.path, 0, aim) as child:
+            if aim:
+                aimed = int(child.wait_for(aim + " ").split()[1])
+            elif i % 5 == 4:  # now and then, during the open's repair and restore
                 time.sleep(rng.uniform(0, 1.0))
             else:
                 child.wait_for("ready")
@@ -286,6 +298,10 @@ def test_sigkill_while_a_manager_saves_to_s3(
         assert got_alias in allowed, f"latest/ holds {got_alias}; the kill allows {shown}"
         assert got_latest in allowed, f"the newest is {got_latest}; the kill allows {shown}"
         outcomes["new" if got_latest == flight else "old"] += 1
+        if aim:
+            assert flight == aimed, f"the kill aimed at step {aimed} found {flight} in flight"
+            want = aimed if aim == "after-commit" else saved[-1] if saved else latest
+            assert got_latest == want, f"killed {aim} of step {aimed}: the newest is {got_latest}"
         if i % 2 == 0:
             with sp.CheckpointManager(run, **RUN_OPTIONS) as manager:
                 report = manager.gc(grace=0)
@@ -295,11 +311,22 @@ def test_sigkill_while_a_manager_saves_to_s3(
         removed += len(report.removed)
         aborted += len(report.aborted_uploads)
         check_collected(s3, store, s3_bucket, prefix, report, run=True)
+        if aim in ("mid-upload", "before-commit"):
+            step_dir = f"/{prefix}/{layout.CHECKPOINTS}/step-{aimed:010d}"
+            assert any(r.path.endswith(step_dir) for r in report.removed), (
+                f"gc(grace=0) did not remove the uncommitted step {aimed}: {report.removed}"
+            )
+        if aim == "mid-upload":
+            assert any(step_dir + "/" in u.path for u in report.aborted_uploads), (
+                f"gc(grace=0) did not abort the upload of step {aimed}: {report.aborted_uploads}"
+            )
         alias = load_exact(run.join("latest"))
         assert alias in allowed
         latest = got_latest
         if latest is not None:
             assert latest in layout.committed_steps(run), "gc removed the newest checkpoint"
     assert RUN_KILLS >= MIN_RUN_KILLS and by_manager > 0
+    # Certain, by the aimed kills (the random ones add to them by chance).
     assert outcomes["old"] and outcomes["new"], f"kills never split a save: {dict(outcomes)}"
     assert removed > 0, "no kill ever left anything to collect"
+    assert aborted > 0, "no kill ever left a multipart upload open"
