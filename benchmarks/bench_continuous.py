@@ -16,7 +16,8 @@ medians over the rounds:
   save takes to become durable (target: at most 1.2);
 - throughput with continuous saves / without (target: at least 0.95).
 
-The step is a fixed amount of matmul work calibrated at start to take about 50 ms alone.
+A step is a fixed amount of work: matmuls until the training thread has used 50 ms of CPU time
+(one torch thread), so a background save shows as a longer wall time per step.
 """
 
 from __future__ import annotations
@@ -35,18 +36,13 @@ import savepoint as sp
 MiB = 1 << 20
 
 
-def calibrate(target: float = 0.05) -> int:
-    """Matmul iterations that take about ``target`` seconds."""
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    n = 8
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            a = torch.tanh(a @ b) * 0.5
-        elapsed = time.perf_counter() - t0
-        if elapsed >= target / 2:
-            return max(1, round(n * target / elapsed))
-        n *= 2
+def step_work(a: torch.Tensor, b: torch.Tensor, seconds: float = 0.05) -> torch.Tensor:
+    """One training step: matmuls until this thread has used ``seconds`` of CPU time (fixed
+    work, whatever else the machine runs: a background save shows as a longer wall time)."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        a = torch.tanh(a @ b) * 0.5
+    return a
 
 
 def make_state(mib: float) -> dict[str, torch.Tensor]:
@@ -54,17 +50,14 @@ def make_state(mib: float) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(MiB) for i in range(n)}
 
 
-def loop(
-    iters: int, seconds: float, state: dict[str, torch.Tensor], mgr: sp.CheckpointManager | None
-) -> float:
+def loop(seconds: float, state: dict[str, torch.Tensor], mgr: sp.CheckpointManager | None) -> float:
     """Steps per second for ``seconds``; with ``mgr``, ``mgr.save`` at every step."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     first = next(iter(state.values()))
     steps = 0
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        for _ in range(iters):
-            a = torch.tanh(a @ b) * 0.5
+        a = step_work(a, b)
         first[steps % first.numel()] += 1.0  # the state changes every step
         if mgr is not None:
             mgr.save(steps, state)
@@ -86,22 +79,22 @@ def main() -> None:
     ap.add_argument("--min-interval", type=float, default=0.0)
     ap.add_argument("--dir", default="/tmp/sp-continuous")
     args = ap.parse_args()
-    iters = calibrate()
+    torch.set_num_threads(1)  # (a step's CPU time is its thread's: one intra-op thread)
     state = make_state(args.mib)
     print(
         f"torch {torch.__version__}, savepoint {sp.__version__}, {os.cpu_count()} cores; "
-        f"{len(state)} tensors, {args.mib:.0f} MiB; a step is {iters} matmuls (~50 ms); "
+        f"{len(state)} tensors, {args.mib:.0f} MiB; a step is 50 ms of one thread's CPU time; "
         f"writer={args.writer}"
     )
     ratios, speeds = [], []
     for rnd in range(args.rounds):
         shutil.rmtree(args.dir, ignore_errors=True)
-        alone = loop(iters, args.seconds, state, None)
+        alone = loop(args.seconds, state, None)
         policy = sp.policies.Continuous(min_interval=args.min_interval)
         with sp.CheckpointManager(
             args.dir, keep_last=2, async_save=True, writer=args.writer, save_policy=policy
         ) as mgr:
-            during = loop(iters, args.seconds, state, mgr)
+            during = loop(args.seconds, state, mgr)
         with open(os.path.join(args.dir, "report.json")) as f:
             achieved = json.load(f)["save_intervals"]
         interval, durable = achieved["interval_median_s"], achieved["durable_median_s"]
