@@ -66,12 +66,9 @@ Incremental runs' blob store (saves into it, collection, scrubbing):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import errno
 import logging
-import os
 import signal
 import sys
 import threading
@@ -86,12 +83,13 @@ from savepoint.errors import (
 )
 from savepoint.options import SaveOptions
 from savepoint.runs import layout, opening
-from savepoint.runs.books import Books, write_error
+from savepoint.runs.books import Books
 from savepoint.runs.catalog import Catalog
 from savepoint.runs.config import ManagerConfig
 from savepoint.runs.config import seconds as _grace
-from savepoint.runs.gc import GcReport, collect
+from savepoint.runs.gc import GcReport
 from savepoint.runs.incremental import BlobHandles
+from savepoint.runs.lifecycle import Lifecycle
 from savepoint.runs.policies import Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.preempting import Preempting
 from savepoint.runs.preemption import (
@@ -100,7 +98,6 @@ from savepoint.runs.preemption import (
     PreemptionSave,
 )
 from savepoint.runs.report import (
-    REPORT_FILE,
     Report,
 )
 from savepoint.runs.restoring import Restorer, StepSpec
@@ -112,10 +109,6 @@ from savepoint.storage.paths import Location, PathArg, resolve
 __all__ = ["CheckpointManager", "PreemptionSave", "StepSpec", "reader"]
 
 log = logging.getLogger(__name__)
-
-# Managers whose background step (verification, retention) may still run or failed unreported:
-# finished (and a failure printed) at interpreter exit.
-_LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
 class CheckpointManager:
@@ -240,23 +233,19 @@ class CheckpointManager:
         )
         # Which checkpoint restore() and peek() read, and from where (runs.restoring).
         self._restorer = Restorer(self._run, self._catalog, self._books.steps_now)
-        self._lock = threading.RLock()
-        # save(), restore() and close() run one at a time (threads sharing a manager): two saves
-        # at once would stage into one buffer, or verify a checkpoint the other is replacing.
-        self._saving = threading.RLock()
+        lock = threading.RLock()  # the books' and the background step's (runs.lifecycle)
         # The background step of each save (runs.settle: syncs, verification, retention), on
         # one worker thread, and the error it left for the next save, wait() or close().
         self._settle = Settle(
             self._books,
-            self._lock,
+            lock,
             retention=config.retention,
             verify_before_prune=config.verify_before_prune,
             collect=_nothing if self._blob_handles is None else self._blob_handles.collect,
             scrub=_nothing if self._blob_handles is None else self._blob_handles.scrub,
         )
         stop_worker = weakref.finalize(self, self._settle.worker.stop)
-        stop_worker.atexit = False  # (at exit the worker finishes its step: see _finish_at_exit)
-        self._closed = False
+        stop_worker.atexit = False  # (at exit the worker finishes its step: runs.lifecycle)
         opener = opening.Opening(
             self._run, config, self._books, self._settle, check_consistent=check_consistent
         )
@@ -285,8 +274,16 @@ class CheckpointManager:
         self._restorer.tiers = opened.tiers
         self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
         self._preempting.preemption = opened.preemption
-        if self._opened.writes_books:
-            _LIVE.add(self)
+        # Its locks, close(), gc(), a fork and the interpreter's exit (runs.lifecycle).
+        self._life = Lifecycle(
+            self._run,
+            opened,
+            self._books,
+            self._settle,
+            self._saver,
+            self._blob_handles,
+            lock=lock,
+        )
 
     # -- what was asked for (runs.config) and what the open found (runs.opening) ---------------
 
@@ -388,10 +385,6 @@ class CheckpointManager:
     def _step(self, step: int) -> Location:
         return layout.step_location(self._run, step)
 
-    def _checkpoint(self, step: int) -> str | Location:
-        """Checkpoint ``step`` as the path argument of ``savepoint.checkpoint``'s functions."""
-        return layout.checkpoint_arg(self._step(step))
-
     def metrics(self, step: int) -> dict[str, Any]:
         return dict(self._catalog.metrics.get(step, {}))
 
@@ -413,8 +406,8 @@ class CheckpointManager:
         retention follow in the background (the returned PendingSave is done when they are;
         see :mod:`savepoint.runs.saving`). Threads may share a manager: their saves run one
         after the other."""
-        self._check_open()
-        with self._saving:
+        self._life.check_open()
+        with self._life.saving:
             return self._saver.save(step, state, metrics, force, epoch)
 
     def should_save(self, step: int) -> bool:
@@ -424,9 +417,9 @@ class CheckpointManager:
         policy whose answer depends on this process's clock (``sp.policies.Continuous``), every
         rank's answer is agreed (one all-reduce: ask at the same steps on every rank), so the
         ranks save the same steps (:mod:`savepoint.runs.pacing`)."""
-        self._check_open()
+        self._life.check_open()
         check_step(step)
-        with self._saving:
+        with self._life.saving:
             return self._saver.pacing.should_save(step, self._saver.last_saved)
 
     def log(self, step: int, loss: float | None = None, **metrics: Any) -> None:
@@ -441,15 +434,6 @@ class CheckpointManager:
     def _join_background(self) -> None:
         """Wait for the background step of the last save (not from that step itself)."""
         self._settle.join()
-
-    def _raise_verification_error(self) -> None:
-        """Raise (once) what the last background step reported."""
-        error = self._settle.take_error()
-        if error is not None:
-            raise error
-
-    def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
-        return write_error(self._run.store, what, exc)
 
     def _finish_discards(self) -> None:
         self._settle.finish_discards()
@@ -517,7 +501,7 @@ class CheckpointManager:
             epoch,
             grace,
             default_grace=self.preemption_grace,
-            saving=self._saving,
+            saving=self._life.saving,
         )
 
     # -- restoring -----------------------------------------------------------------------------
@@ -541,8 +525,8 @@ class CheckpointManager:
         the run holds now (never a warning, never an error for an intact run), and an explicit
         step that was deleted is CheckpointNotFoundError saying so.
         """
-        self._check_open()
-        with self._saving:
+        self._life.check_open()
+        with self._life.saving:
             self.wait()
             found = self._restorer.read(step, {**load_options, "into": into})
             if found is None:
@@ -566,8 +550,8 @@ class CheckpointManager:
         exactly as :meth:`restore` does (a "latest" that fails verification is skipped with a
         warning for the next older one), writes nothing and resumes nothing. None: the run has no
         checkpoint at all."""
-        self._check_open()
-        with self._saving:
+        self._life.check_open()
+        with self._life.saving:
             self.wait()
             found = self._restorer.read(step, {**load_options, "keys": keys})
             return None if found is None else found[1]
@@ -575,16 +559,12 @@ class CheckpointManager:
     def _resumed(self, step: int) -> int:
         """The run continues from ``step``: in memory now; on disk with the next save or
         ``log()``, never by ``close()`` alone (runs.books)."""
-        with self._lock:
+        with self._life.lock:
             self._books.resume(step)
             self._saver.last_saved = step
         return step
 
-    def _forget_resume(self) -> None:
-        with self._lock:
-            self._books.forget_resume()
-
-    # -- lifecycle -----------------------------------------------------------------------------
+    # -- lifecycle (runs.lifecycle) ------------------------------------------------------------
 
     def gc(self, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
         """Remove what failed or interrupted saves left in the run and no reader can be using:
@@ -594,25 +574,7 @@ class CheckpointManager:
         background save has finished, holding the writer lock; never removes a committed
         checkpoint, the report, ``run.json`` or an alias. ``dry_run`` removes nothing. A
         read-only manager (or another rank's) raises CheckpointWriteError."""
-        self._check_open()
-        if not self._opened.writes_books:
-            why = self.read_only_reason if self.read_only else "only rank 0 writes the run's files"
-            raise CheckpointWriteError(
-                f"cannot collect garbage in {self.directory}: this manager does not write the run "
-                f"({why}); nothing was removed",
-                path=self.directory,
-                errno=errno.EROFS,
-            )
-        with self._saving:
-            self.wait()
-            with self._lock:
-                if not dry_run:
-                    self._saver.check_writer()
-                report = collect(self._run, grace=grace, dry_run=dry_run, lock=False)
-                if not dry_run and self._blob_handles is not None:
-                    self._blob_handles.before_gc()
-                    self._blob_handles.collect()
-                return report
+        return self._life.gc(grace, dry_run)
 
     def wait(self) -> None:
         """Block until any background save is committed and the background step of the last
@@ -627,89 +589,7 @@ class CheckpointManager:
         A manager that no longer holds the lock (runs.lock: a forked child, a lock file taken by
         another writer) writes nothing; the latter is RunLockedError unless a save raised it
         already. A second ``close()`` does nothing."""
-        with self._saving:
-            if self._closed:
-                return
-            try:
-                self._close()
-            except BaseException as exc:
-                also = self._settle.take_error()
-                if also is not None and hasattr(exc, "add_note"):
-                    exc.add_note(f"and the background step of a save failed: {also}")
-                raise
-            self._raise_verification_error()
-            if self._tiers is not None:
-                self._tiers.raise_error()
-
-    def _close(self) -> None:
-        try:
-            self._saver.close()
-        finally:
-            self._closed = True
-            self._join_background()
-            self._settle.worker.stop()
-            if self._tiers is not None:
-                self._tiers.close()  # the copy-ups finish (their failures are raised below)
-            self._forget_resume()
-            try:
-                self._write_final_report()
-            finally:
-                self._give_back()
-
-    def _write_final_report(self) -> None:
-        """close()'s ``report.json``: what saves, logs and deletions left unwritten (by a
-        writer that still holds the run: see _still_writer)."""
-        books = self._books
-        if not self._opened.writes_books:
-            return
-        if not (books.dirty or self._catalog.discarding or books.pending):
-            return
-        if not self._still_writer():
-            return
-        with self._lock:
-            self._finish_discards()
-            books.fill(books.steps_now())
-            try:
-                books.store_report()
-            except OSError as exc:
-                raise self._write_error(
-                    f"cannot write the final {REPORT_FILE} of {self.directory} (the checkpoints "
-                    "are intact; the report is rewritten by the next save)",
-                    exc,
-                ) from exc
-
-    def _give_back(self) -> None:
-        """close()'s last step, whatever failed: what the open took is released."""
-        self._opened.release_lock()
-        if self._books.history is not None:
-            with contextlib.suppress(OSError):
-                self._books.history.close()
-        _LIVE.discard(self)
-        preemption = self._preempting.preemption
-        if preemption is not None and not preemption.close():
-            log.info(
-                "%s: closed outside the main thread: its preemption handlers (flag only) stay "
-                "installed",
-                self.directory,
-            )
-
-    def _still_writer(self) -> bool:
-        """For close(): whether this manager may still write the run's books."""
-        if self._opened.writer is None:
-            return True  # another rank's manager (its books are rank 0's) or none needed
-        if os.getpid() != self._opened.pid:
-            return False  # a forked child: the books are the parent's
-        if self._saver.lock_error_raised:
-            return False
-        self._saver.check_writer()
-        return True
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(
-                f"the CheckpointManager for {self.directory} is closed; open a new one to save or "
-                "restore"
-            )
+        self._life.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -754,7 +634,7 @@ class _SaverHost(_Weak):
     """The manager as its Saver asks for it (:class:`savepoint.runs.saving.Host`)."""
 
     def check_open(self) -> None:
-        self._get()._check_open()
+        self._get()._life.check_open()
 
     def num_params(self) -> int | None:
         return self._get().run.num_params
@@ -774,34 +654,6 @@ class _SaverHost(_Weak):
 
 def _nothing(*_: object) -> None:
     """The background step's blob callbacks of a run that is not incremental."""
-
-
-def _forget_in_child() -> None:
-    """A forked child has none of its parent's threads: a background step running at the fork
-    is the parent's (it may have held a manager's locks, which would never be released in the
-    child). The child's copies get fresh locks and no background step; they cannot write the
-    run anyway (the writer lock is checked at every save: RunLockedError)."""
-    for manager in list(_LIVE):
-        manager._lock = threading.RLock()
-        manager._saving = threading.RLock()
-        manager._settle.forget_in_child(manager._lock)  # (its worker forgets its own step)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
-
-
-@atexit.register
-def _finish_at_exit() -> None:
-    """At interpreter exit, let background steps finish (they may be deleting), and print what
-    failed: there is nobody left to raise it to."""
-    for manager in list(_LIVE):
-        if manager._opened.pid != os.getpid():
-            continue  # a forked child's copy: the books are the parent's
-        try:
-            manager.wait()
-        except BaseException as exc:
-            print(f"savepoint: {exc}", file=sys.stderr)
 
 
 def reader(directory: PathArg, *, check_consistent: bool = True) -> CheckpointManager:

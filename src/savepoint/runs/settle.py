@@ -118,7 +118,7 @@ if hasattr(os, "register_at_fork"):
 
 class Settle:
     """Step 6 for the run ``books`` keeps (see the module docstring). ``lock`` is the manager's
-    (the books are shared with the caller's thread: the manager's fork hook replaces both);
+    (the books are shared with the caller's thread: the fork hook of runs.lifecycle replaces both);
     ``collect`` deletes the blobs no checkpoint names (after retention deleted some),
     ``scrub(step)`` the damaged blobs a checkpoint that did not verify names."""
 
