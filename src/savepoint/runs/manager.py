@@ -1,67 +1,30 @@
 """``CheckpointManager``: a run directory whose checkpoints survive crashes, full disks and retention.
 
-Opening (``CheckpointManager(directory, ...)``): every argument is checked first, before anything
-is touched (:class:`savepoint.runs.config.ManagerConfig`). The open itself is
-:class:`savepoint.runs.opening.Opening` (its docstring has the steps): a manager that can write the
-directory takes the run's writer lock (:mod:`savepoint.runs.lock`; with a ``process_group`` only
-rank 0 does, the rank that keeps the books), so a second writer gets RunLockedError naming the
-holder. It then removes temporaries of dead processes and repairs what an interrupted writer left:
-it finishes deletions the report lists as ``discarding``, lists checkpoints a killed save
-committed but did not record (nothing committed is dropped), and makes ``latest/`` and ``best/``
-agree with ``report.json`` (republished, or removed when the report names no such checkpoint). A
-directory this process cannot write (read-only media, no write permission, or ``read_only=True``)
-gives a *read-only* manager: it writes nothing and takes no lock; ``steps``, ``latest_step``,
-``best_step`` and ``restore`` work, ``save`` raises CheckpointWriteError. Unreadable run files
-are CheckpointPermissionError. A run that lost its ``run.json`` gets it back from the identity
-its ``report.json`` records; a damaged ``report.json`` is CorruptCheckpointError saying how to
-have it rebuilt. An open that fails writes nothing and holds nothing.
+A manager is the one handle on a training run's directory (docs/runs.md): it saves checkpoints
+with the commit protocol and keeps the run's books, prunes by retention, restores, and reacts to
+preemption; a read-only one (:func:`reader`, ``read_only=True``) only reads. The class composes
+parts that each own one kind of state and say what they promise in their module docstrings; none
+holds a reference to the manager (one nobody closed is freed once dropped, its finalizers
+releasing the run's lock):
 
-One writer, checked at every save: the writer lock is checked before each save and at
-``close()``; a manager in a forked child, or one whose lock file was replaced (another writer may
-have written the run since), raises RunLockedError and writes nothing more, not even at
-``close()`` (:mod:`savepoint.runs.lock`). Threads may share a manager: ``save``, ``restore`` and
-``close`` run one at a time.
+- :mod:`savepoint.runs.config`: every argument, checked before anything is touched;
+- :mod:`savepoint.runs.opening`: the open (the writer lock, read-only opens, ``run.json`` and
+  ``report.json``, the tiers, the repair of what an interrupted writer left);
+- :mod:`savepoint.runs.saving`: the save sequence (steps 1-6), what a failed save undoes, when a
+  save counts (:mod:`savepoint.runs.pacing`: the save policy asked);
+- :mod:`savepoint.runs.books` (steps 3-5: the report, the history log, the lineage, the aliases)
+  over :mod:`savepoint.runs.catalog` (the checkpoints and their metrics);
+- :mod:`savepoint.runs.settle`: step 6, the background step (verification, retention,
+  deletions) and its one error slot;
+- :mod:`savepoint.runs.restoring`: which checkpoint ``restore`` and ``peek`` read, and from where;
+- :mod:`savepoint.runs.incremental`: an incremental run's blob store;
+- :mod:`savepoint.runs.preempting`: ``preempted()`` and ``save_on_preemption()`` (the handlers:
+  :mod:`savepoint.runs.preemption`);
+- :mod:`savepoint.runs.lifecycle`: the locks (threads may share a manager), ``close()``,
+  ``gc()``, a fork and the interpreter's exit.
 
-The sequence of ``save(step, state, metrics)``, steps 1-6 (the save policy, the commit, the
-books, the background step), what a verification failure does, and the warning for metrics
-that name no ``best_metric``: :mod:`savepoint.runs.saving`, whose
-:class:`~savepoint.runs.saving.Saver` runs them (steps 3-5 are
-:class:`savepoint.runs.books.Books`, step 6 :mod:`savepoint.runs.settle`; an open's repair is
-:func:`savepoint.runs.opening.repair`).
-
-Failure semantics. Every error out of the manager (``save``, ``PendingSave.wait()`` and
-``exception()`` of an async save, ``wait``, ``close``, ``restore``) is a CheckpointError subclass,
-usage errors aside (a bad argument is ValueError, a closed manager RuntimeError);
-a failed write is CheckpointWriteError with the failing call's ``errno`` (``errno.ENOSPC`` for a
-full disk), never a raw OSError and never the bare base class; a write the store refused says so
-in the store's own words, with the store's advice (credentials and bucket policy on an object
-store, permissions on a disk: :func:`savepoint.commit.transaction.refused_hint`). A save that
-fails in steps 2-5 (of the save sequence) has *not* happened: the checkpoint is removed again
-(or the previous checkpoint of that step put back), ``report.json``, the history log and the
-aliases are as they were, nothing was deleted, and the message says so. Only if undoing fails
-as well does the error say what is left (the next open repairs it). A failure in step 6 does not
-undo the save: a deletion that fails leaves the checkpoint on disk, not part of the run, and is
-retried by the next save, ``close()`` or open; a failed sync of the books is
-CheckpointWriteError from the next save, ``wait()`` or ``close()``. A SIGKILL at any point leaves
-the old run or the new one: a checkpoint committed in step 2 is kept and listed by the next open,
-even if its books were never written, and a history record cut short is ignored (and cut off by
-the next writing open). A background save whose commit fails does not count as a save for the
-save policy (nor does a failed synchronous one). An exception leaving a
-``with CheckpointManager(...)`` block is not replaced by a failure of the ``close()`` it
-triggers: that error is attached to it as a note (printed on Python 3.10).
-
-Preemption (``preemption=True`` or a list of signals; docs/runs.md, "Preemption"): the flow of
-``preempted()`` and ``save_on_preemption()`` is :mod:`savepoint.runs.preempting`. Retention
-decisions, deletions, restore choices and fallbacks, and preemption are logged (``logging``,
-logger ``savepoint.runs.manager``, INFO).
-
-``restore(into, step="latest")`` and ``peek`` write nothing (they work on read-only media); which
-checkpoint they read, its fallbacks ("latest" falls back to an older intact step, "best" and
-explicit steps are never substituted), tiers as sources and a checkpoint a live writer deletes
-or replaces meanwhile: :mod:`savepoint.runs.restoring`. The resume's bookkeeping (lineage,
-history truncated after the step resumed from) is written by the next save or by ``close()``.
-Incremental runs' blob store (saves into it, collection, scrubbing):
-:mod:`savepoint.runs.incremental`.
+What every call may raise, and what a failure leaves: docs/runs.md ("Failures"); the
+guarantees and the tests that hold them: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -597,6 +560,8 @@ class CheckpointManager:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
+        """Close; an exception leaving the block is not replaced by a failure of that
+        ``close()``: the failure is attached to it as a note (printed on Python 3.10)."""
         if exc is None:
             self.close()
             return

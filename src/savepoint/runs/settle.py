@@ -14,6 +14,7 @@ at the first save, stopped by ``close()``: no thread is started per save); an as
 in its own writer thread (:meth:`Settle.run`). What it fails with is kept in one error slot,
 raised once by the next save, ``wait()`` or ``close()`` (:meth:`Settle.take_error`). A forked
 child has none of its parent's threads: its workers forget the step running at the fork.
+Retention's decisions and the deletions are logged (logger ``savepoint.runs.manager``, INFO).
 """
 
 from __future__ import annotations
