@@ -177,7 +177,7 @@ def test_the_doc_tables_parse_as_the_checks_read_them() -> None:
 @functools.cache
 def _manager_touches() -> dict[tuple[str, str], list[int]]:
     names = private_names((SRC / MANAGER).read_text(encoding="utf-8"), "CheckpointManager")
-    assert {"_lock", "_saving", "_settle"} <= names  # (the look finds them at all)
+    assert {"_life", "_saver", "_settle"} <= names  # (the look finds them at all)
     found: dict[tuple[str, str], list[int]] = {}
     for module in modules(SRC):
         if module != MANAGER:

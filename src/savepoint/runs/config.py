@@ -114,11 +114,7 @@ class ManagerConfig:
             strict_config=strict_config,
             incremental=incremental,
         )
-        if read_only is not None and not isinstance(read_only, bool):
-            raise TypeError(
-                f"read_only must be None, True or False, not {type(read_only).__name__} "
-                f"({read_only!r})"
-            )
+        _read_only(read_only)
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
         _writer(writer, async_save, checked)
@@ -176,6 +172,13 @@ def _flags(**flags: Any) -> None:
     for flag, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, not {type(value).__name__} ({value!r})")
+
+
+def _read_only(read_only: Any) -> None:
+    if read_only is not None and not isinstance(read_only, bool):
+        raise TypeError(
+            f"read_only must be None, True or False, not {type(read_only).__name__} ({read_only!r})"
+        )
 
 
 def _rules(

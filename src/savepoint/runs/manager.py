@@ -1,77 +1,37 @@
 """``CheckpointManager``: a run directory whose checkpoints survive crashes, full disks and retention.
 
-Opening (``CheckpointManager(directory, ...)``): every argument is checked first, before anything
-is touched (:class:`savepoint.runs.config.ManagerConfig`). The open itself is
-:class:`savepoint.runs.opening.Opening` (its docstring has the steps): a manager that can write the
-directory takes the run's writer lock (:mod:`savepoint.runs.lock`; with a ``process_group`` only
-rank 0 does, the rank that keeps the books), so a second writer gets RunLockedError naming the
-holder. It then removes temporaries of dead processes and repairs what an interrupted writer left:
-it finishes deletions the report lists as ``discarding``, lists checkpoints a killed save
-committed but did not record (nothing committed is dropped), and makes ``latest/`` and ``best/``
-agree with ``report.json`` (republished, or removed when the report names no such checkpoint). A
-directory this process cannot write (read-only media, no write permission, or ``read_only=True``)
-gives a *read-only* manager: it writes nothing and takes no lock; ``steps``, ``latest_step``,
-``best_step`` and ``restore`` work, ``save`` raises CheckpointWriteError. Unreadable run files
-are CheckpointPermissionError. A run that lost its ``run.json`` gets it back from the identity
-its ``report.json`` records; a damaged ``report.json`` is CorruptCheckpointError saying how to
-have it rebuilt. An open that fails writes nothing and holds nothing.
+A manager is the one handle on a training run's directory (docs/runs.md): it saves checkpoints
+with the commit protocol and keeps the run's books, prunes by retention, restores, and reacts to
+preemption; a read-only one (:func:`reader`, ``read_only=True``) only reads. The class composes
+parts that each own one kind of state and say what they promise in their module docstrings; none
+holds a reference to the manager (one nobody closed is freed once dropped, its finalizers
+releasing the run's lock):
 
-One writer, checked at every save: the writer lock is checked before each save and at
-``close()``; a manager in a forked child, or one whose lock file was replaced (another writer may
-have written the run since), raises RunLockedError and writes nothing more, not even at
-``close()`` (:mod:`savepoint.runs.lock`). Threads may share a manager: ``save``, ``restore`` and
-``close`` run one at a time.
+- :mod:`savepoint.runs.config`: every argument, checked before anything is touched;
+- :mod:`savepoint.runs.opening`: the open (the writer lock, read-only opens, ``run.json`` and
+  ``report.json``, the tiers, the repair of what an interrupted writer left);
+- :mod:`savepoint.runs.saving`: the save sequence (steps 1-6), what a failed save undoes, when a
+  save counts (:mod:`savepoint.runs.pacing`: the save policy asked);
+- :mod:`savepoint.runs.books` (steps 3-5: the report, the history log, the lineage, the aliases)
+  over :mod:`savepoint.runs.catalog` (the checkpoints and their metrics);
+- :mod:`savepoint.runs.settle`: step 6, the background step (verification, retention,
+  deletions) and its one error slot;
+- :mod:`savepoint.runs.restoring`: which checkpoint ``restore`` and ``peek`` read, and from where;
+- :mod:`savepoint.runs.incremental`: an incremental run's blob store;
+- :mod:`savepoint.runs.preempting`: ``preempted()`` and ``save_on_preemption()`` (the handlers:
+  :mod:`savepoint.runs.preemption`);
+- :mod:`savepoint.runs.lifecycle`: the locks (threads may share a manager), ``close()``,
+  ``gc()``, a fork and the interpreter's exit.
 
-The sequence of ``save(step, state, metrics)``, steps 1-6 (the save policy, the commit, the
-books, the background step), what a verification failure does, and the warning for metrics
-that name no ``best_metric``: :mod:`savepoint.runs.saving`, whose
-:class:`~savepoint.runs.saving.Saver` runs them (steps 3-5 are
-:class:`savepoint.runs.books.Books`, step 6 :mod:`savepoint.runs.settle`; an open's repair is
-:func:`savepoint.runs.opening.repair`).
-
-Failure semantics. Every error out of the manager (``save``, ``PendingSave.wait()`` and
-``exception()`` of an async save, ``wait``, ``close``, ``restore``) is a CheckpointError subclass,
-usage errors aside (a bad argument is ValueError, a closed manager RuntimeError);
-a failed write is CheckpointWriteError with the failing call's ``errno`` (``errno.ENOSPC`` for a
-full disk), never a raw OSError and never the bare base class; a write the store refused says so
-in the store's own words, with the store's advice (credentials and bucket policy on an object
-store, permissions on a disk: :func:`savepoint.commit.transaction.refused_hint`). A save that
-fails in steps 2-5 (of the save sequence) has *not* happened: the checkpoint is removed again
-(or the previous checkpoint of that step put back), ``report.json``, the history log and the
-aliases are as they were, nothing was deleted, and the message says so. Only if undoing fails
-as well does the error say what is left (the next open repairs it). A failure in step 6 does not
-undo the save: a deletion that fails leaves the checkpoint on disk, not part of the run, and is
-retried by the next save, ``close()`` or open; a failed sync of the books is
-CheckpointWriteError from the next save, ``wait()`` or ``close()``. A SIGKILL at any point leaves
-the old run or the new one: a checkpoint committed in step 2 is kept and listed by the next open,
-even if its books were never written, and a history record cut short is ignored (and cut off by
-the next writing open). A background save whose commit fails does not count as a save for the
-save policy (nor does a failed synchronous one). An exception leaving a
-``with CheckpointManager(...)`` block is not replaced by a failure of the ``close()`` it
-triggers: that error is attached to it as a note (printed on Python 3.10).
-
-Preemption (``preemption=True`` or a list of signals; docs/runs.md, "Preemption"): the flow of
-``preempted()`` and ``save_on_preemption()`` is :mod:`savepoint.runs.preempting`. Retention
-decisions, deletions, restore choices and fallbacks, and preemption are logged (``logging``,
-logger ``savepoint.runs.manager``, INFO).
-
-``restore(into, step="latest")`` and ``peek`` write nothing (they work on read-only media); which
-checkpoint they read, its fallbacks ("latest" falls back to an older intact step, "best" and
-explicit steps are never substituted), tiers as sources and a checkpoint a live writer deletes
-or replaces meanwhile: :mod:`savepoint.runs.restoring`. The resume's bookkeeping (lineage,
-history truncated after the step resumed from) is written by the next save or by ``close()``.
-Incremental runs' blob store (saves into it, collection, scrubbing):
-:mod:`savepoint.runs.incremental`.
+What every call may raise, and what a failure leaves: docs/runs.md ("Failures"); the
+guarantees and the tests that hold them: docs/reliability.md.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import errno
 import logging
-import os
 import signal
 import sys
 import threading
@@ -86,12 +46,13 @@ from savepoint.errors import (
 )
 from savepoint.options import SaveOptions
 from savepoint.runs import layout, opening
-from savepoint.runs.books import Books, write_error
+from savepoint.runs.books import Books
 from savepoint.runs.catalog import Catalog
 from savepoint.runs.config import ManagerConfig
 from savepoint.runs.config import seconds as _grace
-from savepoint.runs.gc import GcReport, collect
+from savepoint.runs.gc import GcReport
 from savepoint.runs.incremental import BlobHandles
+from savepoint.runs.lifecycle import Lifecycle
 from savepoint.runs.policies import Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.preempting import Preempting
 from savepoint.runs.preemption import (
@@ -100,7 +61,6 @@ from savepoint.runs.preemption import (
     PreemptionSave,
 )
 from savepoint.runs.report import (
-    REPORT_FILE,
     Report,
 )
 from savepoint.runs.restoring import Restorer, StepSpec
@@ -112,10 +72,6 @@ from savepoint.storage.paths import Location, PathArg, resolve
 __all__ = ["CheckpointManager", "PreemptionSave", "StepSpec", "reader"]
 
 log = logging.getLogger(__name__)
-
-# Managers whose background step (verification, retention) may still run or failed unreported:
-# finished (and a failure printed) at interpreter exit.
-_LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
 class CheckpointManager:
@@ -240,23 +196,19 @@ class CheckpointManager:
         )
         # Which checkpoint restore() and peek() read, and from where (runs.restoring).
         self._restorer = Restorer(self._run, self._catalog, self._books.steps_now)
-        self._lock = threading.RLock()
-        # save(), restore() and close() run one at a time (threads sharing a manager): two saves
-        # at once would stage into one buffer, or verify a checkpoint the other is replacing.
-        self._saving = threading.RLock()
+        lock = threading.RLock()  # the books' and the background step's (runs.lifecycle)
         # The background step of each save (runs.settle: syncs, verification, retention), on
         # one worker thread, and the error it left for the next save, wait() or close().
         self._settle = Settle(
             self._books,
-            self._lock,
+            lock,
             retention=config.retention,
             verify_before_prune=config.verify_before_prune,
             collect=_nothing if self._blob_handles is None else self._blob_handles.collect,
             scrub=_nothing if self._blob_handles is None else self._blob_handles.scrub,
         )
         stop_worker = weakref.finalize(self, self._settle.worker.stop)
-        stop_worker.atexit = False  # (at exit the worker finishes its step: see _finish_at_exit)
-        self._closed = False
+        stop_worker.atexit = False  # (at exit the worker finishes its step: runs.lifecycle)
         opener = opening.Opening(
             self._run, config, self._books, self._settle, check_consistent=check_consistent
         )
@@ -285,8 +237,16 @@ class CheckpointManager:
         self._restorer.tiers = opened.tiers
         self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
         self._preempting.preemption = opened.preemption
-        if self._opened.writes_books:
-            _LIVE.add(self)
+        # Its locks, close(), gc(), a fork and the interpreter's exit (runs.lifecycle).
+        self._life = Lifecycle(
+            self._run,
+            opened,
+            self._books,
+            self._settle,
+            self._saver,
+            self._blob_handles,
+            lock=lock,
+        )
 
     # -- what was asked for (runs.config) and what the open found (runs.opening) ---------------
 
@@ -388,10 +348,6 @@ class CheckpointManager:
     def _step(self, step: int) -> Location:
         return layout.step_location(self._run, step)
 
-    def _checkpoint(self, step: int) -> str | Location:
-        """Checkpoint ``step`` as the path argument of ``savepoint.checkpoint``'s functions."""
-        return layout.checkpoint_arg(self._step(step))
-
     def metrics(self, step: int) -> dict[str, Any]:
         return dict(self._catalog.metrics.get(step, {}))
 
@@ -413,8 +369,8 @@ class CheckpointManager:
         retention follow in the background (the returned PendingSave is done when they are;
         see :mod:`savepoint.runs.saving`). Threads may share a manager: their saves run one
         after the other."""
-        self._check_open()
-        with self._saving:
+        self._life.check_open()
+        with self._life.saving:
             return self._saver.save(step, state, metrics, force, epoch)
 
     def should_save(self, step: int) -> bool:
@@ -424,9 +380,9 @@ class CheckpointManager:
         policy whose answer depends on this process's clock (``sp.policies.Continuous``), every
         rank's answer is agreed (one all-reduce: ask at the same steps on every rank), so the
         ranks save the same steps (:mod:`savepoint.runs.pacing`)."""
-        self._check_open()
+        self._life.check_open()
         check_step(step)
-        with self._saving:
+        with self._life.saving:
             return self._saver.pacing.should_save(step, self._saver.last_saved)
 
     def log(self, step: int, loss: float | None = None, **metrics: Any) -> None:
@@ -441,15 +397,6 @@ class CheckpointManager:
     def _join_background(self) -> None:
         """Wait for the background step of the last save (not from that step itself)."""
         self._settle.join()
-
-    def _raise_verification_error(self) -> None:
-        """Raise (once) what the last background step reported."""
-        error = self._settle.take_error()
-        if error is not None:
-            raise error
-
-    def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
-        return write_error(self._run.store, what, exc)
 
     def _finish_discards(self) -> None:
         self._settle.finish_discards()
@@ -517,7 +464,7 @@ class CheckpointManager:
             epoch,
             grace,
             default_grace=self.preemption_grace,
-            saving=self._saving,
+            saving=self._life.saving,
         )
 
     # -- restoring -----------------------------------------------------------------------------
@@ -541,8 +488,8 @@ class CheckpointManager:
         the run holds now (never a warning, never an error for an intact run), and an explicit
         step that was deleted is CheckpointNotFoundError saying so.
         """
-        self._check_open()
-        with self._saving:
+        self._life.check_open()
+        with self._life.saving:
             self.wait()
             found = self._restorer.read(step, {**load_options, "into": into})
             if found is None:
@@ -566,8 +513,8 @@ class CheckpointManager:
         exactly as :meth:`restore` does (a "latest" that fails verification is skipped with a
         warning for the next older one), writes nothing and resumes nothing. None: the run has no
         checkpoint at all."""
-        self._check_open()
-        with self._saving:
+        self._life.check_open()
+        with self._life.saving:
             self.wait()
             found = self._restorer.read(step, {**load_options, "keys": keys})
             return None if found is None else found[1]
@@ -575,16 +522,12 @@ class CheckpointManager:
     def _resumed(self, step: int) -> int:
         """The run continues from ``step``: in memory now; on disk with the next save or
         ``log()``, never by ``close()`` alone (runs.books)."""
-        with self._lock:
+        with self._life.lock:
             self._books.resume(step)
             self._saver.last_saved = step
         return step
 
-    def _forget_resume(self) -> None:
-        with self._lock:
-            self._books.forget_resume()
-
-    # -- lifecycle -----------------------------------------------------------------------------
+    # -- lifecycle (runs.lifecycle) ------------------------------------------------------------
 
     def gc(self, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
         """Remove what failed or interrupted saves left in the run and no reader can be using:
@@ -594,25 +537,7 @@ class CheckpointManager:
         background save has finished, holding the writer lock; never removes a committed
         checkpoint, the report, ``run.json`` or an alias. ``dry_run`` removes nothing. A
         read-only manager (or another rank's) raises CheckpointWriteError."""
-        self._check_open()
-        if not self._opened.writes_books:
-            why = self.read_only_reason if self.read_only else "only rank 0 writes the run's files"
-            raise CheckpointWriteError(
-                f"cannot collect garbage in {self.directory}: this manager does not write the run "
-                f"({why}); nothing was removed",
-                path=self.directory,
-                errno=errno.EROFS,
-            )
-        with self._saving:
-            self.wait()
-            with self._lock:
-                if not dry_run:
-                    self._saver.check_writer()
-                report = collect(self._run, grace=grace, dry_run=dry_run, lock=False)
-                if not dry_run and self._blob_handles is not None:
-                    self._blob_handles.before_gc()
-                    self._blob_handles.collect()
-                return report
+        return self._life.gc(grace, dry_run)
 
     def wait(self) -> None:
         """Block until any background save is committed and the background step of the last
@@ -627,89 +552,7 @@ class CheckpointManager:
         A manager that no longer holds the lock (runs.lock: a forked child, a lock file taken by
         another writer) writes nothing; the latter is RunLockedError unless a save raised it
         already. A second ``close()`` does nothing."""
-        with self._saving:
-            if self._closed:
-                return
-            try:
-                self._close()
-            except BaseException as exc:
-                also = self._settle.take_error()
-                if also is not None and hasattr(exc, "add_note"):
-                    exc.add_note(f"and the background step of a save failed: {also}")
-                raise
-            self._raise_verification_error()
-            if self._tiers is not None:
-                self._tiers.raise_error()
-
-    def _close(self) -> None:
-        try:
-            self._saver.close()
-        finally:
-            self._closed = True
-            self._join_background()
-            self._settle.worker.stop()
-            if self._tiers is not None:
-                self._tiers.close()  # the copy-ups finish (their failures are raised below)
-            self._forget_resume()
-            try:
-                self._write_final_report()
-            finally:
-                self._give_back()
-
-    def _write_final_report(self) -> None:
-        """close()'s ``report.json``: what saves, logs and deletions left unwritten (by a
-        writer that still holds the run: see _still_writer)."""
-        books = self._books
-        if not self._opened.writes_books:
-            return
-        if not (books.dirty or self._catalog.discarding or books.pending):
-            return
-        if not self._still_writer():
-            return
-        with self._lock:
-            self._finish_discards()
-            books.fill(books.steps_now())
-            try:
-                books.store_report()
-            except OSError as exc:
-                raise self._write_error(
-                    f"cannot write the final {REPORT_FILE} of {self.directory} (the checkpoints "
-                    "are intact; the report is rewritten by the next save)",
-                    exc,
-                ) from exc
-
-    def _give_back(self) -> None:
-        """close()'s last step, whatever failed: what the open took is released."""
-        self._opened.release_lock()
-        if self._books.history is not None:
-            with contextlib.suppress(OSError):
-                self._books.history.close()
-        _LIVE.discard(self)
-        preemption = self._preempting.preemption
-        if preemption is not None and not preemption.close():
-            log.info(
-                "%s: closed outside the main thread: its preemption handlers (flag only) stay "
-                "installed",
-                self.directory,
-            )
-
-    def _still_writer(self) -> bool:
-        """For close(): whether this manager may still write the run's books."""
-        if self._opened.writer is None:
-            return True  # another rank's manager (its books are rank 0's) or none needed
-        if os.getpid() != self._opened.pid:
-            return False  # a forked child: the books are the parent's
-        if self._saver.lock_error_raised:
-            return False
-        self._saver.check_writer()
-        return True
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(
-                f"the CheckpointManager for {self.directory} is closed; open a new one to save or "
-                "restore"
-            )
+        self._life.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -717,6 +560,8 @@ class CheckpointManager:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
+        """Close; an exception leaving the block is not replaced by a failure of that
+        ``close()``: the failure is attached to it as a note (printed on Python 3.10)."""
         if exc is None:
             self.close()
             return
@@ -754,7 +599,7 @@ class _SaverHost(_Weak):
     """The manager as its Saver asks for it (:class:`savepoint.runs.saving.Host`)."""
 
     def check_open(self) -> None:
-        self._get()._check_open()
+        self._get()._life.check_open()
 
     def num_params(self) -> int | None:
         return self._get().run.num_params
@@ -774,34 +619,6 @@ class _SaverHost(_Weak):
 
 def _nothing(*_: object) -> None:
     """The background step's blob callbacks of a run that is not incremental."""
-
-
-def _forget_in_child() -> None:
-    """A forked child has none of its parent's threads: a background step running at the fork
-    is the parent's (it may have held a manager's locks, which would never be released in the
-    child). The child's copies get fresh locks and no background step; they cannot write the
-    run anyway (the writer lock is checked at every save: RunLockedError)."""
-    for manager in list(_LIVE):
-        manager._lock = threading.RLock()
-        manager._saving = threading.RLock()
-        manager._settle.forget_in_child(manager._lock)  # (its worker forgets its own step)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
-
-
-@atexit.register
-def _finish_at_exit() -> None:
-    """At interpreter exit, let background steps finish (they may be deleting), and print what
-    failed: there is nobody left to raise it to."""
-    for manager in list(_LIVE):
-        if manager._opened.pid != os.getpid():
-            continue  # a forked child's copy: the books are the parent's
-        try:
-            manager.wait()
-        except BaseException as exc:
-            print(f"savepoint: {exc}", file=sys.stderr)
 
 
 def reader(directory: PathArg, *, check_consistent: bool = True) -> CheckpointManager:

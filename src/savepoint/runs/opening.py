@@ -1,12 +1,14 @@
-"""Opening a run directory (the manager's module docstring, "Opening").
+"""Opening a run directory: the open of a :class:`~savepoint.runs.manager.CheckpointManager`.
 
-:class:`Opening` is one :class:`~savepoint.runs.manager.CheckpointManager` open, in order:
+:class:`Opening` is one open, in order:
 
 1. the directory: a writer (rank 0 of a process group, or the only process) creates it and takes
    the run's writer lock (:mod:`savepoint.runs.lock`), then removes the temporaries of dead
    processes; other ranks only create ``checkpoints/``. A directory this process cannot write
    (read-only media, no permission: ``read_only=None``) or ``read_only=True`` gives a read-only
-   open, with the reason; ``read_only=False`` there is CheckpointWriteError;
+   open, with the reason (the manager writes nothing and takes no lock: its queries and
+   ``restore`` work, ``save`` is CheckpointWriteError); ``read_only=False`` there is
+   CheckpointWriteError;
 2. the run: ``run.json`` (or, when it was lost, the identity ``report.json`` records; a new run
    takes the one asked for) compared with the name, variant, config and ``num_params`` asked
    for: a different name, variant or ``num_params`` is RunMismatchError, a different config a
@@ -23,7 +25,9 @@
 The result is one :class:`Opened` record. An open that fails writes nothing (its writes are
 step 4's) and gives back what it took: the handlers, the tiers' locks, the writer lock, the
 history log. A store that refused to be looked at (no such bucket, a refused credential) is a
-savepoint error naming the run, the OSError as its cause.
+savepoint error naming the run, the OSError as its cause; unreadable run files are
+CheckpointPermissionError, and a damaged ``report.json`` is CorruptCheckpointError saying how to
+have it rebuilt.
 
 :func:`repair` (step 4): the history log's torn last line and the segments a compaction left
 behind are mended, deletions the report lists as ``discarding`` are finished, checkpoints a

@@ -36,7 +36,7 @@ the first report a writer writes moves its history into the log.
 
 ``verify_failures`` records each checkpoint that did not verify when it was read back before
 pruning: such a checkpoint is never counted by retention nor chosen as best, so it never takes
-the place of a good one (see :mod:`savepoint.runs.manager`).
+the place of a good one (see :mod:`savepoint.runs.saving`).
 
 ``checkpoints`` are the saved steps, newest first; ``latest_step`` and ``best`` are among them, and
 the ``latest/`` and ``best/`` aliases hold exactly those checkpoints (or are absent).

@@ -2,7 +2,8 @@
 
 Restoring writes nothing: it reads checkpoints only, so it works on read-only media (the
 bookkeeping of a resume, lineage and the history after the step resumed from, is the books'
-and written by the next save or ``close()``: :mod:`savepoint.runs.books`). The choice rules:
+and written by the next save or ``log()``, never by ``close()`` alone:
+:mod:`savepoint.runs.books`). The choice rules:
 
 - ``"latest"`` tries the newest checkpoint first; one that fails verification is skipped with a
   warning and the next older one is tried. None: the run has no checkpoint at all (a fresh

@@ -58,7 +58,7 @@ The Saver holds no reference to its manager (a manager nobody closed is freed on
 finalizer releases the run's lock): what it asks of it goes through a :class:`Host` holding a
 weak reference, and an async save in flight keeps the manager alive (``Host.keep``) until it is
 done, so the run's lock is never released under it. The lock it takes is the manager's
-(``Settle.lock``: the manager's fork hook replaces it there).
+(``Settle.lock``: the fork hook of :mod:`savepoint.runs.lifecycle` replaces it there).
 """
 
 from __future__ import annotations

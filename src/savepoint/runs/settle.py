@@ -14,6 +14,7 @@ at the first save, stopped by ``close()``: no thread is started per save); an as
 in its own writer thread (:meth:`Settle.run`). What it fails with is kept in one error slot,
 raised once by the next save, ``wait()`` or ``close()`` (:meth:`Settle.take_error`). A forked
 child has none of its parent's threads: its workers forget the step running at the fork.
+Retention's decisions and the deletions are logged (logger ``savepoint.runs.manager``, INFO).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ if hasattr(os, "register_at_fork"):
 
 class Settle:
     """Step 6 for the run ``books`` keeps (see the module docstring). ``lock`` is the manager's
-    (the books are shared with the caller's thread: the manager's fork hook replaces both);
+    (the books are shared with the caller's thread: the fork hook of runs.lifecycle replaces both);
     ``collect`` deletes the blobs no checkpoint names (after retention deleted some),
     ``scrub(step)`` the damaged blobs a checkpoint that did not verify names."""
 

@@ -70,7 +70,7 @@ manager collects its run's store.
 
 Restore: :meth:`TierCopier.candidates` lists, for each step, where it can be read, fastest tier
 first; the manager's ``restore()`` tries them newest step first and falls back tier by tier, then
-step by step (see :mod:`savepoint.runs.manager`). A tier that cannot be listed fails the restore
+step by step (see :mod:`savepoint.runs.restoring`). A tier that cannot be listed fails the restore
 (CheckpointError naming it) rather than being skipped: its checkpoints are not "none".
 """
 
