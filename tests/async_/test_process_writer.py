@@ -397,3 +397,20 @@ def test_a_save_the_caller_stops_is_cancelled_in_the_writer_process(
     # Closed: the writer process has exited, so a save it had not cancelled would be there now.
     assert proc.poll() is not None
     assert not (tmp_path / "p").exists()
+
+
+def test_the_writer_process_runs_below_the_trainers_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer process is niced (SAVEPOINT_WRITER_NICE, default 10): the training loop wins
+    the cores they share; 0 keeps the trainer's priority."""
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    for setting, expected in ((None, min(ours + 10, 19)), ("0", ours)):
+        if setting is None:
+            monkeypatch.delenv("SAVEPOINT_WRITER_NICE", raising=False)
+        else:
+            monkeypatch.setenv("SAVEPOINT_WRITER_NICE", setting)
+        with sp.AsyncCheckpointer(writer="process") as c:
+            c.save(tmp_path / f"p{setting}", state(1)).wait()
+            pid = c._process.pid
+            assert os.getpriority(os.PRIO_PROCESS, pid) == expected

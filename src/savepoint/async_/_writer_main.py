@@ -30,6 +30,7 @@ save mid-write).
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import mmap
 import os
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=int(args[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _lower_priority()
     parent = os.getppid()
     arena: np.ndarray[Any, Any] | None = None
     while True:
@@ -133,6 +135,24 @@ def _save_blobs(
             progress=progress,
         )
     return {"op": "done", "directory": directory, "manifest": mf.dump(manifest).decode()}
+
+
+NICE = 10  # how much lower the writer process's CPU priority is than its trainer's
+
+
+def _lower_priority() -> None:
+    """Run below the trainer's priority (``SAVEPOINT_WRITER_NICE``, default :data:`NICE`; 0
+    keeps the trainer's): where the trainer's loop and the writer want the same cores, the loop
+    wins them and the save takes longer to become durable instead (hashing and writing are
+    what a save spends CPU on). Best effort: a platform without ``os.nice`` keeps the same."""
+    raw = os.environ.get("SAVEPOINT_WRITER_NICE", "")
+    try:
+        amount = int(raw) if raw else NICE
+    except ValueError:
+        amount = NICE
+    if amount > 0 and hasattr(os, "nice"):
+        with contextlib.suppress(OSError):
+            os.nice(min(amount, 19))
 
 
 def _map(fds: list[int], size: int) -> np.ndarray[Any, Any]:
