@@ -290,6 +290,7 @@ class Saver:
             self.pacing.failed(job.step)
             raise
         pending._future.add_done_callback(lambda _: flight.booked.set())
+        _watch(pending, flight, self.pacing, self.books)
         if backup is not None:  # a failed background commit leaves it; _book uses it
             pending._future.add_done_callback(lambda _: self.books.drop(backup))
         pending.step = job.step
@@ -302,6 +303,7 @@ class Saver:
         """Write and commit ``state`` here, then book it; the PendingSave returned is done when
         the background step (verification, retention) is: wait() raises its error."""
         job.settled = settled = PendingSave(self.path(job.step), job.step)
+        _watch(settled, job.flight, self.pacing, self.books)
         try:
             if self.blobs is not None:
                 info = self.blobs.save(job.target, state, job.meta, self.options)
@@ -324,8 +326,6 @@ class Saver:
         flight = job.flight
         flight.committed = True
         self.write_seconds = time.monotonic() - job.begun
-        self.pacing.durable(job.step)
-        self.books.report.save_intervals = self.pacing.achieved()  # (None: not such a policy)
         flight.background = self._after_commit(job, info)
         if job.derived is not None:
             self.host.adopt_num_params()
@@ -477,8 +477,6 @@ class Saver:
         with self.lock:
             if failed and not flight.committed and self.last_saved == flight.step:
                 self.last_saved = flight.previous
-            if failed and not flight.committed:
-                self.pacing.failed(flight.step)
             if self.last_async is flight:
                 self.last_async = None
 
@@ -535,6 +533,21 @@ def unranked_warning(
         f"checkpoint is never ranked as the best (best_metric={best!r}); this warning is given "
         "once per CheckpointManager"
     )
+
+
+def _watch(pending: PendingSave, flight: _AsyncSave, pacing: Pacing, books: Books) -> None:
+    """Tell the save policy once the save is done (committed and its background step over: the
+    next save would wait for it otherwise; ``Continuous`` starts the next one then), or failed;
+    the report keeps the policy's figures."""
+
+    def done(_: object) -> None:
+        if flight.committed:
+            pacing.durable(flight.step)
+            books.report.save_intervals = pacing.achieved()
+        else:
+            pacing.failed(flight.step)
+
+    pending._future.add_done_callback(done)
 
 
 def check_step(step: Any) -> None:
