@@ -307,7 +307,7 @@ def _seconds(what: str, value: object, *, allow_none: bool = False) -> float | N
 
 class Continuous:
     """Checkpoint as often as the storage allows: the next save starts as soon as the previous
-    one is durable (committed), but never sooner than ``min_interval`` seconds after the previous
+    one is done (committed, and a manager's background step over), but never sooner than ``min_interval`` seconds after the previous
     save started, and, with ``target_interval``, not sooner than that either (the cadence aimed
     at; a storage too slow for it makes the interval the save's own time to durable instead).
 
