@@ -8,7 +8,7 @@ the run resumed from), so no policy can delete those.
 
 Save policies decide, per step, whether ``CheckpointManager.save`` writes at all. A save policy
 may also watch the saves it allowed (:class:`SaveObserver`: ``started``, ``durable``, ``failed``):
-:class:`Continuous` starts the next save once the previous one is durable.
+:class:`Continuous` starts the next save once the previous one is done.
 """
 
 from __future__ import annotations
@@ -283,8 +283,10 @@ class SaveAlways:
 class SaveObserver(Protocol):
     """What a save policy may also implement to watch the saves it allowed; the manager calls
     each method once per save, in this order: ``started`` when the save begins (after the policy
-    said yes, or a forced save), then ``durable`` once the checkpoint is committed (for an async
-    save: in the writer's thread, when its commit is done) or ``failed`` if it never commits."""
+    said yes, or a forced save), then ``durable`` once the save is done: committed, and the
+    manager's background step after it (verification before retention, deletions) finished, so
+    a save started then does not wait for it (called from the thread that finished it), or
+    ``failed`` if it never commits."""
 
     def started(self, step: int) -> None: ...
 
