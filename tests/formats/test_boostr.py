@@ -569,14 +569,14 @@ def test_dense_training_state_is_refused_within_the_memory_bound(tmp_path: Path)
 def test_a_training_state_that_shrinks_while_read_is_corrupt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from savepoint.storage import local
+    from savepoint.storage import _local_read  # (where read_small looks read_exact up)
 
     _write_state(tmp_path, {"step": 1})
 
     def short(fd: int, offset: int, length: int) -> bytes:
         raise EOFError(f"wanted {length} bytes at {offset}")
 
-    monkeypatch.setattr(local, "read_exact", short)
+    monkeypatch.setattr(_local_read, "read_exact", short)
     with pytest.raises(CorruptCheckpointError, match="shrank while being read"):  # HEAD: EOFError
         boostr.read_training_state(tmp_path)
 

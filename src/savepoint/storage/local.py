@@ -18,24 +18,33 @@ with the path and errno), so a parser may let them escape; only FileNotFoundErro
 caller to word. A small document (a manifest, a JSON file) is read whole by :func:`read_small`,
 its size checked against a cap first. Data files' sizes are checked against the manifest before
 anything is mapped, and data is read through a read-only ``mmap``: a warm 1 GiB copy out of the
-page cache took 0.067 s against 0.16 s for ``preadv``.
+page cache took 0.067 s against 0.16 s for ``preadv``. The reader lives in
+:mod:`savepoint.storage._local_read` and the writer lock (:class:`LocalLock`, ``flock``) in
+:mod:`savepoint.storage._local_lock`; this module holds their names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import stat
-import weakref
 from collections.abc import Callable
-from typing import Any
 
-import numpy as np
-
-from savepoint import errors_map
-from savepoint.errors import CheckpointError, CheckpointPermissionError, CorruptCheckpointError
+from savepoint.errors import NotRegularFileError, SymlinkError  # noqa: F401 (held here as before)
+from savepoint.storage._local_lock import LocalLock
+from savepoint.storage._local_read import (
+    LocalBlobReader,
+    LocalPinned,
+    MappedFile,
+    identity,
+    open_dir,
+    open_read,
+    permission_error,
+    read_exact,
+    read_small,
+    special,
+)
 from savepoint.storage.base import Capabilities, HardLinks, Kind, Locks, Renames, Stat, Store
 
 __all__ = [
@@ -122,211 +131,6 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-from savepoint.errors import NotRegularFileError, SymlinkError  # noqa: E402
-
-
-def permission_error(exc: OSError, shown: str) -> CheckpointPermissionError:
-    """The CheckpointPermissionError for an EACCES/EPERM met while reading ``shown``."""
-    return errors_map.permission_error(exc, shown, scheme="file")
-
-
-def _shown(path: str, dir_fd: int | None, shown: str | None) -> str:
-    if shown is not None:
-        return shown
-    if dir_fd is None or os.path.isabs(path):
-        return path
-    with contextlib.suppress(OSError):  # Linux names a descriptor's directory; others do not
-        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
-    return path
-
-
-def open_read(path: str, dir_fd: int | None = None, *, shown: str | None = None) -> int:
-    """Open a regular file for reading; the one way savepoint opens a file it reads.
-
-    ``path`` is relative to ``dir_fd`` if given; ``shown`` is how messages name the file (by
-    default ``path``, joined to the directory of ``dir_fd`` where the platform says which).
-
-    Never blocks (``O_NONBLOCK``: a FIFO is refused, not waited on) and never follows a symlink
-    in the last component. Errors: FileNotFoundError (a missing file, or a path through a
-    non-directory) for the caller to word; :class:`SymlinkError` and :class:`NotRegularFileError`
-    (both CorruptCheckpointError); CheckpointPermissionError for EACCES/EPERM; CheckpointError
-    for any other failure to open. No other exception escapes.
-    """
-    flags = os.O_RDONLY | _O_NOFOLLOW | _O_BINARY | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        where = _shown(path, dir_fd, shown)
-        if exc.errno == errno.ELOOP:
-            raise SymlinkError(path, where) from None
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            raise permission_error(exc, where) from None
-        if exc.errno == errno.ENOTDIR:
-            raise FileNotFoundError(exc.errno, exc.strerror, path) from None
-        if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EISDIR):  # a socket, a device
-            raise NotRegularFileError(path, where) from None
-        raise CheckpointError(f"cannot open {where}: {exc.strerror or exc}", path=where) from exc
-    return _regular(fd, path, lambda: _shown(path, dir_fd, shown))
-
-
-def _regular(fd: int, path: str, shown: Callable[[], str]) -> int:
-    """``fd`` if it is a regular file; else it is closed and NotRegularFileError raised naming
-    ``shown()`` (only worked out then: it may cost a readlink)."""
-    try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    if not regular:
-        os.close(fd)
-        raise NotRegularFileError(path, shown())
-    return fd
-
-
-def open_dir(path: str) -> int | None:
-    """A descriptor for a directory, so later opens resolve inside this very directory even if
-    it is renamed or replaced meanwhile; None where the platform has no directory descriptors.
-
-    FileNotFoundError and NotADirectoryError pass through for the caller to word; EACCES/EPERM
-    become CheckpointPermissionError, any other failure CheckpointError."""
-    if os.open not in os.supports_dir_fd:  # pragma: no cover - Windows
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except (FileNotFoundError, NotADirectoryError):
-        raise
-    except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            raise permission_error(exc, path) from None
-        raise CheckpointError(f"cannot open {path}: {exc.strerror or exc}", path=path) from exc
-
-
-def read_exact(fd: int, offset: int, length: int) -> bytes:
-    data = os.pread(fd, length, offset)
-    if len(data) != length:
-        raise EOFError(f"wanted {length} bytes at {offset}, file ended after {len(data)}")
-    return data
-
-
-_PIECE = 1 << 30  # Linux reads at most 2 GiB - 4 KiB per call
-
-
-def _amount(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20)):
-        if n >= 1 << shift and not n % (1 << shift):
-            return f"{n >> shift} {unit}"
-    return f"{n}-byte"
-
-
-def read_small(
-    path: str, dir_fd: int | None = None, *, cap: int | None, shown: str | None = None
-) -> bytes:
-    """The whole content of the regular file at ``path``, opened by :func:`open_read` (same
-    ``path``, ``dir_fd`` and ``shown``) and read in one piece.
-
-    Errors: those of :func:`open_read` (FileNotFoundError is left to the caller);
-    CorruptCheckpointError when the file is larger than ``cap`` bytes (checked before anything is
-    read), shrinks while being read, or a read fails. No other exception escapes."""
-    fd = open_read(path, dir_fd, shown=shown)
-    where = shown if shown is not None else path
-    try:
-        size = os.fstat(fd).st_size
-        if cap is not None and size > cap:
-            raise CorruptCheckpointError(
-                f"{where} is {size} bytes, over the {_amount(cap)} cap", path=where
-            )
-        parts = [read_exact(fd, pos, min(_PIECE, size - pos)) for pos in range(0, size, _PIECE)]
-    except EOFError:
-        raise CorruptCheckpointError(f"{where} shrank while being read", path=where) from None
-    except OSError as exc:
-        raise CorruptCheckpointError(
-            f"{where} cannot be read: {exc.strerror or exc}", path=where
-        ) from None
-    finally:
-        os.close(fd)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-class MappedFile:
-    """A read-only (or copy-on-write) mapping of a whole data file whose size is already checked."""
-
-    def __init__(self, fd: int, size: int, *, copy_on_write: bool = False) -> None:
-        access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
-        self.map = mmap.mmap(fd, size, access=access)
-        with contextlib.suppress(AttributeError, OSError):
-            self.map.madvise(mmap.MADV_WILLNEED)
-        self.array = np.frombuffer(self.map, dtype=np.uint8)
-
-    def slice(self, start: int, end: int) -> np.ndarray[Any, Any]:
-        return self.array[start:end]
-
-    def close(self) -> None:
-        # Arrays returned from a copy-on-write mapping keep it alive; the map closes with them.
-        del self.array
-        with contextlib.suppress(BufferError):
-            self.map.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# The local filesystem as a Store (see savepoint.storage.base)
-# ---------------------------------------------------------------------------------------------
-
-
-class LocalBlobReader:
-    """An open local file: ``pread`` reads and a lazy ``mmap`` for zero-copy views."""
-
-    def __init__(self, fd: int, name: str, *, copy_on_write: bool = False) -> None:
-        self.name = name
-        self._fd: int | None = fd
-        self._copy_on_write = copy_on_write
-        self._map: MappedFile | None = None
-        try:
-            self.size = os.fstat(fd).st_size
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def _descriptor(self) -> int:
-        if self._fd is None:
-            raise ValueError(f"{self.name} is closed")
-        return self._fd
-
-    def read(self, offset: int, out: Any) -> None:
-        view = memoryview(out).cast("B")
-        fd = self._descriptor()
-        if offset < 0:
-            raise ValueError(f"negative offset {offset} into {self.name}")
-        if offset + len(view) > self.size:
-            raise EOFError(
-                f"wanted {len(view)} bytes at {offset} of {self.name}, it has {self.size}"
-            )
-        while len(view):
-            n = os.preadv(fd, [view[:_PIECE]], offset)
-            if n == 0:
-                raise EOFError(f"{self.name} ended at {offset}")
-            view, offset = view[n:], offset + n
-
-    def view(self, start: int, end: int) -> np.ndarray[Any, Any] | None:
-        if not 0 <= start <= end <= self.size:
-            raise EOFError(f"wanted bytes [{start}, {end}) of {self.name}, it has {self.size}")
-        fd = self._descriptor()
-        if self.size == 0:  # mmap cannot map an empty file
-            return np.empty(0, dtype=np.uint8)
-        if self._map is None:
-            self._map = MappedFile(fd, self.size, copy_on_write=self._copy_on_write)
-        return self._map.slice(start, end)
-
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
 class LocalBlobWriter:
     """A new local file, written with O_DIRECT where the filesystem takes it (see the top)."""
 
@@ -373,62 +177,6 @@ class LocalBlobWriter:
         self._state = "aborted"
         with contextlib.suppress(OSError):
             os.unlink(self.path)
-
-
-class LocalPinned:
-    """A directory pinned by its descriptor (see savepoint.storage.base.Pinned)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd = open_dir(path)
-
-    def __enter__(self) -> LocalPinned:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _where(self, name: str) -> tuple[str, int | None]:
-        return (name if self._fd is not None else os.path.join(self.path, name)), self._fd
-
-    def open_blob(self, name: str, *, copy_on_write: bool = False) -> LocalBlobReader:
-        where, fd = self._where(name)
-        shown = os.path.join(self.path, name)
-        return LocalBlobReader(
-            open_read(where, fd, shown=shown), shown, copy_on_write=copy_on_write
-        )
-
-    def read_small(self, name: str, *, cap: int | None) -> bytes:
-        where, fd = self._where(name)
-        return read_small(where, fd, cap=cap, shown=os.path.join(self.path, name))
-
-    def identity(self) -> Any:
-        if self._fd is None:
-            try:
-                return _identity(os.stat(self.path))
-            except FileNotFoundError:
-                return None
-        st = os.fstat(self._fd)
-        return None if st.st_nlink == 0 else _identity(st)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _special(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    return ""
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return (st.st_dev, st.st_ino)
 
 
 # renameat2(2) (Linux 3.15+, glibc 2.28+): RENAME_NOREPLACE makes ``rename`` refuse an existing
@@ -504,144 +252,6 @@ def _temporary(path: str) -> str:
     host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
     parent, name = os.path.split(os.path.abspath(path))
     return os.path.join(parent, f".{name}{_TMP_TAG}{host}-{os.getpid()}-{os.urandom(4).hex()}")
-
-
-class LocalLock:
-    """An exclusive, non-blocking ``flock(2)`` on a lock file: :meth:`LocalStore.lock`.
-
-    It excludes other processes as well as other threads of this one (each lock opens its own
-    file description). The lock file is created if absent and is never truncated before the lock
-    is held (a refused contender must not wipe the holder's description), never deleted (deleting
-    a locked file lets two processes lock two different inodes of one name) and never unlocked
-    explicitly: ``LOCK_UN`` on a descriptor a forked child inherited would release the parent's
-    lock too, while closing our copy does not. A forked child closes its inherited copy at once,
-    so a child outliving its parent never keeps the lock; the kernel drops the lock when the
-    holder dies, so a SIGKILLed holder leaves no stale lock.
-
-    Beyond ``acquire``/``release``: :meth:`describe` writes a description of the holder into the
-    file while it is held (``release`` empties it), and :meth:`check` says whether the file at the
-    path is still the one locked. Something other than a regular file at the path (a directory,
-    symlink, FIFO) is refused with :class:`NotRegularFileError`, never opened as the lock.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._pid = os.getpid()
-        self._description = b""
-
-    def acquire(self) -> bool:
-        if self._fd is not None:
-            return False
-        fd = self._open()
-        if not _flock(fd):
-            return False
-        self._fd, self._pid = fd, os.getpid()
-        _HELD_LOCKS.add(self)
-        self._write_description()
-        return True
-
-    def describe(self, data: bytes) -> None:
-        """Record ``data`` in the lock file (informative only: failures are ignored)."""
-        self._description = data
-        self._write_description()
-
-    def check(self) -> str | None:
-        """None while this process holds the lock through the file at :attr:`path`, else why
-        not. A lock file that is simply gone is recreated (create-only) and locked again: nobody
-        else can have locked it meanwhile, or the file would exist. OSError when the file cannot
-        be checked; NotRegularFileError when something other than a regular file is there now."""
-        fd = self._fd
-        if fd is None:
-            return f"its lock file {self.path} is not held"
-        mine = os.fstat(fd)
-        try:
-            there = os.lstat(self.path)
-        except FileNotFoundError:
-            try:
-                new = self._open(exclusive=True)
-            except FileExistsError:
-                return f"its lock file {self.path} was deleted and created again by another"
-            if not _flock(new):
-                return f"its lock file {self.path} was deleted and taken by another writer"
-            self._fd = new
-            with contextlib.suppress(OSError):
-                os.close(fd)  # the deleted inode's lock: nobody else can reach it
-            self._write_description()
-            return None
-        if _identity(there) == _identity(mine):
-            return None
-        if not stat.S_ISREG(there.st_mode):
-            raise NotRegularFileError(self.path, self.path)
-        return f"its lock file {self.path} was deleted or replaced while it held the lock"
-
-    def release(self) -> None:
-        """Drop the lock by closing the descriptor (see the class docstring for why not LOCK_UN);
-        idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        _HELD_LOCKS.discard(self)
-        if os.getpid() == self._pid:
-            with contextlib.suppress(OSError):  # the description must not outlive the lock
-                os.ftruncate(fd, 0)
-        with contextlib.suppress(OSError):  # the kernel drops the lock whatever close() says
-            os.close(fd)
-
-    def _forget(self) -> None:
-        """In a forked child: close the inherited descriptor; the parent keeps the lock."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def _open(self, *, exclusive: bool = False) -> int:
-        # No O_TRUNC: the file may describe the current holder, which a refused one must read.
-        # O_NOFOLLOW: a symlink is refused, never followed; O_NONBLOCK: a FIFO never blocks.
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
-        try:
-            fd = os.open(self.path, flags | (os.O_EXCL if exclusive else 0), 0o644)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
-                raise NotRegularFileError(self.path, self.path) from None
-            raise
-        return _regular(fd, self.path, lambda: self.path)
-
-    def _write_description(self) -> None:
-        if self._fd is None:
-            return
-        with contextlib.suppress(OSError):  # informative only (a full disk, say)
-            os.ftruncate(self._fd, 0)
-            if self._description:
-                os.pwrite(self._fd, self._description, 0)
-
-
-def _flock(fd: int) -> bool:
-    """Take an exclusive flock on ``fd`` without blocking; False (``fd`` closed) if another
-    holds it. Other failures close ``fd`` and raise."""
-    import fcntl
-
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-_HELD_LOCKS: weakref.WeakSet[LocalLock] = weakref.WeakSet()
-
-
-def _forget_locks_in_child() -> None:
-    for held in list(_HELD_LOCKS):
-        held._forget()
-    _HELD_LOCKS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 class LocalStore(Renames, HardLinks, Locks, Store):
@@ -738,7 +348,7 @@ class LocalStore(Renames, HardLinks, Locks, Store):
             if stat.S_ISLNK(mode)
             else "other"
         )
-        return Stat(kind, st.st_size, _identity(st), st.st_mtime, _special(mode))
+        return Stat(kind, st.st_size, identity(st), st.st_mtime, special(mode))
 
     def list(self, path: str) -> list[str]:
         try:
