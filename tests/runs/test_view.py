@@ -206,3 +206,22 @@ def test_runs_doc_snippets_run(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok" in result.stdout
+
+
+def test_the_view_reads_each_checkpoints_metrics_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """open_run's view reads through its reader's catalog: the metrics its open read are not
+    read again for best_step() (one manifest read per checkpoint, not two)."""
+    from savepoint.runs import catalog
+
+    run = tmp_path / "run"
+    with sp.CheckpointManager(run, best_metric="loss") as mgr:
+        for step in range(4):
+            mgr.save(step, {"w": np.ones(2)}, metrics={"loss": 4 - step})
+    reads = []
+    inspect = catalog.checkpoint.inspect
+    monkeypatch.setattr(catalog.checkpoint, "inspect", lambda p: reads.append(p) or inspect(p))
+    view = sp.open_run(run)
+    assert view.best_step() == 3
+    assert len(reads) == 4

@@ -69,7 +69,7 @@ from savepoint.runs.settle import Settle
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.paths import Location, PathArg, resolve
 
-__all__ = ["CheckpointManager", "PreemptionSave", "StepSpec", "reader"]
+__all__ = ["CheckpointManager", "PreemptionSave", "StepSpec", "catalog_of", "reader"]
 
 log = logging.getLogger(__name__)
 
@@ -628,3 +628,10 @@ def reader(directory: PathArg, *, check_consistent: bool = True) -> CheckpointMa
     manager = CheckpointManager.__new__(CheckpointManager)
     manager._start(directory, ManagerConfig.of(read_only=True), check_consistent=check_consistent)
     return manager
+
+
+def catalog_of(manager: CheckpointManager) -> Catalog:
+    """The catalog of the run a manager keeps (its checkpoints and their metrics, read at the
+    open): ``sp.open_run``'s view reads through its reader's instead of reading every
+    checkpoint's metrics a second time."""
+    return manager._catalog

@@ -26,8 +26,7 @@ from typing import Any
 
 from savepoint.errors import CheckpointNotFoundError, MissingCheckpointError, RunMismatchError
 from savepoint.runs import aliases, layout
-from savepoint.runs.catalog import Catalog
-from savepoint.runs.manager import CheckpointManager, reader
+from savepoint.runs.manager import CheckpointManager, catalog_of, reader
 from savepoint.runs.report import Report, RunInfo, identity_problems, load_report, missing_best
 from savepoint.runs.restoring import Restorer, StepSpec
 from savepoint.storage.base import read_error
@@ -72,14 +71,10 @@ class RunView:
             )
         # A read-only manager that opens inconsistent runs too (the view lists their problems).
         self._manager: CheckpointManager = reader(self._run, check_consistent=False)
-        # The view's own catalog (read-only: reread as the writer changes the run) and restorer;
-        # the steps the report listed at open are looked up even where a listing lacks them.
-        self._catalog = Catalog(
-            self._run,
-            best_metric=self._manager.best_metric,
-            best_mode=self._manager.best_mode,
-            read_only=True,
-        )
+        # The reader's catalog (read-only: reread as the writer changes the run; the metrics
+        # the open read are not read again) and the view's own restorer; the steps the report
+        # listed at open are looked up even where a listing lacks them.
+        self._catalog = catalog_of(self._manager)
         listed = list(self._manager.report.checkpoints)
         self._restorer = Restorer(
             self._run, self._catalog, functools.partial(self._catalog.steps, listed)
