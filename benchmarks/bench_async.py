@@ -78,14 +78,6 @@ def _set_when_done(pending: sp.PendingSave, stop: threading.Event) -> None:
     stop.set()
 
 
-def _durable_after(
-    pending: sp.PendingSave, t0: float, out: list[float], stop: threading.Event
-) -> None:
-    pending.wait()
-    out.append(time.perf_counter() - t0)
-    stop.set()
-
-
 def run_size(gib: float, repeats: int, base: str) -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file

@@ -12,6 +12,7 @@ subclass of that name (a CheckpointWriteError for any name savepoint does not de
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import traceback
@@ -19,7 +20,15 @@ from typing import Any
 
 from savepoint import errors, errors_map
 
-__all__ = ["WriterProcessTraceback", "error_fields", "error_from", "receive", "reported", "send"]
+__all__ = [
+    "WriterProcessTraceback",
+    "error_fields",
+    "error_from",
+    "receive",
+    "receive_message",
+    "reported",
+    "send",
+]
 
 _HEAD = struct.Struct("!Q")
 MAX_MESSAGE = 1 << 32  # a layout of millions of tensors is tens of MiB; refuse nonsense lengths
@@ -53,6 +62,19 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ValueError("a message without an op from the other end of the writer socket")
     return message, fds
+
+
+def receive_message(sock: socket.socket) -> dict[str, Any] | None:
+    """The next message, or None at end of stream or when the other end broke the protocol
+    (it died mid-message, say); descriptors that came with it are closed (for a side that
+    expects none)."""
+    try:
+        message, fds = receive(sock)
+    except (OSError, EOFError, ValueError):
+        return None
+    for fd in fds:
+        os.close(fd)
+    return message
 
 
 def _exactly(sock: socket.socket, n: int) -> bytes:

@@ -239,12 +239,7 @@ def _progress(sock: socket.socket, wanted: bool) -> Any:
 def _look_for_cancel(sock: socket.socket, listening: list[bool]) -> None:
     if not select.select([sock], [], [], 0)[0]:
         return
-    try:
-        message, fds = _wire.receive(sock)
-    except (OSError, EOFError, ValueError):
-        message, fds = None, []
-    for fd in fds:
-        os.close(fd)
+    message = _wire.receive_message(sock)
     if message is None:
         listening[0] = False  # the trainer is gone: finish the save
         return

@@ -265,12 +265,7 @@ class ProcessWriter:
         assert sock is not None
         progress, stop = options.progress, None
         while True:
-            try:
-                message, fds = _wire.receive(sock)
-            except (OSError, EOFError, ValueError):
-                message, fds = None, []
-            for fd in fds:
-                os.close(fd)
+            message = _wire.receive_message(sock)
             if message is None:
                 raise self._died(target)
             if message["op"] == "progress" and progress is not None:

@@ -34,7 +34,6 @@ __all__ = [
     "special",
 ]
 
-BLOCK = 4096  # (as storage.local's)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
 

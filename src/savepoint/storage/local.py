@@ -67,7 +67,6 @@ __all__ = [
 
 BLOCK = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
 
 
