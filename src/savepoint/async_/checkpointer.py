@@ -38,7 +38,10 @@ writes its ``rank_{r}/`` of the distributed boostr layout and rank 0 commits ``s
 (``savepoint.formats.boostr.save_distributed``'s process-group form, split by
 ``boostr.prepare_distributed``). The seed passes ``rank`` and ``world_size``; here they are the
 group's. (Sharded checkpoints in savepoint's own format are ``save(path, state)`` with a
-checkpointer made with ``process_group=``: that is savepoint's native async per-rank write.)
+checkpointer made with ``process_group=``: that is savepoint's native async per-rank write. With
+``writer="process"`` each rank copies its part into the shared staging arena in ``save()``; in
+the background its thread runs the collectives and its writer process writes its pieces,
+:meth:`savepoint.async_.process.ProcessWriter.stage_sharded`.)
 """
 
 from __future__ import annotations
@@ -99,9 +102,13 @@ class AsyncCheckpointer:
 
     ``writer="process"`` hashes, writes and commits in a separate writer process
     (:mod:`savepoint.async_.process`) instead of a thread of this one: the training loop keeps
-    the GIL and its cores; a save handed over commits even if this process is then killed.
-    Local directories and host tensors only, for now (incremental, sharded, boostr and CUDA
-    saves refuse it with a ValueError); ``progress`` is called as the writer reports."""
+    the GIL and its cores; a save handed over commits even if this process is then killed
+    (not a sharded one: see below). Plain, incremental (local blob stores) and CUDA saves;
+    local directories only, and ``save_boostr``/``save_distributed`` refuse it with a
+    ValueError; ``progress`` is called as the writer reports. With ``process_group`` too, the
+    save's collectives (plan, records, commit) stay in this process's background thread, and
+    the writer process writes this rank's pieces from the shared arena: the commit needs every
+    rank's records through the group, so a sharded save does not outlive its trainer."""
 
     def __init__(
         self,
@@ -145,7 +152,7 @@ class AsyncCheckpointer:
         self.direct = self.options.direct  # False: buffered writes + fsync even with O_DIRECT
         self.writers = self.options.writers  # files written at once (sharded: per rank)
         self.progress = self.options.progress
-        self.writer = _writer(writer, self.options)
+        self.writer = _writer(writer)
         self._process = ProcessWriter() if writer == "process" else None
         self._arena = self._process.arena if self._process else StagingArena()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
@@ -361,6 +368,8 @@ class AsyncCheckpointer:
         incremental: _Incremental | None = None,
     ) -> Callable[[], info.CheckpointInfo]:
         meta = save_engine.check_metadata(metadata)
+        if self.process_group is not None and self._process is not None:
+            return self._process.stage_sharded(location, state, meta, self.options, incremental)
         if self.process_group is not None:
             from savepoint.distributed import save as distributed_save
 
@@ -521,15 +530,10 @@ def _incremental(
     return _Incremental(store, policy, memo, tracker, matcher, prefixes)
 
 
-def _writer(writer: str, options: SaveOptions) -> Writer:
-    """``writer=`` checked: "thread" or "process" (not with a process group, for now)."""
+def _writer(writer: str) -> Writer:
+    """``writer=`` checked: "thread" or "process"."""
     if writer not in ("thread", "process"):
         raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
-    if writer == "process" and options.process_group is not None:
-        raise ValueError(
-            "writer='process' does not write sharded saves (process_group=) yet: use "
-            "writer='thread'"
-        )
     return "process" if writer == "process" else "thread"
 
 

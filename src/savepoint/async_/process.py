@@ -16,6 +16,20 @@ processes: nothing is named in ``/dev/shm``, so nothing can leak when either pro
 and its memory is counted once. The writer process maps it when it is new (sent with the save as
 ``SCM_RIGHTS``) and keeps the mapping.
 
+A sharded save (``process_group=``, :meth:`ProcessWriter.stage_sharded`) is copied into the arena
+the same way in ``save()``, but handed over in parts by the background thread: the writer process
+is not a member of the process group, so the save's collectives (the plan, the gather of every
+rank's records, rank 0's commit and its answer) run in the trainer's background thread, which
+sends the writer process only this rank's write step (a ``pieces`` message: the staging
+directory, the pieces the plan assigned to this rank and where their bytes are in the arena) and
+waits for their records, with the GIL free. Such a save therefore does not outlive its trainer:
+a trainer killed after ``save()`` returned leaves its rank's part unreported, and the save fails
+on the other ranks (the previous checkpoint stays; its writer process exits once its write is
+done, nobody committing it). The writer process's death mid-write is the
+CheckpointWriteError naming it, which becomes this rank's failure in the DistributedCheckpointError
+every rank raises. An incremental sharded save's blob session stays open in the writer process
+until the background thread tells it the commit's outcome (``settle``).
+
 A forked child does not share its parent's writer process: its copy of the socket is closed at
 fork, and a checkpointer it makes starts its own.
 """
@@ -34,26 +48,33 @@ import subprocess
 import sys
 import tempfile
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from savepoint import info
+from savepoint import errors, info
 from savepoint.async_ import _wire
-from savepoint.async_.staging import Staged, StagingArena, on_cuda
+from savepoint.async_.staging import ArenaSource, Staged, StagingArena, on_cuda
 from savepoint.codecs import manifest as mf
+from savepoint.codecs.dtypes import DType
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
 from savepoint.errors import CheckpointWriteError, UnsupportedStateError
-from savepoint.options import SaveOptions
+from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
+from savepoint.state.arrays import TensorSource
 from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import Location
 
+if TYPE_CHECKING:
+    from savepoint.distributed import plan
+    from savepoint.distributed.pieces import Records
+
 log = logging.getLogger(__name__)
 
-__all__ = ["ProcessWriter", "SharedArena"]
+__all__ = ["ProcessWriter", "SharedArena", "SharedSource"]
 
 _LIVE: weakref.WeakSet[ProcessWriter] = weakref.WeakSet()
 _EXIT_WAIT = 60.0  # seconds close() waits for an idle writer process to exit before killing it
@@ -152,12 +173,7 @@ class ProcessWriter:
         ``incremental``: the checked blob store, policy and frozen prefixes of an incremental
         save (``AsyncCheckpointer.save(blobs=...)``); the writer process runs its save session
         with the memo and tracker it keeps for that blob store."""
-        if type(location.store) is not LocalStore:
-            raise ValueError(
-                f"writer='process' writes local directories only, not "
-                f"{location.store.url(location.path)}: use AsyncCheckpointer(writer='thread')"
-            )
-        target = os.path.abspath(location.path)
+        target = _local_target(location)
         self._ensure()  # its start-up overlaps the copy
         flat = tree.flatten(state)
         if incremental is not None and save_engine.has_shards(flat.tree):
@@ -198,6 +214,43 @@ class ProcessWriter:
             )
         self._hand_over(message)
         return functools.partial(self._answer, location, target, staged, meta, options)
+
+    def stage_sharded(
+        self,
+        location: Location,
+        state: Any,
+        meta: dict[str, Any],
+        options: SaveOptions,
+        incremental: Any = None,
+    ) -> Callable[[], info.CheckpointInfo]:
+        """A sharded save (``process_group=``): copy this rank's part of ``state`` into the arena
+        (the caller's part). The returned function (the background thread's part) runs the
+        save's collectives here (:func:`savepoint.distributed.save.save_flat`: the writer
+        process is not in the process group) and hands this rank's write step to the writer
+        process (:class:`_ShardWriter`). ``incremental``: as :meth:`stage`'s."""
+        from savepoint.distributed import save as distributed_save
+
+        target = _local_target(location)
+        self._ensure()  # its start-up overlaps the copy
+        flat = distributed_save.flatten(state)
+        staged = self.arena.stage(flat, options.max_file_bytes)
+        sources: dict[str, TensorSource] = {}
+        for f in staged.files:
+            base = self.arena.offset(f.image)
+            for e in f.entries:
+                s = flat.tensors[e.name]
+                view = f.image[e.start : e.end]
+                sources[e.name] = SharedSource(view, s.dtype, s.shape, s.kind, base + e.start)
+        snapshot = tree.Flat(staged.tree, {name: sources[name] for name in staged.order})
+        sharded = None
+        if incremental is not None:  # the writer process keeps the memo and patch tracker
+            sharded = distributed_save.Incremental(incremental.blobs, incremental.policy)
+        writer = _ShardWriter(self, target, staged, incremental)
+
+        def commit() -> info.CheckpointInfo:
+            return distributed_save.save_flat(location, snapshot, meta, options, sharded, writer)
+
+        return commit
 
     def _hand_over_then_answer(
         self,
@@ -261,9 +314,21 @@ class ProcessWriter:
         meta: dict[str, Any],
         options: SaveOptions,
     ) -> info.CheckpointInfo:
+        message = self.receive(target, options.progress)
+        if "manifest" in message:
+            # An incremental save: its manifest names blobs the trainer never saw.
+            manifest = mf.parse(message["manifest"].encode())
+            return describe(location.store.url(message["directory"]), manifest)
+        return _described(location, staged, meta, message)
+
+    def receive(self, target: str, progress: Progress | None) -> dict[str, Any]:
+        """The writer process's answer to the message handed over last (``done``, or
+        ``settled``), calling ``progress`` as it reports; its ``error`` raised as the error it
+        names, its death as a CheckpointWriteError naming it. A ``progress`` that raises cancels
+        the save in the writer process; one already done is answered ``done`` all the same."""
         sock = self._sock
         assert sock is not None
-        progress, stop = options.progress, None
+        stop: BaseException | None = None
         while True:
             message = _wire.receive_message(sock)
             if message is None:
@@ -281,12 +346,8 @@ class ProcessWriter:
                 if stop is not None:
                     raise stop from _wire.error_from(message)
                 raise _wire.error_from(message)
-            elif message["op"] == "done" and "manifest" in message:
-                # An incremental save: its manifest names blobs the trainer never saw.
-                manifest = mf.parse(message["manifest"].encode())
-                return describe(location.store.url(message["directory"]), manifest)
-            elif message["op"] == "done":
-                return _described(location, staged, meta, message)
+            elif message["op"] in ("done", "settled"):
+                return message
 
     def _died(self, target: str) -> CheckpointWriteError:
         """The error for a writer process that ended (or broke its protocol) mid-save."""
@@ -336,6 +397,118 @@ class ProcessWriter:
                 proc.wait()
         self.arena.release()
         _LIVE.discard(self)
+
+
+def _local_target(location: Location) -> str:
+    """The absolute path of a save's local directory (the writer process writes no other)."""
+    if type(location.store) is not LocalStore:
+        raise ValueError(
+            f"writer='process' writes local directories only, not "
+            f"{location.store.url(location.path)}: use AsyncCheckpointer(writer='thread')"
+        )
+    return os.path.abspath(location.path)
+
+
+class SharedSource(ArenaSource):
+    """A staged tensor of a sharded save, with its ``offset`` in the shared arena: where the
+    writer process finds its bytes."""
+
+    __slots__ = ("offset",)
+
+    def __init__(
+        self,
+        data: np.ndarray[Any, Any],
+        dtype: DType,
+        shape: tuple[int, ...],
+        kind: str,
+        offset: int,
+    ) -> None:
+        super().__init__(data, dtype, shape, kind)
+        self.offset = offset
+
+
+class _ShardWriter:
+    """This rank's write step of a sharded save, in the writer process (the
+    :class:`~savepoint.distributed.save.RankWriter` of :meth:`ProcessWriter.stage_sharded`): the
+    pieces the plan gave this rank are sent as a ``pieces`` message (each piece's place in the
+    arena) and the writer process answers with their records, after writing and syncing them
+    (:func:`savepoint.distributed.save.write_rank`). An incremental save's session stays open in
+    the writer process until :meth:`close` tells it the commit's outcome."""
+
+    def __init__(self, process: ProcessWriter, target: str, staged: Staged, incremental: Any):
+        self.process = process
+        self.target = target
+        self.staged = staged
+        self.incremental = incremental
+        self.open = False  # the writer process holds this save's blob session
+
+    def write(
+        self,
+        location: Location,
+        staging: str,
+        rank: int,
+        items: tuple[plan.Item, ...],
+        sources: dict[str, TensorSource],
+        options: SaveOptions,
+    ) -> Records:
+        from savepoint.distributed import pieces
+
+        self.staged.wait()  # CUDA copies land (they overlapped the plan step)
+        message: dict[str, Any] = {
+            "op": "pieces",
+            "path": self.target,
+            "staging": staging,
+            "rank": rank,
+            "arena_size": self.process.arena.capacity,
+            "pieces": pieces.items_json(items),
+            "sources": [_place(sources[item.key]) for item in items],
+            "direct": options.direct,
+            "writers": options.writers,
+            "max_file_bytes": options.max_file_bytes,
+            "progress": options.progress is not None,
+        }
+        if self.incremental is not None:
+            message["blobs"] = _blobs_fields(self.incremental)
+        progress, stopped = options.progress, list[BaseException]()
+
+        def watched(done: int, total: int) -> None:
+            assert progress is not None
+            try:
+                progress(done, total)
+            except BaseException as exc:
+                stopped.append(exc)
+                raise
+
+        self.process._hand_over(message)
+        answer = self.process.receive(self.target, watched if progress is not None else None)
+        # Done: an incremental save's session is open in the writer process until close().
+        self.open = self.incremental is not None
+        if stopped:  # the caller stopped the save once the pieces were written: not committed
+            raise stopped[0]
+        return pieces.records_from_json(answer)
+
+    def close(self, committed: bool) -> None:
+        if not self.open:
+            return
+        self.open = False
+        try:
+            sock = self.process._sock
+            assert sock is not None
+            _wire.send(sock, {"op": "settle", "committed": committed})
+            self.process.receive(self.target, None)
+        except (OSError, errors.CheckpointError) as exc:
+            log.warning(
+                "%s: the writer process could not close this rank's blob session (%s); blob "
+                "collections wait until its record is stale",
+                self.target,
+                exc,
+            )
+
+
+def _place(source: TensorSource) -> list[Any]:
+    """Where a piece's bytes are in the arena, and the shape and kind of what was staged."""
+    assert isinstance(source, SharedSource)
+    return [source.offset, list(source.shape), source.kind]
 
 
 def _blobs_fields(incremental: Any) -> dict[str, Any]:

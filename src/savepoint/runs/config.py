@@ -117,7 +117,7 @@ class ManagerConfig:
         _read_only(read_only)
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
-        _writer(writer, async_save, checked)
+        _writer(writer, async_save)
         frozen = _frozen(frozen, incremental, checked)
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
@@ -152,19 +152,14 @@ class ManagerConfig:
         )
 
 
-def _writer(writer: Any, async_save: bool, options: SaveOptions) -> None:
-    """``writer=``: "thread" or "process", the latter for async saves, unsharded (for now)."""
+def _writer(writer: Any, async_save: bool) -> None:
+    """``writer=``: "thread" or "process", the latter for async saves (sharded ones too)."""
     if writer not in ("thread", "process"):
         raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
     if writer == "process" and not async_save:
         raise ValueError(
             "writer='process' is given without async_save=True (the writer process writes "
             "background saves; a synchronous save is written by the caller)"
-        )
-    if writer == "process" and options.process_group is not None:
-        raise ValueError(
-            "writer='process' does not write sharded saves (process_group=) yet: use "
-            "writer='thread'"
         )
 
 
