@@ -407,6 +407,11 @@ def bench_export(args: argparse.Namespace, root: str) -> None:
     copy = statistics.median(d for _, d, _ in results["raw copy + fsync"])
     ours = statistics.median(d for _, d, _ in results["sp.export(hf=True)"])
     peak = max(peaks[1:] or peaks)
+    rounds = zip(results["raw copy + fsync"], results["sp.export(hf=True)"])
+    print(
+        "  per round (copy time / export time): "
+        + ", ".join(f"{c[1] / e[1]:.2f}" for c, e in rounds)
+    )
     print(
         f"  export throughput / raw copy throughput: {copy / ours:.2f} (target >= 0.8); "
         f"peak extra anonymous memory {peak / (1 << 20):.1f} MiB = {peak / largest:.2f} x the "

@@ -328,6 +328,17 @@ def test_a_directory_is_detected_and_read_by_every_reader(repo: Path, tmp_path: 
     assert sp.diff(tmp_path / "native", repo).identical
 
 
+def test_a_directory_reshards_into_another(repo: Path, tmp_path: Path) -> None:
+    """A Hugging Face directory is a source for the export too: the same names, other shards."""
+    report = export(repo, tmp_path / "one", hf=True)
+    assert report.subtree == "" and report.files == ("model.safetensors",)
+    assert report.metadata == {"format": "pt", "note": "hi"}  # the first shard's, carried over
+    assert sp.diff(repo, tmp_path / "one").identical
+    export(tmp_path / "one", tmp_path / "many", hf=True, max_shard_size=1500)
+    assert len(shards(tmp_path / "many")) == 4  # embed and head alone, then two
+    assert sp.diff(repo, tmp_path / "many").identical
+
+
 def test_the_commands_read_a_directory(repo: Path, tmp_path: Path) -> None:
     result = invoke("inspect", str(repo))
     assert result.exit_code == 0 and "huggingface" in result.stdout, result.output
