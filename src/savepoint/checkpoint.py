@@ -476,7 +476,7 @@ def load(
     ``path`` may also be a local file or directory of another format savepoint reads (a
     ``.safetensors`` or PyTorch ``.pt``/``.pth``/``.bin``/``.ckpt`` file, read with
     ``torch.load(weights_only=True)`` only; ``.shrew``, burn ``.mpk``, boostr, training
-    artifacts): its tree comes back, or goes into ``into``, the same way (see
+    artifacts, Hugging Face model directories): its tree comes back, or into ``into`` (see
     :mod:`savepoint.formats.load`). A run directory, a sweep, a DCP checkpoint or any other
     directory raises IncompleteCheckpointError saying what it is and what to call instead.
     """

@@ -194,8 +194,8 @@ def _file(where: Location) -> Found:
 
 def _directory_format(where: Location, entries: list[str]) -> Found | None:
     """A directory of another format (a boostr checkpoint, a training artifact or a sweep of
-    them), by its marker files."""
-    from savepoint.formats import boostr, training_artifact
+    them, a Hugging Face model directory), by its marker files."""
+    from savepoint.formats import boostr, huggingface, training_artifact
 
     shown = str(where)
     if training_artifact.REPORT_FILE in entries:
@@ -204,6 +204,8 @@ def _directory_format(where: Location, entries: list[str]) -> Found | None:
         return Found("format", shown, format="boostr-distributed", remote=not where.is_local)
     if boostr.STATE in entries:
         return Found("format", shown, format="boostr", remote=not where.is_local)
+    if huggingface.SINGLE in entries or huggingface.INDEX in entries:
+        return Found("format", shown, format="huggingface", remote=not where.is_local)
     return None
 
 

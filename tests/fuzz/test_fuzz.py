@@ -32,6 +32,7 @@ def test_every_parser_is_a_target() -> None:
         "detect",
         "burn",
         "training_artifact",
+        "hf_index",  # a Hugging Face model directory's index, and its shards against it
         # savepoint's own JSON files besides manifests
         "run_json",  # report.json, run.json, history.jsonl
         "blob_store_json",

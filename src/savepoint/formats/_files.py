@@ -363,12 +363,16 @@ def write_safetensors(
     path: str,
     tensors: Sequence[tuple[str, TensorSource]],
     metadata: Mapping[str, str] | None = None,
+    *,
+    pool: pipeline.StagingPool | None = None,
 ) -> None:
-    """Stream ``tensors`` into a new safetensors file at ``path`` (which must not exist), fsynced."""
+    """Stream ``tensors`` into a new safetensors file at ``path`` (which must not exist), fsynced,
+    through the staging buffers of ``pool`` (by default the write pipeline's shared pool)."""
     header, order = st_format.ordered_layout(
         [(name, s.dtype.name, s.shape, s.nbytes) for name, s in tensors], metadata
     )
-    pipeline.write_blob(LOCAL, os.path.abspath(path), header, [tensors[i][1] for i in order])
+    sources = [tensors[i][1] for i in order]
+    pipeline.write_blob(LOCAL, os.path.abspath(path), header, sources, pool=pool)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ savepoint           a directory holding ``manifest.json`` (or a path whose check
                     interrupted replace left under a hidden name, as ``sp.load`` finds it)
 boostr-distributed  a directory holding ``sharding_meta.json``
 boostr              a directory holding ``training_state.json``
+huggingface         a directory holding ``model.safetensors`` or
+                    ``model.safetensors.index.json`` (a Hugging Face model directory), or a
+                    file named ``*.safetensors.index.json``
+                    (:mod:`savepoint.formats.huggingface`)
 shrew               a file starting with ``b"SHRW"`` (its header gives the version)
 burn                a file starting with a burn record's ``b"\x83\xa8metadata"``, or any
                     other file named ``*.mpk``
@@ -40,7 +44,7 @@ from savepoint.codecs import manifest as mf
 from savepoint.codecs import safetensors as st_format
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
-from savepoint.formats import _files, boostr, burn, pytorch, shrew, training_artifact
+from savepoint.formats import _files, boostr, burn, huggingface, pytorch, shrew, training_artifact
 from savepoint.formats._files import open_file
 from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo, TensorInfo
@@ -57,6 +61,7 @@ FORMATS = (
     "burn",
     "training-artifact",
     "torch",
+    "huggingface",
 )
 # Each format as a sentence names one ("X is a ...").
 LABELS = {
@@ -68,6 +73,7 @@ LABELS = {
     "burn": "burn record (.mpk)",
     "training-artifact": "training artifact",
     "torch": "PyTorch file (torch.save)",
+    "huggingface": "Hugging Face model directory",
 }
 _BURN_HEAD = b"\x83\xa8metadata"  # fixmap(3), then the key "metadata": rmp-serde's first bytes
 
@@ -101,6 +107,8 @@ def detect(path: str | os.PathLike[str]) -> str:
             return "boostr-distributed"
         if os.path.isfile(os.path.join(p, boostr.STATE)):
             return "boostr"
+        if huggingface.is_repository(p):
+            return "huggingface"
         if training_artifact.is_sweep(p):
             raise IncompatibleCheckpointError(
                 f"{p} is a sweep of training artifacts ({training_artifact.COMPARISON_FILE}): "
@@ -110,8 +118,9 @@ def detect(path: str | os.PathLike[str]) -> str:
             )
         raise IncompatibleCheckpointError(
             f"{p} is a directory without {mf.NAME} (savepoint), {boostr.STATE} (boostr), "
-            f"{boostr.SHARDING} (distributed boostr) or {training_artifact.REPORT_FILE} (a "
-            "training artifact): not a checkpoint savepoint knows (an interrupted savepoint "
+            f"{boostr.SHARDING} (distributed boostr), {training_artifact.REPORT_FILE} (a "
+            f"training artifact) or {huggingface.SINGLE} or {huggingface.INDEX} (a Hugging Face "
+            "model directory): not a checkpoint savepoint knows (an interrupted savepoint "
             "save leaves no manifest.json: use an earlier checkpoint)",
             path=p,
         )
@@ -119,6 +128,8 @@ def detect(path: str | os.PathLike[str]) -> str:
         if atomic.resolve(p) is not None:
             return "savepoint"
         raise CheckpointNotFoundError(f"no checkpoint at {p}", path=p)
+    if p.endswith(huggingface.INDEX_SUFFIX):
+        return "huggingface"
     head = _head(p)
     if head.startswith(shrew.MAGIC):
         return "shrew"
@@ -208,6 +219,8 @@ def inspect_any(path: str | os.PathLike[str]) -> CheckpointInfo:
         return training_artifact.inspect(p)
     if kind == "torch":
         return pytorch.inspect(p)
+    if kind == "huggingface":
+        return huggingface.inspect(p)
     return boostr.inspect(p)
 
 
@@ -229,4 +242,6 @@ def verify_any(path: str | os.PathLike[str], *, progress: Progress | None = None
         return training_artifact.verify(p, progress=progress)
     if kind == "torch":
         return pytorch.verify(p, progress=progress)
+    if kind == "huggingface":
+        return huggingface.verify(p, progress=progress)
     return boostr.verify(p, progress=progress)
