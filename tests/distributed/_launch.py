@@ -56,15 +56,18 @@ def run(
     *,
     timeout: float = 120,
     done_when: list[int] | None = None,
+    worker: Path | None = None,
 ) -> Session:
-    """Run ``scenario`` on ``world`` ranks. With ``done_when``, the session ends once those
-    ranks have exited; the other ranks (a deliberately hung one) are then killed."""
+    """Run ``scenario`` (a function of ``worker``, by default :data:`WORKER`) on ``world``
+    ranks. With ``done_when``, the session ends once those ranks have exited; the other ranks (a
+    deliberately hung one) are then killed."""
     port = free_port()
+    worker = worker or WORKER
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), str(port), str(workdir)],
+            [sys.executable, str(worker), scenario, str(r), str(world), str(port), str(workdir)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
