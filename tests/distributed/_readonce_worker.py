@@ -209,23 +209,5 @@ def damaged(
             shutil.rmtree(s.path(name))
 
 
-def main() -> None:
-    scenario, rank, world, port, workdir = sys.argv[1:6]
-    torch.set_num_threads(1)
-    r, w = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
-    s = _worker.Session(scenario, r, w, workdir)
-    try:
-        globals()[f"scenario_{scenario}"](s)
-    except BaseException:
-        import traceback
-
-        s.checks["scenario"] = "FAIL " + traceback.format_exc()
-    s.write()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    _worker.main(globals())

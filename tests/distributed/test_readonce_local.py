@@ -91,9 +91,13 @@ def data_threads(monkeypatch: pytest.MonkeyPatch, world: int) -> Iterator[Thread
     yield group
 
 
-@pytest.fixture(autouse=True)
-def share_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, params=["one round", "a round per chunk"])
+def share_everything(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Every shard read once; in one round, or each chunk in a round of its own (so the next
+    round is read while one travels, and a failure can come in any round)."""
     monkeypatch.setattr(readonce, "MIN_SAVING", 1)
+    if request.param == "a round per chunk":
+        monkeypatch.setattr(readonce, "ROUND", 1)
 
 
 def save(monkeypatch: pytest.MonkeyPatch, path: Path, world: int, blobs: bool) -> None:

@@ -5,14 +5,17 @@
 straight into its targets, checked by block); then round by round every reader reads and checks
 its chunks into buffers, the ranks agree that nobody failed (a failed rank raises its own error,
 the others stop and return: the step fails on every rank, naming the ranks that failed), the
-chunks travel (broadcast, or rank to rank), and each rank copies its parts into its targets. With
-``verify="first"`` every rank checks all it will read (its own reads and its chunks) and the ranks
-agree before anything is copied.
+chunks travel (broadcast, or rank to rank), and each rank copies its parts into its targets
+(none to copy where a chunk goes straight into a target). The next round's reads run while a
+round's chunks travel, so storage and network are busy at once; two rounds' buffers at most are
+held. With ``verify="first"`` every rank checks all it will read (its own reads and its chunks)
+and the ranks agree before anything is copied.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import numpy as np
@@ -83,84 +86,123 @@ def read(
     except Exception as exc:
         error = exc
     if verify == "first" and rounds and any(coord.all_flags(int(error is not None))):
-        _finish(error)
-        return
-    if error is None:
+        rounds = ()  # a rank failed its checks: nothing is copied anywhere
+    elif error is None:
         try:
             reader.read_shards(own, verify=verify is True, progress=progress)
         except Exception as exc:
             error = exc
-    for number, batch in enumerate(rounds):
-        going, error = _round(reader, coord, number, batch, copies, verify is True, error, progress)
-        if not going:
-            break
-    _finish(error)
-
-
-def _finish(error: Exception | None) -> None:
+    if rounds:
+        error = _rounds(reader, coord, rounds, copies, verify is True, error, progress)
     if error is not None:
         raise error
 
 
-def _round(
+def _rounds(
     reader: Reader,
     coord: Coordinator,
-    number: int,
-    chunks: Sequence[readonce.Chunk],
+    rounds: Sequence[Sequence[readonce.Chunk]],
     copies: dict[Key, Sequence[RegionCopy]],
     verify: bool,
     error: Exception | None,
     progress: Progress | None,
-) -> tuple[bool, Exception | None]:
-    """One round (see the module docstring): whether every rank got through it, and this rank's
-    error (an earlier one passed in, or one reading its chunks)."""
-    me = coord.rank
-    held: dict[int, np.ndarray[Any, Any]] = {}  # chunk index -> its bytes on this rank
-    direct: set[int] = set()  # chunks read or received straight into a target
-    for i, c in enumerate(chunks):
-        if c.broadcast or c.reader == me:
-            view = _direct(reader, c, copies)
-            if view is not None:
-                direct.add(i)
-            held[i] = view if view is not None else np.empty(c.hi - c.lo, dtype=np.uint8)
-    if error is None:
+) -> Exception | None:
+    """Every round in order; the next round's reads run (on a thread of their own) while this
+    one's chunks travel and are copied. Returns this rank's error, if it has one."""
+    with ThreadPoolExecutor(1, thread_name_prefix="savepoint-read-ahead") as ahead:
+
+        def start(number: int) -> tuple[_Round, Future[Exception | None]]:
+            batch = _Round(reader, coord.rank, rounds[number], copies)
+            return batch, ahead.submit(batch.read, reader, coord.rank, verify)
+
+        current = start(0) if error is None else None
+        for number in range(len(rounds)):
+            if current is not None:
+                error = current[1].result()
+            if any(coord.all_flags(int(error is not None))):
+                break
+            assert current is not None
+            following = start(number + 1) if number + 1 < len(rounds) else None
+            current[0].exchange(reader, coord, number, copies, progress)
+            current = following
+    return error
+
+
+class _Round:
+    """One round's chunks on this rank: where each one's bytes go (straight into a target where
+    :func:`_direct` finds one, else a buffer), the reads of those it reads, and the exchange."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        me: int,
+        chunks: Sequence[readonce.Chunk],
+        copies: dict[Key, Sequence[RegionCopy]],
+    ) -> None:
+        self.chunks = chunks
+        self.held: dict[int, np.ndarray[Any, Any]] = {}  # chunk index -> its bytes here
+        self.direct: set[int] = set()  # chunks read or received straight into a target
+        for i, c in enumerate(chunks):
+            if c.broadcast or c.reader == me:
+                view = _direct(reader, c, copies)
+                if view is not None:
+                    self.direct.add(i)
+                self.held[i] = view if view is not None else np.empty(c.hi - c.lo, np.uint8)
+
+    def read(self, reader: Reader, me: int, verify: bool) -> Exception | None:
+        """Read (and check) the chunks this rank reads; the error, if one failed."""
         try:
             reader.read_shards(
-                [_into(reader, c, held[i]) for i, c in enumerate(chunks) if c.reader == me],
+                [
+                    _into(reader, c, self.held[i])
+                    for i, c in enumerate(self.chunks)
+                    if c.reader == me
+                ],
                 verify=verify,
             )
         except Exception as exc:
-            error = exc
-    if any(coord.all_flags(int(error is not None))):
-        return False, error
-    for i, c in enumerate(chunks):
-        if c.broadcast:
-            coord.broadcast_bytes(held[i], c.reader)
-    sends: dict[int, list[np.ndarray[Any, Any]]] = {}
-    takes: dict[int, list[tuple[int, int, int]]] = {}  # from rank -> (chunk index, a, b)
-    for i, c in enumerate(chunks):
-        for rank, a, b in c.takers:
-            if c.reader == me:
-                sends.setdefault(rank, []).append(held[i][a - c.lo : b - c.lo])
-            elif rank == me:
-                takes.setdefault(c.reader, []).append((i, a, b))
-    received = {r: np.empty(sum(b - a for _, a, b in t), np.uint8) for r, t in takes.items()}
-    coord.exchange_bytes(
-        [(r, np.concatenate(parts)) for r, parts in sends.items()],
-        list(received.items()),
-        tag=number,
-    )
-    for rank, taken in takes.items():
-        offset = 0
-        for i, a, b in taken:
-            _apply(reader, chunks[i], copies, received[rank][offset : offset + b - a], a, progress)
-            offset += b - a
-    for i, data in held.items():
-        if i not in direct:
-            _apply(reader, chunks[i], copies, data, chunks[i].lo, progress)
-        elif progress is not None:
-            progress(len(data))
-    return True, None
+            return exc
+        return None
+
+    def exchange(
+        self,
+        reader: Reader,
+        coord: Coordinator,
+        number: int,
+        copies: dict[Key, Sequence[RegionCopy]],
+        progress: Progress | None,
+    ) -> None:
+        """Broadcast or send every chunk (every rank agreed that all were read), then copy
+        what this rank takes into its targets."""
+        me, chunks, held = coord.rank, self.chunks, self.held
+        for i, c in enumerate(chunks):
+            if c.broadcast:
+                coord.broadcast_bytes(held[i], c.reader)
+        sends: dict[int, list[np.ndarray[Any, Any]]] = {}
+        takes: dict[int, list[tuple[int, int, int]]] = {}  # from rank -> (chunk index, a, b)
+        for i, c in enumerate(chunks):
+            for rank, a, b in c.takers:
+                if c.reader == me:
+                    sends.setdefault(rank, []).append(held[i][a - c.lo : b - c.lo])
+                elif rank == me:
+                    takes.setdefault(c.reader, []).append((i, a, b))
+        received = {r: np.empty(sum(b - a for _, a, b in t), np.uint8) for r, t in takes.items()}
+        coord.exchange_bytes(
+            [(r, np.concatenate(parts)) for r, parts in sends.items()],
+            list(received.items()),
+            tag=number,
+        )
+        for rank, taken in takes.items():
+            offset = 0
+            for i, a, b in taken:
+                data = received[rank][offset : offset + b - a]
+                _apply(reader, chunks[i], copies, data, a, progress)
+                offset += b - a
+        for i, data in held.items():
+            if i not in self.direct:
+                _apply(reader, chunks[i], copies, data, chunks[i].lo, progress)
+            elif progress is not None:
+                progress(len(data))
 
 
 def _direct(

@@ -88,14 +88,15 @@ def plan(
     entries: Sequence[Sequence[Entry]],
     *,
     min_saving: int | None = None,
-    round_bytes: int = ROUND,
+    round_bytes: int | None = None,
     chunk: int | None = None,
 ) -> Plan:
-    """The read-once plan for ``entries[rank]`` (see the module docstring); ``min_saving``
-    defaults to :data:`MIN_SAVING`, and ``chunk`` fixes the chunk size (rounded to whole units)
-    instead of deriving it."""
+    """The read-once plan for ``entries[rank]`` (see the module docstring); ``min_saving`` and
+    ``round_bytes`` default to :data:`MIN_SAVING` and :data:`ROUND`, and ``chunk`` fixes the
+    chunk size (rounded to whole units) instead of deriving it."""
     world = len(entries)
     least = MIN_SAVING if min_saving is None else min_saving
+    most = ROUND if round_bytes is None else round_bytes
     groups: dict[tuple[str, int], list[tuple[int, Entry]]] = {}
     for rank, mine in enumerate(entries):
         for e in mine:
@@ -143,7 +144,7 @@ def plan(
         if not takers and not _overlaps(needs[(ref, shard)][reader], lo, hi):
             continue
         whole = len(takers) == world - 1 and all((a, b) == (lo, hi) for _, a, b in takers)
-        if current and held + hi - lo > round_bytes:
+        if current and held + hi - lo > most:
             rounds.append(tuple(current))
             current, held = [], 0
         current.append(Chunk(ref, shard, lo, hi, reader, whole, () if whole else tuple(takers)))
