@@ -436,6 +436,7 @@ def load(
     progress: Progress | None = None,
     process_group: Any = None,
     timeout: float | None = None,
+    read_once: bool = True,
 ) -> Any:
     """Load a checkpoint: return the saved tree, or restore it into ``into`` in place.
 
@@ -467,11 +468,11 @@ def load(
     modifying anything, at the price of one more pass over the data (about 35% of a warm load);
     ``verify=False`` checks sizes and structure only.
 
-    A sharded checkpoint (saved with ``process_group``) loads on any number of ranks. Without
+    A sharded checkpoint (saved with ``process_group``) loads on any number of ranks; without
     ``into`` its tensors come back whole. With ``process_group`` (call ``load`` on every rank) or
-    with ``sp.Shard`` / ``sp.FlatShard`` / ``sp.Partitioned`` / DTensor targets in ``into``, each
-    rank reads only the byte ranges of the shards that overlap the parts it holds; a failure on
-    any rank raises DistributedCheckpointError on all of them. See ``docs/distributed.md``.
+    Shard / FlatShard / Partitioned / DTensor targets, each rank reads only the bytes it needs
+    (bytes several ranks need are read once and sent over the group unless ``read_once=False``);
+    a failure on any rank raises DistributedCheckpointError on all. See ``docs/distributed.md``.
 
     ``path`` may also be a local file or directory of another format savepoint reads (a
     ``.safetensors`` or PyTorch ``.pt``/``.pth``/``.bin``/``.ckpt`` file, read with
@@ -490,22 +491,16 @@ def load(
         process_group=process_group,
         timeout=timeout,
         device=device,
+        read_once=read_once,
     )
     location = resolve_path(path, what="checkpoint path")
-    options: dict[str, Any] = {
-        "into": into,
-        "keys": keys,
-        "verify": verify,
-        "framework": framework,
-        "device": device,
-        "mmap": mmap,
-        "progress": progress,
-    }
+    options: dict[str, Any] = {"into": into, "keys": keys, "verify": verify, "mmap": mmap}
+    options.update(framework=framework, device=device, progress=progress)
     if process_group is not None or (into is not None and _has_shard_targets(into)):
         from savepoint.distributed import load as distributed_load
 
         return distributed_load.load(
-            location, process_group=process_group, timeout=timeout, **options
+            location, process_group=process_group, timeout=timeout, read_once=read_once, **options
         )
     try:
         # A generation replaced under the read (object stores) is read again from the new one.

@@ -58,16 +58,16 @@ def run(
     done_when: list[int] | None = None,
     worker: Path | None = None,
 ) -> Session:
-    """Run ``scenario`` on ``world`` ranks. With ``done_when``, the session ends once those
-    ranks have exited; the other ranks (a deliberately hung one) are then killed. ``worker``:
-    the script holding the scenario (default ``WORKER``: ``_worker.py``)."""
+    """Run ``scenario`` (a function of ``worker``, by default :data:`WORKER`) on ``world``
+    ranks. With ``done_when``, the session ends once those ranks have exited; the other ranks (a
+    deliberately hung one) are then killed."""
     port = free_port()
+    worker = worker or WORKER
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
-    script = WORKER if worker is None else worker
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), scenario, str(r), str(world), str(port), str(workdir)],
+            [sys.executable, str(worker), scenario, str(r), str(world), str(port), str(workdir)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

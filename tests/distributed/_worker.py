@@ -946,14 +946,16 @@ def scenario_continuous(s: Session) -> None:
     s.check("continuous", run)
 
 
-def main() -> None:
+def main(scenarios: dict[str, Any] | None = None) -> None:
+    """Run the scenario the command line names: a ``scenario_<name>`` function of
+    ``scenarios`` (another worker module's globals), by default of this module."""
     scenario, rank, world, port, workdir = sys.argv[1:6]
     torch.set_num_threads(1)
     r, w = int(rank), int(world)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
     s = Session(scenario, r, w, workdir)
     try:
-        globals()[f"scenario_{scenario}"](s)
+        (scenarios or globals())[f"scenario_{scenario}"](s)
     except BaseException:
         s.checks["scenario"] = "FAIL " + traceback.format_exc()
     s.write()

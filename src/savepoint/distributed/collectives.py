@@ -115,6 +115,33 @@ class Coordinator(abc.ABC):
         rank gets None. ``cleanup`` runs on rank 0 when the step failed anywhere.
         """
 
+    # -- data collectives (read-once loads): uint8 buffers as tensors, never pickled ----------
+
+    moves_data: bool = False  # whether the three below exist beyond one rank
+
+    def all_flags(self, flag: int) -> list[int]:
+        """Every rank's ``flag`` (a small integer), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [flag]
+        raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
+
+    def broadcast_bytes(self, buf: Any, root: int) -> None:
+        """Fill ``buf`` (a contiguous, writable uint8 numpy array of the same length on every
+        rank) with what rank ``root`` holds in its ``buf``."""
+        if self.world_size == 1:
+            return
+        raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
+
+    def exchange_bytes(
+        self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], tag: int
+    ) -> None:
+        """Send each ``(rank, buf)`` of ``sends`` to its rank and fill each ``(rank, buf)`` of
+        ``recvs`` from its rank (at most one message per pair and ``tag``; uint8 numpy arrays,
+        the receiver's the sender's length); all are posted before any is waited for."""
+        if not sends and not recvs:
+            return
+        raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
+
 
 class LocalCoordinator(Coordinator):
     """One process, no process group: the step runs in place; exceptions pass through."""
@@ -197,6 +224,41 @@ class TorchCoordinator(Coordinator):
             assert objs is not None
             return objs[0]
         return self._call(lambda: _scatter(self._ensure_group(), objs, self.rank, self.world_size))
+
+    # -- data collectives ---------------------------------------------------------------------
+
+    moves_data = True
+
+    def all_flags(self, flag: int) -> list[int]:
+        if self.world_size == 1:
+            return [flag]
+        return self._call(lambda: _sizes(self._ensure_group(), flag, self.world_size))
+
+    def broadcast_bytes(self, buf: Any, root: int) -> None:
+        if self.world_size == 1 or not len(buf):
+            return
+        import torch
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        tensor = torch.from_numpy(buf)
+        self._call(lambda: self._ensure_group().broadcast([tensor], opts).wait())
+
+    def exchange_bytes(
+        self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], tag: int
+    ) -> None:
+        import torch
+
+        def run() -> None:
+            group = self._ensure_group()
+            works = [group.send([torch.from_numpy(b)], r, tag) for r, b in sends if len(b)]
+            works += [group.recv([torch.from_numpy(b)], r, tag) for r, b in recvs if len(b)]
+            for work in works:
+                work.wait()
+
+        if sends or recvs:
+            self._call(run)
 
     # -- the step protocol -------------------------------------------------------------------
 
