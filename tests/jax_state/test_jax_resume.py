@@ -5,6 +5,7 @@ RNG stream, the adamw state)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -13,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("jax")
-pytest.importorskip("flax")
-pytest.importorskip("optax")
+if any(importlib.util.find_spec(m) is None for m in ("jax", "flax", "optax")):
+    pytest.skip("needs jax, flax and optax (the jax extra)", allow_module_level=True)
 
 import savepoint as sp
 from savepoint.formats.diff import diff

@@ -4,6 +4,7 @@ the device count is fixed when jax is first imported (this process may have impo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -11,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("jax")
-pytest.importorskip("flax")
-pytest.importorskip("optax")
+if any(importlib.util.find_spec(m) is None for m in ("jax", "flax", "optax")):
+    pytest.skip("needs jax, flax and optax (the jax extra)", allow_module_level=True)
 
 pytestmark = pytest.mark.jax
 
