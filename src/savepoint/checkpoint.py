@@ -29,6 +29,7 @@ above this module and is imported only then, so unsharded saves and loads never 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -110,12 +111,12 @@ def save(
     anything is created.
 
     ``state`` is a nested tree of dicts (str or int keys), lists and tuples whose leaves are numpy
-    arrays or scalars, torch tensors (any device; copied to host a chunk at a time), None, bool,
-    int, float, str, bytes, and Stateful objects (anything with ``state_dict()`` and
-    ``load_state_dict()``: modules, optimizers, schedulers...), whose ``state_dict()`` is saved.
-    A ``torch.compile``, DDP or DataParallel wrapper saves the keys of the model it wraps; a
-    dataclass instance is saved as a plain dict of its fields (the class is not recorded).
-    Tensors that are the same view of the same memory (tied weights) are stored once.
+    arrays or scalars, torch tensors (any device; copied to host a chunk at a time), jax arrays
+    and pytrees (docs/jax.md), None, bool, int, float, str, bytes, and Stateful objects (anything
+    with ``state_dict()`` and ``load_state_dict()``: modules, optimizers...), whose
+    ``state_dict()`` is saved. A ``torch.compile``, DDP or DataParallel wrapper saves the keys of
+    the model it wraps; a dataclass instance is saved as a plain dict of its fields (the class is
+    not recorded). Tensors that are the same view of the same memory (tied weights) are stored once.
 
     ``metadata`` is a JSON-serialisable mapping stored verbatim in the manifest. Data is split into
     safetensors files of at most ``max_file_bytes`` (a bigger tensor gets a file of its own), which
@@ -457,6 +458,9 @@ def load(
     modified. Returns ``into``. Wrapped models (compile, DDP) load in either form, dataclass
     targets take their saved fields, and Python scalars and 0-d tensors stand in for each other
     when the conversion is exact: see docs/training-state.md, "State from real training scripts".
+    A pytree holding ``jax.Array`` (or ``jax.ShapeDtypeStruct``) leaves cannot be filled in place:
+    the restored pytree is returned, of ``into``'s own types, each array placed with its target's
+    sharding (any mesh), and a dict or list root has its entries replaced too (docs/jax.md).
 
     ``keys`` selects paths (``"model"``, ``"model/layer.weight"``: components joined by ``/``, with
     ``~`` written ``~0`` and ``/`` written ``~1``); only their bytes are read.
@@ -496,6 +500,21 @@ def load(
     location = resolve_path(path, what="checkpoint path")
     options: dict[str, Any] = {"into": into, "keys": keys, "verify": verify, "mmap": mmap}
     options.update(framework=framework, device=device, progress=progress)
+    if into is not None and _holds_jax(into):
+        return _load_jax(location, options, process_group, timeout)
+    return _load(location, options, process_group, timeout, read_once=read_once)
+
+
+def _load(
+    location: Location,
+    options: dict[str, Any],
+    process_group: Any,
+    timeout: float | None,
+    *,
+    read_once: bool = True,
+) -> Any:
+    """``sp.load`` once its arguments are checked: sharded, unsharded, or another format."""
+    into = options["into"]
     if process_group is not None or (into is not None and _has_shard_targets(into)):
         from savepoint.distributed import load as distributed_load
 
@@ -516,6 +535,34 @@ def load(
         with collector.paused():
             return load_any(location.path, found.format, **options)
     raise _not_a_checkpoint(found, "sp.load")
+
+
+def _holds_jax(into: Any) -> bool:
+    """Whether ``into`` is a pytree holding ``jax.Array`` leaves (never imports jax: such a
+    leaf can only exist once jax is imported)."""
+    if "jax" not in sys.modules:
+        return False
+    from savepoint.state import jax_restore
+
+    return jax_restore.holds_jax(into)
+
+
+def _load_jax(
+    location: Location, options: dict[str, Any], process_group: Any, timeout: float | None
+) -> Any:
+    """``sp.load(into=pytree)`` of a JAX pytree: restored into host arrays, then placed with
+    the target leaves' shardings and rebuilt (see :mod:`savepoint.state.jax_restore`)."""
+    from savepoint.state import jax_restore
+
+    if process_group is not None:
+        raise UnsupportedStateError(
+            "sp.load(into=<a pytree of jax arrays>) takes no process_group: jax arrays are "
+            "restored by one process, onto the devices their shardings name (multi-process "
+            "jax.distributed restores are not supported)"
+        )
+    unpacked = jax_restore.unpack(options["into"])
+    _load(location, {**options, "into": unpacked.plain}, None, timeout)
+    return unpacked.finish(str(location))
 
 
 def _other(location: Location, exc: CheckpointError) -> Any:
