@@ -140,6 +140,8 @@ class Lifecycle:
                 raise error
             if self.opened.tiers is not None:
                 self.opened.tiers.raise_error()
+            if self.opened.peers is not None:
+                self.opened.peers.raise_error()
 
     def _close(self) -> None:
         try:
@@ -150,6 +152,8 @@ class Lifecycle:
             self.settle.worker.stop()
             if self.opened.tiers is not None:
                 self.opened.tiers.close()  # the copy-ups finish (their failures are raised after)
+            if self.opened.peers is not None:
+                self.opened.peers.close()  # the replications finish (raised after, too)
             with self.lock:
                 self.books.forget_resume()
             try:

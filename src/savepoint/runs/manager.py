@@ -235,6 +235,7 @@ class CheckpointManager:
             raise
         self.run = opened.run
         self._restorer.tiers = opened.tiers
+        self._restorer.peers = self._saver.peers = opened.peers
         self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
         self._preempting.preemption = opened.preemption
         # Its locks, close(), gc(), a fork and the interpreter's exit (runs.lifecycle).
