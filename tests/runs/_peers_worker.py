@@ -120,7 +120,7 @@ def scenario_save(s: dw.Session) -> None:
             for step in map(int, os.environ.get("PEERS_STEPS", "1,2").split(",")):
                 mgr.save(step, state(step, s.rank, s.world))
             mgr.wait()
-            last = mgr._saver.peers.last  # (the outcome every rank agreed on)
+            last = mgr._saver.settle.peers.last  # (the outcome every rank agreed on)
             s.data["outcome"] = {
                 "step": last.step,
                 "complete": last.complete,
@@ -144,13 +144,12 @@ def scenario_corrupt(s: dw.Session) -> None:
     def run() -> None:
         mgr = manager(s, read_only=True)
         for i, label in enumerate(("one copy damaged", "every copy damaged")):
-            if s.rank == 0:
+            if s.rank == 0:  # (into a new file: the copy may be a link to the run directory's)
                 for path in json.loads(os.environ["PEERS_DAMAGE"])[i]:
-                    with open(path, "r+b") as f:
-                        f.seek(-1, os.SEEK_END)
-                        last = f.read(1)
-                        f.seek(-1, os.SEEK_END)
-                        f.write(bytes([last[0] ^ 0xFF]))
+                    data = bytearray(Path(path).read_bytes())
+                    data[-1] ^= 0xFF
+                    Path(path + ".new").write_bytes(data)
+                    os.replace(path + ".new", path)
             dist.barrier()
             restore(s, mgr, label)
 

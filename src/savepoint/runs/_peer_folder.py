@@ -43,6 +43,8 @@ from savepoint.errors import CorruptCheckpointError
 from savepoint.storage.base import Store
 
 __all__ = [
+    "BLOBS",
+    "COMMON",
     "NODE_FILE",
     "PART_FILE",
     "BlobSource",
@@ -52,8 +54,11 @@ __all__ = [
     "Landing",
     "NodeFolder",
     "PartRecord",
+    "assembly",
+    "blob_home",
     "evictions",
     "hash_file",
+    "place",
 ]
 
 log = logging.getLogger("savepoint.runs.peers")
@@ -136,6 +141,44 @@ def _safe_name(name: Any) -> bool:
     if not isinstance(name, str) or not name or name.startswith("/"):
         return False
     return all(p and p not in (".", "..") and not p.startswith(".") for p in name.split("/"))
+
+
+BLOBS = "blobs/"  # the names of a copy's blob files (an incremental checkpoint's) start so
+COMMON = ("manifest.json", "blobs/store.json")  # what every part of a checkpoint holds alike
+
+
+def blob_home(blob_store: str | None) -> tuple[int, str]:
+    """Where an incremental checkpoint's blob store lies, from the manifest's relative path
+    (``../../blobs``): (how many folders up from the checkpoint, the path from there);
+    CorruptCheckpointError for a path that does not climb and then descend."""
+    parts = os.path.normpath(blob_store or "").split("/")
+    ups = 0
+    while ups < len(parts) and parts[ups] == "..":
+        ups += 1
+    rest = "/".join(parts[ups:])
+    if not ups or not _safe_name(rest):
+        raise CorruptCheckpointError(
+            f"a blob store at {blob_store!r} from the checkpoint cannot be kept in peer memory",
+            path=str(blob_store),
+        )
+    return ups, rest
+
+
+def assembly(base: str, step: int, blob_store: str | None) -> str:
+    """The checkpoint folder a restore assembles under ``base``: deep enough that the blob store
+    the manifest names (``blob_store``, relative) is ``base/<its path>`` (see :func:`place`)."""
+    ups = blob_home(blob_store)[0] if blob_store else 1
+    return os.path.join(base, *(["c"] * (ups - 1)), step_name(step))
+
+
+def place(name: str, step: int, blob_store: str | None) -> str:
+    """Where a copy's file ``name`` goes, relative to a restore's ``base`` (:func:`assembly`):
+    a data file or the manifest in the checkpoint folder, a blob file (``blobs/...``) in the
+    blob store beside it."""
+    if name.startswith(BLOBS):
+        return os.path.join(blob_home(blob_store)[1], name[len(BLOBS) :])
+    ups = blob_home(blob_store)[0] if blob_store else 1
+    return os.path.join(*(["c"] * (ups - 1)), step_name(step), name)
 
 
 def step_name(step: int) -> str:

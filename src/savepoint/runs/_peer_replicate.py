@@ -5,17 +5,23 @@ In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire
 
 1. **its part**: the manifest of the committed checkpoint (read from the run directory) and the
    data files this rank wrote (``data-r<rank>-*``; every file for a checkpoint saved without a
-   process group); every rank's part (file names, sizes, the manifest's digest) is gathered;
+   process group); an incremental checkpoint's part also holds every ``world``-th blob its
+   manifest names (``blobs/...``, whole copies: peer memory keeps no blob store of its own, so
+   each step's copy holds all its blobs, changed or not) and the blob store's configuration;
+   every rank's part (file names, sizes, the manifest's digest) is gathered;
 2. **where copies go** (:func:`ring`): each rank sends its part to ``replicas`` ranks on the
    next nodes of a ring (nodes in the order of their first rank), never its own node: to the
    rank at its own index on that node (modulo the ranks there), so the load spreads;
 3. **room**: each node's ranks work out the bytes landing there (its own parts and the copies
-   it receives), delete the oldest copies the budget no longer holds
+   it receives), delete the copies of later steps (a run that saves an earlier step went back
+   to it: those belong to a timeline it abandoned) and the oldest copies the budget no longer
+   holds
    (:func:`savepoint.runs._peer_folder.evictions`: never the newest complete step), and if it
    still does not fit, keep no copy of this step (received bytes are dropped);
 4. **the bytes**: each rank reads its files once, chunk by chunk: hashing them, writing its own
-   node's copy and sending them to its targets; receivers land the bytes in a staging folder and
-   check each file's XXH3-64 against the sender's;
+   node's copy (a hard link instead, where the run directory is on the node memory's file
+   system: a RAM disk) and sending them to its targets; receivers land the bytes in a staging
+   folder and check each file's XXH3-64 against the sender's;
 5. **commit**: each copy (its marker last, then a rename: :class:`NodeFolder`);
 6. **the outcome**, gathered: the step is *complete* in peer memory when every part has at least
    one committed copy; a failure anywhere (a rank that died or stopped answering, a file that did
@@ -41,12 +47,15 @@ from savepoint.codecs import checksum
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import resolve as resolve_committed
 from savepoint.runs._peer_folder import (
+    BLOBS,
+    COMMON,
     BlobSource,
     BytesSource,
     CopyWriter,
     Landing,
     NodeFolder,
     PartRecord,
+    blob_home,
     evictions,
 )
 from savepoint.runs._peer_wire import Gathered, Incoming, Outgoing, Wire
@@ -90,7 +99,8 @@ def ring(nodes: list[str], replicas: int) -> list[list[int]]:
 
 def part_files(manifest: mf.Manifest, part: int) -> list[str]:
     """The data files of part ``part``: those rank ``part`` wrote (a sharded checkpoint), or
-    every one (part 0 of a checkpoint saved by one process)."""
+    every one (part 0 of a checkpoint saved by one process). (An incremental checkpoint's part
+    also holds its share of the blobs: see :func:`_blob_files`.)"""
     if not manifest.sharded:
         return sorted(manifest.files) if part == 0 else []
     prefix = f"data-r{part:05d}-"
@@ -102,11 +112,12 @@ class _Part:
     """This rank's part of the checkpoint being replicated."""
 
     store: Any
-    directory: str
     manifest: bytes
     digest: str
     world: int
     files: list[tuple[str, int]]  # name, size (manifest.json first)
+    paths: dict[str, str]  # name -> where the store holds it (all but the manifest)
+    local: bool  # the store is this machine's file system (paths are file paths)
 
 
 class Replication:
@@ -150,11 +161,12 @@ class Replication:
             world = manifest.world_size or 1
             if world != self.wire.world:
                 return None, f"the checkpoint was saved by {world} ranks, not {self.wire.world}"
-            names = part_files(manifest, self.wire.rank)
-            files = [(mf.NAME, len(raw))] + [(n, manifest.files[n].size) for n in names]
+            paths = {n: store.join(directory, n) for n in part_files(manifest, self.wire.rank)}
+            files = [(mf.NAME, len(raw))] + [(n, manifest.files[n].size) for n in paths]
             if manifest.has_blobs:
-                return None, "its tensors are in a blob store (incremental), not kept here yet"
-            return _Part(store, directory, raw, checksum.digest(raw), world, files), None
+                files += _blob_files(store, directory, manifest, self.wire.rank, paths)
+            digest = checksum.digest(raw)
+            return _Part(store, raw, digest, world, files, paths, where.is_local), None
         except Exception as exc:  # reported to every rank through the gather
             return None, f"{self.wire.who(self.wire.rank)}: cannot read its part: {exc}"
 
@@ -177,21 +189,24 @@ class Replication:
                     incoming.append(Incoming(message, rank, size, name, None))
                 need += size * (int(here) + sum(wire.nodes[d] == node for d in dsts))
                 message += 1
-        keep = self._make_room(need)
+        full = self._make_room(step, need)
+        keep = full is None
         own = self.folder.staging() if keep else None
         writers: dict[str, CopyWriter] = {}
         try:
             if own is not None:
                 for out in outgoing:
-                    writers[out.name] = w = CopyWriter(os.path.join(own, out.name))
-                    out.on_chunk = w.write
+                    if not _linked(part, out.name, os.path.join(own, out.name)):
+                        writers[out.name] = w = CopyWriter(os.path.join(own, out.name))
+                        out.on_chunk = w.write
             if keep:
                 for into in incoming:
                     if into.src not in landing:
                         landing[into.src] = Landing(self.folder.staging())
                     into.into = _lander(landing[into.src], into.name, into.size)
             errors = wire.transfer(outgoing, incoming)
-            errors += [i.error for i in incoming if i.error is not None]
+            errors += [i.error for i in incoming if i.error is not None and keep]
+            errors += [full] if full is not None else []
             for w in writers.values():
                 w.close()
             return self._commit(step, part, parts, own, outgoing, incoming, landing), errors
@@ -204,25 +219,28 @@ class Replication:
             if own is not None:
                 shutil.rmtree(own, ignore_errors=True)
 
-    def _make_room(self, need: int) -> bool:
-        """Step 3: evict what the budget no longer holds; whether ``need`` more bytes fit."""
+    def _make_room(self, step: int, need: int) -> str | None:
+        """Step 3: evict what the budget no longer holds; None if ``need`` more bytes for
+        ``step`` fit, else why this node keeps no copy of it. Copies of later steps go first: a
+        save of ``step`` means the run went back to an earlier step (a resume), so they belong
+        to a timeline the run abandoned and must never be restored."""
         sizes = self.folder.step_bytes()
+        abandoned = sorted(s for s in sizes if s > step)
+        if abandoned:
+            self.folder.evict(abandoned)
+            sizes = {s: b for s, b in sizes.items() if s <= step}
+            if self.anchor is not None and self.anchor > step:
+                self.anchor = None
         gone = evictions(sizes, self.budget, self.anchor, need)
         self.folder.evict(gone)
-        if self.budget is None:
-            return True
         left = sum(b for s, b in sizes.items() if s not in gone)
-        if left + need > self.budget:
-            log.warning(
-                "peer memory: node %s cannot hold %d more bytes within its budget of %d (it holds "
-                "%d it must keep): it keeps no copy of this step",
-                self.folder.node,
-                need,
-                self.budget,
-                left,
-            )
-            return False
-        return True
+        if self.budget is None or left + need <= self.budget:
+            return None
+        return (
+            f"node {self.folder.node} cannot hold its {need} bytes of this step within its "
+            f"budget of {self.budget} bytes (it holds {left} bytes it must keep): it keeps no "
+            "copy of it; give the tier a larger budget"
+        )
 
     def _commit(
         self,
@@ -289,10 +307,50 @@ def _problems(wire: Wire, gathered: Gathered, what: str) -> list[str]:
     return found
 
 
+def _blob_files(
+    store: Any, directory: str, manifest: mf.Manifest, rank: int, paths: dict[str, str]
+) -> list[tuple[str, int]]:
+    """The blob files of part ``rank`` of an incremental checkpoint (each blob the manifest
+    names goes to one part, in turn, ``blobs/<its path in the store>``) and the store's
+    configuration (every part's), their store paths added to ``paths``."""
+    from savepoint.blobs import BlobStore
+
+    blob_home(manifest.blob_store)  # (one a copy can hold)
+    root = store.abspath(store.join(directory, manifest.blob_store or ""))
+    blobs = BlobStore(store, root, create=False)
+    digests = sorted({name for recipe in mf.recipes(manifest) for name in recipe.names()})
+    wanted = [COMMON[1]] + [
+        BLOBS + blobs.path(d)[len(root) + 1 :] for d in digests[rank :: manifest.world_size or 1]
+    ]
+    found = []
+    for name in wanted:
+        path = store.join(root, name[len(BLOBS) :])
+        info = store.stat(path)
+        if info is None:
+            raise FileNotFoundError(f"{path}: a blob the checkpoint names is not there")
+        paths[name] = path
+        found.append((name, info.size))
+    return found
+
+
+def _linked(part: _Part, name: str, target: str) -> bool:
+    """Whether this rank's own copy of ``name`` could be a hard link to the committed file (a
+    run directory on the same file system as the node's memory, a RAM disk say: no bytes
+    copied). A committed file is never written again, only deleted, which a link outlives."""
+    if not part.local or name not in part.paths:
+        return False
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.link(part.paths[name], target)
+    except OSError:
+        return False
+    return True
+
+
 def _opener(part: _Part, name: str) -> Any:
-    store, path = part.store, part.store.join(part.directory, name)
     if name == mf.NAME:  # the very bytes read (and hashed) above
         return lambda: BytesSource(part.manifest)
+    store, path = part.store, part.paths[name]
     return lambda: BlobSource(store, path)
 
 

@@ -24,16 +24,26 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from savepoint import checkpoint
 from savepoint.codecs import manifest as mf
 from savepoint.errors import CorruptCheckpointError, IncompleteCheckpointError
-from savepoint.runs._peer_folder import FileSource, Landing, PartRecord, hash_file, step_name
+from savepoint.runs._peer_folder import (
+    BLOBS,
+    COMMON,
+    FileSource,
+    Landing,
+    PartRecord,
+    assembly,
+    hash_file,
+    place,
+)
 from savepoint.runs._peer_wire import Incoming, Outgoing, Wire
 
 if TYPE_CHECKING:
@@ -58,8 +68,9 @@ class _Choice:
     records: dict[tuple[str, int], PartRecord]  # (node, part) -> that copy's marker
 
     def owner(self, name: str) -> int | None:
-        """The part holding data file ``name`` (None: the manifest, held by every part)."""
-        if name == mf.NAME:
+        """The part holding file ``name`` (None: the manifest, or the blob store's
+        configuration, which every part holds)."""
+        if name in COMMON:
             return None
         for (_, part), record in self.records.items():
             if name in record.files:
@@ -78,6 +89,7 @@ class PeerRestore:
         self.wire: Wire = memory.wire
         self.complete: dict[int, _Choice] = {}
         self.live: dict[str, list[int]] = {}  # node -> its ranks that answered
+        self.local_failures: list[str] = []  # this rank's own node's copies that did not verify
 
     # -- which steps ------------------------------------------------------------------------
 
@@ -138,43 +150,55 @@ class PeerRestore:
         choice = self.complete[step]
         folder = self.memory.folder
         assert folder is not None
-        staging = folder.staging()
-        assembly = os.path.join(staging, step_name(step))
-        os.mkdir(assembly)
+        base = folder.staging()
         try:
             with self.wire.session():
-                self._fetch(choice, [mf.NAME], assembly, "manifest")
-                with open(os.path.join(assembly, mf.NAME), "rb") as f:
+                self._fetch(choice, [mf.NAME], base, "manifest", _here)
+                with open(os.path.join(base, mf.NAME), "rb") as f:
                     manifest = mf.parse(f.read(), columns=False)
+                where = functools.partial(place, step=step, blob_store=manifest.blob_store)
+                os.makedirs(os.path.dirname(os.path.join(base, where(mf.NAME))))
+                os.rename(os.path.join(base, mf.NAME), os.path.join(base, where(mf.NAME)))
+                directory = assembly(base, step, manifest.blob_store)
                 try:
-                    wanted = sorted(
-                        files_needed(
-                            manifest,
-                            assembly,
-                            into=options.get("into"),
-                            keys=options.get("keys"),
-                        )
-                    )
+                    keys, into = options.get("keys"), options.get("into")
+                    wanted = files_needed(manifest, directory, into=into, keys=keys)
                 except Exception:  # (the load reports it)
-                    wanted = sorted(manifest.files)
-                self._fetch(choice, wanted, assembly, "files")
-            return checkpoint.load(assembly, **options)
+                    wanted = set(manifest.files)
+                if manifest.has_blobs:  # every blob of the checkpoint (see the docstring)
+                    wanted.add(COMMON[1])
+                    wanted.update(
+                        n for r in choice.records.values() for n in r.files if n.startswith(BLOBS)
+                    )
+                self._fetch(choice, sorted(wanted), base, "files", where)
+            return checkpoint.load(directory, **options)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(base, ignore_errors=True)
 
-    def _fetch(self, choice: _Choice, wanted: list[str], assembly: str, what: str) -> None:
-        """Bring every file of ``wanted`` into ``assembly``, verified (rounds: see the module
-        docstring); raises on every rank alike when it cannot."""
+    def _fetch(
+        self,
+        choice: _Choice,
+        wanted: list[str],
+        base: str,
+        what: str,
+        where: Callable[[str], str],
+    ) -> None:
+        """Bring every file of ``wanted`` to ``base/where(name)``, verified (rounds: see the
+        module docstring); raises on every rank alike when it cannot."""
         bad: set[tuple[str, int]] = set()
-        need = self._local(choice, wanted, assembly, bad)
+        failures: list[str] = []  # the copies that did not verify, as the ranks found them
+        need = self._local(choice, wanted, base, where, bad)
         for round_ in range(_ROUNDS):
-            asked = self.wire.gather(f"{what}-need-{round_}", {"need": need, "bad": sorted(bad)})
+            mine = {"need": need, "bad": sorted(bad), "errors": self.local_failures}
+            self.local_failures = []
+            asked = self.wire.gather(f"{what}-need-{round_}", mine)
             if asked.missing:
                 self._give_up(choice, asked.missing, [], "answer")
             for doc in asked.values:
                 bad.update((node, part) for node, part in doc["bad"])
+                failures.extend(doc["errors"])
             plan, unplaced = self._plan(choice, [doc["need"] for doc in asked.values], bad)
-            outgoing, incoming, landing = self._messages(choice, plan, assembly)
+            outgoing, incoming, landing = self._messages(choice, plan, base, where)
             try:
                 errors = self.wire.transfer(outgoing, incoming)
             finally:
@@ -182,32 +206,32 @@ class PeerRestore:
             lost = errors + [i.error for i in incoming if i.lost and i.error]
             parts = {send.message: send.record.part for send in plan}
             corrupt = [(self.wire.nodes[i.src], parts[i.message]) for i in incoming if i.corrupt]
-            mine = {
+            done = {
                 "lost": lost,
                 "bad": sorted(set(corrupt)),
                 "errors": [i.error for i in incoming if i.corrupt and i.error],
             }
-            told = self.wire.gather(f"{what}-done-{round_}", mine)
+            told = self.wire.gather(f"{what}-done-{round_}", done)
             lost_all = [e for doc in told.values if doc for e in doc["lost"]]
             if told.missing or lost_all:
                 self.wire.reset()
                 self._give_up(choice, told.missing, lost_all, "send what was asked")
             for doc in told.values:
                 bad.update((node, part) for node, part in doc["bad"])
+                failures.extend(doc["errors"])
             if unplaced:
                 raise CorruptCheckpointError(
                     f"{_LABEL}: step {choice.step}: no verified copy left of "
-                    + "; ".join(unplaced)
-                    + "; "
-                    + "; ".join(e for doc in told.values for e in doc["errors"]),
-                    path=assembly,
+                    + "; ".join(unplaced + sorted(set(failures))),
+                    path=base,
                 )
             need = [i.name for i in incoming if i.corrupt]
             if not any(doc["bad"] for doc in told.values):
                 return
         raise CorruptCheckpointError(
-            f"{_LABEL}: step {choice.step}: copies kept failing verification ({_ROUNDS} rounds)",
-            path=assembly,
+            f"{_LABEL}: step {choice.step}: copies kept failing verification ({_ROUNDS} rounds): "
+            + "; ".join(sorted(set(failures))),
+            path=base,
         )
 
     def _give_up(self, choice: _Choice, missing: list[int], lost: list[str], what: str) -> None:
@@ -218,22 +242,27 @@ class PeerRestore:
         )
 
     def _local(
-        self, choice: _Choice, wanted: Iterable[str], assembly: str, bad: set[tuple[str, int]]
+        self,
+        choice: _Choice,
+        wanted: Iterable[str],
+        base: str,
+        where: Callable[[str], str],
+        bad: set[tuple[str, int]],
     ) -> list[str]:
-        """Link the wanted files this node holds into ``assembly``, verified; the others (and
-        those whose copy here did not verify: set aside in ``bad``) are returned."""
+        """Link the wanted files this node holds to ``base/where(name)``, verified; the others
+        (and those whose copy here did not verify: set aside in ``bad``) are returned."""
         folder = self.memory.folder
         assert folder is not None
         node, need = self.memory.node, []
         for name in wanted:
-            parts = [_part(choice, name)] if name != mf.NAME else sorted(choice.holders)
+            parts = _parts(choice, name)
             held = [p for p in parts if node in choice.holders[p] and (node, p) not in bad]
             if not held:
                 need.append(name)
                 continue
             record = choice.records[(node, held[0])]
             source = os.path.join(folder.path(choice.step, held[0]), name)
-            target = os.path.join(assembly, name)
+            target = os.path.join(base, where(name))
             try:
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 os.link(source, target)
@@ -243,6 +272,7 @@ class PeerRestore:
                 ok = False
             if not ok:
                 log.warning("%s: the copy of %s on node %s does not verify", _LABEL, name, node)
+                self.local_failures.append(f"the copy of {name} on node {node} does not verify")
                 bad.add((node, held[0]))
                 if os.path.lexists(target):
                     os.unlink(target)
@@ -259,7 +289,7 @@ class PeerRestore:
         unplaced: list[str] = []
         for requester, names in enumerate(needs):
             for name in names:
-                parts = [_part(choice, name)] if name != mf.NAME else sorted(choice.holders)
+                parts = _parts(choice, name)
                 options = [
                     (node, p)
                     for p in parts
@@ -277,15 +307,15 @@ class PeerRestore:
         return plan, unplaced
 
     def _messages(
-        self, choice: _Choice, plan: list[_Send], assembly: str
+        self, choice: _Choice, plan: list[_Send], base: str, where: Callable[[str], str]
     ) -> tuple[list[Outgoing], list[Incoming], Landing]:
         """This rank's side of ``plan``: what it serves from its node's copies, what it receives
-        into ``assembly``."""
+        (to ``base/where(name)``)."""
         folder = self.memory.folder
         assert folder is not None
         me = self.wire.rank
         outgoing, incoming = [], []
-        landing = Landing(assembly)
+        landing = Landing(base)
         for send in plan:
             size, digest = send.record.files[send.name]
             if send.server == me:
@@ -294,7 +324,7 @@ class PeerRestore:
                     Outgoing(send.message, [send.requester], size, send.name, _file_opener(path))
                 )
             if send.requester == me:
-                lands = _lander(landing, send.name, size)
+                lands = _lander(landing, where(send.name), size)
                 incoming.append(Incoming(send.message, send.server, size, send.name, lands, digest))
         return outgoing, incoming, landing
 
@@ -309,6 +339,16 @@ class _Send:
     requester: int
     name: str
     record: PartRecord
+
+
+def _parts(choice: _Choice, name: str) -> list[int]:
+    """The parts whose copies hold ``name`` (every part for the files they all hold)."""
+    owner = choice.owner(name)
+    return sorted(choice.holders) if owner is None else [owner]
+
+
+def _here(name: str) -> str:
+    return name
 
 
 def _part(choice: _Choice, name: str) -> int:

@@ -50,7 +50,7 @@ __all__ = ["CHUNK", "Gathered", "Incoming", "Outgoing", "Source", "Wire", "chunk
 CHUNK = 64 << 20  # bytes per send at least (files over 4095 chunks get larger ones)
 _CHUNKS = 4095  # chunk tags per file (the 4096th is its trailer: the sender's digest)
 _WINDOW = 4  # chunks of one file in flight per side
-_POLL = 0.02  # seconds between looks at the store while waiting
+_POLL = 0.02  # seconds between looks at a sending thread that may have stalled
 
 _wires: dict[tuple[int, tuple[int, ...]], int] = {}
 _wires_lock = threading.Lock()
@@ -185,14 +185,15 @@ class Wire:
         """The end of a session: rank 0 (which may host the store) waits, at most ``timeout``,
         until every rank read the session's last document."""
         kv, key = self._kv(), f"{self._session}/read"
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # (a store gone: nothing to wait for)
             if self.rank != 0:
-                kv.add(key, 1)
+                if kv.add(key, 1) == self.world - 1:
+                    kv.set(f"{key}/all", "1")
                 return
-            deadline = time.monotonic() + self.timeout
-            while kv.add(key, 0) < self.world - 1 and time.monotonic() < deadline:
-                time.sleep(_POLL)
+            kv.wait([f"{key}/all"], timedelta(seconds=self.timeout))
+        with contextlib.suppress(Exception):
             kv.delete_key(key)
+            kv.delete_key(f"{key}/all")
 
     def _beat(self) -> None:
         count = 0
@@ -243,27 +244,28 @@ class Wire:
         ``timeout`` seconds: those ranks, ascending."""
         kv = self._kv()
         pending = dict(keys)
-        seen: dict[int, tuple[str | None, float]] = {}
-        while pending:
+        beats = self._beats(pending)
+        while True:
+            # (blocks in the store until the keys are set: a timeout is the exception, and
+            # torch logs one then, so the wait is as long as a rank may stay silent)
             with contextlib.suppress(Exception):
-                if kv.check(list(pending.values())):
-                    return []
-            for r, k in list(pending.items()):
-                with contextlib.suppress(Exception):
-                    if kv.check([k]):
-                        del pending[r]
-            now = time.monotonic()
-            for r in pending:
-                beat = None
-                with contextlib.suppress(Exception):
-                    if kv.check([f"beat/{r}"]):
-                        beat = kv.get(f"beat/{r}").decode()
-                if r not in seen or seen[r][0] != beat:
-                    seen[r] = (beat, now)
-            if pending and all(now - seen[r][1] > self.timeout for r in pending):
-                return sorted(pending)
-            time.sleep(_POLL)
-        return []
+                kv.wait(list(pending.values()), timedelta(seconds=self.timeout))
+                return []
+            pending = {r: k for r, k in pending.items() if not _has(kv, k)}
+            if not pending:
+                return []
+            now = self._beats(pending)
+            if all(now[r] == beats[r] for r in pending):
+                return sorted(pending)  # silent for ``timeout``: not answering
+            beats = now
+
+    def _beats(self, ranks: dict[int, str]) -> dict[int, str | None]:
+        """Each rank's heartbeat counter as the store has it now (None: none yet)."""
+        kv, found = self._kv(), {}
+        for r in ranks:
+            key = f"beat/{r}"
+            found[r] = kv.get(key).decode() if _has(kv, key) else None
+        return found
 
     # -- bytes ---------------------------------------------------------------------------------
 
@@ -288,9 +290,15 @@ class Wire:
         """Send ``outgoing`` and receive ``incoming`` (both in message order); returns what
         failed on this rank's sending side (each naming the peer), the receptions' outcomes in
         ``incoming``. A peer that failed one reception is not waited for again."""
-        if not outgoing and not incoming:
-            return []
-        group = self.group() if self.world > 1 else None  # (alone: only own copies, no sends)
+        group = None  # (alone: only this rank's own copies, nothing sent)
+        if self.world > 1:
+            try:  # every rank calls transfer at the same point: the group is made together
+                group = self.group()
+            except Exception as exc:
+                problem = f"could not set up the peer tier's gloo group: {_short(exc)}"
+                for item in incoming:
+                    item.lost, item.error = True, problem
+                return [problem]
         errors: list[str] = []
         progress = [time.monotonic()]
         sender = threading.Thread(
@@ -416,6 +424,13 @@ class Wire:
                 f"{item.name} from {self.who(item.src)} does not match its checksum (received "
                 f"{got}, sent {sent}{expected})"
             )
+
+
+def _has(kv: Any, key: str) -> bool:
+    try:
+        return bool(kv.check([key]))
+    except Exception:  # the store gone: nothing there any more
+        return False
 
 
 def _short(exc: BaseException) -> str:

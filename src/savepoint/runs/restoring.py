@@ -83,6 +83,10 @@ class Restorer:
         self.peer_steps: set[int] = set()  # complete in peer memory (surveyed once per read)
         self.restored_from: str | None = None  # where the last read came from
 
+    def opened(self, tiers: TierCopier | None, peers: PeerMemory | None) -> None:
+        """The run's storage tiers and peer-memory tier, as its open found them."""
+        self.tiers, self.peers = tiers, peers
+
     def read(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
         """Load checkpoint ``step`` with ``load_options``: (the step loaded, what
         :func:`savepoint.load` returned), or None when the run has no checkpoint at all."""
@@ -185,8 +189,10 @@ class Restorer:
         where = str(layout.step_location(self.run, step))
         if step not in steps and step not in copies:
             held = f"it has {steps}"
-            if copies:
-                held += f"; its tiers (and peer memory) have {sorted(copies)}"
+            if any(copies.values()):
+                held += f"; its tiers have {sorted(s for s, c in copies.items() if c)}"
+            if self.peer_steps:
+                held += f"; peer memory has {sorted(self.peer_steps)}"
             raise CheckpointNotFoundError(
                 f"{self.directory} has no checkpoint for step {step} ({held})", path=where
             )

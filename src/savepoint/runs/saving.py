@@ -83,7 +83,6 @@ from savepoint.runs import aliases, layout
 from savepoint.runs.books import Books, plain, write_error
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.pacing import Pacing
-from savepoint.runs.peers import PeerMemory
 from savepoint.runs.policies import SavePolicy
 from savepoint.runs.report import count_elements
 from savepoint.runs.settle import Settle
@@ -152,7 +151,6 @@ class Saver:
         self.last_saved: int | None = None  # the save policy's last save
         self.write_seconds: float | None = None  # how long the last save took to commit
         self.last_async: _AsyncSave | None = None
-        self.peers: PeerMemory | None = None  # the peer-memory tier (set by the manager)
         self._inflight: int | None = None  # the step an async save is writing
         self._best_warned = False
         # Set by save_on_preemption (runs.preempting): an async save it gives up on stops at
@@ -227,10 +225,9 @@ class Saver:
             self._raise_verification_error()
             if self.checkpointer is not None:
                 self._raise_background_error()
-            if self.settle.tiers is not None:
-                self.settle.tiers.raise_error()
-            if self.peers is not None:
-                self.peers.raise_error()
+            for copies in (self.settle.tiers, self.settle.peers):  # (what their last copy left)
+                if copies is not None:
+                    copies.raise_error()
         check_step(step)
         if self.read_only:
             raise _read_only(self.books.directory, step, self.read_only_reason)
@@ -330,8 +327,8 @@ class Saver:
         flight = job.flight
         flight.committed = True
         self.write_seconds = time.monotonic() - job.begun
-        if self.peers is not None:  # every rank, every committed save, before its books
-            self.peers.submit(job.step, job.target)
+        if self.settle.peers is not None:  # every rank, every committed save, before its books
+            self.settle.peers.submit(job.step, job.target)
         flight.background = self._after_commit(job, info)
         if job.derived is not None:
             self.host.adopt_num_params()
@@ -433,13 +430,10 @@ class Saver:
         finally:
             self.settle.join()
         self._raise_verification_error()
-        tiers = self.settle.tiers
-        if tiers is not None:
-            tiers.wait()
-            tiers.raise_error()
-        if self.peers is not None:
-            self.peers.wait()
-            self.peers.raise_error()
+        for copies in (self.settle.tiers, self.settle.peers):
+            if copies is not None:
+                copies.wait()
+                copies.raise_error()
 
     def close(self) -> None:
         """Finish the background save in flight and close the AsyncCheckpointer (raising what
