@@ -383,7 +383,9 @@ class FileSource:
     def __init__(self, path: str) -> None:
         self._file = open(path, "rb")  # noqa: SIM115 (closed by close())
         size = os.fstat(self._file.fileno()).st_size
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # (no fault per page)
+        fd = self._file.fileno()
+        self._map = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ) if size else None
 
     def chunk(self, start: int, end: int) -> np.ndarray[Any, Any]:
         assert self._map is not None
@@ -415,33 +417,16 @@ class BlobSource:
 
 class Landing:
     """Files received into a folder: ``target(name, size)`` makes the file (``name`` may hold
-    ``/``) and returns a writable array over it (a shared mapping: the bytes land in the file);
-    ``close()`` unmaps them all."""
+    ``/``) and returns its writer."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self._maps: list[mmap.mmap] = []
 
-    def target(self, name: str, size: int) -> np.ndarray[Any, Any]:
-        path = os.path.join(self.folder, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            if not size:
-                return np.empty(0, np.uint8)
-            os.ftruncate(fd, size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapped = mmap.mmap(fd, size, flags=flags)
-        finally:
-            os.close(fd)
-        self._maps.append(mapped)
-        return np.frombuffer(mapped, np.uint8)
+    def target(self, name: str, size: int) -> CopyWriter:
+        return CopyWriter(os.path.join(self.folder, name))
 
     def close(self) -> None:
-        for mapped in self._maps:
-            with contextlib.suppress(BufferError):  # a view still held: freed with it
-                mapped.close()
-        self._maps.clear()
+        """(Each file is closed by its writer once received.)"""
 
 
 class CopyWriter:
@@ -460,6 +445,9 @@ class CopyWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class BytesSource:

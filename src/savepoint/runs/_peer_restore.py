@@ -238,7 +238,7 @@ class PeerRestore:
         who = [f"{self.wire.who(r)} did not {what} within {self.wire.timeout:g} s" for r in missing]
         raise IncompleteCheckpointError(
             f"{_LABEL}: step {choice.step} could not be fetched: " + "; ".join(who + lost),
-            path=str(choice.step),
+            path=self.memory.folder.root if self.memory.folder is not None else None,
         )
 
     def _local(
@@ -320,8 +320,9 @@ class PeerRestore:
             size, digest = send.record.files[send.name]
             if send.server == me:
                 path = os.path.join(folder.path(choice.step, send.record.part), send.name)
+                opener = _file_opener(path)  # (the requester checks it against the marker)
                 outgoing.append(
-                    Outgoing(send.message, [send.requester], size, send.name, _file_opener(path))
+                    Outgoing(send.message, [send.requester], size, send.name, opener, hashed=False)
                 )
             if send.requester == me:
                 lands = _lander(landing, where(send.name), size)

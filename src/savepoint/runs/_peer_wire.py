@@ -15,7 +15,8 @@ Two channels, both savepoint's own, never the training's:
   gloo process group made for the tier (``ProcessGroupGloo`` over a prefix of the same store,
   as :mod:`savepoint.distributed.collectives` makes its own), in chunks of at least
   :data:`CHUNK` bytes, a few in flight per file, each file followed by the XXH3-64 the sender
-  computed over the bytes it sent. Sends run on a thread of their own and receives on the
+  computed over the bytes it sent (not computed where the receiver knows what to expect: a
+  restore checks each file against its copy's marker). Sends run on a thread of their own and receives on the
   caller's, each side in one order every rank derives from the same documents, so no two ranks
   wait on each other. A gloo operation that fails (a peer died: at once; a peer that stops
   answering: after ``timeout``) fails that transfer and names the peer; the group is then not
@@ -45,9 +46,9 @@ import numpy as np
 from savepoint.codecs import bounded_json, checksum
 from savepoint.errors import CorruptCheckpointError
 
-__all__ = ["CHUNK", "Gathered", "Incoming", "Outgoing", "Source", "Wire", "chunk_size"]
+__all__ = ["CHUNK", "Gathered", "Incoming", "Outgoing", "Sink", "Source", "Wire", "chunk_size"]
 
-CHUNK = 64 << 20  # bytes per send at least (files over 4095 chunks get larger ones)
+CHUNK = 16 << 20  # bytes per send at least (files over 4095 chunks get larger ones)
 _CHUNKS = 4095  # chunk tags per file (the 4096th is its trailer: the sender's digest)
 _WINDOW = 4  # chunks of one file in flight per side
 _POLL = 0.02  # seconds between looks at a sending thread that may have stalled
@@ -86,24 +87,42 @@ class Outgoing:
     open: Callable[[], Source]
     on_chunk: Callable[[np.ndarray[Any, Any]], None] | None = None
     digest: str | None = None  # what was sent (set by the transfer)
+    hashed: bool = True  # False: the receivers know the digest already (no trailer to check)
+
+
+class Sink(Protocol):
+    """Where a received file's bytes go, chunk by chunk in order."""
+
+    def write(self, chunk: np.ndarray[Any, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass
 class Incoming:
-    """A file this rank receives from ``src``: ``size`` bytes into ``into()`` (a writable uint8
-    array of that size; None: received and dropped), checked against the sender's digest and
-    ``expect`` (when known). ``digest`` and ``error`` tell how it went."""
+    """A file this rank receives from ``src``: ``size`` bytes written to ``into()`` (None:
+    received and dropped), checked against the sender's digest and ``expect`` (when known).
+    ``digest`` and ``error`` tell how it went."""
 
     message: int
     src: int
     size: int
     name: str
-    into: Callable[[], np.ndarray[Any, Any]] | None
+    into: Callable[[], Sink] | None
     expect: str | None = None
     digest: str | None = None
     error: str | None = None
     corrupt: bool = False  # the bytes arrived but do not match what was expected
     lost: bool = False  # the bytes did not arrive (the sender died, stalled or failed)
+
+
+def _pool(largest: int) -> list[Any]:
+    """The receive buffers of one transfer: :data:`_WINDOW` chunks (as small as the largest
+    file allows)."""
+    import torch
+
+    n = min(chunk_size(largest), largest)
+    return [torch.empty(n, dtype=torch.uint8) for _ in range(_WINDOW if n else 1)]
 
 
 def chunk_size(size: int) -> int:
@@ -309,11 +328,12 @@ class Wire:
         )
         sender.start()
         failed: dict[int, str] = {}
+        pool = _pool(max((i.size for i in incoming), default=0))
         for item in sorted(incoming, key=lambda i: i.message):
             if item.src in failed:
                 item.lost, item.error = True, f"not received: {failed[item.src]}"
                 continue
-            self._receive(group, item)
+            self._receive(group, item, pool)
             if item.lost:
                 failed[item.src] = item.error or "it failed"
             progress[0] = time.monotonic()
@@ -348,16 +368,17 @@ class Wire:
         try:
             for i, start in enumerate(range(0, item.size, n)):
                 chunk = source.chunk(start, min(item.size, start + n))
-                hasher.update(chunk)
+                tensor = _tensor(chunk) if item.dsts else None
+                for dst in item.dsts:  # (posted first: gloo sends while this thread hashes)
+                    works.append((group.send([tensor], dst, _tag(item.message, i)), tensor))
+                if item.hashed:
+                    hasher.update(chunk)
                 if item.on_chunk is not None:
                     item.on_chunk(chunk)
-                tensor = _tensor(chunk) if item.dsts else None
-                for dst in item.dsts:
-                    works.append((group.send([tensor], dst, _tag(item.message, i)), tensor))
                 while len(works) > _WINDOW * len(item.dsts):
                     works.popleft()[0].wait()
                     progress[0] = time.monotonic()
-            digest = checksum.hexdigest(hasher)
+            digest = checksum.hexdigest(hasher) if item.hashed else "0" * 16
             trailer = np.frombuffer(bytearray(bytes.fromhex(digest)), np.uint8)
             for dst in item.dsts:
                 sent = _tensor(trailer)
@@ -373,38 +394,39 @@ class Wire:
             works.clear()
             source.close()
 
-    def _receive(self, group: Any, item: Incoming) -> None:
+    def _receive(self, group: Any, item: Incoming, pool: list[Any]) -> None:
+        """Receive ``item`` chunk by chunk into the reused buffers of ``pool`` (a few in
+        flight), each hashed and written to its file in order: no file is mapped, no page of
+        it touched twice."""
         import torch
 
-        target = None
+        sink: Sink | None = None
         if item.into is not None:
             try:
-                target = item.into()
+                sink = item.into()
             except OSError as exc:  # no room: received all the same (the sender sends it)
                 item.error = f"cannot store {item.name}: {exc.strerror or exc}"
         n = chunk_size(item.size)
         hasher = checksum.new()
         trailer = torch.zeros(8, dtype=torch.uint8)
+        pending: collections.deque[tuple[Any, Any]] = collections.deque()
+
+        def land() -> None:
+            work, chunk = pending.popleft()
+            work.wait()
+            data = chunk.numpy()
+            hasher.update(data)
+            if sink is not None:
+                sink.write(data)
+
         try:
-            if target is None:  # dropped: one chunk at a time through a scratch buffer
-                scratch = torch.empty(min(n, item.size), dtype=torch.uint8)
-                for i, start in enumerate(range(0, item.size, n)):
-                    part = scratch[: min(n, item.size - start)]
-                    group.recv([part], item.src, _tag(item.message, i)).wait()
-            else:
-                pending: collections.deque[tuple[Any, Any]] = collections.deque()
-                for i, start in enumerate(range(0, item.size, n)):
-                    view = target[start : start + n]
-                    work = group.recv([torch.from_numpy(view)], item.src, _tag(item.message, i))
-                    pending.append((work, view))
-                    if len(pending) > _WINDOW:
-                        work, done = pending.popleft()
-                        work.wait()
-                        hasher.update(done)
-                while pending:
-                    work, done = pending.popleft()
-                    work.wait()
-                    hasher.update(done)
+            for i, start in enumerate(range(0, item.size, n)):
+                chunk = pool[i % len(pool)][: min(n, item.size - start)]
+                pending.append((group.recv([chunk], item.src, _tag(item.message, i)), chunk))
+                if len(pending) == len(pool):
+                    land()
+            while pending:
+                land()
             group.recv([trailer], item.src, _tag(item.message, _CHUNKS)).wait()
         except Exception as exc:
             item.lost = True
@@ -413,16 +435,19 @@ class Wire:
                 f"({_short(exc)})"
             )
             return
-        if target is None:
+        finally:
+            if sink is not None:
+                sink.close()
+        if sink is None:
             return  # dropped (its error says why)
         sent = trailer.numpy().tobytes().hex()
         got = item.digest = checksum.hexdigest(hasher)
-        if got != sent or (item.expect is not None and got != item.expect):
+        if got != (sent if item.expect is None else item.expect):
             item.corrupt = True
-            expected = f", expected {item.expect}" if item.expect else ""
+            known = f"sent {sent}" if item.expect is None else f"its marker has {item.expect}"
             item.error = (
                 f"{item.name} from {self.who(item.src)} does not match its checksum (received "
-                f"{got}, sent {sent}{expected})"
+                f"{got}, {known})"
             )
 
 

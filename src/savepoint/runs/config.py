@@ -98,7 +98,7 @@ class ManagerConfig:
         preemption: bool | Iterable[int | str | signal.Signals] | None = None,
         preemption_grace: float = DEFAULT_GRACE,
         preemption_every: int = 1,
-        tiers: Sequence[Tier] | None = None,
+        tiers: Sequence[Tier | PeerTier] | None = None,
         incremental: bool = False,
         blob_policy: Any = None,
         frozen: Iterable[str] | None = None,

@@ -11,7 +11,7 @@ its worker thread).
 
 ``close()``, in order, whatever fails along the way: the async save in flight is finished (its
 AsyncCheckpointer closed), the background step of the last save joined and its worker stopped,
-the tiers' copy-ups finished; then ``report.json`` is written if a save, a ``log()`` or a
+the tiers' copy-ups and the peer-memory replications finished; then ``report.json`` is written if a save, a ``log()`` or a
 deletion left it unwritten (only by a manager that still holds the run: a forked child's copy
 writes nothing, and a lock file another writer took is RunLockedError unless a save raised it
 already), and what the open took is given back (the writer lock, the history log, the

@@ -44,6 +44,11 @@ a verified one's place under ``keep_last``/``keep_best``, and is deleted once a 
 verifies) and it is never the best. At interpreter exit a background step still running is
 finished, and a failure it found is printed.
 
+With a peer-memory tier (:mod:`savepoint.runs.peers`), every rank hands each committed
+checkpoint to it as soon as the commit is known (before step 3: a save whose books then fail
+is committed all the same, and every rank must replicate the same steps), and the next save,
+``wait()`` and ``close()`` raise what its last replication left, as they do a tier's copy-up.
+
 The steps of :meth:`Saver.save`, each a method: check (the last save's background errors, the
 step, read-only, :meth:`Saver._check`), decide (the save policy, :meth:`Saver._decide`), prepare
 (the writer lock, the metrics, the backup of step 2, :meth:`Saver._prepare`), write

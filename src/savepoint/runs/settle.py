@@ -5,8 +5,8 @@ save replaced are removed, the run directory and the history log are synced, che
 under ``discarding`` are deleted; then, if retention would delete anything, the new checkpoint
 is read back and verified (``verify_before_prune``), and only once it verified does retention
 pick the checkpoints to delete (never the newest, the current best, the checkpoint the run
-resumed from, or one a tier copy or a peer-memory replication is reading), ``report.json`` name them under ``discarding``
-(synced) and the deletion run; object stores' history segments are compacted. Once a
+resumed from, or one a tier copy or a peer-memory replication is reading), ``report.json``
+name them under ``discarding`` (synced) and the deletion run; object stores' history segments are compacted. Once a
 preemption save started (``preempting``), all but the syncs wait for the next run.
 
 A synchronous save's step runs on the manager's one long-lived :class:`Worker` thread (started
