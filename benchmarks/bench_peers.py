@@ -45,22 +45,12 @@ from typing import Any
 TENSORS = 8
 
 
-def evict(path: str) -> None:
-    """Drop the page cache of every file under ``path`` (written and synced: they are clean)."""
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def worker(rank: int, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
     import savepoint as sp
+    from bench_distributed import evict
     from bench_objectstore import use_server
     from savepoint.distributed import Shard
 

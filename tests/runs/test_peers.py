@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import savepoint as sp
+from _support import run_doc_snippets
 from savepoint.cli import main
 from savepoint.commit import names
 from savepoint.errors import CheckpointWriteError, CorruptCheckpointError
@@ -374,20 +372,7 @@ def test_a_failed_restore_from_memory_writes_nothing_into_the_targets(tmp_path: 
 
 
 def test_the_peers_doc_snippets_run(tmp_path: Path) -> None:
-    doc = (Path(__file__).parents[2] / "docs" / "peers.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"^```python[^\n]*\n(.*?)^```", doc, re.M | re.S)
-    assert blocks
-    script = tmp_path / "snippets.py"
-    script.write_text("\n\n".join(blocks), encoding="utf-8")
-    result = subprocess.run(
-        [sys.executable, "-W", "error", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "ok" in result.stdout
+    run_doc_snippets(Path(__file__).parents[2] / "docs" / "peers.md", tmp_path)
 
 
 def test_a_resumed_run_leaves_no_step_of_its_abandoned_timeline_in_memory(tmp_path: Path) -> None:
