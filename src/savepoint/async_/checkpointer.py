@@ -373,13 +373,17 @@ class AsyncCheckpointer:
         if self.process_group is not None:
             from savepoint.distributed import save as distributed_save
 
-            frozen = distributed_save.snapshot(state)
+            # This rank's part copied into the reused arena, as for the writer process (the
+            # previous save is finished, waited for above, so the arena may be overwritten).
+            flat = distributed_save.flatten(state)
+            staged, frozen = self._arena.snapshot(flat, self.max_file_bytes)
             sharded = None
             if incremental is not None:
                 inc = incremental
                 sharded = distributed_save.Incremental(inc.blobs, inc.policy, inc.memo, inc.tracker)
 
             def commit() -> info.CheckpointInfo:
+                staged.wait()  # a CUDA state's copies land
                 return distributed_save.save_flat(location, frozen, meta, self.options, sharded)
 
             return commit

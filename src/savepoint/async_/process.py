@@ -57,7 +57,6 @@ from savepoint import errors, info
 from savepoint.async_ import _wire
 from savepoint.async_.staging import ArenaSource, Staged, StagingArena, on_cuda
 from savepoint.codecs import manifest as mf
-from savepoint.codecs.dtypes import DType
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
@@ -74,7 +73,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ProcessWriter", "SharedArena", "SharedSource"]
+__all__ = ["ProcessWriter", "SharedArena"]
 
 _LIVE: weakref.WeakSet[ProcessWriter] = weakref.WeakSet()
 _EXIT_WAIT = 60.0  # seconds close() waits for an idle writer process to exit before killing it
@@ -232,16 +231,9 @@ class ProcessWriter:
 
         target = _local_target(location)
         self._ensure()  # its start-up overlaps the copy
-        flat = distributed_save.flatten(state)
-        staged = self.arena.stage(flat, options.max_file_bytes)
-        sources: dict[str, TensorSource] = {}
-        for f in staged.files:
-            base = self.arena.offset(f.image)
-            for e in f.entries:
-                s = flat.tensors[e.name]
-                view = f.image[e.start : e.end]
-                sources[e.name] = SharedSource(view, s.dtype, s.shape, s.kind, base + e.start)
-        snapshot = tree.Flat(staged.tree, {name: sources[name] for name in staged.order})
+        staged, snapshot = self.arena.snapshot(
+            distributed_save.flatten(state), options.max_file_bytes
+        )
         sharded = None
         if incremental is not None:  # the writer process keeps the memo and patch tracker
             sharded = distributed_save.Incremental(incremental.blobs, incremental.policy)
@@ -409,24 +401,6 @@ def _local_target(location: Location) -> str:
     return os.path.abspath(location.path)
 
 
-class SharedSource(ArenaSource):
-    """A staged tensor of a sharded save, with its ``offset`` in the shared arena: where the
-    writer process finds its bytes."""
-
-    __slots__ = ("offset",)
-
-    def __init__(
-        self,
-        data: np.ndarray[Any, Any],
-        dtype: DType,
-        shape: tuple[int, ...],
-        kind: str,
-        offset: int,
-    ) -> None:
-        super().__init__(data, dtype, shape, kind)
-        self.offset = offset
-
-
 class _ShardWriter:
     """This rank's write step of a sharded save, in the writer process (the
     :class:`~savepoint.distributed.save.RankWriter` of :meth:`ProcessWriter.stage_sharded`): the
@@ -461,7 +435,7 @@ class _ShardWriter:
             "rank": rank,
             "arena_size": self.process.arena.capacity,
             "pieces": pieces.items_json(items),
-            "sources": [_place(sources[item.key]) for item in items],
+            "sources": [self._place(sources[item.key]) for item in items],
             "direct": options.direct,
             "writers": options.writers,
             "max_file_bytes": options.max_file_bytes,
@@ -487,6 +461,11 @@ class _ShardWriter:
             raise stopped[0]
         return pieces.records_from_json(answer)
 
+    def _place(self, source: TensorSource) -> list[Any]:
+        """Where a piece's bytes are in the arena, and the shape and kind of what was staged."""
+        assert isinstance(source, ArenaSource)
+        return [self.process.arena.offset(source.view), list(source.shape), source.kind]
+
     def close(self, committed: bool) -> None:
         if not self.open:
             return
@@ -503,12 +482,6 @@ class _ShardWriter:
                 self.target,
                 exc,
             )
-
-
-def _place(source: TensorSource) -> list[Any]:
-    """Where a piece's bytes are in the arena, and the shape and kind of what was staged."""
-    assert isinstance(source, SharedSource)
-    return [source.offset, list(source.shape), source.kind]
 
 
 def _blobs_fields(incremental: Any) -> dict[str, Any]:
