@@ -10,7 +10,9 @@ it seconds of start-up and hundreds of MiB of memory (and, on a GPU machine, cou
 in a second process). ``tests/async_/test_process_writer.py`` checks it is not loaded.
 
 Per save the trainer sends the staged layout (file names, sizes, headers' lengths, the tensor
-entries, the tree and the metadata of the manifest) and, when the arena is new, its descriptor.
+entries, the tree and the metadata of the manifest), where to write it (a local path, or a URL
+this process resolves itself: :mod:`savepoint.async_._place`) and, when the arena is new, its
+descriptor.
 This process rebuilds the :class:`~savepoint.async_.staging.Staged` over its own mapping of the
 arena, commits it with :func:`savepoint.engine.save.save_staged` (the same writer as the thread
 writer's) and answers ``done`` with the checksums (the trainer builds its description from them)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             pass  # the trainer is gone: the commit stands, nobody is left to tell
 
 
-# The memo and tracker of each blob store this process writes to (root -> (memo, tracker)):
+# The memo and tracker of each blob store this process writes to (URL -> (memo, tracker)):
 # unchanged chunks are named at XXH3 speed and changed rows found from the second save on, as
 # they are for the thread writer's checkpointer. Lost with the process: the next one hashes again.
 _MEMOS: dict[str, tuple[Any, Any]] = {}
@@ -145,14 +147,14 @@ def _blob_store(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     (the memo and tracker this process keeps for that store)."""
     from savepoint.blobs import BlobPolicy, BlobStore, Compression, FastMemo
     from savepoint.blobs.patch import PatchTracker
-    from savepoint.storage.local import LocalStore
 
     fields = dict(spec["policy"])
     if fields.get("compression") is not None:
         fields["compression"] = Compression(**fields["compression"])
     policy = BlobPolicy(**fields)
-    blobs = BlobStore(LocalStore(), str(spec["root"]), algorithm=spec["algorithm"])
-    memo, tracker = _MEMOS.setdefault(blobs.root, (FastMemo(), PatchTracker()))
+    url = str(spec["url"])  # a local path, or a URL (async_/_place.py)
+    blobs = BlobStore.open(url, algorithm=spec["algorithm"])
+    memo, tracker = _MEMOS.setdefault(url, (FastMemo(), PatchTracker()))
     return blobs, policy, memo, tracker
 
 

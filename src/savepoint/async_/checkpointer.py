@@ -60,6 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from savepoint import info
+from savepoint.async_ import _place
 from savepoint.async_._wire import reported as _reported
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.process import ProcessWriter
@@ -71,7 +72,6 @@ from savepoint.errors import UnsupportedStateError
 from savepoint.formats import boostr
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
-from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import Location, PathArg, local_path
 from savepoint.storage.paths import resolve as resolve_path
 
@@ -103,8 +103,11 @@ class AsyncCheckpointer:
     ``writer="process"`` hashes, writes and commits in a separate writer process
     (:mod:`savepoint.async_.process`) instead of a thread of this one: the training loop keeps
     the GIL and its cores; a save handed over commits even if this process is then killed
-    (not a sharded one: see below). Plain, incremental (local blob stores) and CUDA saves;
-    local directories only, and ``save_boostr``/``save_distributed`` refuse it with a
+    (not a sharded one: see below). Plain, incremental and CUDA saves, to local paths and to
+    stores named by a URL (``s3://``, ``gs://``, ``az://``, fsspec's), which the writer process
+    makes again from the URL and the environment it inherits (:mod:`savepoint.async_._place`);
+    ``memory://`` and stores made by hand are refused in ``save()`` with an
+    UnsupportedStorageError (a ValueError), ``save_boostr``/``save_distributed`` with a
     ValueError; ``progress`` is called as the writer reports. With ``process_group`` too, the
     save's collectives (plan, records, commit) stay in this process's background thread, and
     the writer process writes this rank's pieces from the shared arena: the commit needs every
@@ -180,8 +183,8 @@ class AsyncCheckpointer:
         tracker: Any = None,
         frozen: Any = None,
     ) -> PendingSave:
-        """Snapshot ``state`` now and write it to ``path`` (a local path, a ``file://`` or
-        ``memory://`` URL, a ``Location``) in the background.
+        """Snapshot ``state`` now and write it to ``path`` (a local path, a URL: ``file://``,
+        ``memory://``, ``s3://``, ..., a ``Location``) in the background.
 
         ``blobs`` and ``blob_policy``: an incremental save, as ``sp.save(..., blobs=,
         blob_policy=)`` (see ``docs/blobs.md``). The caller is blocked for the staging copy
@@ -515,11 +518,7 @@ def _incremental(
                 "memo= and tracker= cannot be given with writer='process': the writer process "
                 "keeps its own (one per blob store, for all the saves it writes)"
             )
-        if type(store.store) is not LocalStore:
-            raise ValueError(
-                f"writer='process' writes local blob stores only, not {store.url()}: use "
-                "AsyncCheckpointer(writer='thread')"
-            )
+        _place.url_of(Location(store.store, store.root), "blob store")  # one it can reach
         return _Incremental(store, policy, None, None, matcher, prefixes)
     if memo is None and policy.memo:
         with ckpt._lock:

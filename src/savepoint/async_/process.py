@@ -30,6 +30,12 @@ CheckpointWriteError naming it, which becomes this rank's failure in the Distrib
 every rank raises. An incremental sharded save's blob session stays open in the writer process
 until the background thread tells it the commit's outcome (``settle``).
 
+Where it writes: a local path, or a store named by a URL (``s3://``, ``gs://``, ``az://``,
+fsspec's), which the writer process makes again from that URL and the environment it inherited
+from the trainer (credentials included; nothing is put on its command line): the save's
+location and an incremental save's blob store cross as URLs (:mod:`savepoint.async_._place`,
+which refuses, in ``save()``, ``memory://`` and stores made by hand).
+
 A forked child does not share its parent's writer process: its copy of the socket is closed at
 fork, and a checkpointer it makes starts its own.
 """
@@ -54,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from savepoint import errors, info
-from savepoint.async_ import _wire
+from savepoint.async_ import _place, _wire
 from savepoint.async_.staging import ArenaSource, Staged, StagingArena, on_cuda
 from savepoint.codecs import manifest as mf
 from savepoint.engine import save as save_engine
@@ -64,7 +70,6 @@ from savepoint.errors import CheckpointWriteError, UnsupportedStateError
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
 from savepoint.state.arrays import TensorSource
-from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import Location
 
 if TYPE_CHECKING:
@@ -172,7 +177,7 @@ class ProcessWriter:
         ``incremental``: the checked blob store, policy and frozen prefixes of an incremental
         save (``AsyncCheckpointer.save(blobs=...)``); the writer process runs its save session
         with the memo and tracker it keeps for that blob store."""
-        target = _local_target(location)
+        target = _place.url_of(location, "checkpoint path")
         self._ensure()  # its start-up overlaps the copy
         flat = tree.flatten(state)
         if incremental is not None and save_engine.has_shards(flat.tree):
@@ -229,7 +234,7 @@ class ProcessWriter:
         process (:class:`_ShardWriter`). ``incremental``: as :meth:`stage`'s."""
         from savepoint.distributed import save as distributed_save
 
-        target = _local_target(location)
+        target = _place.url_of(location, "checkpoint path")
         self._ensure()  # its start-up overlaps the copy
         staged, snapshot = self.arena.snapshot(
             distributed_save.flatten(state), options.max_file_bytes
@@ -391,16 +396,6 @@ class ProcessWriter:
         _LIVE.discard(self)
 
 
-def _local_target(location: Location) -> str:
-    """The absolute path of a save's local directory (the writer process writes no other)."""
-    if type(location.store) is not LocalStore:
-        raise ValueError(
-            f"writer='process' writes local directories only, not "
-            f"{location.store.url(location.path)}: use AsyncCheckpointer(writer='thread')"
-        )
-    return os.path.abspath(location.path)
-
-
 class _ShardWriter:
     """This rank's write step of a sharded save, in the writer process (the
     :class:`~savepoint.distributed.save.RankWriter` of :meth:`ProcessWriter.stage_sharded`): the
@@ -487,8 +482,9 @@ class _ShardWriter:
 def _blobs_fields(incremental: Any) -> dict[str, Any]:
     """An incremental save's blob store, policy and frozen prefixes, as a message's fields."""
     policy = dataclasses.asdict(incremental.policy)
+    blobs = incremental.blobs
     return {
-        "root": incremental.blobs.root,
+        "url": _place.url_of(Location(blobs.store, blobs.root), "blob store"),
         "algorithm": incremental.blobs.algorithm,
         "policy": policy,
         "frozen": None if incremental.prefixes is None else list(incremental.prefixes),
