@@ -18,6 +18,10 @@ arena, commits it with :func:`savepoint.engine.save.save_staged` (the same write
 writer's) and answers ``done`` with the checksums (the trainer builds its description from them)
 or ``error`` with the error's type and message.
 
+A boostr save (``save_boostr``, or one rank's part of ``save_distributed``) sends ``boostr``:
+where each tensor is in the arena and the training state; this process writes the directory
+(or ``rank_{r}/``) with boostr's own writer (:mod:`savepoint.async_._boostr`).
+
 A sharded save sends ``pieces`` instead (the trainer runs the save's collectives): the staging
 directory rank 0 made, this rank's assigned pieces and where their bytes are in the arena; this
 process writes them with :func:`savepoint.distributed.save.write_rank` (the thread writer's own
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if fds:
             arena = _map(fds, int(message["arena_size"]))
-        if message["op"] not in ("save", "pieces"):
+        if message["op"] not in ("save", "pieces", "boostr"):
             continue  # a cancel that came after its save was done
         answer: dict[str, Any] | None
         if arena is None:
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             answer["message"] = "the writer process was sent a save without its staging arena"
         elif message["op"] == "pieces":
             answer = _pieces(message, arena, sock)
+        elif message["op"] == "boostr":
+            answer = _boostr(message, arena)
         else:
             answer = _save(message, arena, sock)
         try:
@@ -300,6 +306,19 @@ def _pieces(
     finally:
         blobs.close(committed)
     return {"op": "settled"}
+
+
+def _boostr(message: dict[str, Any], arena: np.ndarray[Any, Any]) -> dict[str, Any]:
+    """A boostr checkpoint (``save_boostr``), or one rank's part of a distributed one
+    (``save_distributed``), written from the arena (:func:`savepoint.async_._boostr.write`)."""
+    from savepoint.async_ import _boostr as boostr_writer
+
+    target = str(message["path"])
+    try:
+        _fault_before()
+        return boostr_writer.write(message, arena)
+    except BaseException as exc:
+        return {"op": "error", **_wire.error_fields(_wire.reported(exc, target))}
 
 
 def _progress(sock: socket.socket, wanted: bool) -> Any:

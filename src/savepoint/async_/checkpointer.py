@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -60,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from savepoint import info
-from savepoint.async_ import _place
+from savepoint.async_ import _boostr, _place
 from savepoint.async_._wire import reported as _reported
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.process import ProcessWriter
@@ -107,8 +108,8 @@ class AsyncCheckpointer:
     stores named by a URL (``s3://``, ``gs://``, ``az://``, fsspec's), which the writer process
     makes again from the URL and the environment it inherits (:mod:`savepoint.async_._place`);
     ``memory://`` and stores made by hand are refused in ``save()`` with an
-    UnsupportedStorageError (a ValueError), ``save_boostr``/``save_distributed`` with a
-    ValueError; ``progress`` is called as the writer reports. With ``process_group`` too, the
+    UnsupportedStorageError (a ValueError); ``save_boostr`` and ``save_distributed`` too
+    (:mod:`savepoint.async_._boostr`); ``progress`` is called as the writer reports. With ``process_group`` too, the
     save's collectives (plan, records, commit) stay in this process's background thread, and
     the writer process writes this rank's pieces from the shared arena: the commit needs every
     rank's records through the group, so a sharded save does not outlive its trainer."""
@@ -224,21 +225,22 @@ class AsyncCheckpointer:
         """Snapshot a boostr checkpoint now and write it to ``path`` in the background, as
         ``savepoint.formats.boostr.save(path, model, optimizer, state)`` would (the seed's
         ``AsyncCheckpointer::save``): the same one-in-flight, ``on_busy`` and error rules as
-        :meth:`save`. The blocking part copies every tensor into host memory owned by the save
-        (a fresh copy per save: the staging arena is laid out as native files) and checks
-        ``state``; the PendingSave resolves to the written checkpoint's description (``CheckpointInfo``). Not
+        :meth:`save`. The blocking part checks ``state`` and copies every tensor into host
+        memory owned by the save (a fresh copy per save; with ``writer="process"`` into the
+        shared arena, in parallel, and the writer process writes the directory from there); the
+        PendingSave resolves to the written checkpoint's description (``CheckpointInfo``). Not
         available with a process group (use :meth:`save_distributed`)."""
         target = os.path.abspath(local_path(path, what="checkpoint path"))
-        _thread_only(self.writer, "save_boostr")
         if self.process_group is not None:
             raise ValueError(
                 "save_boostr writes a single boostr checkpoint; with a process group use "
                 "AsyncCheckpointer.save_distributed (or, synchronously, "
                 "savepoint.formats.boostr.save_distributed(..., process_group=...))"
             )
+        process = self._process
         with self._save_lock:
             return self._save(
-                target, on_commit, lambda: _boostr_commit(target, model, optimizer, state)
+                target, on_commit, lambda: _boostr_commit(process, target, model, optimizer, state)
             )
 
     def save_distributed(
@@ -266,11 +268,12 @@ class AsyncCheckpointer:
 
         ``process_group`` and ``timeout`` default to the checkpointer's; one of the two must name
         a group. The blocking part checks every argument and copies the tensors into host memory
-        owned by the save; the same one-in-flight, error-reporting and exit rules as
+        owned by the save (``writer="process"``: into the shared arena, and the writer process
+        writes ``rank_{r}/`` while the collectives stay in the background thread, so the save
+        does not outlive its trainer); the same one-in-flight, error-reporting and exit rules as
         :meth:`save` apply (``on_busy="skip"`` is refused: ranks could disagree about which saves
         to skip). The PendingSave resolves to the ``ShardingMeta`` that ``boostr.save_distributed``
         returns, which ``on_commit`` receives too."""
-        _thread_only(self.writer, "save_distributed")
         group = self.process_group if process_group is None else process_group
         if group is None:
             raise ValueError(
@@ -285,22 +288,15 @@ class AsyncCheckpointer:
             )
         wait = self.timeout if timeout is None else timeout
         target = os.path.abspath(local_path(path, what="checkpoint path"))
+        options: dict[str, Any] = {"strategy": strategy, "stage": stage, "split_dims": split_dims}
+        options.update(owned_params=owned_params, process_group=group, timeout=wait)
+        # The writer process writes this rank's rank_{r}/ from the arena (async_/_boostr.py).
+        prepare: Callable[..., Callable[[], Any]] = boostr.prepare_distributed
+        if self._process is not None:
+            prepare = functools.partial(_boostr.prepare_distributed, self._process)
         with self._save_lock:
             return self._save(
-                target,
-                on_commit,
-                lambda: boostr.prepare_distributed(
-                    target,
-                    model,
-                    optimizer,
-                    state,
-                    strategy=strategy,
-                    stage=stage,
-                    split_dims=split_dims,
-                    owned_params=owned_params,
-                    process_group=group,
-                    timeout=wait,
-                ),
+                target, on_commit, lambda: prepare(target, model, optimizer, state, **options)
             )
 
     def _save(
@@ -540,14 +536,6 @@ def _writer(writer: str) -> Writer:
     return "process" if writer == "process" else "thread"
 
 
-def _thread_only(writer: Writer, what: str) -> None:
-    if writer != "thread":
-        raise ValueError(
-            f"{what} is not written by the writer process yet: use AsyncCheckpointer("
-            "writer='thread') for it"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class _Incremental:
     """An incremental save's blob store, policy, digest memo and patch tracker."""
@@ -561,12 +549,16 @@ class _Incremental:
 
 
 def _boostr_commit(
+    process: ProcessWriter | None,
     target: str,
     model: Mapping[str, Any],
     optimizer: Mapping[str, Any] | None,
     state: boostr.TrainingState | None,
 ) -> Callable[[], info.CheckpointInfo]:
-    """Check and copy a boostr checkpoint now; the returned function writes it (background)."""
+    """Check and copy a boostr checkpoint now; the returned function writes it (background),
+    or with ``process`` waits for the writer process to have written it (async_/_boostr.py)."""
+    if process is not None:
+        return _boostr.stage_single(process, target, model, optimizer, state)
     given = state if state is not None else boostr.TrainingState()
     given.to_json()  # refuse what cannot be written now, in the caller, not in the background
     frozen = dataclasses.replace(given, metadata=dict(given.metadata))

@@ -178,7 +178,7 @@ class ProcessWriter:
         save (``AsyncCheckpointer.save(blobs=...)``); the writer process runs its save session
         with the memo and tracker it keeps for that blob store."""
         target = _place.url_of(location, "checkpoint path")
-        self._ensure()  # its start-up overlaps the copy
+        self.ensure()  # its start-up overlaps the copy
         flat = tree.flatten(state)
         if incremental is not None and save_engine.has_shards(flat.tree):
             raise UnsupportedStateError("blobs= is not supported for sharded states yet")
@@ -216,7 +216,7 @@ class ProcessWriter:
             return functools.partial(
                 self._hand_over_then_answer, message, staged, location, meta, options
             )
-        self._hand_over(message)
+        self.hand_over(message)
         return functools.partial(self._answer, location, target, staged, meta, options)
 
     def stage_sharded(
@@ -235,7 +235,7 @@ class ProcessWriter:
         from savepoint.distributed import save as distributed_save
 
         target = _place.url_of(location, "checkpoint path")
-        self._ensure()  # its start-up overlaps the copy
+        self.ensure()  # its start-up overlaps the copy
         staged, snapshot = self.arena.snapshot(
             distributed_save.flatten(state), options.max_file_bytes
         )
@@ -259,10 +259,10 @@ class ProcessWriter:
     ) -> info.CheckpointInfo:
         staged.wait()
         message["checks"] = staged.checks()
-        self._hand_over(message)
+        self.hand_over(message)
         return self._answer(location, message["path"], staged, meta, options)
 
-    def _ensure(self) -> None:
+    def ensure(self) -> None:
         """A running writer process: a new one if none runs or the last one died while idle."""
         if self._proc is not None and self._proc.poll() is not None:
             log.warning("the savepoint writer process %s %s; starting a new one", *self._status())
@@ -288,7 +288,9 @@ class ProcessWriter:
             theirs.close()
         self._sock, self._mapped = ours, 0
 
-    def _hand_over(self, message: dict[str, Any]) -> None:
+    def hand_over(self, message: dict[str, Any]) -> None:
+        """Send ``message`` (with the arena's descriptor when the writer process has not mapped
+        this arena yet); a writer process that died since the last save is replaced first."""
         for attempt in (1, 2):
             assert self._sock is not None
             fds = [self.arena.fd] if self._mapped != self.arena.generation else []
@@ -298,7 +300,7 @@ class ProcessWriter:
                 if attempt == 2:
                     raise
                 self._forget()  # it died since the last save: start a new one, send again
-                self._ensure()
+                self.ensure()
             else:
                 self._mapped = self.arena.generation
                 return
@@ -448,7 +450,7 @@ class _ShardWriter:
                 stopped.append(exc)
                 raise
 
-        self.process._hand_over(message)
+        self.process.hand_over(message)
         answer = self.process.receive(self.target, watched if progress is not None else None)
         # Done: an incremental save's session is open in the writer process until close().
         self.open = self.incremental is not None
