@@ -521,14 +521,17 @@ def scenario_s3(s: Session) -> None:
     s.check("manager", manager)
 
     def background() -> None:
-        live = state(rank, world)
-        with sp.AsyncCheckpointer(process_group=pg, timeout=60) as ck:
-            pending = ck.save(s.path("async"), live)
-            live["model"]["rep"].add_(1000)  # training goes on; the snapshot must not see it
-            pending.wait()
-        targets = state(rank, world, empty=True)
-        sp.load(s.path("async"), into=targets, process_group=pg)
-        check_state(targets, rank, world)
+        # The thread writer, and the writer process (it makes the bucket's store from the URL
+        # and the environment it inherits, and uploads this rank's pieces from the arena).
+        for writer in ("thread", "process"):
+            live = state(rank, world)
+            with sp.AsyncCheckpointer(process_group=pg, timeout=60, writer=writer) as ck:
+                pending = ck.save(s.path(f"async-{writer}"), live)
+                live["model"]["rep"].add_(1000)  # training goes on; the snapshot must not see it
+                pending.wait()
+            targets = state(rank, world, empty=True)
+            sp.load(s.path(f"async-{writer}"), into=targets, process_group=pg)
+            check_state(targets, rank, world)
 
     s.check("background save", background)
 

@@ -10,11 +10,17 @@ it seconds of start-up and hundreds of MiB of memory (and, on a GPU machine, cou
 in a second process). ``tests/async_/test_process_writer.py`` checks it is not loaded.
 
 Per save the trainer sends the staged layout (file names, sizes, headers' lengths, the tensor
-entries, the tree and the metadata of the manifest) and, when the arena is new, its descriptor.
+entries, the tree and the metadata of the manifest), where to write it (a local path, or a URL
+this process resolves itself: :mod:`savepoint.async_._place`) and, when the arena is new, its
+descriptor.
 This process rebuilds the :class:`~savepoint.async_.staging.Staged` over its own mapping of the
 arena, commits it with :func:`savepoint.engine.save.save_staged` (the same writer as the thread
 writer's) and answers ``done`` with the checksums (the trainer builds its description from them)
 or ``error`` with the error's type and message.
+
+A boostr save (``save_boostr``, or one rank's part of ``save_distributed``) sends ``boostr``:
+where each tensor is in the arena and the training state; this process writes the directory
+(or ``rank_{r}/``) with boostr's own writer (:mod:`savepoint.async_._boostr`).
 
 A sharded save sends ``pieces`` instead (the trainer runs the save's collectives): the staging
 directory rank 0 made, this rank's assigned pieces and where their bytes are in the arena; this
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if fds:
             arena = _map(fds, int(message["arena_size"]))
-        if message["op"] not in ("save", "pieces"):
+        if message["op"] not in ("save", "pieces", "boostr"):
             continue  # a cancel that came after its save was done
         answer: dict[str, Any] | None
         if arena is None:
@@ -90,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             answer["message"] = "the writer process was sent a save without its staging arena"
         elif message["op"] == "pieces":
             answer = _pieces(message, arena, sock)
+        elif message["op"] == "boostr":
+            answer = _boostr(message, arena)
         else:
             answer = _save(message, arena, sock)
         try:
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             pass  # the trainer is gone: the commit stands, nobody is left to tell
 
 
-# The memo and tracker of each blob store this process writes to (root -> (memo, tracker)):
+# The memo and tracker of each blob store this process writes to (URL -> (memo, tracker)):
 # unchanged chunks are named at XXH3 speed and changed rows found from the second save on, as
 # they are for the thread writer's checkpointer. Lost with the process: the next one hashes again.
 _MEMOS: dict[str, tuple[Any, Any]] = {}
@@ -145,14 +153,14 @@ def _blob_store(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     (the memo and tracker this process keeps for that store)."""
     from savepoint.blobs import BlobPolicy, BlobStore, Compression, FastMemo
     from savepoint.blobs.patch import PatchTracker
-    from savepoint.storage.local import LocalStore
 
     fields = dict(spec["policy"])
     if fields.get("compression") is not None:
         fields["compression"] = Compression(**fields["compression"])
     policy = BlobPolicy(**fields)
-    blobs = BlobStore(LocalStore(), str(spec["root"]), algorithm=spec["algorithm"])
-    memo, tracker = _MEMOS.setdefault(blobs.root, (FastMemo(), PatchTracker()))
+    url = str(spec["url"])  # a local path, or a URL (async_/_place.py)
+    blobs = BlobStore.open(url, algorithm=spec["algorithm"])
+    memo, tracker = _MEMOS.setdefault(url, (FastMemo(), PatchTracker()))
     return blobs, policy, memo, tracker
 
 
@@ -298,6 +306,19 @@ def _pieces(
     finally:
         blobs.close(committed)
     return {"op": "settled"}
+
+
+def _boostr(message: dict[str, Any], arena: np.ndarray[Any, Any]) -> dict[str, Any]:
+    """A boostr checkpoint (``save_boostr``), or one rank's part of a distributed one
+    (``save_distributed``), written from the arena (:func:`savepoint.async_._boostr.write`)."""
+    from savepoint.async_ import _boostr as boostr_writer
+
+    target = str(message["path"])
+    try:
+        _fault_before()
+        return boostr_writer.write(message, arena)
+    except BaseException as exc:
+        return {"op": "error", **_wire.error_fields(_wire.reported(exc, target))}
 
 
 def _progress(sock: socket.socket, wanted: bool) -> Any:

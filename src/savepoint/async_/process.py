@@ -30,6 +30,12 @@ CheckpointWriteError naming it, which becomes this rank's failure in the Distrib
 every rank raises. An incremental sharded save's blob session stays open in the writer process
 until the background thread tells it the commit's outcome (``settle``).
 
+Where it writes: a local path, or a store named by a URL (``s3://``, ``gs://``, ``az://``,
+fsspec's), which the writer process makes again from that URL and the environment it inherited
+from the trainer (credentials included; nothing is put on its command line): the save's
+location and an incremental save's blob store cross as URLs (:mod:`savepoint.async_._place`,
+which refuses, in ``save()``, ``memory://`` and stores made by hand).
+
 A forked child does not share its parent's writer process: its copy of the socket is closed at
 fork, and a checkpointer it makes starts its own.
 """
@@ -54,10 +60,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from savepoint import errors, info
-from savepoint.async_ import _wire
+from savepoint.async_ import _place, _wire
 from savepoint.async_.staging import ArenaSource, Staged, StagingArena, on_cuda
 from savepoint.codecs import manifest as mf
-from savepoint.codecs.dtypes import DType
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
@@ -65,7 +70,6 @@ from savepoint.errors import CheckpointWriteError, UnsupportedStateError
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
 from savepoint.state.arrays import TensorSource
-from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import Location
 
 if TYPE_CHECKING:
@@ -74,7 +78,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ProcessWriter", "SharedArena", "SharedSource"]
+__all__ = ["ProcessWriter", "SharedArena"]
 
 _LIVE: weakref.WeakSet[ProcessWriter] = weakref.WeakSet()
 _EXIT_WAIT = 60.0  # seconds close() waits for an idle writer process to exit before killing it
@@ -173,8 +177,8 @@ class ProcessWriter:
         ``incremental``: the checked blob store, policy and frozen prefixes of an incremental
         save (``AsyncCheckpointer.save(blobs=...)``); the writer process runs its save session
         with the memo and tracker it keeps for that blob store."""
-        target = _local_target(location)
-        self._ensure()  # its start-up overlaps the copy
+        target = _place.url_of(location, "checkpoint path")
+        self.ensure()  # its start-up overlaps the copy
         flat = tree.flatten(state)
         if incremental is not None and save_engine.has_shards(flat.tree):
             raise UnsupportedStateError("blobs= is not supported for sharded states yet")
@@ -212,7 +216,7 @@ class ProcessWriter:
             return functools.partial(
                 self._hand_over_then_answer, message, staged, location, meta, options
             )
-        self._hand_over(message)
+        self.hand_over(message)
         return functools.partial(self._answer, location, target, staged, meta, options)
 
     def stage_sharded(
@@ -230,18 +234,11 @@ class ProcessWriter:
         process (:class:`_ShardWriter`). ``incremental``: as :meth:`stage`'s."""
         from savepoint.distributed import save as distributed_save
 
-        target = _local_target(location)
-        self._ensure()  # its start-up overlaps the copy
-        flat = distributed_save.flatten(state)
-        staged = self.arena.stage(flat, options.max_file_bytes)
-        sources: dict[str, TensorSource] = {}
-        for f in staged.files:
-            base = self.arena.offset(f.image)
-            for e in f.entries:
-                s = flat.tensors[e.name]
-                view = f.image[e.start : e.end]
-                sources[e.name] = SharedSource(view, s.dtype, s.shape, s.kind, base + e.start)
-        snapshot = tree.Flat(staged.tree, {name: sources[name] for name in staged.order})
+        target = _place.url_of(location, "checkpoint path")
+        self.ensure()  # its start-up overlaps the copy
+        staged, snapshot = self.arena.snapshot(
+            distributed_save.flatten(state), options.max_file_bytes
+        )
         sharded = None
         if incremental is not None:  # the writer process keeps the memo and patch tracker
             sharded = distributed_save.Incremental(incremental.blobs, incremental.policy)
@@ -262,10 +259,10 @@ class ProcessWriter:
     ) -> info.CheckpointInfo:
         staged.wait()
         message["checks"] = staged.checks()
-        self._hand_over(message)
+        self.hand_over(message)
         return self._answer(location, message["path"], staged, meta, options)
 
-    def _ensure(self) -> None:
+    def ensure(self) -> None:
         """A running writer process: a new one if none runs or the last one died while idle."""
         if self._proc is not None and self._proc.poll() is not None:
             log.warning("the savepoint writer process %s %s; starting a new one", *self._status())
@@ -291,7 +288,9 @@ class ProcessWriter:
             theirs.close()
         self._sock, self._mapped = ours, 0
 
-    def _hand_over(self, message: dict[str, Any]) -> None:
+    def hand_over(self, message: dict[str, Any]) -> None:
+        """Send ``message`` (with the arena's descriptor when the writer process has not mapped
+        this arena yet); a writer process that died since the last save is replaced first."""
         for attempt in (1, 2):
             assert self._sock is not None
             fds = [self.arena.fd] if self._mapped != self.arena.generation else []
@@ -301,7 +300,7 @@ class ProcessWriter:
                 if attempt == 2:
                     raise
                 self._forget()  # it died since the last save: start a new one, send again
-                self._ensure()
+                self.ensure()
             else:
                 self._mapped = self.arena.generation
                 return
@@ -399,34 +398,6 @@ class ProcessWriter:
         _LIVE.discard(self)
 
 
-def _local_target(location: Location) -> str:
-    """The absolute path of a save's local directory (the writer process writes no other)."""
-    if type(location.store) is not LocalStore:
-        raise ValueError(
-            f"writer='process' writes local directories only, not "
-            f"{location.store.url(location.path)}: use AsyncCheckpointer(writer='thread')"
-        )
-    return os.path.abspath(location.path)
-
-
-class SharedSource(ArenaSource):
-    """A staged tensor of a sharded save, with its ``offset`` in the shared arena: where the
-    writer process finds its bytes."""
-
-    __slots__ = ("offset",)
-
-    def __init__(
-        self,
-        data: np.ndarray[Any, Any],
-        dtype: DType,
-        shape: tuple[int, ...],
-        kind: str,
-        offset: int,
-    ) -> None:
-        super().__init__(data, dtype, shape, kind)
-        self.offset = offset
-
-
 class _ShardWriter:
     """This rank's write step of a sharded save, in the writer process (the
     :class:`~savepoint.distributed.save.RankWriter` of :meth:`ProcessWriter.stage_sharded`): the
@@ -461,7 +432,7 @@ class _ShardWriter:
             "rank": rank,
             "arena_size": self.process.arena.capacity,
             "pieces": pieces.items_json(items),
-            "sources": [_place(sources[item.key]) for item in items],
+            "sources": [self._place(sources[item.key]) for item in items],
             "direct": options.direct,
             "writers": options.writers,
             "max_file_bytes": options.max_file_bytes,
@@ -479,13 +450,18 @@ class _ShardWriter:
                 stopped.append(exc)
                 raise
 
-        self.process._hand_over(message)
+        self.process.hand_over(message)
         answer = self.process.receive(self.target, watched if progress is not None else None)
         # Done: an incremental save's session is open in the writer process until close().
         self.open = self.incremental is not None
         if stopped:  # the caller stopped the save once the pieces were written: not committed
             raise stopped[0]
         return pieces.records_from_json(answer)
+
+    def _place(self, source: TensorSource) -> list[Any]:
+        """Where a piece's bytes are in the arena, and the shape and kind of what was staged."""
+        assert isinstance(source, ArenaSource)
+        return [self.process.arena.offset(source.view), list(source.shape), source.kind]
 
     def close(self, committed: bool) -> None:
         if not self.open:
@@ -505,17 +481,12 @@ class _ShardWriter:
             )
 
 
-def _place(source: TensorSource) -> list[Any]:
-    """Where a piece's bytes are in the arena, and the shape and kind of what was staged."""
-    assert isinstance(source, SharedSource)
-    return [source.offset, list(source.shape), source.kind]
-
-
 def _blobs_fields(incremental: Any) -> dict[str, Any]:
     """An incremental save's blob store, policy and frozen prefixes, as a message's fields."""
     policy = dataclasses.asdict(incremental.policy)
+    blobs = incremental.blobs
     return {
-        "root": incremental.blobs.root,
+        "url": _place.url_of(Location(blobs.store, blobs.root), "blob store"),
         "algorithm": incremental.blobs.algorithm,
         "policy": policy,
         "frozen": None if incremental.prefixes is None else list(incremental.prefixes),

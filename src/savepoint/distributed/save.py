@@ -77,7 +77,7 @@ from savepoint.errors import DistributedCheckpointError, UnsupportedStateError
 from savepoint.info import CheckpointInfo
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
-from savepoint.state.arrays import HostCopy, TensorSource
+from savepoint.state.arrays import TensorSource
 from savepoint.storage.paths import Location, PathArg
 from savepoint.storage.paths import resolve as resolve_path
 
@@ -97,7 +97,6 @@ __all__ = [
     "put_pieces",
     "save",
     "save_flat",
-    "snapshot",
     "write_pieces",
     "write_rank",
 ]
@@ -136,16 +135,6 @@ def save(
 def flatten(state: Any) -> tree.Flat:
     """``state`` flattened for a sharded save (DTensors read as Shards), its tensors not copied."""
     return tree.flatten(shard.from_dtensors(state))
-
-
-def snapshot(state: Any) -> tree.Flat:
-    """``state`` flattened (DTensors read as Shards) with every tensor's bytes copied to host
-    memory owned by the result: the blocking part of a background sharded save. Training may
-    change ``state`` as soon as this returns; pass the result to :func:`save_flat` (from any
-    thread; one save in flight per process group)."""
-    flat = flatten(state)
-    copies: dict[str, TensorSource] = {name: HostCopy(s) for name, s in flat.tensors.items()}
-    return tree.Flat(tree=flat.tree, tensors=copies)
 
 
 def save_flat(
