@@ -941,6 +941,10 @@ def scenario_continuous(s: Session) -> None:
                     parts = sp.Shard(shard, offsets=(4 * s.rank,), global_shape=(4 * s.world,))
                     assert not mgr.save(step, {"w": parts}).skipped
                     saved.append(step)
+                    # Durable before the loop's clock moves on: a loaded machine's slower
+                    # background step must not change which steps are asked (the test's clock
+                    # is fake, its background step real).
+                    mgr.wait()
             s.data["saved"] = saved
             s.data["steps"] = mgr.steps()
         starts = [step * 0.25 * pace for step in saved]
