@@ -179,12 +179,13 @@ def scenario_save_writer_process(s: _worker.Session) -> None:
         if s.rank == STALLED:
             os.environ["SAVEPOINT_WRITER_FAULT"] = "stall"  # its first progress call sleeps
             s.data["stalled in"] = "save: write"
-        holder["ck"] = sp.AsyncCheckpointer(
+        ck = holder["ck"] = sp.AsyncCheckpointer(
             process_group=dist.group.WORLD,
             timeout=DEADLINE,
             writer="process",
             progress=lambda *_: writing.set(),
         )
+        ck._process._ensure()  # started before the timed save (with the fault, on that rank)
 
     def run() -> None:
         ck = holder["ck"]

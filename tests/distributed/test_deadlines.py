@@ -73,8 +73,8 @@ def test_a_stalled_rank_is_named_on_every_rank_within_the_deadline(
     for r, t in elapsed.items():
         if r != late:  # waited for the deadline, then named the late rank at once
             assert DEADLINE - 0.5 < t < DEADLINE + GRACE + SLACK, (r, elapsed)
-    if scenario == "save_writer_process":  # the rank gave up on its writer process as well
-        assert elapsed[late] < DEADLINE + GRACE + SLACK, elapsed
+    if scenario == "save_writer_process":  # it gave up on its writer process (asked each second)
+        assert elapsed[late] < DEADLINE + GRACE + 1 + SLACK, elapsed
     else:  # back after its stall, it raised at once
         assert STALL - 0.5 < elapsed[late] < STALL + SLACK, elapsed
     print(f"{scenario}: {s.elapsed:.1f} s, elapsed per rank {elapsed}")

@@ -283,7 +283,8 @@ class Watch:
         self.every = every
         self.start = time.monotonic()
         self.doing: dict[str, int] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards doing
+        self.publishing = threading.Lock()  # guards stopped and shown: no note after the end
         self.stopped = False
         self.shown = ""  # what was published last
 
@@ -317,17 +318,19 @@ class Watch:
         with _watches_lock:
             if self in _watches:
                 _watches.remove(self)
-        with self.lock:
+        with self.publishing:
             self.stopped = True
-            shown = self.shown
-        if shown:
-            self._publish("")
+            if self.shown:
+                self._publish("")
 
     def fire(self) -> None:
         """Its time came (on the watchdog's thread): publish what changed, and come again."""
         text = self.text()
-        if text != self.shown:
-            self._publish(text)
+        with self.publishing:
+            if self.stopped:
+                return
+            if text != self.shown:
+                self._publish(text)
         _watchdog.add(time.monotonic() + self.every, self)
 
     def _publish(self, text: str) -> None:
