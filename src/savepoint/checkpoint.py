@@ -131,8 +131,8 @@ def save(
     save. Each rank writes what it holds (a plain tensor is replicated: one rank writes it;
     ``sp.Shard``, ``sp.FlatShard``, ``sp.Partitioned`` and DTensor leaves describe parts), rank 0
     commits one manifest after every rank has finished its files; a failure anywhere raises
-    DistributedCheckpointError on every rank, after ``timeout`` seconds at most for a rank that
-    stopped answering. See ``docs/distributed.md``.
+    DistributedCheckpointError on every rank naming it, after ``timeout`` seconds (each phase's
+    deadline) at most for a rank that stopped answering. See ``docs/distributed.md``.
 
     ``blobs`` (a :class:`savepoint.blobs.BlobStore`, or its path or URL, on the same store as
     ``path`` and at most two levels above it): an incremental save (a version 4 checkpoint). The

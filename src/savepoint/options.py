@@ -16,8 +16,8 @@ Fields:
 - ``process_group``: a ``torch.distributed.ProcessGroup`` for a sharded save (every rank calls),
   or None; torch.distributed is imported only to check a group that is given, and its default
   group must be initialised;
-- ``timeout``: seconds a sharded save waits for a rank that stopped answering (None: no limit);
-  positive and finite.
+- ``timeout``: the deadline of each phase of a sharded save: seconds a rank waits for another
+  to finish its part (None: 1800, as torch.distributed's default); positive and finite.
 
 :func:`check_load` checks the arguments of ``sp.load`` and ``sp.verify`` the same way, before
 anything is read.

@@ -117,6 +117,8 @@ class ThreadCoordinator(collectives.Coordinator):
         *,
         each: bool = False,
         cleanup: Callable[[], None] | None = None,
+        phase: str | None = None,
+        combine_phase: str | None = None,
     ) -> Any:
         g = self.group
         try:

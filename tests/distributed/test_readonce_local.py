@@ -44,7 +44,7 @@ class DataThreads(ThreadCoordinator):
 
     moves_data = True
 
-    def all_flags(self, flag: int) -> list[int]:
+    def all_flags(self, flag: int, *, phase: str | None = None) -> list[int]:
         g = self.group
         g.slots[self.rank] = flag
         g.barrier.wait()

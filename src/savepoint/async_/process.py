@@ -48,11 +48,13 @@ import functools
 import logging
 import mmap
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -320,15 +322,29 @@ class ProcessWriter:
             return describe(location.store.url(message["directory"]), manifest)
         return _described(location, staged, meta, message)
 
-    def receive(self, target: str, progress: Progress | None) -> dict[str, Any]:
+    def receive(
+        self,
+        target: str,
+        progress: Progress | None,
+        *,
+        abandoned: Callable[[], BaseException | None] | None = None,
+        within: float | None = None,
+    ) -> dict[str, Any]:
         """The writer process's answer to the message handed over last (``done``, or
         ``settled``), calling ``progress`` as it reports; its ``error`` raised as the error it
         names, its death as a CheckpointWriteError naming it. A ``progress`` that raises cancels
-        the save in the writer process; one already done is answered ``done`` all the same."""
+        the save in the writer process; one already done is answered ``done`` all the same.
+        Bounded where asked: once ``abandoned()`` returns an error (the other ranks gave up on
+        this save), or after ``within`` seconds without an answer, the writer process is
+        killed (it cannot be trusted to be in step any more; the next save starts a new one)
+        and that error raised."""
         sock = self._sock
         assert sock is not None
         stop: BaseException | None = None
+        deadline = None if within is None else time.monotonic() + within
         while True:
+            if abandoned is not None or deadline is not None:
+                self._await(sock, target, abandoned, deadline, within)
             message = _wire.receive_message(sock)
             if message is None:
                 raise self._died(target)
@@ -347,6 +363,36 @@ class ProcessWriter:
                 raise _wire.error_from(message)
             elif message["op"] in ("done", "settled"):
                 return message
+
+    def _await(
+        self,
+        sock: socket.socket,
+        target: str,
+        abandoned: Callable[[], BaseException | None] | None,
+        deadline: float | None,
+        within: float | None,
+    ) -> None:
+        """Until the writer process has something to say (see :meth:`receive`)."""
+        while True:
+            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if wait > 0 and select.select([sock], [], [], wait)[0]:
+                return
+            error = abandoned() if abandoned is not None else None
+            if error is None and deadline is not None and time.monotonic() >= deadline:
+                error = CheckpointWriteError(
+                    f"the savepoint writer process (pid {self.pid}) did not answer within "
+                    f"{within:g} s during the save to {target}; it was stopped and the next "
+                    "save starts a new one",
+                    path=target,
+                )
+            if error is not None:
+                proc = self._proc
+                self._forget()
+                if proc is not None:
+                    proc.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=10)  # a process stuck in the kernel dies on return
+                raise error
 
     def _died(self, target: str) -> CheckpointWriteError:
         """The error for a writer process that ended (or broke its protocol) mid-save."""
@@ -412,6 +458,7 @@ class _ShardWriter:
         self.staged = staged
         self.incremental = incremental
         self.open = False  # the writer process holds this save's blob session
+        self.timeout = 1800.0  # the save's timeout=, for the writer process's answers
 
     def write(
         self,
@@ -422,8 +469,9 @@ class _ShardWriter:
         sources: dict[str, TensorSource],
         options: SaveOptions,
     ) -> Records:
-        from savepoint.distributed import pieces
+        from savepoint.distributed import collectives, deadlines, pieces
 
+        self.timeout = options.timeout or collectives.DEFAULT_TIMEOUT
         self.staged.wait()  # CUDA copies land (they overlapped the plan step)
         message: dict[str, Any] = {
             "op": "pieces",
@@ -451,7 +499,12 @@ class _ShardWriter:
                 raise
 
         self.process.hand_over(message)
-        answer = self.process.receive(self.target, watched if progress is not None else None)
+        with deadlines.working_on(f"its writer process (pid {self.process.pid}) writing"):
+            answer = self.process.receive(
+                self.target,
+                watched if progress is not None else None,
+                abandoned=deadlines.abandoned,
+            )
         # Done: an incremental save's session is open in the writer process until close().
         self.open = self.incremental is not None
         if stopped:  # the caller stopped the save once the pieces were written: not committed
@@ -471,7 +524,7 @@ class _ShardWriter:
             sock = self.process._sock
             assert sock is not None
             _wire.send(sock, {"op": "settle", "committed": committed})
-            self.process.receive(self.target, None)
+            self.process.receive(self.target, None, within=self.timeout)
         except (OSError, errors.CheckpointError) as exc:
             log.warning(
                 "%s: the writer process could not close this rank's blob session (%s); blob "

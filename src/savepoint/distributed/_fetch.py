@@ -85,7 +85,8 @@ def read(
             reader.read_shards([_into(reader, c, None) for c in mine_chunks], check_only=True)
     except Exception as exc:
         error = exc
-    if verify == "first" and rounds and any(coord.all_flags(int(error is not None))):
+    checked = verify == "first" and rounds
+    if checked and any(coord.all_flags(int(error is not None), phase="load: read")):
         rounds = ()  # a rank failed its checks: nothing is copied anywhere
     elif error is None:
         try:
@@ -119,7 +120,9 @@ def _rounds(
         for number in range(len(rounds)):
             if current is not None:
                 error = current[1].result()
-            if any(coord.all_flags(int(error is not None))):
+            if any(
+                coord.all_flags(int(error is not None), phase=f"load: read-once round {number + 1}")
+            ):
                 break
             assert current is not None
             following = start(number + 1) if number + 1 < len(rounds) else None

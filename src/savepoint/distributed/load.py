@@ -19,6 +19,10 @@ Call order (``load(path, into=state, process_group=pg)`` on every rank of ``pg``
    and sent to the others over savepoint's gloo group (:mod:`._fetch`); then Stateful objects
    get ``load_state_dict``. The ranks agree again: a failure anywhere raises on all.
 
+Each step is a phase with the deadline ``timeout`` (``"load: plan"``, ``"load: read"``, and
+``"load: read-once round k"`` for each round of read-once chunks): a rank that misses it is
+named with the phase in the error every rank raises (:mod:`savepoint.distributed.deadlines`).
+
 Without a process group the same two steps run in one process (a single rank restoring Shard
 targets, say), and errors pass through unchanged. Loading without ``into`` returns every tensor
 whole on every rank (read once too, unless ``mmap``).
@@ -130,8 +134,10 @@ def load(
 
     try:
         with coord.exclusive():
-            held["reads"] = coord.step("loading", target, plan_local, _plan_reads)
-            coord.step("loading", target, read_and_keep)
+            held["reads"] = coord.step(
+                "loading", target, plan_local, _plan_reads, phase="load: plan"
+            )
+            coord.step("loading", target, read_and_keep, phase="load: read")
     finally:
         shard.restore(swaps)
         reader = held.get("reader")

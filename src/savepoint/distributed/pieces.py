@@ -22,6 +22,7 @@ from savepoint.codecs import boxes
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import write_error
 from savepoint.distributed import plan
+from savepoint.distributed.deadlines import working_on
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.plan import FilePlan, plan_files
@@ -92,6 +93,7 @@ def write_pieces(
             direct=direct,
             progress=on_bytes if progress is not None else None,
             blocked=True,
+            watch=lambda name: working_on(f"writing {name}"),
         )
         where.store.sync_dir(staging)
     except OSError as exc:

@@ -38,7 +38,10 @@ several per tensor), not a sink's one record per tensor (``Written``).
 
 A failure anywhere, in either step, raises one DistributedCheckpointError on every rank naming
 the failing ranks; rank 0 aborts the transaction (the staging directory is removed); the previous
-checkpoint at ``path`` is untouched. No manifest exists until every rank has finished its files
+checkpoint at ``path`` is untouched. The phases ``"save: plan"``, ``"save: write"`` and ``"save:
+commit"`` (rank 0's part of step 2) each have the deadline ``timeout``: a rank that misses it
+is named with the phase (:mod:`savepoint.distributed.deadlines`), and rank 0 makes no commit
+once the others gave up waiting for it. No manifest exists until every rank has finished its files
 (two-phase commit). The store must be shared by all ranks (one filesystem, a network filesystem
 across nodes, or an object store; ``memory://`` serves the ranks of one process only).
 
@@ -68,7 +71,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from savepoint.codecs import boxes
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction
-from savepoint.distributed import collectives, plan, shard
+from savepoint.distributed import collectives, deadlines, plan, shard
 from savepoint.distributed.pieces import Records, file_name, put_pieces, write_pieces
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
@@ -264,6 +267,7 @@ class _Save:
             self.plan_global,
             each=True,
             cleanup=self.abort,
+            phase="save: plan",
         )
 
         def write_local() -> Records:
@@ -273,7 +277,13 @@ class _Save:
         # Every rank gets the committed manifest (in memory, from rank 0) to describe it.
         try:
             directory, manifest = self.coord.step(
-                "saving", self.shown, write_local, self.commit, cleanup=self.abort
+                "saving",
+                self.shown,
+                write_local,
+                self.commit,
+                cleanup=self.abort,
+                phase="save: write",
+                combine_phase="save: commit",
             )
         except BaseException:
             self.writer.close(committed=False)
@@ -318,6 +328,9 @@ class _Save:
         manifest = _manifest(
             self.plan, results, self.metadata, self.coord.world_size, self.blob_place
         )
+        late = deadlines.abandoned()  # the others gave up waiting for this commit: make none
+        if late is not None:
+            raise late
         directory, _ = save_engine.commit(self.tx, manifest)
         self.tx = None  # committed: nothing to clean up any more
         return directory, manifest
@@ -327,7 +340,12 @@ class _Save:
         returns once all have (so rank 0 may collect at once). The checkpoint is committed: a
         rank lost now is logged, not raised (the next collective operation reports it)."""
         try:
-            self.coord.step("saving", self.shown, lambda: self.writer.close(committed=True))
+            self.coord.step(
+                "saving",
+                self.shown,
+                lambda: self.writer.close(committed=True),
+                phase="save: close sessions",
+            )
         except DistributedCheckpointError as exc:
             log.warning(
                 "%s: committed, but not every rank confirmed it closed: %s", self.shown, exc

@@ -492,8 +492,14 @@ def _save_group(
             tx.abort()
 
     with coord.exclusive():
-        staging = coord.step("saving", target, prepare, plan, cleanup=cleanup)
+        staging = coord.step("saving", target, prepare, plan, cleanup=cleanup, phase="save: plan")
         meta: ShardingMeta = coord.step(
-            "saving", target, lambda: write(staging), commit, cleanup=cleanup
+            "saving",
+            target,
+            lambda: write(staging),
+            commit,
+            cleanup=cleanup,
+            phase="save: write",
+            combine_phase="save: commit",
         )
         return meta
