@@ -185,7 +185,7 @@ def scenario_save_writer_process(s: _worker.Session) -> None:
             writer="process",
             progress=lambda *_: writing.set(),
         )
-        ck._process._ensure()  # started before the timed save (with the fault, on that rank)
+        ck._process.ensure()  # started before the timed save (with the fault, on that rank)
 
     def run() -> None:
         ck = holder["ck"]
