@@ -476,9 +476,9 @@ def load(
     ``path`` may also be a local file or directory of another format savepoint reads (a
     ``.safetensors`` or PyTorch ``.pt``/``.pth``/``.bin``/``.ckpt`` file, read with
     ``torch.load(weights_only=True)`` only; ``.shrew``, burn ``.mpk``, boostr, training
-    artifacts): its tree comes back, or goes into ``into``, the same way (see
-    :mod:`savepoint.formats.load`). A run directory, a sweep, a DCP checkpoint or any other
-    directory raises IncompleteCheckpointError saying what it is and what to call instead.
+    artifacts, DCP's own directories: ``formats.foreign``): its tree comes back, or goes into
+    ``into``, the same way (see :mod:`savepoint.formats.load`). A run directory, a sweep or any
+    other directory raises IncompleteCheckpointError saying what it is and what to call instead.
     """
     check_path("sp.load", path)
     keys = check_load(
@@ -566,8 +566,8 @@ def inspect(path: PathLike) -> CheckpointInfo:
 
     ``path`` may also be a local file or directory of another format savepoint reads (as
     ``savepoint inspect``: :func:`savepoint.formats.detect.inspect_any`); a run directory, a
-    sweep, a DCP checkpoint or any other directory raises IncompleteCheckpointError saying what
-    it is and what to call instead."""
+    sweep or any other directory raises IncompleteCheckpointError saying what it is and what to
+    call instead."""
     check_path("sp.inspect", path)
     location = resolve_path(path, what="checkpoint path")
     try:

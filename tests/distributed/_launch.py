@@ -56,15 +56,17 @@ def run(
     *,
     timeout: float = 120,
     done_when: list[int] | None = None,
+    worker: Path = WORKER,
 ) -> Session:
-    """Run ``scenario`` on ``world`` ranks. With ``done_when``, the session ends once those
-    ranks have exited; the other ranks (a deliberately hung one) are then killed."""
+    """Run ``scenario`` on ``world`` ranks of ``worker`` (a script taking ``scenario rank world
+    port workdir``). With ``done_when``, the session ends once those ranks have exited; the other
+    ranks (a deliberately hung one) are then killed."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), str(port), str(workdir)],
+            [sys.executable, str(worker), scenario, str(r), str(world), str(port), str(workdir)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

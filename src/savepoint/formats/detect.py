@@ -19,6 +19,8 @@ torch               a file named ``*.pt``, ``*.pth``, ``*.bin`` or ``*.ckpt`` th
                     ``torch.load(weights_only=True)`` only: :mod:`savepoint.formats.pytorch`)
 safetensors         any other file named ``*.safetensors``, or whose first 8 bytes are a
                     plausible header length followed by ``{``
+dcp, ...            a directory of another training system's checkpoint, by its entries
+                    (:mod:`savepoint.formats.foreign`: DCP's ``.metadata`` and ``*.distcp``)
 ==================  ===================================================================
 
 A file named ``*.shrew`` that does not start with the magic is refused as "not a valid .shrew
@@ -40,13 +42,13 @@ from savepoint.codecs import manifest as mf
 from savepoint.codecs import safetensors as st_format
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
-from savepoint.formats import _files, boostr, burn, pytorch, shrew, training_artifact
+from savepoint.formats import _files, boostr, burn, foreign, pytorch, shrew, training_artifact
 from savepoint.formats._files import open_file
 from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.storage.paths import local_path
 
-__all__ = ["FORMATS", "LABELS", "detect", "inspect_any", "verify_any"]
+__all__ = ["FORMATS", "LABELS", "by_entries", "detect", "inspect_any", "verify_any"]
 
 FORMATS = (
     "savepoint",
@@ -57,6 +59,7 @@ FORMATS = (
     "burn",
     "training-artifact",
     "torch",
+    *foreign.KINDS,
 )
 # Each format as a sentence names one ("X is a ...").
 LABELS = {
@@ -68,7 +71,9 @@ LABELS = {
     "burn": "burn record (.mpk)",
     "training-artifact": "training artifact",
     "torch": "PyTorch file (torch.save)",
+    **foreign.LABELS,
 }
+by_entries = foreign.by_entries  # a directory's format by its entries (pathkind asks on any store)
 _BURN_HEAD = b"\x83\xa8metadata"  # fixmap(3), then the key "metadata": rmp-serde's first bytes
 
 
@@ -101,6 +106,9 @@ def detect(path: str | os.PathLike[str]) -> str:
             return "boostr-distributed"
         if os.path.isfile(os.path.join(p, boostr.STATE)):
             return "boostr"
+        found = foreign.by_entries(os.listdir(p))
+        if found is not None:
+            return found
         if training_artifact.is_sweep(p):
             raise IncompatibleCheckpointError(
                 f"{p} is a sweep of training artifacts ({training_artifact.COMPARISON_FILE}): "
@@ -208,6 +216,8 @@ def inspect_any(path: str | os.PathLike[str]) -> CheckpointInfo:
         return training_artifact.inspect(p)
     if kind == "torch":
         return pytorch.inspect(p)
+    if kind in foreign.KINDS:
+        return foreign.inspect(kind, p)
     return boostr.inspect(p)
 
 
@@ -229,4 +239,6 @@ def verify_any(path: str | os.PathLike[str], *, progress: Progress | None = None
         return training_artifact.verify(p, progress=progress)
     if kind == "torch":
         return pytorch.verify(p, progress=progress)
+    if kind in foreign.KINDS:
+        return foreign.verify(kind, p, progress=progress)
     return boostr.verify(p, progress=progress)

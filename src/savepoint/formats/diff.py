@@ -35,8 +35,11 @@ import numpy as np
 from savepoint.codecs import dtypes
 from savepoint.codecs import manifest as mf
 from savepoint.engine.read import Reader
+from savepoint.errors import CheckpointError
+from savepoint.formats import _diff_sources
+from savepoint.formats.detect import detect
 from savepoint.state import tree
-from savepoint.storage.paths import PathArg, resolve
+from savepoint.storage.paths import Location, PathArg, resolve
 
 __all__ = [
     "Comparison",
@@ -212,11 +215,23 @@ class Comparison:
 
 @contextlib.contextmanager
 def compare(a: PathArg, b: PathArg, *, read_all: bool = False) -> Iterator[Comparison]:
-    """The checkpoints at ``a`` and ``b`` (each a local path, a URL or a Location) open and
-    compared as far as their manifests go (see :class:`Comparison`)."""
+    """The checkpoints at ``a`` and ``b`` (each a local path, a URL or a Location; a local file
+    or directory of another format savepoint reads too) open and compared as far as their
+    manifests go (see :class:`Comparison`)."""
     first, second = resolve(a, what="checkpoint path"), resolve(b, what="checkpoint path")
-    with Reader.open(first) as ra, Reader.open(second) as rb:
+    with _open(first) as ra, _open(second) as rb:
         yield Comparison(ra, rb, read_all=read_all)
+
+
+def _open(where: Location) -> Any:
+    if where.is_local:
+        try:
+            kind = detect(where.path)
+        except CheckpointError:
+            kind = "savepoint"  # the reader's own error says what is wrong
+        if kind != "savepoint":
+            return _diff_sources.open_reader(where.path, kind)
+    return Reader.open(where)
 
 
 def diff(
@@ -241,7 +256,7 @@ def same_digests(a: mf.TensorRecord, b: mf.TensorRecord) -> bool:
             sa.region == sb.region and sa.block == sb.block and sa.xxh3 == sb.xxh3
             for sa, sb in zip(a.shards, b.shards)
         )
-    return a.block == b.block and a.xxh3 == b.xxh3
+    return a.block == b.block and a.xxh3 == b.xxh3 and bool(a.xxh3)  # other formats have none
 
 
 def _describe(r: Reader, node: tree.Node) -> str:

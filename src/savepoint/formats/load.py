@@ -29,7 +29,7 @@ from savepoint.codecs import manifest as mf
 from savepoint.engine import load as load_engine
 from savepoint.errors import CheckpointMemoryError
 from savepoint.formats import convert
-from savepoint.formats._files import CHUNK, LazyTensor, to_framework
+from savepoint.formats._files import LazyTensor, copy_into, to_framework
 from savepoint.state import arrays, restore, tree
 
 __all__ = ["load_any"]
@@ -99,14 +99,7 @@ def _counter(
 
 def _copy(source: LazyTensor, dst: np.ndarray[Any, Any], count: load_engine.Counter | None) -> None:
     """Every byte of ``source`` into the uint8 array ``dst``, a chunk at a time."""
-    try:
-        for pos in range(0, source.nbytes, CHUNK):
-            piece = dst[pos : pos + CHUNK]
-            source.copy_to(piece, pos)
-            if count is not None:
-                count(len(piece))
-    finally:
-        source.release()
+    copy_into(source, dst, count)
 
 
 def _fresh(source: LazyTensor, kind: str, framework: str, count: load_engine.Counter | None) -> Any:
