@@ -33,6 +33,7 @@ def test_every_parser_is_a_target() -> None:
         "burn",
         "training_artifact",
         "dcp",  # issue 30: other systems' checkpoint directories
+        "deepspeed",
         # savepoint's own JSON files besides manifests
         "run_json",  # report.json, run.json, history.jsonl
         "blob_store_json",

@@ -21,7 +21,9 @@ CRC-32 in the archive's central directory.
 
 :data:`TENSOR_GLOBALS` are what ``torch.save`` of plain tensors references (torch 1.6 to 2.13):
 ``torch._utils._rebuild_tensor_v2`` / ``_v3``, the typed storage classes, ``UntypedStorage``,
-dtypes and ``collections.OrderedDict`` (the empty backward hooks).
+dtypes and ``collections.OrderedDict`` (the empty backward hooks); and for a tensor carrying
+Python attributes, ``torch._tensor._rebuild_from_type_v2`` with ``torch.Tensor`` (or
+``nn.Parameter``) as its type: read as the plain tensor, the attributes dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from savepoint.errors import (
 __all__ = [
     "Archive",
     "Buildable",
+    "Opaque",
     "CENTRAL",
     "DTYPE_NAMES",
     "DTypeName",
@@ -256,11 +259,33 @@ def _rebuild_v3(
     return _rebuild(storage, offset, shape, stride, dtype)
 
 
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) -> TensorRef:
+    """``torch._tensor._rebuild_from_type_v2``: a tensor with Python attributes (or of a
+    subclass) is its plain tensor here; the attributes are dropped."""
+    if func not in (_rebuild_v2, _rebuild_v3) or not isinstance(args, tuple):
+        raise _Bad("_rebuild_from_type_v2 of something other than a tensor")
+    found: TensorRef = func(*args)
+    return found
+
+
+class _Dict(dict):  # type: ignore[type-arg]
+    """``collections.OrderedDict`` (a state dict, the backward hooks): a dict; the state a
+    pickle gives it (a state dict's ``_metadata`` of module versions) is dropped."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+_TENSOR_TYPE = ("a tensor type",)  # torch.Tensor, nn.Parameter as _rebuild_from_type_v2 names them
+
 TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch", "Tensor"): _TENSOR_TYPE,
+    ("torch.nn.parameter", "Parameter"): _TENSOR_TYPE,
     ("torch.storage", "UntypedStorage"): _StorageType(None),
-    ("collections", "OrderedDict"): dict,
+    ("collections", "OrderedDict"): _Dict,
     **{("torch", n): _StorageType(DTypeName(d)) for n, d in _STORAGES.items()},
     **{("torch", n): DTypeName(n) for n in DTYPE_NAMES},
 }
@@ -288,10 +313,39 @@ class Buildable:
         raise NotImplementedError
 
 
+class Opaque(Buildable):
+    """An object of a class outside the allow-list, where a reader admits them (DeepSpeed's
+    client state): the class is never imported; only what the pickle hands the object is kept
+    (its arguments, its state, the items added to it). ``global_name`` is the class's name."""
+
+    __slots__ = ("args", "items", "state")
+    global_name: ClassVar[str] = ""
+    args: tuple[Any, ...]
+    items: list[Any]
+    state: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        obj = object.__new__(cls)
+        obj.args, obj.items, obj.state = args, [], None
+        return obj
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def append(self, value: Any) -> None:
+        self.items.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.items.extend(values)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items.append((key, value))
+
+
 def _build(self: Any) -> None:
     state = self.stack.pop()
     inst = self.stack[-1]
-    if not isinstance(inst, Buildable):
+    if not isinstance(inst, (Buildable, _Dict)):
         raise _Bad(f"state given to a {type(inst).__name__}")
     inst.__setstate__(state)
 
@@ -309,16 +363,27 @@ class _Unpickler(pickle._Unpickler):
         pickle.BUILD[0]: _build,
     }
 
-    def __init__(self, data: bytes, allowed: Mapping[tuple[str, str], Any], storages: bool) -> None:
+    def __init__(
+        self, data: bytes, allowed: Mapping[tuple[str, str], Any], storages: bool, opaque: bool
+    ) -> None:
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
         self._storages = storages
+        self.opaque: dict[str, type[Opaque]] | None = {} if opaque else None
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._allowed.get((module, name))
-        if found is None:
+        if found is not None:
+            return found
+        if self.opaque is None:
             raise _Refused(f"{module}.{name}")
-        return found
+        named = f"{module}.{name}"
+        if named not in self.opaque:
+            if len(self.opaque) >= 1000:
+                raise _Bad("more than 1000 classes outside the allow-list")
+            attrs = {"__slots__": (), "global_name": named}
+            self.opaque[named] = type("Opaque", (Opaque,), attrs)
+        return self.opaque[named]
 
     def persistent_load(self, pid: Any) -> Any:
         if not self._storages:
@@ -334,11 +399,19 @@ def unpickle(
     what: str,
     storages: bool = True,
     hint: str = "",
+    opaque: bool = False,
+    seen: set[str] | None = None,
 ) -> Any:
     """The object the pickle ``data`` describes, every global mapped through ``allowed`` (see
-    the module docstring); ``what`` names the pickle in messages (``"x/.metadata"``)."""
+    the module docstring); ``what`` names the pickle in messages (``"x/.metadata"``). With
+    ``opaque``, a global outside ``allowed`` becomes an :class:`Opaque` placeholder (nothing is
+    imported) instead of an error, and its name is added to ``seen``."""
+    unpickler = _Unpickler(data, allowed, storages, opaque)
     try:
-        return _Unpickler(data, allowed, storages).load()
+        found = unpickler.load()
+        if seen is not None and unpickler.opaque is not None:
+            seen.update(unpickler.opaque)
+        return found
     except _Refused as exc:
         raise IncompatibleCheckpointError(
             f"{what} refers to the global {exc}, which savepoint does not admit (its pickles are "
@@ -492,8 +565,17 @@ class Archive:
                 path=path,
             )
 
-    def load(self, allowed: Mapping[tuple[str, str], Any], *, cap: int, hint: str = "") -> Any:
-        """``data.pkl`` through the allow-list ``allowed`` (at most ``cap`` bytes of pickle)."""
+    def load(
+        self,
+        allowed: Mapping[tuple[str, str], Any],
+        *,
+        cap: int,
+        hint: str = "",
+        opaque: bool = False,
+        seen: set[str] | None = None,
+    ) -> Any:
+        """``data.pkl`` through the allow-list ``allowed`` (at most ``cap`` bytes of pickle;
+        ``opaque`` and ``seen``: as :func:`unpickle`)."""
         record = self.records[self.prefix + "data.pkl"]
         if record.size > cap:
             raise CorruptCheckpointError(
@@ -501,7 +583,9 @@ class Archive:
                 path=self.path,
             )
         data = self.buf[record.start : record.start + record.size].tobytes()
-        return unpickle(data, allowed, path=self.path, what=self.what, hint=hint)
+        return unpickle(
+            data, allowed, path=self.path, what=self.what, hint=hint, opaque=opaque, seen=seen
+        )
 
     def storage(self, ref: TensorRef) -> Record:
         """The record holding ``ref``'s storage, checked to be exactly the storage's size."""

@@ -7,6 +7,9 @@ format      recognised by (the directory's entries), read by
 ==========  ===================================================================================
 dcp         ``.metadata`` and ``*.distcp`` files: torch.distributed.checkpoint's
             ``FileSystemWriter`` (:mod:`savepoint.formats.dcp_import`)
+deepspeed   a ``*_model_states.pt`` file (a tag directory), or ``latest`` and
+            ``zero_to_fp32.py`` (its save directory): a DeepSpeed ZeRO checkpoint
+            (:mod:`savepoint.formats.deepspeed`)
 ==========  ===================================================================================
 
 Each reader yields ``(label, tree, metadata)``: the label a conversion report names the source
@@ -22,7 +25,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from savepoint.formats import dcp_export, dcp_import
+from savepoint.formats import dcp_export, dcp_import, deepspeed
 from savepoint.formats._progress import Progress
 from savepoint.info import CheckpointInfo
 
@@ -36,8 +39,8 @@ __all__ = [
     "verify",
 ]
 
-KINDS = ("dcp",)
-LABELS = {"dcp": dcp_import.LABEL}
+KINDS = ("dcp", "deepspeed")
+LABELS = {"dcp": dcp_import.LABEL, "deepspeed": deepspeed.LABEL}
 WRITERS = {"dcp": dcp_export.writer}
 
 
@@ -46,6 +49,8 @@ def by_entries(entries: Iterable[str]) -> str | None:
     names = list(entries)
     if dcp_import.is_dcp(names):
         return "dcp"
+    if deepspeed.is_deepspeed(names):
+        return "deepspeed"
     return None
 
 
@@ -53,13 +58,22 @@ def by_entries(entries: Iterable[str]) -> str | None:
 def open_tree(kind: str, path: str) -> Iterator[tuple[str, Any, dict[str, Any]]]:
     """``(label, tree, metadata)`` of the checkpoint of format ``kind`` at the local ``path``,
     its tensors readable for the length of the ``with`` block."""
+    if kind == "deepspeed":
+        with deepspeed.open_checkpoint(path) as ds:
+            label = f"deepspeed zero-{ds.stage}"
+            yield label, dict(ds.tensors), ds.metadata()
+        return
     with dcp_import.open_checkpoint(path) as ck:
         yield "dcp", ck.tree(), ck.metadata()
 
 
 def inspect(kind: str, path: str) -> CheckpointInfo:
+    if kind == "deepspeed":
+        return deepspeed.inspect(path)
     return dcp_import.inspect(path)
 
 
 def verify(kind: str, path: str, *, progress: Progress | None = None) -> CheckpointInfo:
+    if kind == "deepspeed":
+        return deepspeed.verify(path, progress=progress)
     return dcp_import.verify(path, progress=progress)
