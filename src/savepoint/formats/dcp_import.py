@@ -45,6 +45,7 @@ import importlib.util
 import math
 import os
 import stat
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -66,17 +67,16 @@ __all__ = [
     "LABEL",
     "METADATA",
     "SUFFIX",
-    "inspect",
     "is_dcp",
     "open_checkpoint",
-    "verify",
 ]
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"
 LABEL = "torch.distributed.checkpoint checkpoint"
 DCP_VERSION = 1  # the shape of metadata["dcp"], as savepoint.integrations.dcp.DCP_VERSION
-_PICKLE_CAP = 1 << 20  # a chunk's data.pkl (about 150 bytes in torch 2.13)
+_PICKLE_CAP = 1 << 20
+_OPEN_FILES = 16  # a chunk's data.pkl (about 150 bytes in torch 2.13)
 
 
 def is_dcp(entries: Iterable[str]) -> bool:
@@ -84,6 +84,10 @@ def is_dcp(entries: Iterable[str]) -> bool:
     one ``*.distcp`` file)."""
     names = set(entries)
     return METADATA in names and any(n.endswith(SUFFIX) for n in names)
+
+
+def _no(n: int) -> None:
+    """No progress to report."""
 
 
 def _void(itemsize: int) -> np.dtype[Any]:
@@ -106,6 +110,9 @@ class DcpCheckpoint:
         self.sizes = self._sizes()
         self._maps: dict[str, local.MappedFile] = {}
         self._chunks: dict[tuple[str, int], np.ndarray[Any, Any]] = {}
+        self._crc: dict[tuple[str, int], tuple[str, Record]] = {}  # records not yet checked
+        self._fds: dict[str, int] = {}  # least recently used first
+        self._strides_base: dict[tuple[str, int], int] = {}  # where each chunk's bytes start
         self.kind = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
 
     def _items(self) -> Iterator[tuple[Entry, Item]]:
@@ -140,9 +147,14 @@ class DcpCheckpoint:
                 )
         return sizes
 
+    label = "dcp"
+
     def close(self) -> None:
         maps, self._maps = self._maps, {}
-        self._chunks = {}
+        self._chunks, self._crc = {}, {}
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
         for m in maps.values():
             m.close()
 
@@ -160,6 +172,25 @@ class DcpCheckpoint:
             finally:
                 os.close(fd)
         return found.array
+
+    def read_into(self, name: str, offset: int, dst: np.ndarray[Any, Any]) -> None:
+        """``len(dst)`` bytes of the file ``name`` at ``offset`` read straight into ``dst`` (a
+        few descriptors kept open: reading beats faulting a mapping in on a cold cache)."""
+        fd = self._fds.pop(name, None)
+        if fd is None:
+            fd = local.open_read(os.path.join(self.path, name))
+            while len(self._fds) >= _OPEN_FILES:
+                os.close(self._fds.pop(next(iter(self._fds))))
+        self._fds[name] = fd
+        view, pos = dst.data.cast("B"), offset
+        while len(view):
+            n = os.preadv(fd, [view], pos)
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"{self.path}/{name} ended while being read (changed meanwhile?)",
+                    path=self.path,
+                )
+            view, pos = view[n:], pos + n
 
     def _archive(self, e: Entry, item: Item, what: str) -> Archive:
         where = f"{self.path}/{item.file} at {item.offset} ({e.fqn!r}{what})"
@@ -182,19 +213,48 @@ class DcpCheckpoint:
             )
         return archive, ref, archive.storage(ref)
 
-    def chunk(self, e: Entry, index: int) -> np.ndarray[Any, Any]:
+    def chunk(self, e: Entry, index: int, *, checked: bool = True) -> np.ndarray[Any, Any]:
         """Chunk ``index`` of the tensor ``e`` as a read-only array of its box's shape whose
-        items are raw (``np.void`` of the dtype's size), its CRC-32 checked on first use."""
+        items are raw (``np.void`` of the dtype's size), its storage record's CRC-32 checked
+        first unless it was (``checked=False``: the caller checks it as it copies, then calls
+        :meth:`checked`)."""
         key = (e.fqn, index)
         found = self._chunks.get(key)
         if found is None:
             archive, ref, record = self._record(e, index)
-            if not crc32(archive.buf, record, lambda n: None):
-                raise CorruptCheckpointError(
-                    f"{archive.what}: CRC-32 mismatch in the chunk's data", path=self.path
-                )
+            self._crc[key] = (archive.what, record)
+            self._strides_base[key] = record.start + ref.offset * ref.dtype.itemsize
             found = self._chunks[key] = _strided(archive.buf, record, ref)
+        if checked and key in self._crc:
+            record = self._crc[key][1]
+            self.checked(key, crc32(self.buffer(e.chunks[index].item.file), record, _no))
         return found
+
+    def data_start(self, e: Entry) -> int:
+        """Where the bytes of ``e``'s only chunk start in its file."""
+        return int(self._strides_base[(e.fqn, 0)])
+
+    def exact(self, e: Entry, index: int) -> bool:
+        """Whether chunk ``index`` of ``e`` is its storage record, byte for byte (so a copy of it
+        in order can check the record's CRC-32 as it goes: see :class:`_DcpTensor`)."""
+        chunk = self.chunk(e, index, checked=False)
+        record = self._crc.get((e.fqn, index))
+        return record is None or (
+            chunk.flags.c_contiguous and record[1].size == chunk.size * chunk.itemsize
+        )
+
+    def checked(self, key: tuple[str, int], ok: bool) -> None:
+        """Record the outcome of the CRC-32 check of chunk ``key``'s storage record."""
+        what, record = self._crc.pop(key, ("", None))
+        if not ok and record is not None:
+            raise CorruptCheckpointError(
+                f"{what}: CRC-32 mismatch in the chunk's data", path=self.path
+            )
+
+    def expected_crc(self, key: tuple[str, int]) -> int | None:
+        """The CRC-32 chunk ``key`` must have, None once checked."""
+        found = self._crc.get(key)
+        return None if found is None else found[1].crc
 
     def tree(self) -> dict[str, LazyTensor]:
         """``{fqn: tensor}`` (see the module docstring)."""
@@ -318,7 +378,10 @@ class _DcpBytes(LazyTensor):
 
 
 class _DcpTensor(LazyTensor):
-    """A tensor assembled from its chunks on every copy (see the module docstring)."""
+    """A tensor assembled from its chunks on every copy (see the module docstring). A tensor in
+    one chunk that is its storage record, copied in order (as every reader of savepoint does),
+    has the record's CRC-32 computed as it is copied and compared at the end (one pass over the
+    bytes, as ``torch.load`` reads them); any other access checks each chunk before using it."""
 
     def __init__(self, ck: DcpCheckpoint, e: Entry) -> None:
         assert e.dtype is not None
@@ -326,15 +389,34 @@ class _DcpTensor(LazyTensor):
         self._ck = ck
         self._entry = e
         self._whole = len(e.chunks) == 1
+        self._crc: tuple[int, int] | None = None  # (running CRC-32, bytes hashed)
+
+    def _copy_whole(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        key = (self._entry.fqn, 0)
+        self._ck.chunk(self._entry, 0, checked=False)
+        expected = self._ck.expected_crc(key)
+        if expected is not None and start == 0:
+            self._crc = (0, 0)
+        if expected is None or self._crc is None or self._crc[1] != start:
+            self._ck.chunk(self._entry, 0)  # out of order: the whole record checked first
+        item = self._entry.chunks[0].item
+        self._ck.read_into(item.file, self._ck.data_start(self._entry) + start, dst)
+        if expected is not None and self._crc is not None and self._crc[1] == start:
+            value = zlib.crc32(dst.data, self._crc[0])
+            self._crc = (value, start + len(dst))
+            if self._crc[1] == self.nbytes:
+                self._crc = None
+                self._ck.checked(key, value == expected)
+
+    def release(self) -> None:
+        self._crc = None
 
     def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
         size = self.dtype.itemsize
         e = self._entry
-        if self._whole:
-            chunk = self._ck.chunk(e, 0)
-            if chunk.flags.c_contiguous:
-                np.copyto(dst, chunk.reshape(-1).view(np.uint8)[start : start + len(dst)])
-                return
+        if self._whole and self._ck.exact(e, 0):
+            self._copy_whole(dst, start)
+            return
         first, last = start // size, -(-(start + len(dst)) // size)
         aligned = start % size == 0 and len(dst) % size == 0
         out = dst if aligned else np.empty((last - first) * size, dtype=np.uint8)
@@ -367,17 +449,3 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Iterator[DcpCheckpoint]:
         yield ck
     finally:
         ck.close()
-
-
-def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Describe the DCP checkpoint at ``path`` from its ``.metadata`` and its files' sizes."""
-    with open_checkpoint(path) as ck:
-        return ck.describe()
-
-
-def verify(path: str | os.PathLike[str], *, progress: Progress | None = None) -> CheckpointInfo:
-    """Check the DCP checkpoint at ``path`` (every structural rule, every CRC-32); its
-    description when intact."""
-    with open_checkpoint(path) as ck:
-        ck.check(progress)
-        return ck.describe()

@@ -70,10 +70,8 @@ from savepoint.storage.paths import local_path
 __all__ = [
     "DeepSpeedCheckpoint",
     "LABEL",
-    "inspect",
     "is_deepspeed",
     "open_checkpoint",
-    "verify",
 ]
 
 LABEL = "DeepSpeed ZeRO checkpoint"
@@ -448,6 +446,14 @@ class DeepSpeedCheckpoint:
             ]
             self.tensors[slot.name] = _Runs(dtype, slot.shape, pieces, self.kind)
 
+    @property
+    def label(self) -> str:
+        return f"deepspeed zero-{self.stage}"
+
+    def tree(self) -> dict[str, LazyTensor]:
+        """``zero_to_fp32``'s state dict (see the module docstring)."""
+        return dict(self.tensors)
+
     def close(self) -> None:
         files, self._files = self._files, {}
         for f in files.values():
@@ -551,16 +557,3 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Iterator[DeepSpeedCheckpoin
         yield ck
     finally:
         ck.close()
-
-
-def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Describe the DeepSpeed checkpoint at ``path`` (its files parsed, no tensor data read)."""
-    with open_checkpoint(path) as ck:
-        return ck.describe()
-
-
-def verify(path: str | os.PathLike[str], *, progress: Progress | None = None) -> CheckpointInfo:
-    """Check the DeepSpeed checkpoint at ``path``: its structure and every record's CRC-32."""
-    with open_checkpoint(path) as ck:
-        ck.check(progress)
-        return ck.describe()
