@@ -27,6 +27,11 @@ throughputs, of their ratio, of the time ``save()`` blocks (against a memcpy of 
 the time until durable. DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, on
 a one-rank gloo group on 127.0.0.1) runs in the same rounds unless ``--no-dcp``; the order of the
 writers alternates between rounds.
+
+``--sharded`` (with ``--writer``) measures the same for sharded saves: 2 ranks on a gloo group
+on 127.0.0.1 (this script started twice), each holding half of every tensor (``FlatShard``,
+``--mib`` in all) with one torch thread, every save called on both ranks after a barrier; each
+rank prints its own medians (DCP is left out).
 """
 
 from __future__ import annotations
@@ -256,22 +261,51 @@ def _dcp_process(path: str) -> Callable[[dict[str, torch.Tensor]], Callable[[], 
     return start
 
 
-def run_writers(mib: float, writers: list[str], repeats: int, base: str, dcp: bool) -> None:
+def _sharded_state(
+    mib: float, rank: int, world: int
+) -> tuple[dict[str, object], list[torch.Tensor]]:
+    """This rank's half of every tensor of the state (``FlatShard``), and those halves."""
+    from savepoint.distributed import FlatShard
+
+    state: dict[str, object] = {}
+    halves = []
+    for name, t in make_state(int(mib * MiB)).items():
+        a, b = FlatShard.bounds(t.numel(), rank, world)
+        half = t[a:b].clone()
+        state[name] = FlatShard(half, t.shape, a)
+        halves.append(half)
+    return state, halves
+
+
+def run_writers(
+    mib: float, writers: list[str], repeats: int, base: str, dcp: bool, group: object = None
+) -> None:
     """Training throughput while each writer's background save writes, against no save; with
-    ``dcp``, DCP's process-based async_save in the same rounds."""
-    state = make_state(int(mib * MiB))
-    nbytes = sum(t.numel() * 4 for t in state.values())
-    print(f"\n=== writers {writers}: {len(state)} float32 tensors, {nbytes / MiB:.0f} MiB ===")
-    starts: dict[str, Callable[[dict[str, torch.Tensor]], Callable[[], None]]] = {}
+    ``dcp``, DCP's process-based async_save in the same rounds; with ``group`` (a process group
+    of 2 ranks), sharded saves of this rank's half of the state."""
+    if group is None:
+        state: dict[str, object] = dict(make_state(int(mib * MiB)))
+        tensors = list(state.values())
+        who, barrier = "", lambda: None
+    else:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        state, tensors = _sharded_state(mib, rank, dist.get_world_size())
+        who, barrier = f"rank {rank}: ", dist.barrier
+    nbytes = sum(t.numel() * 4 for t in tensors)  # type: ignore[attr-defined]
+    print(f"\n=== {who}writers {writers}: {len(state)} float32 tensors, {nbytes / MiB:.0f} MiB ===")
+    starts: dict[str, Callable[[dict[str, object]], Callable[[], None]]] = {}
     closers: list[Callable[[], None]] = []
     for w in writers:
-        ck = sp.AsyncCheckpointer(writer=w)  # type: ignore[arg-type]
+        ck = sp.AsyncCheckpointer(writer=w, process_group=group)  # type: ignore[arg-type]
         closers.append(ck.close)
         starts[f"sp {w}"] = lambda st, ck=ck, w=w: ck.save(os.path.join(base, f"w-{w}"), st).wait
-    if dcp:
-        starts["dcp process"] = _dcp_process(os.path.join(base, "w-dcp"))
+    if dcp and group is None:
+        starts["dcp process"] = _dcp_process(os.path.join(base, "w-dcp"))  # type: ignore[assignment]
     names = list(starts)
     for name in names:  # warm-up: the arenas touched, the writer processes started
+        barrier()
         starts[name](state)()
     target = torch.empty(nbytes // 4, dtype=torch.float32)
     target.fill_(0)
@@ -279,9 +313,9 @@ def run_writers(mib: float, writers: list[str], repeats: int, base: str, dcp: bo
     def memcpy() -> float:
         t0 = time.perf_counter()
         pos = 0
-        for t in state.values():
-            target[pos : pos + t.numel()].copy_(t.reshape(-1))
-            pos += t.numel()
+        for t in tensors:
+            target[pos : pos + t.numel()].copy_(t.reshape(-1))  # type: ignore[attr-defined]
+            pos += t.numel()  # type: ignore[attr-defined]
         return time.perf_counter() - t0
 
     alone: list[float] = []
@@ -293,10 +327,12 @@ def run_writers(mib: float, writers: list[str], repeats: int, base: str, dcp: bo
         copies.append(memcpy())
         order = names if rnd % 2 == 0 else names[::-1]
         for name in order:
+            barrier()
             base_rate = train_loop(None, 0.6)
             alone.append(base_rate)
             stop = threading.Event()
             durable: list[float] = []
+            barrier()
             t0 = time.perf_counter()
             wait = starts[name](state)
             blocked = time.perf_counter() - t0
@@ -309,20 +345,23 @@ def run_writers(mib: float, writers: list[str], repeats: int, base: str, dcp: bo
             row["blocked"].append(blocked)
             row["durable"].append(durable[0] if durable else float("nan"))
     med = statistics.median
-    print(f"  loop alone                 {med(alone):8.1f} it/s   (median of {len(alone)})")
-    print(f"  memcpy of the state        {med(copies):8.3f} s")
+    print(f"  {who}loop alone                 {med(alone):8.1f} it/s   (median of {len(alone)})")
+    print(f"  {who}memcpy of the state        {med(copies):8.3f} s")
     for name in names:
         r = rows[name]
         print(
-            f"  {name:14s} loop {med(r['rate']):8.1f} it/s  ratio {med(r['ratio']):5.2f}  "
+            f"  {who}{name:14s} loop {med(r['rate']):8.1f} it/s  ratio {med(r['ratio']):5.2f}  "
             f"blocks {med(r['blocked']):6.3f} s  durable after {med(r['durable']):6.3f} s   "
             f"ratios {[round(x, 2) for x in r['ratio']]}"
         )
     for name in names:
         if name.startswith("sp "):
-            print(f"  {name} throughput during a write / no save   {med(rows[name]['ratio']):5.2f}")
             print(
-                f"  {name} blocking / memcpy                    "
+                f"  {who}{name} throughput during a write / no save   "
+                f"{med(rows[name]['ratio']):5.2f}"
+            )
+            print(
+                f"  {who}{name} blocking / memcpy                    "
                 f"{med(rows[name]['blocked']) / med(copies):5.2f}"
             )
             if "dcp process" in rows:
@@ -332,8 +371,42 @@ def run_writers(mib: float, writers: list[str], repeats: int, base: str, dcp: bo
                 )
     for close in closers:
         close()
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base, exist_ok=True)
+    barrier()
+    if not who or who == "rank 0: ":
+        shutil.rmtree(base, ignore_errors=True)
+        os.makedirs(base, exist_ok=True)
+    barrier()
+
+
+def run_sharded(args: argparse.Namespace, writers: list[str]) -> None:
+    """``--sharded``: this script on 2 ranks (a gloo group on 127.0.0.1), each running
+    :func:`run_writers` on its half of the state."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env["SP_BENCH_WORLD"] = "2"
+    procs = [subprocess.Popen(argv, env={**env, "SP_BENCH_RANK": str(r)}) for r in range(2)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"a rank failed: exit codes {codes}")
+
+
+def rank_main(args: argparse.Namespace, writers: list[str]) -> None:
+    """One rank of ``--sharded``."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["SP_BENCH_RANK"]), int(os.environ["SP_BENCH_WORLD"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for mib in args.mib:
+        run_writers(mib, writers, args.repeats, args.dir, False, dist.group.WORLD)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -348,14 +421,25 @@ def main() -> None:
     ap.add_argument(
         "--no-dcp", action="store_true", help="with --writer: leave out DCP's process-based save"
     )
+    ap.add_argument(
+        "--sharded", action="store_true", help="with --writer: sharded saves on 2 gloo ranks"
+    )
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
-    print(
-        f"torch {torch.__version__}, savepoint {sp.__version__}, {os.cpu_count()} cores, "
-        f"torch threads {torch.get_num_threads()}"
-    )
+    if "SP_BENCH_RANK" not in os.environ:
+        print(
+            f"torch {torch.__version__}, savepoint {sp.__version__}, {os.cpu_count()} cores, "
+            f"torch threads {torch.get_num_threads()}"
+        )
     if args.writer is not None:
         writers = ["thread", "process"] if args.writer == "both" else [args.writer]
+        if "SP_BENCH_RANK" in os.environ:
+            rank_main(args, writers)
+            return
+        if args.sharded:
+            run_sharded(args, writers)
+            shutil.rmtree(args.dir, ignore_errors=True)
+            return
         for mib in args.mib:
             run_writers(mib, writers, args.repeats, args.dir, not args.no_dcp)
         shutil.rmtree(args.dir, ignore_errors=True)

@@ -22,6 +22,22 @@ Contenders (each round runs every contender once, the order alternating; round 0
 Medians of ``--repeat`` rounds, ratios savepoint / framework (below 1: savepoint faster)::
 
     python benchmarks/bench_hf.py [--layers 6] [--width 768] [--repeat 5] [--dir /tmp]
+
+Hugging Face sharded export (``--only export``, issue 30): a savepoint checkpoint of
+``--export-mib`` MiB of float32 weights (``--export-gib 4`` for the issue's 4 GiB target; an
+embedding-sized tensor, then layers of 4 to 48 MiB) exported with ``sp.export(..., hf=True,
+max_shard_size=--shard-size)`` against a raw copy of the same bytes (``shutil.copyfile`` of every
+data file: ``copy_file_range`` in the kernel, then an fsync of each file and of the directory,
+as the export's files are durable), and ``huggingface_hub.save_torch_state_dict`` (the sharded
+writer of ``save_pretrained``) of the same state already in memory as torch tensors (+ fsync).
+Rounds alternate the order; the page cache is warm for all. The ratio is throughput against the
+raw copy (target >= 0.8 at 4 GiB). Peak extra memory of the export is ``RssAnon + RssShmem``
+(anonymous memory: Python, numpy, and the staging buffers, which are shared anonymous mappings;
+not the source's mapped page cache) sampled every millisecond in a thread, against the
+largest tensor (target <= 2x)::
+
+    python benchmarks/bench_hf.py --only export [--export-mib 1024 | --export-gib 4] \
+        [--shard-size 1GB] [--repeat 3] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -31,9 +47,11 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -268,6 +286,139 @@ def bench_trainer(args: argparse.Namespace, root: str) -> None:
     )
 
 
+class PeakAnon:
+    """The peak of ``RssAnon + RssShmem`` (anonymous resident memory; the staging buffers are
+    shared anonymous mappings, counted as shmem) above its value at entry, sampled every
+    millisecond in a thread while the block runs."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def anon() -> int:
+        total = 0
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
+        return total
+
+    def __enter__(self) -> PeakAnon:
+        self.start = self.peak = self.anon()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.anon())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.anon())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
+def export_state(total: int) -> dict[str, Any]:
+    """float32 weights of about ``total`` bytes: an embedding of an eighth of them (at most 512
+    MiB), then layers cycling through 4, 16, 48 and 24 MiB."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    model: dict[str, Any] = {}
+    embed = min(total // 8, 512 << 20) // 4
+    model["embed.weight"] = rng.standard_normal(embed, dtype=np.float32)
+    left, i = total - embed * 4, 0
+    sizes = (4 << 20, 16 << 20, 48 << 20, 24 << 20)
+    while left > 0:
+        n = min(sizes[i % len(sizes)], left) // 4
+        model[f"layers.{i}.weight"] = rng.standard_normal(max(n, 1), dtype=np.float32)
+        left -= max(n, 1) * 4
+        i += 1
+    return {"model": model, "step": 1}
+
+
+def bench_export(args: argparse.Namespace, root: str) -> None:
+    import savepoint as sp
+
+    total = (args.export_gib << 30) if args.export_gib else (args.export_mib << 20)
+    state = export_state(total)
+    largest = max(v.nbytes for v in state["model"].values())
+    ckpt = os.path.join(root, "ckpt")
+    sp.save(ckpt, state)
+    data = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))  # the data files
+    nbytes = sum(v.nbytes for v in state["model"].values())
+    tensors: dict[str, Any] = {}  # the peer's state, in memory as torch tensors
+    if args.peers:
+        import torch
+
+        tensors = {k: torch.from_numpy(v) for k, v in state["model"].items()}
+    peaks: list[int] = []
+
+    def raw_copy(path: str) -> Timing:
+        t = time.perf_counter()
+        os.mkdir(path)
+        for name in data:
+            shutil.copyfile(os.path.join(ckpt, name), os.path.join(path, name))
+        fsync_tree(path)
+        elapsed = time.perf_counter() - t
+        return elapsed, elapsed, size_of(path)
+
+    def savepoint_export(path: str) -> Timing:
+        with PeakAnon() as mem:
+            t = time.perf_counter()
+            sp.export(ckpt, path, hf=True, max_shard_size=args.shard_size)
+            elapsed = time.perf_counter() - t
+        peaks.append(mem.extra)
+        return elapsed, elapsed, size_of(path)
+
+    def hub_writer(path: str) -> Timing:
+        from huggingface_hub import save_torch_state_dict
+
+        t = time.perf_counter()
+        os.mkdir(path)
+        save_torch_state_dict(tensors, path, max_shard_size=args.shard_size)
+        blocking = time.perf_counter() - t
+        fsync_tree(path)
+        return blocking, time.perf_counter() - t, size_of(path)
+
+    contenders: dict[str, Contender] = {
+        "raw copy + fsync": raw_copy,
+        "sp.export(hf=True)": savepoint_export,
+    }
+    if args.peers:
+        contenders["huggingface_hub writer"] = hub_writer
+    del state
+    results = run(contenders, root, args.repeat)
+    report(
+        f"HF sharded export: {nbytes / (1 << 20):.0f} MiB float32, largest tensor "
+        f"{largest / (1 << 20):.0f} MiB, shards of {args.shard_size}, {args.repeat} rounds, "
+        "medians (ratio = time; throughput ratio = 1 / durable ratio)",
+        results,
+        "raw copy + fsync",
+    )
+    copy = statistics.median(d for _, d, _ in results["raw copy + fsync"])
+    ours = statistics.median(d for _, d, _ in results["sp.export(hf=True)"])
+    peak = max(peaks[1:] or peaks)
+    rounds = zip(results["raw copy + fsync"], results["sp.export(hf=True)"])
+    print(
+        "  per round (copy time / export time): "
+        + ", ".join(f"{c[1] / e[1]:.2f}" for c, e in rounds)
+    )
+    print(
+        f"  export throughput / raw copy throughput: {copy / ours:.2f} (target >= 0.8); "
+        f"peak extra anonymous memory {peak / (1 << 20):.1f} MiB = {peak / largest:.2f} x the "
+        "largest tensor (target <= 2)"
+    )
+
+
 def sys_version(module: str) -> str:
     import importlib
 
@@ -280,7 +431,15 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--only", choices=["accelerate", "transformers"], default=None)
+    ap.add_argument("--only", choices=["accelerate", "transformers", "export"], default=None)
+    ap.add_argument(
+        "--export-mib", type=int, default=1024, help="checkpoint size for --only export"
+    )
+    ap.add_argument("--export-gib", type=int, default=0, help="the same in GiB (4: the target)")
+    ap.add_argument("--shard-size", default="1GB", help="max_shard_size of the export")
+    ap.add_argument(
+        "--no-peers", dest="peers", action="store_false", help="export: skip huggingface_hub"
+    )
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="bench-hf-", dir=args.dir)
     try:
@@ -288,6 +447,8 @@ def main() -> None:
             bench_accelerate(args, root)
         if args.only in (None, "transformers"):
             bench_trainer(args, root)
+        if args.only in (None, "export"):
+            bench_export(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,3 +77,22 @@ def encode_manifest(doc: dict[str, Any]) -> bytes:
     )
     head = ("{\n" + members).encode("ascii")
     return head + f',\n "manifest_xxh3": "{checksum.digest(head)}"\n}}\n'.encode("ascii")
+
+
+def run_doc_snippets(doc: Path, cwd: Path) -> None:
+    """Run the ```python blocks of ``doc`` in order, as one script in ``cwd`` (warnings are
+    errors); it must succeed and print "ok"."""
+    text = doc.read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python[^\n]*\n(.*?)^```", text, re.M | re.S)
+    assert blocks, f"{doc} has no python block"
+    script = cwd / "snippets.py"
+    script.write_text("\n\n".join(blocks), encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-W", "error", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok" in result.stdout

@@ -4,6 +4,7 @@ has not asked for. Each check runs in a fresh interpreter; the times themselves 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -81,6 +82,32 @@ def test_a_float32_save_and_load_never_import_ml_dtypes() -> None:
         "print(sp.inspect(d + '/c'), sp.verify(d + '/c').format)"
     )
     assert "ml_dtypes" not in loaded_after(code)["heavy"]
+
+
+def test_a_numpy_save_and_load_import_no_jax_adapter_and_a_jax_one_no_torch() -> None:
+    """savepoint's jax modules load only once the state holds jax values (and so jax is
+    imported); a state of jax arrays never brings torch in (docs/jax.md)."""
+    code = (
+        "import tempfile, numpy as np, savepoint as sp\n"
+        "d = tempfile.mkdtemp()\n"
+        "sp.save(d + '/c', {'w': np.ones(3, np.float32)})\n"
+        "sp.load(d + '/c', into={'w': np.zeros(3, np.float32)})\n"
+    )
+    loaded = loaded_after(code)
+    assert "jax" not in loaded["heavy"]
+    assert not [m for m in loaded["savepoint"] if "jax" in m]
+    if importlib.util.find_spec("jax") is None:  # (importorskip would import jax here)
+        pytest.skip("needs jax")
+    code = (
+        "import tempfile, jax.numpy as jnp, savepoint as sp\n"
+        "d = tempfile.mkdtemp()\n"
+        "sp.save(d + '/c', {'w': jnp.ones(3), 'b': jnp.ones(2, jnp.bfloat16)})\n"
+        "out = sp.load(d + '/c', into={'w': jnp.zeros(3), 'b': jnp.zeros(2, jnp.bfloat16)})\n"
+        "assert float(out['w'][2]) == 1.0\n"
+    )
+    loaded = loaded_after(code)
+    assert "torch" not in loaded["heavy"]
+    assert "savepoint.state.jax_restore" in loaded["savepoint"]
 
 
 def test_bfloat16_and_float8_still_round_trip() -> None:

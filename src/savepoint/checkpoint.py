@@ -29,6 +29,7 @@ above this module and is imported only then, so unsharded saves and loads never 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -110,12 +111,12 @@ def save(
     anything is created.
 
     ``state`` is a nested tree of dicts (str or int keys), lists and tuples whose leaves are numpy
-    arrays or scalars, torch tensors (any device; copied to host a chunk at a time), None, bool,
-    int, float, str, bytes, and Stateful objects (anything with ``state_dict()`` and
-    ``load_state_dict()``: modules, optimizers, schedulers...), whose ``state_dict()`` is saved.
-    A ``torch.compile``, DDP or DataParallel wrapper saves the keys of the model it wraps; a
-    dataclass instance is saved as a plain dict of its fields (the class is not recorded).
-    Tensors that are the same view of the same memory (tied weights) are stored once.
+    arrays or scalars, torch tensors (any device; copied to host a chunk at a time), jax arrays
+    and pytrees (docs/jax.md), None, bool, int, float, str, bytes, and Stateful objects (anything
+    with ``state_dict()`` and ``load_state_dict()``: modules, optimizers...), whose
+    ``state_dict()`` is saved. A ``torch.compile``, DDP or DataParallel wrapper saves the keys of
+    the model it wraps; a dataclass instance is saved as a plain dict of its fields (the class is
+    not recorded). Tensors that are the same view of the same memory (tied weights) are stored once.
 
     ``metadata`` is a JSON-serialisable mapping stored verbatim in the manifest. Data is split into
     safetensors files of at most ``max_file_bytes`` (a bigger tensor gets a file of its own), which
@@ -130,8 +131,8 @@ def save(
     save. Each rank writes what it holds (a plain tensor is replicated: one rank writes it;
     ``sp.Shard``, ``sp.FlatShard``, ``sp.Partitioned`` and DTensor leaves describe parts), rank 0
     commits one manifest after every rank has finished its files; a failure anywhere raises
-    DistributedCheckpointError on every rank, after ``timeout`` seconds at most for a rank that
-    stopped answering. See ``docs/distributed.md``.
+    DistributedCheckpointError on every rank naming it, after ``timeout`` seconds (each phase's
+    deadline) at most for a rank that stopped answering. See ``docs/distributed.md``.
 
     ``blobs`` (a :class:`savepoint.blobs.BlobStore`, or its path or URL, on the same store as
     ``path`` and at most two levels above it): an incremental save (a version 4 checkpoint). The
@@ -436,6 +437,7 @@ def load(
     progress: Progress | None = None,
     process_group: Any = None,
     timeout: float | None = None,
+    read_once: bool = True,
 ) -> Any:
     """Load a checkpoint: return the saved tree, or restore it into ``into`` in place.
 
@@ -456,6 +458,9 @@ def load(
     modified. Returns ``into``. Wrapped models (compile, DDP) load in either form, dataclass
     targets take their saved fields, and Python scalars and 0-d tensors stand in for each other
     when the conversion is exact: see docs/training-state.md, "State from real training scripts".
+    A pytree holding ``jax.Array`` (or ``jax.ShapeDtypeStruct``) leaves cannot be filled in place:
+    the restored pytree is returned, of ``into``'s own types, each array placed with its target's
+    sharding (any mesh), and a dict or list root has its entries replaced too (docs/jax.md).
 
     ``keys`` selects paths (``"model"``, ``"model/layer.weight"``: components joined by ``/``, with
     ``~`` written ``~0`` and ``/`` written ``~1``); only their bytes are read.
@@ -467,18 +472,18 @@ def load(
     modifying anything, at the price of one more pass over the data (about 35% of a warm load);
     ``verify=False`` checks sizes and structure only.
 
-    A sharded checkpoint (saved with ``process_group``) loads on any number of ranks. Without
+    A sharded checkpoint (saved with ``process_group``) loads on any number of ranks; without
     ``into`` its tensors come back whole. With ``process_group`` (call ``load`` on every rank) or
-    with ``sp.Shard`` / ``sp.FlatShard`` / ``sp.Partitioned`` / DTensor targets in ``into``, each
-    rank reads only the byte ranges of the shards that overlap the parts it holds; a failure on
-    any rank raises DistributedCheckpointError on all of them. See ``docs/distributed.md``.
+    Shard / FlatShard / Partitioned / DTensor targets, each rank reads only the bytes it needs
+    (bytes several ranks need are read once and sent over the group unless ``read_once=False``);
+    a failure on any rank raises DistributedCheckpointError on all. See ``docs/distributed.md``.
 
     ``path`` may also be a local file or directory of another format savepoint reads (a
     ``.safetensors`` or PyTorch ``.pt``/``.pth``/``.bin``/``.ckpt`` file, read with
     ``torch.load(weights_only=True)`` only; ``.shrew``, burn ``.mpk``, boostr, training
-    artifacts, DCP's own directories: ``formats.foreign``): its tree comes back, or goes into
-    ``into``, the same way (see :mod:`savepoint.formats.load`). A run directory, a sweep or any
-    other directory raises IncompleteCheckpointError saying what it is and what to call instead.
+    artifacts, Hugging Face model directories, DCP, DeepSpeed and Orbax directories): its tree
+    comes back, or into ``into`` (see :mod:`savepoint.formats.load`). A run directory, a sweep
+    or any other directory raises IncompleteCheckpointError saying what it is and what to call.
     """
     check_path("sp.load", path)
     keys = check_load(
@@ -490,22 +495,31 @@ def load(
         process_group=process_group,
         timeout=timeout,
         device=device,
+        read_once=read_once,
     )
     location = resolve_path(path, what="checkpoint path")
-    options: dict[str, Any] = {
-        "into": into,
-        "keys": keys,
-        "verify": verify,
-        "framework": framework,
-        "device": device,
-        "mmap": mmap,
-        "progress": progress,
-    }
+    options: dict[str, Any] = {"into": into, "keys": keys, "verify": verify, "mmap": mmap}
+    options.update(framework=framework, device=device, progress=progress)
+    if into is not None and _holds_jax(into):
+        return _load_jax(location, options, process_group, timeout)
+    return _load(location, options, process_group, timeout, read_once=read_once)
+
+
+def _load(
+    location: Location,
+    options: dict[str, Any],
+    process_group: Any,
+    timeout: float | None,
+    *,
+    read_once: bool = True,
+) -> Any:
+    """``sp.load`` once its arguments are checked: sharded, unsharded, or another format."""
+    into = options["into"]
     if process_group is not None or (into is not None and _has_shard_targets(into)):
         from savepoint.distributed import load as distributed_load
 
         return distributed_load.load(
-            location, process_group=process_group, timeout=timeout, **options
+            location, process_group=process_group, timeout=timeout, read_once=read_once, **options
         )
     try:
         # A generation replaced under the read (object stores) is read again from the new one.
@@ -521,6 +535,34 @@ def load(
         with collector.paused():
             return load_any(location.path, found.format, **options)
     raise _not_a_checkpoint(found, "sp.load")
+
+
+def _holds_jax(into: Any) -> bool:
+    """Whether ``into`` is a pytree holding ``jax.Array`` leaves (never imports jax: such a
+    leaf can only exist once jax is imported)."""
+    if "jax" not in sys.modules:
+        return False
+    from savepoint.state import jax_restore
+
+    return jax_restore.holds_jax(into)
+
+
+def _load_jax(
+    location: Location, options: dict[str, Any], process_group: Any, timeout: float | None
+) -> Any:
+    """``sp.load(into=pytree)`` of a JAX pytree: restored into host arrays, then placed with
+    the target leaves' shardings and rebuilt (see :mod:`savepoint.state.jax_restore`)."""
+    from savepoint.state import jax_restore
+
+    if process_group is not None:
+        raise UnsupportedStateError(
+            "sp.load(into=<a pytree of jax arrays>) takes no process_group: jax arrays are "
+            "restored by one process, onto the devices their shardings name (multi-process "
+            "jax.distributed restores are not supported)"
+        )
+    unpacked = jax_restore.unpack(options["into"])
+    _load(location, {**options, "into": unpacked.plain}, None, timeout)
+    return unpacked.finish(str(location))
 
 
 def _other(location: Location, exc: CheckpointError) -> Any:

@@ -391,6 +391,13 @@ class DistributedCheckpointError(CheckpointError, RuntimeError):
     a rank that died or stopped answering shows up as a failed collective on the others. On a
     rank whose own step failed, that exception is the ``__cause__``. A failed save commits
     nothing: the previous checkpoint at the path is intact.
+
+    ``phase`` names the phase that failed (``"save: plan"``, ``"save: write"``, ``"save:
+    commit"``, ``"load: plan"``, ``"load: read"``, ``"load: read-once round 2"``...; None where
+    unknown). ``stalled`` maps each rank that did not finish its part of that phase within the
+    deadline (``timeout=``), or died in it, to the phase: ``{3: "save: write"}``; it is empty
+    when every failing rank reported an error of its own. ``errors[r]`` of such a rank says what
+    it was doing, where known (the data file it was writing).
     """
 
     def __init__(
@@ -399,9 +406,13 @@ class DistributedCheckpointError(CheckpointError, RuntimeError):
         *,
         path: str | os.PathLike[str] | None = None,
         errors: Mapping[int, str] | None = None,
+        phase: str | None = None,
+        stalled: Mapping[int, str] | None = None,
     ) -> None:
         super().__init__(message, path=path)
         self.errors: dict[int, str] = dict(errors or {})
+        self.phase = phase
+        self.stalled: dict[int, str] = dict(stalled or {})
 
     @property
     def ranks(self) -> tuple[int, ...]:

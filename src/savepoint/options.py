@@ -16,8 +16,8 @@ Fields:
 - ``process_group``: a ``torch.distributed.ProcessGroup`` for a sharded save (every rank calls),
   or None; torch.distributed is imported only to check a group that is given, and its default
   group must be initialised;
-- ``timeout``: seconds a sharded save waits for a rank that stopped answering (None: no limit);
-  positive and finite.
+- ``timeout``: the deadline of each phase of a sharded save: seconds a rank waits for another
+  to finish its part (None: 1800, as torch.distributed's default); positive and finite.
 
 :func:`check_load` checks the arguments of ``sp.load`` and ``sp.verify`` the same way, before
 anything is read.
@@ -120,6 +120,7 @@ def check_load(
     process_group: Any = None,
     timeout: Any = None,
     device: Any = None,
+    read_once: Any = True,
     what: str = "load",
 ) -> str | list[str] | None:
     """Check the arguments of ``sp.load`` (``what``: the function, for messages; ``sp.verify``
@@ -133,6 +134,8 @@ def check_load(
         raise ValueError(f"{label} framework must be 'auto', 'numpy' or 'torch', not {framework!r}")
     if not isinstance(mmap, bool):
         raise TypeError(_type_error("mmap", "a bool", mmap, label))
+    if not isinstance(read_once, bool):
+        raise TypeError(_type_error("read_once", "a bool", read_once, label))
     _check_progress(progress, label)
     if process_group is not None:
         check_process_group(process_group, label=label)

@@ -188,19 +188,22 @@ def _file(where: Location) -> Found:
 
 def _directory_format(where: Location, entries: list[str]) -> Found | None:
     """A directory of another format (a boostr checkpoint, a training artifact or a sweep of
-    them, another system's checkpoint directory: ``formats.foreign``), by its marker files."""
-    from savepoint.formats import boostr, detect, training_artifact
+    them, a Hugging Face model directory, another system's checkpoint directory:
+    ``formats.foreign``), by its marker files."""
+    from savepoint.formats import boostr, detect, huggingface, training_artifact
 
     shown = str(where)
-    other = detect.by_entries(entries)
-    if other is not None:
-        return Found("format", shown, format=other, remote=not where.is_local)
     if training_artifact.REPORT_FILE in entries:
         return Found("format", shown, format="training-artifact", remote=not where.is_local)
     if boostr.SHARDING in entries:
         return Found("format", shown, format="boostr-distributed", remote=not where.is_local)
     if boostr.STATE in entries:
         return Found("format", shown, format="boostr", remote=not where.is_local)
+    if huggingface.SINGLE in entries or huggingface.INDEX in entries:
+        return Found("format", shown, format="huggingface", remote=not where.is_local)
+    other = detect.by_entries(entries)
+    if other is not None:
+        return Found("format", shown, format=other, remote=not where.is_local)
     return None
 
 

@@ -169,3 +169,39 @@ def test_a_save_failing_at_exit_is_reported_not_dropped(tmp_path: Path) -> None:
     assert "savepoint: a background save failed at exit" in proc.stderr
     assert "No space left on device" in proc.stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_sharded_save_is_staged_into_the_reused_arena(tmp_path: Path, writer: str) -> None:
+    """A sharded save (``process_group=``) is copied into the checkpointer's one arena, reused by
+    every save, by either writer (issue 27: the thread writer copied each tensor into fresh
+    memory, one after another); what is saved is the state when ``save()`` returned, however
+    the state is hammered while the save writes."""
+    from _support import one_rank_world
+    from savepoint.distributed import FlatShard
+
+    rng = np.random.default_rng(3)
+    local = rng.standard_normal(300_000).astype(np.float32)
+    state = {"flat": FlatShard(local, (600, 500), 0), "rep": rng.standard_normal((64, 64))}
+    expected = {}
+    with (
+        one_rank_world() as dist,
+        sp.AsyncCheckpointer(
+            process_group=dist.group.WORLD,
+            writer=writer,  # type: ignore[arg-type]
+        ) as ck,
+    ):
+        buffers = set()
+        for i in range(4):
+            pending = ck.save(tmp_path / f"s{i}", state)
+            buffers.add(id(ck._arena._keep))
+            assert ck._arena.capacity >= local.nbytes + state["rep"].nbytes
+            expected[i] = {"flat": local.reshape(600, 500).copy(), "rep": state["rep"].copy()}
+            while not pending.done():
+                local += 1.0
+                state["rep"] *= -1.0
+            pending.wait()
+            local += 1.0
+    assert len(buffers) == 1  # one arena, reused: not a fresh copy per save
+    for i, want in expected.items():
+        same(sp.load(tmp_path / f"s{i}"), want)

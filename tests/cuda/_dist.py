@@ -75,6 +75,18 @@ def main(directory: str, device: str) -> None:
             pending.wait()
         same(sp.load(os.path.join(directory, "async"))["model"], want)
         all_reduce_ok()
+
+        # Through the writer process: the shard copied into the shared arena (page-locked for
+        # CUDA) in save(); the collectives in the background thread, the write in the process.
+        with sp.AsyncCheckpointer(process_group=world, writer="process") as ck:
+            pending = ck.save(os.path.join(directory, "async-process"), {"model": model})
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1)  # after save() returned: not in the checkpoint
+            all_reduce_ok()
+            pending.wait()
+        same(sp.load(os.path.join(directory, "async-process"))["model"], want)
+        all_reduce_ok()
     finally:
         dist.destroy_process_group()
     print("OK", flush=True)

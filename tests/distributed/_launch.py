@@ -57,12 +57,13 @@ def run(
     timeout: float = 120,
     done_when: list[int] | None = None,
     worker: Path = WORKER,
+    env: dict[str, str] | None = None,
 ) -> Session:
-    """Run ``scenario`` on ``world`` ranks of ``worker`` (a script taking ``scenario rank world
-    port workdir``). With ``done_when``, the session ends once those ranks have exited; the other
-    ranks (a deliberately hung one) are then killed."""
+    """Run ``scenario`` of ``worker`` (by default ``_worker.py``) on ``world`` ranks, with
+    ``env`` added to their environment. With ``done_when``, the session ends once those ranks
+    have exited; the other ranks (a deliberately hung one) are then killed."""
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     start = time.monotonic()
     procs = [
         subprocess.Popen(

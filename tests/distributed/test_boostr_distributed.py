@@ -120,9 +120,10 @@ def scenario_boostr_async(s: Any) -> None:
 
     rank, world = s.rank, s.world
     pg = dist.group.WORLD
+    writer = os.environ.get("SAVEPOINT_TEST_BOOSTR_WRITER", "thread")
 
     def each_strategy() -> None:
-        with sp.AsyncCheckpointer(process_group=pg, timeout=60) as ck:
+        with sp.AsyncCheckpointer(process_group=pg, timeout=60, writer=writer) as ck:  # type: ignore[arg-type]
             for strategy, kwargs in STRATEGIES:
                 mine = rank_state(strategy, rank, world)
                 pending = ck.save_distributed(
@@ -162,8 +163,10 @@ def scenario_boostr_async(s: Any) -> None:
 
     def fails_everywhere() -> None:
         _boostr_write._Rank.write = failing  # type: ignore[method-assign]
+        if writer == "process" and rank == world - 1:  # the writer process writes rank_{r}/
+            os.environ["SAVEPOINT_WRITER_FAULT"] = "oserror:ENOSPC"
         try:
-            with sp.AsyncCheckpointer(process_group=pg, timeout=60) as ck:
+            with sp.AsyncCheckpointer(process_group=pg, timeout=60, writer=writer) as ck:  # type: ignore[arg-type]
                 mine = rank_state("Replicated", rank, world)
                 pending = ck.save_distributed(s.path("async-Replicated"), mine.model)
                 with pytest.raises(DistributedCheckpointError, match="No space left") as info:
@@ -172,6 +175,7 @@ def scenario_boostr_async(s: Any) -> None:
                 assert isinstance(pending.exception(), DistributedCheckpointError)
         finally:
             _boostr_write._Rank.write = real  # type: ignore[method-assign]
+            os.environ.pop("SAVEPOINT_WRITER_FAULT", None)
 
     s.check("failure on one rank, reported on every rank", fails_everywhere)
     dist.barrier()
@@ -209,12 +213,15 @@ def test_each_rank_writes_its_own_directory(
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
 def test_async_save_distributed_writes_each_rank_in_the_background(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
     """The seed's ``AsyncCheckpointer::save_distributed``: per-rank writes in the background,
-    the same layout and checks as ``boostr.save_distributed``, the state as it was at the call."""
+    the same layout and checks as ``boostr.save_distributed``, the state as it was at the call;
+    by the thread writer, and by each rank's writer process (from its staging arena)."""
     monkeypatch.setattr(_launch, "WORKER", Path(__file__))
+    monkeypatch.setenv("SAVEPOINT_TEST_BOOSTR_WRITER", writer)
     world = 2
     session = _launch.run("boostr_async", world, tmp_path)
     assert not session.failures(), session.failures()

@@ -62,3 +62,40 @@ def test_a_coordinator_checks_its_process_group() -> None:
         group = dist.group.WORLD
     with pytest.raises(ValueError, match=r"not initialised; call .*init_process_group"):
         collectives.coordinator(group, None)
+
+
+def test_waiting_for_another_operation_on_the_same_ranks_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One save or load at a time per process and ranks: the next waits for the lock at most
+    ``timeout`` seconds (a background save stuck on a dead mount must not hang a load)."""
+    import threading
+    import time
+
+    with one_rank_world() as dist:
+        monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+        first = collectives.coordinator(dist.group.WORLD, 0.5)
+        second = collectives.coordinator(dist.group.WORLD, 0.5)
+        held, release = threading.Event(), threading.Event()
+
+        def background() -> None:
+            with first.exclusive():
+                held.set()
+                release.wait(10)
+
+        thread = threading.Thread(target=background)
+        thread.start()
+        try:
+            assert held.wait(10)
+            start = time.monotonic()
+            with pytest.raises(
+                sp.DistributedCheckpointError, match=r"has not finished within 0.5 s"
+            ):
+                with second.exclusive():
+                    pass
+            assert 0.4 < time.monotonic() - start < 3
+        finally:
+            release.set()
+            thread.join()
+        with second.exclusive():  # free again
+            pass

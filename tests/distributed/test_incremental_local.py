@@ -117,6 +117,8 @@ class ThreadCoordinator(collectives.Coordinator):
         *,
         each: bool = False,
         cleanup: Callable[[], None] | None = None,
+        phase: str | None = None,
+        combine_phase: str | None = None,
     ) -> Any:
         g = self.group
         try:
@@ -700,3 +702,40 @@ def test_frozen_is_refused_for_sharded_saves(tmp_path: Path) -> None:
     with pytest.raises(sp.UnsupportedStateError, match="frozen= is not supported"):
         sp.save(tmp_path / "ck", rank_state(0, 1), blobs=tmp_path / "blobs", frozen=["emb"])
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_ranks_write_step_and_its_records_cross_as_json(tmp_path: Path) -> None:
+    """What the writer process of ``AsyncCheckpointer(writer="process")`` runs for a sharded save:
+    ``write_rank`` from plain data (the staging directory, the rank's pieces, their sources),
+    here with blobs; the pieces and the records (Flat regions, block checksums and recipes
+    included) come back from JSON exactly as they were."""
+    from savepoint.codecs import boxes
+    from savepoint.distributed import pieces, plan
+    from savepoint.state import tree
+
+    target = str(tmp_path / "ckpt")
+    described = [dsave.describe(tree.flatten(rank_state(r, 2)), target) for r in range(2)]
+    items = plan.merge([d[0] for d in described]).writes[0]
+    assert {type(i.region) for i in items} == {boxes.Flat, tuple}
+    assert pieces.items_from_json(json.loads(json.dumps(pieces.items_json(items)))) == items
+    (tmp_path / "staging").mkdir()
+    policy = BlobPolicy(chunk_size=4096, min_blob_bytes=8192, workers=1, patches=False)
+    assert {policy.wants(i.nbytes) for i in items} == {True, False}  # blobs and a data file
+    blobs = dsave.RankSession(BlobStore.open(tmp_path / "blobs").session(), policy)
+    records = dsave.write_rank(
+        target,
+        str(tmp_path / "staging"),
+        0,
+        items,
+        described[0][1],
+        max_file_bytes=1 << 30,
+        writers=1,
+        direct=False,
+        progress=None,
+        blobs=blobs,
+    )
+    blobs.close(committed=True)
+    files, shards = records
+    assert files and {s.recipe is None for _, s in shards} == {True, False}
+    back = pieces.records_from_json(json.loads(json.dumps(pieces.records_json(records))))
+    assert back == records

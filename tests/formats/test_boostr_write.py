@@ -17,7 +17,7 @@ import pytest
 import savepoint as sp
 from _support import one_rank_world
 from savepoint.async_.checkpointer import AsyncCheckpointer
-from savepoint.formats import _boostr_single, _boostr_write, boostr
+from savepoint.formats import _boostr_single, _boostr_write, boostr, detect
 
 STATE = boostr.TrainingState(step=7, epoch=2, learning_rate=3e-4, metadata={"run": "x"})
 SPLIT = {"w": 1, "emb": 0}
@@ -101,7 +101,7 @@ def test_round_trip_from_a_list(
         same_tensors(one.optimizer, ranks[r].optimizer or {})
     boostr.consolidate(tmp_path / "ck", tmp_path / "merged")
     same_tensors(boostr.load(tmp_path / "merged").model, model)
-    assert sp.formats.detect.detect(tmp_path / "ck") == "boostr-distributed"
+    assert detect.detect(tmp_path / "ck") == "boostr-distributed"
     boostr.verify(tmp_path / "ck")
 
 
@@ -401,5 +401,5 @@ def test_consolidate_replaces_a_distributed_checkpoint_in_place(tmp_path: Path) 
     boostr.save_distributed(tmp_path / "ck", ranks, strategy="Replicated")
     boostr.save_distributed(tmp_path / "merged", ranks, strategy="Replicated")
     boostr.consolidate(tmp_path / "ck", tmp_path / "merged")
-    assert sp.formats.detect.detect(tmp_path / "merged") == "boostr"
+    assert detect.detect(tmp_path / "merged") == "boostr"
     same_tensors(boostr.load(tmp_path / "merged").model, full()[0])

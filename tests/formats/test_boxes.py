@@ -137,3 +137,36 @@ def test_irregular_boxes_in_three_dimensions_are_refused_quickly() -> None:
     problem = boxes.check_cover(bs, (n, n, 10))
     assert problem is not None and "too many to check" in problem
     assert time.perf_counter() - began < 5.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_run_pieces_hold_exactly_the_run(data: st.DataObject) -> None:
+    """The pieces of a contiguous run of a stored shard (a box or a flat range) are the boxes
+    whose elements sit, in C order, at those offsets of the run: what a read-once chunk holds."""
+    import numpy as np
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    full = np.arange(int(np.prod(shape))).reshape(shape)
+    region: boxes.Region
+    if data.draw(st.booleans()):
+        lo = data.draw(st.integers(0, full.size - 1))
+        region = boxes.Flat(lo, data.draw(st.integers(lo + 1, full.size)))
+        stored = full.reshape(-1)[region.start : region.stop]
+    else:
+        region = tuple(
+            (a, data.draw(st.integers(a + 1, n)))
+            for n in shape
+            for a in [data.draw(st.integers(0, n - 1))]
+        )
+        stored = full[tuple(slice(a, b) for a, b in region)].reshape(-1)
+    start = data.draw(st.integers(0, stored.size - 1))
+    stop = data.draw(st.integers(start + 1, stored.size))
+    found = []
+    for p in boxes.run_pieces(region, shape, start, stop):
+        n = boxes.volume(p.box)
+        assert p.offset >= 0 and p.offset + n <= stop - start
+        want = full[tuple(slice(a, b) for a, b in p.box)].reshape(-1)
+        assert (stored[start + p.offset : start + p.offset + n] == want).all()
+        found.extend(range(p.offset, p.offset + n))
+    assert sorted(found) == list(range(stop - start))

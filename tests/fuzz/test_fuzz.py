@@ -33,6 +33,7 @@ def test_every_parser_is_a_target() -> None:
         "detect",
         "burn",
         "training_artifact",
+        "hf_index",  # a Hugging Face model directory's index, and its shards against it
         "dcp",  # issue 30: other systems' checkpoint directories
         "deepspeed",
         # savepoint's own JSON files besides manifests

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from click.testing import CliRunner
 
 import savepoint as sp
 from _compare import same
+from _support import run_doc_snippets
 from savepoint.cli import main
 from savepoint.runs import layout
 
@@ -192,20 +191,7 @@ def test_peek_falls_back_past_a_corrupt_checkpoint(
 
 
 def test_runs_doc_snippets_run(tmp_path: Path) -> None:
-    doc = (ROOT / "docs" / "runs.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"^```python[^\n]*\n(.*?)^```", doc, re.M | re.S)
-    assert blocks
-    script = tmp_path / "snippets.py"
-    script.write_text("\n\n".join(blocks), encoding="utf-8")
-    result = subprocess.run(
-        [sys.executable, "-W", "error", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "ok" in result.stdout
+    run_doc_snippets(ROOT / "docs" / "runs.md", tmp_path)
 
 
 def test_the_view_reads_each_checkpoints_metrics_once(

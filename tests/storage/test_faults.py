@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import savepoint as sp
 from savepoint.storage.base import Store
 from savepoint.storage.faults import (
     KINDS,
@@ -164,6 +165,30 @@ def test_reads_and_views_can_fail(inner: Store, root: str) -> None:
         Call("open_blob", store.join(root, "b")),
         Call("read_small", store.join(root, "b")),
     ]
+
+
+def test_reads_are_counted_and_views_can_be_withheld(inner: Store, root: str) -> None:
+    """``views=False``: every reader's ``view`` answers None (as an object store's), so what a
+    load takes comes through ``read``, each call recorded with its offset and length."""
+    store = FaultyStore(inner, views=False)
+    path = store.join(root, "b")
+    store.put(path, b"0123456789")
+    r = store.open_blob(path)
+    try:
+        assert r.view(0, 10) is None
+        out = bytearray(4)
+        r.read(3, out)
+        assert bytes(out) == b"3456"
+    finally:
+        r.close()
+    assert store.calls[-2:] == [Call("view", path), Call("read", path, None, 4, 3)]
+    data = b"0123456789"
+    sp.save(store.at(store.join(root, "ckpt")), {"x": np.frombuffer(data * 100, np.uint8)})
+    store.calls.clear()
+    loaded = sp.load(store.at(store.join(root, "ckpt")))
+    assert bytes(loaded["x"]) == data * 100
+    reads = [c for c in store.calls if c.kind == "read"]
+    assert sum(c.nbytes or 0 for c in reads) >= 1000 and all(c.offset is not None for c in reads)
 
 
 def test_space_cuts_the_write_that_crosses_it(inner: Store, root: str) -> None:

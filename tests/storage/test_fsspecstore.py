@@ -388,3 +388,12 @@ def test_a_refused_read_is_a_checkpoint_permission_error() -> None:
         assert name in str(info.value) and "permission denied" in str(info.value)
     fs.refuse = ""
     same(sp.load(ckpt), state(1))
+
+
+def test_a_local_fsspec_url_names_its_absolute_path_again(tmp_path: Path) -> None:
+    """``Store.url``'s promise: resolving the URL a store shows names the same store and path
+    (for fsspec's local filesystem the path stays absolute: ``fsspec+file:///tmp/run``)."""
+    location = resolve(f"fsspec+file://{tmp_path}/run")
+    assert str(location) == f"fsspec+file://{tmp_path}/run"
+    again = resolve(str(location))
+    assert (again.store, again.path) == (location.store, str(tmp_path / "run"))

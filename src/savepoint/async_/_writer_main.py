@@ -10,11 +10,23 @@ it seconds of start-up and hundreds of MiB of memory (and, on a GPU machine, cou
 in a second process). ``tests/async_/test_process_writer.py`` checks it is not loaded.
 
 Per save the trainer sends the staged layout (file names, sizes, headers' lengths, the tensor
-entries, the tree and the metadata of the manifest) and, when the arena is new, its descriptor.
+entries, the tree and the metadata of the manifest), where to write it (a local path, or a URL
+this process resolves itself: :mod:`savepoint.async_._place`) and, when the arena is new, its
+descriptor.
 This process rebuilds the :class:`~savepoint.async_.staging.Staged` over its own mapping of the
 arena, commits it with :func:`savepoint.engine.save.save_staged` (the same writer as the thread
 writer's) and answers ``done`` with the checksums (the trainer builds its description from them)
 or ``error`` with the error's type and message.
+
+A boostr save (``save_boostr``, or one rank's part of ``save_distributed``) sends ``boostr``:
+where each tensor is in the arena and the training state; this process writes the directory
+(or ``rank_{r}/``) with boostr's own writer (:mod:`savepoint.async_._boostr`).
+
+A sharded save sends ``pieces`` instead (the trainer runs the save's collectives): the staging
+directory rank 0 made, this rank's assigned pieces and where their bytes are in the arena; this
+process writes them with :func:`savepoint.distributed.save.write_rank` (the thread writer's own
+step) and answers ``done`` with their records. For an incremental one its blob session stays
+open until the trainer sends ``settle`` (was the checkpoint committed?), answered ``settled``.
 
 Lifetime: the process ends when its socket reaches end of stream (the trainer closed it, exited
 or was killed), or when its parent is gone; a save already handed over is finished first (a save
@@ -46,7 +58,7 @@ import numpy as np
 
 from savepoint import errors
 from savepoint.async_ import _wire
-from savepoint.async_.staging import BLOCK, Staged, StagedFile, staged_sources
+from savepoint.async_.staging import BLOCK, ArenaSource, Staged, StagedFile, staged_sources
 from savepoint.codecs.safetensors import Entry
 from savepoint.engine import save as save_engine
 from savepoint.storage.paths import resolve
@@ -76,20 +88,26 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if fds:
             arena = _map(fds, int(message["arena_size"]))
-        if message["op"] != "save":
-            continue
+        if message["op"] not in ("save", "pieces", "boostr"):
+            continue  # a cancel that came after its save was done
+        answer: dict[str, Any] | None
         if arena is None:
             answer = {"op": "error", "type": "CheckpointWriteError", "path": message.get("path")}
             answer["message"] = "the writer process was sent a save without its staging arena"
+        elif message["op"] == "pieces":
+            answer = _pieces(message, arena, sock)
+        elif message["op"] == "boostr":
+            answer = _boostr(message, arena)
         else:
             answer = _save(message, arena, sock)
         try:
-            _wire.send(sock, answer)
+            if answer is not None:
+                _wire.send(sock, answer)
         except OSError:
             pass  # the trainer is gone: the commit stands, nobody is left to tell
 
 
-# The memo and tracker of each blob store this process writes to (root -> (memo, tracker)):
+# The memo and tracker of each blob store this process writes to (URL -> (memo, tracker)):
 # unchanged chunks are named at XXH3 speed and changed rows found from the second save on, as
 # they are for the thread writer's checkpointer. Lost with the process: the next one hashes again.
 _MEMOS: dict[str, tuple[Any, Any]] = {}
@@ -100,19 +118,12 @@ def _save_blobs(
 ) -> dict[str, Any]:
     """An incremental save: the blob store's save session over the staged bytes, then the
     manifest committed; answered with the manifest's text (it names blobs the trainer never saw)."""
-    from savepoint.blobs import BlobPolicy, BlobStore, Compression, FastMemo
-    from savepoint.blobs.patch import PatchTracker, frozen_keys
+    from savepoint.blobs.patch import frozen_keys
     from savepoint.codecs import manifest as mf
     from savepoint.codecs.dtypes import BY_NAME
-    from savepoint.storage.local import LocalStore
 
+    blobs, policy, memo, tracker = _blob_store(message["blobs"])
     spec = message["blobs"]
-    fields = dict(spec["policy"])
-    if fields.get("compression") is not None:
-        fields["compression"] = Compression(**fields["compression"])
-    policy = BlobPolicy(**fields)
-    blobs = BlobStore(LocalStore(), str(spec["root"]), algorithm=spec["algorithm"])
-    memo, tracker = _MEMOS.setdefault(blobs.root, (FastMemo(), PatchTracker()))
     kinds = {
         e.name: (BY_NAME[e.dtype], tuple(e.shape), str(message["kinds"][e.name][0]))
         for f in staged.files
@@ -135,6 +146,35 @@ def _save_blobs(
             progress=progress,
         )
     return {"op": "done", "directory": directory, "manifest": mf.dump(manifest).decode()}
+
+
+def _blob_store(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """The blob store, policy, memo and patch tracker of an incremental save's ``blobs`` field
+    (the memo and tracker this process keeps for that store)."""
+    from savepoint.blobs import BlobPolicy, BlobStore, Compression, FastMemo
+    from savepoint.blobs.patch import PatchTracker
+
+    fields = dict(spec["policy"])
+    if fields.get("compression") is not None:
+        fields["compression"] = Compression(**fields["compression"])
+    policy = BlobPolicy(**fields)
+    url = str(spec["url"])  # a local path, or a URL (async_/_place.py)
+    blobs = BlobStore.open(url, algorithm=spec["algorithm"])
+    memo, tracker = _MEMOS.setdefault(url, (FastMemo(), PatchTracker()))
+    return blobs, policy, memo, tracker
+
+
+def _rank_session(spec: dict[str, Any]) -> Any:
+    """A sharded incremental save's blob side on this rank: a session opened on its store."""
+    from savepoint.distributed.save import RankSession
+
+    blobs, policy, memo, tracker = _blob_store(spec)
+    return RankSession(
+        blobs.session(),
+        policy,
+        memo if policy.memo else None,
+        tracker if policy.patches else None,
+    )
 
 
 NICE = 10  # how much lower the writer process's CPU priority is than its trainer's
@@ -204,6 +244,81 @@ def _save(message: dict[str, Any], arena: np.ndarray[Any, Any], sock: socket.soc
         "files": {name: r.header_xxh3 for name, r in manifest.files.items()},
         "digests": [manifest.tensors[name].xxh3 for name in staged.order],
     }
+
+
+def _pieces(
+    message: dict[str, Any], arena: np.ndarray[Any, Any], sock: socket.socket
+) -> dict[str, Any] | None:
+    """This rank's write step of a sharded save (the trainer runs the collectives): the pieces
+    the plan gave it, from the arena into the save's staging directory, synced; answered with
+    their records. An incremental save's pieces go through a blob session that stays open
+    until the trainer says whether the checkpoint was committed (``settle``; its patch tracker
+    is told of a commit), answered ``settled``."""
+    from savepoint.codecs.dtypes import BY_NAME
+    from savepoint.distributed import pieces
+    from savepoint.distributed import save as distributed_save
+
+    target = str(message["path"])
+    blobs = None
+    try:
+        items = pieces.items_from_json(message["pieces"])
+        sources: dict[str, Any] = {
+            item.key: ArenaSource(
+                arena[int(offset) : int(offset) + item.nbytes],
+                BY_NAME[item.dtype],
+                tuple(int(n) for n in shape),
+                str(kind),
+            )
+            for item, (offset, shape, kind) in zip(items, message["sources"], strict=True)
+        }
+        progress = _progress(sock, bool(message.get("progress")))
+        _fault_before()
+        if "blobs" in message:
+            blobs = _rank_session(message["blobs"])
+        records = distributed_save.write_rank(
+            target,
+            str(message["staging"]),
+            int(message["rank"]),
+            items,
+            sources,
+            max_file_bytes=int(message["max_file_bytes"]),
+            writers=int(message["writers"]),
+            direct=bool(message["direct"]),
+            progress=progress,
+            blobs=blobs,
+        )
+    except BaseException as exc:
+        if blobs is not None:
+            blobs.close(committed=False)
+        return {"op": "error", **_wire.error_fields(_wire.reported(exc, target))}
+    answer = {"op": "done", **pieces.records_json(records)}
+    if blobs is None:
+        return answer
+    committed = False
+    try:
+        _wire.send(sock, answer)
+        while (settle := _wire.receive_message(sock)) is not None:
+            if settle["op"] == "settle":
+                committed = bool(settle.get("committed"))
+                break
+    except OSError:
+        pass  # the trainer is gone: the commit's outcome is unknown, the tracker not told
+    finally:
+        blobs.close(committed)
+    return {"op": "settled"}
+
+
+def _boostr(message: dict[str, Any], arena: np.ndarray[Any, Any]) -> dict[str, Any]:
+    """A boostr checkpoint (``save_boostr``), or one rank's part of a distributed one
+    (``save_distributed``), written from the arena (:func:`savepoint.async_._boostr.write`)."""
+    from savepoint.async_ import _boostr as boostr_writer
+
+    target = str(message["path"])
+    try:
+        _fault_before()
+        return boostr_writer.write(message, arena)
+    except BaseException as exc:
+        return {"op": "error", **_wire.error_fields(_wire.reported(exc, target))}
 
 
 def _progress(sock: socket.socket, wanted: bool) -> Any:

@@ -38,13 +38,17 @@ writes its ``rank_{r}/`` of the distributed boostr layout and rank 0 commits ``s
 (``savepoint.formats.boostr.save_distributed``'s process-group form, split by
 ``boostr.prepare_distributed``). The seed passes ``rank`` and ``world_size``; here they are the
 group's. (Sharded checkpoints in savepoint's own format are ``save(path, state)`` with a
-checkpointer made with ``process_group=``: that is savepoint's native async per-rank write.)
+checkpointer made with ``process_group=``: that is savepoint's native async per-rank write. With
+``writer="process"`` each rank copies its part into the shared staging arena in ``save()``; in
+the background its thread runs the collectives and its writer process writes its pieces,
+:meth:`savepoint.async_.process.ProcessWriter.stage_sharded`.)
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -57,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from savepoint import info
+from savepoint.async_ import _boostr, _place
 from savepoint.async_._wire import reported as _reported
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.process import ProcessWriter
@@ -68,7 +73,6 @@ from savepoint.errors import UnsupportedStateError
 from savepoint.formats import boostr
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
-from savepoint.storage.local import LocalStore
 from savepoint.storage.paths import Location, PathArg, local_path
 from savepoint.storage.paths import resolve as resolve_path
 
@@ -99,9 +103,16 @@ class AsyncCheckpointer:
 
     ``writer="process"`` hashes, writes and commits in a separate writer process
     (:mod:`savepoint.async_.process`) instead of a thread of this one: the training loop keeps
-    the GIL and its cores; a save handed over commits even if this process is then killed.
-    Local directories and host tensors only, for now (incremental, sharded, boostr and CUDA
-    saves refuse it with a ValueError); ``progress`` is called as the writer reports."""
+    the GIL and its cores; a save handed over commits even if this process is then killed
+    (not a sharded one: see below). Plain, incremental and CUDA saves, to local paths and to
+    stores named by a URL (``s3://``, ``gs://``, ``az://``, fsspec's), which the writer process
+    makes again from the URL and the environment it inherits (:mod:`savepoint.async_._place`);
+    ``memory://`` and stores made by hand are refused in ``save()`` with an
+    UnsupportedStorageError (a ValueError); ``save_boostr`` and ``save_distributed`` too
+    (:mod:`savepoint.async_._boostr`); ``progress`` is called as the writer reports. With ``process_group`` too, the
+    save's collectives (plan, records, commit) stay in this process's background thread, and
+    the writer process writes this rank's pieces from the shared arena: the commit needs every
+    rank's records through the group, so a sharded save does not outlive its trainer."""
 
     def __init__(
         self,
@@ -145,7 +156,7 @@ class AsyncCheckpointer:
         self.direct = self.options.direct  # False: buffered writes + fsync even with O_DIRECT
         self.writers = self.options.writers  # files written at once (sharded: per rank)
         self.progress = self.options.progress
-        self.writer = _writer(writer, self.options)
+        self.writer = _writer(writer)
         self._process = ProcessWriter() if writer == "process" else None
         self._arena = self._process.arena if self._process else StagingArena()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
@@ -173,8 +184,8 @@ class AsyncCheckpointer:
         tracker: Any = None,
         frozen: Any = None,
     ) -> PendingSave:
-        """Snapshot ``state`` now and write it to ``path`` (a local path, a ``file://`` or
-        ``memory://`` URL, a ``Location``) in the background.
+        """Snapshot ``state`` now and write it to ``path`` (a local path, a URL: ``file://``,
+        ``memory://``, ``s3://``, ..., a ``Location``) in the background.
 
         ``blobs`` and ``blob_policy``: an incremental save, as ``sp.save(..., blobs=,
         blob_policy=)`` (see ``docs/blobs.md``). The caller is blocked for the staging copy
@@ -214,21 +225,22 @@ class AsyncCheckpointer:
         """Snapshot a boostr checkpoint now and write it to ``path`` in the background, as
         ``savepoint.formats.boostr.save(path, model, optimizer, state)`` would (the seed's
         ``AsyncCheckpointer::save``): the same one-in-flight, ``on_busy`` and error rules as
-        :meth:`save`. The blocking part copies every tensor into host memory owned by the save
-        (a fresh copy per save: the staging arena is laid out as native files) and checks
-        ``state``; the PendingSave resolves to the written checkpoint's description (``CheckpointInfo``). Not
+        :meth:`save`. The blocking part checks ``state`` and copies every tensor into host
+        memory owned by the save (a fresh copy per save; with ``writer="process"`` into the
+        shared arena, in parallel, and the writer process writes the directory from there); the
+        PendingSave resolves to the written checkpoint's description (``CheckpointInfo``). Not
         available with a process group (use :meth:`save_distributed`)."""
         target = os.path.abspath(local_path(path, what="checkpoint path"))
-        _thread_only(self.writer, "save_boostr")
         if self.process_group is not None:
             raise ValueError(
                 "save_boostr writes a single boostr checkpoint; with a process group use "
                 "AsyncCheckpointer.save_distributed (or, synchronously, "
                 "savepoint.formats.boostr.save_distributed(..., process_group=...))"
             )
+        process = self._process
         with self._save_lock:
             return self._save(
-                target, on_commit, lambda: _boostr_commit(target, model, optimizer, state)
+                target, on_commit, lambda: _boostr_commit(process, target, model, optimizer, state)
             )
 
     def save_distributed(
@@ -256,11 +268,12 @@ class AsyncCheckpointer:
 
         ``process_group`` and ``timeout`` default to the checkpointer's; one of the two must name
         a group. The blocking part checks every argument and copies the tensors into host memory
-        owned by the save; the same one-in-flight, error-reporting and exit rules as
+        owned by the save (``writer="process"``: into the shared arena, and the writer process
+        writes ``rank_{r}/`` while the collectives stay in the background thread, so the save
+        does not outlive its trainer); the same one-in-flight, error-reporting and exit rules as
         :meth:`save` apply (``on_busy="skip"`` is refused: ranks could disagree about which saves
         to skip). The PendingSave resolves to the ``ShardingMeta`` that ``boostr.save_distributed``
         returns, which ``on_commit`` receives too."""
-        _thread_only(self.writer, "save_distributed")
         group = self.process_group if process_group is None else process_group
         if group is None:
             raise ValueError(
@@ -275,22 +288,15 @@ class AsyncCheckpointer:
             )
         wait = self.timeout if timeout is None else timeout
         target = os.path.abspath(local_path(path, what="checkpoint path"))
+        options: dict[str, Any] = {"strategy": strategy, "stage": stage, "split_dims": split_dims}
+        options.update(owned_params=owned_params, process_group=group, timeout=wait)
+        # The writer process writes this rank's rank_{r}/ from the arena (async_/_boostr.py).
+        prepare: Callable[..., Callable[[], Any]] = boostr.prepare_distributed
+        if self._process is not None:
+            prepare = functools.partial(_boostr.prepare_distributed, self._process)
         with self._save_lock:
             return self._save(
-                target,
-                on_commit,
-                lambda: boostr.prepare_distributed(
-                    target,
-                    model,
-                    optimizer,
-                    state,
-                    strategy=strategy,
-                    stage=stage,
-                    split_dims=split_dims,
-                    owned_params=owned_params,
-                    process_group=group,
-                    timeout=wait,
-                ),
+                target, on_commit, lambda: prepare(target, model, optimizer, state, **options)
             )
 
     def _save(
@@ -361,16 +367,22 @@ class AsyncCheckpointer:
         incremental: _Incremental | None = None,
     ) -> Callable[[], info.CheckpointInfo]:
         meta = save_engine.check_metadata(metadata)
+        if self.process_group is not None and self._process is not None:
+            return self._process.stage_sharded(location, state, meta, self.options, incremental)
         if self.process_group is not None:
             from savepoint.distributed import save as distributed_save
 
-            frozen = distributed_save.snapshot(state)
+            # This rank's part copied into the reused arena, as for the writer process (the
+            # previous save is finished, waited for above, so the arena may be overwritten).
+            flat = distributed_save.flatten(state)
+            staged, frozen = self._arena.snapshot(flat, self.max_file_bytes)
             sharded = None
             if incremental is not None:
                 inc = incremental
                 sharded = distributed_save.Incremental(inc.blobs, inc.policy, inc.memo, inc.tracker)
 
             def commit() -> info.CheckpointInfo:
+                staged.wait()  # a CUDA state's copies land
                 return distributed_save.save_flat(location, frozen, meta, self.options, sharded)
 
             return commit
@@ -502,11 +514,7 @@ def _incremental(
                 "memo= and tracker= cannot be given with writer='process': the writer process "
                 "keeps its own (one per blob store, for all the saves it writes)"
             )
-        if type(store.store) is not LocalStore:
-            raise ValueError(
-                f"writer='process' writes local blob stores only, not {store.url()}: use "
-                "AsyncCheckpointer(writer='thread')"
-            )
+        _place.url_of(Location(store.store, store.root), "blob store")  # one it can reach
         return _Incremental(store, policy, None, None, matcher, prefixes)
     if memo is None and policy.memo:
         with ckpt._lock:
@@ -521,24 +529,11 @@ def _incremental(
     return _Incremental(store, policy, memo, tracker, matcher, prefixes)
 
 
-def _writer(writer: str, options: SaveOptions) -> Writer:
-    """``writer=`` checked: "thread" or "process" (not with a process group, for now)."""
+def _writer(writer: str) -> Writer:
+    """``writer=`` checked: "thread" or "process"."""
     if writer not in ("thread", "process"):
         raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
-    if writer == "process" and options.process_group is not None:
-        raise ValueError(
-            "writer='process' does not write sharded saves (process_group=) yet: use "
-            "writer='thread'"
-        )
     return "process" if writer == "process" else "thread"
-
-
-def _thread_only(writer: Writer, what: str) -> None:
-    if writer != "thread":
-        raise ValueError(
-            f"{what} is not written by the writer process yet: use AsyncCheckpointer("
-            "writer='thread') for it"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,12 +549,16 @@ class _Incremental:
 
 
 def _boostr_commit(
+    process: ProcessWriter | None,
     target: str,
     model: Mapping[str, Any],
     optimizer: Mapping[str, Any] | None,
     state: boostr.TrainingState | None,
 ) -> Callable[[], info.CheckpointInfo]:
-    """Check and copy a boostr checkpoint now; the returned function writes it (background)."""
+    """Check and copy a boostr checkpoint now; the returned function writes it (background),
+    or with ``process`` waits for the writer process to have written it (async_/_boostr.py)."""
+    if process is not None:
+        return _boostr.stage_single(process, target, model, optimizer, state)
     given = state if state is not None else boostr.TrainingState()
     given.to_json()  # refuse what cannot be written now, in the caller, not in the background
     frozen = dataclasses.replace(given, metadata=dict(given.metadata))

@@ -16,6 +16,26 @@ processes: nothing is named in ``/dev/shm``, so nothing can leak when either pro
 and its memory is counted once. The writer process maps it when it is new (sent with the save as
 ``SCM_RIGHTS``) and keeps the mapping.
 
+A sharded save (``process_group=``, :meth:`ProcessWriter.stage_sharded`) is copied into the arena
+the same way in ``save()``, but handed over in parts by the background thread: the writer process
+is not a member of the process group, so the save's collectives (the plan, the gather of every
+rank's records, rank 0's commit and its answer) run in the trainer's background thread, which
+sends the writer process only this rank's write step (a ``pieces`` message: the staging
+directory, the pieces the plan assigned to this rank and where their bytes are in the arena) and
+waits for their records, with the GIL free. Such a save therefore does not outlive its trainer:
+a trainer killed after ``save()`` returned leaves its rank's part unreported, and the save fails
+on the other ranks (the previous checkpoint stays; its writer process exits once its write is
+done, nobody committing it). The writer process's death mid-write is the
+CheckpointWriteError naming it, which becomes this rank's failure in the DistributedCheckpointError
+every rank raises. An incremental sharded save's blob session stays open in the writer process
+until the background thread tells it the commit's outcome (``settle``).
+
+Where it writes: a local path, or a store named by a URL (``s3://``, ``gs://``, ``az://``,
+fsspec's), which the writer process makes again from that URL and the environment it inherited
+from the trainer (credentials included; nothing is put on its command line): the save's
+location and an incremental save's blob store cross as URLs (:mod:`savepoint.async_._place`,
+which refuses, in ``save()``, ``memory://`` and stores made by hand).
+
 A forked child does not share its parent's writer process: its copy of the socket is closed at
 fork, and a checkpointer it makes starts its own.
 """
@@ -28,28 +48,35 @@ import functools
 import logging
 import mmap
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from savepoint import info
-from savepoint.async_ import _wire
-from savepoint.async_.staging import Staged, StagingArena, on_cuda
+from savepoint import errors, info
+from savepoint.async_ import _place, _wire
+from savepoint.async_.staging import ArenaSource, Staged, StagingArena, on_cuda
 from savepoint.codecs import manifest as mf
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
 from savepoint.errors import CheckpointWriteError, UnsupportedStateError
-from savepoint.options import SaveOptions
+from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
-from savepoint.storage.local import LocalStore
+from savepoint.state.arrays import TensorSource
 from savepoint.storage.paths import Location
+
+if TYPE_CHECKING:
+    from savepoint.distributed import plan
+    from savepoint.distributed.pieces import Records
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +179,8 @@ class ProcessWriter:
         ``incremental``: the checked blob store, policy and frozen prefixes of an incremental
         save (``AsyncCheckpointer.save(blobs=...)``); the writer process runs its save session
         with the memo and tracker it keeps for that blob store."""
-        if type(location.store) is not LocalStore:
-            raise ValueError(
-                f"writer='process' writes local directories only, not "
-                f"{location.store.url(location.path)}: use AsyncCheckpointer(writer='thread')"
-            )
-        target = os.path.abspath(location.path)
-        self._ensure()  # its start-up overlaps the copy
+        target = _place.url_of(location, "checkpoint path")
+        self.ensure()  # its start-up overlaps the copy
         flat = tree.flatten(state)
         if incremental is not None and save_engine.has_shards(flat.tree):
             raise UnsupportedStateError("blobs= is not supported for sharded states yet")
@@ -196,8 +218,38 @@ class ProcessWriter:
             return functools.partial(
                 self._hand_over_then_answer, message, staged, location, meta, options
             )
-        self._hand_over(message)
+        self.hand_over(message)
         return functools.partial(self._answer, location, target, staged, meta, options)
+
+    def stage_sharded(
+        self,
+        location: Location,
+        state: Any,
+        meta: dict[str, Any],
+        options: SaveOptions,
+        incremental: Any = None,
+    ) -> Callable[[], info.CheckpointInfo]:
+        """A sharded save (``process_group=``): copy this rank's part of ``state`` into the arena
+        (the caller's part). The returned function (the background thread's part) runs the
+        save's collectives here (:func:`savepoint.distributed.save.save_flat`: the writer
+        process is not in the process group) and hands this rank's write step to the writer
+        process (:class:`_ShardWriter`). ``incremental``: as :meth:`stage`'s."""
+        from savepoint.distributed import save as distributed_save
+
+        target = _place.url_of(location, "checkpoint path")
+        self.ensure()  # its start-up overlaps the copy
+        staged, snapshot = self.arena.snapshot(
+            distributed_save.flatten(state), options.max_file_bytes
+        )
+        sharded = None
+        if incremental is not None:  # the writer process keeps the memo and patch tracker
+            sharded = distributed_save.Incremental(incremental.blobs, incremental.policy)
+        writer = _ShardWriter(self, target, staged, incremental)
+
+        def commit() -> info.CheckpointInfo:
+            return distributed_save.save_flat(location, snapshot, meta, options, sharded, writer)
+
+        return commit
 
     def _hand_over_then_answer(
         self,
@@ -209,10 +261,10 @@ class ProcessWriter:
     ) -> info.CheckpointInfo:
         staged.wait()
         message["checks"] = staged.checks()
-        self._hand_over(message)
+        self.hand_over(message)
         return self._answer(location, message["path"], staged, meta, options)
 
-    def _ensure(self) -> None:
+    def ensure(self) -> None:
         """A running writer process: a new one if none runs or the last one died while idle."""
         if self._proc is not None and self._proc.poll() is not None:
             log.warning("the savepoint writer process %s %s; starting a new one", *self._status())
@@ -238,7 +290,9 @@ class ProcessWriter:
             theirs.close()
         self._sock, self._mapped = ours, 0
 
-    def _hand_over(self, message: dict[str, Any]) -> None:
+    def hand_over(self, message: dict[str, Any]) -> None:
+        """Send ``message`` (with the arena's descriptor when the writer process has not mapped
+        this arena yet); a writer process that died since the last save is replaced first."""
         for attempt in (1, 2):
             assert self._sock is not None
             fds = [self.arena.fd] if self._mapped != self.arena.generation else []
@@ -248,7 +302,7 @@ class ProcessWriter:
                 if attempt == 2:
                     raise
                 self._forget()  # it died since the last save: start a new one, send again
-                self._ensure()
+                self.ensure()
             else:
                 self._mapped = self.arena.generation
                 return
@@ -261,10 +315,36 @@ class ProcessWriter:
         meta: dict[str, Any],
         options: SaveOptions,
     ) -> info.CheckpointInfo:
+        message = self.receive(target, options.progress)
+        if "manifest" in message:
+            # An incremental save: its manifest names blobs the trainer never saw.
+            manifest = mf.parse(message["manifest"].encode())
+            return describe(location.store.url(message["directory"]), manifest)
+        return _described(location, staged, meta, message)
+
+    def receive(
+        self,
+        target: str,
+        progress: Progress | None,
+        *,
+        abandoned: Callable[[], BaseException | None] | None = None,
+        within: float | None = None,
+    ) -> dict[str, Any]:
+        """The writer process's answer to the message handed over last (``done``, or
+        ``settled``), calling ``progress`` as it reports; its ``error`` raised as the error it
+        names, its death as a CheckpointWriteError naming it. A ``progress`` that raises cancels
+        the save in the writer process; one already done is answered ``done`` all the same.
+        Bounded where asked: once ``abandoned()`` returns an error (the other ranks gave up on
+        this save), or after ``within`` seconds without an answer, the writer process is
+        killed (it cannot be trusted to be in step any more; the next save starts a new one)
+        and that error raised."""
         sock = self._sock
         assert sock is not None
-        progress, stop = options.progress, None
+        stop: BaseException | None = None
+        deadline = None if within is None else time.monotonic() + within
         while True:
+            if abandoned is not None or deadline is not None:
+                self._await(sock, target, abandoned, deadline, within)
             message = _wire.receive_message(sock)
             if message is None:
                 raise self._died(target)
@@ -281,12 +361,38 @@ class ProcessWriter:
                 if stop is not None:
                     raise stop from _wire.error_from(message)
                 raise _wire.error_from(message)
-            elif message["op"] == "done" and "manifest" in message:
-                # An incremental save: its manifest names blobs the trainer never saw.
-                manifest = mf.parse(message["manifest"].encode())
-                return describe(location.store.url(message["directory"]), manifest)
-            elif message["op"] == "done":
-                return _described(location, staged, meta, message)
+            elif message["op"] in ("done", "settled"):
+                return message
+
+    def _await(
+        self,
+        sock: socket.socket,
+        target: str,
+        abandoned: Callable[[], BaseException | None] | None,
+        deadline: float | None,
+        within: float | None,
+    ) -> None:
+        """Until the writer process has something to say (see :meth:`receive`)."""
+        while True:
+            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if wait > 0 and select.select([sock], [], [], wait)[0]:
+                return
+            error = abandoned() if abandoned is not None else None
+            if error is None and deadline is not None and time.monotonic() >= deadline:
+                error = CheckpointWriteError(
+                    f"the savepoint writer process (pid {self.pid}) did not answer within "
+                    f"{within:g} s during the save to {target}; it was stopped and the next "
+                    "save starts a new one",
+                    path=target,
+                )
+            if error is not None:
+                proc = self._proc
+                self._forget()
+                if proc is not None:
+                    proc.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=10)  # a process stuck in the kernel dies on return
+                raise error
 
     def _died(self, target: str) -> CheckpointWriteError:
         """The error for a writer process that ended (or broke its protocol) mid-save."""
@@ -338,11 +444,102 @@ class ProcessWriter:
         _LIVE.discard(self)
 
 
+class _ShardWriter:
+    """This rank's write step of a sharded save, in the writer process (the
+    :class:`~savepoint.distributed.save.RankWriter` of :meth:`ProcessWriter.stage_sharded`): the
+    pieces the plan gave this rank are sent as a ``pieces`` message (each piece's place in the
+    arena) and the writer process answers with their records, after writing and syncing them
+    (:func:`savepoint.distributed.save.write_rank`). An incremental save's session stays open in
+    the writer process until :meth:`close` tells it the commit's outcome."""
+
+    def __init__(self, process: ProcessWriter, target: str, staged: Staged, incremental: Any):
+        self.process = process
+        self.target = target
+        self.staged = staged
+        self.incremental = incremental
+        self.open = False  # the writer process holds this save's blob session
+        self.timeout = 1800.0  # the save's timeout=, for the writer process's answers
+
+    def write(
+        self,
+        location: Location,
+        staging: str,
+        rank: int,
+        items: tuple[plan.Item, ...],
+        sources: dict[str, TensorSource],
+        options: SaveOptions,
+    ) -> Records:
+        from savepoint.distributed import collectives, deadlines, pieces
+
+        self.timeout = options.timeout or collectives.DEFAULT_TIMEOUT
+        self.staged.wait()  # CUDA copies land (they overlapped the plan step)
+        message: dict[str, Any] = {
+            "op": "pieces",
+            "path": self.target,
+            "staging": staging,
+            "rank": rank,
+            "arena_size": self.process.arena.capacity,
+            "pieces": pieces.items_json(items),
+            "sources": [self._place(sources[item.key]) for item in items],
+            "direct": options.direct,
+            "writers": options.writers,
+            "max_file_bytes": options.max_file_bytes,
+            "progress": options.progress is not None,
+        }
+        if self.incremental is not None:
+            message["blobs"] = _blobs_fields(self.incremental)
+        progress, stopped = options.progress, list[BaseException]()
+
+        def watched(done: int, total: int) -> None:
+            assert progress is not None
+            try:
+                progress(done, total)
+            except BaseException as exc:
+                stopped.append(exc)
+                raise
+
+        self.process.hand_over(message)
+        with deadlines.working_on(f"its writer process (pid {self.process.pid}) writing"):
+            answer = self.process.receive(
+                self.target,
+                watched if progress is not None else None,
+                abandoned=deadlines.abandoned,
+            )
+        # Done: an incremental save's session is open in the writer process until close().
+        self.open = self.incremental is not None
+        if stopped:  # the caller stopped the save once the pieces were written: not committed
+            raise stopped[0]
+        return pieces.records_from_json(answer)
+
+    def _place(self, source: TensorSource) -> list[Any]:
+        """Where a piece's bytes are in the arena, and the shape and kind of what was staged."""
+        assert isinstance(source, ArenaSource)
+        return [self.process.arena.offset(source.view), list(source.shape), source.kind]
+
+    def close(self, committed: bool) -> None:
+        if not self.open:
+            return
+        self.open = False
+        try:
+            sock = self.process._sock
+            assert sock is not None
+            _wire.send(sock, {"op": "settle", "committed": committed})
+            self.process.receive(self.target, None, within=self.timeout)
+        except (OSError, errors.CheckpointError) as exc:
+            log.warning(
+                "%s: the writer process could not close this rank's blob session (%s); blob "
+                "collections wait until its record is stale",
+                self.target,
+                exc,
+            )
+
+
 def _blobs_fields(incremental: Any) -> dict[str, Any]:
     """An incremental save's blob store, policy and frozen prefixes, as a message's fields."""
     policy = dataclasses.asdict(incremental.policy)
+    blobs = incremental.blobs
     return {
-        "root": incremental.blobs.root,
+        "url": _place.url_of(Location(blobs.store, blobs.root), "blob store"),
         "algorithm": incremental.blobs.algorithm,
         "policy": policy,
         "frozen": None if incremental.prefixes is None else list(incremental.prefixes),

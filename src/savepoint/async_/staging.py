@@ -131,8 +131,10 @@ class StagingArena:
     def release(self) -> None:
         self._array = self._keep = None
 
-    def stage(self, flat: Flat, max_file_bytes: int) -> Staged:
-        """Copy ``flat``'s tensors into the arena, laid out as the files they will be written to."""
+    def stage(self, flat: Flat, max_file_bytes: int, *, hash_on_device: bool = True) -> Staged:
+        """Copy ``flat``'s tensors into the arena, laid out as the files they will be written to.
+        ``hash_on_device=False``: no CUDA tensor is hashed on its device (``Staged.checks`` is
+        empty; for a writer that hashes the bytes it writes on the host, as a sharded save's)."""
         layouts = []
         total = 0
         for fp in plan_files(flat.tensors, max_file_bytes):
@@ -154,7 +156,7 @@ class StagingArena:
                     device_jobs.append((e.name, source, dst))
                 else:
                     host_jobs.append((source, dst))
-                    if DEVICE_HASH_CPU and len(dst) >= DEVICE_HASH_MIN:
+                    if hash_on_device and DEVICE_HASH_CPU and len(dst) >= DEVICE_HASH_MIN:
                         host_checked.append((e.name, dst))
             files.append(StagedFile(name, header, entries, image, size))
         wait: Callable[[], None] = _nothing
@@ -169,7 +171,7 @@ class StagingArena:
                     (name, s, pinned[(o := d.__array_interface__["data"][0] - base) : o + len(d)])
                     for name, s, d in device_jobs
                 ],
-                hash_min=DEVICE_HASH_MIN,
+                hash_min=DEVICE_HASH_MIN if hash_on_device else None,
             )
         for source, dst in host_jobs:
             source.copy_to(dst[:0], 0)  # make any contiguous copy once, before the threads
@@ -185,6 +187,18 @@ class StagingArena:
             return out
 
         return Staged(flat.tree, files, list(flat.tensors), wait, checks)
+
+    def snapshot(self, flat: Flat, max_file_bytes: int) -> tuple[Staged, Flat]:
+        """``flat`` staged (:meth:`stage`, in parallel, into this reused arena; no device
+        checksums), and the staged state as a :class:`Flat` over the arena's bytes
+        (:func:`staged_sources`): the snapshot of a sharded save, whose write step plans its
+        own files from those sources (the thread writer's, and the writer process's, which
+        finds each piece by its place in the shared arena). Training may change ``flat``'s
+        tensors once this returns; the arena must not be staged into again before the save is
+        done, and a CUDA state's bytes are there once ``Staged.wait()`` returns."""
+        kinds = {name: (s.dtype, s.shape, s.kind) for name, s in flat.tensors.items()}
+        staged = self.stage(flat, max_file_bytes, hash_on_device=False)
+        return staged, staged_sources(staged, kinds)
 
 
 def _nothing() -> None:
@@ -218,6 +232,11 @@ class ArenaSource(NumpySource):
     kind of the tensor it was copied from."""
 
     __slots__ = ()
+
+    @property
+    def view(self) -> np.ndarray[Any, Any]:
+        """The staged bytes: a flat uint8 view of the arena."""
+        return self._array
 
     def __init__(
         self, data: np.ndarray[Any, Any], dtype: DType, shape: tuple[int, ...], kind: str

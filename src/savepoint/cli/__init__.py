@@ -34,7 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "copy": ("copy_cmd", "Copy a checkpoint to another place, verified and committed atomically."),
     "diff": ("diff_cmd", "Show how two checkpoints (or two steps of a run) differ."),
-    "export": ("export_cmd", "Write a model's weights as one Hugging Face safetensors file."),
+    "export": (
+        "export_cmd",
+        "Write a model's weights as a Hugging Face safetensors file, or a sharded directory.",
+    ),
     "gc": ("gc_cmd", "Remove what failed or interrupted saves left in a run."),
     "inspect": ("inspect_cmd", "Describe what a checkpoint holds (any format savepoint reads)."),
     "ls": ("ls_cmd", "List a run's checkpoints and why each is kept."),

@@ -34,7 +34,7 @@ from savepoint.errors import (
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
 )
-from savepoint.formats import boostr, burn, dcp_import, detect, training_artifact
+from savepoint.formats import boostr, burn, dcp_import, detect, huggingface, training_artifact
 from savepoint.storage.paths import Location, local_path, resolve
 
 JSON_VERSION = 1  # the version of the --json shape; bumped only when a key changes meaning
@@ -361,9 +361,14 @@ _FOREIGN_MARKERS = {
     boostr.SHARDING: "a distributed boostr checkpoint",
     training_artifact.REPORT_FILE: "a training artifact",
     training_artifact.COMPARISON_FILE: "a sweep of training artifacts",
+    huggingface.INDEX: "a Hugging Face model directory",
+    huggingface.SINGLE: "a Hugging Face model directory",
     dcp_import.METADATA: "a torch.distributed.checkpoint checkpoint",
 }
-_FOREIGN_FORMATS = ".safetensors, .shrew, burn .mpk, boostr, training artifacts, DCP"
+_FOREIGN_FORMATS = (
+    ".safetensors, .shrew, burn .mpk, boostr, training artifacts, Hugging Face model directories, "
+    "DCP, DeepSpeed and Orbax directories"
+)
 
 
 def foreign_url(path: str) -> bool:

@@ -2,7 +2,8 @@
 
 What the manifests show (keys added or removed, dtype or shape changes, plain values) is printed
 at once; then each tensor's row as it is computed. Tensors whose stored checksums match are equal
-without being read (see :mod:`savepoint.formats.diff`). ``--json`` prints one object at the end.
+without being read (see :mod:`savepoint.formats.diff`, which also reads the other formats).
+``--json`` prints one object at the end.
 
 Exit status 0 when they are identical, 1 when they differ or one cannot be read.
 """
@@ -42,7 +43,10 @@ _HEADER = ("tensor", "dtype", "shape", "max abs diff", "rel L2 diff")
 def diff_cmd(a: str, b: str, c: str | None, show_all: bool, read_all: bool, as_json: bool) -> None:
     """Compare two checkpoints: `diff CKPT_A CKPT_B`, or two steps of a run: `diff RUN STEP STEP`
     (a step may be a number, 'latest' or 'best'). Checkpoints and runs may be local paths or URLs
-    (memory://, s3://, ...). Exit status 0 when identical, 1 otherwise.
+    (memory://, s3://, ...); either checkpoint may also be a local file or directory of another
+    format savepoint reads (a .safetensors file, a Hugging Face model directory, .shrew, ...,
+    whose tensors are always read: they have no checksums). Exit status 0 when identical, 1
+    otherwise.
 
     Differences are printed as they are found: first what the manifests show (- removed,
     + added, ~ changed type, shape or value), then each differing tensor's largest absolute
@@ -79,9 +83,9 @@ def diff_cmd(a: str, b: str, c: str | None, show_all: bool, read_all: bool, as_j
                 )
                 bar.echo(_row(cells, widths))
     except CheckpointError as exc:
-        fail_read(exc, a, b)
+        fail_read(exc, a, b, any_format=True)
     if as_json:
-        echo_json(report.to_dict(), format="savepoint", version=report.a_version, default=str)
+        echo_json(report.to_dict(), format=report.a_format, version=report.a_version, default=str)
         sys.exit(0 if report.identical else 1)
     same = sum(t.equal for t in report.tensors)
     by_checksum = sum(t.by_checksum for t in report.tensors)

@@ -32,9 +32,18 @@ __all__ = ["ls_cmd"]
     progress=False,
 )
 @click.argument("run_dir", type=click.Path(path_type=str))
-def ls_cmd(run_dir: str, as_json: bool) -> None:
+@click.option(
+    "--peer-memory",
+    "peer_memory",
+    type=click.Path(path_type=str),
+    default=None,
+    help="Where the run's peer-memory tier keeps its node folders (its memory_dir; default: "
+    "/dev/shm/savepoint-peers).",
+)
+def ls_cmd(run_dir: str, as_json: bool, peer_memory: str | None) -> None:
     """List the checkpoints of the run at RUN_DIR (a local path or a URL: memory://, s3://, ...):
-    steps, sizes, metrics, and why each is kept.
+    steps, sizes, metrics, and why each is kept; then what the node folders of its peer-memory
+    tier that this machine sees hold (sizes per node and step, against each node's budget).
 
     RUN_DIR is a directory made by sp.CheckpointManager (it holds run.json, report.json and
     checkpoints/). For one checkpoint use `savepoint inspect`; for a sweep of runs,
@@ -44,7 +53,7 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
     Example:
       savepoint ls runs/demo
     """
-    from savepoint.runs import layout, policies
+    from savepoint.runs import layout, peers, policies
 
     run_dir = local(run_dir, "run directory")
     require_run(run_dir)
@@ -90,20 +99,21 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
                 "kept_by": reasons.get(step, []),
             }
         )
+    memory_dir = peer_memory if peer_memory is not None else peers.default_memory_dir()
+    in_memory = peers.usage(memory_dir, report.run_id) if report.run_id else []
     if as_json:
-        echo_json(
-            {
-                "path": shown(run_dir),
-                "run": shown(run_dir),
-                "name": report.name,
-                "variant": report.variant,
-                "steps_completed": report.steps_completed,
-                "checkpoints": rows_json,
-                "problems": problems,
-            },
-            format=RUN_FORMAT,
-            version=run_version(run_dir),
-        )
+        doc: dict[str, Any] = {
+            "path": shown(run_dir),
+            "run": shown(run_dir),
+            "name": report.name,
+            "variant": report.variant,
+            "steps_completed": report.steps_completed,
+            "checkpoints": rows_json,
+            "problems": problems,
+        }
+        if in_memory:
+            doc["peer_memory"] = {"dir": memory_dir, "nodes": in_memory}
+        echo_json(doc, format=RUN_FORMAT, version=run_version(run_dir))
         return
     click.echo(
         f"run {report.name}"
@@ -112,8 +122,13 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
     )
     for problem in problems:
         click.echo(f"warning: {problem}", err=True)
-    if not rows_json:
-        return
+    if rows_json:
+        _checkpoints(rows_json)
+    if in_memory:
+        _peer_memory(memory_dir, in_memory)
+
+
+def _checkpoints(rows_json: list[dict[str, Any]]) -> None:
     rows: list[tuple[str, ...]] = [("step", "size", "metrics", "tags", "kept by")]
     for r in rows_json:
         rows.append(
@@ -125,4 +140,17 @@ def ls_cmd(run_dir: str, as_json: bool) -> None:
                 ",".join(r["kept_by"]) or "-",
             )
         )
+    click.echo(_table(rows))
+
+
+def _peer_memory(memory_dir: str, nodes: list[dict[str, Any]]) -> None:
+    """What the run's node folders under ``memory_dir`` hold, per node and step."""
+    click.echo(f"peer memory ({memory_dir}):")
+    rows: list[tuple[str, ...]] = [("node", "step", "parts", "size", "budget")]
+    for node in nodes:
+        budget = _size(node["budget"]) if node["budget"] is not None else "newest complete"
+        rows.append((node["node"], "all", "-", _size(node["bytes"]), budget))
+        for step in node["steps"]:
+            parts = ",".join(map(str, step["parts"]))
+            rows.append(("", str(step["step"]), parts, _size(step["bytes"]), ""))
     click.echo(_table(rows))

@@ -40,6 +40,7 @@ __all__ = [
     "overlaps",
     "pieces",
     "relative",
+    "run_pieces",
     "show",
     "size",
     "span",
@@ -129,6 +130,25 @@ def pieces(region: Region, shape: Sequence[int]) -> list[Piece]:
         _decompose(region.start, region.stop, tuple(shape), (), found)
         return [Piece(b, _ravel([s for s, _ in b], shape) - region.start) for b in found]
     return [Piece(region, 0)] if volume(region) else []
+
+
+def run_pieces(region: Region, shape: Sequence[int], start: int, stop: int) -> list[Piece]:
+    """The pieces of elements ``[start, stop)`` of a buffer holding ``region`` of a tensor of
+    ``shape`` (a contiguous run of a stored shard: a chunk of it read on its own), boxes in the
+    tensor's coordinates, offsets counted from ``start``."""
+    if isinstance(region, Flat):
+        return pieces(Flat(region.start + start, region.start + stop), shape)
+    found: list[Box] = []
+    _decompose(start, stop, extents(region), (), found)
+    origin = [lo for lo, _ in region]
+    ext = extents(region)
+    return [
+        Piece(
+            tuple((lo + o, hi + o) for (lo, hi), o in zip(box, origin)),
+            _ravel([s for s, _ in box], ext) - start,
+        )
+        for box in found
+    ]
 
 
 def _decompose(start: int, stop: int, shape: tuple[int, ...], prefix: Box, out: list[Box]) -> None:

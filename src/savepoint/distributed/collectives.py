@@ -7,10 +7,12 @@ or the list of failures, and every rank returns the answer or raises the same
 DistributedCheckpointError naming the failing ranks. A rank that dies makes the collective fail
 on the others (gloo notices a closed connection at once); a rank that hangs makes it time out
 after ``timeout`` seconds. Either way the others raise instead of hanging, and rank 0 runs the
-step's cleanup (removing a half-written staging directory) first. To name the rank that died,
-each rank records in the default store the last step whose local part it finished; the survivors
-name the ranks that have not recorded the failed step within a few seconds (a slower, live rank
-records it meanwhile).
+step's cleanup (removing a half-written staging directory) first.
+
+Deadlines: each step names its phase (``phase=``, ``combine_phase=`` for rank 0's combining)
+and its object (``path``); a rank waits at most ``timeout`` seconds at each point where the ranks
+meet, and the first to give up writes the verdict every rank raises, naming the ranks that had
+not reached the point (:mod:`savepoint.distributed.deadlines`).
 
 Transport: a gloo process group created for savepoint alone, over the same ranks as the caller's
 group, so these collectives can never interleave with the training's own (NCCL or gloo) ones. It is
@@ -39,6 +41,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from savepoint.distributed.deadlines import Board, Verdict, give_up, watch
 from savepoint.distributed.plan import PlanError
 from savepoint.errors import CheckpointError, DistributedCheckpointError, UnsupportedStateError
 from savepoint.options import check_process_group
@@ -68,10 +71,11 @@ class _CollectiveError(RuntimeError):
 
 
 class _Failed:
-    __slots__ = ("errors",)
+    __slots__ = ("combining", "errors")
 
-    def __init__(self, errors: dict[int, str]) -> None:
+    def __init__(self, errors: dict[int, str], combining: bool = False) -> None:
         self.errors = errors
+        self.combining = combining  # rank 0's combine failed (not a rank's local part)
 
 
 def describe(exc: BaseException) -> str:
@@ -107,13 +111,45 @@ class Coordinator(abc.ABC):
         *,
         each: bool = False,
         cleanup: Callable[[], None] | None = None,
+        phase: str | None = None,
+        combine_phase: str | None = None,
     ) -> Any:
         """Run ``local`` on every rank, then ``combine`` on rank 0 with every rank's result.
 
         ``combine`` returns the answer for every rank (``each=False``: one answer, broadcast) or
         a list with one answer per rank (``each=True``: scattered). Without ``combine`` every
-        rank gets None. ``cleanup`` runs on rank 0 when the step failed anywhere.
+        rank gets None. ``cleanup`` runs on rank 0 when the step failed anywhere. ``phase``
+        names the local part in errors ("save: write"; default ``what``), ``combine_phase``
+        rank 0's combining ("save: commit"; default ``phase``); ``path`` is their object.
         """
+
+    # -- data collectives (read-once loads): uint8 buffers as tensors, never pickled ----------
+
+    moves_data: bool = False  # whether the three below exist beyond one rank
+
+    def all_flags(self, flag: int, *, phase: str | None = None) -> list[int]:
+        """Every rank's ``flag`` (a small integer), in rank order, on every rank: a point where
+        the ranks meet, ``phase`` naming what each did before it (default: the step's)."""
+        if self.world_size == 1:
+            return [flag]
+        raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
+
+    def broadcast_bytes(self, buf: Any, root: int) -> None:
+        """Fill ``buf`` (a contiguous, writable uint8 numpy array of the same length on every
+        rank) with what rank ``root`` holds in its ``buf``."""
+        if self.world_size == 1:
+            return
+        raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
+
+    def exchange_bytes(
+        self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], tag: int
+    ) -> None:
+        """Send each ``(rank, buf)`` of ``sends`` to its rank and fill each ``(rank, buf)`` of
+        ``recvs`` from its rank (at most one message per pair and ``tag``; uint8 numpy arrays,
+        the receiver's the sender's length); all are posted before any is waited for."""
+        if not sends and not recvs:
+            return
+        raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
 
 
 class LocalCoordinator(Coordinator):
@@ -128,6 +164,8 @@ class LocalCoordinator(Coordinator):
         *,
         each: bool = False,
         cleanup: Callable[[], None] | None = None,
+        phase: str | None = None,
+        combine_phase: str | None = None,
     ) -> Any:
         try:
             value = local()
@@ -175,7 +213,9 @@ class TorchCoordinator(Coordinator):
 
     def _call(self, fn: Callable[[], R]) -> R:
         try:
-            return fn()
+            result = fn()
+            self._synced_at = time.monotonic()
+            return result
         except _CollectiveError:
             raise
         except Exception as exc:  # gloo raises RuntimeError / DistBackendError subclasses
@@ -198,12 +238,80 @@ class TorchCoordinator(Coordinator):
             return objs[0]
         return self._call(lambda: _scatter(self._ensure_group(), objs, self.rank, self.world_size))
 
+    # -- data collectives ---------------------------------------------------------------------
+
+    moves_data = True
+
+    def all_flags(self, flag: int, *, phase: str | None = None) -> list[int]:
+        if self.world_size == 1:
+            return [flag]
+        channel = self._channel
+        assert channel is not None
+        self._data_phase = phase or self._op[2]
+        self._point = point = channel.next_step()
+        self._arrive(point)
+        try:
+            return self._call(lambda: _sizes(self._ensure_group(), flag, self.world_size))
+        except _CollectiveError as exc:
+            raise self._broke(
+                self._give_up(point, self._data_phase, self._everyone(), exc)
+            ) from exc
+
+    def broadcast_bytes(self, buf: Any, root: int) -> None:
+        if self.world_size == 1 or not len(buf):
+            return
+        import torch
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        tensor = torch.from_numpy(buf)
+        self._data(lambda: self._ensure_group().broadcast([tensor], opts).wait())
+
+    def exchange_bytes(
+        self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], tag: int
+    ) -> None:
+        import torch
+
+        def run() -> None:
+            group = self._ensure_group()
+            works = [group.send([torch.from_numpy(b)], r, tag) for r, b in sends if len(b)]
+            works += [group.recv([torch.from_numpy(b)], r, tag) for r, b in recvs if len(b)]
+            for work in works:
+                work.wait()
+
+        if sends or recvs:
+            self._data(run)
+
+    def _data(self, fn: Callable[[], None]) -> None:
+        """A data collective between two points (every rank has reached the last one)."""
+        try:
+            self._call(fn)
+        except _CollectiveError as exc:
+            raise self._broke(self._give_up(self._point, self._data_phase, [], exc)) from exc
+
+    def _broke(self, verdict: Verdict) -> DistributedCheckpointError:
+        """The error of a data collective that failed: the step it runs in raises it as is."""
+        what, path, _ = self._op
+        self._broken = verdict.error(what, path)
+        return self._broken
+
     # -- the step protocol -------------------------------------------------------------------
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
-        with gc_paused(), self._channel.lock if self._channel is not None else nullcontext():
-            yield
+        lock = self._channel.lock if self._channel is not None else None
+        if lock is not None and not lock.acquire(timeout=self.timeout):
+            raise DistributedCheckpointError(
+                f"another sharded save or load over these ranks in this process has not finished "
+                f"within {self.timeout:g} s (timeout=): this one cannot start"
+            )
+        try:
+            with gc_paused():
+                yield
+        finally:
+            if lock is not None:
+                lock.release()
 
     def step(
         self,
@@ -214,24 +322,42 @@ class TorchCoordinator(Coordinator):
         *,
         each: bool = False,
         cleanup: Callable[[], None] | None = None,
+        phase: str | None = None,
+        combine_phase: str | None = None,
     ) -> Any:
+        phase = phase or what
+        combine_phase = combine_phase or phase
+        self._begin(what, path, phase, cleanup)
         own: BaseException | None = None
-        number = self._channel.next_step() if self._channel is not None else 0
+        with self._watch():
+            try:
+                outcome: tuple[bool, Any] = (True, local())
+            except Exception as exc:
+                broken = self._broken
+                if broken is not None:  # a data collective of this step failed: the group is gone
+                    if self.rank == 0 and cleanup is not None:
+                        cleanup()
+                    if exc is broken:
+                        raise
+                    raise broken from exc
+                own = exc
+                outcome = (False, describe(exc))
+        channel = self._channel
+        number = channel.next_step() if channel is not None else 0
+        answered = 0  # the point rank 0's answer is waited for at, once every rank reported
         try:
-            outcome: tuple[bool, Any] = (True, local())
-        except Exception as exc:
-            own = exc
-            outcome = (False, describe(exc))
-        if self._channel is not None:
-            self._channel.done(self.rank, number)
-        try:
+            self._arrive(number, own)
             gathered = self._gather_objects(outcome)
+            answered = channel.next_step() if channel is not None else 0
             reply: Any = None
             if self.rank == 0:
                 assert gathered is not None
-                reply = self._combine(gathered, combine, each)
+                self._op = (what, path, combine_phase)
+                with self._watch(answered):
+                    reply = self._combine(gathered, combine, each)
                 if isinstance(reply, _Failed) and cleanup is not None:
                     cleanup()
+                self._arrive(answered, own)
             if each:
                 replies = None
                 if self.rank == 0:
@@ -242,45 +368,100 @@ class TorchCoordinator(Coordinator):
         except _CollectiveError as exc:
             if self.rank == 0 and cleanup is not None:
                 cleanup()
-            grace = min(self.timeout, NAMING_GRACE)
-            behind = self._channel.behind(number, self.world_size, grace) if self._channel else []
-            behind = [r for r in behind if r != self.rank]
-            errors = {r: f"did not finish its part of {what} {path}" for r in behind}
-            if own is not None:
-                errors[self.rank] = describe(own)
-            who = (
-                f"{_ranks(behind)} did not finish {'its' if len(behind) == 1 else 'their'} part "
-                "(died, or stuck)"
-                if behind
-                else "a rank died or stopped answering"
-            )
-            raise DistributedCheckpointError(
-                f"{what} {path} failed: {who}; savepoint's process group reported on rank "
-                f"{self.rank} of {self.world_size}: {exc} (a rank that does not answer within "
-                f"{self.timeout:g} s, the timeout= argument, counts as failed)"
-                + (f"; this rank had failed too: {describe(own)}" if own is not None else ""),
-                path=path,
-                errors=errors,  # empty when no rank could be named
-            ) from (own or exc)
+            if not answered:
+                verdict = self._give_up(number, phase, self._everyone(), exc, own)
+            else:  # waiting for rank 0's answer (rank 0: a rank died after the gather)
+                waited_for = [0] if self.rank != 0 else []
+                verdict = self._give_up(answered, combine_phase, waited_for, exc, own)
+            mine = {self.rank: describe(own)} if own is not None else None
+            raise verdict.error(what, path, mine) from (own or exc)
         if isinstance(answer, _Failed):
-            errors = answer.errors
-            failing = sorted(errors)
-            by_message: dict[str, list[int]] = {}
-            for r in failing:
-                by_message.setdefault(errors[r], []).append(r)
-            if len(by_message) == 1:
-                details = "\n" + _indent(next(iter(by_message)))
-            else:
-                details = "".join(
-                    f"\n  {_ranks(rs)}:\n{_indent(message, 4)}"
-                    for message, rs in by_message.items()
-                )
-            raise DistributedCheckpointError(
-                f"{what} {path} failed on {_ranks(failing)} of {self.world_size}:{details}",
-                path=path,
-                errors=errors,
-            ) from own
+            failed = combine_phase if answer.combining else phase
+            raise self._failed(what, path, answer.errors, failed) from own
         return answer
+
+    def _failed(
+        self, what: str, path: str, errors: dict[int, str], phase: str
+    ) -> DistributedCheckpointError:
+        """The error of a step in which ranks reported errors of their own."""
+        failing = sorted(errors)
+        by_message: dict[str, list[int]] = {}
+        for r in failing:
+            by_message.setdefault(errors[r], []).append(r)
+        if len(by_message) == 1:
+            details = "\n" + _indent(next(iter(by_message)))
+        else:
+            details = "".join(
+                f"\n  {_ranks(rs)}:\n{_indent(message, 4)}" for message, rs in by_message.items()
+            )
+        return DistributedCheckpointError(
+            f"{what} {path} failed on {_ranks(failing)} of {self.world_size}:{details}",
+            path=path,
+            errors=errors,
+            phase=phase,
+        )
+
+    # -- points and verdicts -----------------------------------------------------------------
+
+    _op: tuple[str, str, str] = ("", "", "")  # what, path and phase of the step running
+    _broken: DistributedCheckpointError | None = None  # set when a data collective failed
+    _cleanup: Callable[[], None] | None = None
+    _point = 0  # the last point a data collective met at
+    _synced_at: float | None = None  # when this rank's last collective completed
+    _data_phase = ""
+
+    def _begin(self, what: str, path: str, phase: str, cleanup: Callable[[], None] | None) -> None:
+        self._op, self._broken, self._cleanup = (what, path, phase), None, cleanup
+
+    def _everyone(self) -> list[int]:
+        return list(range(self.world_size))
+
+    def _watch(self, waited_at: int = 0) -> AbstractContextManager[Any]:
+        """This rank's part of the phase running, watched; the others wait for it at point
+        ``waited_at`` (0: the next point)."""
+        channel = self._channel
+        if channel is None:
+            return nullcontext()
+        point = (lambda: waited_at) if waited_at else (lambda: channel.steps + 1)
+        return watch(channel.board, self.rank, point, *self._op[:2], self.timeout)
+
+    def _arrive(self, point: int, own: BaseException | None = None) -> None:
+        """Record that this rank reached ``point``; if the others gave up on it already (this
+        rank is late), raise their verdict's error at once instead of joining the collective."""
+        channel = self._channel
+        if channel is None:
+            return
+        channel.board.done(self.rank, point)
+        # The others wait at most ``timeout`` from about when this rank left the last point:
+        # a verdict can only be there if that was long ago (or at an operation's first point).
+        synced = self._synced_at
+        if synced is not None and time.monotonic() - synced < self.timeout / 2:
+            return
+        verdict = channel.board.verdict(point)
+        if verdict is None:
+            return
+        _forget(self._ranks, self.timeout)
+        if self.rank == 0 and self._cleanup is not None:
+            self._cleanup()
+        what, path, _ = self._op
+        mine = {self.rank: describe(own)} if own is not None else None
+        raise self._broke(verdict) if mine is None else verdict.error(what, path, mine)
+
+    def _give_up(
+        self,
+        point: int,
+        phase: str,
+        waited_for: Sequence[int],
+        exc: BaseException,
+        own: BaseException | None = None,
+    ) -> Verdict:
+        """The verdict on ``point``, whose collective failed here with ``exc`` (see
+        :func:`.deadlines.give_up`)."""
+        mine = Verdict.of(phase, self._op[1], self.timeout, self.rank, self.world_size, exc)
+        if own is not None:
+            mine.errors[self.rank] = describe(own)
+        channel, grace = self._channel, min(NAMING_GRACE, self.timeout / 2)
+        return mine if channel is None else give_up(channel.board, point, mine, waited_for, grace)
 
     def _combine(
         self, gathered: list[tuple[bool, Any]], combine: Callable[[list[T]], Any] | None, each: bool
@@ -293,9 +474,9 @@ class TorchCoordinator(Coordinator):
         try:
             return combine([v for _, v in gathered])
         except PlanError as exc:
-            return _Failed({r: str(exc) for r in (exc.ranks or [0])})
+            return _Failed({r: str(exc) for r in (exc.ranks or [0])}, combining=True)
         except Exception as exc:
-            return _Failed({0: describe(exc)})
+            return _Failed({0: describe(exc)}, combining=True)
 
 
 def _short(exc: BaseException) -> str:
@@ -344,9 +525,9 @@ def coordinator(process_group: Any, timeout: float | None) -> Coordinator:
 
 
 class _Channel:
-    """savepoint's gloo group over one set of ranks (created on first use), plus a progress
-    record in the default store: after its local part of step ``n`` each rank stores ``n``, so
-    when a collective fails the survivors can name the ranks that never finished theirs."""
+    """savepoint's gloo group over one set of ranks (created on first use), plus its board in
+    the default store (:class:`.deadlines.Board`): the last point each rank reached, so when a
+    collective fails the survivors can name the ranks that never reached it, and the verdicts."""
 
     def __init__(self, prefix: str, timeout: float) -> None:
         self.prefix = prefix
@@ -355,6 +536,7 @@ class _Channel:
         self.steps = 0
         self._group: Any = None
         self._store: Any = None
+        self.board = Board(self._default_store)  # points reached, verdicts, notes
 
     def _default_store(self) -> Any:
         if self._store is None:
@@ -381,33 +563,6 @@ class _Channel:
     def next_step(self) -> int:
         self.steps += 1
         return self.steps
-
-    def done(self, rank: int, step: int) -> None:
-        try:
-            self._default_store().set(f"progress/{rank}", str(step))
-        except Exception:  # only used to word an error; never fail a step over it
-            pass
-
-    def behind(self, step: int, size: int, grace: float) -> list[int]:
-        """Ranks that have not recorded finishing their local part of ``step`` within ``grace``
-        seconds: a rank that is merely slower than the one asking (still writing when a peer's
-        death broke the collective) gets that long to show it is alive. Best effort: the store
-        lives on rank 0 of the world, which may be gone (then the last answer read stands)."""
-        deadline = time.monotonic() + grace
-        found: list[int] = []
-        try:
-            store = self._default_store()
-            while True:
-                found = [
-                    r
-                    for r in range(size)
-                    if not store.check([f"progress/{r}"]) or int(store.get(f"progress/{r}")) < step
-                ]
-                if not found or time.monotonic() > deadline:
-                    return found
-                time.sleep(0.05)
-        except Exception:
-            return found
 
 
 _channels: dict[tuple[int, tuple[int, ...], float], _Channel] = {}

@@ -9,14 +9,23 @@ Call order (``load(path, into=state, process_group=pg)`` on every rank of ``pg``
    and which pieces of which shards overlap it (:func:`~savepoint.distributed.plan.plan_reads`).
    The ranks then agree: if planning failed anywhere, every rank raises and no rank has modified
    anything;
+   With ``read_once`` (the default) each rank also tells rank 0 which bytes of which shards it
+   would read, and rank 0 plans the bytes several ranks need (a replicated tensor, the blocks
+   around two ranks' parts) to be read once (:mod:`~savepoint.distributed.readonce`);
 2. **read** (all ranks): each rank maps the data files holding its shards and copies exactly the
    overlapping elements into its targets (in place for CPU targets, through a host buffer for
-   device tensors), checking each shard it touches against its checksum; then Stateful objects
+   device tensors), checking each shard it touches against its checksum (by block where the
+   shard has block checksums); bytes planned to be read once are read and checked by one rank
+   and sent to the others over savepoint's gloo group (:mod:`._fetch`); then Stateful objects
    get ``load_state_dict``. The ranks agree again: a failure anywhere raises on all.
+
+Each step is a phase with the deadline ``timeout`` (``"load: plan"``, ``"load: read"``, and
+``"load: read-once round k"`` for each round of read-once chunks): a rank that misses it is
+named with the phase in the error every rank raises (:mod:`savepoint.distributed.deadlines`).
 
 Without a process group the same two steps run in one process (a single rank restoring Shard
 targets, say), and errors pass through unchanged. Loading without ``into`` returns every tensor
-whole on every rank.
+whole on every rank (read once too, unless ``mmap``).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any, Literal
 import numpy as np
 
 from savepoint.codecs import boxes, dtypes
-from savepoint.distributed import collectives, plan, shard
+from savepoint.distributed import _fetch, collectives, plan, readonce, shard
 from savepoint.engine import load as load_engine
 from savepoint.engine.read import Reader, RegionCopy, ShardTask
 from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
@@ -71,15 +80,17 @@ def load(
     progress: Progress | None = None,
     process_group: Any = None,
     timeout: float | None = None,
+    read_once: bool = True,
 ) -> Any:
     """``sp.load`` with a process group or sharded targets: see the module docstring."""
     location = resolve_path(path, what="checkpoint path")
     target = location.store.url(location.path)
     coord = collectives.coordinator(process_group, timeout)
+    sharing = read_once and coord.moves_data and coord.world_size > 1
     held: dict[str, Any] = {}
     swaps: list[shard.Swap] = []
 
-    def plan_local() -> None:
+    def plan_local() -> list[readonce.Entry] | None:
         reader = Reader.open(
             location, copy_on_write=mmap and into is None, needs=load_engine.files_needed(keys)
         )
@@ -94,28 +105,28 @@ def load(
                 raise StateMismatchError(p.problems, path=reader.shown)
             held["plan"] = p
             held["targets"] = _targets(reader, p, specs, root, framework, held)
+        elif sharing and not mmap:
+            held["targets"] = _fresh(reader, root, framework, held)
+        if "targets" not in held:
+            return None
+        held["tasks"] = _tasks(reader, held["targets"])
+        if not sharing:
+            return None
+        entries = _fetch.entries(reader, held["tasks"], verify)
+        held["entries"] = entries
+        return entries
 
     def read_local() -> Any:
         reader: Reader = held["reader"]
         root = held["root"]
-        if into is None:
+        if "targets" not in held:
             counter = load_engine.counter(progress, reader.manifest, tree.refs(root))
             return load_engine.load_tree(reader, root, verify, framework, device, mmap, counter)
-        targets: list[_Target] = held["targets"]
-        tasks = _tasks(reader, targets)
-        counter = None
-        if progress is not None:
-            counter = load_engine.Counter(progress, sum(t.dst.nbytes for t in targets))
-        files = {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks}
-        files.discard("")  # shards stored as blobs (an incremental save's)
-        reader.prepare_files(files, check_header=bool(verify))
-        if verify == "first":
-            reader.read_shards(tasks, check_only=True)
-        reader.read_shards(tasks, verify=verify is True, progress=counter)
-        for t in targets:
-            if t.after is not None:
-                t.after()
-        return held["plan"].finish(load_engine.getter(held["made"], device))
+        _fill(reader, coord, held, verify, progress)
+        getter = load_engine.getter(held["made"], device)
+        if into is None:
+            return tree.build(root, getter)
+        return held["plan"].finish(getter)
 
     def read_and_keep() -> None:
         # The loaded tree stays on this rank; only success or failure travels between ranks.
@@ -123,14 +134,47 @@ def load(
 
     try:
         with coord.exclusive():
-            coord.step("loading", target, plan_local)
-            coord.step("loading", target, read_and_keep)
+            held["reads"] = coord.step(
+                "loading", target, plan_local, _plan_reads, phase="load: plan"
+            )
+            coord.step("loading", target, read_and_keep, phase="load: read")
     finally:
         shard.restore(swaps)
         reader = held.get("reader")
         if reader is not None:
             reader.close()
     return into if into is not None else held["result"]
+
+
+def _plan_reads(found: list[list[readonce.Entry] | None]) -> readonce.Plan | None:
+    """Rank 0's read-once plan from every rank's entries; None where a rank has none to give
+    (``read_once=False``, or a load without targets): then every rank reads what it needs."""
+    if any(entries is None for entries in found):
+        return None
+    return readonce.plan([entries or [] for entries in found])
+
+
+def _fill(
+    reader: Reader,
+    coord: collectives.Coordinator,
+    held: dict[str, Any],
+    verify: bool | Literal["first"],
+    progress: Progress | None,
+) -> None:
+    """Fill the planned targets (``held``: see :func:`load`), read-once where planned."""
+    targets: list[_Target] = held["targets"]
+    tasks: list[ShardTask] = held["tasks"]
+    counter = None
+    if progress is not None:
+        counter = load_engine.Counter(progress, sum(t.dst.nbytes for t in targets))
+    files = {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks}
+    files.discard("")  # shards stored as blobs (an incremental save's)
+    reader.prepare_files(files, check_header=bool(verify))
+    mine = held.get("entries", ())
+    _fetch.read(reader, coord, held.get("reads"), tasks, mine, verify, counter)
+    for t in targets:
+        if t.after is not None:
+            t.after()
 
 
 def _targets(
@@ -166,6 +210,22 @@ def _targets(
         view = arrays.byte_view(obj)
         assert view is not None
         out.append(_Target(ref, boxes.full(manifest.tensors[ref].shape), view, None))
+    return out
+
+
+def _fresh(
+    reader: Reader, root: tree.Node, framework: load_engine.Framework, held: dict[str, Any]
+) -> list[_Target]:
+    """Every tensor under ``root``, allocated whole, to fill (a load without ``into``)."""
+    made = {
+        ref: reader.allocate(ref, kind, framework) for ref, kind in load_engine.kinds(root).items()
+    }
+    held["made"] = made
+    out = []
+    for ref, obj in made.items():
+        view = arrays.byte_view(obj)
+        assert view is not None
+        out.append(_Target(ref, boxes.full(reader.manifest.tensors[ref].shape), view, None))
     return out
 
 

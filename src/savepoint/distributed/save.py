@@ -16,6 +16,13 @@ Call order (``save(path, state, process_group=pg)`` on every rank of ``pg``):
    rename, or on stores without rename the manifest's create-only put); every rank gets the
    committed manifest back.
 
+A rank's write in step 2 is :func:`write_rank`, a function of plain data (the staging directory,
+the pieces the plan gave the rank, their sources; its parts, :func:`write_pieces` and
+:func:`put_pieces`, live in :mod:`savepoint.distributed.pieces`). Who runs it is a
+:class:`RankWriter`: this thread (:class:`LocalWriter`, the default), or the writer process of
+``AsyncCheckpointer(writer="process")``, which runs it from its shared staging arena while the
+collectives stay in the trainer's background thread (the writer process is not in the group).
+
 This is the writer of :mod:`savepoint.engine.save` spread over the ranks, in the steps of DCP's
 ``state_dict_saver``: local plan, global plan (step 1), write data, finish (step 2). Its bytes go
 through the code of the writer's sinks (:mod:`savepoint.engine.sinks`): data files through
@@ -31,7 +38,10 @@ several per tensor), not a sink's one record per tensor (``Written``).
 
 A failure anywhere, in either step, raises one DistributedCheckpointError on every rank naming
 the failing ranks; rank 0 aborts the transaction (the staging directory is removed); the previous
-checkpoint at ``path`` is untouched. No manifest exists until every rank has finished its files
+checkpoint at ``path`` is untouched. The phases ``"save: plan"``, ``"save: write"`` and ``"save:
+commit"`` (rank 0's part of step 2) each have the deadline ``timeout``: a rank that misses it
+is named with the phase (:mod:`savepoint.distributed.deadlines`), and rank 0 makes no commit
+once the others gave up waiting for it. No manifest exists until every rank has finished its files
 (two-phase commit). The store must be shared by all ranks (one filesystem, a network filesystem
 across nodes, or an object store; ``memory://`` serves the ranks of one process only).
 
@@ -55,24 +65,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from savepoint.codecs import boxes
 from savepoint.codecs import manifest as mf
-from savepoint.commit.transaction import Transaction, write_error
-from savepoint.distributed import collectives, plan, shard
+from savepoint.commit.transaction import Transaction
+from savepoint.distributed import collectives, deadlines, plan, shard
+from savepoint.distributed.pieces import Records, file_name, put_pieces, write_pieces
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe as describe_checkpoint
-from savepoint.engine.plan import FilePlan, plan_files
-from savepoint.errors import CheckpointError, DistributedCheckpointError, UnsupportedStateError
+from savepoint.errors import DistributedCheckpointError, UnsupportedStateError
 from savepoint.info import CheckpointInfo
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
-from savepoint.state.arrays import HostCopy, TensorSource
+from savepoint.state.arrays import TensorSource
 from savepoint.storage.paths import Location, PathArg
 from savepoint.storage.paths import resolve as resolve_path
 
@@ -82,13 +90,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Incremental",
+    "LocalWriter",
+    "RankSession",
+    "RankWriter",
+    "Records",
     "describe",
     "file_name",
+    "flatten",
     "put_pieces",
     "save",
     "save_flat",
-    "snapshot",
     "write_pieces",
+    "write_rank",
 ]
 
 log = logging.getLogger(__name__)
@@ -115,21 +128,16 @@ def save(
     """``sp.save(path, state, process_group=...)`` (with ``incremental``: ``blobs=...`` too):
     see the module docstring."""
 
-    def flatten() -> tuple[tree.Flat, dict[str, Any]]:
+    def flat_state() -> tuple[tree.Flat, dict[str, Any]]:
         meta = save_engine.check_metadata(metadata)
-        return tree.flatten(shard.from_dtensors(state)), meta
+        return flatten(state), meta
 
-    return _save(path, flatten, options, incremental)
+    return _save(path, flat_state, options, incremental)
 
 
-def snapshot(state: Any) -> tree.Flat:
-    """``state`` flattened (DTensors read as Shards) with every tensor's bytes copied to host
-    memory owned by the result: the blocking part of a background sharded save. Training may
-    change ``state`` as soon as this returns; pass the result to :func:`save_flat` (from any
-    thread; one save in flight per process group)."""
-    flat = tree.flatten(shard.from_dtensors(state))
-    copies: dict[str, TensorSource] = {name: HostCopy(s) for name, s in flat.tensors.items()}
-    return tree.Flat(tree=flat.tree, tensors=copies)
+def flatten(state: Any) -> tree.Flat:
+    """``state`` flattened for a sharded save (DTensors read as Shards), its tensors not copied."""
+    return tree.flatten(shard.from_dtensors(state))
 
 
 def save_flat(
@@ -138,13 +146,15 @@ def save_flat(
     metadata: dict[str, Any],
     options: SaveOptions,
     incremental: Incremental | None = None,
+    writer: RankWriter | None = None,
 ) -> CheckpointInfo:
     """A sharded save of a state flattened (and snapshotted) earlier: the background writer of
     ``AsyncCheckpointer`` calls this with its process group, and ``checkpoint.save_flat`` of a
     state holding Shard descriptions lands here. Without a process group
     (``options.process_group`` None) this is a one-rank sharded save (a state holding Shard
-    descriptions saved by a single process): its pieces must cover every tensor."""
-    return _save(path, lambda: (flat, metadata), options, incremental)
+    descriptions saved by a single process): its pieces must cover every tensor. ``writer``:
+    who writes this rank's pieces in step 2 (default: this thread, :class:`LocalWriter`)."""
+    return _save(path, lambda: (flat, metadata), options, incremental, writer)
 
 
 def _save(
@@ -152,18 +162,78 @@ def _save(
     flatten: Callable[[], tuple[tree.Flat, dict[str, Any]]],
     options: SaveOptions,
     incremental: Incremental | None,
+    writer: RankWriter | None = None,
 ) -> CheckpointInfo:
     location = resolve_path(path, what="checkpoint path")
     coord = collectives.coordinator(options.process_group, options.timeout)
-    run = _Save(location, coord, flatten, incremental)
+    run = _Save(location, coord, flatten, incremental, writer or LocalWriter(incremental))
     with coord.exclusive():
-        return run.run(options.max_file_bytes, options.writers, options.direct, options.progress)
+        return run.run(options)
 
 
-Records = tuple[dict[str, mf.FileRecord], list[tuple[str, mf.ShardRecord]]]
 # Where a rank's blob store is, as the manifest would name it (relative to the checkpoint), and
 # its digest; None for a save that is not incremental.
 BlobPlace = tuple[str, str] | None
+
+
+class RankWriter(Protocol):
+    """Who writes this rank's pieces in step 2: this process (:class:`LocalWriter`) or the writer
+    process of ``AsyncCheckpointer(writer="process")``; either runs :func:`write_rank`."""
+
+    def write(
+        self,
+        location: Location,
+        staging: str,
+        rank: int,
+        items: tuple[plan.Item, ...],
+        sources: dict[str, TensorSource],
+        options: SaveOptions,
+    ) -> Records:
+        """Write ``items`` into ``staging`` (and the blob store, for an incremental save);
+        return this rank's records."""
+
+    def close(self, committed: bool) -> None:
+        """After the commit (``committed``) or a failure: end what ``write`` left open (an
+        incremental save's session, its patch tracker told of the commit). Never raises."""
+
+
+class LocalWriter:
+    """Step 2 on this rank, in this process (the rank's thread): :func:`write_rank`."""
+
+    def __init__(self, incremental: Incremental | None) -> None:
+        self.incremental = incremental
+        self.blobs: RankSession | None = None  # while an incremental save runs
+
+    def write(
+        self,
+        location: Location,
+        staging: str,
+        rank: int,
+        items: tuple[plan.Item, ...],
+        sources: dict[str, TensorSource],
+        options: SaveOptions,
+    ) -> Records:
+        inc = self.incremental
+        if inc is not None:
+            tracker = inc.tracker if inc.policy.patches else None
+            self.blobs = RankSession(inc.blobs.session(), inc.policy, inc.memo, tracker)
+        return write_rank(
+            location,
+            staging,
+            rank,
+            items,
+            sources,
+            max_file_bytes=options.max_file_bytes,
+            writers=options.writers,
+            direct=options.direct,
+            progress=options.progress,
+            blobs=self.blobs,
+        )
+
+    def close(self, committed: bool) -> None:
+        blobs, self.blobs = self.blobs, None
+        if blobs is not None:
+            blobs.close(committed)
 
 
 class _Save:
@@ -174,24 +244,22 @@ class _Save:
         location: Location,
         coord: collectives.Coordinator,
         flatten: Callable[[], tuple[tree.Flat, dict[str, Any]]],
-        incremental: Incremental | None = None,
+        incremental: Incremental | None,
+        writer: RankWriter,
     ) -> None:
         self.location = location
         self.shown = location.store.url(location.path)
         self.coord = coord
         self.flatten = flatten
         self.incremental = incremental
-        self.session: SaveSession | None = None  # this rank's, while an incremental save runs
-        self.pending: dict[str, Any] = {}  # this rank's patch tracker entries, once committed
+        self.writer = writer
         self.blob_place: BlobPlace = None  # rank 0: what the manifest names
         self.sources: dict[str, TensorSource] = {}
         self.metadata: dict[str, Any] = {}
         self.plan: plan.GlobalPlan | None = None  # rank 0
         self.tx: Transaction | None = None  # rank 0, until committed or aborted
 
-    def run(
-        self, max_file_bytes: int, writers: int, direct: bool, progress: Progress | None
-    ) -> CheckpointInfo:
+    def run(self, options: SaveOptions) -> CheckpointInfo:
         staging, items = self.coord.step(
             "saving",
             self.shown,
@@ -199,35 +267,28 @@ class _Save:
             self.plan_global,
             each=True,
             cleanup=self.abort,
+            phase="save: plan",
         )
 
         def write_local() -> Records:
-            if self.incremental is None:
-                return write_pieces(
-                    self.location,
-                    staging,
-                    self.coord.rank,
-                    items,
-                    self.sources,
-                    max_file_bytes=max_file_bytes,
-                    writers=writers,
-                    direct=direct,
-                    progress=progress,
-                )
-            return self.write_incremental(staging, items, max_file_bytes, writers, direct, progress)
+            rank = self.coord.rank
+            return self.writer.write(self.location, staging, rank, items, self.sources, options)
 
         # Every rank gets the committed manifest (in memory, from rank 0) to describe it.
         try:
             directory, manifest = self.coord.step(
-                "saving", self.shown, write_local, self.commit, cleanup=self.abort
+                "saving",
+                self.shown,
+                write_local,
+                self.commit,
+                cleanup=self.abort,
+                phase="save: write",
+                combine_phase="save: commit",
             )
         except BaseException:
-            self.close_session()
+            self.writer.close(committed=False)
             raise
         if self.incremental is not None:
-            tracker = self.incremental.tracker
-            if tracker is not None and self.incremental.policy.patches:
-                tracker.commit(self.incremental.blobs.url(), self.pending)
             self.close_sessions()
         return describe_checkpoint(self.location.store.url(directory), manifest)
 
@@ -262,94 +323,29 @@ class _Save:
         self.tx = Transaction(self.location.store, self.location.path).begin()
         return [(self.tx.staging, items) for items in self.plan.writes]
 
-    def write_incremental(
-        self,
-        staging: str,
-        items: tuple[plan.Item, ...],
-        max_file_bytes: int,
-        writers: int,
-        direct: bool,
-        progress: Progress | None,
-    ) -> Records:
-        """This rank's part of step 2 of an incremental save: the pieces the policy wants into
-        the blob store through this rank's session (kept open until the commit), the others into
-        data files; the session synced and checked before the records go to rank 0."""
-        inc = self.incremental
-        assert inc is not None
-        in_blobs = tuple(item for item in items if inc.policy.wants(item.nbytes))
-        in_files = tuple(item for item in items if not inc.policy.wants(item.nbytes))
-        total = sum(item.nbytes for item in items)
-        blob_bytes = sum(item.nbytes for item in in_blobs)
-        on_bytes = save_engine.byte_counter(total, progress)
-        self.session = session = inc.blobs.session()
-        before = session.stats.bytes_written
-        shards = put_pieces(
-            session,
-            in_blobs,
-            self.sources,
-            inc.policy,
-            inc.memo,
-            on_bytes if progress is not None else None,
-            tracker=inc.tracker if inc.policy.patches else None,
-            pending=self.pending,
-        )
-        files, file_shards = write_pieces(
-            self.location,
-            staging,
-            self.coord.rank,
-            in_files,
-            self.sources,
-            max_file_bytes=max_file_bytes,
-            writers=writers,
-            direct=direct,
-            progress=(lambda done, _: progress(blob_bytes + done, total))
-            if progress is not None
-            else None,
-        )
-        session.sync()
-        session.check()
-        log.info(
-            "%s: rank %d put %d pieces (%d bytes) as blobs, %d blob bytes written",
-            self.shown,
-            self.coord.rank,
-            len(in_blobs),
-            blob_bytes,
-            session.stats.bytes_written - before,
-        )
-        return files, shards + file_shards
-
     def commit(self, results: list[Records]) -> tuple[str, mf.Manifest]:
         assert self.plan is not None and self.tx is not None
         manifest = _manifest(
             self.plan, results, self.metadata, self.coord.world_size, self.blob_place
         )
+        late = deadlines.abandoned()  # the others gave up waiting for this commit: make none
+        if late is not None:
+            raise late
         directory, _ = save_engine.commit(self.tx, manifest)
         self.tx = None  # committed: nothing to clean up any more
         return directory, manifest
-
-    def close_session(self) -> None:
-        """End this rank's session (after the commit, or after a failure); never raises: a
-        record that cannot be removed only defers collections until it is stale."""
-        session, self.session = self.session, None
-        if session is None:
-            return
-        try:
-            session.close()
-        except OSError as exc:
-            log.warning(
-                "%s: cannot remove the save's session record %s (%s); blob collections wait "
-                "until it is stale",
-                self.shown,
-                session.path,
-                exc,
-            )
 
     def close_sessions(self) -> None:
         """Step 3 of an incremental save, after the commit: every rank closes its session, and
         returns once all have (so rank 0 may collect at once). The checkpoint is committed: a
         rank lost now is logged, not raised (the next collective operation reports it)."""
         try:
-            self.coord.step("saving", self.shown, self.close_session)
+            self.coord.step(
+                "saving",
+                self.shown,
+                lambda: self.writer.close(committed=True),
+                phase="save: close sessions",
+            )
         except DistributedCheckpointError as exc:
             log.warning(
                 "%s: committed, but not every rank confirmed it closed: %s", self.shown, exc
@@ -434,11 +430,37 @@ def describe(flat: tree.Flat, path: str) -> tuple[plan.LocalPlan, dict[str, Tens
 # ---------------------------------------------------------------------------------------------
 
 
-def file_name(rank: int, index: int) -> str:
-    return f"data-r{rank:05d}-{index:05d}.safetensors"
+@dataclass
+class RankSession:
+    """The blob side of an incremental save on one rank: its open save session, the policy, the
+    memo naming unchanged chunks, the patch tracker (None: no row patches) and the tracker's
+    entries for the pieces put, told to the tracker once the checkpoint is committed."""
+
+    session: SaveSession
+    policy: BlobPolicy
+    memo: FastMemo | None = None
+    tracker: PatchTracker | None = None
+    pending: dict[str, Any] = field(default_factory=dict)
+
+    def close(self, committed: bool) -> None:
+        """End the session (after the commit, or after a failure); a record that cannot be
+        removed is logged, not raised: it only defers collections until it is stale."""
+        try:
+            if committed and self.tracker is not None:
+                self.tracker.commit(self.session.blobs.url(), self.pending)
+        finally:
+            try:
+                self.session.close()
+            except OSError as exc:
+                log.warning(
+                    "cannot remove the save's session record %s (%s); blob collections wait "
+                    "until it is stale",
+                    self.session.path,
+                    exc,
+                )
 
 
-def write_pieces(
+def write_rank(
     target: PathArg,
     staging: str,
     rank: int,
@@ -447,101 +469,69 @@ def write_pieces(
     *,
     max_file_bytes: int,
     writers: int,
-    direct: bool = True,
-    progress: Progress | None = None,
+    direct: bool,
+    progress: Progress | None,
+    blobs: RankSession | None = None,
 ) -> Records:
-    """Write ``items`` into the staging directory ``staging`` of a save to ``target`` as this
-    rank's data files (planned as an unsharded save plans its files, named
-    ``data-r<rank>-<i>``); return their records."""
-    if not items:
-        return {}, []
-    where = resolve_path(target, what="checkpoint path")
-    names: dict[str, plan.Item] = {}
-    for item in items:
-        name = base = mf.shard_name(item.key, item.region, item.shape)
-        n = 2
-        while name in names or name == "__metadata__":
-            name, n = f"{base}~{n}", n + 1
-        names[name] = item
-    on_bytes = save_engine.byte_counter(sum(item.nbytes for item in items), progress)
-
-    tensors = {name: sources[item.key] for name, item in names.items()}
-    plans: list[FilePlan] = plan_files(tensors, max_file_bytes, lambda i: file_name(rank, i))
-    try:
-        files, records = sinks.write_files(
-            Location(where.store, staging),
-            plans,
-            tensors,
+    """This rank's part of step 2, a function of plain data (the staging directory, the pieces
+    this rank was assigned, their sources): the pieces into data files (:func:`write_pieces`);
+    with ``blobs`` (an incremental save) those the policy wants into the blob store first
+    (:func:`put_pieces`, through the session, kept open until the commit), and the session
+    synced and checked before the records go to rank 0. Runs in the rank's process, or in the
+    writer process of ``AsyncCheckpointer(writer="process")`` from its staging arena."""
+    if blobs is None:
+        return write_pieces(
+            target,
+            staging,
+            rank,
+            items,
+            sources,
+            max_file_bytes=max_file_bytes,
             writers=writers,
             direct=direct,
-            progress=on_bytes if progress is not None else None,
-            blocked=True,
+            progress=progress,
         )
-        where.store.sync_dir(staging)
-    except OSError as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        raise write_error(where.store, where.path, exc) from exc
-    shards = [
-        (
-            item.key,
-            mf.ShardRecord(
-                rec.file, rec.start, rec.end, rec.xxh3, item.region, rec.block, rec.blocks
-            ),
-        )
-        for name, item in names.items()
-        for rec in [records[name]]
-    ]
-    return files, shards
-
-
-def put_pieces(
-    session: SaveSession,
-    items: tuple[plan.Item, ...],
-    sources: dict[str, TensorSource],
-    policy: BlobPolicy,
-    memo: FastMemo | None,
-    progress: Callable[[int], None] | None = None,
-    *,
-    tracker: PatchTracker | None = None,
-    pending: dict[str, Any] | None = None,
-) -> list[tuple[str, mf.ShardRecord]]:
-    """Put each piece of ``items`` into the blob store of ``session`` as chunked blobs (chunks
-    already stored are not written again); return the shard record of each, naming its recipe.
-    ``progress(n)`` gets the bytes of each piece put. With ``tracker``, a piece in host memory
-    whose last save the tracker saw is written as a patch of its changed rows
-    (:func:`savepoint.blobs.patch.put_tensor`), and its entry goes to ``pending`` (for
-    ``tracker.commit`` once the checkpoint is committed)."""
-    from savepoint.blobs.patch import put_tensor
-
-    if not items:
-        return []
-    biggest = max(item.nbytes for item in items)
-    chunk = policy.chunk_size
-    scratch = np.empty(min(biggest, max(chunk, sinks.BLOB_SEGMENT // chunk * chunk)), np.uint8)
-    out: list[tuple[str, mf.ShardRecord]] = []
-    for item in items:
-        source = sources[item.key]
-        host = sinks.host_bytes(source) if tracker is not None and memo else None
-        if host is not None:
-            assert tracker is not None and memo is not None and pending is not None
-            name = f"{item.key}@{item.region}"
-            shape, itemsize = tuple(source.shape), source.dtype.itemsize
-            recipe, pending[name] = put_tensor(
-                session, host, name, shape, itemsize, policy, memo, tracker
-            )
-            source.release()
-        else:
-            recipe = sinks.put_source(session, source, policy, memo, scratch)
-        digest = recipe.checksum()
-        assert digest is not None and recipe.size == item.nbytes
-        record = mf.ShardRecord(
-            "", 0, item.nbytes, digest.xxh3, item.region, digest.block, digest.blocks, recipe
-        )
-        out.append((item.key, record))
-        if progress is not None:
-            progress(item.nbytes)
-    return out
+    policy, session = blobs.policy, blobs.session
+    in_blobs = tuple(item for item in items if policy.wants(item.nbytes))
+    in_files = tuple(item for item in items if not policy.wants(item.nbytes))
+    total = sum(item.nbytes for item in items)
+    blob_bytes = sum(item.nbytes for item in in_blobs)
+    on_bytes = save_engine.byte_counter(total, progress)
+    before = session.stats.bytes_written
+    shards = put_pieces(
+        session,
+        in_blobs,
+        sources,
+        policy,
+        blobs.memo,
+        on_bytes if progress is not None else None,
+        tracker=blobs.tracker,
+        pending=blobs.pending,
+    )
+    files, file_shards = write_pieces(
+        target,
+        staging,
+        rank,
+        in_files,
+        sources,
+        max_file_bytes=max_file_bytes,
+        writers=writers,
+        direct=direct,
+        progress=(lambda done, _: progress(blob_bytes + done, total))
+        if progress is not None
+        else None,
+    )
+    session.sync()
+    session.check()
+    log.info(
+        "%s: rank %d put %d pieces (%d bytes) as blobs, %d blob bytes written",
+        target,
+        rank,
+        len(in_blobs),
+        blob_bytes,
+        session.stats.bytes_written - before,
+    )
+    return files, shards + file_shards
 
 
 def _manifest(

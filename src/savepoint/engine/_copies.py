@@ -245,7 +245,9 @@ def ranged_work(
         by_file.setdefault(rec.file, []).append((rec.start, rec.end, ref, dst))
     for name, items in by_file.items():
         blob = gen.files[name].blob
-        items.sort(key=lambda item: item[0])
+        # By start, then end: an empty tensor at a neighbour's start comes before it (its
+        # end is not the group's end).
+        items.sort(key=lambda item: (item[0], item[1]))
         group: list[tuple[int, int, str, np.ndarray[Any, Any] | None]] = []
         for item in [*items, None]:
             if group and (
@@ -253,7 +255,7 @@ def ranged_work(
                 or item[0] - group[-1][1] > GAP_BYTES
                 or item[1] - group[0][0] > GROUP_BYTES
             ):
-                start, end = group[0][0], group[-1][1]
+                start, end = group[0][0], max(entry[1] for entry in group)
                 if len(group) == 1:
                     fn = functools.partial(
                         _read_whole, gen, name, blob, group[0], verify, progress, lock
@@ -316,7 +318,7 @@ def _read_group(
 ) -> None:
     """Neighbouring small tensors: one read of their span, then each copied and checked."""
     base = group[0][0]
-    span = np.empty(group[-1][1] - base, dtype=np.uint8)
+    span = np.empty(max(entry[1] for entry in group) - base, dtype=np.uint8)
     _read_range(gen, name, blob, base, span)
     for start, end, ref, dst in group:
         _copy_whole(gen, ref, span[start - base : end - base], dst, verify, progress, lock)

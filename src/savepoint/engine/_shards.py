@@ -100,9 +100,9 @@ def shard_work(
         # task (no copies) reads the whole shard.
         span = (0, shard.nbytes)
         if copies:
-            span = _needed_span(gen, ref, copies)
+            span = needed_span(gen, ref, copies)
             if verify:
-                span = _blocks_around(shard, span)
+                span = blocks_around(shard, span)
         # Without a view the shard is read when its task runs (not all shards up front), and
         # only ``span`` of it; a shard stored as blobs reads only the chunks holding ``span``
         # (its blocks are its chunks).
@@ -128,7 +128,7 @@ def shard_work(
     return work
 
 
-def _needed_span(gen: Generation, ref: str, copies: Sequence[RegionCopy]) -> tuple[int, int]:
+def needed_span(gen: Generation, ref: str, copies: Sequence[RegionCopy]) -> tuple[int, int]:
     """The byte range of a shard's buffer that ``copies`` read."""
     item = dtypes.from_name(gen.manifest.tensors[ref].dtype).numpy.itemsize
     spans = [boxes.span(c.region, c.src) for c in copies if boxes.volume(c.region)]
@@ -221,7 +221,7 @@ def _copy_shard(
     check_digest(gen, ref, shard, hasher, where)
 
 
-def _blocks_around(shard: mf.ShardRecord, span: tuple[int, int]) -> tuple[int, int]:
+def blocks_around(shard: mf.ShardRecord, span: tuple[int, int]) -> tuple[int, int]:
     """The byte range a verified read of ``span`` (of ``shard``) reads and checks: the blocks
     holding it, or the whole shard where it has no block checksums (nothing for an empty span)."""
     lo, hi = span

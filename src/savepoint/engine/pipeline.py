@@ -67,13 +67,23 @@ class _Buffer:
 
 
 class StagingPool:
-    """Reusable aligned buffers. Concurrent savers each get their own set."""
+    """Reusable aligned buffers. Concurrent savers each get their own set.
 
-    def __init__(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, count: int = DEFAULT_BUFFER_COUNT):
+    ``sized=False``: every acquire gets the one full-size set (no set per size class), so a
+    caller that writes files of many sizes holds ``count x buffer_bytes`` at most."""
+
+    def __init__(
+        self,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        count: int = DEFAULT_BUFFER_COUNT,
+        *,
+        sized: bool = True,
+    ):
         if buffer_bytes % BLOCK or buffer_bytes <= 0 or count < 2:
             raise ValueError("staging buffers must be positive multiples of 4096, at least 2")
         self.buffer_bytes = buffer_bytes
         self.count = count
+        self.sized = sized
         self._free: list[list[_Buffer]] = []
         self._small: dict[int, list[list[_Buffer]]] = {}  # size class -> free sets
         self._lock = threading.Lock()
@@ -84,7 +94,7 @@ class StagingPool:
         bytes, at least 64 KiB), kept for the next save of that size class: a training loop
         saving a 5 MB state every few seconds paid more for touching two fresh buffers at each
         save (37 ms for 19 MB) than for writing the file."""
-        if needed + BLOCK < self.buffer_bytes:
+        if self.sized and needed + BLOCK < self.buffer_bytes:
             size = min(max(_SMALL_SET, 1 << (needed + BLOCK - 1).bit_length()), self.buffer_bytes)
             with self._lock:
                 free = self._small.get(size)

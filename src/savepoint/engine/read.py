@@ -305,6 +305,15 @@ class Reader:
         )
         _copies.run_work(work)
 
+    def needed_span(self, ref: str, copies: Sequence[RegionCopy]) -> tuple[int, int]:
+        """The byte range of a shard of ``ref`` that ``copies`` read (``(0, 0)``: none)."""
+        return _shards.needed_span(self.generation, ref, copies)
+
+    def checked_span(self, ref: str, index: int, span: tuple[int, int]) -> tuple[int, int]:
+        """The byte range a verified read of ``span`` of shard ``index`` of ``ref`` reads and
+        checks: the blocks holding it, or the whole shard where it has no block checksums."""
+        return _shards.blocks_around(self.manifest.tensors[ref].layout()[index], span)
+
     def fill_jobs(
         self, targets: Iterable[tuple[str, Any]]
     ) -> tuple[list[tuple[str, np.ndarray[Any, Any] | None]], list[Callable[[], None]]]:

@@ -26,6 +26,7 @@ import posixpath
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -249,23 +250,26 @@ def write_files(
     direct: bool = True,
     progress: Callable[[int], None] | None = None,
     blocked: bool = False,
+    watch: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Records:
     """Write every planned file into the directory ``location`` (each finished: durable) with
     up to ``writers`` at once; return the file records and the tensor records (in the order of
     ``tensors``, the state's order, not the file layout's). ``blocked``: large tensors get block
-    checksums (a sharded checkpoint's shards; see :mod:`savepoint.codecs.checksum`)."""
+    checksums (a sharded checkpoint's shards; see :mod:`savepoint.codecs.checksum`). ``watch``:
+    entered with each file's name while that file is written (what a late rank was doing)."""
     store = location.store
 
     def write_one(fp: FilePlan) -> tuple[mf.FileRecord, dict[str, mf.TensorRecord]]:
-        digests = pipeline.write_blob(
-            store,
-            store.join(location.path, fp.name),
-            fp.header,
-            [tensors[e.name] for e in fp.entries],
-            direct=direct,
-            progress=progress,
-            blocked=blocked,
-        )
+        with watch(fp.name) if watch is not None else nullcontext():
+            digests = pipeline.write_blob(
+                store,
+                store.join(location.path, fp.name),
+                fp.header,
+                [tensors[e.name] for e in fp.entries],
+                direct=direct,
+                progress=progress,
+                blocked=blocked,
+            )
         record = mf.FileRecord(fp.size, len(fp.header), checksum.digest(fp.header))
         plain = mf.TensorRecord.plain
         return record, {

@@ -46,6 +46,9 @@ from savepoint.storage.paths import local_path
 
 Strategy = Literal["Replicated", "ZeroPartitioned", "TensorParallel"]
 STRATEGIES = ("Replicated", "ZeroPartitioned", "TensorParallel")
+# Who writes one rank's rank_{r}/ of a distributed save: (staging directory, rank, the
+# training_state.json document); see prepare_distributed.
+RankWriter = Callable[[str, int, bytes], None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,15 +114,31 @@ class _Rank:
         }
 
     def write(self, staging: str) -> None:
-        """Write ``rank_{r}/`` into ``staging``, every file and both directories fsynced."""
-        directory = os.path.join(staging, f"rank_{self.rank}")
-        os.mkdir(directory)
-        _files.write_safetensors(os.path.join(directory, MODEL), self.model)
-        if self.optimizer:  # the seed writes optimizer.safetensors only for a non-empty state
-            _files.write_safetensors(os.path.join(directory, OPTIMIZER), self.optimizer)
-        local.write_small(os.path.join(directory, STATE), self.document)
-        local.fsync_dir(directory)
-        local.fsync_dir(staging)
+        """Write ``rank_{r}/`` into ``staging`` (:func:`write_rank`)."""
+        write_rank(staging, self.rank, self.model, self.optimizer, self.document)
+
+
+def write_rank(
+    staging: str,
+    rank: int,
+    model: Sequence[tuple[str, Any]],
+    optimizer: Sequence[tuple[str, Any]],
+    document: bytes,
+) -> None:
+    """One rank's ``rank_{r}/`` written into the staging directory of a distributed save:
+    ``model.safetensors``, ``optimizer.safetensors`` (for a non-empty ``optimizer``) and
+    ``training_state.json`` (``document``, ``TrainingState.to_json()``), every file and both
+    directories fsynced. ``model`` and ``optimizer``: (name, source) pairs, as
+    ``tensor_sources`` gives them. Run by the rank (:func:`save_distributed`), or by the writer process of
+    ``AsyncCheckpointer(writer="process")`` from its staging arena."""
+    directory = os.path.join(staging, f"rank_{rank}")
+    os.mkdir(directory)
+    _files.write_safetensors(os.path.join(directory, MODEL), model)
+    if optimizer:  # the seed writes optimizer.safetensors only for a non-empty state
+        _files.write_safetensors(os.path.join(directory, OPTIMIZER), optimizer)
+    local.write_small(os.path.join(directory, STATE), document)
+    local.fsync_dir(directory)
+    local.fsync_dir(staging)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,6 +390,8 @@ def prepare_distributed(
     owned_params: Sequence[str] | None = None,
     process_group: Any,
     timeout: float | None = None,
+    copy: bool = True,
+    rank_writer: RankWriter | None = None,
 ) -> Callable[[], ShardingMeta]:
     """The two halves of ``save_distributed(path, BoostrCheckpoint(model, optimizer, state),
     process_group=...)`` for one rank, split for a background save (the seed's
@@ -379,7 +400,13 @@ def prepare_distributed(
     tensors into host memory owned by the result, so the caller may change them as soon as it
     returns; the returned function, called once on every rank of the group (in any thread),
     writes ``rank_{r}/`` and commits exactly as :func:`save_distributed` does, returning the
-    ``ShardingMeta``."""
+    ``ShardingMeta``.
+
+    ``copy=False``: ``model`` and ``optimizer`` are a private copy already (the caller's
+    staging arena), not copied again. ``rank_writer(staging, rank, document)``: who writes this
+    rank's ``rank_{r}/`` (default: :func:`write_rank`, in the calling thread); the
+    ``AsyncCheckpointer``'s writer process writes it from the arena, while the collectives stay
+    in the caller's thread."""
     from savepoint.options import check_process_group
 
     target = os.path.abspath(local_path(path, what="boostr checkpoint"))
@@ -390,16 +417,25 @@ def prepare_distributed(
     if not isinstance(given, TrainingState):
         raise TypeError(f"state must be a boostr.TrainingState, not {type(given).__name__}")
     given.to_json()  # refuse what cannot be written now, in the caller
+    take = snapshot if copy else _checked
     frozen = BoostrCheckpoint(
-        dict(snapshot(model, "model")),
-        None if optimizer is None else dict(snapshot(optimizer, "optimizer")),
+        dict(take(model, "model")),
+        None if optimizer is None else dict(take(optimizer, "optimizer")),
         dataclasses.replace(given, metadata=dict(given.metadata)),
     )
 
     def write() -> ShardingMeta:
-        return _save_group(target, frozen, strategy, stage, split, mine, process_group, timeout)
+        return _save_group(
+            target, frozen, strategy, stage, split, mine, process_group, timeout, rank_writer
+        )
 
     return write
+
+
+def _checked(tensors: Mapping[str, Any], what: str) -> list[tuple[str, Any]]:
+    """``tensors`` checked as :func:`snapshot` checks them, and not copied."""
+    tensor_sources(tensors, what)
+    return list(tensors.items())
 
 
 def _save_group(
@@ -411,6 +447,7 @@ def _save_group(
     owned_params: Any,
     process_group: Any,
     timeout: float | None,
+    rank_writer: RankWriter | None = None,
 ) -> ShardingMeta:
     """The process-group form of :func:`save_distributed`, in two collective steps: (1) every
     rank checks its checkpoint and sends rank 0 a summary; rank 0 builds the configs, checks the
@@ -435,7 +472,10 @@ def _save_group(
 
     def write(staging: str) -> None:
         try:
-            held["rank"].write(staging)
+            if rank_writer is None:
+                held["rank"].write(staging)
+            else:
+                rank_writer(staging, coord.rank, held["rank"].document)
         except OSError as exc:
             if isinstance(exc, CheckpointError):
                 raise
@@ -452,8 +492,14 @@ def _save_group(
             tx.abort()
 
     with coord.exclusive():
-        staging = coord.step("saving", target, prepare, plan, cleanup=cleanup)
+        staging = coord.step("saving", target, prepare, plan, cleanup=cleanup, phase="save: plan")
         meta: ShardingMeta = coord.step(
-            "saving", target, lambda: write(staging), commit, cleanup=cleanup
+            "saving",
+            target,
+            lambda: write(staging),
+            commit,
+            cleanup=cleanup,
+            phase="save: write",
+            combine_phase="save: commit",
         )
         return meta

@@ -20,7 +20,7 @@ import abc
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -97,21 +97,6 @@ def chunks(source: TensorSource, size: int = CHUNK) -> Iterator[memoryview]:
             n = min(size, source.nbytes - pos)
             source.copy_to(buf[:n], pos)
             yield buf[:n].data
-    finally:
-        source.release()
-
-
-def copy_into(
-    source: TensorSource, dst: np.ndarray[Any, Any], progress: Callable[[int], None] | None = None
-) -> None:
-    """Every byte of ``source`` into the uint8 array ``dst``, a chunk at a time (each reported
-    to ``progress`` in bytes); ``source.release()`` runs at the end."""
-    try:
-        for pos in range(0, source.nbytes, CHUNK):
-            piece = dst[pos : pos + CHUNK]
-            source.copy_to(piece, pos)
-            if progress is not None:
-                progress(len(piece))
     finally:
         source.release()
 
@@ -387,12 +372,16 @@ def write_safetensors(
     path: str,
     tensors: Sequence[tuple[str, TensorSource]],
     metadata: Mapping[str, str] | None = None,
+    *,
+    pool: pipeline.StagingPool | None = None,
 ) -> None:
-    """Stream ``tensors`` into a new safetensors file at ``path`` (which must not exist), fsynced."""
+    """Stream ``tensors`` into a new safetensors file at ``path`` (which must not exist), fsynced,
+    through the staging buffers of ``pool`` (by default the write pipeline's shared pool)."""
     header, order = st_format.ordered_layout(
         [(name, s.dtype.name, s.shape, s.nbytes) for name, s in tensors], metadata
     )
-    pipeline.write_blob(LOCAL, os.path.abspath(path), header, [tensors[i][1] for i in order])
+    sources = [tensors[i][1] for i in order]
+    pipeline.write_blob(LOCAL, os.path.abspath(path), header, sources, pool=pool)
 
 
 # ---------------------------------------------------------------------------------------------

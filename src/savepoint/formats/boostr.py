@@ -90,13 +90,16 @@ from savepoint.formats._boostr_single import (
     open_checkpoint,
     read_training_state,
     save,
+    tensor_sources,
     write,
 )
 from savepoint.formats._boostr_write import (
+    RankWriter,
     Strategy,
     prepare_distributed,
     save_distributed,
     snapshot,
+    write_rank,
 )
 from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo
@@ -108,6 +111,7 @@ __all__ = [
     "CHECKPOINT_VERSION",
     "MODEL",
     "OPTIMIZER",
+    "RankWriter",
     "SHARDING",
     "STATE",
     "ShardingConfig",
@@ -129,8 +133,10 @@ __all__ = [
     "save",
     "save_distributed",
     "snapshot",
+    "tensor_sources",
     "verify",
     "write",
+    "write_rank",
 ]
 
 

@@ -23,6 +23,8 @@ training-artifact   read only: ``{"model": {dotted name: tensor}, "best_validati
 torch               read only: what ``torch.load(weights_only=True)`` gives (a state dict, or a
                     dict of them), tensors lazy; never unpickled otherwise (see
                     :mod:`savepoint.formats.pytorch`)
+huggingface         read only (``export(hf=True)`` writes it): ``{name: tensor}``, shard by shard
+                    (the first shard's ``__metadata__``)
 dcp, ...            other systems' directories (:mod:`savepoint.formats.foreign`); ``dcp`` is
                     ``{fqn: tensor}`` (``{"dcp": ...}``), a target too (``formats.dcp_export``)
 ==================  ==========================================================================
@@ -65,7 +67,6 @@ import json
 import logging
 import math
 import os
-import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -84,10 +85,13 @@ from savepoint.errors import (
     UnsupportedStateError,
     UnsupportedStorageError,
 )
-from savepoint.formats import _files, boostr, burn, foreign, pytorch, shrew, training_artifact
+from savepoint.formats import _files, boostr, burn, huggingface, pytorch, shrew, training_artifact
 from savepoint.formats._files import LazyTensor, MappedTensor, SafetensorsFile
 from savepoint.formats._progress import Counted, Progress, Tally
+from savepoint.formats._targets import check_local_target, check_replaceable
 from savepoint.formats.detect import detect
+from savepoint.formats.foreign import KINDS as FOREIGN
+from savepoint.formats.foreign import WRITERS, open_tree
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import TensorSource
 from savepoint.storage.paths import Location, PathArg, local_path
@@ -188,8 +192,8 @@ def open_source(path: PathArg, kind: str) -> Iterator[_Source]:
     elif kind == "torch":
         with pytorch.open_tree(local) as tree:
             yield _Source(kind, "torch", tree, {})
-    elif kind in foreign.KINDS:
-        with foreign.open_tree(kind, local) as (label, tree, metadata):
+    elif kind in FOREIGN:
+        with open_tree(kind, local) as (label, tree, metadata):
             yield _Source(kind, label, tree, metadata)
     elif kind == "burn":
         with burn.open_record(local) as record:
@@ -201,6 +205,9 @@ def open_source(path: PathArg, kind: str) -> Iterator[_Source]:
         # A top-level file may be a symlink (the Hugging Face cache is made of them).
         with SafetensorsFile(os.path.realpath(local)) as st:
             yield _Source(kind, kind, {n: st.tensor(n) for n in st.names()}, dict(st.metadata))
+    elif kind == "huggingface":
+        with huggingface.open_repository(local) as repo:
+            yield _Source(kind, kind, {n: repo.tensor(n) for n in repo.names()}, repo.metadata)
     else:
         opened = boostr.open_distributed if kind == "boostr-distributed" else boostr.open_checkpoint
         with opened(local) as d:
@@ -792,37 +799,6 @@ def _target(dst: str, fmt: str | None, src: _Source) -> str:
     return fmt
 
 
-def check_local_target(
-    source: Location,
-    target_path: str,
-    overwrite: bool,
-    *,
-    verb: str = "convert",
-    directories: bool = True,
-) -> None:
-    """What may be at a local ``target_path``: nothing, or with ``overwrite`` a file or (with
-    ``directories``) a directory other than the source itself. ``verb`` names the command in
-    messages."""
-    if not os.path.lexists(target_path):
-        return
-    if source.is_local and os.path.realpath(target_path) == os.path.realpath(source.path):
-        raise CheckpointWriteError(
-            f"{target_path} is the source itself; {verb} into another path", path=target_path
-        )
-    if not overwrite:
-        raise CheckpointWriteError(
-            f"{target_path} already exists; pass overwrite=True (savepoint {verb} "
-            "--overwrite) to replace it",
-            path=target_path,
-        )
-    if not directories and os.path.isdir(target_path):
-        raise CheckpointWriteError(
-            f"{target_path} is a directory; {verb} writes one .safetensors file: name the file",
-            path=target_path,
-        )
-    check_replaceable(target_path)
-
-
 def _check_store_target(
     source: Location, target: Location, format: str | None, overwrite: bool
 ) -> None:
@@ -845,21 +821,6 @@ def _check_store_target(
             f"{target} already exists; pass overwrite=True (savepoint convert --overwrite) to "
             "replace it",
             path=str(target),
-        )
-
-
-def check_replaceable(path: str) -> None:
-    """Refuse to overwrite what is not a checkpoint: a FIFO, a socket, a device (or a link to
-    one). Only a regular file or a directory is replaced, each by its own kind, by the writer."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # a dangling link: replacing the link loses nothing
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise CheckpointWriteError(
-            f"{path} is not a regular file or directory (a FIFO, socket or device); refusing to "
-            "replace it",
-            path=path,
         )
 
 
@@ -910,8 +871,8 @@ def convert(
             write = _write_shrew_v2(source, dst_loc.path, plan)
         elif target == "burn":
             write = _write_burn(source, dst_loc.path, plan)
-        elif target in foreign.WRITERS:
-            write = foreign.WRITERS[target](source, dst_loc.path, plan)
+        elif target in WRITERS:
+            write = WRITERS[target](source, dst_loc.path, plan)
         else:
             write = _write_boostr(source, dst_loc.path, plan)
         if plan.problems and not lossy:

@@ -11,6 +11,10 @@ savepoint           a directory holding ``manifest.json`` (or a path whose check
                     interrupted replace left under a hidden name, as ``sp.load`` finds it)
 boostr-distributed  a directory holding ``sharding_meta.json``
 boostr              a directory holding ``training_state.json``
+huggingface         a directory holding ``model.safetensors`` or
+                    ``model.safetensors.index.json`` (a Hugging Face model directory), or a
+                    file named ``*.safetensors.index.json``
+                    (:mod:`savepoint.formats.huggingface`)
 shrew               a file starting with ``b"SHRW"`` (its header gives the version)
 burn                a file starting with a burn record's ``b"\x83\xa8metadata"``, or any
                     other file named ``*.mpk``
@@ -42,7 +46,16 @@ from savepoint.codecs import manifest as mf
 from savepoint.codecs import safetensors as st_format
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
-from savepoint.formats import _files, boostr, burn, foreign, pytorch, shrew, training_artifact
+from savepoint.formats import (
+    _files,
+    boostr,
+    burn,
+    foreign,
+    huggingface,
+    pytorch,
+    shrew,
+    training_artifact,
+)
 from savepoint.formats._files import open_file
 from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo, TensorInfo
@@ -59,6 +72,7 @@ FORMATS = (
     "burn",
     "training-artifact",
     "torch",
+    "huggingface",
     *foreign.KINDS,
 )
 # Each format as a sentence names one ("X is a ...").
@@ -71,6 +85,7 @@ LABELS = {
     "burn": "burn record (.mpk)",
     "training-artifact": "training artifact",
     "torch": "PyTorch file (torch.save)",
+    "huggingface": "Hugging Face model directory",
     **foreign.LABELS,
 }
 by_entries = foreign.by_entries  # a directory's format by its entries (pathkind asks on any store)
@@ -106,6 +121,8 @@ def detect(path: str | os.PathLike[str]) -> str:
             return "boostr-distributed"
         if os.path.isfile(os.path.join(p, boostr.STATE)):
             return "boostr"
+        if huggingface.is_repository(p):
+            return "huggingface"
         found = foreign.by_entries(os.listdir(p))
         if found is not None:
             return found
@@ -118,15 +135,19 @@ def detect(path: str | os.PathLike[str]) -> str:
             )
         raise IncompatibleCheckpointError(
             f"{p} is a directory without {mf.NAME} (savepoint), {boostr.STATE} (boostr), "
-            f"{boostr.SHARDING} (distributed boostr) or {training_artifact.REPORT_FILE} (a "
-            "training artifact): not a checkpoint savepoint knows (an interrupted savepoint "
-            "save leaves no manifest.json: use an earlier checkpoint)",
+            f"{boostr.SHARDING} (distributed boostr), {training_artifact.REPORT_FILE} (a "
+            f"training artifact), {huggingface.SINGLE} or {huggingface.INDEX} (a Hugging Face "
+            "model directory), or the files of a DCP, DeepSpeed or Orbax checkpoint: not a "
+            "checkpoint savepoint knows (an interrupted savepoint save leaves no manifest.json: "
+            "use an earlier checkpoint)",
             path=p,
         )
     if not os.path.lexists(p):
         if atomic.resolve(p) is not None:
             return "savepoint"
         raise CheckpointNotFoundError(f"no checkpoint at {p}", path=p)
+    if p.endswith(huggingface.INDEX_SUFFIX):
+        return "huggingface"
     head = _head(p)
     if head.startswith(shrew.MAGIC):
         return "shrew"
@@ -216,6 +237,8 @@ def inspect_any(path: str | os.PathLike[str]) -> CheckpointInfo:
         return training_artifact.inspect(p)
     if kind == "torch":
         return pytorch.inspect(p)
+    if kind == "huggingface":
+        return huggingface.inspect(p)
     if kind in foreign.KINDS:
         return foreign.inspect(kind, p)
     return boostr.inspect(p)
@@ -239,6 +262,8 @@ def verify_any(path: str | os.PathLike[str], *, progress: Progress | None = None
         return training_artifact.verify(p, progress=progress)
     if kind == "torch":
         return pytorch.verify(p, progress=progress)
+    if kind == "huggingface":
+        return huggingface.verify(p, progress=progress)
     if kind in foreign.KINDS:
         return foreign.verify(kind, p, progress=progress)
     return boostr.verify(p, progress=progress)

@@ -45,6 +45,22 @@ parts shaped like a torch optimizer's state dict (a node holding both ``state`` 
 The source is any checkpoint savepoint reads (savepoint's own on any store, other formats from
 local files); the file is written atomically (temporary sibling, fsync, rename), one tensor at a
 time, and must not exist unless ``overwrite``.
+
+``hf=True`` writes a Hugging Face model directory at ``dst`` instead, the layout
+``save_pretrained`` writes and ``from_pretrained`` reads (:mod:`savepoint.formats.huggingface`):
+the same tensors under the same names, split in order into shards of at most ``max_shard_size``
+bytes (default 5GB; a larger tensor alone in its shard), ``model.safetensors`` alone when
+everything fits in one, else ``model-0000i-of-0000n.safetensors`` and
+``model.safetensors.index.json``; the same ``__metadata__`` in every shard; and ``config.json``
+when ``config`` names one (a path, copied as it is, or a mapping) or, without it, when the
+checkpoint records a model config (``metadata["transformers"]["config"]``, as
+``SavepointTrainer`` writes). The directory is built under a hidden sibling name (every file
+fsynced) and renamed into place in one step: an export that fails leaves nothing. It must not
+exist unless ``overwrite``, which replaces only an empty directory or a Hugging Face model
+directory, whole. Memory: tensors are streamed one at a time through two staging buffers made
+for the export (at most half the largest tensor each, within 1 and 32 MiB), checked against the
+source's checksums as they are read; extra memory is at most twice the largest tensor plus
+2 MiB (``tests/formats/test_huggingface.py`` measures it).
 """
 
 from __future__ import annotations
@@ -58,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from savepoint.errors import ConversionError
-from savepoint.formats import _files
+from savepoint.formats import _files, _hf_write, huggingface
 from savepoint.formats import convert as _convert
 from savepoint.formats._files import LazyTensor
 from savepoint.formats._progress import Counted, Progress, Tally
@@ -66,11 +82,12 @@ from savepoint.formats.detect import detect
 from savepoint.storage.paths import PathArg, local_path
 from savepoint.storage.paths import resolve as resolve_path
 
-__all__ = ["ExportReport", "MAX_METADATA_VALUE", "export"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "ExportReport", "MAX_METADATA_VALUE", "export"]
 
 log = logging.getLogger(__name__)
 
 MAX_METADATA_VALUE = 1024  # characters of a JSON-encoded metadata value kept in __metadata__
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's (save_pretrained's in transformers 5: 50GB)
 _LABEL = "a Hugging Face safetensors file"
 _HINT = (
     "export writes the tensors of one subtree under names joined with --sep: choose --subtree "
@@ -82,8 +99,11 @@ _HINT = (
 class ExportReport:
     """What :func:`export` wrote: the source (its format and version), the subtree exported
     (``""``: the whole tree), the tensors stored and their bytes, the names left out as tied to
-    a stored one (``{left out: stored}``), what was left out by design (each with why), and the
-    ``__metadata__`` written."""
+    a stored one (``{left out: stored}``), what was left out by design (each with why), the
+    ``__metadata__`` written (in every shard), the files written (their names; with ``hf``: in
+    the directory ``destination``, shards first), where ``config.json`` came from (``""``: none
+    written; a path, ``"config="`` or ``"metadata['transformers']['config']"``), and the shard
+    size limit in bytes (None without ``hf``)."""
 
     source: str
     destination: str
@@ -95,6 +115,9 @@ class ExportReport:
     tied: dict[str, str] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
     metadata: dict[str, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+    config: str = ""
+    max_shard_size: int | None = None
 
 
 def _find(tree: Any, subtree: str) -> tuple[Any, tuple[Any, ...]]:
@@ -205,6 +228,104 @@ def _metadata(source: Mapping[str, Any], dropped: list[str]) -> dict[str, str]:
     return out
 
 
+class _Selection:
+    """One walk of the exported subtree: the tensors to write (``items``, in the checkpoint's
+    order), the tied names left out, what is dropped by design, and the problems that refuse
+    the export."""
+
+    def __init__(self, base: tuple[Any, ...], sep: str, duplicate_tied: bool, skip: bool) -> None:
+        self.base = base
+        self.sep = sep
+        self.duplicate_tied = duplicate_tied
+        self.skip_optimizers = skip
+        self.problems: list[str] = []
+        self.dropped: list[str] = []
+        self.items: list[tuple[str, LazyTensor]] = []
+        self.tied: dict[str, str] = {}
+        self._stored: dict[int, str] = {}  # id of a stored tensor -> its name
+        self._names: dict[str, str] = {}  # name -> the path that has it
+
+    def tensor(self, n: LazyTensor, path: tuple[Any, ...], where: str) -> None:
+        name = self.sep.join(str(c) for c in path[len(self.base) :])
+        if not name:
+            self.problems.append(f"{where}: a tensor at the root of the export has no name")
+        elif not _utf8(name):
+            self.problems.append(f"{where}: the name is not valid UTF-8")
+        elif name == "__metadata__":
+            self.problems.append(f"{where}: the name is reserved in safetensors headers")
+        elif name in self._names:
+            self.problems.append(
+                f"{where}: its name {name!r} is also that of {self._names[name]} (with "
+                f"{self.sep!r} joining the keys); choose another --sep"
+            )
+        else:
+            self._names[name] = where
+            owner = self._stored.get(id(n))
+            if owner is not None and not self.duplicate_tied:
+                self.tied[name] = owner
+                return
+            self._stored.setdefault(id(n), name)
+            self.items.append((name, n))
+
+    def walk(self, n: Any, path: tuple[Any, ...]) -> None:
+        where = "/".join(map(str, path)) or "<root>"
+        if isinstance(n, LazyTensor):
+            self.tensor(n, path, where)
+        elif isinstance(n, _Pickled):
+            self.dropped.append(
+                f"{where}: a value DCP serialised with torch.save (a pickle), not a tensor"
+            )
+        elif self.skip_optimizers and path and _optimizer_like(n):
+            self.dropped.append(
+                f"{where}: an optimizer's state (state and param_groups); name it with "
+                "--subtree to export it"
+            )
+        elif isinstance(n, Mapping):
+            for k, v in n.items():
+                self.walk(v, (*path, k))
+        elif isinstance(n, (list, tuple)) and n:
+            for i, v in enumerate(n):
+                self.walk(v, (*path, i))
+        else:
+            text = repr(n)
+            text = text if len(text) <= 40 else text[:37] + "..."
+            self.dropped.append(f"{where}: a plain value ({text}); the file holds tensors only")
+
+
+def _select(
+    tree: Any, subtree: str | None, sep: str, duplicate_tied: bool
+) -> tuple[str, _Selection]:
+    """The subtree exported and its selection; ConversionError for what refuses the export."""
+    chosen = _default_subtree(tree) if subtree is None else subtree.strip("/")
+    node, base = _find(tree, chosen)
+    selection = _Selection(base, sep, duplicate_tied, skip=subtree is None and not chosen)
+    selection.walk(node, base)
+    if isinstance(tree, Mapping) and base:
+        for key, value in tree.items():
+            if key != base[0]:
+                what = "tensors" if _convert.has_tensor(value) else "plain values"
+                selection.dropped.append(f"{key}: {what} outside the exported subtree {chosen!r}")
+    if not selection.items and not selection.problems:
+        selection.problems.append(f"{chosen or '<root>'}: holds no tensor")
+    if selection.problems:
+        raise ConversionError("safetensors", selection.problems, label=_LABEL, hint=_HINT)
+    return chosen, selection
+
+
+def _check_options(sep: str, hf: bool, max_shard_size: int | str | None, config: Any) -> int:
+    """The shard size limit in bytes (0 without ``hf``); ValueError for options that do not go
+    together."""
+    if not isinstance(sep, str) or not sep:
+        raise ValueError(f"sep must be a non-empty string, not {sep!r}")
+    if not hf:
+        if max_shard_size is not None or config is not None:
+            raise ValueError("max_shard_size and config go with hf=True (a directory of shards)")
+        return 0
+    return huggingface.parse_size(
+        DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+    )
+
+
 def export(
     src: PathArg,
     dst: str | os.PathLike[str],
@@ -214,98 +335,47 @@ def export(
     overwrite: bool = False,
     duplicate_tied: bool = False,
     progress: Progress | None = None,
+    hf: bool = False,
+    max_shard_size: int | str | None = None,
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> ExportReport:
     """Write the tensors of the checkpoint at ``src`` (any format savepoint reads) as one Hugging
-    Face-style safetensors file at ``dst`` (a local path): see the module docstring.
+    Face-style safetensors file at ``dst`` (a local path), or with ``hf=True`` as a Hugging Face
+    model directory ``dst`` of shards and an index: see the module docstring.
 
     ``subtree``: the "/"-separated path of the part to export ("" for the whole tree; default
     ``"model"`` when there is one, else the whole tree). ``sep`` joins the components of each
     tensor's path below it. ``progress(done, total)`` is called in bytes as tensors are copied.
+    With ``hf``: ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"``; default
+    5GB) and ``config`` (a path to a ``config.json`` or a mapping; default: the model config a
+    ``SavepointTrainer`` checkpoint records, if any).
     Raises ConversionError (nothing written) for what the file cannot hold (module docstring).
     """
-    if not isinstance(sep, str) or not sep:
-        raise ValueError(f"sep must be a non-empty string, not {sep!r}")
+    limit = _check_options(sep, hf, max_shard_size, config)
     start = time.perf_counter()
     src_loc = resolve_path(src, what="source")
     target = os.path.abspath(local_path(dst, what="export target"))
     kind = detect(src_loc.path) if src_loc.is_local else "savepoint"
-    _convert.check_local_target(src_loc, target, overwrite, verb="export", directories=False)
+    if hf:
+        _hf_write.check_target(src_loc, target, overwrite)
+    else:
+        _convert.check_local_target(src_loc, target, overwrite, verb="export", directories=False)
     with _convert.open_source(src_loc, kind) as source:
-        dropped: list[str] = []
-        tree = _dcp_view(source.tree, source.metadata)
-        chosen = _default_subtree(tree) if subtree is None else subtree.strip("/")
-        node, base = _find(tree, chosen)
-        skip_optimizers = subtree is None and not chosen
-        problems: list[str] = []
-        items: list[tuple[str, LazyTensor]] = []
-        stored: dict[int, str] = {}  # id of a stored tensor -> its name
-        names: dict[str, str] = {}  # name -> the path that has it
-        tied: dict[str, str] = {}
-
-        def walk(n: Any, path: tuple[Any, ...]) -> None:
-            where = "/".join(map(str, path)) or "<root>"
-            if isinstance(n, LazyTensor):
-                name = sep.join(str(c) for c in path[len(base) :])
-                if not name:
-                    problems.append(f"{where}: a tensor at the root of the export has no name")
-                    return
-                if not _utf8(name):
-                    problems.append(f"{where}: the name is not valid UTF-8")
-                    return
-                if name == "__metadata__":
-                    problems.append(f"{where}: the name is reserved in safetensors headers")
-                    return
-                if name in names:
-                    problems.append(
-                        f"{where}: its name {name!r} is also that of {names[name]} (with "
-                        f"{sep!r} joining the keys); choose another --sep"
-                    )
-                    return
-                names[name] = where
-                owner = stored.get(id(n))
-                if owner is not None and not duplicate_tied:
-                    tied[name] = owner
-                    return
-                stored.setdefault(id(n), name)
-                items.append((name, n))
-            elif isinstance(n, _Pickled):
-                dropped.append(
-                    f"{where}: a value DCP serialised with torch.save (a pickle), not a tensor"
-                )
-            elif skip_optimizers and path and _optimizer_like(n):
-                dropped.append(
-                    f"{where}: an optimizer's state (state and param_groups); name it with "
-                    "--subtree to export it"
-                )
-            elif isinstance(n, Mapping):
-                for k, v in n.items():
-                    walk(v, (*path, k))
-            elif isinstance(n, (list, tuple)) and n:
-                for i, v in enumerate(n):
-                    walk(v, (*path, i))
-            else:
-                text = repr(n)
-                text = text if len(text) <= 40 else text[:37] + "..."
-                dropped.append(f"{where}: a plain value ({text}); the file holds tensors only")
-
-        walk(node, base)
-        if isinstance(tree, Mapping) and base:
-            for key, value in tree.items():
-                if key != base[0]:
-                    what = "tensors" if _convert.has_tensor(value) else "plain values"
-                    dropped.append(f"{key}: {what} outside the exported subtree {chosen!r}")
-        if not items and not problems:
-            problems.append(f"{chosen or '<root>'}: holds no tensor")
-        if problems:
-            raise ConversionError("safetensors", problems, label=_LABEL, hint=_HINT)
+        chosen, selection = _select(
+            _dcp_view(source.tree, source.metadata), subtree, sep, duplicate_tied
+        )
+        dropped, items = selection.dropped, selection.items
         metadata = _metadata(source.metadata, dropped)
-        written: list[tuple[str, LazyTensor]] = items
-        if progress is not None:
-            tally = Tally.over(progress, (t for _, t in items))
-            written = [(name, Counted(t, tally)) for name, t in items]
-        with _files.atomic_file(target) as tmp:
-            _files.write_safetensors(tmp, written, metadata)
-        nbytes = sum(t.nbytes for _, t in items)
+        written = _counted(items, progress)
+        if hf:
+            config_data, config_from = _hf_write.config_bytes(config, source.metadata)
+            files = _hf_write.write_directory(
+                target, written, metadata, max_shard_size=limit, config=config_data
+            )
+        else:
+            config_from, files = "", (os.path.basename(target),)
+            with _files.atomic_file(target) as tmp:
+                _files.write_safetensors(tmp, written, metadata)
         report = ExportReport(
             source=str(src_loc),
             destination=target,
@@ -313,21 +383,28 @@ def export(
             source_version=source.version,
             subtree=chosen,
             tensors=len(items),
-            bytes=nbytes,
-            tied=tied,
+            bytes=sum(t.nbytes for _, t in items),
+            tied=selection.tied,
             dropped=tuple(dropped),
             metadata=metadata,
+            files=files,
+            config=config_from,
+            max_shard_size=limit or None,
         )
     log.info(
-        "exported %s (%s) -> %s: %d tensors, %d bytes, %d tied name(s) left out, %d part(s) "
-        "dropped, in %.2f s",
-        report.source,
-        chosen or "<root>",
-        target,
-        report.tensors,
-        nbytes,
-        len(tied),
-        len(dropped),
-        time.perf_counter() - start,
+        "exported %s (%s) -> %s: %d tensors, %d bytes in %d file(s), %d tied name(s) left out, "
+        "%d part(s) dropped, in %.2f s",
+        *(report.source, chosen or "<root>", target, report.tensors, report.bytes, len(files)),
+        *(len(report.tied), len(dropped), time.perf_counter() - start),
     )
     return report
+
+
+def _counted(
+    items: list[tuple[str, LazyTensor]], progress: Progress | None
+) -> list[tuple[str, LazyTensor]]:
+    """``items``, each tensor counting the bytes copied out of it to ``progress``."""
+    if progress is None:
+        return items
+    tally = Tally.over(progress, (t for _, t in items))
+    return [(name, Counted(t, tally)) for name, t in items]

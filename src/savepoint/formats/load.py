@@ -1,6 +1,7 @@
 """``sp.load`` of the other formats savepoint reads: a safetensors file, a PyTorch file
 (``torch.load(weights_only=True)`` only), a ``.shrew`` file, a burn record, a boostr directory
-(single or distributed) or a training artifact, from a local path.
+(single or distributed), a training artifact or a Hugging Face model directory (a
+``model.safetensors``, or shards and their index), from a local path.
 
 The tree is the one :mod:`savepoint.formats.convert` reads each format as (its table: a
 safetensors file is ``{name: tensor}`` in header order, a PyTorch file what ``torch.load`` gives,
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,11 @@ from savepoint.codecs import manifest as mf
 from savepoint.engine import load as load_engine
 from savepoint.errors import CheckpointMemoryError
 from savepoint.formats import convert
-from savepoint.formats._files import LazyTensor, copy_into, to_framework
+from savepoint.formats._files import CHUNK, LazyTensor, to_framework
 from savepoint.state import arrays, restore, tree
+from savepoint.state.arrays import TensorSource
 
-__all__ = ["load_any"]
+__all__ = ["copy_bytes", "load_any"]
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +99,19 @@ def _counter(
     return load_engine.Counter(progress, sum(sources[r].nbytes for r in refs))
 
 
-def _copy(source: LazyTensor, dst: np.ndarray[Any, Any], count: load_engine.Counter | None) -> None:
-    """Every byte of ``source`` into the uint8 array ``dst``, a chunk at a time."""
-    copy_into(source, dst, count)
+def copy_bytes(
+    source: TensorSource, dst: np.ndarray[Any, Any], count: Callable[[int], None] | None
+) -> None:
+    """Every byte of ``source`` into the uint8 array ``dst``, a chunk at a time, each chunk's
+    length told to ``count``; the source is released at the end."""
+    try:
+        for pos in range(0, source.nbytes, CHUNK):
+            piece = dst[pos : pos + CHUNK]
+            source.copy_to(piece, pos)
+            if count is not None:
+                count(len(piece))
+    finally:
+        source.release()
 
 
 def _fresh(source: LazyTensor, kind: str, framework: str, count: load_engine.Counter | None) -> Any:
@@ -111,7 +123,7 @@ def _fresh(source: LazyTensor, kind: str, framework: str, count: load_engine.Cou
         raise CheckpointMemoryError(
             f"cannot allocate {source.nbytes} bytes for a tensor of shape {list(source.shape)}"
         ) from None
-    _copy(source, array.reshape(-1).view(np.uint8), count)
+    copy_bytes(source, array.reshape(-1).view(np.uint8), count)
     return to_framework(array, source.dtype, "torch" if want_torch else "numpy")
 
 
@@ -119,10 +131,10 @@ def _fill(source: LazyTensor, target: Any, count: load_engine.Counter | None) ->
     """``source`` copied into an existing array or tensor (checked by the plan)."""
     view = arrays.byte_view(target)
     if view is not None:
-        _copy(source, view, count)
+        copy_bytes(source, view, count)
         return
     host = np.empty(source.nbytes, dtype=np.uint8)
-    _copy(source, host, count)
+    copy_bytes(source, host, count)
     shaped = host.view(source.dtype.numpy).reshape(source.shape)
     if isinstance(target, np.ndarray):
         np.copyto(target, shaped, casting="no")

@@ -186,12 +186,13 @@ def _write(
 
 
 def is_savepoint_checkpoint(path: PathArg) -> bool:
-    """Whether ``path`` holds a committed savepoint checkpoint (written by this module or not)."""
+    """Whether ``path`` holds a committed savepoint checkpoint (written by this module or not):
+    not another format ``sp.inspect`` reads too (Trainer's own checkpoint directory holds a
+    ``model.safetensors``, which makes it a Hugging Face model directory)."""
     try:
-        sp_inspect(path)
+        return sp_inspect(path).format == "savepoint"
     except (CheckpointError, OSError):
         return False
-    return True
 
 
 def last_checkpoint(output_dir: str) -> str | None:

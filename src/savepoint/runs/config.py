@@ -25,6 +25,7 @@ from savepoint.async_.checkpointer import Writer
 from savepoint.errors import IncompatibleCheckpointError
 from savepoint.options import SaveOptions
 from savepoint.runs import policies
+from savepoint.runs.peers import PeerTier
 from savepoint.runs.policies import AnyOf, Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.preemption import DEFAULT_GRACE, signals_of
 from savepoint.runs.tiers import Tier
@@ -59,6 +60,7 @@ class ManagerConfig:
     blob_policy: Any = None
     frozen: tuple[str, ...] | None = None
     tiers: tuple[Tier, ...] = ()
+    peers: PeerTier | None = None  # the peer-memory tier (runs.peers), if asked for
     async_save: bool = False
     writer: Writer = "thread"  # who writes async saves: "thread" or "process" (AsyncCheckpointer)
     verify_before_prune: bool = True
@@ -96,7 +98,7 @@ class ManagerConfig:
         preemption: bool | Iterable[int | str | signal.Signals] | None = None,
         preemption_grace: float = DEFAULT_GRACE,
         preemption_every: int = 1,
-        tiers: Sequence[Tier] | None = None,
+        tiers: Sequence[Tier | PeerTier] | None = None,
         incremental: bool = False,
         blob_policy: Any = None,
         frozen: Iterable[str] | None = None,
@@ -117,7 +119,7 @@ class ManagerConfig:
         _read_only(read_only)
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
-        _writer(writer, async_save, checked)
+        _writer(writer, async_save)
         frozen = _frozen(frozen, incremental, checked)
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
@@ -127,7 +129,7 @@ class ManagerConfig:
         if retention is not None:
             rules.append(retention)
         signals = None if preemption is None or preemption is False else signals_of(preemption)
-        tier_list = _tiers(tiers)
+        tier_list, peers = _tiers(tiers)
         return cls(
             save_options=checked,
             retention=policies.AnyOf(*rules) if rules else policies.AnyOf(policies.KeepAll()),
@@ -139,6 +141,7 @@ class ManagerConfig:
             blob_policy=blob_policy,
             frozen=frozen,
             tiers=tier_list,
+            peers=peers,
             async_save=async_save,
             writer=writer,
             verify_before_prune=verify_before_prune,
@@ -152,19 +155,14 @@ class ManagerConfig:
         )
 
 
-def _writer(writer: Any, async_save: bool, options: SaveOptions) -> None:
-    """``writer=``: "thread" or "process", the latter for async saves, unsharded (for now)."""
+def _writer(writer: Any, async_save: bool) -> None:
+    """``writer=``: "thread" or "process", the latter for async saves (sharded ones too)."""
     if writer not in ("thread", "process"):
         raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
     if writer == "process" and not async_save:
         raise ValueError(
             "writer='process' is given without async_save=True (the writer process writes "
             "background saves; a synchronous save is written by the caller)"
-        )
-    if writer == "process" and options.process_group is not None:
-        raise ValueError(
-            "writer='process' does not write sharded saves (process_group=) yet: use "
-            "writer='thread'"
         )
 
 
@@ -305,13 +303,18 @@ def _compressed(policy: Any, compression: Any) -> Any:
     return policy
 
 
-def _tiers(value: Any) -> tuple[Tier, ...]:
-    """The ``tiers=`` argument: None or a sequence of :class:`~savepoint.runs.tiers.Tier`."""
+def _tiers(value: Any) -> tuple[tuple[Tier, ...], PeerTier | None]:
+    """The ``tiers=`` argument: None or a sequence of :class:`~savepoint.runs.tiers.Tier` and
+    at most one ``sp.Tier.peers(...)`` (:class:`~savepoint.runs.peers.PeerTier`): the storage
+    tiers, and the peer tier."""
     if value is None:
-        return ()
-    if isinstance(value, (str, bytes, Tier)) or not isinstance(value, Sequence):
+        return (), None
+    if isinstance(value, (str, bytes, Tier, PeerTier)) or not isinstance(value, Sequence):
         raise TypeError(f"tiers must be a list of sp.Tier, not {value!r}")
+    peers = [tier for tier in value if isinstance(tier, PeerTier)]
     for tier in value:
-        if not isinstance(tier, Tier):
+        if not isinstance(tier, (Tier, PeerTier)):
             raise TypeError(f"tiers must be a list of sp.Tier, not one holding {tier!r}")
-    return tuple(value)
+    if len(peers) > 1:
+        raise ValueError("tiers holds more than one sp.Tier.peers(...): give one")
+    return tuple(t for t in value if isinstance(t, Tier)), (peers[0] if peers else None)

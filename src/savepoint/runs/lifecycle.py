@@ -11,7 +11,7 @@ its worker thread).
 
 ``close()``, in order, whatever fails along the way: the async save in flight is finished (its
 AsyncCheckpointer closed), the background step of the last save joined and its worker stopped,
-the tiers' copy-ups finished; then ``report.json`` is written if a save, a ``log()`` or a
+the tiers' copy-ups and the peer-memory replications finished; then ``report.json`` is written if a save, a ``log()`` or a
 deletion left it unwritten (only by a manager that still holds the run: a forked child's copy
 writes nothing, and a lock file another writer took is RunLockedError unless a save raised it
 already), and what the open took is given back (the writer lock, the history log, the
@@ -140,6 +140,8 @@ class Lifecycle:
                 raise error
             if self.opened.tiers is not None:
                 self.opened.tiers.raise_error()
+            if self.opened.peers is not None:
+                self.opened.peers.raise_error()
 
     def _close(self) -> None:
         try:
@@ -150,6 +152,8 @@ class Lifecycle:
             self.settle.worker.stop()
             if self.opened.tiers is not None:
                 self.opened.tiers.close()  # the copy-ups finish (their failures are raised after)
+            if self.opened.peers is not None:
+                self.opened.peers.close()  # the replications finish (raised after, too)
             with self.lock:
                 self.books.forget_resume()
             try:

@@ -53,6 +53,7 @@ from savepoint.runs.config import seconds as _grace
 from savepoint.runs.gc import GcReport
 from savepoint.runs.incremental import BlobHandles
 from savepoint.runs.lifecycle import Lifecycle
+from savepoint.runs.peers import PeerTier
 from savepoint.runs.policies import Mode, RetentionPolicy, SavePolicy
 from savepoint.runs.preempting import Preempting
 from savepoint.runs.preemption import (
@@ -162,7 +163,7 @@ class CheckpointManager:
         preemption: bool | Iterable[int | str | signal.Signals] | None = None,
         preemption_grace: float = DEFAULT_GRACE,
         preemption_every: int = 1,
-        tiers: Sequence[Tier] | None = None,
+        tiers: Sequence[Tier | PeerTier] | None = None,
         incremental: bool = False,
         blob_policy: Any = None,
         frozen: Iterable[str] | None = None,
@@ -234,7 +235,7 @@ class CheckpointManager:
             self._saver.close()  # (its async writer; the open gave back what it took)
             raise
         self.run = opened.run
-        self._restorer.tiers = opened.tiers
+        self._restorer.opened(opened.tiers, opened.peers)
         self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
         self._preempting.preemption = opened.preemption
         # Its locks, close(), gc(), a fork and the interpreter's exit (runs.lifecycle).

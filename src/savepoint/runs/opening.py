@@ -16,7 +16,9 @@
    ``run.json`` and the committed checkpoints (``check_consistent``: the read-only view of
    :mod:`savepoint.runs.view` opens inconsistent runs too), or a fresh one when there is none;
 3. the tiers (:class:`~savepoint.runs.tiers.TierCopier`; a new run directory may continue the
-   run its tiers belong to, and takes its id);
+   run its tiers belong to, and takes its id), and the peer-memory tier
+   (:class:`~savepoint.runs.peers.PeerMemory`: nothing is exchanged with the other ranks until
+   the first save or restore);
 4. only then, writes: ``run.json`` when it is new or lagged behind, the config change (a
    writer records it in ``report.json`` and ``run.json``; a read-only open only warns), and the
    repair of what an interrupted writer left (:func:`repair`);
@@ -53,6 +55,7 @@ from savepoint.runs import history, layout
 from savepoint.runs.books import Books, plain, write_error
 from savepoint.runs.config import ManagerConfig
 from savepoint.runs.lock import WriterLock
+from savepoint.runs.peers import PeerMemory
 from savepoint.runs.preemption import Preemption
 from savepoint.runs.report import (
     REPORT_FILE,
@@ -90,6 +93,7 @@ class Opened:
     run: RunInfo  # as opened (the manager's ``run`` follows the saves)
     tiers: TierCopier | None
     preemption: Preemption | None
+    peers: PeerMemory | None = None  # the peer-memory tier (runs.peers)
     pid: int = dataclasses.field(default_factory=os.getpid)  # the process that opened
 
     @property
@@ -126,6 +130,7 @@ class Opening:
         self.writer: WriterLock | None = None
         self.release: Callable[[], object] | None = None
         self.tiers: TierCopier | None = None
+        self.peers: PeerMemory | None = None
         self.preemption: Preemption | None = None
         # Whether the run's id is made by this open (a new run directory, or a run made before
         # run ids): then it takes the id of the run its tiers belong to (runs.tiers).
@@ -166,6 +171,7 @@ class Opening:
             run,
             self.tiers,
             self.preemption,
+            self.peers,
         )
 
     def _open(self, owner: object) -> RunInfo:
@@ -192,6 +198,10 @@ class Opening:
         if self.config.tiers:
             run, new_tiers_id = self._tiers(owner, run, fresh=not on_disk)
             new_run_file = new_run_file or new_tiers_id
+        if self.config.peers is not None:  # (with the run's id, as the tiers left it)
+            group = self.config.save_options.process_group
+            self.peers = PeerMemory(self.config.peers, group, run.run_id or run.name)
+            self.settle.peers = self.peers
         if new_run_file:
             # Only now: an open that fails (a mismatch, a damaged report) writes nothing.
             self._write_run(run)

@@ -17,7 +17,8 @@ result carries ``exit_code`` (128 + the signal). Preemption is logged (``logging
 The steps of :meth:`Preempting.save`, each a method: the budget (:meth:`Preempting._begin`),
 room for this save (the save in flight and the background step, :meth:`Preempting._make_room`),
 the ranks' agreement (:meth:`Preempting._agree`), the commit (:meth:`Preempting._commit`, then
-the copy to the first tier), the answer (:meth:`Preempting._result`).
+its replication into peer memory, when the run has that tier, and the copy to the first tier),
+the answer (:meth:`Preempting._result`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Literal
 
 from savepoint.errors import CheckpointError
 from savepoint.runs import layout
+from savepoint.runs.peers import PEER_MEMORY
 from savepoint.runs.preemption import Preemption, PreemptionSave, max_over_ranks
 from savepoint.runs.saving import Saver, abandoned, check_step
 
@@ -213,11 +215,14 @@ class Preempting:
     def _copy_on_preemption(
         self, step: int, deadline: float, errors: list[str], deferred: list[str]
     ) -> tuple[str, ...]:
-        """With tiers: copy checkpoint ``step`` to the first tier (due or not) and wait for it
-        until ``deadline``; returns the tier's name if the copy committed in time."""
+        """With a peer-memory tier: wait until ``deadline`` for the replication of ``step``
+        (submitted at its commit) first. With tiers: copy checkpoint ``step`` to the first tier
+        (due or not) and wait for it until ``deadline``. Returns the tiers the step reached in
+        time."""
+        peers = self._replicated(step, deadline, errors, deferred)
         tiers = self.saver.settle.tiers
         if tiers is None or not tiers.tiers:
-            return ()
+            return peers
         first = tiers.tiers[0]
         tiers.submit(step, layout.checkpoint_arg(self.saver.catalog.step_location(step)), [first])
         if not tiers.wait(max(0.0, deadline - time.monotonic())):
@@ -232,7 +237,25 @@ class Preempting:
         except CheckpointError as exc:  # not known to be there: not counted as copied
             errors.append(str(exc))
             copied = False
-        return (first.label,) if copied else ()
+        return peers + ((first.label,) if copied else ())
+
+    def _replicated(
+        self, step: int, deadline: float, errors: list[str], deferred: list[str]
+    ) -> tuple[str, ...]:
+        """(``"peer memory"``,) once the replication of ``step`` is complete (waited for until
+        ``deadline``), else () with what happened in ``errors`` or ``deferred``."""
+        peers = self.saver.settle.peers
+        if peers is None:
+            return ()
+        if not peers.wait(max(0.0, deadline - time.monotonic())):
+            deferred.append(f"replicating step {step} into peer memory (not done in time)")
+            return ()
+        try:
+            peers.raise_error()
+        except CheckpointError as exc:
+            errors.append(str(exc))
+        last = peers.last
+        return (PEER_MEMORY,) if last is not None and last.step == step and last.complete else ()
 
     def _end_in_flight(
         self, step: int, wait_until: float, reserve: float

@@ -15,6 +15,10 @@ and written by the next save or ``log()``, never by ``close()`` alone:
 - With storage tiers (:mod:`savepoint.runs.tiers`) each step is read from the run directory
   first, then from each tier holding a copy, fastest first; :attr:`Restorer.restored_from`
   names where the last restore read its checkpoint (:data:`RUN_DIRECTORY` or a tier's name).
+- With a peer-memory tier (:mod:`savepoint.runs.peers`) every ``read`` first surveys it (every
+  rank at once) and a step complete there is read from it before any other source
+  (``"peer memory"``); a failure there (a copy that does not verify, a rank that does not
+  answer) is agreed by every rank, which go on with the next source together.
 - Next to a live writer (a read-only manager, the view of :func:`savepoint.open_run`), a
   checkpoint the writer deletes or replaces while it is being read is never taken for a corrupt
   one: "latest" and "best" choose again (the catalog rereads the report's ``discarding`` and the
@@ -41,6 +45,7 @@ from savepoint.errors import (
 )
 from savepoint.runs import layout
 from savepoint.runs.catalog import Catalog
+from savepoint.runs.peers import PEER_MEMORY, PeerMemory
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.paths import Location
 
@@ -74,7 +79,13 @@ class Restorer:
         self.catalog = catalog
         self.steps = steps
         self.tiers: TierCopier | None = None
+        self.peers: PeerMemory | None = None  # the peer-memory tier (runs.peers)
+        self.peer_steps: set[int] = set()  # complete in peer memory (surveyed once per read)
         self.restored_from: str | None = None  # where the last read came from
+
+    def opened(self, tiers: TierCopier | None, peers: PeerMemory | None) -> None:
+        """The run's storage tiers and peer-memory tier, as its open found them."""
+        self.tiers, self.peers = tiers, peers
 
     def read(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
         """Load checkpoint ``step`` with ``load_options``: (the step loaded, what
@@ -84,6 +95,8 @@ class Restorer:
             "best",
         ):
             raise ValueError(f"step must be 'latest', 'best' or an int, not {step!r}")
+        # Every rank at once, before anything else: which steps peer memory holds whole.
+        self.peer_steps = self.peers.survey() if self.peers is not None else set()
         for _ in range(_RESTORE_TRIES):
             self.catalog.refresh()
             try:
@@ -102,6 +115,8 @@ class Restorer:
         raises _Moved when the checkpoint chosen was deleted or replaced while it was read."""
         steps = self.steps()
         copies = self.tiers.candidates() if self.tiers is not None else {}
+        for held in self.peer_steps:
+            copies.setdefault(held, [])
         if step == "latest":
             return self.latest(steps, copies, load_options)
         if step == "best":
@@ -134,9 +149,12 @@ class Restorer:
                         exc,
                     )
                     other = "an older one" if not copies else "another copy or an older one"
+                    what = (
+                        "could not be restored" if source == PEER_MEMORY else "failed verification"
+                    )
                     warnings.warn(
-                        f"checkpoint {candidate} of {self.directory}{where} failed "
-                        f"verification, trying {other}: {exc}",
+                        f"checkpoint {candidate} of {self.directory}{where} {what}, trying "
+                        f"{other}: {exc}",
                         stacklevel=_CALLER,
                     )
                     continue
@@ -171,8 +189,10 @@ class Restorer:
         where = str(layout.step_location(self.run, step))
         if step not in steps and step not in copies:
             held = f"it has {steps}"
-            if copies:
-                held += f"; its tiers have {sorted(copies)}"
+            if any(copies.values()):
+                held += f"; its tiers have {sorted(s for s, c in copies.items() if c)}"
+            if self.peer_steps:
+                held += f"; peer memory has {sorted(self.peer_steps)}"
             raise CheckpointNotFoundError(
                 f"{self.directory} has no checkpoint for step {step} ({held})", path=where
             )
@@ -188,9 +208,12 @@ class Restorer:
             ) from None
 
     def sources(self, step: int, steps: list[int], copies: Copies) -> list[Source]:
-        """Where checkpoint ``step`` can be read, in the order to try: the run directory, then
-        the tiers holding a copy (fastest first); each as (its name, a load function)."""
+        """Where checkpoint ``step`` can be read, in the order to try: peer memory (when the
+        step is complete there), the run directory, then the tiers holding a copy (fastest
+        first); each as (its name, a load function)."""
         found: list[Source] = []
+        if step in self.peer_steps and self.peers is not None:
+            found.append((PEER_MEMORY, functools.partial(self.peers.load, step)))
         if step in steps or step not in copies:
             # (not listed and no copy: read it all the same; a live writer's deletion then
             # shows as _Moved, and a restore chooses again)
@@ -222,7 +245,7 @@ class Restorer:
 
     def restored(self, step: int, source: str, loaded: Any) -> tuple[int, Any]:
         self.restored_from = source
-        if self.tiers is not None:
+        if self.tiers is not None or self.peers is not None:
             log.info("%s: step %d read from %s", self.directory, step, source)
         return step, loaded
 

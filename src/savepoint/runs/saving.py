@@ -44,6 +44,11 @@ a verified one's place under ``keep_last``/``keep_best``, and is deleted once a 
 verifies) and it is never the best. At interpreter exit a background step still running is
 finished, and a failure it found is printed.
 
+With a peer-memory tier (:mod:`savepoint.runs.peers`), every rank hands each committed
+checkpoint to it as soon as the commit is known (before step 3: a save whose books then fail
+is committed all the same, and every rank must replicate the same steps), and the next save,
+``wait()`` and ``close()`` raise what its last replication left, as they do a tier's copy-up.
+
 The steps of :meth:`Saver.save`, each a method: check (the last save's background errors, the
 step, read-only, :meth:`Saver._check`), decide (the save policy, :meth:`Saver._decide`), prepare
 (the writer lock, the metrics, the backup of step 2, :meth:`Saver._prepare`), write
@@ -225,8 +230,9 @@ class Saver:
             self._raise_verification_error()
             if self.checkpointer is not None:
                 self._raise_background_error()
-            if self.settle.tiers is not None:
-                self.settle.tiers.raise_error()
+            for copies in (self.settle.tiers, self.settle.peers):  # (what their last copy left)
+                if copies is not None:
+                    copies.raise_error()
         check_step(step)
         if self.read_only:
             raise _read_only(self.books.directory, step, self.read_only_reason)
@@ -326,6 +332,8 @@ class Saver:
         flight = job.flight
         flight.committed = True
         self.write_seconds = time.monotonic() - job.begun
+        if self.settle.peers is not None:  # every rank, every committed save, before its books
+            self.settle.peers.submit(job.step, job.target)
         flight.background = self._after_commit(job, info)
         if job.derived is not None:
             self.host.adopt_num_params()
@@ -427,10 +435,10 @@ class Saver:
         finally:
             self.settle.join()
         self._raise_verification_error()
-        tiers = self.settle.tiers
-        if tiers is not None:
-            tiers.wait()
-            tiers.raise_error()
+        for copies in (self.settle.tiers, self.settle.peers):
+            if copies is not None:
+                copies.wait()
+                copies.raise_error()
 
     def close(self) -> None:
         """Finish the background save in flight and close the AsyncCheckpointer (raising what

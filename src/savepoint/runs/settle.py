@@ -5,8 +5,8 @@ save replaced are removed, the run directory and the history log are synced, che
 under ``discarding`` are deleted; then, if retention would delete anything, the new checkpoint
 is read back and verified (``verify_before_prune``), and only once it verified does retention
 pick the checkpoints to delete (never the newest, the current best, the checkpoint the run
-resumed from, or one a tier copy is reading), ``report.json`` name them under ``discarding``
-(synced) and the deletion run; object stores' history segments are compacted. Once a
+resumed from, or one a tier copy or a peer-memory replication is reading), ``report.json``
+name them under ``discarding`` (synced) and the deletion run; object stores' history segments are compacted. Once a
 preemption save started (``preempting``), all but the syncs wait for the next run.
 
 A synchronous save's step runs on the manager's one long-lived :class:`Worker` thread (started
@@ -33,6 +33,7 @@ from savepoint.errors import CheckpointError, CorruptCheckpointError
 from savepoint.info import CheckpointInfo
 from savepoint.runs import aliases, layout, policies
 from savepoint.runs.books import Books, write_error
+from savepoint.runs.peers import PeerMemory
 from savepoint.runs.policies import Entry, RetentionPolicy
 from savepoint.runs.tiers import TierCopier
 
@@ -137,6 +138,7 @@ class Settle:
         self.retention, self.verify_before_prune = retention, verify_before_prune
         self.collect, self.scrub = collect, scrub
         self.tiers: TierCopier | None = None  # (set once the open made them)
+        self.peers: PeerMemory | None = None  # the peer-memory tier (runs.peers)
         self.preempting = threading.Event()  # set by a preemption save: see the module docstring
         self.verifying: int | None = None  # the step being read back
         self.worker = Worker("savepoint-books")
@@ -304,6 +306,8 @@ class Settle:
         keep |= {s for s in (newest, catalog.best_among(live), books.resumed_from) if s is not None}
         if self.tiers is not None:
             keep |= self.tiers.pending_steps()  # a copy-up is reading it
+        if self.peers is not None:
+            keep |= self.peers.pending_steps()  # a replication is reading it
         return {s for s in live if s not in keep}
 
     def verification_failed(self, step: int, exc: BaseException) -> CheckpointError:

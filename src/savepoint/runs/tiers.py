@@ -104,6 +104,7 @@ from savepoint.storage.paths import resolve as resolve_path
 
 if TYPE_CHECKING:
     from savepoint.blobs import BlobStore
+    from savepoint.runs.peers import PeerTier
 
 __all__ = ["TIER_FILE", "Tier", "TierCopier"]
 
@@ -144,6 +145,21 @@ class Tier:
     @property
     def label(self) -> str:
         return self.name or self.url
+
+    @staticmethod
+    def peers(
+        replicas: int = 1,
+        node: str | None = None,
+        memory_dir: str | None = None,
+        budget: int | None = None,
+        timeout: float = 60.0,
+    ) -> PeerTier:
+        """The peer-memory tier (:mod:`savepoint.runs.peers`, docs/peers.md): each rank keeps
+        its part of every checkpoint in its node's memory and sends it to ``replicas`` ranks on
+        other nodes; ``restore()`` reads it first."""
+        from savepoint.runs.peers import PeerTier
+
+        return PeerTier(replicas, node, memory_dir, budget, timeout)
 
 
 class TierCopier:

@@ -3,7 +3,8 @@
 A ``TensorSource`` is the save side: dtype, shape, and ``copy_to(dst, start)`` which writes the
 tensor's raw little-endian bytes ``[start, start + len(dst))`` into a uint8 buffer. numpy sources
 live here; torch sources live in :mod:`savepoint.state.torch_tensors` and are only built when the state
-holds torch tensors (so torch is never imported by savepoint itself).
+holds torch tensors (so torch is never imported by savepoint itself), jax sources in
+:mod:`savepoint.state.jax_arrays`, only when it holds ``jax.Array`` leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "TensorSource",
     "byte_view",
     "describe",
+    "is_jax_array",
     "is_torch_tensor",
     "make_source",
 ]
@@ -40,7 +42,8 @@ class TensorSource(Protocol):
 
     @property
     def kind(self) -> str:
-        """ "numpy", "numpy_scalar" or "torch": what the loader gives back by default."""
+        """ "numpy", "numpy_scalar" or "torch": what the loader gives back by default (a
+        ``jax.Array``'s is "numpy")."""
 
     def identity(self) -> tuple[Any, ...] | None:
         """Memory identity: equal for two leaves that are the same view of the same memory."""
@@ -89,6 +92,13 @@ def is_torch_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+def is_jax_array(obj: Any) -> bool:
+    """Whether ``obj`` is a ``jax.Array`` (never imports jax: one can only exist once it is)."""
+    jax = sys.modules.get("jax")
+    cls = getattr(jax, "Array", None) if jax is not None else None
+    return cls is not None and isinstance(obj, cls)
+
+
 def make_source(leaf: Any, key: str) -> TensorSource | None:
     """The source for an array-like leaf, or None if the leaf is not a tensor."""
     if isinstance(leaf, np.ndarray):
@@ -106,6 +116,9 @@ def make_source(leaf: Any, key: str) -> TensorSource | None:
     if is_torch_tensor(leaf):
         source: TensorSource = _torch_source()(leaf, key)
         return source
+    if is_jax_array(leaf):
+        jax_source: TensorSource = _jax_source()(leaf, key)
+        return jax_source
     return None
 
 
@@ -116,6 +129,14 @@ def _torch_source() -> Any:
     from savepoint.state import torch_tensors
 
     return torch_tensors.TorchSource
+
+
+@functools.cache
+def _jax_source() -> Any:
+    """``jax_arrays.JaxSource``, imported once (as :func:`_torch_source`)."""
+    from savepoint.state import jax_arrays
+
+    return jax_arrays.JaxSource
 
 
 def byte_view(target: Any) -> np.ndarray[Any, Any] | None:

@@ -20,7 +20,9 @@ What training scripts hold: a ``torch.compile``, DDP or DataParallel wrapper is 
 it wraps (its keys carry no ``_orig_mod.``/``module.`` prefix; see :mod:`savepoint.state.wrappers`),
 and a dataclass instance (a config) is saved as a plain ``dict`` node of its fields, in field
 order, each field's value stored like any other value. The class is not recorded: a checkpoint
-never names code to run, and ``sp.load`` without ``into=`` gives the dict back.
+never names code to run, and ``sp.load`` without ``into=`` gives the dict back. A JAX pytree node
+of another kind (an ``nnx.Variable``, a ``flax.struct.dataclass``) is saved as a dict of its
+children keyed by their JAX key path entries (:func:`pytree_children`; docs/jax.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import dataclasses
 import math
 import operator
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +58,7 @@ __all__ = [
     "leaves",
     "nearest",
     "plain_value",
+    "pytree_children",
     "refs",
     "select",
     "tensor_nodes",
@@ -152,17 +156,9 @@ def flatten(state: Any) -> Flat:
                 by_hash[code] = name
         return _tensor_node(name, source.kind)
 
-    def dataclass_items(obj: Any, key: str, is_root: bool, level: int) -> list[list[Any]]:
-        items: list[list[Any]] = []
-        for f in dataclasses.fields(obj):
-            sub = child_key(key, is_root, f.name)
-            if not hasattr(obj, f.name):  # an init=False field nothing has set yet
-                raise UnsupportedStateError(
-                    f"{sub}: field {f.name!r} of {type(obj).__qualname__} has no value to save",
-                    key=sub,
-                )
-            items.append([f.name, walk(getattr(obj, f.name), sub, False, level + DICT_COST)])
-        return items
+    def child_items(pairs: list[tuple[Key, Any]], key: str, is_root: bool, level: int) -> list[Any]:
+        deeper = level + DICT_COST
+        return [[k, walk(v, child_key(key, is_root, k), False, deeper)] for k, v in pairs]
 
     def walk(obj: Any, key: str, is_root: bool, level: int) -> Node:
         if level > MAX_DEPTH:
@@ -238,14 +234,14 @@ def flatten(state: Any) -> Flat:
                     "type": f"{cls.__module__}.{cls.__qualname__}",
                     "state": inner,
                 }
-            if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-                return {"t": "dict", "items": dataclass_items(obj, key, is_root, level)}
+            if (pairs := _named_children(obj, key, is_root)) is not None:
+                return {"t": "dict", "items": child_items(pairs, key, is_root, level)}
         finally:
             active.discard(id(obj))
         raise UnsupportedStateError(
             f"{key or '<root>'}: cannot store a value of type {type(obj).__module__}."
-            f"{type(obj).__qualname__}; supported leaves are numpy arrays, torch tensors, None, bool, "
-            "int, float, str, bytes, dataclass instances, and objects with state_dict()/load_state_dict()",
+            f"{type(obj).__qualname__}; supported leaves are numpy, torch and jax arrays, None, bool, int, "
+            "float, str, bytes, dataclasses, JAX pytree nodes, and objects with state_dict()/load_state_dict()",
             key=key,
         )
 
@@ -258,6 +254,26 @@ def flatten(state: Any) -> Flat:
         by_identity.clear()
         active.clear()
     return flat
+
+
+def _named_children(obj: Any, key: str, is_root: bool) -> list[tuple[Key, Any]] | None:
+    """(name, value) of a JAX pytree node's children (:func:`pytree_children`) or of a
+    dataclass instance's fields, saved as a dict; None for anything else."""
+    nodes = pytree_children(obj)
+    if nodes is not None:
+        return nodes
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return None
+    pairs: list[tuple[Key, Any]] = []
+    for f in dataclasses.fields(obj):
+        if not hasattr(obj, f.name):  # an init=False field nothing has set yet
+            sub = child_key(key, is_root, f.name)
+            raise UnsupportedStateError(
+                f"{sub}: field {f.name!r} of {type(obj).__qualname__} has no value to save",
+                key=sub,
+            )
+        pairs.append((f.name, getattr(obj, f.name)))
+    return pairs
 
 
 class _TensorLeaf:
@@ -279,6 +295,17 @@ def _tensor_node(ref: str, kind: str) -> Node:
     leaf.kind = kind
     node: Node = leaf.__dict__
     return node
+
+
+def pytree_children(obj: Any) -> list[tuple[Key, Any]] | None:
+    """The children of a JAX pytree node savepoint does not otherwise know, keyed by their key
+    path entries (:func:`savepoint.state.jax_arrays.children`); None when jax is not imported
+    (no such node can exist) or JAX takes ``obj`` for a leaf."""
+    if "jax" not in sys.modules:
+        return None
+    from savepoint.state import jax_arrays
+
+    return jax_arrays.children(obj)
 
 
 def plain_value(node: Node) -> Any:

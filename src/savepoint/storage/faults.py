@@ -35,7 +35,11 @@ with ``crash_after(k)``.
 Each :class:`Call` records a kind and a path: for store calls (``put``, ``rename`` ...) the path
 argument, the second path as ``dest``; for ``write``, ``finish`` and ``abort`` of a writer and
 ``read`` and ``view`` of a reader, the blob's path; for ``open_blob`` and ``read_small`` through a
-pinned directory, the path joined. ``nbytes`` is what a ``write`` or ``put`` was handed.
+pinned directory, the path joined. ``nbytes`` is what a ``write`` or ``put`` was handed, or
+what a ``read`` asked for (with its ``offset``), so a test can count the bytes a load reads.
+``views=False`` makes every reader's ``view`` answer None (recorded, never passed on), as an
+object store's: the engine then reads everything through ``read``, and every byte read is
+counted.
 ``close`` and ``Pinned.identity`` are not recorded and never fail (closing a descriptor changes
 nothing on disk).
 """
@@ -131,13 +135,14 @@ class SimulatedCrash(BaseException):
 
 
 class Call(NamedTuple):
-    """One recorded call: its kind, its path, the second path of a two-path call, and the
-    bytes handed to a ``write`` or ``put``."""
+    """One recorded call: its kind, its path, the second path of a two-path call, the bytes
+    handed to a ``write`` or ``put`` or asked for by a ``read``, and a ``read``'s offset."""
 
     kind: str
     path: str
     dest: str | None = None
     nbytes: int | None = None
+    offset: int | None = None
 
 
 class Fault:
@@ -254,11 +259,13 @@ class FaultyStore(Renames, HardLinks, Locks, Store):
     """``inner`` with faults injected on demand (see the module docstring).
 
     ``exchange=False`` makes ``exchange`` answer False (nothing swapped), as on a filesystem
-    without ``renameat2``, so the two-rename replace runs on any machine.
+    without ``renameat2``, so the two-rename replace runs on any machine. ``views=False``: no
+    reader has zero-copy views (see the module docstring).
     """
 
-    def __init__(self, inner: Store, *, exchange: bool = True) -> None:
+    def __init__(self, inner: Store, *, exchange: bool = True, views: bool = True) -> None:
         self.inner = inner
+        self.views = views
         self.scheme = inner.scheme
         self.capabilities: Capabilities = inner.capabilities
         self.calls: list[Call] = []
@@ -370,8 +377,9 @@ class FaultyStore(Renames, HardLinks, Locks, Store):
         action: Callable[[], _T],
         dest: str | None = None,
         nbytes: int | None = None,
+        offset: int | None = None,
     ) -> _T:
-        call = Call(kind, path, dest, nbytes)
+        call = Call(kind, path, dest, nbytes, offset)
         with self._lock:
             self._alive()
             self.calls.append(call)
@@ -536,9 +544,14 @@ class _Reader:
         self._path = path
 
     def read(self, offset: int, out: Any) -> None:
-        self._store._call("read", self._path, lambda: self._inner.read(offset, out))
+        nbytes = memoryview(out).nbytes
+        self._store._call(
+            "read", self._path, lambda: self._inner.read(offset, out), nbytes=nbytes, offset=offset
+        )
 
     def view(self, start: int, end: int) -> np.ndarray[Any, Any] | None:
+        if not self._store.views:
+            return self._store._call("view", self._path, lambda: None)
         return self._store._call("view", self._path, lambda: self._inner.view(start, end))
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 from urllib.parse import unquote, urlsplit
 
 from savepoint.errors import UnsupportedStorageError
@@ -269,7 +269,14 @@ def _fsspec_location(text: str, scheme: str, protocol: str, what: str) -> Locati
             path=text,
             scheme=scheme,
         ) from None
-    # The URL's path is the store's path; what comes before it (a host, a user) names the store.
+    base = _url_base(scheme, rest, stripped, cls)
+    store = fsspecstore.shared(protocol, options, base)
+    return Location(store, store.abspath(unquote(stripped)))
+
+
+def _url_base(scheme: str, rest: str, stripped: str, cls: Any) -> str:
+    """How the URLs of an fsspec store start: the URL's path is the store's path; what comes
+    before it (a host, a user) names the store."""
     body = rest.strip("/")
     if stripped and body.endswith(stripped):
         head = body[: len(body) - len(stripped)]
@@ -282,9 +289,12 @@ def _fsspec_location(text: str, scheme: str, protocol: str, what: str) -> Locati
         # user:password@host: the password stays out of messages (the options keep it).
         user, _, host = head.partition("@")
         head = user.split(":", 1)[0] + "@" + host
-    base = f"{scheme}://{head}/" if head else f"{scheme}://"
-    store = fsspecstore.shared(protocol, options, base)
-    return Location(store, store.abspath(unquote(stripped)))
+    # fsspec's local filesystem: its URLs keep the path absolute (fsspec+file:///tmp/run, not
+    # fsspec+file://tmp/run, which names a relative path).
+    from fsspec.implementations.local import LocalFileSystem
+
+    absolute = not head and issubclass(cls, LocalFileSystem)
+    return f"{scheme}://{head}/" if head or absolute else f"{scheme}://"
 
 
 def local_path(path: PathArg, *, what: str = "path") -> str:

@@ -1,0 +1,358 @@
+"""One replication of a committed checkpoint into peer memory, on every rank of the manager's
+process group at once: a job of the tier's worker thread (:mod:`savepoint.runs.peers`).
+
+In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire`):
+
+1. **its part**: the manifest of the committed checkpoint (read from the run directory) and the
+   data files this rank wrote (``data-r<rank>-*``; every file for a checkpoint saved without a
+   process group); an incremental checkpoint's part also holds every ``world``-th blob its
+   manifest names (``blobs/...``, whole copies: peer memory keeps no blob store of its own, so
+   each step's copy holds all its blobs, changed or not) and the blob store's configuration;
+   every rank's part (file names, sizes, the manifest's digest) is gathered;
+2. **where copies go** (:func:`ring`): each rank sends its part to ``replicas`` ranks on the
+   next nodes of a ring (nodes in the order of their first rank), never its own node: to the
+   rank at its own index on that node (modulo the ranks there), so the load spreads;
+3. **room**: each node's ranks work out the bytes landing there (its own parts and the copies
+   it receives), delete the copies of later steps (a run that saves an earlier step went back
+   to it: those belong to a timeline it abandoned) and the oldest copies the budget no longer
+   holds
+   (:func:`savepoint.runs._peer_folder.evictions`: never the newest complete step), and if it
+   still does not fit, keep no copy of this step (received bytes are dropped);
+4. **the bytes**: each rank reads its files once, chunk by chunk: hashing them, writing its own
+   node's copy (a hard link instead, where the run directory is on the node memory's file
+   system: a RAM disk) and sending them to its targets; receivers land the bytes in a staging
+   folder and check each file's XXH3-64 against the sender's;
+5. **commit**: each copy (its marker last, then a rename: :class:`NodeFolder`);
+6. **the outcome**, gathered: the step is *complete* in peer memory when every part has at least
+   one committed copy; a failure anywhere (a rank that died or stopped answering, a file that did
+   not arrive whole, a full memory) is known to every rank, which then drops the wire's group;
+7. **eviction**: once the step is complete it is the node's anchor, and older copies go as the
+   budget asks (all of them with no budget).
+
+A kill at any moment leaves staging folders (removed once their process is gone) and committed
+copies, each whole; a restore only takes steps whose every part has a committed copy of the same
+save (the manifest's digest), so it never mixes two checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+from typing import Any
+
+from savepoint.codecs import checksum
+from savepoint.codecs import manifest as mf
+from savepoint.commit.transaction import resolve as resolve_committed
+from savepoint.runs._peer_folder import (
+    BLOBS,
+    COMMON,
+    BlobSource,
+    BytesSource,
+    CopyWriter,
+    Landing,
+    NodeFolder,
+    PartRecord,
+    blob_home,
+    evictions,
+)
+from savepoint.runs._peer_wire import Gathered, Incoming, Outgoing, Wire
+from savepoint.storage.paths import Location, PathArg, resolve
+
+__all__ = ["Outcome", "Replication", "part_files", "ring"]
+
+log = logging.getLogger("savepoint.runs.peers")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one replication achieved, the same on every rank."""
+
+    step: int
+    complete: bool
+    copies: dict[int, list[str]]  # part -> the nodes holding a committed copy
+    errors: list[str]
+    seconds: float = 0.0
+
+
+def ring(nodes: list[str], replicas: int) -> list[list[int]]:
+    """For each rank (``nodes[rank]`` its node), the ranks it sends its part to (see the module
+    docstring). Fewer than ``replicas`` when there are not that many other nodes."""
+    order: list[str] = []
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        if node not in by_node:
+            order.append(node)
+        by_node.setdefault(node, []).append(rank)
+    targets = []
+    for rank, node in enumerate(nodes):
+        i, local = order.index(node), by_node[node].index(rank)
+        mine = []
+        for k in range(1, min(replicas, len(order) - 1) + 1):
+            there = by_node[order[(i + k) % len(order)]]
+            mine.append(there[local % len(there)])
+        targets.append(mine)
+    return targets
+
+
+def part_files(manifest: mf.Manifest, part: int) -> list[str]:
+    """The data files of part ``part``: those rank ``part`` wrote (a sharded checkpoint), or
+    every one (part 0 of a checkpoint saved by one process). (An incremental checkpoint's part
+    also holds its share of the blobs: see :func:`_blob_files`.)"""
+    if not manifest.sharded:
+        return sorted(manifest.files) if part == 0 else []
+    prefix = f"data-r{part:05d}-"
+    return sorted(name for name in manifest.files if name.startswith(prefix))
+
+
+@dataclasses.dataclass
+class _Part:
+    """This rank's part of the checkpoint being replicated."""
+
+    store: Any
+    manifest: bytes
+    digest: str
+    world: int
+    files: list[tuple[str, int]]  # name, size (manifest.json first)
+    paths: dict[str, str]  # name -> where the store holds it (all but the manifest)
+    local: bool  # the store is this machine's file system (paths are file paths)
+
+
+class Replication:
+    """Replication jobs of one tier on this rank: ``wire`` to the other ranks, ``folder`` this
+    node's memory, ``replicas`` copies of each part on other nodes, ``budget`` bytes per node
+    (None: no limit, only the newest complete step kept). ``anchor``: the newest step known to
+    be complete (kept from job to job)."""
+
+    def __init__(self, wire: Wire, folder: NodeFolder, replicas: int, budget: int | None) -> None:
+        self.wire, self.folder = wire, folder
+        self.replicas, self.budget = replicas, budget
+        self.anchor: int | None = None
+
+    def run(self, step: int, source: PathArg) -> Outcome:
+        """Replicate the committed checkpoint ``source`` of ``step`` (every rank at once)."""
+        wire = self.wire
+        with wire.session():
+            part, error = self._read_part(source)
+            doc: dict[str, Any] = {"error": error}
+            if part is not None:
+                doc.update(manifest=part.digest, world=part.world, files=part.files)
+            parts = wire.gather("parts", doc)
+            problems = _problems(wire, parts, "describe its part")
+            copies: list[tuple[int, str]] = []
+            if not problems:
+                assert part is not None
+                copies, problems = self._copy(step, part, parts.values)
+            done = wire.gather("done", {"copies": copies, "errors": problems})
+        return self._outcome(step, parts, done)
+
+    def _read_part(self, source: PathArg) -> tuple[_Part | None, str | None]:
+        """This rank's part of the committed checkpoint at ``source``, or why it cannot be."""
+        try:
+            where: Location = resolve(source, what="checkpoint")
+            store = where.store
+            directory = resolve_committed(store, where.path)
+            if directory is None:
+                return None, f"no committed checkpoint at {where}"
+            raw = store.read_small(store.join(directory, mf.NAME), cap=mf.MAX_MANIFEST_BYTES)
+            manifest = mf.parse(raw, columns=False)
+            world = manifest.world_size or 1
+            if world != self.wire.world:
+                return None, f"the checkpoint was saved by {world} ranks, not {self.wire.world}"
+            paths = {n: store.join(directory, n) for n in part_files(manifest, self.wire.rank)}
+            files = [(mf.NAME, len(raw))] + [(n, manifest.files[n].size) for n in paths]
+            if manifest.has_blobs:
+                files += _blob_files(store, directory, manifest, self.wire.rank, paths)
+            digest = checksum.digest(raw)
+            return _Part(store, raw, digest, world, files, paths, where.is_local), None
+        except Exception as exc:  # reported to every rank through the gather
+            return None, f"{self.wire.who(self.wire.rank)}: cannot read its part: {exc}"
+
+    def _copy(
+        self, step: int, part: _Part, parts: list[Any]
+    ) -> tuple[list[tuple[int, str]], list[str]]:
+        """Steps 2-5: this rank's copies committed (part, node) and what failed here."""
+        wire, node = self.wire, self.folder.node
+        targets = ring(wire.nodes, self.replicas)
+        outgoing, incoming, landing = [], [], {}
+        message = 0
+        need = 0
+        for rank, doc in enumerate(parts):
+            here = wire.nodes[rank] == node
+            for name, size in doc["files"]:
+                dsts = targets[rank]
+                if rank == wire.rank:
+                    outgoing.append(Outgoing(message, dsts, size, name, _opener(part, name)))
+                elif wire.rank in dsts:
+                    incoming.append(Incoming(message, rank, size, name, None))
+                need += size * (int(here) + sum(wire.nodes[d] == node for d in dsts))
+                message += 1
+        full = self._make_room(step, need)
+        keep = full is None
+        own = self.folder.staging() if keep else None
+        writers: dict[str, CopyWriter] = {}
+        try:
+            if own is not None:
+                for out in outgoing:
+                    if not _linked(part, out.name, os.path.join(own, out.name)):
+                        writers[out.name] = w = CopyWriter(os.path.join(own, out.name))
+                        out.on_chunk = w.write
+            if keep:
+                for into in incoming:
+                    if into.src not in landing:
+                        landing[into.src] = Landing(self.folder.staging())
+                    into.into = _lander(landing[into.src], into.name, into.size)
+            errors = wire.transfer(outgoing, incoming)
+            errors += [i.error for i in incoming if i.error is not None and keep]
+            errors += [full] if full is not None else []
+            for w in writers.values():
+                w.close()
+            return self._commit(step, part, parts, own, outgoing, incoming, landing), errors
+        finally:
+            for w in writers.values():
+                w.close()
+            for land in landing.values():
+                land.close()
+                shutil.rmtree(land.folder, ignore_errors=True)  # (committed ones were renamed)
+            if own is not None:
+                shutil.rmtree(own, ignore_errors=True)
+
+    def _make_room(self, step: int, need: int) -> str | None:
+        """Step 3: evict what the budget no longer holds; None if ``need`` more bytes for
+        ``step`` fit, else why this node keeps no copy of it. Copies of later steps go first: a
+        save of ``step`` means the run went back to an earlier step (a resume), so they belong
+        to a timeline the run abandoned and must never be restored."""
+        sizes = self.folder.step_bytes()
+        abandoned = sorted(s for s in sizes if s > step)
+        if abandoned:
+            self.folder.evict(abandoned)
+            sizes = {s: b for s, b in sizes.items() if s <= step}
+            if self.anchor is not None and self.anchor > step:
+                self.anchor = None
+        gone = evictions(sizes, self.budget, self.anchor, need)
+        self.folder.evict(gone)
+        left = sum(b for s, b in sizes.items() if s not in gone)
+        if self.budget is None or left + need <= self.budget:
+            return None
+        return (
+            f"node {self.folder.node} cannot hold its {need} bytes of this step within its "
+            f"budget of {self.budget} bytes (it holds {left} bytes it must keep): it keeps no "
+            "copy of it; give the tier a larger budget"
+        )
+
+    def _commit(
+        self,
+        step: int,
+        part: _Part,
+        parts: list[Any],
+        own: str | None,
+        outgoing: list[Outgoing],
+        incoming: list[Incoming],
+        landing: dict[int, Landing],
+    ) -> list[tuple[int, str]]:
+        """Step 5: commit this rank's own copy and every part received whole."""
+        node, rank = self.folder.node, self.wire.rank
+        committed: list[tuple[int, str]] = []
+        if own is not None and all(item.digest is not None for item in outgoing):
+            files = {item.name: (item.size, item.digest or "") for item in outgoing}
+            self.folder.commit(own, PartRecord(step, rank, part.world, part.digest, files, node))
+            committed.append((rank, node))
+        by_src: dict[int, list[Incoming]] = {}
+        for item in incoming:
+            by_src.setdefault(item.src, []).append(item)
+        for src, items in by_src.items():
+            if src not in landing or any(i.error is not None or i.digest is None for i in items):
+                continue
+            doc = parts[src]
+            files = {i.name: (i.size, i.digest or "") for i in items}
+            record = PartRecord(step, src, doc["world"], doc["manifest"], files, node)
+            landing[src].close()
+            self.folder.commit(landing[src].folder, record)
+            committed.append((src, node))
+        return committed
+
+    def _outcome(self, step: int, parts: Gathered, done: Gathered) -> Outcome:
+        """Step 6 and 7: what every rank agrees happened; eviction once complete."""
+        wire = self.wire
+        errors = _problems(wire, done, "finish its copies")
+        copies: dict[int, list[str]] = {}
+        for doc in done.values:
+            if doc is None:
+                continue
+            errors.extend(doc["errors"])
+            for part, node in doc["copies"]:
+                copies.setdefault(part, []).append(node)
+        world = wire.world
+        complete = not done.missing and all(copies.get(p) for p in range(world))
+        if errors:
+            wire.reset()  # the group is not trusted after a failure (every rank knows of it)
+        if complete:
+            self.anchor = step
+            with contextlib.suppress(OSError):
+                self.folder.evict(evictions(self.folder.step_bytes(), self.budget, step))
+        return Outcome(step, complete, copies, sorted(set(errors)))
+
+
+def _problems(wire: Wire, gathered: Gathered, what: str) -> list[str]:
+    """What a gather says failed: ranks that did not answer, errors they reported."""
+    found = [
+        f"{wire.who(r)} did not {what} within {wire.timeout:g} s (died, or stopped answering)"
+        for r in gathered.missing
+    ]
+    for doc in gathered.values:
+        if isinstance(doc, dict) and doc.get("error"):
+            found.append(str(doc["error"]))
+    return found
+
+
+def _blob_files(
+    store: Any, directory: str, manifest: mf.Manifest, rank: int, paths: dict[str, str]
+) -> list[tuple[str, int]]:
+    """The blob files of part ``rank`` of an incremental checkpoint (each blob the manifest
+    names goes to one part, in turn, ``blobs/<its path in the store>``) and the store's
+    configuration (every part's), their store paths added to ``paths``."""
+    from savepoint.blobs import BlobStore
+
+    blob_home(manifest.blob_store)  # (one a copy can hold)
+    root = store.abspath(store.join(directory, manifest.blob_store or ""))
+    blobs = BlobStore(store, root, create=False)
+    digests = sorted({name for recipe in mf.recipes(manifest) for name in recipe.names()})
+    wanted = [COMMON[1]] + [
+        BLOBS + blobs.path(d)[len(root) + 1 :] for d in digests[rank :: manifest.world_size or 1]
+    ]
+    found = []
+    for name in wanted:
+        path = store.join(root, name[len(BLOBS) :])
+        info = store.stat(path)
+        if info is None:
+            raise FileNotFoundError(f"{path}: a blob the checkpoint names is not there")
+        paths[name] = path
+        found.append((name, info.size))
+    return found
+
+
+def _linked(part: _Part, name: str, target: str) -> bool:
+    """Whether this rank's own copy of ``name`` could be a hard link to the committed file (a
+    run directory on the same file system as the node's memory, a RAM disk say: no bytes
+    copied). A committed file is never written again, only deleted, which a link outlives."""
+    if not part.local or name not in part.paths:
+        return False
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.link(part.paths[name], target)
+    except OSError:
+        return False
+    return True
+
+
+def _opener(part: _Part, name: str) -> Any:
+    if name == mf.NAME:  # the very bytes read (and hashed) above
+        return lambda: BytesSource(part.manifest)
+    store, path = part.store, part.paths[name]
+    return lambda: BlobSource(store, path)
+
+
+def _lander(landing: Landing, name: str, size: int) -> Any:
+    return lambda: landing.target(name, size)

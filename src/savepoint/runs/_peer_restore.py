@@ -1,0 +1,370 @@
+"""Restoring from peer memory, on every rank of the manager's process group at once.
+
+:meth:`PeerRestore.survey` (one session of the wire): every rank lists the committed copies its
+node's folder holds (their markers) and the lists are gathered; a step is *complete* when every
+part of one save of it (one manifest digest) has a copy on a node that still has a live rank.
+:meth:`PeerRestore.load` then restores one complete step, in rounds (one session):
+
+1. **the manifest**: a rank whose node holds a copy of any part links its ``manifest.json`` into a
+   private folder of its node (its *assembly*), others fetch it; each is checked against the
+   digest the copies share;
+2. **what the load needs**: the data files this rank's load reads
+   (:func:`savepoint.distributed.needs.files_needed`: its targets' regions, any world size);
+3. **the files**: a file of a part its own node holds is hard-linked into the assembly and
+   verified against that copy's marker; the others are requested, and each is sent by a rank of a
+   node holding its part (spread over the holders), checked on arrival against the marker's
+   XXH3-64. A copy that does not verify is set aside and the file requested again from another
+   holder (another round); a rank that does not answer within ``timeout`` fails the restore from
+   peer memory (IncompleteCheckpointError naming it), as does a part left without a verified
+   copy (CorruptCheckpointError), on every rank alike: the restore goes on with the next source;
+4. **the load**: ``sp.load`` of the assembly with the caller's options (the same planner and
+   loader as a disk load, which checks every checksum again); the assembly is removed after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from savepoint import checkpoint
+from savepoint.codecs import manifest as mf
+from savepoint.errors import CorruptCheckpointError, IncompleteCheckpointError
+from savepoint.runs._peer_folder import (
+    BLOBS,
+    COMMON,
+    FileSource,
+    Landing,
+    PartRecord,
+    assembly,
+    hash_file,
+    place,
+)
+from savepoint.runs._peer_wire import Incoming, Outgoing, Wire
+
+if TYPE_CHECKING:
+    from savepoint.runs.peers import PeerMemory
+
+__all__ = ["PeerRestore"]
+
+log = logging.getLogger("savepoint.runs.peers")
+
+_ROUNDS = 4  # fetch rounds per file set: each round sets aside the copies that did not verify
+_LABEL = "peer memory"
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One complete save of a step: its manifest digest, world, and who holds which part."""
+
+    step: int
+    digest: str
+    world: int
+    holders: dict[int, list[str]]  # part -> nodes holding a copy (live ones)
+    records: dict[tuple[str, int], PartRecord]  # (node, part) -> that copy's marker
+
+    def owner(self, name: str) -> int | None:
+        """The part holding file ``name`` (None: the manifest, or the blob store's
+        configuration, which every part holds)."""
+        if name in COMMON:
+            return None
+        for (_, part), record in self.records.items():
+            if name in record.files:
+                return part
+        raise CorruptCheckpointError(
+            f"{_LABEL}: no copy of step {self.step} holds {name}, which its manifest names",
+            path=name,
+        )
+
+
+class PeerRestore:
+    """Restores of one tier on this rank (see the module docstring)."""
+
+    def __init__(self, memory: PeerMemory) -> None:
+        self.memory = memory
+        self.wire: Wire = memory.wire
+        self.complete: dict[int, _Choice] = {}
+        self.live: dict[str, list[int]] = {}  # node -> its ranks that answered
+        self.local_failures: list[str] = []  # this rank's own node's copies that did not verify
+
+    # -- which steps ------------------------------------------------------------------------
+
+    def survey(self) -> set[int]:
+        folder = self.memory.folder
+        assert folder is not None
+        held = {
+            str(step): {str(p): r.to_json() for p, r in parts.items()}
+            for step, parts in folder.parts().items()
+        }
+        with self.wire.session():
+            got = self.wire.gather("inventory", {"node": self.memory.node, "parts": held})
+        if got.missing:
+            log.warning(
+                "%s: %s did not answer within %g s: what their nodes hold is not used",
+                _LABEL,
+                ", ".join(self.wire.who(r) for r in got.missing),
+                self.wire.timeout,
+            )
+        self.live = {}
+        by_save: dict[tuple[int, str], dict[tuple[str, int], PartRecord]] = {}
+        for rank, doc in enumerate(got.values):
+            if doc is None:
+                continue
+            node = doc["node"]
+            self.live.setdefault(node, []).append(rank)
+            for step, parts in doc["parts"].items():
+                for part, raw in parts.items():
+                    try:
+                        record = PartRecord.from_json(raw, f"{_LABEL} of node {node}")
+                    except CorruptCheckpointError as exc:
+                        log.warning("%s: %s", _LABEL, exc)
+                        continue
+                    if (record.step, record.part) != (int(step), int(part)):
+                        continue
+                    key = (record.step, record.manifest)
+                    by_save.setdefault(key, {})[(node, record.part)] = record
+        self.complete = {}
+        for (step, digest), records in sorted(by_save.items()):
+            world = min(r.world for r in records.values())
+            holders: dict[int, list[str]] = {}
+            for (node, part), record in sorted(records.items()):
+                if record.world == world:
+                    holders.setdefault(part, []).append(node)
+            if all(holders.get(p) for p in range(world)):
+                choice = _Choice(step, digest, world, holders, records)
+                best = self.complete.get(step)
+                if best is None or _copies(choice) > _copies(best):
+                    self.complete[step] = choice
+        return set(self.complete)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def load(self, step: int, options: dict[str, Any]) -> Any:
+        """Restore ``step`` (complete in the last survey) with ``sp.load``'s ``options``."""
+        from savepoint.distributed.needs import files_needed
+
+        choice = self.complete[step]
+        folder = self.memory.folder
+        assert folder is not None
+        base = folder.staging()
+        try:
+            with self.wire.session():
+                self._fetch(choice, [mf.NAME], base, "manifest", _here)
+                with open(os.path.join(base, mf.NAME), "rb") as f:
+                    manifest = mf.parse(f.read(), columns=False)
+                where = functools.partial(place, step=step, blob_store=manifest.blob_store)
+                os.makedirs(os.path.dirname(os.path.join(base, where(mf.NAME))))
+                os.rename(os.path.join(base, mf.NAME), os.path.join(base, where(mf.NAME)))
+                directory = assembly(base, step, manifest.blob_store)
+                try:
+                    keys, into = options.get("keys"), options.get("into")
+                    wanted = files_needed(manifest, directory, into=into, keys=keys)
+                except Exception:  # (the load reports it)
+                    wanted = set(manifest.files)
+                if manifest.has_blobs:  # every blob of the checkpoint (see the docstring)
+                    wanted.add(COMMON[1])
+                    wanted.update(
+                        n for r in choice.records.values() for n in r.files if n.startswith(BLOBS)
+                    )
+                self._fetch(choice, sorted(wanted), base, "files", where)
+            return checkpoint.load(directory, **options)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    def _fetch(
+        self,
+        choice: _Choice,
+        wanted: list[str],
+        base: str,
+        what: str,
+        where: Callable[[str], str],
+    ) -> None:
+        """Bring every file of ``wanted`` to ``base/where(name)``, verified (rounds: see the
+        module docstring); raises on every rank alike when it cannot."""
+        bad: set[tuple[str, int]] = set()
+        failures: list[str] = []  # the copies that did not verify, as the ranks found them
+        need = self._local(choice, wanted, base, where, bad)
+        for round_ in range(_ROUNDS):
+            mine = {"need": need, "bad": sorted(bad), "errors": self.local_failures}
+            self.local_failures = []
+            asked = self.wire.gather(f"{what}-need-{round_}", mine)
+            if asked.missing:
+                self._give_up(choice, asked.missing, [], "answer")
+            for doc in asked.values:
+                bad.update((node, part) for node, part in doc["bad"])
+                failures.extend(doc["errors"])
+            plan, unplaced = self._plan(choice, [doc["need"] for doc in asked.values], bad)
+            outgoing, incoming, landing = self._messages(choice, plan, base, where)
+            try:
+                errors = self.wire.transfer(outgoing, incoming)
+            finally:
+                landing.close()
+            lost = errors + [i.error for i in incoming if i.lost and i.error]
+            parts = {send.message: send.record.part for send in plan}
+            corrupt = [(self.wire.nodes[i.src], parts[i.message]) for i in incoming if i.corrupt]
+            done = {
+                "lost": lost,
+                "bad": sorted(set(corrupt)),
+                "errors": [i.error for i in incoming if i.corrupt and i.error],
+            }
+            told = self.wire.gather(f"{what}-done-{round_}", done)
+            lost_all = [e for doc in told.values if doc for e in doc["lost"]]
+            if told.missing or lost_all:
+                self.wire.reset()
+                self._give_up(choice, told.missing, lost_all, "send what was asked")
+            for doc in told.values:
+                bad.update((node, part) for node, part in doc["bad"])
+                failures.extend(doc["errors"])
+            if unplaced:
+                raise CorruptCheckpointError(
+                    f"{_LABEL}: step {choice.step}: no verified copy left of "
+                    + "; ".join(unplaced + sorted(set(failures))),
+                    path=base,
+                )
+            need = [i.name for i in incoming if i.corrupt]
+            if not any(doc["bad"] for doc in told.values):
+                return
+        raise CorruptCheckpointError(
+            f"{_LABEL}: step {choice.step}: copies kept failing verification ({_ROUNDS} rounds): "
+            + "; ".join(sorted(set(failures))),
+            path=base,
+        )
+
+    def _give_up(self, choice: _Choice, missing: list[int], lost: list[str], what: str) -> None:
+        who = [f"{self.wire.who(r)} did not {what} within {self.wire.timeout:g} s" for r in missing]
+        raise IncompleteCheckpointError(
+            f"{_LABEL}: step {choice.step} could not be fetched: " + "; ".join(who + lost),
+            path=self.memory.folder.root if self.memory.folder is not None else None,
+        )
+
+    def _local(
+        self,
+        choice: _Choice,
+        wanted: Iterable[str],
+        base: str,
+        where: Callable[[str], str],
+        bad: set[tuple[str, int]],
+    ) -> list[str]:
+        """Link the wanted files this node holds to ``base/where(name)``, verified; the others
+        (and those whose copy here did not verify: set aside in ``bad``) are returned."""
+        folder = self.memory.folder
+        assert folder is not None
+        node, need = self.memory.node, []
+        for name in wanted:
+            parts = _parts(choice, name)
+            held = [p for p in parts if node in choice.holders[p] and (node, p) not in bad]
+            if not held:
+                need.append(name)
+                continue
+            record = choice.records[(node, held[0])]
+            source = os.path.join(folder.path(choice.step, held[0]), name)
+            target = os.path.join(base, where(name))
+            try:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.link(source, target)
+                ok = hash_file(target) == record.files[name]
+            except OSError as exc:
+                log.warning("%s: cannot use %s: %s", _LABEL, source, exc)
+                ok = False
+            if not ok:
+                log.warning("%s: the copy of %s on node %s does not verify", _LABEL, name, node)
+                self.local_failures.append(f"the copy of {name} on node {node} does not verify")
+                bad.add((node, held[0]))
+                if os.path.lexists(target):
+                    os.unlink(target)
+                need.append(name)
+        return need
+
+    def _plan(
+        self, choice: _Choice, needs: list[list[str]], bad: set[tuple[str, int]]
+    ) -> tuple[list[_Send], list[str]]:
+        """Who sends what to whom, for every file any rank needs (the same on every rank), and
+        what no verified copy is left of."""
+        nodes = self.wire.nodes
+        plan: list[_Send] = []
+        unplaced: list[str] = []
+        for requester, names in enumerate(needs):
+            for name in names:
+                parts = _parts(choice, name)
+                options = [
+                    (node, p)
+                    for p in parts
+                    for node in choice.holders[p]
+                    if node != nodes[requester] and (node, p) not in bad and node in self.live
+                ]
+                if not options:
+                    unplaced.append(f"{name} (for {self.wire.who(requester)})")
+                    continue
+                node, part = options[requester % len(options)]
+                ranks = self.live[node]
+                record = choice.records[(node, part)]
+                server = ranks[requester % len(ranks)]
+                plan.append(_Send(len(plan), server, requester, name, record))
+        return plan, unplaced
+
+    def _messages(
+        self, choice: _Choice, plan: list[_Send], base: str, where: Callable[[str], str]
+    ) -> tuple[list[Outgoing], list[Incoming], Landing]:
+        """This rank's side of ``plan``: what it serves from its node's copies, what it receives
+        (to ``base/where(name)``)."""
+        folder = self.memory.folder
+        assert folder is not None
+        me = self.wire.rank
+        outgoing, incoming = [], []
+        landing = Landing(base)
+        for send in plan:
+            size, digest = send.record.files[send.name]
+            if send.server == me:
+                path = os.path.join(folder.path(choice.step, send.record.part), send.name)
+                opener = _file_opener(path)  # (the requester checks it against the marker)
+                outgoing.append(
+                    Outgoing(send.message, [send.requester], size, send.name, opener, hashed=False)
+                )
+            if send.requester == me:
+                lands = _lander(landing, where(send.name), size)
+                incoming.append(Incoming(send.message, send.server, size, send.name, lands, digest))
+        return outgoing, incoming, landing
+
+
+@dataclasses.dataclass(frozen=True)
+class _Send:
+    """One file of the fetch plan: ``server`` sends ``name`` of its node's copy ``record`` to
+    ``requester``, as message ``message``."""
+
+    message: int
+    server: int
+    requester: int
+    name: str
+    record: PartRecord
+
+
+def _parts(choice: _Choice, name: str) -> list[int]:
+    """The parts whose copies hold ``name`` (every part for the files they all hold)."""
+    owner = choice.owner(name)
+    return sorted(choice.holders) if owner is None else [owner]
+
+
+def _here(name: str) -> str:
+    return name
+
+
+def _part(choice: _Choice, name: str) -> int:
+    part = choice.owner(name)
+    assert part is not None
+    return part
+
+
+def _copies(choice: _Choice) -> int:
+    return sum(len(nodes) for nodes in choice.holders.values())
+
+
+def _file_opener(path: str) -> Any:
+    return lambda: FileSource(path)
+
+
+def _lander(landing: Landing, name: str, size: int) -> Any:
+    return lambda: landing.target(name, size)

@@ -1,0 +1,198 @@
+"""One rank of a peer-memory test session (launched by ``tests/distributed/_launch.py`` with
+``worker=`` this file, never collected).
+
+Usage: python _peers_worker.py SCENARIO RANK WORLD PORT WORKDIR
+
+The environment says how the session is laid out: ``PEERS_NODES`` the node of each rank
+(``a,a,b,b``: set as ``SAVEPOINT_NODE``, so two groups of ranks on one machine are two nodes),
+``PEERS_TIMEOUT`` the tier's timeout, ``PEERS_STEPS`` the steps to save. The run directory is
+``WORKDIR/run``, the nodes' memory ``WORKDIR/mem``. Each scenario writes
+``WORKDIR/SCENARIO-rank<RANK>.json`` (checks and data, as ``_worker.py`` does). The state of
+each step is built from a seed and the step, so a restore is compared exactly with what that
+step saved, and a checkpoint mixing two steps cannot pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
+
+import _worker as dw
+
+import savepoint as sp
+from savepoint.distributed import FlatShard, Shard
+
+
+def global_tensors(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "rows": torch.randn(12, 6, generator=g) + step,
+        "flat": torch.randn(40, generator=g) * (step + 1),
+        "rep": torch.randn(5, generator=g) - step,
+    }
+
+
+def state(step: int, rank: int, world: int, *, empty: bool = False) -> dict[str, Any]:
+    """This rank's part of step ``step``'s state (``empty``: zero-filled targets)."""
+    g = global_tensors(step)
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if empty else t.clone()
+
+    rows = Shard.split(fill(dw.piece(g["rows"], 0, rank, world)), 0, rank, world, size=12)
+    start, stop = dw.bounds(40, rank, world)
+    return {
+        "model": {
+            "rows": rows,
+            "flat": FlatShard(fill(g["flat"][start:stop]), (40,), start),
+            "rep": fill(g["rep"]),
+        },
+        "step": -1 if empty else step,
+    }
+
+
+def check(loaded: dict[str, Any], step: int, rank: int, world: int) -> None:
+    """``loaded`` is exactly this rank's part of step ``step``."""
+    want = state(step, rank, world)
+    assert loaded["step"] == step, loaded["step"]
+    for name in ("rows", "flat"):
+        got, expected = loaded["model"][name].local, want["model"][name].local
+        assert torch.equal(got, expected), f"{name} differs from step {step}"
+    assert torch.equal(loaded["model"]["rep"], want["model"]["rep"]), "rep"
+
+
+def tier() -> Any:
+    return sp.Tier.peers(
+        memory_dir=os.environ["PEERS_MEM"],
+        timeout=float(os.environ.get("PEERS_TIMEOUT", "10")),
+        replicas=int(os.environ.get("PEERS_REPLICAS", "1")),
+    )
+
+
+def manager(s: dw.Session, **kwargs: Any) -> sp.CheckpointManager:
+    return sp.CheckpointManager(
+        s.path("run"),
+        name="peers",
+        tiers=[tier()],
+        process_group=dist.group.WORLD,
+        timeout=60,
+        **kwargs,
+    )
+
+
+def restore(s: dw.Session, mgr: sp.CheckpointManager, label: str) -> None:
+    """Restore the latest step into empty targets; record it, where from, the warnings."""
+    targets = state(0, s.rank, s.world, empty=True)
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = mgr.restore(targets, process_group=dist.group.WORLD, timeout=60, resume=False)
+    assert step is not None
+    check(targets, step, s.rank, s.world)
+    s.data[label] = {
+        "step": step,
+        "from": mgr.restored_from,
+        "seconds": time.monotonic() - started,
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+# -- scenarios -----------------------------------------------------------------------------------
+
+
+def scenario_save(s: dw.Session) -> None:
+    """Save ``PEERS_STEPS`` and wait for their replication."""
+
+    def run() -> None:
+        t0 = time.monotonic()
+        with manager(s, async_save=os.environ.get("PEERS_ASYNC") == "1") as mgr:
+            for step in map(int, os.environ.get("PEERS_STEPS", "1,2").split(",")):
+                mgr.save(step, state(step, s.rank, s.world))
+            mgr.wait()
+            last = mgr._saver.settle.peers.last  # (the outcome every rank agreed on)
+            s.data["outcome"] = {
+                "step": last.step,
+                "complete": last.complete,
+                "copies": last.copies,
+                "seconds": last.seconds,
+            }
+            s.data["t"] = time.monotonic() - t0
+
+    s.check("save", run)
+
+
+def scenario_restore(s: dw.Session) -> None:
+    """Restore the latest step (the test checks where from)."""
+    s.check("restore", lambda: restore(s, manager(s, read_only=True), "restored"))
+
+
+def scenario_corrupt(s: dw.Session) -> None:
+    """Restore twice: the test damaged copies in between (``PEERS_DAMAGE`` files, one line per
+    restore, written by the test before each: rank 0 does the damage)."""
+
+    def run() -> None:
+        mgr = manager(s, read_only=True)
+        for i, label in enumerate(("one copy damaged", "every copy damaged")):
+            if s.rank == 0:  # (into a new file: the copy may be a link to the run directory's)
+                for path in json.loads(os.environ["PEERS_DAMAGE"])[i]:
+                    data = bytearray(Path(path).read_bytes())
+                    data[-1] ^= 0xFF
+                    Path(path + ".new").write_bytes(data)
+                    os.replace(path + ".new", path)
+            dist.barrier()
+            restore(s, mgr, label)
+
+    s.check("corrupt", run)
+
+
+def scenario_stall(s: dw.Session) -> None:
+    """A rank of ``PEERS_STALL`` stops answering: its sends hang (its process lives)."""
+    from savepoint.runs import _peer_wire
+
+    if s.rank == int(os.environ["PEERS_STALL"]):
+        _peer_wire.Wire._send = lambda *_: time.sleep(3600)  # type: ignore[method-assign]
+    s.check("stall", lambda: restore(s, manager(s, read_only=True), "restored"))
+
+
+def scenario_churn(s: dw.Session) -> None:
+    """Save a new step every moment until killed (rank 0 marks each replicated step)."""
+    with manager(s) as mgr:
+        for step in range(1, 10_000):
+            mgr.save(step, state(step, s.rank, s.world))
+            mgr.wait()
+            if s.rank == 0:
+                Path(s.path(f"replicated-{step}")).touch()
+
+
+def main() -> None:
+    scenario, rank, world, port, workdir = sys.argv[1:6]
+    torch.set_num_threads(1)
+    r, w = int(rank), int(world)
+    os.environ["SAVEPOINT_NODE"] = os.environ["PEERS_NODES"].split(",")[r]
+    os.environ.setdefault("PEERS_MEM", os.path.join(workdir, "mem"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
+    s = dw.Session(scenario, r, w, workdir)
+    try:
+        globals()[f"scenario_{scenario}"](s)
+    except BaseException:
+        s.checks["scenario"] = "FAIL " + traceback.format_exc()
+    s.write()
+    dist.barrier()  # (rank 0 hosts the store: it leaves last)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
