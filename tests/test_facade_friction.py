@@ -59,14 +59,6 @@ def _folder(tmp: Path) -> tuple[Path, tuple[str, ...]]:
     return f, ("is the checkpoints/ folder of the run", f"'{f}/step-0000000002'")
 
 
-def _dcp(tmp: Path) -> tuple[Path, tuple[str, ...]]:
-    d = tmp / "dcp"  # what DCP's FileSystemWriter leaves (names only matter)
-    d.mkdir()
-    (d / ".metadata").write_bytes(b"\x80\x04pickled")
-    (d / "__0_0.distcp").write_bytes(b"data")
-    return d, ("torch.distributed.checkpoint's own FileSystemWriter", "SavepointWriter")
-
-
 def _plain(tmp: Path) -> tuple[Path, tuple[str, ...]]:
     d = tmp / "plain"
     d.mkdir()
@@ -83,7 +75,6 @@ KINDS: dict[str, Callable[[Path], tuple[Path, tuple[str, ...]]]] = {
     "run": _run,
     "sweep": _sweep,
     "run-folder": _folder,
-    "dcp": _dcp,
     "plain": _plain,
     "empty": _empty,
 }
@@ -117,7 +108,7 @@ def test_a_save_that_did_not_commit_still_says_so(tmp_path: Path) -> None:
             sp.load(path)
 
 
-@pytest.mark.parametrize("kind", ["dcp", "plain", "empty", "run"])
+@pytest.mark.parametrize("kind", ["plain", "empty", "run"])
 def test_the_cli_names_them_with_the_same_classifier(tmp_path: Path, kind: str) -> None:
     path, needles = KINDS[kind](tmp_path)
     result = CliRunner().invoke(main, ["inspect", str(path)])

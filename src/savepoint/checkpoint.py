@@ -481,9 +481,9 @@ def load(
     ``path`` may also be a local file or directory of another format savepoint reads (a
     ``.safetensors`` or PyTorch ``.pt``/``.pth``/``.bin``/``.ckpt`` file, read with
     ``torch.load(weights_only=True)`` only; ``.shrew``, burn ``.mpk``, boostr, training
-    artifacts, Hugging Face model directories): its tree comes back, or into ``into`` (see
-    :mod:`savepoint.formats.load`). A run directory, a sweep, a DCP checkpoint or any other
-    directory raises IncompleteCheckpointError saying what it is and what to call instead.
+    artifacts, Hugging Face model directories, DCP, DeepSpeed and Orbax directories): its tree
+    comes back, or into ``into`` (see :mod:`savepoint.formats.load`). A run directory, a sweep
+    or any other directory raises IncompleteCheckpointError saying what it is and what to call.
     """
     check_path("sp.load", path)
     keys = check_load(
@@ -608,8 +608,8 @@ def inspect(path: PathLike) -> CheckpointInfo:
 
     ``path`` may also be a local file or directory of another format savepoint reads (as
     ``savepoint inspect``: :func:`savepoint.formats.detect.inspect_any`); a run directory, a
-    sweep, a DCP checkpoint or any other directory raises IncompleteCheckpointError saying what
-    it is and what to call instead."""
+    sweep or any other directory raises IncompleteCheckpointError saying what it is and what to
+    call instead."""
     check_path("sp.inspect", path)
     location = resolve_path(path, what="checkpoint path")
     try:

@@ -17,11 +17,10 @@ kind                    what is there
 ``uncommitted``         a save that did not commit: a step or alias directory of a run without
                         a manifest, a directory of manifest-less generations, or savepoint data
                         files without their manifest
-``dcp``                 a checkpoint of torch.distributed.checkpoint's own ``FileSystemWriter``
-                        (``.metadata`` and ``*.distcp`` files)
 ``format``              a checkpoint of another format savepoint reads (``format``: its name
-                        as :func:`savepoint.formats.detect.detect` gives it; ``remote``: at a
-                        URL, where those formats are not read)
+                        as :func:`savepoint.formats.detect.detect` gives it, a DCP checkpoint
+                        of DCP's own ``FileSystemWriter`` included; ``remote``: at a URL, where
+                        those formats are not read)
 ``artifact-sweep``      a sweep of training artifacts (``comparison.json``)
 ``empty``               an empty directory
 ``directory``           a directory holding none of the above (``entries``: some of its names)
@@ -50,7 +49,6 @@ KINDS = (
     "run-folder",
     "sweep",
     "uncommitted",
-    "dcp",
     "format",
     "artifact-sweep",
     "empty",
@@ -61,8 +59,6 @@ SHOWN_ENTRIES = 5  # names of a plain directory a message lists
 _SWEEP_LOOKS = 1000  # entries of a directory looked at for run directories (a stat each)
 _DATA_FILE = re.compile(r"data-(?:r\d+-)?\d{5,}\.safetensors")  # savepoint's (and its DCP writer's)
 _ARTIFACT_SWEEP = "training_comparison.json"  # training_artifact.COMPARISON_FILE
-_DCP_METADATA = ".metadata"
-_DCP_SUFFIX = ".distcp"
 # The other formats by file name (at a URL, where their readers do not go) and the
 # marker files of the directory formats.
 _SUFFIXES = {
@@ -150,8 +146,6 @@ def _classify(where: Location) -> Found | None:
         return Found("sweep", shown, runs=runs)
     if _ARTIFACT_SWEEP in entries:
         return Found("artifact-sweep", shown)
-    if _DCP_METADATA in entries and any(e.endswith(_DCP_SUFFIX) for e in entries):
-        return Found("dcp", shown)
     if not entries:
         return Found("empty", shown)
     if all(names.is_generation(e) for e in entries) or any(
@@ -194,8 +188,9 @@ def _file(where: Location) -> Found:
 
 def _directory_format(where: Location, entries: list[str]) -> Found | None:
     """A directory of another format (a boostr checkpoint, a training artifact or a sweep of
-    them, a Hugging Face model directory), by its marker files."""
-    from savepoint.formats import boostr, huggingface, training_artifact
+    them, a Hugging Face model directory, another system's checkpoint directory:
+    ``formats.foreign``), by its marker files."""
+    from savepoint.formats import boostr, detect, huggingface, training_artifact
 
     shown = str(where)
     if training_artifact.REPORT_FILE in entries:
@@ -206,6 +201,9 @@ def _directory_format(where: Location, entries: list[str]) -> Found | None:
         return Found("format", shown, format="boostr", remote=not where.is_local)
     if huggingface.SINGLE in entries or huggingface.INDEX in entries:
         return Found("format", shown, format="huggingface", remote=not where.is_local)
+    other = detect.by_entries(entries)
+    if other is not None:
+        return Found("format", shown, format=other, remote=not where.is_local)
     return None
 
 
@@ -226,11 +224,6 @@ def described(found: Found) -> str:
         return (
             f"{p} has no {mf.NAME}: the save that created it did not commit (or its manifest was "
             "removed)"
-        )
-    if kind == "dcp":
-        return (
-            f"{p} is a checkpoint of torch.distributed.checkpoint's own FileSystemWriter "
-            f"({_DCP_METADATA} and *{_DCP_SUFFIX} files), not a savepoint checkpoint"
         )
     if kind == "format":
         where = " at a URL" if found.remote else ""
@@ -292,13 +285,6 @@ def library_message(found: Found, call: str = "sp.load") -> str:
         )
     if kind == "uncommitted":
         return f"{head}; use an earlier checkpoint"
-    if kind == "dcp":
-        return (
-            f"{head}: read it with DCP itself (torch.distributed.checkpoint.load(state, "
-            f"checkpoint_id='{p}'), its FileSystemReader; savepoint never unpickles its "
-            f"{_DCP_METADATA}). To have DCP write savepoint checkpoints, save with "
-            "storage_writer=savepoint.integrations.dcp.SavepointWriter(path)"
-        )
     if kind == "format":
         return (
             f"{head}: savepoint reads it from a local path; copy it to one and {call} the copy"

@@ -37,7 +37,12 @@ from savepoint.errors import CheckpointError
 MEMORY_FACTOR = 24
 MEMORY_SLACK = 32 << 20
 
-TARGET_MODULES = ("fuzz.targets_json", "fuzz.targets_binary", "fuzz.targets_hf")
+TARGET_MODULES = (
+    "fuzz.targets_json",
+    "fuzz.targets_binary",
+    "fuzz.targets_hf",
+    "fuzz.targets_foreign",
+)
 
 INTERESTING_INTS = (
     0,

@@ -6,6 +6,7 @@ here replays exactly; ``SAVEPOINT_FUZZ_ITERATIONS`` raises the count.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -33,6 +34,8 @@ def test_every_parser_is_a_target() -> None:
         "burn",
         "training_artifact",
         "hf_index",  # a Hugging Face model directory's index, and its shards against it
+        "dcp",  # issue 30: other systems' checkpoint directories
+        "deepspeed",
         # savepoint's own JSON files besides manifests
         "run_json",  # report.json, run.json, history.jsonl
         "blob_store_json",
@@ -42,6 +45,8 @@ def test_every_parser_is_a_target() -> None:
         "writer_lock_holder",
         "alias_pointer",
     }
+    if importlib.util.find_spec("tensorstore") is not None:  # the orbax extra
+        expected.add("orbax")
     missing = expected - {name.split(":")[0] for name in TARGETS}
     assert not missing, f"parsers without a fuzz target: {sorted(missing)}"
 

@@ -34,7 +34,7 @@ from savepoint.errors import (
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
 )
-from savepoint.formats import boostr, burn, detect, huggingface, training_artifact
+from savepoint.formats import boostr, burn, dcp_import, detect, huggingface, training_artifact
 from savepoint.storage.paths import Location, local_path, resolve
 
 JSON_VERSION = 1  # the version of the --json shape; bumped only when a key changes meaning
@@ -363,9 +363,11 @@ _FOREIGN_MARKERS = {
     training_artifact.COMPARISON_FILE: "a sweep of training artifacts",
     huggingface.INDEX: "a Hugging Face model directory",
     huggingface.SINGLE: "a Hugging Face model directory",
+    dcp_import.METADATA: "a torch.distributed.checkpoint checkpoint",
 }
 _FOREIGN_FORMATS = (
-    ".safetensors, .shrew, burn .mpk, boostr, training artifacts, Hugging Face model directories"
+    ".safetensors, .shrew, burn .mpk, boostr, training artifacts, Hugging Face model directories, "
+    "DCP, DeepSpeed and Orbax directories"
 )
 
 
@@ -517,7 +519,7 @@ def not_a_checkpoint(path: str, *, any_format: bool = False) -> CheckpointError 
     """What the command should say when ``path``, given where a savepoint checkpoint belongs,
     holds something else :func:`savepoint.pathkind.classify` (the library's classifier, behind
     ``sp.load``'s errors too) can name: a run directory, a sweep of runs, a run's
-    ``checkpoints/`` folder (each with the commands that read it), a DCP checkpoint, an empty or
+    ``checkpoints/`` folder (each with the commands that read it), an empty or
     plain directory, or a local file or directory of another format (the reason its format's
     reader gives, or which format it is and how to convert it; not with ``any_format``). None
     when there is nothing better to say than the reader's own error (a save that did not
@@ -549,12 +551,6 @@ def not_a_checkpoint(path: str, *, any_format: bool = False) -> CheckpointError 
             path=path,
         )
     said = pathkind.described(dataclasses.replace(found, path=path))
-    if kind == "dcp":
-        return IncompatibleCheckpointError(
-            f"{said}: read it with DCP itself (torch.distributed.checkpoint.load); `{command}` "
-            "reads DCP checkpoints written through savepoint.integrations.dcp.SavepointWriter",
-            path=path,
-        )
     if kind == "artifact-sweep":
         return IncompatibleCheckpointError(
             f"{said}: name one of its variant directories (`{command} {base}/VARIANT`)",

@@ -225,7 +225,26 @@ class FileRangeTensor(LazyTensor):
             view, pos = view[n:], pos + n
 
 
-class ConcatTensor(LazyTensor):
+class Materialized(LazyTensor):
+    """A tensor made whole, as its bytes, on the first copy and dropped on release: what cannot
+    be read a range at a time (a concatenation, a widened copy, an assembled native tensor)."""
+
+    _made: np.ndarray[Any, Any] | None = None
+
+    @abc.abstractmethod
+    def make(self) -> np.ndarray[Any, Any]:
+        """The tensor's bytes as a flat uint8 array."""
+
+    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
+        if self._made is None:
+            self._made = self.make()
+        np.copyto(dst, self._made[start : start + len(dst)])
+
+    def release(self) -> None:
+        self._made = None
+
+
+class ConcatTensor(Materialized):
     """The concatenation of ``parts`` along ``axis``; made on the first copy, dropped on release.
 
     The parts are usually mapped (so reading them costs no memory); the result is the one tensor
@@ -238,26 +257,16 @@ class ConcatTensor(LazyTensor):
         super().__init__(parts[0].dtype, tuple(shape))
         self.parts = tuple(parts)
         self.axis = axis
-        self._flat: np.ndarray[Any, Any] | None = None
 
-    def _bytes(self) -> np.ndarray[Any, Any]:
-        if self._flat is None:
-            joined = np.concatenate([p.load() for p in self.parts], axis=self.axis)
-            self._flat = np.ascontiguousarray(joined).reshape(-1).view(U8)
-        return self._flat
-
-    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
-        np.copyto(dst, self._bytes()[start : start + len(dst)])
-
-    def release(self) -> None:
-        self._flat = None
+    def make(self) -> np.ndarray[Any, Any]:
+        joined = np.concatenate([p.load() for p in self.parts], axis=self.axis)
+        return np.ascontiguousarray(joined).reshape(-1).view(U8)
 
     def load(self) -> np.ndarray[Any, Any]:
-        try:
-            out: np.ndarray[Any, Any] = self._bytes().view(self.dtype.numpy).reshape(self.shape)
-            return np.array(out)
-        finally:
-            self.release()
+        made = self._made if self._made is not None else self.make()
+        self.release()
+        out: np.ndarray[Any, Any] = made.view(self.dtype.numpy).reshape(self.shape)
+        return np.array(out)
 
 
 def to_framework(array: np.ndarray[Any, Any], dtype: DType, framework: str) -> Any:

@@ -25,6 +25,8 @@ torch               read only: what ``torch.load(weights_only=True)`` gives (a s
                     :mod:`savepoint.formats.pytorch`)
 huggingface         read only (``export(hf=True)`` writes it): ``{name: tensor}``, shard by shard
                     (the first shard's ``__metadata__``)
+dcp, ...            other systems' directories (:mod:`savepoint.formats.foreign`); ``dcp`` is
+                    ``{fqn: tensor}`` (``{"dcp": ...}``), a target too (``formats.dcp_export``)
 ==================  ==========================================================================
 
 Writing a tree into a format:
@@ -88,6 +90,8 @@ from savepoint.formats._files import LazyTensor, MappedTensor, SafetensorsFile
 from savepoint.formats._progress import Counted, Progress, Tally
 from savepoint.formats._targets import check_local_target, check_replaceable
 from savepoint.formats.detect import detect
+from savepoint.formats.foreign import KINDS as FOREIGN
+from savepoint.formats.foreign import WRITERS, open_tree
 from savepoint.state import tree as tree_mod
 from savepoint.state.arrays import TensorSource
 from savepoint.storage.paths import Location, PathArg, local_path
@@ -107,7 +111,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("savepoint", "shrew", "shrew-v1", "shrew-v2", "safetensors", "boostr", "burn")
+TARGETS = ("savepoint", "shrew", "shrew-v1", "shrew-v2", "safetensors", "boostr", "burn", "dcp")
 _V2_FIELDS = ("optimizer", "epoch", "global_step", "step", "best_loss", "loss_history")
 _BOOSTR_FIELDS = ("optimizer", "step", "global_step", "epoch", "learning_rate")
 _OPTIMIZER_KEYS = ("optimizer_type", "scalars", "buffers")
@@ -120,6 +124,7 @@ _LABELS = {
     "safetensors": "a safetensors file",
     "boostr": "a boostr checkpoint",
     "burn": "a burn record",
+    "dcp": "a torch.distributed.checkpoint checkpoint",
 }
 
 
@@ -156,7 +161,7 @@ class _Source:
     version: int | None = None
 
 
-class _Assembled(LazyTensor):
+class _Assembled(_files.Materialized):
     """A native tensor stored as several shards: read (and checked) whole on the first copy,
     dropped on release."""
 
@@ -165,17 +170,11 @@ class _Assembled(LazyTensor):
         super().__init__(dtypes.from_name(rec.dtype), rec.shape, kind=kind)
         self._reader = reader
         self._ref = ref
-        self._bytes: np.ndarray[Any, Any] | None = None
 
-    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
-        if self._bytes is None:
-            out = np.empty(self.nbytes, dtype=np.uint8)
-            self._reader.transfer([(self._ref, out)], verify=True)
-            self._bytes = out
-        np.copyto(dst, self._bytes[start : start + len(dst)])
-
-    def release(self) -> None:
-        self._bytes = None
+    def make(self) -> np.ndarray[Any, Any]:
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        self._reader.transfer([(self._ref, out)], verify=True)
+        return out
 
 
 @contextlib.contextmanager
@@ -193,6 +192,9 @@ def open_source(path: PathArg, kind: str) -> Iterator[_Source]:
     elif kind == "torch":
         with pytorch.open_tree(local) as tree:
             yield _Source(kind, "torch", tree, {})
+    elif kind in FOREIGN:
+        with open_tree(kind, local) as (label, tree, metadata):
+            yield _Source(kind, label, tree, metadata)
     elif kind == "burn":
         with burn.open_record(local) as record:
             yield _Source(kind, kind, record.tensors(), record.metadata.to_dict())
@@ -480,21 +482,16 @@ def _metadata_strings(metadata: dict[str, Any], plan: _Plan, label: str) -> dict
     return out
 
 
-class _AsFloat64(LazyTensor):
+class _AsFloat64(_files.Materialized):
     """An exact float64 copy of a narrower floating tensor, flattened; made on first copy."""
 
     def __init__(self, inner: LazyTensor) -> None:
         super().__init__(_F64, (math.prod(inner.shape),))
         self._inner = inner
-        self._flat: np.ndarray[Any, Any] | None = None
 
-    def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
-        if self._flat is None:
-            self._flat = self._inner.load().astype(np.float64).reshape(-1).view(np.uint8)
-        np.copyto(dst, self._flat[start : start + len(dst)])
-
-    def release(self) -> None:
-        self._flat = None
+    def make(self) -> np.ndarray[Any, Any]:
+        out: np.ndarray[Any, Any] = self._inner.load().astype(np.float64).reshape(-1)
+        return out.view(np.uint8)
 
 
 def _optimizer_section(node: Any, plan: _Plan) -> shrew.OptimizerSection | None:
@@ -874,6 +871,8 @@ def convert(
             write = _write_shrew_v2(source, dst_loc.path, plan)
         elif target == "burn":
             write = _write_burn(source, dst_loc.path, plan)
+        elif target in WRITERS:
+            write = WRITERS[target](source, dst_loc.path, plan)
         else:
             write = _write_boostr(source, dst_loc.path, plan)
         if plan.problems and not lossy:

@@ -23,6 +23,8 @@ torch               a file named ``*.pt``, ``*.pth``, ``*.bin`` or ``*.ckpt`` th
                     ``torch.load(weights_only=True)`` only: :mod:`savepoint.formats.pytorch`)
 safetensors         any other file named ``*.safetensors``, or whose first 8 bytes are a
                     plausible header length followed by ``{``
+dcp, ...            a directory of another training system's checkpoint, by its entries
+                    (:mod:`savepoint.formats.foreign`: DCP's ``.metadata`` and ``*.distcp``)
 ==================  ===================================================================
 
 A file named ``*.shrew`` that does not start with the magic is refused as "not a valid .shrew
@@ -44,13 +46,22 @@ from savepoint.codecs import manifest as mf
 from savepoint.codecs import safetensors as st_format
 from savepoint.commit import atomic
 from savepoint.errors import CheckpointNotFoundError, IncompatibleCheckpointError
-from savepoint.formats import _files, boostr, burn, huggingface, pytorch, shrew, training_artifact
+from savepoint.formats import (
+    _files,
+    boostr,
+    burn,
+    foreign,
+    huggingface,
+    pytorch,
+    shrew,
+    training_artifact,
+)
 from savepoint.formats._files import open_file
 from savepoint.formats._progress import Progress, Tally
 from savepoint.info import CheckpointInfo, TensorInfo
 from savepoint.storage.paths import local_path
 
-__all__ = ["FORMATS", "LABELS", "detect", "inspect_any", "verify_any"]
+__all__ = ["FORMATS", "LABELS", "by_entries", "detect", "inspect_any", "verify_any"]
 
 FORMATS = (
     "savepoint",
@@ -62,6 +73,7 @@ FORMATS = (
     "training-artifact",
     "torch",
     "huggingface",
+    *foreign.KINDS,
 )
 # Each format as a sentence names one ("X is a ...").
 LABELS = {
@@ -74,7 +86,9 @@ LABELS = {
     "training-artifact": "training artifact",
     "torch": "PyTorch file (torch.save)",
     "huggingface": "Hugging Face model directory",
+    **foreign.LABELS,
 }
+by_entries = foreign.by_entries  # a directory's format by its entries (pathkind asks on any store)
 _BURN_HEAD = b"\x83\xa8metadata"  # fixmap(3), then the key "metadata": rmp-serde's first bytes
 
 
@@ -109,6 +123,9 @@ def detect(path: str | os.PathLike[str]) -> str:
             return "boostr"
         if huggingface.is_repository(p):
             return "huggingface"
+        found = foreign.by_entries(os.listdir(p))
+        if found is not None:
+            return found
         if training_artifact.is_sweep(p):
             raise IncompatibleCheckpointError(
                 f"{p} is a sweep of training artifacts ({training_artifact.COMPARISON_FILE}): "
@@ -119,9 +136,10 @@ def detect(path: str | os.PathLike[str]) -> str:
         raise IncompatibleCheckpointError(
             f"{p} is a directory without {mf.NAME} (savepoint), {boostr.STATE} (boostr), "
             f"{boostr.SHARDING} (distributed boostr), {training_artifact.REPORT_FILE} (a "
-            f"training artifact) or {huggingface.SINGLE} or {huggingface.INDEX} (a Hugging Face "
-            "model directory): not a checkpoint savepoint knows (an interrupted savepoint "
-            "save leaves no manifest.json: use an earlier checkpoint)",
+            f"training artifact), {huggingface.SINGLE} or {huggingface.INDEX} (a Hugging Face "
+            "model directory), or the files of a DCP, DeepSpeed or Orbax checkpoint: not a "
+            "checkpoint savepoint knows (an interrupted savepoint save leaves no manifest.json: "
+            "use an earlier checkpoint)",
             path=p,
         )
     if not os.path.lexists(p):
@@ -221,6 +239,8 @@ def inspect_any(path: str | os.PathLike[str]) -> CheckpointInfo:
         return pytorch.inspect(p)
     if kind == "huggingface":
         return huggingface.inspect(p)
+    if kind in foreign.KINDS:
+        return foreign.inspect(kind, p)
     return boostr.inspect(p)
 
 
@@ -244,4 +264,6 @@ def verify_any(path: str | os.PathLike[str], *, progress: Progress | None = None
         return pytorch.verify(p, progress=progress)
     if kind == "huggingface":
         return huggingface.verify(p, progress=progress)
+    if kind in foreign.KINDS:
+        return foreign.verify(kind, p, progress=progress)
     return boostr.verify(p, progress=progress)
