@@ -56,13 +56,14 @@ def run(
     *,
     timeout: float = 120,
     done_when: list[int] | None = None,
-    worker: Path = WORKER,
+    worker: Path | None = None,
     env: dict[str, str] | None = None,
 ) -> Session:
-    """Run ``scenario`` of ``worker`` (by default ``_worker.py``) on ``world`` ranks, with
-    ``env`` added to their environment. With ``done_when``, the session ends once those ranks
+    """Run ``scenario`` of ``worker`` (by default :data:`WORKER`, read at the call) on ``world``
+    ranks, with ``env`` added to their environment. With ``done_when``, the session ends once those ranks
     have exited; the other ranks (a deliberately hung one) are then killed."""
     port = free_port()
+    worker = WORKER if worker is None else worker
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     start = time.monotonic()
     procs = [
