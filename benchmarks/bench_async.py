@@ -3,7 +3,9 @@
 Usage::
 
     .venv/bin/python benchmarks/bench_async.py [--gib 1 4] [--repeats 3] [--dir /tmp/sp-bench]
-    .venv/bin/python benchmarks/bench_async.py --writer both --mib 256 [--repeats 7]
+    .venv/bin/python benchmarks/bench_async.py --writer both --mib 256 [--repeats 5]
+    .venv/bin/python benchmarks/bench_async.py --loop real [--gib 1 4] [--repeats 5]
+        [--no-dcp] [--no-manager] [--compare-hashing] [--verbose]
 
 For each state size (about 300 float32 tensors: a few 64 MiB, many 4 KiB-1 MiB), after one
 warm-up round, interleaved rounds measure:
@@ -20,13 +22,27 @@ warm-up round, interleaved rounds measure:
 
 Medians are printed with the ratios the async-save issue sets as targets.
 
-``--writer process|thread|both`` (with ``--mib``, the state's size) measures only the writers of
-``sp.AsyncCheckpointer(writer=...)`` (issue 27): for each round and each writer, the loop's
-throughput with no save (right before), then while a background save writes; medians of the
-throughputs, of their ratio, of the time ``save()`` blocks (against a memcpy of the state) and of
-the time until durable. DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, on
-a one-rank gloo group on 127.0.0.1) runs in the same rounds unless ``--no-dcp``; the order of the
-writers alternates between rounds.
+``--writer process|thread|both`` or ``--loop matmul|real`` measure the background writers
+(issue 27) under a training loop: ``--loop matmul`` (the default) is the loop above (a step is 10
+matmuls) saving ``--mib`` of float32 tensors; ``--loop real`` is a small real training loop
+(``train_loop.py``: a decoder-only transformer with hashed n-gram embeddings trained with fused
+AdamW on random tokens) saving what a user passes, ``{"model", "optimizer", "rng", "step"}``,
+whose parameters and AdamW moments are ``--gib`` (1 by default; nothing padded). The savers, each
+with the writers of ``--writer`` (both by default): ``sp.AsyncCheckpointer(writer=...)``,
+``sp.CheckpointManager(keep_last=2, async_save=True, writer=...)`` (unless ``--no-manager``; a
+save is done when its background step is: the new checkpoint read back and verified, the oldest
+deleted) and DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, on a one-rank
+gloo group on 127.0.0.1; unless ``--no-dcp``); ``--compare-hashing`` adds each writer with
+``staging.HASH_WHILE_STAGING`` off (the writer hashes every tensor: the behaviour before). For
+each round and each saver (the order alternating between rounds): the loop's steps/s alone
+(right before), then during the background save, from ``save()``'s return until done (the steps
+counted to the fraction of the step running at that moment). Printed, as medians over the
+rounds: both rates and their ratio; the CPU time everything but the loop's threads used in that
+window (the writer process, the writer thread and savepoint's pools, DCP's process and threads)
+and the floor it sets, ``1 - save CPU / (cores x window)``: what the loop keeps if that CPU time
+is taken from its cores; the loop's time lost per save (blocked + window x (1 - ratio)); the
+time ``save()`` blocks against a memcpy of the state. Savers stay open across rounds where the
+memory holds all their arenas, else each is opened (with a warm-up save) around each measurement.
 """
 
 from __future__ import annotations
@@ -45,9 +61,11 @@ import numpy as np
 import torch
 
 import savepoint as sp
+from savepoint.async_ import staging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_save_load import fsync_path, make_state, odirect_floor, rm
+from train_loop import CpuClock, MatmulLoop, Sample, Trainer, measure, steps_alone
 
 MiB = 1 << 20
 
@@ -219,12 +237,6 @@ def run_size(gib: float, repeats: int, base: str) -> None:
         rm(p)
 
 
-def _finish(wait: Callable[[], None], t0: float, out: list[float], stop: threading.Event) -> None:
-    wait()
-    out.append(time.perf_counter() - t0)
-    stop.set()
-
-
 def _dcp_process(path: str) -> Callable[[dict[str, torch.Tensor]], Callable[[], None]]:
     """DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``), which needs a
     process group: a one-rank gloo group on 127.0.0.1. Returns ``start(state) -> wait``."""
@@ -256,97 +268,251 @@ def _dcp_process(path: str) -> Callable[[dict[str, torch.Tensor]], Callable[[], 
     return start
 
 
-def run_writers(mib: float, writers: list[str], repeats: int, base: str, dcp: bool) -> None:
-    """Training throughput while each writer's background save writes, against no save; with
-    ``dcp``, DCP's process-based async_save in the same rounds."""
-    state = make_state(int(mib * MiB))
-    nbytes = sum(t.numel() * 4 for t in state.values())
-    print(f"\n=== writers {writers}: {len(state)} float32 tensors, {nbytes / MiB:.0f} MiB ===")
-    starts: dict[str, Callable[[dict[str, torch.Tensor]], Callable[[], None]]] = {}
-    closers: list[Callable[[], None]] = []
-    for w in writers:
-        ck = sp.AsyncCheckpointer(writer=w)  # type: ignore[arg-type]
-        closers.append(ck.close)
-        starts[f"sp {w}"] = lambda st, ck=ck, w=w: ck.save(os.path.join(base, f"w-{w}"), st).wait
-    if dcp:
-        starts["dcp process"] = _dcp_process(os.path.join(base, "w-dcp"))
-    names = list(starts)
-    for name in names:  # warm-up: the arenas touched, the writer processes started
-        starts[name](state)()
-    target = torch.empty(nbytes // 4, dtype=torch.float32)
-    target.fill_(0)
+Loop = Trainer | MatmulLoop
 
-    def memcpy() -> float:
-        t0 = time.perf_counter()
-        pos = 0
-        for t in state.values():
-            target[pos : pos + t.numel()].copy_(t.reshape(-1))
-            pos += t.numel()
-        return time.perf_counter() - t0
 
-    alone: list[float] = []
-    copies: list[float] = []
-    rows: dict[str, dict[str, list[float]]] = {
-        n: {"rate": [], "ratio": [], "blocked": [], "durable": []} for n in names
-    }
-    for rnd in range(max(repeats, 5)):
-        copies.append(memcpy())
-        order = names if rnd % 2 == 0 else names[::-1]
-        for name in order:
-            base_rate = train_loop(None, 0.6)
-            alone.append(base_rate)
-            stop = threading.Event()
-            durable: list[float] = []
-            t0 = time.perf_counter()
-            wait = starts[name](state)
-            blocked = time.perf_counter() - t0
+class Saver:
+    """One way to save the loop's state in the background: ``open()`` (and a warm-up save:
+    the arena touched, a writer process started), ``start() -> wait``, ``close()``.
+    ``arena``: holds a staging arena the size of the state while open."""
 
-            threading.Thread(target=_finish, args=(wait, t0, durable, stop), daemon=True).start()
-            rate = train_loop(stop)
-            row = rows[name]
-            row["rate"].append(rate)
-            row["ratio"].append(rate / base_rate)
-            row["blocked"].append(blocked)
-            row["durable"].append(durable[0] if durable else float("nan"))
-    med = statistics.median
-    print(f"  loop alone                 {med(alone):8.1f} it/s   (median of {len(alone)})")
-    print(f"  memcpy of the state        {med(copies):8.3f} s")
-    for name in names:
-        r = rows[name]
-        print(
-            f"  {name:14s} loop {med(r['rate']):8.1f} it/s  ratio {med(r['ratio']):5.2f}  "
-            f"blocks {med(r['blocked']):6.3f} s  durable after {med(r['durable']):6.3f} s   "
-            f"ratios {[round(x, 2) for x in r['ratio']]}"
+    arena = True
+
+    def __init__(self, name: str, loop: Loop, path: str) -> None:
+        self.name, self.loop, self.path = name, loop, path
+
+    def open(self) -> None:
+        self.start()()
+
+    def start(self) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class CheckpointerSaver(Saver):
+    """``sp.AsyncCheckpointer(writer=...)``: done when the save is durable. ``staged_hashes``
+    False: the writer hashes every tensor (``staging.HASH_WHILE_STAGING`` off during ``save()``,
+    the behaviour before host tensors were hashed while staged)."""
+
+    def __init__(self, writer: str, loop: Loop, path: str, staged_hashes: bool = True) -> None:
+        name = f"sp {writer}" + ("" if staged_hashes else " (old)")
+        super().__init__(name, loop, path)
+        self.writer, self.staged_hashes = writer, staged_hashes
+        self.ck: sp.AsyncCheckpointer | None = None
+
+    def open(self) -> None:
+        self.ck = sp.AsyncCheckpointer(writer=self.writer)  # type: ignore[arg-type]
+        super().open()
+
+    def start(self) -> Callable[[], None]:
+        assert self.ck is not None
+        before = staging.HASH_WHILE_STAGING
+        staging.HASH_WHILE_STAGING = self.staged_hashes
+        try:
+            return self.ck.save(self.path, self.loop.sp_state()).wait
+        finally:
+            staging.HASH_WHILE_STAGING = before
+
+    def close(self) -> None:
+        if self.ck is not None:
+            self.ck.close()
+            self.ck = None
+        super().close()
+
+
+class ManagerSaver(Saver):
+    """``sp.CheckpointManager(keep_last=2, async_save=True, writer=...)``: done when its
+    background step is (the new checkpoint read back and verified, the oldest deleted)."""
+
+    def __init__(self, writer: str, loop: Loop, path: str) -> None:
+        super().__init__(f"manager {writer}", loop, path)
+        self.writer = writer
+        self.mgr: sp.CheckpointManager | None = None
+        self.step = 0
+
+    def open(self) -> None:
+        self.mgr = sp.CheckpointManager(
+            self.path,
+            keep_last=2,
+            async_save=True,
+            writer=self.writer,  # type: ignore[arg-type]
         )
-    for name in names:
-        if name.startswith("sp "):
-            print(f"  {name} throughput during a write / no save   {med(rows[name]['ratio']):5.2f}")
-            print(
-                f"  {name} blocking / memcpy                    "
-                f"{med(rows[name]['blocked']) / med(copies):5.2f}"
-            )
-            if "dcp process" in rows:
-                print(
-                    f"  {name} throughput / DCP process throughput  "
-                    f"{med(rows[name]['rate']) / med(rows['dcp process']['rate']):5.2f}"
-                )
-    for close in closers:
-        close()
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base, exist_ok=True)
+        super().open()
+
+    def start(self) -> Callable[[], None]:
+        assert self.mgr is not None
+        self.step += 1
+        return self.mgr.save(self.step, self.loop.sp_state()).wait
+
+    def close(self) -> None:
+        if self.mgr is not None:
+            self.mgr.close()
+            self.mgr = None
+        super().close()
+
+
+class DcpSaver(Saver):
+    """DCP's process-based ``async_save`` (see :func:`_dcp_process`); its first save starts
+    DCP's checkpoint process (once)."""
+
+    arena = False
+
+    def __init__(self, loop: Loop, path: str) -> None:
+        super().__init__("dcp process", loop, path)
+        self._start = _dcp_process(path)
+        self.warm = False
+
+    def open(self) -> None:
+        if not self.warm:
+            super().open()
+            self.warm = True
+
+    def start(self) -> Callable[[], None]:
+        return self._start(self.loop.dcp_state())
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _memcpy(loop: Loop, buffer: torch.Tensor) -> float:
+    """Seconds to copy the saved tensors through one reused, touched buffer."""
+    t0 = time.perf_counter()
+    for t in loop.tensors():
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        for pos in range(0, flat.numel(), buffer.numel()):
+            piece = flat[pos : pos + buffer.numel()]
+            buffer[: piece.numel()].copy_(piece)
+    return time.perf_counter() - t0
+
+
+_CLOCKS: list[CpuClock] = []
+
+
+def _clock() -> CpuClock:
+    """The CPU clock, made once: after the first loop's first steps and before any save, so the
+    threads it counts as the loop's are the main thread and torch's (savepoint's pools, a
+    writer thread and DCP's threads start later)."""
+    if not _CLOCKS:
+        _CLOCKS.append(CpuClock())
+    return _CLOCKS[0]
+
+
+def run_writers(
+    loop: Loop, savers: list[Saver], repeats: int, alone_s: float, verbose: bool = False
+) -> None:
+    """For each round and each saver: the loop's steps/s with no save (right before), then
+    during its background save; the order of the savers alternates between rounds. Savers
+    stay open for all rounds where the memory allows their arenas, else each is opened (with
+    a warm-up save) and closed around each of its measurements."""
+    clock = _clock()
+    arenas = sum(s.arena for s in savers) * loop.nbytes
+    keep_open = arenas + 2 * loop.nbytes < 0.6 * _available()
+    print(f"  savers {'stay open' if keep_open else 'reopened for each measurement'}")
+    if keep_open:
+        for s in savers:
+            s.open()
+    buffer = torch.ones(256 * MiB, dtype=torch.uint8)
+    rows: dict[str, list[Sample]] = {s.name: [] for s in savers}
+    copies: list[float] = []
+    for rnd in range(repeats):
+        copies.append(_memcpy(loop, buffer))
+        for s in savers if rnd % 2 == 0 else savers[::-1]:
+            if not keep_open:
+                s.open()
+            sample = measure(loop, clock, s.start, alone_s)
+            rows[s.name].append(sample)
+            if verbose:
+                print(f"    round {rnd + 1} {s.name:15s} {sample}")
+            if not keep_open:
+                s.close()
+    for s in savers:
+        s.close()
+    _print_rows(rows, statistics.median(copies), loop.nbytes / (1 << 30), clock.cores)
+
+
+def _print_rows(rows: dict[str, list[Sample]], memcpy: float, gib: float, cores: int) -> None:
+    med = statistics.median
+    n = len(next(iter(rows.values())))
+    print(
+        f"  medians of {n}; window: save() returned -> done (durable; a manager's: verified and "
+        f"pruned); floor: 1 - save CPU in the window / ({cores} cores x window); lost: the loop's "
+        f"time lost to a save, blocked + window x (1 - ratio); memcpy of the state {memcpy:.3f} s"
+    )
+    print(
+        "  saver                 alone/s during/s ratio floor  blocks (xmemcpy) window  lost  "
+        "save CPU s (s/GiB)  loop's CPU share alone/during, CPU a step during/alone"
+    )
+    for name, r in rows.items():
+        blocked = med(x.blocked for x in r)
+        cpu = med(x.save_cpu for x in r)
+        lost = med(x.blocked + x.window * (1 - x.ratio) for x in r)
+        shares = f"{med(x.trainer_share_alone for x in r):4.2f}/"
+        shares += (
+            f"{med(x.trainer_share_during for x in r):4.2f}, {med(x.cpu_per_step for x in r):4.2f}"
+        )
+        print(
+            f"  {name:21s} {med(x.alone for x in r):7.2f} {med(x.during for x in r):8.2f} "
+            f"{med(x.ratio for x in r):5.2f} {med(x.floor for x in r):5.2f}  "
+            f"{blocked:6.3f} ({blocked / memcpy:4.2f}) {med(x.window for x in r):6.2f} "
+            f"{lost:5.2f}  {cpu:6.3f} ({cpu / gib:5.3f})  {shares}"
+            f"   ratios {[round(x.ratio, 2) for x in r]}"
+        )
+    dcp = rows.get("dcp process")
+    for name, r in rows.items():
+        if name == "dcp process":
+            continue
+        ratio = med(x.ratio for x in r)
+        line = f"  {name:21s} during a save / no save {ratio:5.2f} (target >= 0.93)"
+        line += f", / its floor {ratio / med(x.floor for x in r):5.2f}"
+        if dcp is not None:
+            ours, theirs = med(x.during for x in r), med(x.during for x in dcp)
+            line += f", / DCP process's {ours / theirs:5.2f} (target > 1)"
+        print(line)
+
+
+def savers_for(
+    loop: Loop, writers: list[str], base: str, dcp: bool, manager: bool, old: bool
+) -> list[Saver]:
+    savers: list[Saver] = [
+        CheckpointerSaver(w, loop, os.path.join(base, f"ck-{w}")) for w in writers
+    ]
+    if old:
+        savers += [
+            CheckpointerSaver(w, loop, os.path.join(base, f"old-{w}"), staged_hashes=False)
+            for w in writers
+        ]
+    if manager:
+        savers += [ManagerSaver(w, loop, os.path.join(base, f"run-{w}")) for w in writers]
+    if dcp:
+        savers.append(DcpSaver(loop, os.path.join(base, "dcp")))
+    return savers
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gib", type=float, nargs="+", default=None)
+    ap.add_argument("--mib", type=float, nargs="+", default=None)
+    ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--dir", default="/tmp/savepoint-bench")
     ap.add_argument("--writer", choices=["process", "thread", "both"], default=None)
-    ap.add_argument("--mib", type=float, nargs="+", default=[256.0])
+    ap.add_argument("--loop", choices=["matmul", "real"], default=None)
+    ap.add_argument("--alone", type=float, default=None, help="seconds of the loop before a save")
+    ap.add_argument("--no-dcp", action="store_true", help="leave out DCP's process-based save")
+    ap.add_argument("--no-manager", action="store_true", help="leave out CheckpointManager")
+    ap.add_argument("--verbose", action="store_true", help="print every measurement")
     ap.add_argument(
-        "--no-dcp", action="store_true", help="with --writer: leave out DCP's process-based save"
+        "--compare-hashing",
+        action="store_true",
+        help="also each writer hashing every tensor itself (host tensors not hashed while staged)",
     )
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -354,16 +520,57 @@ def main() -> None:
         f"torch {torch.__version__}, savepoint {sp.__version__}, {os.cpu_count()} cores, "
         f"torch threads {torch.get_num_threads()}"
     )
-    if args.writer is not None:
-        writers = ["thread", "process"] if args.writer == "both" else [args.writer]
-        for mib in args.mib:
-            run_writers(mib, writers, args.repeats, args.dir, not args.no_dcp)
+    if args.writer is None and args.loop is None:
+        for gib in args.gib or [1.0, 4.0]:
+            run_size(gib, args.repeats or 3, args.dir)
         shutil.rmtree(args.dir, ignore_errors=True)
         return
-    for gib in args.gib:
-        run_size(gib, args.repeats, args.dir)
+    writers = ["thread", "process"] if args.writer in ("both", None) else [args.writer]
+    if args.loop == "real":
+        sizes = [g * 1024 for g in args.gib] if args.gib else args.mib or [1024.0]
+    else:
+        sizes = [g * 1024 for g in args.gib] if args.gib else args.mib or [256.0]
+    for mib in sizes:
+        _writers_at(args, mib, writers)
     shutil.rmtree(args.dir, ignore_errors=True)
-    np.random.seed(0)
+
+
+def _writers_at(args: argparse.Namespace, mib: float, writers: list[str]) -> None:
+    """The writers' measurement at one size (``args``: the command line's)."""
+    if args.loop == "real":
+        t0 = time.perf_counter()
+        trainer = Trainer(mib / 1024)
+        build = time.perf_counter() - t0
+        for _ in range(3):
+            trainer.step()
+        alone, _, _ = steps_alone(trainer, _clock(), 2.0)
+        print(
+            f"\n=== real loop: {_describe(trainer)}; {trainer.nbytes / MiB:.0f} MiB saved; "
+            f"{1000 / alone:.0f} ms a step (built in {build:.1f} s) ==="
+        )
+        loop: Loop = trainer
+    else:
+        loop = MatmulLoop(make_state(int(mib * MiB)))
+        loop.step()
+        _clock()
+        print(
+            f"\n=== matmul loop (10 matmuls a step): {len(loop.state)} float32 tensors, "
+            f"{loop.nbytes / MiB:.0f} MiB ==="
+        )
+    savers = savers_for(
+        loop, writers, args.dir, not args.no_dcp, not args.no_manager, args.compare_hashing
+    )
+    alone_s = args.alone or (2.0 if args.loop == "real" else 0.6)
+    run_writers(loop, savers, max(args.repeats or 5, 1), alone_s, args.verbose)
+
+
+def _describe(loop: Trainer) -> str:
+    s, m = loop.shape, loop.model
+    params = sum(p.numel() for p in m.parameters())
+    return (
+        f"{params / 1e6:.1f}M parameters ({m.buckets} n-gram buckets x 2, width {s.d}, "
+        f"{s.layers} blocks, vocab {s.vocab}), batch {s.batch}x{s.seq}, fused AdamW"
+    )
 
 
 if __name__ == "__main__":
