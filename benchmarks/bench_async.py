@@ -324,7 +324,8 @@ class CheckpointerSaver(Saver):
 
 class ManagerSaver(Saver):
     """``sp.CheckpointManager(keep_last=2, async_save=True, writer=...)``: done when its
-    background step is (the new checkpoint read back and verified, the oldest deleted)."""
+    background step is (the new checkpoint read back and verified, the oldest deleted: every
+    save measured is the third or later of its run)."""
 
     def __init__(self, writer: str, loop: Loop, path: str) -> None:
         super().__init__(f"manager {writer}", loop, path)
@@ -339,6 +340,9 @@ class ManagerSaver(Saver):
             async_save=True,
             writer=self.writer,  # type: ignore[arg-type]
         )
+        # Two warm-up saves: from the third on, every save verifies and prunes (a run's steady
+        # state), the measured ones included.
+        super().open()
         super().open()
 
     def start(self) -> Callable[[], None]:
