@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,9 @@ import pytest
 
 import savepoint as sp
 from _compare import same
+from savepoint.async_ import staging
 from savepoint.async_.staging import StagingArena
+from savepoint.codecs import checksum
 from savepoint.state import tree
 
 
@@ -104,6 +108,72 @@ def test_arena_is_touched_at_allocation() -> None:
     # Every page is resident right after allocation: saves never pay first touches.
     assert resident() - before >= 15 << 20
     assert arena.capacity % page == 0
+
+
+def test_host_tensors_are_hashed_as_they_are_staged() -> None:
+    flat = tree.flatten(state_of(np.random.default_rng(3)))
+    staged = StagingArena().stage(flat, 1 << 30)
+    checks = staged.checks()
+    images = {e.name: f.image[e.start : e.end] for f in staged.files for e in f.entries}
+    assert set(checks) == {n for n, image in images.items() if len(image)}
+    for name, digest in checks.items():
+        assert digest == checksum.digest(images[name])  # the staged bytes' XXH3
+    assert StagingArena().stage(flat, 1 << 30, hash_host=False).checks() == {}
+
+
+def _jobs(*sizes: int) -> list:  # type: ignore[type-arg]
+    # Views of any length over one byte: the split looks only at sizes.
+    one = np.zeros(1, np.uint8)
+    views = [np.lib.stride_tricks.as_strided(one, shape=(n,), strides=(0,)) for n in sizes]
+    return [(f"t{i}", None, v) for i, v in enumerate(views)]
+
+
+def test_only_tensors_that_would_leave_a_core_idle_are_copied_in_pieces_unhashed() -> None:
+    MiB = 1 << 20
+
+    def whole(jobs: list, workers: int = 2) -> set[str]:  # type: ignore[type-arg]
+        units = staging._units(jobs, workers, hashed=True)
+        names = {t[0] for unit in units for t in unit}
+        assert sum(len(t[2]) for unit in units for t in unit) == sum(len(j[2]) for j in jobs)
+        return {n for n in names if n is not None}
+
+    # Equal big tensors (model and moments) spread evenly: all hashed while copied.
+    assert whole(_jobs(*[164 * MiB] * 6)) == {f"t{i}" for i in range(6)}
+    # One tensor dwarfing the rest would leave a core idle: it is cut, the rest stay whole.
+    assert whole(_jobs(1024 * MiB, *[MiB] * 10)) == {f"t{i}" for i in range(1, 11)}
+    assert whole(_jobs(100 * MiB, 60 * MiB, 60 * MiB)) == {"t0", "t1", "t2"}  # 100 | 120
+    assert whole(_jobs(100 * MiB, 30 * MiB)) == {"t1"}
+    assert whole(_jobs(100 * MiB, 30 * MiB), workers=1) == {"t0", "t1"}
+    # Without hashing every tensor is cut into 16 MiB pieces, as before.
+    units = staging._units(_jobs(100 * MiB, 3 * MiB), 2, hashed=False)
+    assert {t[0] for unit in units for t in unit} == {None}
+    assert max(len(t[2]) for unit in units for t in unit) == 16 * MiB
+
+
+POISON = "0123456789abcdef"
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_the_writer_takes_the_digests_computed_while_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """The writer (thread or process) records the digests staging computed instead of hashing
+    those tensors again: digests poisoned while staging reach the manifest; with
+    HASH_WHILE_STAGING off the writer hashes everything and the poison has no effect."""
+    state = state_of(np.random.default_rng(4))
+    with sp.AsyncCheckpointer(writer=writer) as ck:  # type: ignore[arg-type]
+        for name, hashing in (("poisoned", True), ("writer-hashed", False)):
+            with monkeypatch.context() as m:  # (staging's hashing only, not the writer's)
+                poisoned = types.SimpleNamespace(new=checksum.new, hexdigest=lambda _: POISON)
+                m.setattr(staging, "checksum", poisoned)
+                m.setattr(staging, "HASH_WHILE_STAGING", hashing)
+                ck.save(tmp_path / name, state).wait()
+    manifest = json.loads((tmp_path / "poisoned" / "manifest.json").read_text())
+    assert manifest["tensors"]["big"]["xxh3"] == POISON
+    with pytest.raises(sp.CorruptCheckpointError):
+        sp.verify(tmp_path / "poisoned")
+    sp.verify(tmp_path / "writer-hashed")
+    same(sp.load(tmp_path / "writer-hashed"), state)
 
 
 def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -213,7 +213,9 @@ def _staged(message: dict[str, Any], arena: np.ndarray[Any, Any]) -> Staged:
         image = arena[offset : offset + -(-size // BLOCK) * BLOCK]
         entries = [Entry(n, d, tuple(s), a, b) for n, d, s, a, b in f["entries"]]
         files.append(StagedFile(f["name"], image[:header].tobytes(), entries, image, size))
-    checks = dict(message.get("checks") or {})  # hashed on the device while staged (mlh64)
+    # Digests computed while staged: XXH3 of host tensors (hashed as they were copied, by the
+    # trainer), mlh64 of tensors hashed on their device.
+    checks = dict(message.get("checks") or {})
     return Staged(message["tree"], files, list(message["order"]), checks=lambda: checks)
 
 

@@ -417,7 +417,8 @@ class AsyncCheckpointer:
             raise UnsupportedStateError("blobs= is not supported for sharded states yet")
         kinds = {name: (s.dtype, s.shape, s.kind) for name, s in flat.tensors.items()}
         # The previous save is finished (waited for above), so its arena may be overwritten.
-        staged = self._arena.stage(flat, self.max_file_bytes)
+        # (No XXH3 while staging: the blob store names chunks by its own digest.)
+        staged = self._arena.stage(flat, self.max_file_bytes, hash_host=False)
 
         def commit_blobs() -> info.CheckpointInfo:
             staged.wait()

@@ -184,7 +184,7 @@ class ProcessWriter:
         flat = tree.flatten(state)
         if incremental is not None and save_engine.has_shards(flat.tree):
             raise UnsupportedStateError("blobs= is not supported for sharded states yet")
-        staged = self.arena.stage(flat, options.max_file_bytes)
+        staged = self.arena.stage(flat, options.max_file_bytes, hash_host=incremental is None)
         message: dict[str, Any] = {
             "op": "save",
             "path": target,
@@ -218,6 +218,9 @@ class ProcessWriter:
             return functools.partial(
                 self._hand_over_then_answer, message, staged, location, meta, options
             )
+        checks = staged.checks()  # host tensors hashed while staged: not hashed again there
+        if checks:
+            message["checks"] = checks
         self.hand_over(message)
         return functools.partial(self._answer, location, target, staged, meta, options)
 

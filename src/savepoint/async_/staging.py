@@ -21,6 +21,17 @@ side stream first waits for the current stream, so the copies see every kernel q
 marked as used by the side stream so the caching allocator cannot recycle them early. ``save()``
 returns without waiting for the copies; the writer waits on a CUDA event before touching the bytes.
 
+Host checksums: host tensors are hashed (XXH3) while they are copied, each 256 KiB piece right
+after it lands in the arena, while it is still in cache: the background writer (thread or
+process) then has nothing left to hash for them. On the development machine hashing a piece
+just copied costs about half the CPU time of hashing it back from memory later (0.036 s against
+0.065 s of one core per GiB), and the writer's CPU time per GiB drops by that much more (XXH3
+was two thirds of the writer process's CPU). A tensor is copied and hashed in order by one
+thread, so the largest tensors are copied in parallel pieces instead (and hashed by the writer)
+where copying them whole would leave a core idle: whole tensors are kept only while list
+scheduling them, largest first, keeps the busiest thread within 10% of an even share.
+``stage(hash_host=False)`` (incremental saves: the blob store hashes with its own digest) copies only.
+
 Device checksums: a CUDA tensor of at least :data:`DEVICE_HASH_MIN` bytes is also hashed on its
 device, on the same side stream, right after its copy is queued (``mlh64``, see
 :mod:`savepoint.codecs.devhash`); the window sums of all of them come back to pinned memory in
@@ -37,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from savepoint.codecs import safetensors
+from savepoint.codecs import checksum, safetensors
 from savepoint.codecs.dtypes import DType
 from savepoint.engine import parallel
 from savepoint.engine.plan import plan_files
@@ -54,6 +65,11 @@ DEVICE_HASH_MIN = 1 << 20
 # Tests only: hash host tensors of DEVICE_HASH_MIN bytes or more with mlh64 too, so the CPU
 # suite runs the device-checksum path through the writer, the manifest and every reader.
 DEVICE_HASH_CPU = False
+# Host tensors hashed while they are staged (see the module docstring); False leaves all the
+# hashing to the writer (benchmarks/bench_async.py measures both in the same run).
+HASH_WHILE_STAGING = True
+_HASH_PIECE = 256 << 10  # bytes copied then hashed at a time (in cache: the L2 holds several)
+_BALANCE = 1.1  # the busiest thread's share of the copy against an even share
 
 
 @dataclass
@@ -71,7 +87,8 @@ class Staged:
     files: list[StagedFile]
     order: list[str]  # tensor names in state order (the manifest's order)
     wait: Callable[[], None] = field(default=lambda: _nothing())  # blocks until copies land
-    # Digests computed while staging (mlh64, tagged), by tensor name; call after ``wait``.
+    # Digests computed while staging, by tensor name (XXH3 of host tensors; mlh64, tagged, of
+    # tensors hashed on their device); call after ``wait``.
     checks: Callable[[], dict[str, str]] = field(default=lambda: {})
 
     @property
@@ -131,8 +148,16 @@ class StagingArena:
     def release(self) -> None:
         self._array = self._keep = None
 
-    def stage(self, flat: Flat, max_file_bytes: int, *, hash_on_device: bool = True) -> Staged:
-        """Copy ``flat``'s tensors into the arena, laid out as the files they will be written to.
+    def stage(
+        self,
+        flat: Flat,
+        max_file_bytes: int,
+        *,
+        hash_on_device: bool = True,
+        hash_host: bool = True,
+    ) -> Staged:
+        """Copy ``flat``'s tensors into the arena, laid out as the files they will be written to
+        (``hash_host``: host tensors hashed as they are copied, see the module docstring).
         ``hash_on_device=False``: no CUDA tensor is hashed on its device (``Staged.checks`` is
         empty; for a writer that hashes the bytes it writes on the host, as a sharded save's)."""
         layouts = []
@@ -143,7 +168,7 @@ class StagingArena:
         cuda = [s for s in flat.tensors.values() if on_cuda(s)]
         arena = self._reserve(max(total, BLOCK), pinned=bool(cuda))
         files = []
-        host_jobs: list[tuple[TensorSource, np.ndarray[Any, Any]]] = []
+        host_jobs: list[tuple[str, TensorSource, np.ndarray[Any, Any]]] = []
         device_jobs: list[tuple[str, TensorSource, np.ndarray[Any, Any]]] = []
         host_checked: list[tuple[str, np.ndarray[Any, Any]]] = []
         for name, header, entries, base, size in layouts:
@@ -155,7 +180,7 @@ class StagingArena:
                 if on_cuda(source):
                     device_jobs.append((e.name, source, dst))
                 else:
-                    host_jobs.append((source, dst))
+                    host_jobs.append((e.name, source, dst))
                     if hash_on_device and DEVICE_HASH_CPU and len(dst) >= DEVICE_HASH_MIN:
                         host_checked.append((e.name, dst))
             files.append(StagedFile(name, header, entries, image, size))
@@ -173,16 +198,18 @@ class StagingArena:
                 ],
                 hash_min=DEVICE_HASH_MIN if hash_on_device else None,
             )
-        for source, dst in host_jobs:
+        for _, source, dst in host_jobs:
             source.copy_to(dst[:0], 0)  # make any contiguous copy once, before the threads
-        parallel.run_all(_copy_piece, _pieces(host_jobs))
-        for source, _ in host_jobs:
+        units = _units(host_jobs, parallel.workers(), hash_host and HASH_WHILE_STAGING)
+        host_digests = dict(d for done in parallel.run_all(_copy_unit, units) for d in done)
+        for _, source, _ in host_jobs:
             source.release()
 
         def checks() -> dict[str, str]:
             from savepoint.codecs import devhash
 
-            out = device_checks()
+            out = dict(host_digests)
+            out.update(device_checks())
             out.update((name, devhash.digest(dst)) for name, dst in host_checked)
             return out
 
@@ -197,7 +224,7 @@ class StagingArena:
         tensors once this returns; the arena must not be staged into again before the save is
         done, and a CUDA state's bytes are there once ``Staged.wait()`` returns."""
         kinds = {name: (s.dtype, s.shape, s.kind) for name, s in flat.tensors.items()}
-        staged = self.stage(flat, max_file_bytes, hash_on_device=False)
+        staged = self.stage(flat, max_file_bytes, hash_on_device=False, hash_host=False)
         return staged, staged_sources(staged, kinds)
 
 
@@ -209,22 +236,62 @@ def on_cuda(source: TensorSource) -> bool:
     return source.kind == "torch" and getattr(source, "device_type", "cpu") != "cpu"
 
 
-def _pieces(
-    jobs: list[tuple[TensorSource, np.ndarray[Any, Any]]],
-) -> list[list[tuple[TensorSource, np.ndarray[Any, Any], int]]]:
-    """Copy work in ~16 MiB units: big tensors split, small ones bundled."""
-    pieces = [
-        (source, dst[pos : pos + _PIECE], pos)
-        for source, dst in jobs
-        for pos in range(0, max(len(dst), 1), _PIECE)
-        if len(dst)
-    ]
-    return parallel.bundles(pieces, lambda p: len(p[1]))
+# A unit of the pool's copy work: tensors copied whole and hashed, ``(name, source, dst)``, and
+# pieces of tensors copied only, ``(None, source, piece of dst, start)``.
+_Job = tuple[str, TensorSource, np.ndarray[Any, Any]]
+_Task = tuple[str | None, TensorSource, np.ndarray[Any, Any], int]
 
 
-def _copy_piece(bundle: list[tuple[TensorSource, np.ndarray[Any, Any], int]]) -> None:
-    for source, dst, pos in bundle:
-        source.copy_to(dst, pos)
+def _units(jobs: list[_Job], workers: int, hashed: bool) -> list[list[_Task]]:
+    """Copy work in ~16 MiB units, small tensors bundled. With ``hashed`` tensors are whole
+    (copied and hashed in order by one thread) except the largest ones that list scheduling
+    cannot balance (see the module docstring), cut into 16 MiB pieces as all are without."""
+    jobs = sorted((j for j in jobs if len(j[2])), key=lambda j: len(j[2]), reverse=True)
+    big = [len(dst) for _, _, dst in jobs if len(dst) > _PIECE]
+    cut = len(jobs)  # the first ``cut`` jobs (the largest) are cut into pieces
+    if hashed:
+        small = sum(len(dst) for _, _, dst in jobs) - sum(big)
+        cut = 0
+        while cut < len(big) and not _balanced(big[cut:], big[:cut], small, workers):
+            cut += 1
+    tasks: list[_Task] = []
+    for i, (name, source, dst) in enumerate(jobs):
+        if i >= cut:
+            tasks.append((name, source, dst, 0))
+        else:
+            tasks.extend((None, source, dst[p : p + _PIECE], p) for p in range(0, len(dst), _PIECE))
+    return parallel.bundles(tasks, lambda t: len(t[2]))
+
+
+def _balanced(whole: list[int], cut: list[int], small: int, workers: int) -> bool:
+    """Whether list scheduling, largest first, of the big tensors ``whole``, of 16 MiB pieces
+    of those ``cut`` and of ``small`` bytes of small tensors (bundled into units of that size)
+    keeps the busiest of ``workers`` within :data:`_BALANCE` of an even share, or within one
+    unit of it (a small state)."""
+    sizes = whole + [min(_PIECE, n - p) for n in cut for p in range(0, n, _PIECE)]
+    sizes += [_PIECE] * (small // _PIECE) + [small % _PIECE]
+    sizes.sort(reverse=True)
+    loads = [0] * workers
+    for n in sizes:
+        loads[loads.index(min(loads))] += n
+    even = sum(sizes) / workers
+    return max(loads) <= max(even * _BALANCE, even + _PIECE)
+
+
+def _copy_unit(unit: list[_Task]) -> list[tuple[str, str]]:
+    """Copy a unit's tensors and pieces; the digests of the tensors copied whole."""
+    digests = []
+    for name, source, dst, pos in unit:
+        if name is None:
+            source.copy_to(dst, pos)
+            continue
+        hasher = checksum.new()
+        for p in range(0, len(dst), _HASH_PIECE):
+            piece = dst[p : p + _HASH_PIECE]
+            source.copy_to(piece, p)
+            hasher.update(piece)
+        digests.append((name, checksum.hexdigest(hasher)))
+    return digests
 
 
 class ArenaSource(NumpySource):

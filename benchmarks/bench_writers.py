@@ -1,0 +1,581 @@
+"""Async saves: how long training is blocked, how long until durable, and what training keeps.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_async.py [--gib 1 4] [--repeats 3] [--dir /tmp/sp-bench]
+    .venv/bin/python benchmarks/bench_async.py --writer both --mib 256 [--repeats 5]
+    .venv/bin/python benchmarks/bench_async.py --loop real [--gib 1 4] [--repeats 5]
+        [--no-dcp] [--no-manager] [--compare-hashing] [--verbose]
+
+For each state size (about 300 float32 tensors: a few 64 MiB, many 4 KiB-1 MiB), after one
+warm-up round, interleaved rounds measure:
+
+- floors: a memcpy of the state into already-touched memory; an O_DIRECT write of the same bytes
+  from an aligned buffer + fsync;
+- durable sync saves: ``sp.save``, ``safetensors.torch.save_file`` + fsync,
+  ``torch.distributed.checkpoint.save``;
+- async saves: ``sp.AsyncCheckpointer().save`` and DCP ``async_save`` with its default stager and
+  with a cached stager (``DefaultStager`` with CPU-only options, which keeps its staged copy): the time
+  ``save()`` blocks the caller, and the time until the checkpoint is durable;
+- a training-like loop (float32 matrix multiplications) run while an async save is being written,
+  as a fraction of its throughput with no save running.
+
+Medians are printed with the ratios the async-save issue sets as targets.
+
+``--writer process|thread|both`` or ``--loop matmul|real`` measure the background writers
+(issue 27) under a training loop: ``--loop matmul`` (the default) is the loop above (a step is 10
+matmuls) saving ``--mib`` of float32 tensors; ``--loop real`` is a small real training loop
+(``train_loop.py``: a decoder-only transformer with hashed n-gram embeddings trained with fused
+AdamW on random tokens) saving what a user passes, ``{"model", "optimizer", "rng", "step"}``,
+whose parameters and AdamW moments are ``--gib`` (1 by default; nothing padded). The savers, each
+with the writers of ``--writer`` (both by default): ``sp.AsyncCheckpointer(writer=...)``,
+``sp.CheckpointManager(keep_last=2, async_save=True, writer=...)`` (unless ``--no-manager``; a
+save is done when its background step is: the new checkpoint read back and verified, the oldest
+deleted) and DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, on a one-rank
+gloo group on 127.0.0.1; unless ``--no-dcp``); ``--compare-hashing`` adds each writer with
+``staging.HASH_WHILE_STAGING`` off (the writer hashes every tensor: the behaviour before). For
+each round and each saver (the order alternating between rounds): the loop's steps/s alone
+(right before), then during the background save, from ``save()``'s return until done (the steps
+counted to the fraction of the step running at that moment). Printed, as medians over the
+rounds: both rates and their ratio; the CPU time everything but the loop's threads used in that
+window (the writer process, the writer thread and savepoint's pools, DCP's process and threads)
+and the floor it sets, ``1 - save CPU / (cores x window)``: what the loop keeps if that CPU time
+is taken from its cores; the loop's time lost per save (blocked + window x (1 - ratio)); the
+time ``save()`` blocks against a memcpy of the state. Savers stay open across rounds where the
+memory holds all their arenas, else each is opened (with a warm-up save) around each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+import savepoint as sp
+from savepoint.async_ import staging
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_save_load import fsync_path, make_state, odirect_floor, rm
+from train_loop import CpuClock, MatmulLoop, Sample, Trainer, measure, steps_alone
+
+MiB = 1 << 20
+
+
+def fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for f in files:
+            fsync_path(os.path.join(root, f))
+
+
+def train_loop(stop: threading.Event | None, seconds: float | None = None) -> float:
+    """Matmul iterations per second until ``stop`` is set (or for ``seconds``)."""
+    a = torch.randn(384, 384)
+    b = torch.randn(384, 384)
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(10):
+            a = torch.tanh(a @ b) * 0.5
+        n += 10
+        elapsed = time.perf_counter() - t0
+        if (stop is not None and stop.is_set()) or (seconds is not None and elapsed >= seconds):
+            return n / elapsed
+
+
+def _set_when_done(pending: sp.PendingSave, stop: threading.Event) -> None:
+    pending.wait()
+    stop.set()
+
+
+def run_size(gib: float, repeats: int, base: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    state = make_state(int(gib * (1 << 30)))
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    print(f"\n=== {len(state)} float32 tensors, {nbytes / 2**30:.2f} GiB ===")
+    # The memcpy floor copies every byte into one reused, already-touched 256 MiB buffer: the same
+    # per-byte cost as a touched copy of the whole state, without holding a second state in RAM.
+    touched = np.ones(256 * MiB, dtype=np.uint8)
+    paths = {k: os.path.join(base, k) for k in ("sp", "spa", "st", "dcp", "dcpa", "dcpc", "raw")}
+    ck = sp.AsyncCheckpointer()
+    # A stager that keeps its CPU copy between saves (pinned/shared memory and CUDA streams off:
+    # they need an accelerator). BlockingAsyncStager(cache_staged_state_dict=True) pins, so it
+    # fails on a CPU-only machine.
+    cached = DefaultStager(StagingOptions(False, False, False, False))
+
+    def memcpy() -> None:
+        for v in state.values():
+            src = v.numpy().reshape(-1).view(np.uint8)
+            for pos in range(0, len(src), len(touched)):
+                piece = src[pos : pos + len(touched)]
+                touched[: len(piece)] = piece
+
+    def sp_sync() -> None:
+        sp.save(paths["sp"], state)
+
+    def st_sync() -> None:
+        save_file(state, paths["st"])
+        fsync_path(paths["st"])
+
+    def dcp_sync() -> None:
+        rm(paths["dcp"])
+        dcp.save(state, checkpoint_id=paths["dcp"], no_dist=True)
+
+    def raw() -> None:
+        rm(paths["raw"])
+        odirect_floor(nbytes, paths["raw"])
+
+    def sp_async() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        pending = ck.save(paths["spa"], state)
+        blocked = time.perf_counter() - t0
+        pending.wait()
+        return blocked, time.perf_counter() - t0
+
+    def dcp_async(stager: object | None, key: str) -> tuple[float, float]:
+        rm(paths[key])
+        t0 = time.perf_counter()
+        fut = dcp.async_save(
+            state,
+            checkpoint_id=paths[key],
+            no_dist=True,
+            async_stager=stager,  # type: ignore[arg-type]
+        )
+        blocked = time.perf_counter() - t0
+        fut.result()
+        fsync_tree(paths[key])
+        return blocked, time.perf_counter() - t0
+
+    timed: dict[str, Callable[[], None]] = {
+        "memcpy (touched)": memcpy,
+        "O_DIRECT floor": raw,
+        "sp.save": sp_sync,
+        "safetensors": st_sync,
+        "dcp.save": dcp_sync,
+    }
+    asyncs: dict[str, Callable[[], tuple[float, float]]] = {
+        "sp async": sp_async,
+        "dcp async (default)": lambda: dcp_async(None, "dcpa"),
+        "dcp async (cached)": lambda: dcp_async(cached, "dcpc"),
+    }
+    t: dict[str, list[float]] = {k: [] for k in timed}
+    blocks: dict[str, list[float]] = {k: [] for k in asyncs}
+    totals: dict[str, list[float]] = {k: [] for k in asyncs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for rnd in range(repeats + 1):
+            for name, fn in timed.items():
+                t0 = time.perf_counter()
+                fn()
+                if rnd:
+                    t[name].append(time.perf_counter() - t0)
+            for name, afn in asyncs.items():
+                b, total = afn()
+                if rnd:
+                    blocks[name].append(b)
+                    totals[name].append(total)
+
+    med = {k: statistics.median(v) for k, v in t.items()}
+    mb = {k: statistics.median(v) for k, v in blocks.items()}
+    mt = {k: statistics.median(v) for k, v in totals.items()}
+    print(f"medians of {repeats} (s):")
+    for k, v in med.items():
+        print(f"  {k:22s} {v:7.3f}   runs {[round(x, 3) for x in t[k]]}")
+    for k in asyncs:
+        print(
+            f"  {k:22s} blocks {mb[k]:6.3f}  durable after {mt[k]:6.3f}   "
+            f"blocks {[round(x, 3) for x in blocks[k]]}"
+        )
+
+    # Training throughput while an async save is written (blocking part excluded), each time
+    # against a baseline measured right before it, so load from elsewhere cancels out.
+    fractions = []
+    for _ in range(max(repeats, 5)):
+        base_rate = train_loop(None, 0.6)
+        pending = ck.save(paths["spa"], state)
+        stop = threading.Event()
+        threading.Thread(target=_set_when_done, args=(pending, stop), daemon=True).start()
+        fractions.append(train_loop(stop) / base_rate)
+    frac = statistics.median(fractions)
+
+    print("ratios (target):")
+    print(
+        f"  async blocking / memcpy                 {mb['sp async'] / med['memcpy (touched)']:5.2f}  (<= 1.5)"
+    )
+    print(
+        f"  async blocking / DCP async default      {mb['sp async'] / mb['dcp async (default)']:5.2f}  (<= 0.3)"
+    )
+    print(
+        f"  async blocking / DCP async cached       {mb['sp async'] / mb['dcp async (cached)']:5.2f}"
+    )
+    print(
+        f"  sync save / O_DIRECT floor              {med['sp.save'] / med['O_DIRECT floor']:5.2f}  (<= 1.25)"
+    )
+    print(
+        f"  sync save / safetensors+fsync           {med['sp.save'] / med['safetensors']:5.2f}  (<= 0.6)"
+    )
+    print(f"  sync save / dcp.save                    {med['sp.save'] / med['dcp.save']:5.2f}")
+    print(
+        f"  async durable / sync save               {mt['sp async'] / med['sp.save']:5.2f}  (<= 1.3)"
+    )
+    print(
+        f"  training throughput during async write  {frac:5.2f}  (>= 0.75)  runs {[round(f, 2) for f in fractions]}"
+    )
+    ck.close()
+    for p in paths.values():
+        rm(p)
+
+
+def _dcp_process(path: str) -> Callable[[dict[str, torch.Tensor]], Callable[[], None]]:
+    """DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``), which needs a
+    process group: a one-rank gloo group on 127.0.0.1. Returns ``start(state) -> wait``."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+    def start(state: dict[str, torch.Tensor]) -> Callable[[], None]:
+        rm(path)
+        fut = dcp.async_save(
+            state, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
+
+        def wait() -> None:
+            fut.result()  # (DCP's FileSystemWriter fsyncs its files: sync_files=True)
+
+        return wait
+
+    return start
+
+
+Loop = Trainer | MatmulLoop
+
+
+class Saver:
+    """One way to save the loop's state in the background: ``open()`` (and a warm-up save:
+    the arena touched, a writer process started), ``start() -> wait``, ``close()``.
+    ``arena``: holds a staging arena the size of the state while open."""
+
+    arena = True
+
+    def __init__(self, name: str, loop: Loop, path: str) -> None:
+        self.name, self.loop, self.path = name, loop, path
+
+    def open(self) -> None:
+        self.start()()
+
+    def start(self) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class CheckpointerSaver(Saver):
+    """``sp.AsyncCheckpointer(writer=...)``: done when the save is durable. ``staged_hashes``
+    False: the writer hashes every tensor (``staging.HASH_WHILE_STAGING`` off during ``save()``,
+    the behaviour before host tensors were hashed while staged)."""
+
+    def __init__(self, writer: str, loop: Loop, path: str, staged_hashes: bool = True) -> None:
+        name = f"sp {writer}" + ("" if staged_hashes else " (old)")
+        super().__init__(name, loop, path)
+        self.writer, self.staged_hashes = writer, staged_hashes
+        self.ck: sp.AsyncCheckpointer | None = None
+
+    def open(self) -> None:
+        self.ck = sp.AsyncCheckpointer(writer=self.writer)  # type: ignore[arg-type]
+        super().open()
+
+    def start(self) -> Callable[[], None]:
+        assert self.ck is not None
+        before = staging.HASH_WHILE_STAGING
+        staging.HASH_WHILE_STAGING = self.staged_hashes
+        try:
+            return self.ck.save(self.path, self.loop.sp_state()).wait
+        finally:
+            staging.HASH_WHILE_STAGING = before
+
+    def close(self) -> None:
+        if self.ck is not None:
+            self.ck.close()
+            self.ck = None
+        super().close()
+
+
+class ManagerSaver(Saver):
+    """``sp.CheckpointManager(keep_last=2, async_save=True, writer=...)``: done when its
+    background step is (the new checkpoint read back and verified, the oldest deleted: every
+    save measured is the third or later of its run)."""
+
+    def __init__(self, writer: str, loop: Loop, path: str) -> None:
+        super().__init__(f"manager {writer}", loop, path)
+        self.writer = writer
+        self.mgr: sp.CheckpointManager | None = None
+        self.step = 0
+
+    def open(self) -> None:
+        self.mgr = sp.CheckpointManager(
+            self.path,
+            keep_last=2,
+            async_save=True,
+            writer=self.writer,  # type: ignore[arg-type]
+        )
+        # Two warm-up saves: from the third on, every save verifies and prunes (a run's steady
+        # state), the measured ones included.
+        super().open()
+        super().open()
+
+    def start(self) -> Callable[[], None]:
+        assert self.mgr is not None
+        self.step += 1
+        return self.mgr.save(self.step, self.loop.sp_state()).wait
+
+    def close(self) -> None:
+        if self.mgr is not None:
+            self.mgr.close()
+            self.mgr = None
+        super().close()
+
+
+class DcpSaver(Saver):
+    """DCP's process-based ``async_save`` (see :func:`_dcp_process`); its first save starts
+    DCP's checkpoint process (once)."""
+
+    arena = False
+
+    def __init__(self, loop: Loop, path: str) -> None:
+        super().__init__("dcp process", loop, path)
+        self._start = _dcp_process(path)
+        self.warm = False
+
+    def open(self) -> None:
+        if not self.warm:
+            super().open()
+            self.warm = True
+
+    def start(self) -> Callable[[], None]:
+        return self._start(self.loop.dcp_state())
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _memcpy(loop: Loop, buffer: torch.Tensor) -> float:
+    """Seconds to copy the saved tensors through one reused, touched buffer."""
+    t0 = time.perf_counter()
+    for t in loop.tensors():
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        for pos in range(0, flat.numel(), buffer.numel()):
+            piece = flat[pos : pos + buffer.numel()]
+            buffer[: piece.numel()].copy_(piece)
+    return time.perf_counter() - t0
+
+
+_CLOCKS: list[CpuClock] = []
+
+
+def _clock() -> CpuClock:
+    """The CPU clock, made once: after the first loop's first steps and before any save, so the
+    threads it counts as the loop's are the main thread and torch's (savepoint's pools, a
+    writer thread and DCP's threads start later)."""
+    if not _CLOCKS:
+        _CLOCKS.append(CpuClock())
+    return _CLOCKS[0]
+
+
+def run_writers(
+    loop: Loop, savers: list[Saver], repeats: int, alone_s: float, verbose: bool = False
+) -> None:
+    """For each round and each saver: the loop's steps/s with no save (right before), then
+    during its background save; the order of the savers alternates between rounds. Savers
+    stay open for all rounds where the memory allows their arenas, else each is opened (with
+    a warm-up save) and closed around each of its measurements."""
+    clock = _clock()
+    arenas = sum(s.arena for s in savers) * loop.nbytes
+    keep_open = arenas + 2 * loop.nbytes < 0.6 * _available()
+    print(f"  savers {'stay open' if keep_open else 'reopened for each measurement'}")
+    if keep_open:
+        for s in savers:
+            s.open()
+    buffer = torch.ones(256 * MiB, dtype=torch.uint8)
+    rows: dict[str, list[Sample]] = {s.name: [] for s in savers}
+    copies: list[float] = []
+    for rnd in range(repeats):
+        copies.append(_memcpy(loop, buffer))
+        for s in savers if rnd % 2 == 0 else savers[::-1]:
+            if not keep_open:
+                s.open()
+            sample = measure(loop, clock, s.start, alone_s)
+            rows[s.name].append(sample)
+            if verbose:
+                print(f"    round {rnd + 1} {s.name:15s} {sample}")
+            if not keep_open:
+                s.close()
+    for s in savers:
+        s.close()
+    _print_rows(rows, statistics.median(copies), loop.nbytes / (1 << 30), clock.cores)
+
+
+def _print_rows(rows: dict[str, list[Sample]], memcpy: float, gib: float, cores: int) -> None:
+    med = statistics.median
+    n = len(next(iter(rows.values())))
+    print(
+        f"  medians of {n}; window: save() returned -> done (durable; a manager's: verified and "
+        f"pruned); floor: 1 - save CPU in the window / ({cores} cores x window); lost: the loop's "
+        f"time lost to a save, blocked + window x (1 - ratio); memcpy of the state {memcpy:.3f} s"
+    )
+    print(
+        "  saver                 alone/s during/s ratio floor  blocks (xmemcpy) window  lost  "
+        "save CPU s (s/GiB)  loop's CPU share alone/during, CPU a step during/alone"
+    )
+    for name, r in rows.items():
+        blocked = med(x.blocked for x in r)
+        cpu = med(x.save_cpu for x in r)
+        lost = med(x.blocked + x.window * (1 - x.ratio) for x in r)
+        shares = f"{med(x.trainer_share_alone for x in r):4.2f}/"
+        shares += (
+            f"{med(x.trainer_share_during for x in r):4.2f}, {med(x.cpu_per_step for x in r):4.2f}"
+        )
+        print(
+            f"  {name:21s} {med(x.alone for x in r):7.2f} {med(x.during for x in r):8.2f} "
+            f"{med(x.ratio for x in r):5.2f} {med(x.floor for x in r):5.2f}  "
+            f"{blocked:6.3f} ({blocked / memcpy:4.2f}) {med(x.window for x in r):6.2f} "
+            f"{lost:5.2f}  {cpu:6.3f} ({cpu / gib:5.3f})  {shares}"
+            f"   ratios {[round(x.ratio, 2) for x in r]}"
+        )
+    dcp = rows.get("dcp process")
+    for name, r in rows.items():
+        if name == "dcp process":
+            continue
+        ratio = med(x.ratio for x in r)
+        line = f"  {name:21s} during a save / no save {ratio:5.2f} (target >= 0.93)"
+        line += f", / its floor {ratio / med(x.floor for x in r):5.2f}"
+        if dcp is not None:
+            ours, theirs = med(x.during for x in r), med(x.during for x in dcp)
+            line += f", / DCP process's {ours / theirs:5.2f} (target > 1)"
+        print(line)
+
+
+def savers_for(
+    loop: Loop, writers: list[str], base: str, dcp: bool, manager: bool, old: bool
+) -> list[Saver]:
+    savers: list[Saver] = [
+        CheckpointerSaver(w, loop, os.path.join(base, f"ck-{w}")) for w in writers
+    ]
+    if old:
+        savers += [
+            CheckpointerSaver(w, loop, os.path.join(base, f"old-{w}"), staged_hashes=False)
+            for w in writers
+        ]
+    if manager:
+        savers += [ManagerSaver(w, loop, os.path.join(base, f"run-{w}")) for w in writers]
+    if dcp:
+        savers.append(DcpSaver(loop, os.path.join(base, "dcp")))
+    return savers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--gib", type=float, nargs="+", default=None)
+    ap.add_argument("--mib", type=float, nargs="+", default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--dir", default="/tmp/savepoint-bench")
+    ap.add_argument("--writer", choices=["process", "thread", "both"], default=None)
+    ap.add_argument("--loop", choices=["matmul", "real"], default=None)
+    ap.add_argument("--alone", type=float, default=None, help="seconds of the loop before a save")
+    ap.add_argument("--no-dcp", action="store_true", help="leave out DCP's process-based save")
+    ap.add_argument("--no-manager", action="store_true", help="leave out CheckpointManager")
+    ap.add_argument("--verbose", action="store_true", help="print every measurement")
+    ap.add_argument(
+        "--compare-hashing",
+        action="store_true",
+        help="also each writer hashing every tensor itself (host tensors not hashed while staged)",
+    )
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    print(
+        f"torch {torch.__version__}, savepoint {sp.__version__}, {os.cpu_count()} cores, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    if args.writer is None and args.loop is None:
+        for gib in args.gib or [1.0, 4.0]:
+            run_size(gib, args.repeats or 3, args.dir)
+        shutil.rmtree(args.dir, ignore_errors=True)
+        return
+    writers = ["thread", "process"] if args.writer in ("both", None) else [args.writer]
+    if args.loop == "real":
+        sizes = [g * 1024 for g in args.gib] if args.gib else args.mib or [1024.0]
+    else:
+        sizes = [g * 1024 for g in args.gib] if args.gib else args.mib or [256.0]
+    for mib in sizes:
+        _writers_at(args, mib, writers)
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def _writers_at(args: argparse.Namespace, mib: float, writers: list[str]) -> None:
+    """The writers' measurement at one size (``args``: the command line's)."""
+    if args.loop == "real":
+        t0 = time.perf_counter()
+        trainer = Trainer(mib / 1024)
+        build = time.perf_counter() - t0
+        for _ in range(3):
+            trainer.step()
+        alone, _, _ = steps_alone(trainer, _clock(), 2.0)
+        print(
+            f"\n=== real loop: {_describe(trainer)}; {trainer.nbytes / MiB:.0f} MiB saved; "
+            f"{1000 / alone:.0f} ms a step (built in {build:.1f} s) ==="
+        )
+        loop: Loop = trainer
+    else:
+        loop = MatmulLoop(make_state(int(mib * MiB)))
+        loop.step()
+        _clock()
+        print(
+            f"\n=== matmul loop (10 matmuls a step): {len(loop.state)} float32 tensors, "
+            f"{loop.nbytes / MiB:.0f} MiB ==="
+        )
+    savers = savers_for(
+        loop, writers, args.dir, not args.no_dcp, not args.no_manager, args.compare_hashing
+    )
+    alone_s = args.alone or (2.0 if args.loop == "real" else 0.6)
+    run_writers(loop, savers, max(args.repeats or 5, 1), alone_s, args.verbose)
+
+
+def _describe(loop: Trainer) -> str:
+    s, m = loop.shape, loop.model
+    params = sum(p.numel() for p in m.parameters())
+    return (
+        f"{params / 1e6:.1f}M parameters ({m.buckets} n-gram buckets x 2, width {s.d}, "
+        f"{s.layers} blocks, vocab {s.vocab}), batch {s.batch}x{s.seq}, fused AdamW"
+    )
+
+
+if __name__ == "__main__":
+    main()
