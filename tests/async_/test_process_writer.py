@@ -425,7 +425,7 @@ def test_the_writer_process_runs_below_the_trainers_priority(
 
 def stopped_writer() -> tuple[process.ProcessWriter, int]:
     writer = process.ProcessWriter()
-    writer._ensure()
+    writer.ensure()
     pid = writer.pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
@@ -446,7 +446,7 @@ def test_closing_a_session_the_writer_process_never_settles_is_bounded(
         assert 0.4 < elapsed < 3, elapsed
         assert "did not answer within 0.5 s" in caplog.text, caplog.text
         assert gone(pid) and writer.pid is None
-        writer._ensure()  # the next save starts a new writer process
+        writer.ensure()  # the next save starts a new writer process
         assert writer.pid not in (None, pid)
     finally:
         writer.close()
