@@ -20,7 +20,7 @@ demo: $(STAMP)
 # "Test suite time").
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # Long campaigns; `make test` runs a bounded slice of each.
 # make fuzz FUZZ_SECONDS=600 runs every parser for ten minutes, each under a memory cap.
