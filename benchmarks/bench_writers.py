@@ -2,9 +2,9 @@
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_async.py [--gib 1 4] [--repeats 3] [--dir /tmp/sp-bench]
-    .venv/bin/python benchmarks/bench_async.py --writer both --mib 256 [--repeats 5]
-    .venv/bin/python benchmarks/bench_async.py --loop real [--gib 1 4] [--repeats 5]
+    .venv/bin/python benchmarks/bench_writers.py [--gib 1 4] [--repeats 3] [--dir /tmp/sp-bench]
+    .venv/bin/python benchmarks/bench_writers.py --writer both --mib 256 [--repeats 5]
+    .venv/bin/python benchmarks/bench_writers.py --loop real [--gib 1 4] [--repeats 5]
         [--no-dcp] [--no-manager] [--compare-hashing] [--verbose]
 
 For each state size (about 300 float32 tensors: a few 64 MiB, many 4 KiB-1 MiB), after one
@@ -52,220 +52,20 @@ import os
 import shutil
 import statistics
 import sys
-import threading
 import time
-import warnings
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 import savepoint as sp
 from savepoint.async_ import staging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save_load import fsync_path, make_state, odirect_floor, rm
+from bench_async import _dcp_process, run_size
+from bench_save_load import make_state
 from train_loop import CpuClock, MatmulLoop, Sample, Trainer, measure, steps_alone
 
 MiB = 1 << 20
-
-
-def fsync_tree(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for f in files:
-            fsync_path(os.path.join(root, f))
-
-
-def train_loop(stop: threading.Event | None, seconds: float | None = None) -> float:
-    """Matmul iterations per second until ``stop`` is set (or for ``seconds``)."""
-    a = torch.randn(384, 384)
-    b = torch.randn(384, 384)
-    n = 0
-    t0 = time.perf_counter()
-    while True:
-        for _ in range(10):
-            a = torch.tanh(a @ b) * 0.5
-        n += 10
-        elapsed = time.perf_counter() - t0
-        if (stop is not None and stop.is_set()) or (seconds is not None and elapsed >= seconds):
-            return n / elapsed
-
-
-def _set_when_done(pending: sp.PendingSave, stop: threading.Event) -> None:
-    pending.wait()
-    stop.set()
-
-
-def run_size(gib: float, repeats: int, base: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    state = make_state(int(gib * (1 << 30)))
-    nbytes = sum(t.numel() * 4 for t in state.values())
-    print(f"\n=== {len(state)} float32 tensors, {nbytes / 2**30:.2f} GiB ===")
-    # The memcpy floor copies every byte into one reused, already-touched 256 MiB buffer: the same
-    # per-byte cost as a touched copy of the whole state, without holding a second state in RAM.
-    touched = np.ones(256 * MiB, dtype=np.uint8)
-    paths = {k: os.path.join(base, k) for k in ("sp", "spa", "st", "dcp", "dcpa", "dcpc", "raw")}
-    ck = sp.AsyncCheckpointer()
-    # A stager that keeps its CPU copy between saves (pinned/shared memory and CUDA streams off:
-    # they need an accelerator). BlockingAsyncStager(cache_staged_state_dict=True) pins, so it
-    # fails on a CPU-only machine.
-    cached = DefaultStager(StagingOptions(False, False, False, False))
-
-    def memcpy() -> None:
-        for v in state.values():
-            src = v.numpy().reshape(-1).view(np.uint8)
-            for pos in range(0, len(src), len(touched)):
-                piece = src[pos : pos + len(touched)]
-                touched[: len(piece)] = piece
-
-    def sp_sync() -> None:
-        sp.save(paths["sp"], state)
-
-    def st_sync() -> None:
-        save_file(state, paths["st"])
-        fsync_path(paths["st"])
-
-    def dcp_sync() -> None:
-        rm(paths["dcp"])
-        dcp.save(state, checkpoint_id=paths["dcp"], no_dist=True)
-
-    def raw() -> None:
-        rm(paths["raw"])
-        odirect_floor(nbytes, paths["raw"])
-
-    def sp_async() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        pending = ck.save(paths["spa"], state)
-        blocked = time.perf_counter() - t0
-        pending.wait()
-        return blocked, time.perf_counter() - t0
-
-    def dcp_async(stager: object | None, key: str) -> tuple[float, float]:
-        rm(paths[key])
-        t0 = time.perf_counter()
-        fut = dcp.async_save(
-            state,
-            checkpoint_id=paths[key],
-            no_dist=True,
-            async_stager=stager,  # type: ignore[arg-type]
-        )
-        blocked = time.perf_counter() - t0
-        fut.result()
-        fsync_tree(paths[key])
-        return blocked, time.perf_counter() - t0
-
-    timed: dict[str, Callable[[], None]] = {
-        "memcpy (touched)": memcpy,
-        "O_DIRECT floor": raw,
-        "sp.save": sp_sync,
-        "safetensors": st_sync,
-        "dcp.save": dcp_sync,
-    }
-    asyncs: dict[str, Callable[[], tuple[float, float]]] = {
-        "sp async": sp_async,
-        "dcp async (default)": lambda: dcp_async(None, "dcpa"),
-        "dcp async (cached)": lambda: dcp_async(cached, "dcpc"),
-    }
-    t: dict[str, list[float]] = {k: [] for k in timed}
-    blocks: dict[str, list[float]] = {k: [] for k in asyncs}
-    totals: dict[str, list[float]] = {k: [] for k in asyncs}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for rnd in range(repeats + 1):
-            for name, fn in timed.items():
-                t0 = time.perf_counter()
-                fn()
-                if rnd:
-                    t[name].append(time.perf_counter() - t0)
-            for name, afn in asyncs.items():
-                b, total = afn()
-                if rnd:
-                    blocks[name].append(b)
-                    totals[name].append(total)
-
-    med = {k: statistics.median(v) for k, v in t.items()}
-    mb = {k: statistics.median(v) for k, v in blocks.items()}
-    mt = {k: statistics.median(v) for k, v in totals.items()}
-    print(f"medians of {repeats} (s):")
-    for k, v in med.items():
-        print(f"  {k:22s} {v:7.3f}   runs {[round(x, 3) for x in t[k]]}")
-    for k in asyncs:
-        print(
-            f"  {k:22s} blocks {mb[k]:6.3f}  durable after {mt[k]:6.3f}   "
-            f"blocks {[round(x, 3) for x in blocks[k]]}"
-        )
-
-    # Training throughput while an async save is written (blocking part excluded), each time
-    # against a baseline measured right before it, so load from elsewhere cancels out.
-    fractions = []
-    for _ in range(max(repeats, 5)):
-        base_rate = train_loop(None, 0.6)
-        pending = ck.save(paths["spa"], state)
-        stop = threading.Event()
-        threading.Thread(target=_set_when_done, args=(pending, stop), daemon=True).start()
-        fractions.append(train_loop(stop) / base_rate)
-    frac = statistics.median(fractions)
-
-    print("ratios (target):")
-    print(
-        f"  async blocking / memcpy                 {mb['sp async'] / med['memcpy (touched)']:5.2f}  (<= 1.5)"
-    )
-    print(
-        f"  async blocking / DCP async default      {mb['sp async'] / mb['dcp async (default)']:5.2f}  (<= 0.3)"
-    )
-    print(
-        f"  async blocking / DCP async cached       {mb['sp async'] / mb['dcp async (cached)']:5.2f}"
-    )
-    print(
-        f"  sync save / O_DIRECT floor              {med['sp.save'] / med['O_DIRECT floor']:5.2f}  (<= 1.25)"
-    )
-    print(
-        f"  sync save / safetensors+fsync           {med['sp.save'] / med['safetensors']:5.2f}  (<= 0.6)"
-    )
-    print(f"  sync save / dcp.save                    {med['sp.save'] / med['dcp.save']:5.2f}")
-    print(
-        f"  async durable / sync save               {mt['sp async'] / med['sp.save']:5.2f}  (<= 1.3)"
-    )
-    print(
-        f"  training throughput during async write  {frac:5.2f}  (>= 0.75)  runs {[round(f, 2) for f in fractions]}"
-    )
-    ck.close()
-    for p in paths.values():
-        rm(p)
-
-
-def _dcp_process(path: str) -> Callable[[dict[str, torch.Tensor]], Callable[[], None]]:
-    """DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``), which needs a
-    process group: a one-rank gloo group on 127.0.0.1. Returns ``start(state) -> wait``."""
-    import socket
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-
-    def start(state: dict[str, torch.Tensor]) -> Callable[[], None]:
-        rm(path)
-        fut = dcp.async_save(
-            state, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS
-        )
-
-        def wait() -> None:
-            fut.result()  # (DCP's FileSystemWriter fsyncs its files: sync_files=True)
-
-        return wait
-
-    return start
 
 
 Loop = Trainer | MatmulLoop
