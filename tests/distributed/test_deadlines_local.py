@@ -16,30 +16,64 @@ from savepoint.distributed.deadlines import Board, Verdict, Watch, give_up, work
 
 
 class FakeStore:
-    """The few calls of a torch.distributed Store the board makes, over a dict."""
+    """The few calls of a torch.distributed Store the board makes, over a dict. Once ``gone``
+    (the process hosting it exited) every call raises, as a TCPStore client's would."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
         self.lock = threading.Lock()
+        self.gone = False
+
+    def _up(self) -> None:
+        if self.gone:
+            raise ConnectionError("Connection reset by peer")
 
     def set(self, key: str, value: str) -> None:
+        self._up()
         with self.lock:
             self.data[key] = value.encode()
 
     def get(self, key: str) -> bytes:
+        self._up()
         return self.data[key]
 
     def check(self, keys: list[str]) -> bool:
+        self._up()
         return all(k in self.data for k in keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._up()
         return [self.data[k] for k in keys]
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._up()
         with self.lock:
             if key not in self.data and expected == "":
                 self.data[key] = desired.encode()
             return self.data[key]
+
+    def add(self, key: str, n: int) -> int:
+        self._up()
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + n
+            self.data[key] = str(value).encode()
+            return value
+
+
+class SlowStore:
+    """A store as a rank on a loaded machine reaches it: every call takes ``delay`` more."""
+
+    def __init__(self, store: FakeStore, delay: float) -> None:
+        self.store, self.delay = store, delay
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.store, name)
+
+        def slow(*args: Any) -> Any:
+            time.sleep(self.delay)
+            return call(*args)
+
+        return slow
 
 
 def verdict(**fields: Any) -> Verdict:
@@ -110,6 +144,44 @@ def test_after_a_death_a_slower_rank_gets_the_grace_to_show_it_is_alive() -> Non
     assert "(died, or stuck)" in str(found.error("saving", "/c"))
 
 
+def test_a_store_lost_during_the_grace_does_not_erase_the_rank_already_known_behind() -> None:
+    store = FakeStore()
+    board = Board(lambda: store)
+    for rank, point in ((0, 3), (1, 1), (2, 3)):  # rank 1 died before point 3
+        board.done(rank, point)
+    timer = threading.Timer(0.2, lambda: setattr(store, "gone", True))  # rank 0 exited
+    timer.start()
+    found = give_up(board, 3, verdict(by=2, timed_out=False), range(3), grace=0.5)
+    timer.join()
+    assert set(found.stalled) == {1} and found.by == 2  # not "a rank died", naming nobody
+    assert list(found.error("saving", "/c").ranks) == [1]
+
+
+def test_the_rank_hosting_the_store_leaves_once_the_others_giving_up_have_the_verdict() -> None:
+    """Rank 0 (whose process hosts the store, and exits once it raised) and rank 2, slowed by
+    a loaded machine, give up on point 3 together after rank 1 died: one verdict on both."""
+    store = FakeStore()
+    for rank, point in ((0, 3), (1, 1), (2, 3)):
+        Board(lambda: store).done(rank, point)
+    found: dict[int, Verdict] = {}
+
+    def rank0() -> None:
+        found[0] = give_up(Board(lambda: store), 3, verdict(by=0, timed_out=False), range(3), 0.3)
+        store.gone = True  # rank 0 raised and its process exited
+
+    slow = SlowStore(store, 0.06)
+    thread = threading.Thread(target=rank0)
+    thread.start()
+    found[2] = give_up(Board(lambda: slow), 3, verdict(by=2, timed_out=False), range(3), 0.3)
+    thread.join()
+    assert found[0] == found[2] and set(found[0].stalled) == {1}, found
+    # Nobody else gave up on the point: no wait.
+    board = Board(lambda: FakeStore())
+    start = time.monotonic()
+    give_up(board, 5, verdict(by=0), range(2), grace=5)
+    assert time.monotonic() - start < 1
+
+
 def test_a_board_without_its_store_names_nobody_and_never_raises() -> None:
     def gone() -> Any:
         raise ConnectionError("rank 0 is gone")
@@ -117,6 +189,7 @@ def test_a_board_without_its_store_names_nobody_and_never_raises() -> None:
     board = Board(gone)
     board.done(0, 1)
     assert board.behind(1, [0, 1]) == [] and board.verdict(1) is None and board.doing(1) == ""
+    assert board.known_behind(1, [0, 1]) is None and board.count("read/1") is None
     mine = verdict()
     assert board.publish(1, mine) is mine
 

@@ -151,7 +151,11 @@ class Board:
             pass
 
     def behind(self, point: int, ranks: Sequence[int]) -> list[int]:
-        """Those of ``ranks`` that have not recorded reaching ``point``."""
+        """Those of ``ranks`` that have not recorded reaching ``point`` ([] if unknown)."""
+        return self.known_behind(point, ranks) or []
+
+    def known_behind(self, point: int, ranks: Sequence[int]) -> list[int] | None:
+        """As :meth:`behind`, or None when the store could not be read (not: nobody behind)."""
         try:
             store = self.store()
             keys = [f"progress/{r}" for r in ranks]
@@ -163,7 +167,7 @@ class Board:
                 if not store.check([key]) or int(store.get(key)) < point
             ]
         except Exception:
-            return []
+            return None
 
     def verdict(self, point: int) -> Verdict | None:
         """The verdict a rank wrote on ``point``, if one did."""
@@ -181,6 +185,15 @@ class Board:
             return Verdict.from_json(stored)
         except Exception:
             return verdict
+
+    def count(self, key: str, n: int = 1) -> int | None:
+        """Add ``n`` to the counter ``key`` (0: read it); its value, or None if unknown. Counts
+        the ranks giving up on a point (``joined/<point>``) and those that have its verdict
+        (``read/<point>``)."""
+        try:
+            return int(self.store().add(key, n))
+        except Exception:
+            return None
 
     def note(self, rank: int, text: str) -> None:
         self.store().set(f"doing/{rank}", text)
@@ -201,20 +214,44 @@ def give_up(
     rank wrote, or ``mine`` naming those of ``waited_for`` that have not reached the point (and
     what each is doing), written for the others. After a timeout (``mine.timed_out``) the ranks
     behind are named at once: they missed the deadline. After a broken collective (a rank died)
-    a slower live rank gets ``grace`` seconds to record the point before it is named."""
+    a slower live rank gets ``grace`` seconds to record the point before it is named.
+
+    The store lives in one rank's process (rank 0 of the world), which may exit as soon as it
+    has raised: a read that fails does not erase what an earlier one told (the last answer
+    stands, retried until the grace ends), and a rank leaves only once every rank that gave up
+    on the point with it has the verdict (at most ``grace`` more), so none of them is left to
+    word the error alone, naming nobody."""
     start = time.monotonic()
-    behind: list[int] = []
+    board.count(f"joined/{point}")
+    behind: list[int] = []  # the last answer the store gave
     while True:
         found = board.verdict(point)
         if found is not None:
-            return found
-        behind = [r for r in board.behind(point, waited_for) if r != mine.by]
+            break
+        known = board.known_behind(point, waited_for)
+        if known is not None:
+            behind = [r for r in known if r != mine.by]
         if (behind and mine.timed_out) or time.monotonic() - start >= grace:
+            mine.timed_out = mine.timed_out and bool(behind)
+            mine.stalled = {r: board.doing(r) for r in behind}
+            found = board.publish(point, mine)
             break
         time.sleep(0.05)
-    mine.timed_out = mine.timed_out and bool(behind)
-    mine.stalled = {r: board.doing(r) for r in behind}
-    return board.publish(point, mine)
+    _linger(board, point, grace)
+    return found
+
+
+def _linger(board: Board, point: int, grace: float) -> None:
+    """Count this rank as having the verdict on ``point``, then wait (at most ``grace``) until
+    every rank that gave up on it has it too: this one may host the store they read it from."""
+    if board.count(f"read/{point}") is None:
+        return
+    until = time.monotonic() + grace
+    while time.monotonic() < until:
+        joined, read = board.count(f"joined/{point}", 0), board.count(f"read/{point}", 0)
+        if joined is None or read is None or read >= joined:
+            return
+        time.sleep(0.02)
 
 
 # -- what this process is doing ---------------------------------------------------------------
