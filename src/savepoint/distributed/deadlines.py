@@ -14,7 +14,10 @@ doing where it said (the data file it was writing); after a timeout they are nam
 after a collective broke because a rank died a slower live rank gets a few seconds to record the
 point first. Every other rank raises the error of that verdict, one message on every rank, and
 a late rank reads the verdict when it reaches the point and raises it at once instead of
-entering the collective (it would wait another ``timeout`` there).
+entering the collective (it would wait another ``timeout`` there). The store lives in the
+process of rank 0 of the world, which may exit as soon as it raised: a rank giving up leaves
+only once the others giving up on the point with it have the verdict, and a store that is gone
+does not erase the ranks it already showed behind.
 
 What a rank is doing is noted in memory (:func:`working_on`, around each data file written) and
 published to the store only by a :class:`Watch` timer, once a phase has run for half its deadline
@@ -137,8 +140,9 @@ class Verdict:
 
 class Board:
     """One channel's records in the default store (under its prefix): the last point each rank
-    reached (``progress/<rank>``), the verdict on a point (``verdict/<point>``) and what a late
-    rank is doing (``doing/<rank>``). Best effort: the store lives on rank 0 of the world, which
+    reached (``progress/<rank>``), the verdict on a point (``verdict/<point>``), how many ranks
+    gave up on a point and how many have its verdict (counters ``joined/<point>``,
+    ``read/<point>``) and what a late rank is doing (``doing/<rank>``). Best effort: the store lives on rank 0 of the world, which
     may be gone; then nothing is named, and nothing here raises but :meth:`note`."""
 
     def __init__(self, store: Callable[[], Any]) -> None:
