@@ -230,6 +230,32 @@ def test_a_damaged_chunk_is_refused_by_its_crc(tmp_path: Path) -> None:
             call(ck)
 
 
+def test_each_distinct_chunk_pickle_is_unpickled_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks whose data.pkl bytes repeat (same dtype, shape, stride) reuse one parse (each
+    chunk's dtype and shape are still held to .metadata's, as before)."""
+    from savepoint.formats import _torch_archive
+
+    ck = tmp_path / "ck"
+    state = {f"w{i}": torch.full((8,), float(i)) for i in range(6)}
+    state.update({f"m{i}": torch.full((2, 3), float(i)) for i in range(3)})
+    dcp.save(state, checkpoint_id=ck, no_dist=True)
+    calls: list[bytes] = []
+    real = _torch_archive.unpickle
+
+    def counting(data: bytes, *args: Any, **kwargs: Any) -> Any:
+        calls.append(data)
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(_torch_archive, "unpickle", counting)
+    got = sp.load(ck)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    metadata = (ck / ".metadata").read_bytes()  # read through the same function when
+    pickles = [c for c in calls if c != metadata]  # its module imports after the patch
+    assert len(pickles) == len(set(pickles)) == 2  # one per shape, not one per chunk
+
+
 def test_a_truncated_file_is_refused_at_open(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     dcp.save({"w": torch.ones(1000)}, checkpoint_id=ck, no_dist=True)

@@ -161,6 +161,9 @@ class _StorageType:
     dtype: DTypeName | None
 
 
+_MEMO = 4096  # distinct pickles an Archive.load memo keeps
+
+
 @dataclass(frozen=True)
 class Storage:
     """A persistent id: the storage ``key`` (its record ``data/<key>``), its element dtype (None:
@@ -573,9 +576,12 @@ class Archive:
         hint: str = "",
         opaque: bool = False,
         seen: set[str] | None = None,
+        memo: dict[bytes, TensorRef] | None = None,
     ) -> Any:
         """``data.pkl`` through the allow-list ``allowed`` (at most ``cap`` bytes of pickle;
-        ``opaque`` and ``seen``: as :func:`unpickle`)."""
+        ``opaque`` and ``seen``: as :func:`unpickle`). ``memo``: a :class:`TensorRef` (frozen)
+        read before from the same bytes is reused (the many archives of a DCP checkpoint repeat a
+        few pickles: one per dtype, shape and stride); other results are not kept."""
         record = self.records[self.prefix + "data.pkl"]
         if record.size > cap:
             raise CorruptCheckpointError(
@@ -583,9 +589,14 @@ class Archive:
                 path=self.path,
             )
         data = self.buf[record.start : record.start + record.size].tobytes()
-        return unpickle(
+        if memo is not None and data in memo:
+            return memo[data]
+        found = unpickle(
             data, allowed, path=self.path, what=self.what, hint=hint, opaque=opaque, seen=seen
         )
+        if memo is not None and type(found) is TensorRef and len(memo) < _MEMO:
+            memo[data] = found
+        return found
 
     def storage(self, ref: TensorRef) -> Record:
         """The record holding ``ref``'s storage, checked to be exactly the storage's size."""

@@ -112,6 +112,7 @@ class DcpCheckpoint:
         self._chunks: dict[tuple[str, int], np.ndarray[Any, Any]] = {}
         self._crc: dict[tuple[str, int], tuple[str, Record]] = {}  # records not yet checked
         self._fds: dict[str, int] = {}  # least recently used first
+        self._refs: dict[bytes, TensorRef] = {}  # each distinct data.pkl read once
         self._strides_base: dict[tuple[str, int], int] = {}  # where each chunk's bytes start
         self.kind = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
 
@@ -198,7 +199,7 @@ class DcpCheckpoint:
 
     def _record(self, e: Entry, index: int) -> tuple[Archive, TensorRef, Record]:
         archive = self._archive(e, e.chunks[index].item, f", chunk {index}")
-        ref = archive.load(TENSOR_GLOBALS, cap=_PICKLE_CAP)
+        ref = archive.load(TENSOR_GLOBALS, cap=_PICKLE_CAP, memo=self._refs)
         want = boxes.extents(e.chunks[index].box)
         if not isinstance(ref, TensorRef) or ref.dtype != e.dtype or ref.shape != want:
             got = (
