@@ -94,6 +94,33 @@ def test_dcp_save_on_2_ranks_imports_bit_exact_in_one_process(saved: Path) -> No
     assert seen and seen[-1][0] == seen[-1][1]
 
 
+def test_dcp_safetensors_serialization_on_2_ranks_imports_bit_exact(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``FileSystemWriter(serialization_format=SAFETENSORS)``: each rank's file holds its
+    BYTE_IO items, then one safetensors blob of its chunks (sharded on dim 0 and dim 1)."""
+    workdir = tmp_path_factory.mktemp("dcp-st")
+    run("save_safetensors", 2, workdir)
+    saved = workdir / "dcp-st"
+    got = sp.load(saved)
+    want = flat(full_state())
+    assert set(got) == set(want)
+    for name, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert same(got[name], value), name
+    assert sp.verify(saved).format == "dcp"
+    into = {k: torch.zeros_like(v) for k, v in want.items() if isinstance(v, torch.Tensor)}
+    sp.load(saved, into=into)
+    assert all(same(into[k], want[k]) for k in into)
+    # A blob that disagrees with .metadata is refused, naming the tensor.
+    data = saved / "__0_0.distcp"
+    raw = data.read_bytes()
+    at = raw.index(b'"model.w"')
+    data.write_bytes(raw[:at] + b'"model.x"' + raw[at + 9 :])
+    with pytest.raises(sp.CorruptCheckpointError, match=r"model\.w"):
+        sp.load(saved)
+
+
 def test_into_fills_targets_in_place(saved: Path) -> None:
     want = flat(full_state())
     into = {k: torch.zeros_like(v) for k, v in want.items() if isinstance(v, torch.Tensor)}
