@@ -121,6 +121,28 @@ def test_dcp_safetensors_serialization_on_2_ranks_imports_bit_exact(
         sp.load(saved)
 
 
+def test_dcp_hugging_face_storage_both_ways(tmp_path: Path) -> None:
+    """DCP's HuggingFaceStorageWriter writes a Hugging Face directory savepoint reads as one;
+    DCP's HuggingFaceStorageReader reads savepoint's sharded export (its padded headers too)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    g = torch.Generator().manual_seed(5)
+    w = {"model.w": torch.randn(300, 70, generator=g), "model.b": torch.arange(9.0).bfloat16()}
+    dcp.save(
+        w, storage_writer=HuggingFaceStorageWriter(path=str(tmp_path / "theirs")), no_dist=True
+    )
+    got = sp.load(tmp_path / "theirs", framework="torch")
+    assert sp.inspect(tmp_path / "theirs").format == "huggingface"
+    assert set(got) == set(w) and all(same(got[k], v) for k, v in w.items())
+    sp.save(tmp_path / "ck", {"model": {"w": w["model.w"], "b": w["model.b"]}})
+    sp.export(tmp_path / "ck", tmp_path / "ours", hf=True, max_shard_size=50_000)
+    assert len([f for f in os.listdir(tmp_path / "ours") if f.endswith(".safetensors")]) == 2
+    into = {"w": torch.zeros(300, 70), "b": torch.zeros(9, dtype=torch.bfloat16)}
+    reader = HuggingFaceStorageReader(str(tmp_path / "ours"))
+    dcp.load(into, storage_reader=reader, no_dist=True)
+    assert same(into["w"], w["model.w"]) and same(into["b"], w["model.b"])
+
+
 def test_into_fills_targets_in_place(saved: Path) -> None:
     want = flat(full_state())
     into = {k: torch.zeros_like(v) for k, v in want.items() if isinstance(v, torch.Tensor)}
