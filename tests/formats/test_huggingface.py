@@ -20,7 +20,7 @@ from click.testing import CliRunner, Result
 import savepoint as sp
 from savepoint.cli import main
 from savepoint.engine import pipeline
-from savepoint.formats import _files, detect, huggingface
+from savepoint.formats import _files, _kernel_copy, detect, huggingface
 from savepoint.formats.export import export
 
 safetensors_np = pytest.importorskip("safetensors.numpy")
@@ -250,12 +250,16 @@ class _Tracked(mmap.mmap):
         type(self).live -= self.length
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel-copy", "staging-pipeline"])
 def test_peak_extra_memory_is_at_most_twice_the_largest_tensor(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: bool
 ) -> None:
     """Python and numpy allocations (tracemalloc) plus the staging buffers (anonymous mappings,
     counted while alive) during an export of 10 MiB whose largest tensor is 4 MiB; the source is
-    mapped from the page cache and not counted (it is no extra memory)."""
+    mapped from the page cache and not counted (it is no extra memory). A local checkpoint's
+    tensors lie raw in its files, so the kernel copies them (no staging buffer at all); the
+    staging pipeline (what a source not stored raw takes) is forced by refusing the kernel
+    path."""
     rng = np.random.default_rng(0)
     model = {f"layer{i}": rng.standard_normal(MiB // 4).astype(np.float32) for i in range(6)}
     model["embed"] = rng.standard_normal(MiB).astype(np.float32)  # 4 MiB, the largest
@@ -265,6 +269,16 @@ def test_peak_extra_memory_is_at_most_twice_the_largest_tensor(
         mmap = _Tracked
 
     monkeypatch.setattr(pipeline, "mmap", Shim)
+    copied: list[int] = []
+    real_copy = os.copy_file_range
+
+    def spy(src: int, dst: int, count: int, *args: Any) -> int:
+        copied.append(real_copy(src, dst, count, *args))
+        return copied[-1]
+
+    monkeypatch.setattr(os, "copy_file_range", spy)
+    if not kernel:
+        monkeypatch.setattr(_kernel_copy, "write", lambda *a, **k: False)
     _Tracked.live = _Tracked.peak = 0
     tracemalloc.start()
     try:
@@ -274,7 +288,11 @@ def test_peak_extra_memory_is_at_most_twice_the_largest_tensor(
         tracemalloc.stop()
     assert len(report.files) == 5  # 4 shards and the index
     largest = 4 * MiB
-    assert _Tracked.peak > 0, "the staging buffers were not seen"
+    if kernel:
+        assert sum(copied) == 10 * MiB and _Tracked.peak == 0
+    else:
+        assert not copied
+        assert _Tracked.peak > 0, "the staging buffers were not seen"
     assert heap + _Tracked.peak <= 2 * largest, (heap, _Tracked.peak)
     assert _Tracked.live == 0  # none outlives the export
     loaded = sp.load(tmp_path / "hf")

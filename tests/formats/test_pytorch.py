@@ -160,3 +160,32 @@ def test_verify_any_reports_progress_for_every_format(tmp_path: Path) -> None:
     calls = []
     info = detect.verify_any(artifact, progress=lambda d, t: calls.append((d, t)))
     assert info.format == "training-artifact" and calls and calls[-1][0] == calls[-1][1] > 0
+
+
+@pytest.mark.parametrize(
+    "pickle_bytes",
+    [
+        b"\x80\x05\x96" + (1 << 28).to_bytes(8, "little") + b".",  # BYTEARRAY8 of 256 MiB
+        b"\x80\x05\x8e" + (1 << 28).to_bytes(8, "little") + b".",  # BINBYTES8 of 256 MiB
+        b"\x80\x04\x95" + (1 << 28).to_bytes(8, "little") + b"K\x01.",  # a huge FRAME
+    ],
+    ids=["bytearray8", "binbytes8", "frame"],
+)
+def test_a_claimed_length_is_never_allocated_before_it_is_read(pickle_bytes: bytes) -> None:
+    """20 bytes of hostile pickle claiming 256 MiB: refused without allocating it (the
+    pure-Python unpickler's own BYTEARRAY8 zero-filled the claimed length first)."""
+    import tracemalloc
+
+    from savepoint.formats._torch_archive import unpickle
+
+    tracemalloc.start()
+    try:
+        try:
+            found = unpickle(pickle_bytes, {}, path="p", what="p")
+        except sp.CorruptCheckpointError:
+            found = None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert found in (None, 1)

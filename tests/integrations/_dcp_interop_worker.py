@@ -2,7 +2,8 @@
 ``phase rank world port dir``.
 
 Phases: ``save`` (plain ``dcp.save`` through DCP's own FileSystemWriter of a state whose big
-tensors are DTensors sharded on dim 0 and dim 1, into ``dir/dcp``), ``load`` (``dcp.load`` of
+tensors are DTensors sharded on dim 0 and dim 1, into ``dir/dcp``), ``save_safetensors`` (the
+same with ``SerializationFormat.SAFETENSORS``, into ``dir/dcp-st``), ``load`` (``dcp.load`` of
 ``dir/export``, savepoint's DCP export of :func:`full_state`, into DTensors sharded over this
 world's ranks, compared with the expected parts). Writes ``<phase>-rank<r>.json``.
 """
@@ -98,6 +99,18 @@ def main() -> None:
         if phase == "save":
             assert mesh is not None
             dcp.save(distributed(full_state(), mesh), checkpoint_id=os.path.join(workdir, "dcp"))
+            out["checks"]["saved"] = "ok"
+        elif phase == "save_safetensors":  # DCP's SerializationFormat.SAFETENSORS
+            from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+            assert mesh is not None
+            state = distributed(full_state(), mesh)
+            state["model"]["t"] = state["model"]["t"].contiguous()  # safetensors needs it
+            path = os.path.join(workdir, "dcp-st")
+            writer = dcp.FileSystemWriter(
+                path, serialization_format=SerializationFormat.SAFETENSORS
+            )
+            dcp.save(state, storage_writer=writer)
             out["checks"]["saved"] = "ok"
         elif phase == "load":
             want = full_state()

@@ -94,6 +94,55 @@ def test_dcp_save_on_2_ranks_imports_bit_exact_in_one_process(saved: Path) -> No
     assert seen and seen[-1][0] == seen[-1][1]
 
 
+def test_dcp_safetensors_serialization_on_2_ranks_imports_bit_exact(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``FileSystemWriter(serialization_format=SAFETENSORS)``: each rank's file holds its
+    BYTE_IO items, then one safetensors blob of its chunks (sharded on dim 0 and dim 1)."""
+    workdir = tmp_path_factory.mktemp("dcp-st")
+    run("save_safetensors", 2, workdir)
+    saved = workdir / "dcp-st"
+    got = sp.load(saved)
+    want = flat(full_state())
+    assert set(got) == set(want)
+    for name, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert same(got[name], value), name
+    assert sp.verify(saved).format == "dcp"
+    into = {k: torch.zeros_like(v) for k, v in want.items() if isinstance(v, torch.Tensor)}
+    sp.load(saved, into=into)
+    assert all(same(into[k], want[k]) for k in into)
+    # A blob that disagrees with .metadata is refused, naming the tensor.
+    data = saved / "__0_0.distcp"
+    raw = data.read_bytes()
+    at = raw.index(b'"model.w"')
+    data.write_bytes(raw[:at] + b'"model.x"' + raw[at + 9 :])
+    with pytest.raises(sp.CorruptCheckpointError, match=r"model\.w"):
+        sp.load(saved)
+
+
+def test_dcp_hugging_face_storage_both_ways(tmp_path: Path) -> None:
+    """DCP's HuggingFaceStorageWriter writes a Hugging Face directory savepoint reads as one;
+    DCP's HuggingFaceStorageReader reads savepoint's sharded export (its padded headers too)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    g = torch.Generator().manual_seed(5)
+    w = {"model.w": torch.randn(300, 70, generator=g), "model.b": torch.arange(9.0).bfloat16()}
+    dcp.save(
+        w, storage_writer=HuggingFaceStorageWriter(path=str(tmp_path / "theirs")), no_dist=True
+    )
+    got = sp.load(tmp_path / "theirs", framework="torch")
+    assert sp.inspect(tmp_path / "theirs").format == "huggingface"
+    assert set(got) == set(w) and all(same(got[k], v) for k, v in w.items())
+    sp.save(tmp_path / "ck", {"model": {"w": w["model.w"], "b": w["model.b"]}})
+    sp.export(tmp_path / "ck", tmp_path / "ours", hf=True, max_shard_size=50_000)
+    assert len([f for f in os.listdir(tmp_path / "ours") if f.endswith(".safetensors")]) == 2
+    into = {"w": torch.zeros(300, 70), "b": torch.zeros(9, dtype=torch.bfloat16)}
+    reader = HuggingFaceStorageReader(str(tmp_path / "ours"))
+    dcp.load(into, storage_reader=reader, no_dist=True)
+    assert same(into["w"], w["model.w"]) and same(into["b"], w["model.b"])
+
+
 def test_into_fills_targets_in_place(saved: Path) -> None:
     want = flat(full_state())
     into = {k: torch.zeros_like(v) for k, v in want.items() if isinstance(v, torch.Tensor)}
@@ -228,6 +277,32 @@ def test_a_damaged_chunk_is_refused_by_its_crc(tmp_path: Path) -> None:
     for call in (sp.load, sp.verify):
         with pytest.raises(sp.CorruptCheckpointError, match="CRC-32 mismatch"):
             call(ck)
+
+
+def test_each_distinct_chunk_pickle_is_unpickled_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks whose data.pkl bytes repeat (same dtype, shape, stride) reuse one parse (each
+    chunk's dtype and shape are still held to .metadata's, as before)."""
+    from savepoint.formats import _torch_archive
+
+    ck = tmp_path / "ck"
+    state = {f"w{i}": torch.full((8,), float(i)) for i in range(6)}
+    state.update({f"m{i}": torch.full((2, 3), float(i)) for i in range(3)})
+    dcp.save(state, checkpoint_id=ck, no_dist=True)
+    calls: list[bytes] = []
+    real = _torch_archive.unpickle
+
+    def counting(data: bytes, *args: Any, **kwargs: Any) -> Any:
+        calls.append(data)
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(_torch_archive, "unpickle", counting)
+    got = sp.load(ck)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    metadata = (ck / ".metadata").read_bytes()  # read through the same function when
+    pickles = [c for c in calls if c != metadata]  # its module imports after the patch
+    assert len(pickles) == len(set(pickles)) == 2  # one per shape, not one per chunk
 
 
 def test_a_truncated_file_is_refused_at_open(tmp_path: Path) -> None:

@@ -214,6 +214,15 @@ class Reader:
         rec = self.manifest.tensors[ref]
         return self.open_file(rec.file, check_header=check_header).slice(rec.start, rec.end)
 
+    def file_range(self, ref: str) -> tuple[int, int] | None:
+        """``(fd, offset)`` of tensor ``ref``'s bytes where they are one range of a local data
+        file (the descriptor is this reader's: valid until it closes), else None."""
+        rec = self.manifest.tensors[ref]
+        if self.is_split(ref):
+            return None
+        fileno = getattr(self.open_file(rec.file).blob, "fileno", None)
+        return None if fileno is None else (fileno(), rec.start)
+
     def prepare(self, refs: Iterable[str], *, check_header: bool = True) -> None:
         """Open, size-check and header-check every file holding ``refs``, before any allocation:
         a manifest that claims more data than the files hold fails here, not in ``np.empty``."""

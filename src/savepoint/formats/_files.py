@@ -20,7 +20,7 @@ import abc
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -38,6 +38,7 @@ from savepoint.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
 )
+from savepoint.formats import _kernel_copy
 from savepoint.state import arrays
 from savepoint.state.arrays import TensorSource
 from savepoint.storage import local
@@ -132,6 +133,9 @@ class MappedTensor(LazyTensor):
     With ``xxh3`` the bytes are hashed as they are copied, in order, and a mismatch at the end
     raises CorruptCheckpointError naming ``name``; ``load()`` checks the whole tensor first.
     ``block``: ``xxh3`` is of block checksums of that size (see savepoint.codecs.checksum).
+    ``file``: ``(fd, offset)`` where the same bytes lie raw in an open file (the mapped one), so
+    a writer may have the kernel copy them (:mod:`savepoint.formats._kernel_copy`) and then
+    :meth:`check` the copy; None where no descriptor is kept.
     """
 
     def __init__(
@@ -145,10 +149,12 @@ class MappedTensor(LazyTensor):
         block: int = 0,
         name: str = "",
         path: str = "",
+        file: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(dtype, shape, kind=kind)
         if len(view) != self.nbytes:
             raise ValueError("view length disagrees with shape x dtype")
+        self.file = file
         self._view = view
         self._xxh3 = xxh3
         self._block = block
@@ -166,9 +172,16 @@ class MappedTensor(LazyTensor):
             )
 
     def _check_all(self) -> None:
-        assert self._xxh3 is not None
+        self.check(self._view)
+
+    def check(self, copy: Any) -> None:
+        """Check ``copy`` (a buffer of the tensor's whole bytes: a copy made elsewhere) against
+        the checksum, CorruptCheckpointError naming the tensor if it differs; nothing to do
+        without a checksum."""
+        if self._xxh3 is None:
+            return
         hasher = checksum.Hasher(self._block, expect=self._xxh3)
-        hasher.update(self._view)
+        hasher.update(copy)
         self._check(hasher.result().xxh3)
 
     def copy_to(self, dst: np.ndarray[Any, Any], start: int) -> None:
@@ -374,14 +387,21 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     *,
     pool: pipeline.StagingPool | None = None,
+    finishing: list[Callable[[], None]] | None = None,
+    align: bool = False,
 ) -> None:
-    """Stream ``tensors`` into a new safetensors file at ``path`` (which must not exist), fsynced,
-    through the staging buffers of ``pool`` (by default the write pipeline's shared pool)."""
+    """Stream ``tensors`` into a new safetensors file at ``path`` (which must not exist), fsynced:
+    copied by the kernel and checked in the new file when every tensor lies raw in an open file
+    (:mod:`savepoint.formats._kernel_copy`; its fsync deferred with ``finishing``, and with
+    ``align`` the header padded so that the copies are page-aligned, see there),
+    else through the staging buffers of ``pool`` (by default the write pipeline's shared pool)."""
     header, order = st_format.ordered_layout(
         [(name, s.dtype.name, s.shape, s.nbytes) for name, s in tensors], metadata
     )
     sources = [tensors[i][1] for i in order]
-    pipeline.write_blob(LOCAL, os.path.abspath(path), header, sources, pool=pool)
+    target = os.path.abspath(path)
+    if not _kernel_copy.write(target, header, sources, finishing, align=align):
+        pipeline.write_blob(LOCAL, target, header, sources, pool=pool)
 
 
 # ---------------------------------------------------------------------------------------------

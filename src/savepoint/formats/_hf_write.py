@@ -14,9 +14,10 @@ is copied. Extra memory: at most twice the largest tensor, plus 2 MiB.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from savepoint.codecs import bounded_json
@@ -138,11 +139,21 @@ def write_directory(
     names = huggingface.shard_names(len(shards))
     pool = staging_pool(max((s.nbytes for _, s in items), default=0))
     written = list(names)
+    syncs: list[Callable[[], None]] = []  # one shard's fsync runs while the next is written
     try:
         with _files.atomic_directory(target, what="Hugging Face model directory") as staging:
-            for name, shard in zip(names, shards):
-                part = [items[i] for i in shard]
-                _files.write_safetensors(os.path.join(staging, name), part, metadata, pool=pool)
+            try:
+                for name, shard in zip(names, shards):
+                    part = [items[i] for i in shard]
+                    path = os.path.join(staging, name)
+                    _files.write_safetensors(
+                        path, part, metadata, pool=pool, finishing=syncs, align=True
+                    )
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    _wait_all(syncs)  # before the staging directory goes
+                raise
+            _wait_all(syncs)  # every shard durable before anything names it
             if len(shards) > 1:
                 weight_map = {items[i][0]: n for n, shard in zip(names, shards) for i in shard}
                 total = sum(s.nbytes for _, s in items)
@@ -156,6 +167,18 @@ def write_directory(
     finally:
         pool.clear()  # the buffers are this export's: none outlives it
     return tuple(written)
+
+
+def _wait_all(waits: list[Callable[[], None]]) -> None:
+    """Wait for every deferred fsync; raise the first failure (after waiting for the rest)."""
+    first: BaseException | None = None
+    for wait in waits:
+        try:
+            wait()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def _elements(source: TensorSource) -> int:

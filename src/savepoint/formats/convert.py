@@ -239,6 +239,7 @@ def _open_native(path: PathArg) -> Iterator[_Source]:
                     block=rec.block,
                     name=ref,
                     path=reader.path,
+                    file=reader.file_range(ref),
                 )
             return made[ref]
 

@@ -16,6 +16,11 @@ A DCP checkpoint is a directory holding ``.metadata`` and ``__<rank>_<i>.distcp`
   tensor is saved with its strides). savepoint parses the archive itself
   (:mod:`savepoint.formats._torch_archive`: the zip's central directory, ``data.pkl`` through an
   allow-list of torch's tensor rebuilders) and maps the storage record: no torch needed.
+- With ``SerializationFormat.SAFETENSORS`` a file holds its ``BYTE_IO`` items, then one
+  safetensors blob of all its chunks running to the end of the file; ``.metadata`` gives each
+  chunk the blob's offset and the chunk's length. A blob is told from an archive by its first
+  bytes (a zip starts ``PK\x03\x04``), its header checked once, and each chunk read from it
+  by its fully qualified name, held to ``.metadata``'s dtype, shape and length (no checksums).
 - Values that are not tensors (a step counter, a config dict's leaves, a data loader's state)
   are ``BYTE_IO`` items: DCP's planner serialised each with ``torch.save`` (a pickle of any
   object). savepoint never unpickles them: they are kept as their raw bytes, a uint8 tensor
@@ -52,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from savepoint.codecs import boxes
+from savepoint.codecs import safetensors as st_format
 from savepoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from savepoint.formats._dcp_metadata import MAX_BYTES, Entry, Item, Metadata, decode
 from savepoint.formats._files import LazyTensor
@@ -112,6 +118,8 @@ class DcpCheckpoint:
         self._chunks: dict[tuple[str, int], np.ndarray[Any, Any]] = {}
         self._crc: dict[tuple[str, int], tuple[str, Record]] = {}  # records not yet checked
         self._fds: dict[str, int] = {}  # least recently used first
+        self._blobs: dict[tuple[str, int], dict[str, st_format.Entry] | None] = {}
+        self._refs: dict[bytes, TensorRef] = {}  # each distinct data.pkl read once
         self._strides_base: dict[tuple[str, int], int] = {}  # where each chunk's bytes start
         self.kind = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
 
@@ -198,7 +206,7 @@ class DcpCheckpoint:
 
     def _record(self, e: Entry, index: int) -> tuple[Archive, TensorRef, Record]:
         archive = self._archive(e, e.chunks[index].item, f", chunk {index}")
-        ref = archive.load(TENSOR_GLOBALS, cap=_PICKLE_CAP)
+        ref = archive.load(TENSOR_GLOBALS, cap=_PICKLE_CAP, memo=self._refs)
         want = boxes.extents(e.chunks[index].box)
         if not isinstance(ref, TensorRef) or ref.dtype != e.dtype or ref.shape != want:
             got = (
@@ -220,6 +228,14 @@ class DcpCheckpoint:
         :meth:`checked`)."""
         key = (e.fqn, index)
         found = self._chunks.get(key)
+        if found is None and self._blob(e.chunks[index].item) is not None:
+            assert e.dtype is not None  # a chunk of a tensor
+            start = self._strides_base[key] = self._raw_start(e, index)
+            extents = boxes.extents(e.chunks[index].box)
+            raw = self.buffer(e.chunks[index].item.file)[
+                start : start + e.chunks[index].item.length
+            ]
+            found = self._chunks[key] = raw.view(_void(e.dtype.itemsize)).reshape(extents)
         if found is None:
             archive, ref, record = self._record(e, index)
             self._crc[key] = (archive.what, record)
@@ -229,6 +245,56 @@ class DcpCheckpoint:
             record = self._crc[key][1]
             self.checked(key, crc32(self.buffer(e.chunks[index].item.file), record, _no))
         return found
+
+    def _blob(self, item: Item) -> dict[str, st_format.Entry] | None:
+        """The tensors of the safetensors blob ``item`` starts (DCP's ``FileSystemWriter`` with
+        ``SerializationFormat.SAFETENSORS`` writes, after a file's ``BYTE_IO`` items, one
+        safetensors blob of all its tensors running to the end of the file, and gives each
+        tensor item the blob's offset), by name; None where ``item`` starts a ``torch.save``
+        archive (a zip). Parsed and checked once per blob."""
+        key = (item.file, item.offset)
+        if key in self._blobs:
+            return self._blobs[key]
+        buf = self.buffer(item.file)
+        found: dict[str, st_format.Entry] | None = None
+        if bytes(buf[item.offset : item.offset + 4]) != b"PK\x03\x04":
+            size = self.sizes[item.file] - item.offset
+            where = f"{self.path}/{item.file} at {item.offset}"
+            try:
+                n = st_format.header_length(bytes(buf[item.offset : item.offset + 8]), size)
+                raw = bytes(buf[item.offset + 8 : item.offset + 8 + n])
+                entries, _ = st_format.parse_header(raw, size)
+            except st_format.HeaderError as exc:
+                raise CorruptCheckpointError(
+                    f"{where} is neither a torch.save archive nor a safetensors blob: {exc}",
+                    path=self.path,
+                ) from None
+            found = {en.name: en for en in entries}
+        self._blobs[key] = found
+        return found
+
+    def _raw_start(self, e: Entry, index: int) -> int:
+        """Where chunk ``index`` of ``e`` starts in its file, in a safetensors blob: the blob
+        must hold ``e`` under its name, of its dtype and of the chunk's shape."""
+        item = e.chunks[index].item
+        blob = self._blob(item)
+        assert blob is not None and e.dtype is not None
+        found = blob.get(e.fqn)
+        want = boxes.extents(e.chunks[index].box)
+        if found is None or found.dtype != e.dtype.name or tuple(found.shape) != tuple(want):
+            got = "nothing" if found is None else f"a {found.dtype} tensor {list(found.shape)}"
+            raise CorruptCheckpointError(
+                f"{self.path}/{item.file} at {item.offset}: the safetensors blob holds {got} "
+                f"for {e.fqn!r}; {METADATA} says a {e.dtype.name} chunk of shape {list(want)}",
+                path=self.path,
+            )
+        if found.end - found.start != item.length:
+            raise CorruptCheckpointError(
+                f"{self.path}/{item.file}: {e.fqn!r} is {found.end - found.start} bytes in its "
+                f"safetensors blob, {item.length} in {METADATA}",
+                path=self.path,
+            )
+        return item.offset + found.start
 
     def data_start(self, e: Entry) -> int:
         """Where the bytes of ``e``'s only chunk start in its file."""
@@ -332,6 +398,11 @@ class DcpCheckpoint:
                 tally.add(e.item.length - self._crc_all(archive, tally))
                 continue
             for index, c in enumerate(e.chunks):
+                if self._blob(c.item) is not None:  # no checksums: checked and read
+                    start = self._raw_start(e, index)
+                    tally.add(c.item.length)
+                    zlib.crc32(self.buffer(c.item.file)[start : start + c.item.length].data)  # read
+                    continue
                 archive, _, _ = self._record(e, index)
                 tally.add(c.item.length - self._crc_all(archive, tally))
 

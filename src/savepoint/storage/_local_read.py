@@ -208,6 +208,11 @@ class LocalBlobReader:
             raise ValueError(f"{self.name} is closed")
         return self._fd
 
+    def fileno(self) -> int:
+        """The open descriptor (owned by this reader: valid until :meth:`close`), for copies the
+        kernel makes (``copy_file_range``) without the bytes passing through the process."""
+        return self._descriptor()
+
     def read(self, offset: int, out: Any) -> None:
         view = memoryview(out).cast("B")
         fd = self._descriptor()
