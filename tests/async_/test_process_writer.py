@@ -29,7 +29,7 @@ import pytest
 import _torture
 import savepoint as sp
 from _compare import same
-from savepoint.async_ import _wire, process
+from savepoint.async_ import _priority, _wire, process
 from savepoint.blobs import BlobPolicy, FastMemo
 
 pytestmark = pytest.mark.skipif(
@@ -401,18 +401,44 @@ def test_a_save_the_caller_stops_is_cancelled_in_the_writer_process(
 def test_the_writer_process_runs_below_the_trainers_priority(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The writer process is niced (SAVEPOINT_WRITER_NICE, default 10): the training loop wins
-    the cores they share; 0 keeps the trainer's priority."""
+    """writer_priority="low" (the default) nices the writer process (SAVEPOINT_WRITER_NICE,
+    default 10) and gives it the lowest best-effort I/O level; "idle" makes it SCHED_IDLE in the
+    idle I/O class; "normal" keeps the trainer's. SAVEPOINT_WRITER_PRIORITY chooses where the
+    argument is not given."""
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    for setting, expected in ((None, min(ours + 10, 19)), ("0", ours)):
-        if setting is None:
-            monkeypatch.delenv("SAVEPOINT_WRITER_NICE", raising=False)
+    monkeypatch.delenv("SAVEPOINT_WRITER_NICE", raising=False)
+    monkeypatch.delenv("SAVEPOINT_WRITER_PRIORITY", raising=False)
+    cases: list[tuple[str | None, str | None, int, int, tuple[int, int] | None]] = [
+        # (argument, environment, nice, scheduling policy, I/O (class, level) or None: unchanged)
+        (None, None, min(ours + 10, 19), os.SCHED_OTHER, (2, 7)),
+        ("normal", None, ours, os.SCHED_OTHER, None),
+        ("idle", None, 19, os.SCHED_IDLE, (3, 0)),
+        (None, "normal", ours, os.SCHED_OTHER, None),
+        ("low", "idle", min(ours + 10, 19), os.SCHED_OTHER, (2, 7)),
+    ]
+    mine = _priority.current_ioprio()
+    for argument, environment, nice, policy, io in cases:
+        if environment is None:
+            monkeypatch.delenv("SAVEPOINT_WRITER_PRIORITY", raising=False)
         else:
-            monkeypatch.setenv("SAVEPOINT_WRITER_NICE", setting)
-        with sp.AsyncCheckpointer(writer="process") as c:
-            c.save(tmp_path / f"p{setting}", state(1)).wait()
+            monkeypatch.setenv("SAVEPOINT_WRITER_PRIORITY", environment)
+        with sp.AsyncCheckpointer(writer="process", writer_priority=argument) as c:  # type: ignore[arg-type]
+            c.save(tmp_path / f"p{argument}{environment}", state(1)).wait()
             pid = c._process.pid
-            assert os.getpriority(os.PRIO_PROCESS, pid) == expected
+            assert os.getpriority(os.PRIO_PROCESS, pid) == nice, (argument, environment)
+            assert os.sched_getscheduler(pid) == policy, (argument, environment)
+            if mine is not None:
+                assert _priority.current_ioprio(pid) == (io or mine), (argument, environment)
+    monkeypatch.delenv("SAVEPOINT_WRITER_PRIORITY")
+    monkeypatch.setenv("SAVEPOINT_WRITER_NICE", "0")
+    with sp.AsyncCheckpointer(writer="process") as c:
+        c.save(tmp_path / "nice0", state(1)).wait()
+        assert os.getpriority(os.PRIO_PROCESS, c._process.pid) == ours
+    with pytest.raises(ValueError, match="writer_priority"):
+        sp.AsyncCheckpointer(writer="process", writer_priority="lowest")  # type: ignore[arg-type]
+    monkeypatch.setenv("SAVEPOINT_WRITER_PRIORITY", "bogus")
+    with pytest.raises(ValueError, match="writer_priority"):
+        sp.AsyncCheckpointer(writer="process")
 
 
 # -- every wait on the writer process is bounded (issue 28, "nothing hangs") -------------------

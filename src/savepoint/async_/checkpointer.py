@@ -61,7 +61,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from savepoint import info
-from savepoint.async_ import _boostr, _place
+from savepoint.async_ import _boostr, _place, _priority
+from savepoint.async_._priority import Priority as WriterPriority
 from savepoint.async_._wire import reported as _reported
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.process import ProcessWriter
@@ -78,7 +79,7 @@ from savepoint.storage.paths import resolve as resolve_path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncCheckpointer", "OnBusy", "Writer"]
+__all__ = ["AsyncCheckpointer", "OnBusy", "Writer", "WriterPriority"]
 
 OnBusy = Literal["wait", "skip"]
 Writer = Literal["thread", "process"]
@@ -112,7 +113,15 @@ class AsyncCheckpointer:
     (:mod:`savepoint.async_._boostr`); ``progress`` is called as the writer reports. With ``process_group`` too, the
     save's collectives (plan, records, commit) stay in this process's background thread, and
     the writer process writes this rank's pieces from the shared arena: the commit needs every
-    rank's records through the group, so a sharded save does not outlive its trainer."""
+    rank's records through the group, so a sharded save does not outlive its trainer.
+
+    ``writer_priority`` (``writer="process"`` only; checked, then ignored by the thread writer):
+    the writer process's CPU and I/O priority, ``"low"`` (the default: niced 10, the lowest
+    best-effort I/O level), ``"idle"`` (``SCHED_IDLE`` and the idle I/O class: it runs only on
+    cores nothing else wants) or ``"normal"`` (the trainer's); None takes
+    ``SAVEPOINT_WRITER_PRIORITY`` from the environment, else the default. A lower priority costs
+    a save time to durable only while the trainer keeps every core busy
+    (:mod:`savepoint.async_._priority`, ``docs/performance.md``)."""
 
     def __init__(
         self,
@@ -126,6 +135,7 @@ class AsyncCheckpointer:
         timeout: float | None = _UNSET,
         options: SaveOptions | None = None,
         writer: Writer = "thread",
+        writer_priority: WriterPriority | None = None,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
@@ -157,7 +167,8 @@ class AsyncCheckpointer:
         self.writers = self.options.writers  # files written at once (sharded: per rank)
         self.progress = self.options.progress
         self.writer = _writer(writer)
-        self._process = ProcessWriter() if writer == "process" else None
+        self.writer_priority = _priority.resolve(writer_priority)
+        self._process = ProcessWriter(self.writer_priority) if writer == "process" else None
         self._arena = self._process.arena if self._process else StagingArena()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
         self._pending: PendingSave | None = None
