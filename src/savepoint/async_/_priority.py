@@ -57,7 +57,7 @@ def check(priority: object) -> Priority:
         raise ValueError(
             f"writer_priority must be one of {', '.join(PRIORITIES)}, not {priority!r}"
         )
-    return priority  # type: ignore[return-value]
+    return priority
 
 
 def resolve(priority: Priority | None) -> Priority:

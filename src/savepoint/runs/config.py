@@ -62,7 +62,9 @@ class ManagerConfig:
     tiers: tuple[Tier, ...] = ()
     peers: PeerTier | None = None  # the peer-memory tier (runs.peers), if asked for
     async_save: bool = False
-    writer: Writer = "thread"  # who writes async saves: "thread" or "process" (AsyncCheckpointer)
+    # Who writes async saves: "thread", "process", or None (the writer process, the thread
+    # writer where it cannot write: AsyncCheckpointer's default).
+    writer: Writer | None = None
     verify_before_prune: bool = True
     aliases: bool = True
     read_only: bool | None = None
@@ -84,7 +86,7 @@ class ManagerConfig:
         keep_every: int | None = None,
         save_every: int | None = None,
         async_save: bool = False,
-        writer: Writer = "thread",
+        writer: Writer | None = None,
         retention: RetentionPolicy | None = None,
         save_policy: SavePolicy | None = None,
         name: str | None = None,
@@ -156,7 +158,10 @@ class ManagerConfig:
 
 
 def _writer(writer: Any, async_save: bool) -> None:
-    """``writer=``: "thread" or "process", the latter for async saves (sharded ones too)."""
+    """``writer=``: "thread" or "process", the latter for async saves (sharded ones too); None
+    (the default) is the process writer where it can write (async saves only)."""
+    if writer is None:
+        return
     if writer not in ("thread", "process"):
         raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
     if writer == "process" and not async_save:

@@ -97,9 +97,10 @@ class CheckpointManager:
     makes ``save`` skip steps (``sp.policies.Continuous``: the next save once the previous one
     is durable, see :meth:`should_save`). ``async_save=True`` writes each checkpoint in the
     background (``save`` returns once the state is staged); ``writer`` chooses who writes it:
-    ``"thread"`` (the default) or ``"process"`` (a long-lived writer process, see
-    :class:`~savepoint.async_.checkpointer.AsyncCheckpointer`; unsharded saves only, local
-    directories). ``name``, ``variant``, ``config`` and ``num_params`` describe the
+    ``"thread"`` or ``"process"`` (a long-lived writer process, see
+    :class:`~savepoint.async_.checkpointer.AsyncCheckpointer`: local directories and stores
+    named by a URL); the default, None, is the writer process, with the thread writer where it
+    cannot write (a ``memory://`` run, a store made by hand). ``name``, ``variant``, ``config`` and ``num_params`` describe the
     run in ``run.json``; opening an existing run with a different name, variant or ``num_params``
     is a RunMismatchError. A different ``config`` is a change of the run's config: it warns
     (UserWarning naming the keys), becomes the config of ``run.json`` and ``report.json``, and
@@ -149,7 +150,7 @@ class CheckpointManager:
         keep_every: int | None = None,
         save_every: int | None = None,
         async_save: bool = False,
-        writer: Literal["thread", "process"] = "thread",
+        writer: Literal["thread", "process"] | None = None,
         retention: RetentionPolicy | None = None,
         save_policy: SavePolicy | None = None,
         name: str | None = None,

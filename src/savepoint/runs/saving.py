@@ -143,7 +143,7 @@ class Saver:
         async_save: bool,
         blobs: BlobSaving | None,
         host: Host,
-        writer: Writer = "thread",
+        writer: Writer | None = None,
     ) -> None:
         self.books, self.catalog, self.settle = books, books.catalog, settle
         self.options, self.leader = options, leader
@@ -278,7 +278,8 @@ class Saver:
         assert self.checkpointer is not None
         # The background thread runs the blob store's save session, then (committed: retention
         # and the blob collection) after the session is closed.
-        shared = self.checkpointer.writer == "thread"  # (a writer process has its own memo)
+        # (A writer process keeps its own memo; the thread writer shares the run's.)
+        shared = not self.checkpointer.writes_in_process(job.target)
         incremental = self.blobs.async_options(shared) if self.blobs is not None else {}
         job.keep = self.host.keep()  # (the manager stays alive until the save is done)
         flight, backup = job.flight, job.backup
