@@ -245,6 +245,42 @@ def test_refused_combinations(tmp_path: Path, ckpt: Any) -> None:
     ckpt.save(tmp_path / "p", state(1)).wait()  # still usable
 
 
+def test_the_default_writer_is_the_process_with_the_thread_for_what_it_refuses(
+    tmp_path: Path,
+) -> None:
+    """writer=None (the default): the writer process writes what it can reach; a save it
+    refuses with writer="process" (memory://, a store made by hand, memo=/tracker=) is
+    written by the thread writer instead, silently, and loads back; the writer process stays
+    in use for the next save it can write."""
+    from savepoint.storage.faults import FaultyStore
+    from savepoint.storage.local import LocalStore
+    from savepoint.storage.paths import Location
+
+    with sp.AsyncCheckpointer() as ck:
+        assert ck.writer == "process" and ck.fallback
+        assert ck.writes_in_process(tmp_path / "a") and not ck.writes_in_process("memory://d/a")
+        ck.save(tmp_path / "a", state(1)).wait()
+        pid = ck._process.pid
+        assert pid is not None
+        saves = [
+            ("memory://d/m", {}),
+            (Location(FaultyStore(LocalStore()), str(tmp_path / "faulty")), {}),
+            (tmp_path / "inc", {"blobs": tmp_path / "blobs", "memo": FastMemo()}),
+            ("memory://d/inc", {"blobs": "memory://d/blobs"}),
+        ]
+        for i, (where, extra) in enumerate(saves):
+            info = ck.save(where, state(i + 2), **extra).wait()  # type: ignore[arg-type]
+            same(sp.load(info.path), state(i + 2))
+        ck.save(tmp_path / "b", state(9)).wait()
+        assert ck._process.pid == pid  # the same writer process wrote the local saves
+        same(sp.load(tmp_path / "b"), state(9))
+    with sp.CheckpointManager("memory://d/run", async_save=True) as mgr:  # falls back too
+        saved = mgr.save(1, state(3)).wait()
+        same(sp.load(saved.path), state(3))
+    with sp.AsyncCheckpointer(writer="thread") as ck:
+        assert ck._process is None and not ck.writes_in_process(tmp_path / "c")
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_share_the_writer_process(tmp_path: Path, ckpt: Any) -> None:
     ckpt.save(tmp_path / "a", state(1)).wait()
@@ -439,6 +475,13 @@ def test_the_writer_process_runs_below_the_trainers_priority(
     monkeypatch.setenv("SAVEPOINT_WRITER_PRIORITY", "bogus")
     with pytest.raises(ValueError, match="writer_priority"):
         sp.AsyncCheckpointer(writer="process")
+    monkeypatch.delenv("SAVEPOINT_WRITER_PRIORITY")
+    with sp.CheckpointManager(tmp_path / "run", async_save=True, writer_priority="idle") as mgr:
+        mgr.save(1, state(1)).wait()
+        writer = mgr._saver.checkpointer._process  # type: ignore[union-attr]
+        assert os.sched_getscheduler(writer.pid) == os.SCHED_IDLE
+    with pytest.raises(ValueError, match="writer_priority"):
+        sp.CheckpointManager(tmp_path / "run2", async_save=True, writer_priority="high")  # type: ignore[arg-type]
 
 
 # -- every wait on the writer process is bounded (issue 28, "nothing hangs") -------------------

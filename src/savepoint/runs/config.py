@@ -21,7 +21,8 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from savepoint.async_.checkpointer import Writer
+from savepoint.async_ import _priority
+from savepoint.async_.checkpointer import Writer, WriterPriority
 from savepoint.errors import IncompatibleCheckpointError
 from savepoint.options import SaveOptions
 from savepoint.runs import policies
@@ -65,6 +66,7 @@ class ManagerConfig:
     # Who writes async saves: "thread", "process", or None (the writer process, the thread
     # writer where it cannot write: AsyncCheckpointer's default).
     writer: Writer | None = None
+    writer_priority: WriterPriority | None = None  # the writer process's (AsyncCheckpointer)
     verify_before_prune: bool = True
     aliases: bool = True
     read_only: bool | None = None
@@ -87,6 +89,7 @@ class ManagerConfig:
         save_every: int | None = None,
         async_save: bool = False,
         writer: Writer | None = None,
+        writer_priority: WriterPriority | None = None,
         retention: RetentionPolicy | None = None,
         save_policy: SavePolicy | None = None,
         name: str | None = None,
@@ -122,6 +125,8 @@ class ManagerConfig:
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
         _writer(writer, async_save)
+        if writer_priority is not None:
+            _priority.check(writer_priority)
         frozen = _frozen(frozen, incremental, checked)
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
@@ -146,6 +151,7 @@ class ManagerConfig:
             peers=peers,
             async_save=async_save,
             writer=writer,
+            writer_priority=writer_priority,
             verify_before_prune=verify_before_prune,
             aliases=aliases,
             read_only=read_only,

@@ -100,7 +100,8 @@ class CheckpointManager:
     ``"thread"`` or ``"process"`` (a long-lived writer process, see
     :class:`~savepoint.async_.checkpointer.AsyncCheckpointer`: local directories and stores
     named by a URL); the default, None, is the writer process, with the thread writer where it
-    cannot write (a ``memory://`` run, a store made by hand). ``name``, ``variant``, ``config`` and ``num_params`` describe the
+    cannot write (a ``memory://`` run, a store made by hand); ``writer_priority``: the writer
+    process's CPU and I/O priority, as ``AsyncCheckpointer``'s. ``name``, ``variant``, ``config`` and ``num_params`` describe the
     run in ``run.json``; opening an existing run with a different name, variant or ``num_params``
     is a RunMismatchError. A different ``config`` is a change of the run's config: it warns
     (UserWarning naming the keys), becomes the config of ``run.json`` and ``report.json``, and
@@ -151,6 +152,7 @@ class CheckpointManager:
         save_every: int | None = None,
         async_save: bool = False,
         writer: Literal["thread", "process"] | None = None,
+        writer_priority: Literal["normal", "low", "idle"] | None = None,
         retention: RetentionPolicy | None = None,
         save_policy: SavePolicy | None = None,
         name: str | None = None,
@@ -226,6 +228,7 @@ class CheckpointManager:
             leader=opener.leader,
             async_save=config.async_save,
             writer=config.writer,
+            writer_priority=config.writer_priority,
             blobs=self._blob_handles,
             host=_SaverHost(self),
         )

@@ -78,7 +78,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from savepoint import checkpoint
-from savepoint.async_.checkpointer import AsyncCheckpointer, Writer
+from savepoint.async_.checkpointer import AsyncCheckpointer, Writer, WriterPriority
 from savepoint.async_.pending import PendingSave
 from savepoint.commit.transaction import discard
 from savepoint.errors import CheckpointError, CheckpointWriteError, RunLockedError
@@ -144,6 +144,7 @@ class Saver:
         blobs: BlobSaving | None,
         host: Host,
         writer: Writer | None = None,
+        writer_priority: WriterPriority | None = None,
     ) -> None:
         self.books, self.catalog, self.settle = books, books.catalog, settle
         self.options, self.leader = options, leader
@@ -163,7 +164,9 @@ class Saver:
         self.abandon = _Abandon(options.progress)
         self.checkpointer = (
             AsyncCheckpointer(
-                **{**options.changed(), "progress": self.abandon.progress}, writer=writer
+                **{**options.changed(), "progress": self.abandon.progress},
+                writer=writer,
+                writer_priority=writer_priority,
             )
             if async_save
             else None
