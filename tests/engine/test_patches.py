@@ -194,7 +194,12 @@ def test_background_saves_patch_from_the_staged_copy(tmp_path: Path) -> None:
     run = tmp_path / "run"
     history: dict[int, bytes] = {}
     with sp.CheckpointManager(
-        run, incremental=True, async_save=True, keep_last=3, blob_policy=POLICY
+        run,
+        incremental=True,
+        async_save=True,
+        writer="thread",
+        keep_last=3,
+        blob_policy=POLICY,
     ) as mgr:
         for step in range(1, 7):
             touch(table, step)

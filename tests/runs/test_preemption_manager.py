@@ -165,6 +165,7 @@ def test_a_save_in_flight_that_cannot_finish_is_abandoned_cleanly(
     with sp.CheckpointManager(
         run,
         async_save=True,
+        writer="thread",
         preemption=True,
         preemption_grace=1.5,
         max_file_bytes=64 * 1024,
