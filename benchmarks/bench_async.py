@@ -4,6 +4,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_async.py [--gib 1 4] [--repeats 3] [--dir /tmp/sp-bench]
     .venv/bin/python benchmarks/bench_async.py --writer both --mib 256 [--repeats 7]
+        [--priority low idle normal] [--threads N] [--no-floor] [--no-dcp] [--sharded]
 
 For each state size (about 300 float32 tensors: a few 64 MiB, many 4 KiB-1 MiB), after one
 warm-up round, interleaved rounds measure:
@@ -26,7 +27,15 @@ throughput with no save (right before), then while a background save writes; med
 throughputs, of their ratio, of the time ``save()`` blocks (against a memcpy of the state) and of
 the time until durable. DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, on
 a one-rank gloo group on 127.0.0.1) runs in the same rounds unless ``--no-dcp``; the order of the
-writers alternates between rounds.
+writers alternates between rounds. So does the floor (unless ``--no-floor``): a bare O_DIRECT
+writer process with no savepoint in it (``_bare_writer.py``, normal priority: 64 MiB writes
+from one aligned buffer, then fsync) writing as many bytes; each writer's ratio is printed
+against its ratio too. After each measurement the same save runs again with the loop idle (the
+trainer waiting on a GPU, say): its time to durable, against the bare writer's (the issue's
+target: at most 1.1x). ``--priority`` runs the process writer once per ``writer_priority``
+listed; ``--threads`` sets the loop's torch threads (1 leaves a core of a 2-core machine to the
+writer: is the loop's loss the cores it shares?); the writer process's and the bare writer's
+CPU seconds per GiB (``/proc/<pid>/stat``) are printed beside.
 
 ``--sharded`` (with ``--writer``) measures the same for sharded saves: 2 ranks on a gloo group
 on 127.0.0.1 (this script started twice), each holding half of every tensor (``FlatShard``,

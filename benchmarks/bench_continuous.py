@@ -5,7 +5,8 @@ policy skips the steps while a save is in flight).
 Usage::
 
     .venv/bin/python benchmarks/bench_continuous.py [--mib 64] [--seconds 20] [--rounds 3]
-        [--writer thread|process] [--min-interval 0] [--dir /tmp/sp-continuous]
+        [--writer thread|process] [--priority low|idle|normal] [--min-interval 0] [--no-floor]
+        [--dir /tmp/sp-continuous]
 
 Each round runs the loop for ``--seconds`` with no checkpointing, then for ``--seconds`` with
 continuous checkpointing of a ``--mib`` state (float32 tensors, changed a little every step), and
@@ -14,7 +15,14 @@ medians over the rounds:
 
 - achieved interval / time to durable: the interval between save starts against the time one
   save takes to become durable (target: at most 1.2);
-- throughput with continuous saves / without (target: at least 0.95).
+- throughput with continuous saves / without (target: at least 0.95);
+- the floor of that cost (unless ``--no-floor``): the loop beside a bare O_DIRECT writer
+  process (``_bare_writer.py``, no savepoint, normal priority) writing the state's bytes back
+  to back, against the loop alone; and a memcpy of the state per achieved interval, the least
+  any snapshot blocks the loop.
+
+``--priority`` sets the writer process's ``writer_priority`` (through
+``SAVEPOINT_WRITER_PRIORITY``, which the manager's checkpointer reads).
 
 A step is a fixed amount of work: matmuls until the training thread has used 50 ms of CPU time
 (one torch thread), so a background save shows as a longer wall time per step.
