@@ -5,7 +5,7 @@ policy skips the steps while a save is in flight).
 Usage::
 
     .venv/bin/python benchmarks/bench_continuous.py [--mib 64] [--seconds 20] [--rounds 3]
-        [--writer thread|process] [--priority low|idle|normal] [--min-interval 0] [--no-floor]
+        [--writer thread|process|default] [--priority low|idle|normal] [--min-interval 0] [--no-floor]
         [--dir /tmp/sp-continuous]
 
 Each round runs the loop for ``--seconds`` with no checkpointing, then for ``--seconds`` with
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=64.0)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--writer", choices=["thread", "process"], default="thread")
+    ap.add_argument("--writer", choices=["thread", "process", "default"], default="default")
     ap.add_argument("--min-interval", type=float, default=0.0)
     ap.add_argument("--dir", default="/tmp/sp-continuous")
     ap.add_argument(
@@ -152,7 +152,11 @@ def main() -> None:
         alone = loop(args.seconds, state, None)
         policy = sp.policies.Continuous(min_interval=args.min_interval)
         with sp.CheckpointManager(
-            args.dir, keep_last=2, async_save=True, writer=args.writer, save_policy=policy
+            args.dir,
+            keep_last=2,
+            async_save=True,
+            writer=None if args.writer == "default" else args.writer,  # type: ignore[arg-type]
+            save_policy=policy,
         ) as mgr:
             during = loop(args.seconds, state, mgr)
         with open(os.path.join(args.dir, "report.json")) as f:

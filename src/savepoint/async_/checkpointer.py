@@ -79,8 +79,9 @@ from savepoint.storage.paths import resolve as resolve_path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncCheckpointer", "OnBusy", "Writer", "WriterPriority"]
+__all__ = ["AsyncCheckpointer", "OnBusy", "Writer", "WriterPriority", "check_writer_priority"]
 
+check_writer_priority = _priority.check  # ``writer_priority=`` checked (CheckpointManager's too)
 OnBusy = Literal["wait", "skip"]
 Writer = Literal["thread", "process"]
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()

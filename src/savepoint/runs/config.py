@@ -21,8 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from savepoint.async_ import _priority
-from savepoint.async_.checkpointer import Writer, WriterPriority
+from savepoint.async_.checkpointer import Writer, WriterPriority, check_writer_priority
 from savepoint.errors import IncompatibleCheckpointError
 from savepoint.options import SaveOptions
 from savepoint.runs import policies
@@ -126,7 +125,7 @@ class ManagerConfig:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
         _writer(writer, async_save)
         if writer_priority is not None:
-            _priority.check(writer_priority)
+            check_writer_priority(writer_priority)
         frozen = _frozen(frozen, incremental, checked)
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
