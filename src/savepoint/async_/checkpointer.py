@@ -42,6 +42,32 @@ checkpointer made with ``process_group=``: that is savepoint's native async per-
 ``writer="process"`` each rank copies its part into the shared staging arena in ``save()``; in
 the background its thread runs the collectives and its writer process writes its pieces,
 :meth:`savepoint.async_.process.ProcessWriter.stage_sharded`.)
+
+``writer="process"`` hashes, writes and commits in a separate writer process
+(:mod:`savepoint.async_.process`) instead of a thread of this one (``writer="thread"``):
+the training loop keeps the GIL and its cores; a save handed over commits even if this
+process is then killed (not a sharded one: see below). Plain, incremental and CUDA saves,
+to local paths and to stores named by a URL (``s3://``, ``gs://``, ``az://``, fsspec's),
+which the writer process makes again from the URL and the environment it inherits
+(:mod:`savepoint.async_._place`); ``memory://``, stores made by hand and ``memo=``/
+``tracker=`` objects are refused in ``save()`` with an UnsupportedStorageError (a
+ValueError; a ValueError for ``memo=``/``tracker=``); ``save_boostr`` and
+``save_distributed`` too (:mod:`savepoint.async_._boostr`); ``progress`` is called as the
+writer reports. The default, ``writer=None``, is the writer process, with the thread
+writer for each save the writer process refuses (silently: ``writer`` reads
+``"process"``, ``fallback`` True; the choice is measured in ``docs/performance.md``). With
+``process_group`` too, the save's collectives (plan, records, commit) stay in this process's
+background thread, and the writer process writes this rank's pieces from the shared arena: the
+commit needs every rank's records through the group, so a sharded save does not outlive its
+trainer.
+
+``writer_priority`` (the writer process only; checked, then ignored by the thread writer): the
+writer process's CPU and I/O priority, ``"low"`` (the default: niced 10, the lowest best-effort
+I/O level), ``"idle"`` (``SCHED_IDLE`` and the idle I/O class: it runs only on cores nothing
+else wants) or ``"normal"`` (the trainer's); None takes ``SAVEPOINT_WRITER_PRIORITY`` from the
+environment, else the default. A lower priority costs a save time to durable only while
+something else keeps every core busy (:mod:`savepoint.async_._priority`,
+``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -103,31 +129,10 @@ class AsyncCheckpointer:
     them all at once; keyword arguments given as well override it. Every option is checked
     here, so a bad one fails at construction, not at the first save.
 
-    ``writer="process"`` hashes, writes and commits in a separate writer process
-    (:mod:`savepoint.async_.process`) instead of a thread of this one (``writer="thread"``):
-    the training loop keeps the GIL and its cores; a save handed over commits even if this
-    process is then killed (not a sharded one: see below). Plain, incremental and CUDA saves,
-    to local paths and to stores named by a URL (``s3://``, ``gs://``, ``az://``, fsspec's),
-    which the writer process makes again from the URL and the environment it inherits
-    (:mod:`savepoint.async_._place`); ``memory://``, stores made by hand and ``memo=``/
-    ``tracker=`` objects are refused in ``save()`` with an UnsupportedStorageError (a
-    ValueError; a ValueError for ``memo=``/``tracker=``); ``save_boostr`` and
-    ``save_distributed`` too (:mod:`savepoint.async_._boostr`); ``progress`` is called as the
-    writer reports. The default, ``writer=None``, is the writer process, with the thread
-    writer for each save the writer process refuses (silently: ``writer`` reads
-    ``"process"``, ``fallback`` True; the choice is measured in ``docs/performance.md``). With
-    ``process_group`` too, the
-    save's collectives (plan, records, commit) stay in this process's background thread, and
-    the writer process writes this rank's pieces from the shared arena: the commit needs every
-    rank's records through the group, so a sharded save does not outlive its trainer.
-
-    ``writer_priority`` (``writer="process"`` only; checked, then ignored by the thread writer):
-    the writer process's CPU and I/O priority, ``"low"`` (the default: niced 10, the lowest
-    best-effort I/O level), ``"idle"`` (``SCHED_IDLE`` and the idle I/O class: it runs only on
-    cores nothing else wants) or ``"normal"`` (the trainer's); None takes
-    ``SAVEPOINT_WRITER_PRIORITY`` from the environment, else the default. A lower priority costs
-    a save time to durable only while the trainer keeps every core busy
-    (:mod:`savepoint.async_._priority`, ``docs/performance.md``)."""
+    ``writer``: who hashes, writes and commits, ``"process"`` (a separate writer process),
+    ``"thread"`` (a thread of this one) or None, the default (the writer process, and the thread
+    writer for each save it refuses: ``fallback`` is True); ``writer_priority``: the writer
+    process's CPU and I/O priority. Both are described in the module docstring."""
 
     def __init__(
         self,
@@ -173,10 +178,7 @@ class AsyncCheckpointer:
         self.writers = self.options.writers  # files written at once (sharded: per rank)
         self.progress = self.options.progress
         self.writer = _writer(writer)
-        # The default (writer=None): the writer process, and the thread writer for a save it
-        # cannot write (memory://, a store made by hand, memo=/tracker= objects of this
-        # process); writer="process" given explicitly refuses those saves instead.
-        self.fallback = writer is None
+        self.fallback = writer is None  # (the default: the thread writer where it must)
         self.writer_priority = _priority.resolve(writer_priority)
         self._process = ProcessWriter(self.writer_priority) if self.writer == "process" else None
         self._arena = self._process.arena if self._process else StagingArena()
@@ -222,7 +224,7 @@ class AsyncCheckpointer:
 
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
         location = resolve_path(path, what="checkpoint path")
-        process = self._process is not None and self._reaches(location, memo, tracker)
+        process = self._process is not None and _reaches(self, location, memo, tracker)
         incremental = None
         if blobs is not None:
             incremental, process = _incremental(
@@ -238,25 +240,10 @@ class AsyncCheckpointer:
             )
 
     def writes_in_process(self, path: PathArg) -> bool:
-        """Whether a save to ``path`` (with no ``memo=``/``tracker=``) is written by the writer
-        process: with ``writer="process"`` always (or refused), with the default where the
-        writer process can reach it, never with ``writer="thread"``."""
+        """Whether a save to ``path`` (no ``memo=``/``tracker=``) goes to the writer process
+        (with ``writer="process"``: always, or refused)."""
         location = resolve_path(path, what="checkpoint path")
-        return self._process is not None and self._reaches(location, None, None)
-
-    def _reaches(self, location: Location, memo: Any, tracker: Any) -> bool:
-        """Whether the writer process writes this save: always with ``writer="process"`` (a
-        save it cannot write is refused later, naming why); with the default, only where it
-        can (otherwise the thread writer does, silently)."""
-        if not self.fallback:
-            return True
-        if memo is not None or tracker is not None:
-            return False
-        try:
-            _place.url_of(location, "checkpoint path")
-        except UnsupportedStorageError:
-            return False
-        return True
+        return self._process is not None and _reaches(self, location, None, None)
 
     def save_boostr(
         self,
@@ -583,6 +570,21 @@ def _incremental(
                 ckpt._tracker = PatchTracker()
             tracker = ckpt._tracker
     return _Incremental(store, policy, memo, tracker, matcher, prefixes), False
+
+
+def _reaches(ckpt: AsyncCheckpointer, location: Location, memo: Any, tracker: Any) -> bool:
+    """Whether the writer process writes this save: always with ``writer="process"`` (a save
+    it cannot write is refused later, naming why); with the default, only where it can
+    (otherwise the thread writer does, silently)."""
+    if not ckpt.fallback:
+        return True
+    if memo is not None or tracker is not None:
+        return False
+    try:
+        _place.url_of(location, "checkpoint path")
+    except UnsupportedStorageError:
+        return False
+    return True
 
 
 def _writer(writer: str | None) -> Writer:

@@ -123,17 +123,14 @@ class ManagerConfig:
         _read_only(read_only)
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
-        _writer(writer, async_save)
-        if writer_priority is not None:
-            check_writer_priority(writer_priority)
+        _writer(writer, async_save, writer_priority)
         frozen = _frozen(frozen, incremental, checked)
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
+        rules += [] if retention is None else [retention]
         if save_every is not None:
             every = _policy("save_every", policies.SaveEvery, save_every)
             save_policy = every if save_policy is None else save_policy
-        if retention is not None:
-            rules.append(retention)
         signals = None if preemption is None or preemption is False else signals_of(preemption)
         tier_list, peers = _tiers(tiers)
         return cls(
@@ -162,9 +159,12 @@ class ManagerConfig:
         )
 
 
-def _writer(writer: Any, async_save: bool) -> None:
+def _writer(writer: Any, async_save: bool, priority: Any = None) -> None:
     """``writer=``: "thread" or "process", the latter for async saves (sharded ones too); None
-    (the default) is the process writer where it can write (async saves only)."""
+    (the default) is the process writer where it can write (async saves only). And
+    ``writer_priority=``."""
+    if priority is not None:
+        check_writer_priority(priority)
     if writer is None:
         return
     if writer not in ("thread", "process"):

@@ -163,13 +163,7 @@ class Saver:
         # its next write.
         self.abandon = _Abandon(options.progress)
         self.checkpointer = (
-            AsyncCheckpointer(
-                **{**options.changed(), "progress": self.abandon.progress},
-                writer=writer,
-                writer_priority=writer_priority,
-            )
-            if async_save
-            else None
+            _checkpointer(options, self.abandon, writer, writer_priority) if async_save else None
         )
 
     @property
@@ -528,6 +522,17 @@ class Saver:
         it with the next save or ``close()``)."""
         with self.lock:
             self.books.log(step, loss, metrics)
+
+
+def _checkpointer(
+    options: SaveOptions, abandon: _Abandon, writer: Writer | None, priority: WriterPriority | None
+) -> AsyncCheckpointer:
+    """The AsyncCheckpointer of a manager's async saves (``abandon`` stops its save in flight)."""
+    return AsyncCheckpointer(
+        **{**options.changed(), "progress": abandon.progress},
+        writer=writer,
+        writer_priority=priority,
+    )
 
 
 def unranked_warning(
