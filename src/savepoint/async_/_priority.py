@@ -6,7 +6,7 @@ its CPU and I/O priority (``writer_priority=``, or ``SAVEPOINT_WRITER_PRIORITY``
   I/O level: a loop that keeps every core busy still lets the writer run a share of the time;
 - ``"idle"``: ``SCHED_IDLE`` (the writer runs only on a core nothing else wants) and the idle I/O
   class (its requests are served when no other process has any queued, where the kernel's I/O
-  scheduler arbitrates at all: ``none``, the default for NVMe and virtio disks, does not).
+  scheduler arbitrates: ``mq-deadline`` and ``bfq`` do, ``none`` does not).
 
 A lower priority only matters while something else wants the same core or disk: with the
 trainer waiting on a GPU, the writer gets an idle core at once whatever its priority, and a save
