@@ -281,6 +281,21 @@ def test_the_default_writer_is_the_process_with_the_thread_for_what_it_refuses(
         assert ck._process is None and not ck.writes_in_process(tmp_path / "c")
 
 
+def test_the_default_writer_falls_back_when_the_writer_process_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOENT, "no interpreter here")
+
+    monkeypatch.setattr(process.subprocess, "Popen", refuse)
+    with sp.AsyncCheckpointer() as ck:
+        ck.save(tmp_path / "a", state(1)).wait()
+        assert ck._process.pid is None
+    same(sp.load(tmp_path / "a"), state(1))
+    with sp.AsyncCheckpointer(writer="process") as ck, pytest.raises(OSError):
+        ck.save(tmp_path / "b", state(1))
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_share_the_writer_process(tmp_path: Path, ckpt: Any) -> None:
     ckpt.save(tmp_path / "a", state(1)).wait()

@@ -400,7 +400,7 @@ class AsyncCheckpointer:
         process: bool = True,
     ) -> Callable[[], info.CheckpointInfo]:
         meta = save_engine.check_metadata(metadata)
-        writer = self._process if process else None
+        writer = self._process if process and _started(self) else None
         if self.process_group is not None and writer is not None:
             return writer.stage_sharded(location, state, meta, self.options, incremental)
         if self.process_group is not None:
@@ -583,6 +583,21 @@ def _reaches(ckpt: AsyncCheckpointer, location: Location, memo: Any, tracker: An
     try:
         _place.url_of(location, "checkpoint path")
     except UnsupportedStorageError:
+        return False
+    return True
+
+
+def _started(ckpt: AsyncCheckpointer) -> bool:
+    """Whether the writer process runs (started now if need be). With the default writer, one
+    that cannot start (no usable interpreter: an embedded or frozen Python) leaves the save to
+    the thread writer, with a warning; with ``writer="process"`` the error is the save's."""
+    assert ckpt._process is not None
+    if not ckpt.fallback:
+        return True
+    try:
+        ckpt._process.ensure()
+    except OSError as exc:
+        log.warning("cannot start the savepoint writer process (%s): a thread writes this", exc)
         return False
     return True
 
