@@ -4,6 +4,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_async.py [--gib 1 4] [--repeats 3] [--dir /tmp/sp-bench]
     .venv/bin/python benchmarks/bench_async.py --writer both --mib 256 [--repeats 7]
+        [--priority low idle normal] [--threads N] [--no-floor] [--no-dcp] [--sharded]
 
 For each state size (about 300 float32 tensors: a few 64 MiB, many 4 KiB-1 MiB), after one
 warm-up round, interleaved rounds measure:
@@ -26,7 +27,15 @@ throughput with no save (right before), then while a background save writes; med
 throughputs, of their ratio, of the time ``save()`` blocks (against a memcpy of the state) and of
 the time until durable. DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, on
 a one-rank gloo group on 127.0.0.1) runs in the same rounds unless ``--no-dcp``; the order of the
-writers alternates between rounds.
+writers alternates between rounds. So does the floor (unless ``--no-floor``): a bare O_DIRECT
+writer process with no savepoint in it (``_bare_writer.py``, normal priority: 64 MiB writes
+from one aligned buffer, then fsync) writing as many bytes; each writer's ratio is printed
+against its ratio too. After each measurement the same save runs again with the loop idle (the
+trainer waiting on a GPU, say): its time to durable, against the bare writer's (the issue's
+target: at most 1.1x). ``--priority`` runs the process writer once per ``writer_priority``
+listed; ``--threads`` sets the loop's torch threads (1 leaves a core of a 2-core machine to the
+writer: is the loop's loss the cores it shares?); the writer process's and the bare writer's
+CPU seconds per GiB (``/proc/<pid>/stat``) are printed beside.
 
 ``--sharded`` (with ``--writer``) measures the same for sharded saves: 2 ranks on a gloo group
 on 127.0.0.1 (this script started twice), each holding half of every tensor (``FlatShard``,
@@ -277,12 +286,72 @@ def _sharded_state(
     return state, halves
 
 
+class BareWriter:
+    """A bare O_DIRECT writer process (``_bare_writer.py``: no savepoint in it) at ``priority``:
+    ``start(nbytes)`` hands it a write of that many bytes and returns its ``wait``."""
+
+    def __init__(self, path: str, priority: str) -> None:
+        import subprocess
+
+        self.path = path
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bare_writer.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, priority],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, nbytes: int) -> Callable[[], None]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{self.path} {nbytes}\n")
+        self.proc.stdin.flush()
+        out = self.proc.stdout
+
+        def wait() -> None:
+            line = out.readline()
+            if not line.startswith("done"):
+                raise RuntimeError(f"the bare writer failed: {line!r}")
+
+        return wait
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+        rm(self.path)
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    """utime + stime of process ``pid`` (its threads' too); 0 for None."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_writers(
-    mib: float, writers: list[str], repeats: int, base: str, dcp: bool, group: object = None
+    mib: float,
+    writers: list[str],
+    repeats: int,
+    base: str,
+    dcp: bool,
+    group: object = None,
+    priorities: list[str] | None = None,
+    floor: bool = True,
 ) -> None:
     """Training throughput while each writer's background save writes, against no save; with
     ``dcp``, DCP's process-based async_save in the same rounds; with ``group`` (a process group
-    of 2 ranks), sharded saves of this rank's half of the state."""
+    of 2 ranks), sharded saves of this rank's half of the state. ``priorities``: the process
+    writer once per ``writer_priority`` listed (None: its default). ``floor``: a bare O_DIRECT
+    writer process (normal priority, no savepoint) writing the same bytes, in the same rounds:
+    the hardware floor of the ratio. Each saver's time to durable is also measured with the
+    loop idle (right after), against the bare writer's."""
     if group is None:
         state: dict[str, object] = dict(make_state(int(mib * MiB)))
         tensors = list(state.values())
@@ -294,13 +363,31 @@ def run_writers(
         state, tensors = _sharded_state(mib, rank, dist.get_world_size())
         who, barrier = f"rank {rank}: ", dist.barrier
     nbytes = sum(t.numel() * 4 for t in tensors)  # type: ignore[attr-defined]
-    print(f"\n=== {who}writers {writers}: {len(state)} float32 tensors, {nbytes / MiB:.0f} MiB ===")
+    print(
+        f"\n=== {who}writers {writers}: {len(state)} float32 tensors, {nbytes / MiB:.0f} MiB; "
+        f"loop: torch threads {torch.get_num_threads()} ==="
+    )
     starts: dict[str, Callable[[dict[str, object]], Callable[[], None]]] = {}
+    pids: dict[str, Callable[[], int | None]] = {}
     closers: list[Callable[[], None]] = []
     for w in writers:
-        ck = sp.AsyncCheckpointer(writer=w, process_group=group)  # type: ignore[arg-type]
-        closers.append(ck.close)
-        starts[f"sp {w}"] = lambda st, ck=ck, w=w: ck.save(os.path.join(base, f"w-{w}"), st).wait
+        for priority in (priorities or [None]) if w == "process" else [None]:
+            ck = sp.AsyncCheckpointer(
+                writer=w,  # type: ignore[arg-type]
+                process_group=group,
+                writer_priority=priority,  # type: ignore[arg-type]
+            )
+            name = f"sp {w}" + (f" ({priority})" if priority else "")
+            closers.append(ck.close)
+            path = os.path.join(base, f"w-{w}-{priority}")
+            starts[name] = lambda st, ck=ck, path=path: ck.save(path, st).wait
+            if w == "process":
+                pids[name] = lambda ck=ck: ck._process.pid  # type: ignore[union-attr]
+    if floor:
+        bare = BareWriter(os.path.join(base, f"bare-{who.strip(': ') or 0}"), "normal")
+        closers.append(bare.close)
+        starts["O_DIRECT floor"] = lambda st: bare.start(nbytes)
+        pids["O_DIRECT floor"] = lambda: bare.pid
     if dcp and group is None:
         starts["dcp process"] = _dcp_process(os.path.join(base, "w-dcp"))  # type: ignore[assignment]
     names = list(starts)
@@ -321,7 +408,8 @@ def run_writers(
     alone: list[float] = []
     copies: list[float] = []
     rows: dict[str, dict[str, list[float]]] = {
-        n: {"rate": [], "ratio": [], "blocked": [], "durable": []} for n in names
+        n: {"rate": [], "ratio": [], "blocked": [], "durable": [], "idle": [], "cpu": []}
+        for n in names
     }
     for rnd in range(max(repeats, 5)):
         copies.append(memcpy())
@@ -332,6 +420,8 @@ def run_writers(
             alone.append(base_rate)
             stop = threading.Event()
             durable: list[float] = []
+            pid = pids[name]() if name in pids else None
+            cpu0 = _cpu_seconds(pid)
             barrier()
             t0 = time.perf_counter()
             wait = starts[name](state)
@@ -340,29 +430,45 @@ def run_writers(
             threading.Thread(target=_finish, args=(wait, t0, durable, stop), daemon=True).start()
             rate = train_loop(stop)
             row = rows[name]
+            row["cpu"].append(_cpu_seconds(pid) - cpu0)
             row["rate"].append(rate)
             row["ratio"].append(rate / base_rate)
             row["blocked"].append(blocked)
             row["durable"].append(durable[0] if durable else float("nan"))
+            # The same save with the loop idle (a trainer waiting on a GPU): the time to durable
+            # a lower priority must not stretch.
+            barrier()
+            t0 = time.perf_counter()
+            starts[name](state)()
+            row["idle"].append(time.perf_counter() - t0)
     med = statistics.median
+    gib = nbytes / (1 << 30)
     print(f"  {who}loop alone                 {med(alone):8.1f} it/s   (median of {len(alone)})")
     print(f"  {who}memcpy of the state        {med(copies):8.3f} s")
+    print(
+        f"  {who}saver              loop it/s ratio  blocks s  durable s (loop idle)  "
+        "writer CPU s/GiB (process)"
+    )
     for name in names:
         r = rows[name]
+        cpu = f"{med(r['cpu']) / gib:6.3f}" if name in pids else "     -"
         print(
-            f"  {who}{name:14s} loop {med(r['rate']):8.1f} it/s  ratio {med(r['ratio']):5.2f}  "
-            f"blocks {med(r['blocked']):6.3f} s  durable after {med(r['durable']):6.3f} s   "
-            f"ratios {[round(x, 2) for x in r['ratio']]}"
+            f"  {who}{name:18s} {med(r['rate']):8.1f} {med(r['ratio']):5.2f}  "
+            f"{med(r['blocked']):6.3f}  {med(r['durable']):6.3f} ({med(r['idle']):6.3f})  {cpu}"
+            f"   ratios {[round(x, 2) for x in r['ratio']]}"
         )
+    floor_rows = rows.get("O_DIRECT floor")
     for name in names:
         if name.startswith("sp "):
+            ratio = med(rows[name]["ratio"])
+            line = f"  {who}{name}: during a write / no save {ratio:5.2f} (target >= 0.93)"
+            if floor_rows is not None:
+                line += f"; / the O_DIRECT floor's {ratio / med(floor_rows['ratio']):5.2f}"
+                idle = med(rows[name]["idle"]) / med(floor_rows["idle"])
+                line += f"; durable (loop idle) / floor's {idle:5.2f} (target <= 1.1)"
+            print(line)
             print(
-                f"  {who}{name} throughput during a write / no save   "
-                f"{med(rows[name]['ratio']):5.2f}"
-            )
-            print(
-                f"  {who}{name} blocking / memcpy                    "
-                f"{med(rows[name]['blocked']) / med(copies):5.2f}"
+                f"  {who}{name}: blocking / memcpy {med(rows[name]['blocked']) / med(copies):5.2f}"
             )
             if "dcp process" in rows:
                 print(
@@ -404,7 +510,9 @@ def rank_main(args: argparse.Namespace, writers: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for mib in args.mib:
-        run_writers(mib, writers, args.repeats, args.dir, False, dist.group.WORLD)
+        run_writers(
+            mib, writers, args.repeats, args.dir, False, dist.group.WORLD, args.priority, False
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -424,8 +532,23 @@ def main() -> None:
     ap.add_argument(
         "--sharded", action="store_true", help="with --writer: sharded saves on 2 gloo ranks"
     )
+    ap.add_argument(
+        "--priority",
+        nargs="+",
+        choices=["normal", "low", "idle"],
+        default=None,
+        help="with --writer: the process writer once per writer_priority (default: its default)",
+    )
+    ap.add_argument(
+        "--no-floor", action="store_true", help="with --writer: leave out the bare O_DIRECT writer"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads of the loop (default: torch's)"
+    )
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if "SP_BENCH_RANK" not in os.environ:
         print(
             f"torch {torch.__version__}, savepoint {sp.__version__}, {os.cpu_count()} cores, "
@@ -441,7 +564,15 @@ def main() -> None:
             shutil.rmtree(args.dir, ignore_errors=True)
             return
         for mib in args.mib:
-            run_writers(mib, writers, args.repeats, args.dir, not args.no_dcp)
+            run_writers(
+                mib,
+                writers,
+                args.repeats,
+                args.dir,
+                not args.no_dcp,
+                priorities=args.priority,
+                floor=not args.no_floor,
+            )
         shutil.rmtree(args.dir, ignore_errors=True)
         return
     for gib in args.gib:

@@ -32,7 +32,9 @@ with the writers of ``--writer`` (both by default): ``sp.AsyncCheckpointer(write
 ``sp.CheckpointManager(keep_last=2, async_save=True, writer=...)`` (unless ``--no-manager``; a
 save is done when its background step is: the new checkpoint read back and verified, the oldest
 deleted) and DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, on a one-rank
-gloo group on 127.0.0.1; unless ``--no-dcp``); ``--compare-hashing`` adds each writer with
+gloo group on 127.0.0.1; unless ``--no-dcp``), and the floor: a bare O_DIRECT writer process
+with no savepoint in it (``_bare_writer.py``, normal priority) writing as many bytes, fsynced
+(unless ``--no-floor``; each writer's ratio is also printed against its ratio); ``--compare-hashing`` adds each writer with
 ``staging.HASH_WHILE_STAGING`` off (the writer hashes every tensor: the behaviour before). For
 each round and each saver (the order alternating between rounds): the loop's steps/s alone
 (right before), then during the background save, from ``save()``'s return until done (the steps
@@ -61,7 +63,7 @@ import savepoint as sp
 from savepoint.async_ import staging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_async import _dcp_process, run_size
+from bench_async import BareWriter, _dcp_process, run_size
 from bench_save_load import make_state
 from train_loop import CpuClock, MatmulLoop, Sample, Trainer, measure, steps_alone
 
@@ -177,6 +179,32 @@ class DcpSaver(Saver):
         return self._start(self.loop.dcp_state())
 
 
+class BareSaver(Saver):
+    """The floor: a bare O_DIRECT writer process (``_bare_writer.py``, no savepoint, normal
+    priority) writing as many bytes as the state holds; done when they are fsynced."""
+
+    arena = False
+
+    def __init__(self, loop: Loop, path: str) -> None:
+        super().__init__("O_DIRECT floor", loop, path)
+        self.bare: BareWriter | None = None
+
+    def open(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        self.bare = BareWriter(os.path.join(self.path, "bytes"), "normal")
+        super().open()
+
+    def start(self) -> Callable[[], None]:
+        assert self.bare is not None
+        return self.bare.start(self.loop.nbytes)
+
+    def close(self) -> None:
+        if self.bare is not None:
+            self.bare.close()
+            self.bare = None
+        super().close()
+
+
 def _available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -269,12 +297,15 @@ def _print_rows(rows: dict[str, list[Sample]], memcpy: float, gib: float, cores:
             f"   ratios {[round(x.ratio, 2) for x in r]}"
         )
     dcp = rows.get("dcp process")
+    bare = rows.get("O_DIRECT floor")
     for name, r in rows.items():
-        if name == "dcp process":
+        if name in ("dcp process", "O_DIRECT floor"):
             continue
         ratio = med(x.ratio for x in r)
         line = f"  {name:21s} during a save / no save {ratio:5.2f} (target >= 0.93)"
         line += f", / its floor {ratio / med(x.floor for x in r):5.2f}"
+        if bare is not None:
+            line += f", / the O_DIRECT writer's {ratio / med(x.ratio for x in bare):5.2f}"
         if dcp is not None:
             ours, theirs = med(x.during for x in r), med(x.during for x in dcp)
             line += f", / DCP process's {ours / theirs:5.2f} (target > 1)"
@@ -282,7 +313,13 @@ def _print_rows(rows: dict[str, list[Sample]], memcpy: float, gib: float, cores:
 
 
 def savers_for(
-    loop: Loop, writers: list[str], base: str, dcp: bool, manager: bool, old: bool
+    loop: Loop,
+    writers: list[str],
+    base: str,
+    dcp: bool,
+    manager: bool,
+    old: bool,
+    floor: bool = True,
 ) -> list[Saver]:
     savers: list[Saver] = [
         CheckpointerSaver(w, loop, os.path.join(base, f"ck-{w}")) for w in writers
@@ -296,6 +333,8 @@ def savers_for(
         savers += [ManagerSaver(w, loop, os.path.join(base, f"run-{w}")) for w in writers]
     if dcp:
         savers.append(DcpSaver(loop, os.path.join(base, "dcp")))
+    if floor:
+        savers.append(BareSaver(loop, os.path.join(base, "bare")))
     return savers
 
 
@@ -312,6 +351,9 @@ def main() -> None:
     ap.add_argument("--alone", type=float, default=None, help="seconds of the loop before a save")
     ap.add_argument("--no-dcp", action="store_true", help="leave out DCP's process-based save")
     ap.add_argument("--no-manager", action="store_true", help="leave out CheckpointManager")
+    ap.add_argument(
+        "--no-floor", action="store_true", help="leave out the bare O_DIRECT writer (the floor)"
+    )
     ap.add_argument("--verbose", action="store_true", help="print every measurement")
     ap.add_argument(
         "--compare-hashing",
@@ -362,7 +404,13 @@ def _writers_at(args: argparse.Namespace, mib: float, writers: list[str]) -> Non
             f"{loop.nbytes / MiB:.0f} MiB ==="
         )
     savers = savers_for(
-        loop, writers, args.dir, not args.no_dcp, not args.no_manager, args.compare_hashing
+        loop,
+        writers,
+        args.dir,
+        not args.no_dcp,
+        not args.no_manager,
+        args.compare_hashing,
+        not args.no_floor,
     )
     alone_s = args.alone or (2.0 if args.loop == "real" else 0.6)
     run_writers(loop, savers, max(args.repeats or 5, 1), alone_s, args.verbose)

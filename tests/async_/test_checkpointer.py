@@ -158,7 +158,7 @@ def mutate(state: dict[str, Any]) -> None:
 
 def test_save_returns_pending_and_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = Gate(monkeypatch)
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         state = make_state(1)
         want = expected(state)
         pending = ck.save(tmp_path / "a", state, metadata={"note": "hi"})
@@ -179,7 +179,7 @@ def test_mutation_after_save_returns_is_not_saved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = Gate(monkeypatch)
-    ck = AsyncCheckpointer()
+    ck = AsyncCheckpointer(writer="thread")
     state = make_state(2)
     want = expected(state)
     pending = ck.save(tmp_path / "a", state)
@@ -200,7 +200,7 @@ def test_many_saves_with_in_place_mutation(tmp_path: Path) -> None:
         "step": 0,
     }
     copies = {}
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         for i in range(16):
             state["step"] = i
             ck.save(tmp_path / f"s{i}", state)
@@ -226,7 +226,7 @@ def test_torch_state_is_snapshotted(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     train_step()
     gate = Gate(monkeypatch)
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         want_model = {k: v.clone() for k, v in model.state_dict().items()}
         want_opt = copy.deepcopy(opt.state_dict())
         pending = ck.save(tmp_path / "a", {"model": model, "opt": opt})
@@ -250,7 +250,7 @@ def test_on_busy_wait_blocks_until_the_previous_save_commits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = Gate(monkeypatch)
-    ck = AsyncCheckpointer()  # on_busy="wait" is the default
+    ck = AsyncCheckpointer(writer="thread")  # on_busy="wait" is the default
     assert ck.on_busy == "wait"
     first = ck.save(tmp_path / "a", make_state(1))
     assert gate.entered.wait(10)
@@ -277,7 +277,7 @@ def test_on_busy_wait_blocks_until_the_previous_save_commits(
 
 def test_on_busy_skip_warns_and_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = Gate(monkeypatch)
-    ck = AsyncCheckpointer(on_busy="skip")
+    ck = AsyncCheckpointer(writer="thread", on_busy="skip")
     first = ck.save(tmp_path / "a", make_state(1))
     with pytest.warns(UserWarning, match="still writing"):
         skipped = ck.save(tmp_path / "b", make_state(2))
@@ -299,7 +299,7 @@ def test_failure_raised_by_pending_wait_and_next_wait_once(
 ) -> None:
     error = make_error()
     FailOnce(monkeypatch, error)
-    ck = AsyncCheckpointer()
+    ck = AsyncCheckpointer(writer="thread")
     pending = ck.save(tmp_path / "a", make_state(1))
     with pytest.raises(sp.CheckpointError) as info:
         pending.wait(20)
@@ -324,7 +324,7 @@ def test_failure_raised_by_next_save_once(
 ) -> None:
     error = make_error()
     FailOnce(monkeypatch, error)
-    ck = AsyncCheckpointer()
+    ck = AsyncCheckpointer(writer="thread")
     ck.save(tmp_path / "a", make_state(1))  # fails in the background
     with pytest.raises(sp.CheckpointError) as info:
         ck.save(tmp_path / "b", make_state(2))  # waits for it, then reports it
@@ -342,7 +342,7 @@ def test_failure_raised_by_close_once(
 ) -> None:
     error = make_error()
     FailOnce(monkeypatch, error)
-    ck = AsyncCheckpointer()
+    ck = AsyncCheckpointer(writer="thread")
     ck.save(tmp_path / "a", make_state(1))
     with pytest.raises(sp.CheckpointError) as info:
         ck.close()
@@ -359,7 +359,7 @@ def test_on_commit_runs_after_commit_and_its_failure_is_reported(tmp_path: Path)
     def on_commit(info: sp.CheckpointInfo) -> None:
         seen.append((info.path, os.path.isfile(os.path.join(info.path, "manifest.json"))))
 
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         ck.save(tmp_path / "a", make_state(1), on_commit=on_commit).wait()
         assert seen == [(str(tmp_path / "a"), True)]
 
@@ -377,7 +377,7 @@ def test_on_commit_runs_after_commit_and_its_failure_is_reported(tmp_path: Path)
 
 
 def test_errors_in_the_caller_are_raised_at_once(tmp_path: Path) -> None:
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         with pytest.raises(sp.UnsupportedStateError):
             ck.save(tmp_path / "a", {"x": object()})
         with pytest.raises(sp.UnsupportedStateError):
@@ -388,7 +388,7 @@ def test_errors_in_the_caller_are_raised_at_once(tmp_path: Path) -> None:
 
 def test_close_waits_and_is_idempotent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = Gate(monkeypatch)
-    ck = AsyncCheckpointer()
+    ck = AsyncCheckpointer(writer="thread")
     pending = ck.save(tmp_path / "a", make_state(1))
     t = threading.Thread(target=ck.close)
     t.start()
@@ -401,7 +401,7 @@ def test_close_waits_and_is_idempotent(tmp_path: Path, monkeypatch: pytest.Monke
     ck.close()
     with pytest.raises(RuntimeError):
         ck.save(tmp_path / "b", make_state(2))
-    with AsyncCheckpointer() as ck2:
+    with AsyncCheckpointer(writer="thread") as ck2:
         ck2.save(tmp_path / "c", make_state(3))
     assert (tmp_path / "c" / "manifest.json").is_file()
     with pytest.raises(RuntimeError):
@@ -409,7 +409,7 @@ def test_close_waits_and_is_idempotent(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_save_options_are_passed_to_the_writer(tmp_path: Path) -> None:
-    with AsyncCheckpointer(max_file_bytes=20_000) as ck:
+    with AsyncCheckpointer(writer="thread", max_file_bytes=20_000) as ck:
         info = ck.save(tmp_path / "a", make_state(1)).wait()
     assert len(info.files) > 1
     same(sp.load(tmp_path / "a"), expected(make_state(1)))
@@ -419,7 +419,7 @@ def test_save_options_are_passed_to_the_writer(tmp_path: Path) -> None:
 def test_writers_write_file_images_at_once(writers: int) -> None:
     store = CountingStore()
     state = {f"w{i}": np.full(1000, i, np.float32) for i in range(6)}
-    with AsyncCheckpointer(max_file_bytes=4000, writers=writers) as ck:
+    with AsyncCheckpointer(writer="thread", max_file_bytes=4000, writers=writers) as ck:
         info = ck.save(store.at("/run/ckpt"), state).wait()
     assert len(info.files) == 6
     assert store.most == writers
@@ -430,7 +430,9 @@ def test_progress_counts_tensor_bytes_from_the_background() -> None:
     store = CountingStore()
     seen: list[tuple[int, int]] = []
     state = {f"w{i}": np.full(1000, i, np.float32) for i in range(5)}
-    with AsyncCheckpointer(max_file_bytes=8000, progress=lambda d, t: seen.append((d, t))) as ck:
+    with AsyncCheckpointer(
+        writer="thread", max_file_bytes=8000, progress=lambda d, t: seen.append((d, t))
+    ) as ck:
         ck.save(store.at("/run/ckpt"), state).wait()
     assert seen[-1] == (20_000, 20_000)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
@@ -460,7 +462,7 @@ def test_keywords_override_options_as_in_the_manager(
     """Before, a keyword equal to its default was dropped: ``AsyncCheckpointer(options=
     SaveOptions(writers=3), writers=1).writers`` was 3 where the manager gives 1."""
     wanted = dataclasses.replace(options or SaveOptions(), **keywords)
-    with AsyncCheckpointer(options=options, **keywords) as ck:
+    with AsyncCheckpointer(writer="thread", options=options, **keywords) as ck:
         assert ck.options == wanted
         assert (ck.writers, ck.direct, ck.max_file_bytes, ck.timeout, ck.progress) == (
             wanted.writers,
@@ -485,12 +487,12 @@ def test_keywords_override_options_as_in_the_manager(
 @pytest.mark.parametrize("options", [{"writers": 0}, {"max_file_bytes": 0}])
 def test_invalid_save_options(options: dict[str, int]) -> None:
     with pytest.raises(ValueError):
-        AsyncCheckpointer(**options)  # type: ignore[arg-type]
+        AsyncCheckpointer(writer="thread", **options)  # type: ignore[arg-type]
 
 
 def test_invalid_on_busy() -> None:
     with pytest.raises(ValueError):
-        AsyncCheckpointer(on_busy="queue")  # type: ignore[arg-type]
+        AsyncCheckpointer(writer="thread", on_busy="queue")  # type: ignore[arg-type]
 
 
 def test_pending_save_handle() -> None:
@@ -517,7 +519,7 @@ def test_async_manager_commits_what_was_passed(tmp_path: Path) -> None:
     run = tmp_path / "run"
     state = make_state(0)
     copies = {}
-    with sp.CheckpointManager(run, async_save=True, best_metric="val") as m:
+    with sp.CheckpointManager(run, async_save=True, writer="thread", best_metric="val") as m:
         for step in range(1, 11):
             state["step"] = step
             pending = m.save(step, state, {"val": abs(step - 6) + 0.5})
@@ -540,7 +542,7 @@ def test_async_manager_retention_and_restore_waits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = tmp_path / "run"
-    with sp.CheckpointManager(run, async_save=True, keep_last=2) as m:
+    with sp.CheckpointManager(run, async_save=True, writer="thread", keep_last=2) as m:
         for step in range(1, 5):
             m.save(step, make_state(step))
         m.wait()
@@ -564,7 +566,7 @@ def test_async_manager_background_failure(
 ) -> None:
     run = tmp_path / "run"
     error = make_error()
-    m = sp.CheckpointManager(run, async_save=True, keep_last=2)
+    m = sp.CheckpointManager(run, async_save=True, writer="thread", keep_last=2)
     m.save(1, make_state(1)).wait()
     FailOnce(monkeypatch, error)
     failed = m.save(2, make_state(2))
@@ -591,7 +593,7 @@ def test_async_manager_close_reports_failure_once(
 ) -> None:
     run = tmp_path / "run"
     error = make_error()
-    m = sp.CheckpointManager(run, async_save=True)
+    m = sp.CheckpointManager(run, async_save=True, writer="thread")
     m.log(1, loss=0.5)
     FailOnce(monkeypatch, error)
     m.save(1, make_state(1))
@@ -616,7 +618,7 @@ def test_async_manager_verification_failure(
     def failing_verify(path: Any, **kwargs: Any) -> Any:
         raise sp.CorruptCheckpointError("injected", path=path)
 
-    with sp.CheckpointManager(run, async_save=True, keep_last=1) as m:
+    with sp.CheckpointManager(run, async_save=True, writer="thread", keep_last=1) as m:
         m.save(1, make_state(1)).wait()
         monkeypatch.setattr(savepoint.checkpoint, "verify", failing_verify)
         pending = m.save(2, make_state(2))
@@ -631,7 +633,9 @@ def test_async_manager_verification_failure(
 
 
 def test_async_manager_save_every(tmp_path: Path) -> None:
-    with sp.CheckpointManager(tmp_path / "run", async_save=True, save_every=2) as m:
+    with sp.CheckpointManager(
+        tmp_path / "run", async_save=True, writer="thread", save_every=2
+    ) as m:
         pendings = [m.save(step, make_state(step)) for step in range(1, 6)]
         assert [p.skipped for p in pendings] == [True, False, True, False, True]
         assert all(p.done() for p in pendings if p.skipped)
@@ -651,7 +655,7 @@ def test_saves_from_several_threads_on_one_checkpointer_all_verify(tmp_path: Pat
     pendings: list[tuple[int, int, PendingSave]] = []
     start = threading.Barrier(4)
 
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
 
         def worker(t: int) -> None:
             try:
@@ -688,7 +692,7 @@ import numpy as np
 from savepoint.async_.checkpointer import AsyncCheckpointer
 import savepoint as sp
 
-ck = AsyncCheckpointer()
+ck = AsyncCheckpointer(writer="thread")
 state = {{"w": np.ones((1024, 1024), np.float32)}}
 pending = ck.save({str(tmp_path / "a")!r}, state)
 pid = os.fork()
@@ -698,7 +702,7 @@ if pid == 0:
     except RuntimeError as exc:
         assert "parent process" in str(exc), exc
         print("refused", flush=True)
-    mine = AsyncCheckpointer()
+    mine = AsyncCheckpointer(writer="thread")
     mine.save({str(tmp_path / "child2")!r}, state).wait()
     sys.exit(0)  # runs the exit hook: must not wait for the parent's save
 _, status = os.waitpid(pid, 0)
@@ -719,7 +723,7 @@ def test_each_async_save_logs_what_it_blocked_and_when_it_committed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="savepoint.async_.checkpointer")
-    with AsyncCheckpointer() as ckpt:
+    with AsyncCheckpointer(writer="thread") as ckpt:
         ckpt.save(tmp_path / "a", {"w": np.ones(4)}).wait()
     (record,) = [r for r in caplog.records if r.name == "savepoint.async_.checkpointer"]
     assert record.levelname == "INFO"

@@ -29,7 +29,7 @@ import pytest
 import _torture
 import savepoint as sp
 from _compare import same
-from savepoint.async_ import _wire, process
+from savepoint.async_ import _priority, _wire, process
 from savepoint.blobs import BlobPolicy, FastMemo
 
 pytestmark = pytest.mark.skipif(
@@ -245,6 +245,57 @@ def test_refused_combinations(tmp_path: Path, ckpt: Any) -> None:
     ckpt.save(tmp_path / "p", state(1)).wait()  # still usable
 
 
+def test_the_default_writer_is_the_process_with_the_thread_for_what_it_refuses(
+    tmp_path: Path,
+) -> None:
+    """writer=None (the default): the writer process writes what it can reach; a save it
+    refuses with writer="process" (memory://, a store made by hand, memo=/tracker=) is
+    written by the thread writer instead, silently, and loads back; the writer process stays
+    in use for the next save it can write."""
+    from savepoint.storage.faults import FaultyStore
+    from savepoint.storage.local import LocalStore
+    from savepoint.storage.paths import Location
+
+    with sp.AsyncCheckpointer() as ck:
+        assert ck.writer == "process" and ck.fallback
+        assert ck.writes_in_process(tmp_path / "a") and not ck.writes_in_process("memory://d/a")
+        ck.save(tmp_path / "a", state(1)).wait()
+        pid = ck._process.pid
+        assert pid is not None
+        saves = [
+            ("memory://d/m", {}),
+            (Location(FaultyStore(LocalStore()), str(tmp_path / "faulty")), {}),
+            (tmp_path / "inc", {"blobs": tmp_path / "blobs", "memo": FastMemo()}),
+            ("memory://d/inc", {"blobs": "memory://d/blobs"}),
+        ]
+        for i, (where, extra) in enumerate(saves):
+            info = ck.save(where, state(i + 2), **extra).wait()  # type: ignore[arg-type]
+            same(sp.load(info.path), state(i + 2))
+        ck.save(tmp_path / "b", state(9)).wait()
+        assert ck._process.pid == pid  # the same writer process wrote the local saves
+        same(sp.load(tmp_path / "b"), state(9))
+    with sp.CheckpointManager("memory://d/run", async_save=True) as mgr:  # falls back too
+        saved = mgr.save(1, state(3)).wait()
+        same(sp.load(saved.path), state(3))
+    with sp.AsyncCheckpointer(writer="thread") as ck:
+        assert ck._process is None and not ck.writes_in_process(tmp_path / "c")
+
+
+def test_the_default_writer_falls_back_when_the_writer_process_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOENT, "no interpreter here")
+
+    monkeypatch.setattr(process.subprocess, "Popen", refuse)
+    with sp.AsyncCheckpointer() as ck:
+        ck.save(tmp_path / "a", state(1)).wait()
+        assert ck._process.pid is None
+    same(sp.load(tmp_path / "a"), state(1))
+    with sp.AsyncCheckpointer(writer="process") as ck, pytest.raises(OSError):
+        ck.save(tmp_path / "b", state(1))
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_share_the_writer_process(tmp_path: Path, ckpt: Any) -> None:
     ckpt.save(tmp_path / "a", state(1)).wait()
@@ -401,18 +452,51 @@ def test_a_save_the_caller_stops_is_cancelled_in_the_writer_process(
 def test_the_writer_process_runs_below_the_trainers_priority(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The writer process is niced (SAVEPOINT_WRITER_NICE, default 10): the training loop wins
-    the cores they share; 0 keeps the trainer's priority."""
+    """writer_priority="low" (the default) nices the writer process (SAVEPOINT_WRITER_NICE,
+    default 10) and gives it the lowest best-effort I/O level; "idle" makes it SCHED_IDLE in the
+    idle I/O class; "normal" keeps the trainer's. SAVEPOINT_WRITER_PRIORITY chooses where the
+    argument is not given."""
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    for setting, expected in ((None, min(ours + 10, 19)), ("0", ours)):
-        if setting is None:
-            monkeypatch.delenv("SAVEPOINT_WRITER_NICE", raising=False)
+    monkeypatch.delenv("SAVEPOINT_WRITER_NICE", raising=False)
+    monkeypatch.delenv("SAVEPOINT_WRITER_PRIORITY", raising=False)
+    cases: list[tuple[str | None, str | None, int, int, tuple[int, int] | None]] = [
+        # (argument, environment, nice, scheduling policy, I/O (class, level) or None: unchanged)
+        (None, None, min(ours + 10, 19), os.SCHED_OTHER, (2, 7)),
+        ("normal", None, ours, os.SCHED_OTHER, None),
+        ("idle", None, 19, os.SCHED_IDLE, (3, 0)),
+        (None, "normal", ours, os.SCHED_OTHER, None),
+        ("low", "idle", min(ours + 10, 19), os.SCHED_OTHER, (2, 7)),
+    ]
+    mine = _priority.current_ioprio()
+    for argument, environment, nice, policy, io in cases:
+        if environment is None:
+            monkeypatch.delenv("SAVEPOINT_WRITER_PRIORITY", raising=False)
         else:
-            monkeypatch.setenv("SAVEPOINT_WRITER_NICE", setting)
-        with sp.AsyncCheckpointer(writer="process") as c:
-            c.save(tmp_path / f"p{setting}", state(1)).wait()
+            monkeypatch.setenv("SAVEPOINT_WRITER_PRIORITY", environment)
+        with sp.AsyncCheckpointer(writer="process", writer_priority=argument) as c:  # type: ignore[arg-type]
+            c.save(tmp_path / f"p{argument}{environment}", state(1)).wait()
             pid = c._process.pid
-            assert os.getpriority(os.PRIO_PROCESS, pid) == expected
+            assert os.getpriority(os.PRIO_PROCESS, pid) == nice, (argument, environment)
+            assert os.sched_getscheduler(pid) == policy, (argument, environment)
+            if mine is not None:
+                assert _priority.current_ioprio(pid) == (io or mine), (argument, environment)
+    monkeypatch.delenv("SAVEPOINT_WRITER_PRIORITY")
+    monkeypatch.setenv("SAVEPOINT_WRITER_NICE", "0")
+    with sp.AsyncCheckpointer(writer="process") as c:
+        c.save(tmp_path / "nice0", state(1)).wait()
+        assert os.getpriority(os.PRIO_PROCESS, c._process.pid) == ours
+    with pytest.raises(ValueError, match="writer_priority"):
+        sp.AsyncCheckpointer(writer="process", writer_priority="lowest")  # type: ignore[arg-type]
+    monkeypatch.setenv("SAVEPOINT_WRITER_PRIORITY", "bogus")
+    with pytest.raises(ValueError, match="writer_priority"):
+        sp.AsyncCheckpointer(writer="process")
+    monkeypatch.delenv("SAVEPOINT_WRITER_PRIORITY")
+    with sp.CheckpointManager(tmp_path / "run", async_save=True, writer_priority="idle") as mgr:
+        mgr.save(1, state(1)).wait()
+        writer = mgr._saver.checkpointer._process  # type: ignore[union-attr]
+        assert os.sched_getscheduler(writer.pid) == os.SCHED_IDLE
+    with pytest.raises(ValueError, match="writer_priority"):
+        sp.CheckpointManager(tmp_path / "run2", async_save=True, writer_priority="high")  # type: ignore[arg-type]
 
 
 # -- every wait on the writer process is bounded (issue 28, "nothing hangs") -------------------

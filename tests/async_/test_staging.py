@@ -231,7 +231,7 @@ def test_a_save_failing_at_exit_is_reported_not_dropped(tmp_path: Path) -> None:
         def fail(*args, **kwargs):
             raise OSError(28, "No space left on device")
         save.save_staged = fail
-        ck = sp.AsyncCheckpointer()
+        ck = sp.AsyncCheckpointer(writer="thread")
         ck.save("ckpt", {"w": np.zeros(4)})
         """,
         tmp_path,

@@ -194,7 +194,12 @@ def test_background_saves_patch_from_the_staged_copy(tmp_path: Path) -> None:
     run = tmp_path / "run"
     history: dict[int, bytes] = {}
     with sp.CheckpointManager(
-        run, incremental=True, async_save=True, keep_last=3, blob_policy=POLICY
+        run,
+        incremental=True,
+        async_save=True,
+        writer="thread",
+        keep_last=3,
+        blob_policy=POLICY,
     ) as mgr:
         for step in range(1, 7):
             touch(table, step)
@@ -252,7 +257,12 @@ def test_frozen_tensors_are_reused_unread_and_a_broken_promise_is_caught(
     adapter = np.zeros((64, 512), np.float32)
     run = tmp_path / "run"
     with sp.CheckpointManager(
-        run, incremental=True, blob_policy=POLICY, frozen=["model/base"], async_save=background
+        run,
+        incremental=True,
+        blob_policy=POLICY,
+        frozen=["model/base"],
+        async_save=background,
+        writer="thread" if background else None,  # (its warning is logged in this process)
     ) as mgr:
         mgr.save(1, {"model": {"base": base, "adapter": adapter}})
         mgr.wait()

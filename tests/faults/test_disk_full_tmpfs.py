@@ -228,7 +228,9 @@ class AsyncSave(SaveOver):
         self.direct = direct
 
     def act(self, work: Path) -> None:
-        with sp.AsyncCheckpointer(max_file_bytes=MAX_FILE_BYTES, direct=self.direct) as ckpt:
+        with sp.AsyncCheckpointer(
+            writer="thread", max_file_bytes=MAX_FILE_BYTES, direct=self.direct
+        ) as ckpt:
             pending = ckpt.save(self.path(work), NEW, metadata={"tag": "new"})
             try:
                 ckpt.wait()
@@ -266,6 +268,7 @@ class ManagedSave(Scenario):
             best_metric="loss",
             keep_best=1,
             async_save=self.async_save,
+            writer="thread" if self.async_save else None,  # (faults injected in this process)
             max_file_bytes=MAX_FILE_BYTES,
         )
 

@@ -271,7 +271,7 @@ def test_async_boostr_save_is_the_state_when_save_returned(
     want_model = {k: v.copy() for k, v in model.items()}
     want_opt = {k: v.copy() for k, v in opt.items()}
     state = boostr.TrainingState(step=3, epoch=1, learning_rate=0.5, metadata={"a": "b"})
-    ck = AsyncCheckpointer()
+    ck = AsyncCheckpointer(writer="thread")
     try:
         pending = ck.save_boostr(tmp_path / "b", model, opt, state)
         assert gate.entered.wait(10) and not pending.done()
@@ -296,7 +296,7 @@ def test_async_boostr_many_saves_with_in_place_mutation(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     model = {"w": rng.standard_normal((512, 512)).astype(np.float32)}
     copies = {}
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         for i in range(12):
             ck.save_boostr(tmp_path / f"s{i}", model, None, boostr.TrainingState(step=i))
             copies[i] = model["w"].copy()
@@ -311,7 +311,7 @@ def test_async_boostr_many_saves_with_in_place_mutation(tmp_path: Path) -> None:
 def test_async_boostr_torch_tensors(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     w = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         ck.save_boostr(tmp_path / "t", {"w": w})
         w.add_(100)
     back = boostr.load(tmp_path / "t", framework="torch")
@@ -321,7 +321,7 @@ def test_async_boostr_torch_tensors(tmp_path: Path) -> None:
 def test_async_boostr_one_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = Gate(monkeypatch)
     model = {"w": np.ones(3, np.float32)}
-    with AsyncCheckpointer(on_busy="skip") as ck:
+    with AsyncCheckpointer(writer="thread", on_busy="skip") as ck:
         first = ck.save_boostr(tmp_path / "a", model)
         assert gate.entered.wait(10)
         with pytest.warns(UserWarning, match="still writing"):
@@ -336,7 +336,7 @@ def test_async_boostr_waits_for_the_save_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = Gate(monkeypatch)
-    ck = AsyncCheckpointer()
+    ck = AsyncCheckpointer(writer="thread")
     first = ck.save_boostr(tmp_path / "a", {"w": np.ones(3)})
     assert gate.entered.wait(10)
     threading.Timer(0.2, gate.open).start()
@@ -352,7 +352,7 @@ def test_async_boostr_errors_are_reported_once_with_errno(
 ) -> None:
     gate = Gate(monkeypatch, fail=OSError(errno.ENOSPC, "No space left on device", "x"))
     gate.open()
-    ck = AsyncCheckpointer()
+    ck = AsyncCheckpointer(writer="thread")
     pending = ck.save_boostr(tmp_path / "a", {"w": np.ones(3)})
     with pytest.raises(sp.CheckpointWriteError) as info:
         pending.wait(timeout=20)
@@ -367,7 +367,7 @@ def test_async_boostr_errors_are_reported_once_with_errno(
 def test_async_boostr_real_write_error_keeps_its_errno(tmp_path: Path) -> None:
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("not a checkpoint")
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         pending = ck.save_boostr(tmp_path / "taken", {"w": np.ones(3)})
         with pytest.raises(sp.CheckpointWriteError, match="not a boostr checkpoint"):
             pending.wait(timeout=20)
@@ -376,7 +376,7 @@ def test_async_boostr_real_write_error_keeps_its_errno(tmp_path: Path) -> None:
 
 
 def test_async_boostr_refuses_bad_state_in_the_caller(tmp_path: Path) -> None:
-    with AsyncCheckpointer() as ck:
+    with AsyncCheckpointer(writer="thread") as ck:
         with pytest.raises(sp.UnsupportedStateError, match="learning_rate"):
             ck.save_boostr(
                 tmp_path / "a",
@@ -390,7 +390,10 @@ def test_async_boostr_refuses_bad_state_in_the_caller(tmp_path: Path) -> None:
 
 
 def test_async_boostr_refuses_a_process_group(tmp_path: Path) -> None:
-    with one_rank_world() as dist, AsyncCheckpointer(process_group=dist.group.WORLD) as ck:
+    with (
+        one_rank_world() as dist,
+        AsyncCheckpointer(writer="thread", process_group=dist.group.WORLD) as ck,
+    ):
         with pytest.raises(ValueError, match="save_distributed"):
             ck.save_boostr(tmp_path / "a", {"w": np.ones(3)})
 

@@ -451,7 +451,12 @@ def test_no_descriptor_leaks_across_saves(tmp_path: Path, async_save: bool) -> N
     200 saves; a leak per save shows in 40 as well)."""
     small = {"w": np.zeros(8, np.float32), "step": 0}
     m = sp.CheckpointManager(
-        tmp_path / "run", keep_last=2, keep_best=1, best_metric="v", async_save=async_save
+        tmp_path / "run",
+        keep_last=2,
+        keep_best=1,
+        best_metric="v",
+        async_save=async_save,
+        writer="thread" if async_save else None,  # (a writer process holds a socket and the arena)
     )
     m.save(0, small, {"v": 100.0}).wait()
     before = len(os.listdir("/proc/self/fd"))

@@ -165,6 +165,7 @@ def test_a_save_in_flight_that_cannot_finish_is_abandoned_cleanly(
     with sp.CheckpointManager(
         run,
         async_save=True,
+        writer="thread",
         preemption=True,
         preemption_grace=1.5,
         max_file_bytes=64 * 1024,
@@ -221,7 +222,9 @@ def test_a_save_in_flight_that_fails_on_its_own_is_reported_not_raised(tmp_path:
             armed.set()
             raise OSError(28, "No space left on device")
 
-    with sp.CheckpointManager(run, async_save=True, preemption=True, progress=failing) as mgr:
+    with sp.CheckpointManager(
+        run, async_save=True, writer="thread", preemption=True, progress=failing
+    ) as mgr:
         mgr.save(1, state(1))
         r = mgr.save_on_preemption(2, state(2))
         assert (r.in_flight, r.in_flight_step, r.saved) == ("failed", 1, True)

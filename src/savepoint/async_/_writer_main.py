@@ -1,10 +1,11 @@
 """The writer process of ``AsyncCheckpointer(writer="process")``: hashes, writes and commits saves
 staged by its trainer, from the trainer's staging arena in shared memory.
 
-Run as ``python -m savepoint.async_._writer_main FD`` by :mod:`savepoint.async_.process` (a plain
+Run as ``python -m savepoint.async_._writer_main FD PRIORITY`` by :mod:`savepoint.async_.process` (a plain
 subprocess, not ``multiprocessing``: a spawned ``multiprocessing`` child re-imports the trainer's
 ``__main__``, which usually imports torch, and its protocol is pickle). FD is this end of a Unix
-socket pair; each message is JSON (:mod:`savepoint.async_._wire`). This process never imports
+socket pair; PRIORITY is its ``writer_priority`` (:mod:`savepoint.async_._priority`), applied to
+itself before anything else; each message is JSON (:mod:`savepoint.async_._wire`). This process never imports
 torch: it only hashes and writes bytes that are already laid out as files, and torch would cost
 it seconds of start-up and hundreds of MiB of memory (and, on a GPU machine, could initialise CUDA
 in a second process). ``tests/async_/test_process_writer.py`` checks it is not loaded.
@@ -42,7 +43,6 @@ save mid-write).
 
 from __future__ import annotations
 
-import contextlib
 import errno as _errno
 import mmap
 import os
@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from savepoint import errors
-from savepoint.async_ import _wire
+from savepoint.async_ import _priority, _wire
 from savepoint.async_.staging import BLOCK, ArenaSource, Staged, StagedFile, staged_sources
 from savepoint.codecs.safetensors import Entry
 from savepoint.engine import save as save_engine
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=int(args[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _lower_priority()
+    _priority.apply(args[1] if len(args) > 1 else _priority.DEFAULT)
     parent = os.getppid()
     arena: np.ndarray[Any, Any] | None = None
     while True:
@@ -175,24 +175,6 @@ def _rank_session(spec: dict[str, Any]) -> Any:
         memo if policy.memo else None,
         tracker if policy.patches else None,
     )
-
-
-NICE = 10  # how much lower the writer process's CPU priority is than its trainer's
-
-
-def _lower_priority() -> None:
-    """Run below the trainer's priority (``SAVEPOINT_WRITER_NICE``, default :data:`NICE`; 0
-    keeps the trainer's): where the trainer's loop and the writer want the same cores, the loop
-    wins them and the save takes longer to become durable instead (hashing and writing are
-    what a save spends CPU on). Best effort: a platform without ``os.nice`` keeps the same."""
-    raw = os.environ.get("SAVEPOINT_WRITER_NICE", "")
-    try:
-        amount = int(raw) if raw else NICE
-    except ValueError:
-        amount = NICE
-    if amount > 0 and hasattr(os, "nice"):
-        with contextlib.suppress(OSError):
-            os.nice(min(amount, 19))
 
 
 def _map(fds: list[int], size: int) -> np.ndarray[Any, Any]:

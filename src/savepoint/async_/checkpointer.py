@@ -42,6 +42,32 @@ checkpointer made with ``process_group=``: that is savepoint's native async per-
 ``writer="process"`` each rank copies its part into the shared staging arena in ``save()``; in
 the background its thread runs the collectives and its writer process writes its pieces,
 :meth:`savepoint.async_.process.ProcessWriter.stage_sharded`.)
+
+``writer="process"`` hashes, writes and commits in a separate writer process
+(:mod:`savepoint.async_.process`) instead of a thread of this one (``writer="thread"``):
+the training loop keeps the GIL and its cores; a save handed over commits even if this
+process is then killed (not a sharded one: see below). Plain, incremental and CUDA saves,
+to local paths and to stores named by a URL (``s3://``, ``gs://``, ``az://``, fsspec's),
+which the writer process makes again from the URL and the environment it inherits
+(:mod:`savepoint.async_._place`); ``memory://``, stores made by hand and ``memo=``/
+``tracker=`` objects are refused in ``save()`` with an UnsupportedStorageError (a
+ValueError; a ValueError for ``memo=``/``tracker=``); ``save_boostr`` and
+``save_distributed`` too (:mod:`savepoint.async_._boostr`); ``progress`` is called as the
+writer reports. The default, ``writer=None``, is the writer process, with the thread
+writer for each save the writer process refuses (silently: ``writer`` reads
+``"process"``, ``fallback`` True; the choice is measured in ``docs/performance.md``). With
+``process_group`` too, the save's collectives (plan, records, commit) stay in this process's
+background thread, and the writer process writes this rank's pieces from the shared arena: the
+commit needs every rank's records through the group, so a sharded save does not outlive its
+trainer.
+
+``writer_priority`` (the writer process only; checked, then ignored by the thread writer): the
+writer process's CPU and I/O priority, ``"low"`` (the default: niced 10, the lowest best-effort
+I/O level), ``"idle"`` (``SCHED_IDLE`` and the idle I/O class: it runs only on cores nothing
+else wants) or ``"normal"`` (the trainer's); None takes ``SAVEPOINT_WRITER_PRIORITY`` from the
+environment, else the default. A lower priority costs a save time to durable only while
+something else keeps every core busy (:mod:`savepoint.async_._priority`,
+``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -61,7 +87,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from savepoint import info
-from savepoint.async_ import _boostr, _place
+from savepoint.async_ import _boostr, _place, _priority
+from savepoint.async_._priority import Priority as WriterPriority
 from savepoint.async_._wire import reported as _reported
 from savepoint.async_.pending import PendingSave
 from savepoint.async_.process import ProcessWriter
@@ -69,7 +96,7 @@ from savepoint.async_.staging import StagingArena, staged_sources
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
-from savepoint.errors import UnsupportedStateError
+from savepoint.errors import UnsupportedStateError, UnsupportedStorageError
 from savepoint.formats import boostr
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
@@ -78,8 +105,9 @@ from savepoint.storage.paths import resolve as resolve_path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncCheckpointer", "OnBusy", "Writer"]
+__all__ = ["AsyncCheckpointer", "OnBusy", "Writer", "WriterPriority", "check_writer_priority"]
 
+check_writer_priority = _priority.check  # ``writer_priority=`` checked (CheckpointManager's too)
 OnBusy = Literal["wait", "skip"]
 Writer = Literal["thread", "process"]
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
@@ -101,18 +129,10 @@ class AsyncCheckpointer:
     them all at once; keyword arguments given as well override it. Every option is checked
     here, so a bad one fails at construction, not at the first save.
 
-    ``writer="process"`` hashes, writes and commits in a separate writer process
-    (:mod:`savepoint.async_.process`) instead of a thread of this one: the training loop keeps
-    the GIL and its cores; a save handed over commits even if this process is then killed
-    (not a sharded one: see below). Plain, incremental and CUDA saves, to local paths and to
-    stores named by a URL (``s3://``, ``gs://``, ``az://``, fsspec's), which the writer process
-    makes again from the URL and the environment it inherits (:mod:`savepoint.async_._place`);
-    ``memory://`` and stores made by hand are refused in ``save()`` with an
-    UnsupportedStorageError (a ValueError); ``save_boostr`` and ``save_distributed`` too
-    (:mod:`savepoint.async_._boostr`); ``progress`` is called as the writer reports. With ``process_group`` too, the
-    save's collectives (plan, records, commit) stay in this process's background thread, and
-    the writer process writes this rank's pieces from the shared arena: the commit needs every
-    rank's records through the group, so a sharded save does not outlive its trainer."""
+    ``writer``: who hashes, writes and commits, ``"process"`` (a separate writer process),
+    ``"thread"`` (a thread of this one) or None, the default (the writer process, and the thread
+    writer for each save it refuses: ``fallback`` is True); ``writer_priority``: the writer
+    process's CPU and I/O priority. Both are described in the module docstring."""
 
     def __init__(
         self,
@@ -125,7 +145,8 @@ class AsyncCheckpointer:
         process_group: Any = _UNSET,
         timeout: float | None = _UNSET,
         options: SaveOptions | None = None,
-        writer: Writer = "thread",
+        writer: Writer | None = None,
+        writer_priority: WriterPriority | None = None,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
@@ -157,7 +178,9 @@ class AsyncCheckpointer:
         self.writers = self.options.writers  # files written at once (sharded: per rank)
         self.progress = self.options.progress
         self.writer = _writer(writer)
-        self._process = ProcessWriter() if writer == "process" else None
+        self.fallback = writer is None  # (the default: the thread writer where it must)
+        self.writer_priority = _priority.resolve(writer_priority)
+        self._process = ProcessWriter(self.writer_priority) if self.writer == "process" else None
         self._arena = self._process.arena if self._process else StagingArena()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="savepoint-async")
         self._pending: PendingSave | None = None
@@ -201,17 +224,26 @@ class AsyncCheckpointer:
 
         Thread-safe: concurrent calls run one after another (they share one staging arena)."""
         location = resolve_path(path, what="checkpoint path")
+        process = self._process is not None and _reaches(self, location, memo, tracker)
         incremental = None
         if blobs is not None:
-            incremental = _incremental(self, location, blobs, blob_policy, memo, tracker, frozen)
+            incremental, process = _incremental(
+                self, location, blobs, blob_policy, memo, tracker, frozen, process
+            )
         elif blob_policy is not None or memo is not None or tracker is not None or frozen:
             raise ValueError("blob_policy, memo, tracker and frozen are given without blobs=")
         with self._save_lock:
             return self._save(
                 location.store.url(location.path),
                 on_commit,
-                lambda: self._native(location, state, metadata, incremental),
+                lambda: self._native(location, state, metadata, incremental, process),
             )
+
+    def writes_in_process(self, path: PathArg) -> bool:
+        """Whether a save to ``path`` (no ``memo=``/``tracker=``) goes to the writer process
+        (with ``writer="process"``: always, or refused)."""
+        location = resolve_path(path, what="checkpoint path")
+        return self._process is not None and _reaches(self, location, None, None)
 
     def save_boostr(
         self,
@@ -365,10 +397,12 @@ class AsyncCheckpointer:
         state: Any,
         metadata: Mapping[str, Any] | None,
         incremental: _Incremental | None = None,
+        process: bool = True,
     ) -> Callable[[], info.CheckpointInfo]:
         meta = save_engine.check_metadata(metadata)
-        if self.process_group is not None and self._process is not None:
-            return self._process.stage_sharded(location, state, meta, self.options, incremental)
+        writer = self._process if process and _started(self) else None
+        if self.process_group is not None and writer is not None:
+            return writer.stage_sharded(location, state, meta, self.options, incremental)
         if self.process_group is not None:
             from savepoint.distributed import save as distributed_save
 
@@ -386,8 +420,8 @@ class AsyncCheckpointer:
                 return distributed_save.save_flat(location, frozen, meta, self.options, sharded)
 
             return commit
-        if self._process is not None:
-            return self._process.stage(location, state, meta, self.options, incremental)
+        if writer is not None:
+            return writer.stage(location, state, meta, self.options, incremental)
         if incremental is not None:
             return self._staged_blobs(location, state, meta, incremental)
         # The previous save is finished (waited for above), so its arena may be overwritten.
@@ -486,8 +520,11 @@ def _incremental(
     memo: Any,
     tracker: Any,
     frozen: Any = None,
-) -> _Incremental:
-    """Check the arguments of an incremental save (here, in the caller's thread)."""
+    process: bool = False,
+) -> tuple[_Incremental, bool]:
+    """Check the arguments of an incremental save (here, in the caller's thread); with
+    ``process`` (the writer process is to write it), also whether it can (the second value:
+    whether it does; a checkpointer with the default writer falls back to the thread writer)."""
     from savepoint.blobs import BlobPolicy, BlobStore, FastMemo
     from savepoint.blobs.patch import PatchTracker
 
@@ -507,7 +544,12 @@ def _incremental(
 
         prefixes = (frozen,) if isinstance(frozen, str) else tuple(frozen)
         matcher = frozen_keys(prefixes)
-    if ckpt.writer == "process":
+    if process and ckpt.fallback:
+        try:
+            _place.url_of(Location(store.store, store.root), "blob store")
+        except UnsupportedStorageError:
+            process = False  # the default writer: the thread writer writes it
+    if process:
         # The writer process keeps the memo and tracker of its saves (one per blob store): they
         # live where the chunks are hashed, and objects of this process cannot cross to it.
         if memo is not None or tracker is not None:
@@ -516,7 +558,7 @@ def _incremental(
                 "keeps its own (one per blob store, for all the saves it writes)"
             )
         _place.url_of(Location(store.store, store.root), "blob store")  # one it can reach
-        return _Incremental(store, policy, None, None, matcher, prefixes)
+        return _Incremental(store, policy, None, None, matcher, prefixes), True
     if memo is None and policy.memo:
         with ckpt._lock:
             if ckpt._memo is None:
@@ -527,11 +569,44 @@ def _incremental(
             if ckpt._tracker is None:
                 ckpt._tracker = PatchTracker()
             tracker = ckpt._tracker
-    return _Incremental(store, policy, memo, tracker, matcher, prefixes)
+    return _Incremental(store, policy, memo, tracker, matcher, prefixes), False
 
 
-def _writer(writer: str) -> Writer:
-    """``writer=`` checked: "thread" or "process"."""
+def _reaches(ckpt: AsyncCheckpointer, location: Location, memo: Any, tracker: Any) -> bool:
+    """Whether the writer process writes this save: always with ``writer="process"`` (a save
+    it cannot write is refused later, naming why); with the default, only where it can
+    (otherwise the thread writer does, silently)."""
+    if not ckpt.fallback:
+        return True
+    if memo is not None or tracker is not None:
+        return False
+    try:
+        _place.url_of(location, "checkpoint path")
+    except UnsupportedStorageError:
+        return False
+    return True
+
+
+def _started(ckpt: AsyncCheckpointer) -> bool:
+    """Whether the writer process runs (started now if need be). With the default writer, one
+    that cannot start (no usable interpreter: an embedded or frozen Python) leaves the save to
+    the thread writer, with a warning; with ``writer="process"`` the error is the save's."""
+    assert ckpt._process is not None
+    if not ckpt.fallback:
+        return True
+    try:
+        ckpt._process.ensure()
+    except OSError as exc:
+        log.warning("cannot start the savepoint writer process (%s): a thread writes this", exc)
+        return False
+    return True
+
+
+def _writer(writer: str | None) -> Writer:
+    """``writer=`` checked: "thread" or "process" (None, the default: "process", falling back
+    to the thread writer where it cannot write)."""
+    if writer is None:
+        return "process"
     if writer not in ("thread", "process"):
         raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
     return "process" if writer == "process" else "thread"

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from savepoint import errors, info
-from savepoint.async_ import _place, _wire
+from savepoint.async_ import _place, _priority, _wire
 from savepoint.async_.staging import ArenaSource, Staged, StagingArena, on_cuda
 from savepoint.codecs import manifest as mf
 from savepoint.engine import save as save_engine
@@ -152,9 +152,12 @@ class SharedArena(StagingArena):
 
 
 class ProcessWriter:
-    """One writer process and its shared arena (see the module docstring)."""
+    """One writer process and its shared arena (see the module docstring). ``priority``: its
+    CPU and I/O priority (:mod:`savepoint.async_._priority`; None: ``SAVEPOINT_WRITER_PRIORITY``
+    or the default), fixed when it is made."""
 
-    def __init__(self) -> None:
+    def __init__(self, priority: _priority.Priority | None = None) -> None:
+        self.priority = _priority.resolve(priority)
         self.arena = SharedArena()
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -280,7 +283,13 @@ class ProcessWriter:
         env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "savepoint.async_._writer_main", str(theirs.fileno())],
+                [
+                    sys.executable,
+                    "-m",
+                    "savepoint.async_._writer_main",
+                    str(theirs.fileno()),
+                    self.priority,
+                ],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from savepoint.async_.checkpointer import Writer
+from savepoint.async_.checkpointer import Writer, WriterPriority, check_writer_priority
 from savepoint.errors import IncompatibleCheckpointError
 from savepoint.options import SaveOptions
 from savepoint.runs import policies
@@ -62,7 +62,10 @@ class ManagerConfig:
     tiers: tuple[Tier, ...] = ()
     peers: PeerTier | None = None  # the peer-memory tier (runs.peers), if asked for
     async_save: bool = False
-    writer: Writer = "thread"  # who writes async saves: "thread" or "process" (AsyncCheckpointer)
+    # Who writes async saves: "thread", "process", or None (the writer process, the thread
+    # writer where it cannot write: AsyncCheckpointer's default).
+    writer: Writer | None = None
+    writer_priority: WriterPriority | None = None  # the writer process's (AsyncCheckpointer)
     verify_before_prune: bool = True
     aliases: bool = True
     read_only: bool | None = None
@@ -84,7 +87,8 @@ class ManagerConfig:
         keep_every: int | None = None,
         save_every: int | None = None,
         async_save: bool = False,
-        writer: Writer = "thread",
+        writer: Writer | None = None,
+        writer_priority: WriterPriority | None = None,
         retention: RetentionPolicy | None = None,
         save_policy: SavePolicy | None = None,
         name: str | None = None,
@@ -119,15 +123,14 @@ class ManagerConfig:
         _read_only(read_only)
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric to rank checkpoints by)")
-        _writer(writer, async_save)
+        _writer(writer, async_save, writer_priority)
         frozen = _frozen(frozen, incremental, checked)
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
+        rules += [] if retention is None else [retention]
         if save_every is not None:
             every = _policy("save_every", policies.SaveEvery, save_every)
             save_policy = every if save_policy is None else save_policy
-        if retention is not None:
-            rules.append(retention)
         signals = None if preemption is None or preemption is False else signals_of(preemption)
         tier_list, peers = _tiers(tiers)
         return cls(
@@ -144,6 +147,7 @@ class ManagerConfig:
             peers=peers,
             async_save=async_save,
             writer=writer,
+            writer_priority=writer_priority,
             verify_before_prune=verify_before_prune,
             aliases=aliases,
             read_only=read_only,
@@ -155,8 +159,14 @@ class ManagerConfig:
         )
 
 
-def _writer(writer: Any, async_save: bool) -> None:
-    """``writer=``: "thread" or "process", the latter for async saves (sharded ones too)."""
+def _writer(writer: Any, async_save: bool, priority: Any = None) -> None:
+    """``writer=``: "thread" or "process", the latter for async saves (sharded ones too); None
+    (the default) is the process writer where it can write (async saves only). And
+    ``writer_priority=``."""
+    if priority is not None:
+        check_writer_priority(priority)
+    if writer is None:
+        return
     if writer not in ("thread", "process"):
         raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
     if writer == "process" and not async_save:

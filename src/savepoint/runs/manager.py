@@ -96,18 +96,17 @@ class CheckpointManager:
     policy object from :mod:`savepoint.runs.policies`. ``save_every`` (or a ``save_policy``)
     makes ``save`` skip steps (``sp.policies.Continuous``: the next save once the previous one
     is durable, see :meth:`should_save`). ``async_save=True`` writes each checkpoint in the
-    background (``save`` returns once the state is staged); ``writer`` chooses who writes it:
-    ``"thread"`` (the default) or ``"process"`` (a long-lived writer process, see
-    :class:`~savepoint.async_.checkpointer.AsyncCheckpointer`; unsharded saves only, local
-    directories). ``name``, ``variant``, ``config`` and ``num_params`` describe the
-    run in ``run.json``; opening an existing run with a different name, variant or ``num_params``
-    is a RunMismatchError. A different ``config`` is a change of the run's config: it warns
-    (UserWarning naming the keys), becomes the config of ``run.json`` and ``report.json``, and
-    ``report.json``'s ``config_changes`` records each key's old and new value and the latest
-    committed step at that open; ``strict_config=True`` refuses it instead (RunMismatchError naming
-    the keys). A read-only manager only warns. Without ``num_params`` a new run records the element
-    count of its first saved state (:func:`savepoint.runs.report.count_elements`).
-    Without ``best_metric``, an existing run keeps ranking by the metric its report names.
+    background (``save`` returns once the state is staged); ``writer`` and ``writer_priority``
+    choose who writes it, as ``AsyncCheckpointer``'s (by default its writer process). ``name``,
+    ``variant``, ``config`` and ``num_params`` describe the run in ``run.json``; opening an
+    existing run with a different name, variant or ``num_params`` is a RunMismatchError. A
+    different ``config`` is a change of the run's config: it warns (UserWarning naming the keys),
+    becomes the config of ``run.json`` and ``report.json``, and ``report.json``'s
+    ``config_changes`` records each key's old and new value and the latest committed step at that
+    open; ``strict_config=True`` refuses it instead (RunMismatchError naming the keys). A read-only
+    manager only warns. Without ``num_params`` a new run records the element count of its first
+    saved state (:func:`savepoint.runs.report.count_elements`). Without ``best_metric``, an
+    existing run keeps ranking by the metric its report names.
 
     ``read_only``: None (the default) opens read-only exactly when the directory cannot be written
     (read-only media, no permission); True never writes and takes no lock (a reader next to a live
@@ -123,20 +122,18 @@ class CheckpointManager:
 
     ``incremental=True``: the run's checkpoints share a content-addressed blob store at
     ``<run>/blobs`` (``docs/blobs.md``): a tensor ``blob_policy`` wants (a
-    :class:`savepoint.blobs.BlobPolicy`; default: those of 1 MiB or more) is written only where
-    its bytes changed since an earlier save; retention then deletes the blobs no remaining
-    checkpoint names. With ``async_save=True`` the caller is blocked for the staging copy only;
-    the background thread runs the blob store's save session and then retention and the blob
-    collection. ``compression``: ``"zstd"`` (or a :class:`savepoint.blobs.Compression`) stores
-    blobs zstd-compressed where that saves space (``BlobPolicy.of("zstd")``; needs the
-    zstandard package); only with ``incremental=True``, and a ``blob_policy`` naming another
-    compression is a ValueError. ``frozen``: key prefixes (``("model/base_model",)``) of
-    tensors that never change during the run (a frozen base model): after this manager's first
-    save of them, their bytes are not read again but for a random block per chunk, checked
-    against the first save's (a mismatch is logged and the tensor saved as any other); their
-    earlier blobs are reused. A change the sample misses is not saved: declare only what is
-    truly frozen. Unsharded saves only.
-    """
+    :class:`savepoint.blobs.BlobPolicy`; default: those of 1 MiB or more) is written only where its
+    bytes changed since an earlier save; retention then deletes the blobs no remaining checkpoint
+    names. With ``async_save=True`` the caller is blocked for the staging copy only; the background
+    thread runs the blob store's save session and then retention and the blob collection.
+    ``compression``: ``"zstd"`` (or a :class:`savepoint.blobs.Compression`) stores blobs
+    zstd-compressed where that saves space (``BlobPolicy.of("zstd")``; needs the zstandard
+    package); only with ``incremental=True``, and a ``blob_policy`` naming another compression is a
+    ValueError. ``frozen``: key prefixes (``("model/base_model",)``) of tensors that never change
+    during the run (a frozen base model): after this manager's first save of them, their bytes are
+    not read again but for a random block per chunk, checked against the first save's (a mismatch
+    is logged and the tensor saved as any other); their earlier blobs are reused. A change the
+    sample misses is not saved: declare only what is truly frozen. Unsharded saves only."""
 
     def __init__(
         self,
@@ -149,7 +146,8 @@ class CheckpointManager:
         keep_every: int | None = None,
         save_every: int | None = None,
         async_save: bool = False,
-        writer: Literal["thread", "process"] = "thread",
+        writer: Literal["thread", "process"] | None = None,
+        writer_priority: Literal["normal", "low", "idle"] | None = None,
         retention: RetentionPolicy | None = None,
         save_policy: SavePolicy | None = None,
         name: str | None = None,
@@ -225,6 +223,7 @@ class CheckpointManager:
             leader=opener.leader,
             async_save=config.async_save,
             writer=config.writer,
+            writer_priority=config.writer_priority,
             blobs=self._blob_handles,
             host=_SaverHost(self),
         )

@@ -78,7 +78,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from savepoint import checkpoint
-from savepoint.async_.checkpointer import AsyncCheckpointer, Writer
+from savepoint.async_.checkpointer import AsyncCheckpointer, Writer, WriterPriority
 from savepoint.async_.pending import PendingSave
 from savepoint.commit.transaction import discard
 from savepoint.errors import CheckpointError, CheckpointWriteError, RunLockedError
@@ -143,7 +143,8 @@ class Saver:
         async_save: bool,
         blobs: BlobSaving | None,
         host: Host,
-        writer: Writer = "thread",
+        writer: Writer | None = None,
+        writer_priority: WriterPriority | None = None,
     ) -> None:
         self.books, self.catalog, self.settle = books, books.catalog, settle
         self.options, self.leader = options, leader
@@ -162,11 +163,7 @@ class Saver:
         # its next write.
         self.abandon = _Abandon(options.progress)
         self.checkpointer = (
-            AsyncCheckpointer(
-                **{**options.changed(), "progress": self.abandon.progress}, writer=writer
-            )
-            if async_save
-            else None
+            _checkpointer(options, self.abandon, writer, writer_priority) if async_save else None
         )
 
     @property
@@ -278,7 +275,8 @@ class Saver:
         assert self.checkpointer is not None
         # The background thread runs the blob store's save session, then (committed: retention
         # and the blob collection) after the session is closed.
-        shared = self.checkpointer.writer == "thread"  # (a writer process has its own memo)
+        # (A writer process keeps its own memo; the thread writer shares the run's.)
+        shared = not self.checkpointer.writes_in_process(job.target)
         incremental = self.blobs.async_options(shared) if self.blobs is not None else {}
         job.keep = self.host.keep()  # (the manager stays alive until the save is done)
         flight, backup = job.flight, job.backup
@@ -524,6 +522,17 @@ class Saver:
         it with the next save or ``close()``)."""
         with self.lock:
             self.books.log(step, loss, metrics)
+
+
+def _checkpointer(
+    options: SaveOptions, abandon: _Abandon, writer: Writer | None, priority: WriterPriority | None
+) -> AsyncCheckpointer:
+    """The AsyncCheckpointer of a manager's async saves (``abandon`` stops its save in flight)."""
+    return AsyncCheckpointer(
+        **{**options.changed(), "progress": abandon.progress},
+        writer=writer,
+        writer_priority=priority,
+    )
 
 
 def unranked_warning(
