@@ -246,6 +246,7 @@ class PeerMemory:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self.wire.close()
 
     # -- restore -----------------------------------------------------------------------------
 
