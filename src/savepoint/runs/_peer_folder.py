@@ -378,17 +378,17 @@ def evictions(
 
 
 class FileSource:
-    """A local file to send: ``file`` (sent with ``sendfile`` where nothing needs to see its
-    bytes), or its pieces as views of a read-only mapping (made on the first ``chunk``)."""
+    """A local file to send, mapped read-only (``chunk`` returns views of the mapping)."""
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "rb")  # noqa: SIM115 (closed by close())
-        self._map: mmap.mmap | None = None
+        size = os.fstat(self.file.fileno()).st_size
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # (no fault per page)
+        fd = self.file.fileno()
+        self._map = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ) if size else None
 
     def chunk(self, start: int, end: int) -> np.ndarray[Any, Any]:
-        if self._map is None:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # (no fault per page)
-            self._map = mmap.mmap(self.file.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+        assert self._map is not None
         return np.frombuffer(self._map, np.uint8, end - start, start)
 
     def close(self) -> None:
