@@ -197,6 +197,7 @@ class CheckpointManager:
         )
         # Which checkpoint restore() and peek() read, and from where (runs.restoring).
         self._restorer = Restorer(self._run, self._catalog, self._books.steps_now)
+        self._restorer.lineage = lambda: self._books.report.lineage
         lock = threading.RLock()  # the books' and the background step's (runs.lifecycle)
         # The background step of each save (runs.settle: syncs, verification, retention), on
         # one worker thread, and the error it left for the next save, wait() or close().

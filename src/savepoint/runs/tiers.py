@@ -57,7 +57,10 @@ each tier it is due on with :func:`savepoint.copy` (every checksum of the source
 committed on the tier through the save's Transaction: a kill leaves the tier's previous
 checkpoints and a temporary the next copy tidies). Then, if the tier holds more than ``keep``
 checkpoints, the new copy is read back and verified there and only then are the oldest deleted
-(never the step the run resumed from). A failed copy-up is kept and raised once, as
+(never the step the run resumed from). After a resume from step ``k``, the copy-up of a step
+``s`` also deletes the tier's steps after ``max(s, k)`` (once the new copy is verified there):
+they belong to the timeline the run abandoned, as the run directory deletes its own when the new
+timeline commits its first checkpoint. A failed copy-up is kept and raised once, as
 CheckpointWriteError naming the tier, the step and the cause, by the manager's next ``save``,
 ``wait()`` or ``close()`` (like any background failure); the copy of the next due step is tried
 as usual. The run directory's retention never deletes a checkpoint whose copy-up has not finished.
@@ -172,6 +175,9 @@ class TierCopier:
     run ids): it may continue the run its tiers belong to, and :attr:`run_id` is then that run's
     id, for the caller to record.
     ``protected()``: steps a tier must never delete (the step the run resumed from).
+    ``resumed_from()``: the step the run resumed from (None: it did not): a copy-up of step
+    ``s`` then deletes the tier's steps after ``max(s, resumed_from)``, which belong to the
+    timeline the run abandoned (as the run directory deletes its own, :mod:`savepoint.runs.books`).
     ``writable``: take each tier's writer lock and claim it (else check ``tier.json`` only).
     Call :meth:`close` to release the locks."""
 
@@ -182,6 +188,7 @@ class TierCopier:
         *,
         inherit: bool = False,
         protected: Callable[[], Iterable[int]] = tuple,
+        resumed_from: Callable[[], int | None] = lambda: None,
         writable: bool = True,
     ) -> None:
         labels = [t.label for t in tiers]
@@ -193,6 +200,7 @@ class TierCopier:
         self._inherit = inherit
         self._locks: dict[str, WriterLock] = {}
         self._protected = protected
+        self._resumed_from = resumed_from
         self._where = {t.label: resolve_path(t.url, what=f"tier {t.label!r}") for t in tiers}
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}  # step -> copy-ups not finished
@@ -428,6 +436,7 @@ class TierCopier:
                         if stats.blobs_written or stats.blobs_reused
                         else "",
                     )
+                    self._leave_abandoned(tier, step)
                     self._prune(tier, step)
                 except BaseException as exc:  # kept, and raised by the manager
                     self._fail(tier, step, exc)
@@ -438,6 +447,33 @@ class TierCopier:
                     self._pending[step] = left
                 else:
                     self._pending.pop(step, None)
+
+    def _leave_abandoned(self, tier: Tier, newest: int) -> None:
+        """After a resume, delete the tier's steps after ``max(newest, resumed_from)``: they
+        belong to the abandoned timeline, and left there a restore of "latest" could take one
+        (the rule of the run directory, :meth:`savepoint.runs.books.Books.record`). The new copy
+        is read back and verified on the tier first."""
+        resumed = self._resumed_from()
+        if resumed is None:
+            return
+        horizon = max(newest, resumed)
+        abandoned = [s for s in self._steps(tier) if s > horizon]
+        if not abandoned:
+            return
+        from savepoint import checkpoint
+
+        checkpoint.verify(layout.checkpoint_arg(self.location(tier, newest)))
+        for step in abandoned:
+            where = self.location(tier, step)
+            discard(where.store, where.path)
+        log.info(
+            "tier %r: deleted steps %s: newer than step %d, resumed from, they belong to the "
+            "abandoned timeline",
+            tier.label,
+            abandoned,
+            resumed,
+        )
+        self._collect(tier)
 
     def _prune(self, tier: Tier, newest: int) -> None:
         if tier.keep is None:
