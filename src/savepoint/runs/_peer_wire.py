@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import socket
 import struct
@@ -52,6 +53,9 @@ import numpy as np
 
 from savepoint.codecs import bounded_json, checksum
 from savepoint.errors import CorruptCheckpointError
+from savepoint.runs._peer_check import Check
+
+log = logging.getLogger("savepoint.runs.peers")
 
 __all__ = ["ADDR_ENV", "Gathered", "Incoming", "Outgoing", "Sink", "Source", "Wire"]
 
@@ -61,7 +65,9 @@ _BUFFER = 1 << 20  # a receiver's buffer: each piece is hashed and written from 
 _POLL = 0.02  # seconds between looks at a sending thread that may have stalled
 _MAGIC = b"SPpw"
 _HELLO = struct.Struct("<4sQ16s")  # magic, the sender's rank, the transfer's token
-_HEADER = struct.Struct("<QQ")  # a file's message number and size (its digest follows it)
+_HEADER = struct.Struct("<QQQ")  # a file's message number, size, flags (its digest follows)
+_CHECKED = 1  # flag: the receiver checks the file against its manifest and acknowledges it
+_ACK = struct.Struct("<?8s")  # a checked file's acknowledgement: vouched for, the digest
 
 _wires: dict[tuple[int, tuple[int, ...]], int] = {}
 _wires_lock = threading.Lock()
@@ -98,6 +104,10 @@ class Outgoing:
     on_chunk: Callable[[np.ndarray[Any, Any]], None] | None = None
     digest: str | None = None  # what was sent (set by the transfer)
     hashed: bool = True  # False: the receivers know the digest already (no trailer to check)
+    # True: the receivers check the file against its manifest (Incoming.check) and send back
+    # the XXH3-64 they computed, which becomes ``digest``: the sender does not read it to hash
+    # it (if no receiver vouches for it, the sender hashes it after all)
+    checked: bool = False
 
 
 class Sink(Protocol):
@@ -123,6 +133,9 @@ class Incoming:
     digest: str | None = None
     error: str | None = None
     corrupt: bool = False  # the bytes arrived but do not match what was expected
+    # For a file its sender marks checked: what to check it against as it arrives (None: it
+    # cannot be checked here, and is not kept)
+    check: Callable[[], Check | None] | None = None
     lost: bool = False  # the bytes did not arrive (the sender died, stalled or failed)
 
 
@@ -374,7 +387,12 @@ class Wire:
                 conn.sendall(_HELLO.pack(_MAGIC, self.rank, token))
             for item in outgoing:
                 self._send([conns[d] for d in item.dsts], item, progress)
+            item = None
+            self._acknowledged(conns, outgoing)
         except Exception as exc:
+            if item is None:
+                errors.append(f"{self.who(self.rank)} could not hash what it sent: {exc}")
+                return
             assert item is not None
             errors.append(
                 f"sending {item.name} to {', '.join(self.who(d) for d in item.dsts)} "
@@ -385,17 +403,47 @@ class Wire:
                 with contextlib.suppress(OSError):
                     conn.close()
 
+    def _acknowledged(self, conns: dict[int, socket.socket], outgoing: list[Outgoing]) -> None:
+        """The digests of the checked files, as their receivers vouch for them (read once
+        everything is sent: each receiver sent each one as its file arrived, in order); a file
+        no receiver vouched for, or that two describe differently, is hashed here after all."""
+        vouched: dict[int, set[str | None]] = {}
+        for dst, conn in conns.items():
+            mine = [o for o in outgoing if o.checked and dst in o.dsts]
+            try:
+                for item in mine:
+                    ok, raw = _ACK.unpack(_exactly(conn, _ACK.size))
+                    vouched.setdefault(item.message, set()).add(raw.hex() if ok else None)
+            except OSError:  # (the receiver failed: it says so)
+                pass
+        for item in outgoing:
+            if not item.checked:
+                continue
+            good = vouched.get(item.message, set()) - {None}
+            if len(good) == 1:  # (each receiver checked every byte against the manifest)
+                item.digest = good.pop()
+                continue
+            source, hasher = item.open(), checksum.new()
+            try:
+                for start in range(0, item.size, _PIECE):
+                    hasher.update(source.chunk(start, min(item.size, start + _PIECE)))
+            finally:
+                source.close()
+            item.digest = checksum.hexdigest(hasher)
+
     def _send(self, conns: list[socket.socket], item: Outgoing, progress: list[float]) -> None:
-        """One file: a header, the bytes (each piece hashed, while in cache, before it is sent:
-        no copy is made in user space), the sender's digest."""
+        """One file: a header, the bytes (each piece hashed, while in cache, before it is sent,
+        unless the receivers check it: no copy is made in user space), the sender's digest."""
         hasher = checksum.new()
+        hashed = item.hashed and not item.checked
+        flags = _CHECKED if item.checked else 0
         for conn in conns:
-            conn.sendall(_HEADER.pack(item.message, item.size))
+            conn.sendall(_HEADER.pack(item.message, item.size, flags))
         source = item.open()
         try:
             for start in range(0, item.size, _PIECE):
                 chunk = source.chunk(start, min(item.size, start + _PIECE))
-                if item.hashed:
+                if hashed:
                     hasher.update(chunk)
                 view = chunk.data.cast("B")
                 for conn in conns:
@@ -403,10 +451,11 @@ class Wire:
                 if item.on_chunk is not None:
                     item.on_chunk(chunk)
                 progress[0] = time.monotonic()
-            digest = checksum.hexdigest(hasher) if item.hashed else "0" * 16
+            digest = checksum.hexdigest(hasher) if hashed else "0" * 16
             for conn in conns:
                 conn.sendall(bytes.fromhex(digest))
-            item.digest = digest
+            if not item.checked:
+                item.digest = digest
         finally:
             source.close()
 
@@ -423,24 +472,37 @@ class Wire:
             except OSError as exc:  # no room: received all the same (the sender sends it)
                 item.error = f"cannot store {item.name}: {exc.strerror or exc}"
         hasher = checksum.new()
+        check: Check | None = None
         try:
             conn = inbox.get(item.src)
-            header = _HEADER.unpack(_exactly(conn, _HEADER.size))
-            if header != (item.message, item.size):
+            message, size, flags = _HEADER.unpack(_exactly(conn, _HEADER.size))
+            if (message, size) != (item.message, item.size):
                 raise _ProtocolError(
-                    f"sent message {header[0]} of {header[1]} bytes where message "
+                    f"sent message {message} of {size} bytes where message "
                     f"{item.message} of {item.size} bytes was due"
                 )
-            left = item.size
-            while left:
-                n = min(left, len(buffer))
+            checked = bool(flags & _CHECKED)
+            if checked and item.check is not None:
+                try:
+                    check = item.check()
+                except Exception as exc:  # (its manifest did not arrive whole: not kept)
+                    log.warning("peer memory: %s cannot be checked: %s", item.name, exc)
+            at = 0
+            while at < item.size:
+                n = min(item.size - at, len(buffer))
                 piece = _exactly(conn, n, buffer[:n])
                 hasher.update(piece)
+                if check is not None:
+                    check.update(at, piece)
                 if sink is not None:
                     sink.write(np.frombuffer(piece, np.uint8))
-                left -= n
+                at += n
                 progress[0] = time.monotonic()
             trailer = bytes(_exactly(conn, 8))
+            if checked:
+                problem = "it could not be checked here" if check is None else check.problem()
+                got = checksum.hexdigest(hasher)
+                conn.sendall(_ACK.pack(problem is None, bytes.fromhex(got)))
         except Exception as exc:
             item.lost = True
             item.error = (
@@ -453,6 +515,15 @@ class Wire:
                 sink.close()
         if sink is None:
             return  # dropped (its error says why)
+        if checked:
+            item.digest = got
+            if problem is not None:
+                item.corrupt = check is not None
+                item.error = (
+                    f"{item.name} from {self.who(item.src)} does not match its manifest's "
+                    f"checksums: {problem}"
+                )
+            return
         sent = trailer.hex()
         got = item.digest = checksum.hexdigest(hasher)
         if got != (sent if item.expect is None else item.expect):
