@@ -46,6 +46,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from typing import Any
 
 from savepoint.codecs import checksum
@@ -80,7 +81,8 @@ class Outcome:
     complete: bool
     copies: dict[int, list[str]]  # part -> the nodes holding a committed copy
     errors: list[str]
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the job's start until every rank agreed on the outcome
+    agreed: float = 0.0  # time.perf_counter() then (the eviction of older steps follows)
 
 
 def ring(nodes: list[str], replicas: int) -> list[list[int]]:
@@ -301,13 +303,14 @@ class Replication:
                 copies.setdefault(part, []).append(node)
         world = wire.world
         complete = not done.missing and all(copies.get(p) for p in range(world))
+        agreed = time.perf_counter()
         if errors:
-            wire.reset()  # the group is not trusted after a failure (every rank knows of it)
+            wire.reset()  # the connections are not trusted after a failure (every rank knows)
         if complete:
             self.anchor = step
             with contextlib.suppress(OSError):
                 self.folder.evict(evictions(self.folder.step_bytes(), self.budget, step))
-        return Outcome(step, complete, copies, sorted(set(errors)))
+        return Outcome(step, complete, copies, sorted(set(errors)), agreed=agreed)
 
 
 def _problems(wire: Wire, gathered: Gathered, what: str) -> list[str]:
