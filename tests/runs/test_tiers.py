@@ -448,3 +448,14 @@ def test_which_copies_belong_to_an_abandoned_timeline() -> None:
     assert abandoned([3], copies, []) == set()  # never resumed
     assert abandoned([], copies, lineage) == set()  # a new run directory: the tiers know best
     assert abandoned([6], copies, lineage) == set()  # no checkpoint of the new timeline yet
+
+
+def test_a_copy_up_deletes_the_abandoned_timeline_then_the_oldest_beyond_keep() -> None:
+    from savepoint.runs.tiers import _doomed
+
+    gone, kept = "abandoned timeline", "keep=2"
+    assert _doomed([1, 2, 3], 3, None, set()) == []
+    assert _doomed([1, 2, 3, 4, 5], 5, 2, set()) == [(1, kept), (2, kept), (3, kept)]
+    assert _doomed([1, 2, 3, 4, 5], 3, None, {2}) == [(4, gone), (5, gone)]  # resumed from 2
+    assert _doomed([1, 2, 3, 4, 5], 3, 2, {1}) == [(4, gone), (5, gone), (2, kept)]
+    assert _doomed([1, 2, 5, 6], 3, None, {5}) == [(6, gone)]  # (resumed from 5, then saved 3)

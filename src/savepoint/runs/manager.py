@@ -197,7 +197,6 @@ class CheckpointManager:
         )
         # Which checkpoint restore() and peek() read, and from where (runs.restoring).
         self._restorer = Restorer(self._run, self._catalog, self._books.steps_now)
-        self._restorer.lineage = lambda: self._books.report.lineage
         lock = threading.RLock()  # the books' and the background step's (runs.lifecycle)
         # The background step of each save (runs.settle: syncs, verification, retention), on
         # one worker thread, and the error it left for the next save, wait() or close().
@@ -236,7 +235,7 @@ class CheckpointManager:
             self._saver.close()  # (its async writer; the open gave back what it took)
             raise
         self.run = opened.run
-        self._restorer.opened(opened.tiers, opened.peers)
+        self._restorer.opened(opened.tiers, opened.peers, lambda: self._books.report.lineage)
         self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
         self._preempting.preemption = opened.preemption
         # Its locks, close(), gc(), a fork and the interpreter's exit (runs.lifecycle).

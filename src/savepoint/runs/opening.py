@@ -369,7 +369,6 @@ class Opening:
             {"name": run.name, "variant": run.variant, "id": run.run_id},
             inherit=self.writes_books and ((self.created and fresh) or self.legacy_id),
             protected=lambda: () if books.resumed_from is None else (books.resumed_from,),
-            resumed_from=lambda: books.resumed_from,
             writable=self.writes_books,
         )
         self.settle.tiers = tiers

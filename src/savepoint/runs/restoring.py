@@ -90,9 +90,15 @@ class Restorer:
         # The run's resumes (report.lineage: resumed_from, steps_completed_before)
         self.lineage: Callable[[], list[dict[str, Any]]] = list
 
-    def opened(self, tiers: TierCopier | None, peers: PeerMemory | None) -> None:
-        """The run's storage tiers and peer-memory tier, as its open found them."""
-        self.tiers, self.peers = tiers, peers
+    def opened(
+        self,
+        tiers: TierCopier | None,
+        peers: PeerMemory | None,
+        lineage: Callable[[], list[dict[str, Any]]] = list,
+    ) -> None:
+        """The run's storage tiers and peer-memory tier, as its open found them; ``lineage``:
+        the run's resumes (``report.lineage``), which tell the abandoned timelines."""
+        self.tiers, self.peers, self.lineage = tiers, peers, lineage
 
     def read(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
         """Load checkpoint ``step`` with ``load_options``: (the step loaded, what

@@ -174,10 +174,8 @@ class TierCopier:
     ``inherit``: the run's id was made by this open (a new run directory, or a run made before
     run ids): it may continue the run its tiers belong to, and :attr:`run_id` is then that run's
     id, for the caller to record.
-    ``protected()``: steps a tier must never delete (the step the run resumed from).
-    ``resumed_from()``: the step the run resumed from (None: it did not): a copy-up of step
-    ``s`` then deletes the tier's steps after ``max(s, resumed_from)``, which belong to the
-    timeline the run abandoned (as the run directory deletes its own, :mod:`savepoint.runs.books`).
+    ``protected()``: the step the run resumed from, if it did: never deleted (and the steps
+    after it and after a new copy belong to the abandoned timeline: :func:`_doomed`).
     ``writable``: take each tier's writer lock and claim it (else check ``tier.json`` only).
     Call :meth:`close` to release the locks."""
 
@@ -188,7 +186,6 @@ class TierCopier:
         *,
         inherit: bool = False,
         protected: Callable[[], Iterable[int]] = tuple,
-        resumed_from: Callable[[], int | None] = lambda: None,
         writable: bool = True,
     ) -> None:
         labels = [t.label for t in tiers]
@@ -200,7 +197,6 @@ class TierCopier:
         self._inherit = inherit
         self._locks: dict[str, WriterLock] = {}
         self._protected = protected
-        self._resumed_from = resumed_from
         self._where = {t.label: resolve_path(t.url, what=f"tier {t.label!r}") for t in tiers}
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}  # step -> copy-ups not finished
@@ -436,7 +432,6 @@ class TierCopier:
                         if stats.blobs_written or stats.blobs_reused
                         else "",
                     )
-                    self._leave_abandoned(tier, step)
                     self._prune(tier, step)
                 except BaseException as exc:  # kept, and raised by the manager
                     self._fail(tier, step, exc)
@@ -448,58 +443,20 @@ class TierCopier:
                 else:
                     self._pending.pop(step, None)
 
-    def _leave_abandoned(self, tier: Tier, newest: int) -> None:
-        """After a resume, delete the tier's steps after ``max(newest, resumed_from)``: they
-        belong to the abandoned timeline, and left there a restore of "latest" could take one
-        (the rule of the run directory, :meth:`savepoint.runs.books.Books.record`). The new copy
-        is read back and verified on the tier first."""
-        resumed = self._resumed_from()
-        if resumed is None:
-            return
-        horizon = max(newest, resumed)
-        abandoned = [s for s in self._steps(tier) if s > horizon]
-        if not abandoned:
-            return
-        from savepoint import checkpoint
-
-        checkpoint.verify(layout.checkpoint_arg(self.location(tier, newest)))
-        for step in abandoned:
-            where = self.location(tier, step)
-            discard(where.store, where.path)
-        log.info(
-            "tier %r: deleted steps %s: newer than step %d, resumed from, they belong to the "
-            "abandoned timeline",
-            tier.label,
-            abandoned,
-            resumed,
-        )
-        self._collect(tier)
-
     def _prune(self, tier: Tier, newest: int) -> None:
-        if tier.keep is None:
-            return
-        steps = self._steps(tier)
-        if len(steps) <= tier.keep:
+        """Retention on ``tier`` once ``newest`` is copied there (:func:`_doomed`)."""
+        doomed = _doomed(self._steps(tier), newest, tier.keep, set(self._protected()))
+        if not doomed:
             return
         from savepoint import checkpoint
 
         # Nothing goes before the new copy has been read back and verified on the tier.
         checkpoint.verify(layout.checkpoint_arg(self.location(tier, newest)))
-        protected = set(self._protected()) | {newest}
-        extra = len(steps) - tier.keep
-        deleted = 0
-        for step in steps:
-            if extra <= 0:
-                break
-            if step in protected:
-                continue
+        for step, why in doomed:
             where = self.location(tier, step)
             discard(where.store, where.path)
-            log.info("tier %r: deleted step %d (keep=%d)", tier.label, step, tier.keep)
-            extra -= 1
-            deleted += 1
-        if deleted:
-            self._collect(tier)
+            log.info("tier %r: deleted step %d (%s)", tier.label, step, why)
+        self._collect(tier)
 
     # -- blobs ---------------------------------------------------------------------------------
 
@@ -611,3 +568,24 @@ class TierCopier:
             for step in steps:
                 found.setdefault(step, []).append((tier, self.location(tier, step)))
         return found
+
+
+def _doomed(
+    steps: list[int], newest: int, keep: int | None, protected: set[int]
+) -> list[tuple[int, str]]:
+    """The steps a tier deletes once ``newest`` is copied there, each with why. After a resume
+    (``protected`` holds the step resumed from, never deleted): those after ``max(newest,
+    resumed)``, which belong to the timeline the run abandoned (the run directory's rule,
+    :meth:`savepoint.runs.books.Books.record`; left there, "latest" could take one). Then, past
+    ``keep`` (None: no limit), the oldest of the others, never a protected one or ``newest``."""
+    horizon = max([newest, *protected]) if protected else None
+    doomed = [(s, "abandoned timeline") for s in steps if horizon is not None and s > horizon]
+    rest = [s for s in steps if horizon is None or s <= horizon]
+    extra = len(rest) - keep if keep is not None else 0
+    for step in rest:
+        if extra <= 0:
+            break
+        if step not in protected and step != newest:
+            doomed.append((step, f"keep={keep}"))
+            extra -= 1
+    return doomed
