@@ -291,7 +291,8 @@ class Wire:
         published in the store as ``addr/<generation>/<rank>``)."""
         if self._listener is None:
             host = _advertised_host()
-            listener = socket.create_server((host, 0), backlog=max(16, self.world))
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.create_server((host, 0), family=family, backlog=max(16, self.world))
             port = listener.getsockname()[1]
             self._kv().set(f"addr/{self._generation}/{self.rank}", json.dumps([host, port]))
             self._listener = listener
