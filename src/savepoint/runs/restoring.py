@@ -39,7 +39,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from savepoint import checkpoint
 from savepoint.errors import (
@@ -51,10 +51,11 @@ from savepoint.errors import (
 from savepoint.runs import layout
 from savepoint.runs.catalog import Catalog
 from savepoint.runs.peers import PEER_MEMORY, PeerMemory
+from savepoint.runs.report import Report
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.paths import Location
 
-__all__ = ["RUN_DIRECTORY", "Restorer", "StepSpec"]
+__all__ = ["RUN_DIRECTORY", "Restorer", "StepSpec", "abandoned"]
 
 log = logging.getLogger("savepoint.runs.manager")
 
@@ -66,6 +67,12 @@ Source = tuple[str, Callable[[dict[str, Any]], Any]]
 Copies = dict[int, list[tuple[Tier, Location]]]
 # A warning's stacklevel from the choice methods: the caller of restore()/peek()/RunView.load.
 _CALLER = 5
+
+
+class _Books(Protocol):
+    """What a restore reads of the run's books (:class:`savepoint.runs.books.Books`)."""
+
+    report: Report
 
 
 class _Moved(Exception):
@@ -87,18 +94,14 @@ class Restorer:
         self.peers: PeerMemory | None = None  # the peer-memory tier (runs.peers)
         self.peer_steps: set[int] = set()  # complete in peer memory (surveyed once per read)
         self.restored_from: str | None = None  # where the last read came from
-        # The run's resumes (report.lineage: resumed_from, steps_completed_before)
-        self.lineage: Callable[[], list[dict[str, Any]]] = list
+        self.books: _Books | None = None  # (report.lineage: the run's resumes)
 
     def opened(
-        self,
-        tiers: TierCopier | None,
-        peers: PeerMemory | None,
-        lineage: Callable[[], list[dict[str, Any]]] = list,
+        self, tiers: TierCopier | None, peers: PeerMemory | None, books: _Books | None = None
     ) -> None:
-        """The run's storage tiers and peer-memory tier, as its open found them; ``lineage``:
-        the run's resumes (``report.lineage``), which tell the abandoned timelines."""
-        self.tiers, self.peers, self.lineage = tiers, peers, lineage
+        """The run's storage tiers and peer-memory tier, as its open found them; ``books``: the
+        run's books, whose report's lineage (its resumes) tells the abandoned timelines."""
+        self.tiers, self.peers, self.books = tiers, peers, books
 
     def read(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
         """Load checkpoint ``step`` with ``load_options``: (the step loaded, what
@@ -142,7 +145,7 @@ class Restorer:
     ) -> tuple[int, Any] | None:
         """The newest step that loads, from any of its sources; one that fails verification is
         skipped with a warning for another copy or an older step."""
-        gone = abandoned(steps, copies, self.lineage())
+        gone = abandoned(steps, copies, self.books.report.lineage if self.books else [])
         if gone:
             log.info(
                 "%s: the copies of steps %s belong to the timeline abandoned by a resume: not "
