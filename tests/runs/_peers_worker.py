@@ -165,6 +165,48 @@ def scenario_stall(s: dw.Session) -> None:
     s.check("stall", lambda: restore(s, manager(s, read_only=True), "restored"))
 
 
+def scenario_garble(s: dw.Session) -> None:
+    """Rank 0's first send of a data file has one byte flipped on the way (its file is intact):
+    the receiver must refuse that copy, rank 0's own copy must still verify (its marker's digest
+    hashed from the file, as no receiver vouched for those bytes), and the next step replicates
+    whole."""
+    from savepoint.runs import _peer_folder
+
+    if s.rank == 0:
+        chunk, flipped = _peer_folder.BlobSource.chunk, []
+
+        def garbled(self: Any, start: int, end: int) -> Any:
+            got = chunk(self, start, end)
+            if not flipped and end - start > 64:
+                flipped.append(start)
+                got = got.copy()
+                got[(end - start) // 2] ^= 0x10
+            return got
+
+        _peer_folder.BlobSource.chunk = garbled  # type: ignore[method-assign]
+
+    def run() -> None:
+        with manager(s) as mgr:
+            mgr.save(1, state(1, s.rank, s.world))
+            try:
+                mgr.wait()
+                s.data["error"] = None
+            except sp.CheckpointError as exc:
+                s.data["error"] = str(exc)
+            last = mgr._saver.settle.peers.last
+            s.data["copies"] = {str(p): sorted(n) for p, n in last.copies.items()}
+            folder = mgr._saver.settle.peers.folder
+            s.data["bad"] = {
+                str(p): folder.verify(r, r.files) for p, r in folder.parts([1]).get(1, {}).items()
+            }
+            mgr.save(2, state(2, s.rank, s.world))
+            mgr.wait()
+            last = mgr._saver.settle.peers.last
+            s.data["then"] = [last.step, last.complete, sorted(map(int, last.copies))]
+
+    s.check("garble", run)
+
+
 def scenario_churn(s: dw.Session) -> None:
     """Save a new step every moment until killed (rank 0 marks each replicated step)."""
     with manager(s) as mgr:

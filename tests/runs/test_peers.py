@@ -389,3 +389,16 @@ def test_a_resumed_run_leaves_no_step_of_its_abandoned_timeline_in_memory(tmp_pa
         state = _empty()
         assert mgr.restore(state) == 2 and mgr.restored_from == "peer memory"
         assert np.array_equal(state["w"], _state(20)["w"])
+
+
+def test_the_wire_listens_where_the_store_is_reached_unless_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from savepoint.runs import _peer_wire
+
+    monkeypatch.setattr(_peer_wire, "_store_host", lambda: None)
+    monkeypatch.delenv(_peer_wire.ADDR_ENV, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert _peer_wire._advertised_host() == "127.0.0.1"
+    monkeypatch.setenv(_peer_wire.ADDR_ENV, "10.1.2.3")
+    assert _peer_wire._advertised_host() == "10.1.2.3"

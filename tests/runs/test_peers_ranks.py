@@ -124,6 +124,21 @@ def test_a_peer_that_stops_answering_is_named_and_the_run_directory_used(copy: P
         assert restored["seconds"] < 3 * TIMEOUT + 10, restored
 
 
+def test_bytes_damaged_on_the_wire_are_refused_and_the_senders_copy_still_verifies(
+    tmp_path: Path,
+) -> None:
+    session = run("garble", 2, tmp_path, PEERS_NODES="a,b", PEERS_TIMEOUT="30")
+    first, second = data(session, "error"), data(session, "copies")
+    for error in first:
+        assert error is not None and "does not match its manifest's checksums" in error, error
+    for copies in second:  # part 0's copy on node b was refused; its own on node a kept
+        assert copies == {"0": ["a"], "1": ["a", "b"]}, copies
+    for bad in data(session, "bad"):
+        assert bad and all(problems == [] for problems in bad.values()), bad
+    for then in data(session, "then"):
+        assert then == [2, True, [0, 1]], then
+
+
 def churn_and_kill(workdir: Path, rng: random.Random) -> None:
     """Start ``churn`` (a save and its replication after another) on 4 ranks; once step 1 is
     replicated, SIGKILL every rank at a random moment."""

@@ -400,3 +400,62 @@ def test_a_tier_that_cannot_be_listed_fails_the_restore(
             new.restore(state(0))
         monkeypatch.undo()
         assert new.restore(state(0)) == 1
+
+
+def test_a_resume_leaves_the_abandoned_timeline_on_the_tiers_too(tmp_path: Path) -> None:
+    """After a resume from step 2, the tier's copy of step 4 (the old timeline) is never
+    "latest": the copy-up of the new step 3 deletes it, and a copy left there (a crash before
+    that copy-up, a failed one) is passed over by restore("latest"), as the run directory's are."""
+    import shutil
+
+    tier = sp.Tier(str(tmp_path / "disk"))
+
+    def renewed(step: int) -> dict[str, Any]:
+        return {"w": np.full((64, 64), 100 + step, np.float32), "step": step}
+
+    with sp.CheckpointManager(tmp_path / "ram", name="run-9", keep_last=1, tiers=[tier]) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, state(step))
+    assert layout.committed_steps(tmp_path / "disk") == [1, 2, 3, 4]
+    old_four = tmp_path / "old-step-4"
+    shutil.copytree(layout.step_path(tmp_path / "disk", 4), old_four)
+
+    with sp.CheckpointManager(tmp_path / "ram", name="run-9", keep_last=1, tiers=[tier]) as mgr:
+        target = state(0)
+        assert mgr.restore(target, step=2) == 2  # (from the tier: the run directory holds 4)
+        mgr.save(3, renewed(3))  # the new timeline
+        mgr.wait()
+        assert layout.committed_steps(tmp_path / "disk") == [1, 2, 3]
+        assert mgr.restore(target) == 3
+        same(target, renewed(3))
+        # The old step 4 back on the tier (as if the copy-up had not run): still not "latest".
+        shutil.copytree(old_four, layout.step_path(tmp_path / "disk", 4))
+        assert mgr.restore(target, resume=False) == 3
+        assert mgr.restored_from == "run directory"
+        same(target, renewed(3))
+    with sp.CheckpointManager(tmp_path / "ram", name="run-9", tiers=[tier], read_only=True) as ro:
+        target = state(0)
+        assert ro.restore(target, resume=False) == 3
+        same(target, renewed(3))
+
+
+def test_which_copies_belong_to_an_abandoned_timeline() -> None:
+    from savepoint.runs.restoring import abandoned
+
+    lineage = [{"resumed_from": 2, "steps_completed_before": 6, "at": "..."}]
+    copies: dict[int, list[Any]] = {s: [] for s in (1, 2, 3, 5, 6, 7)}
+    assert abandoned([3], copies, lineage) == {5, 6}  # 7: never reached by the old timeline
+    assert abandoned([3], copies, []) == set()  # never resumed
+    assert abandoned([], copies, lineage) == set()  # a new run directory: the tiers know best
+    assert abandoned([6], copies, lineage) == set()  # no checkpoint of the new timeline yet
+
+
+def test_a_copy_up_deletes_the_abandoned_timeline_then_the_oldest_beyond_keep() -> None:
+    from savepoint.runs.tiers import _doomed
+
+    gone, kept = "abandoned timeline", "keep=2"
+    assert _doomed([1, 2, 3], 3, None, set()) == []
+    assert _doomed([1, 2, 3, 4, 5], 5, 2, set()) == [(1, kept), (2, kept), (3, kept)]
+    assert _doomed([1, 2, 3, 4, 5], 3, None, {2}) == [(4, gone), (5, gone)]  # resumed from 2
+    assert _doomed([1, 2, 3, 4, 5], 3, 2, {1}) == [(4, gone), (5, gone), (2, kept)]
+    assert _doomed([1, 2, 5, 6], 3, None, {5}) == [(6, gone)]  # (resumed from 5, then saved 3)

@@ -381,10 +381,10 @@ class FileSource:
     """A local file to send, mapped read-only (``chunk`` returns views of the mapping)."""
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "rb")  # noqa: SIM115 (closed by close())
-        size = os.fstat(self._file.fileno()).st_size
+        self.file = open(path, "rb")  # noqa: SIM115 (closed by close())
+        size = os.fstat(self.file.fileno()).st_size
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # (no fault per page)
-        fd = self._file.fileno()
+        fd = self.file.fileno()
         self._map = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ) if size else None
 
     def chunk(self, start: int, end: int) -> np.ndarray[Any, Any]:
@@ -395,7 +395,7 @@ class FileSource:
         if self._map is not None:
             with contextlib.suppress(BufferError):  # a view still held: freed with it
                 self._map.close()
-        self._file.close()
+        self.file.close()
 
 
 class BlobSource:

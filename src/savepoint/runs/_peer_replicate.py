@@ -18,10 +18,15 @@ In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire
    holds
    (:func:`savepoint.runs._peer_folder.evictions`: never the newest complete step), and if it
    still does not fit, keep no copy of this step (received bytes are dropped);
-4. **the bytes**: each rank reads its files once, chunk by chunk: hashing them, writing its own
-   node's copy (a hard link instead, where the run directory is on the node memory's file
-   system: a RAM disk) and sending them to its targets; receivers land the bytes in a staging
-   folder and check each file's XXH3-64 against the sender's;
+4. **the bytes**: each rank reads its files once, piece by piece, writing its own node's copy
+   (a hard link instead, where the run directory is on the node memory's file system: a RAM
+   disk) and sending them to its targets; receivers land the bytes in a staging folder. A data
+   file its manifest's checksums cover whole (a savepoint one) is checked by each receiver
+   against those checksums as it arrives (:mod:`savepoint.runs._peer_check`), and the XXH3-64
+   the receiver computed in that pass comes back to the sender for its own copy's marker: the
+   sender never reads it to hash it. Other files (the manifest, blobs) the sender hashes, and
+   the receivers check them against its XXH3-64 (the manifest against the digest every rank
+   agreed on);
 5. **commit**: each copy (its marker last, then a rename: :class:`NodeFolder`);
 6. **the outcome**, gathered: the step is *complete* in peer memory when every part has at least
    one committed copy; a failure anywhere (a rank that died or stopped answering, a file that did
@@ -41,11 +46,13 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from typing import Any
 
 from savepoint.codecs import checksum
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import resolve as resolve_committed
+from savepoint.runs._peer_check import Check, units
 from savepoint.runs._peer_folder import (
     BLOBS,
     COMMON,
@@ -74,7 +81,8 @@ class Outcome:
     complete: bool
     copies: dict[int, list[str]]  # part -> the nodes holding a committed copy
     errors: list[str]
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the job's start until every rank agreed on the outcome
+    agreed: float = 0.0  # time.perf_counter() then (the eviction of older steps follows)
 
 
 def ring(nodes: list[str], replicas: int) -> list[list[int]]:
@@ -118,6 +126,7 @@ class _Part:
     files: list[tuple[str, int]]  # name, size (manifest.json first)
     paths: dict[str, str]  # name -> where the store holds it (all but the manifest)
     local: bool  # the store is this machine's file system (paths are file paths)
+    parsed: mf.Manifest | None = None
 
 
 class Replication:
@@ -166,7 +175,8 @@ class Replication:
             if manifest.has_blobs:
                 files += _blob_files(store, directory, manifest, self.wire.rank, paths)
             digest = checksum.digest(raw)
-            return _Part(store, raw, digest, world, files, paths, where.is_local), None
+            part = _Part(store, raw, digest, world, files, paths, where.is_local, manifest)
+            return part, None
         except Exception as exc:  # reported to every rank through the gather
             return None, f"{self.wire.who(self.wire.rank)}: cannot read its part: {exc}"
 
@@ -176,7 +186,9 @@ class Replication:
         """Steps 2-5: this rank's copies committed (part, node) and what failed here."""
         wire, node = self.wire, self.folder.node
         targets = ring(wire.nodes, self.replicas)
-        outgoing, incoming, landing = [], [], {}
+        outgoing, incoming = [], []
+        landing: dict[int, Landing] = {}
+        manifests: dict[int, mf.Manifest] = {}
         message = 0
         need = 0
         for rank, doc in enumerate(parts):
@@ -184,9 +196,14 @@ class Replication:
             for name, size in doc["files"]:
                 dsts = targets[rank]
                 if rank == wire.rank:
-                    outgoing.append(Outgoing(message, dsts, size, name, _opener(part, name)))
+                    send = Outgoing(message, dsts, size, name, _opener(part, name))
+                    # (the receivers check a data file against the manifest: no hashing here)
+                    send.checked = bool(dsts) and _covered(part.parsed, name)
+                    outgoing.append(send)
                 elif wire.rank in dsts:
-                    incoming.append(Incoming(message, rank, size, name, None))
+                    expect = doc["manifest"] if name == mf.NAME else None
+                    check = _checker(landing, manifests, rank, name)
+                    incoming.append(Incoming(message, rank, size, name, None, expect, check=check))
                 need += size * (int(here) + sum(wire.nodes[d] == node for d in dsts))
                 message += 1
         full = self._make_room(step, need)
@@ -286,13 +303,14 @@ class Replication:
                 copies.setdefault(part, []).append(node)
         world = wire.world
         complete = not done.missing and all(copies.get(p) for p in range(world))
+        agreed = time.perf_counter()
         if errors:
-            wire.reset()  # the group is not trusted after a failure (every rank knows of it)
+            wire.reset()  # the connections are not trusted after a failure (every rank knows)
         if complete:
             self.anchor = step
             with contextlib.suppress(OSError):
                 self.folder.evict(evictions(self.folder.step_bytes(), self.budget, step))
-        return Outcome(step, complete, copies, sorted(set(errors)))
+        return Outcome(step, complete, copies, sorted(set(errors)), agreed=agreed)
 
 
 def _problems(wire: Wire, gathered: Gathered, what: str) -> list[str]:
@@ -352,6 +370,28 @@ def _opener(part: _Part, name: str) -> Any:
         return lambda: BytesSource(part.manifest)
     store, path = part.store, part.paths[name]
     return lambda: BlobSource(store, path)
+
+
+def _covered(manifest: mf.Manifest | None, name: str) -> bool:
+    return manifest is not None and name in manifest.files and units(manifest, name) is not None
+
+
+def _checker(
+    landing: dict[int, Landing], manifests: dict[int, mf.Manifest], src: int, name: str
+) -> Any:
+    """What a data file from ``src`` is checked against as it arrives: its part's manifest,
+    received (and checked against the digest every rank agreed on) before it."""
+
+    def check() -> Check | None:
+        if src not in landing:
+            return None  # (this node keeps no copy of this step: nothing to check)
+        if src not in manifests:
+            with open(os.path.join(landing[src].folder, mf.NAME), "rb") as f:
+                manifests[src] = mf.parse(f.read(mf.MAX_MANIFEST_BYTES + 1), columns=False)
+        found = units(manifests[src], name)
+        return None if found is None else Check(found)
+
+    return check
 
 
 def _lander(landing: Landing, name: str, size: int) -> Any:

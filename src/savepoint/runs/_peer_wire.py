@@ -11,17 +11,23 @@ Two channels, both savepoint's own, never the training's:
   of its own) has not moved for ``timeout`` seconds and its document is still missing: a rank
   that is busy copying is waited for, a dead or frozen one is named. Rank 0 not answering is
   named by the others the same way.
-- **bytes** (:meth:`Wire.transfer`): point-to-point ``send``/``recv`` of uint8 tensors on a
-  gloo process group made for the tier (``ProcessGroupGloo`` over a prefix of the same store,
-  as :mod:`savepoint.distributed.collectives` makes its own), in chunks of at least
-  :data:`CHUNK` bytes, a few in flight per file, each file followed by the XXH3-64 the sender
-  computed over the bytes it sent (not computed where the receiver knows what to expect: a
-  restore checks each file against its copy's marker). Sends run on a thread of their own and receives on the
-  caller's, each side in one order every rank derives from the same documents, so no two ranks
-  wait on each other. A gloo operation that fails (a peer died: at once; a peer that stops
-  answering: after ``timeout``) fails that transfer and names the peer; the group is then not
-  trusted any more: every rank drops it once the failure is agreed (:meth:`Wire.reset`) and the
-  next session makes a fresh one.
+- **bytes** (:meth:`Wire.transfer`): plain TCP connections, one from each sender to each of its
+  receivers per transfer (every rank listens on a socket of the tier's, its address published
+  in the store; ``$SAVEPOINT_PEER_ADDR`` overrides the address, which is otherwise the one this
+  host uses towards the store's host). A connection opens with a hello (the sender's rank and
+  the transfer's token: a late connection of an earlier transfer is closed unread); each file is
+  a header (its message number and size: anything else is a protocol error), its bytes, and the
+  XXH3-64 the sender computed over the bytes it sent (not computed where the receiver knows what
+  to expect: a restore checks each file against its copy's marker). The sender hashes each
+  piece of 1 MiB while it is in cache, then sends it from the same memory (``sendfile`` cost
+  more CPU on loopback than ``sendall`` from a populated mapping); the receiver reads each piece
+  straight into one reused buffer, hashes it there and writes it to its file: no bytes object
+  is made, no file mapped, no piece copied in user space. Sends run on a thread of their own
+  and receives on the caller's, each side in one order every rank derives from the same
+  documents (message order), so no two ranks wait on each other. A connection that fails (a
+  peer died: at once; a peer that stops answering: after ``timeout``) fails that transfer and
+  names the peer; every rank then drops its listener once the failure is agreed
+  (:meth:`Wire.reset`) and the next transfer opens fresh ones.
 
 Without a process group (one process) there is nobody to talk to: :meth:`Wire.gather` returns
 this rank's document and no bytes travel.
@@ -29,14 +35,16 @@ this rank's document and no bytes travel.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
+import os
+import socket
+import struct
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Protocol
@@ -45,13 +53,21 @@ import numpy as np
 
 from savepoint.codecs import bounded_json, checksum
 from savepoint.errors import CorruptCheckpointError
+from savepoint.runs._peer_check import Check
 
-__all__ = ["CHUNK", "Gathered", "Incoming", "Outgoing", "Sink", "Source", "Wire", "chunk_size"]
+log = logging.getLogger("savepoint.runs.peers")
 
-CHUNK = 16 << 20  # bytes per send at least (files over 4095 chunks get larger ones)
-_CHUNKS = 4095  # chunk tags per file (the 4096th is its trailer: the sender's digest)
-_WINDOW = 4  # chunks of one file in flight per side
+__all__ = ["ADDR_ENV", "Gathered", "Incoming", "Outgoing", "Sink", "Source", "Wire"]
+
+ADDR_ENV = "SAVEPOINT_PEER_ADDR"  # the address other ranks reach this one at (else worked out)
+_PIECE = 1 << 20  # bytes hashed and sent at a time (in cache between the two)
+_BUFFER = 1 << 20  # a receiver's buffer: each piece is hashed and written from it
 _POLL = 0.02  # seconds between looks at a sending thread that may have stalled
+_MAGIC = b"SPpw"
+_HELLO = struct.Struct("<4sQ16s")  # magic, the sender's rank, the transfer's token
+_HEADER = struct.Struct("<QQQ")  # a file's message number, size, flags (its digest follows)
+_CHECKED = 1  # flag: the receiver checks the file against its manifest and acknowledges it
+_ACK = struct.Struct("<?8s")  # a checked file's acknowledgement: vouched for, the digest
 
 _wires: dict[tuple[int, tuple[int, ...]], int] = {}
 _wires_lock = threading.Lock()
@@ -88,6 +104,10 @@ class Outgoing:
     on_chunk: Callable[[np.ndarray[Any, Any]], None] | None = None
     digest: str | None = None  # what was sent (set by the transfer)
     hashed: bool = True  # False: the receivers know the digest already (no trailer to check)
+    # True: the receivers check the file against its manifest (Incoming.check) and send back
+    # the XXH3-64 they computed, which becomes ``digest``: the sender does not read it to hash
+    # it (if no receiver vouches for it, the sender hashes it after all)
+    checked: bool = False
 
 
 class Sink(Protocol):
@@ -113,33 +133,10 @@ class Incoming:
     digest: str | None = None
     error: str | None = None
     corrupt: bool = False  # the bytes arrived but do not match what was expected
+    # For a file its sender marks checked: what to check it against as it arrives (None: it
+    # cannot be checked here, and is not kept)
+    check: Callable[[], Check | None] | None = None
     lost: bool = False  # the bytes did not arrive (the sender died, stalled or failed)
-
-
-def _pool(largest: int) -> list[Any]:
-    """The receive buffers of one transfer: :data:`_WINDOW` chunks (as small as the largest
-    file allows)."""
-    import torch
-
-    n = min(chunk_size(largest), largest)
-    return [torch.empty(n, dtype=torch.uint8) for _ in range(_WINDOW if n else 1)]
-
-
-def chunk_size(size: int) -> int:
-    """The chunk size both ends use for a file of ``size`` bytes."""
-    return max(CHUNK, -(-size // _CHUNKS))
-
-
-def _tag(message: int, chunk: int) -> int:
-    return (message << 12) | chunk
-
-
-def _tensor(array: np.ndarray[Any, Any]) -> Any:
-    import torch
-
-    with warnings.catch_warnings():  # a read-only mapping is only read by a send
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
 
 
 class Wire:
@@ -153,10 +150,11 @@ class Wire:
         self.rank, self.world = 0, 1
         self.prefix = ""
         self._store: Any = None
-        self._group: Any = None
         self._generation = 0
         self._sessions = 0
         self._session = ""
+        self._transfers = 0
+        self._listener: socket.socket | None = None
         self._last_all: str | None = None
         self._beating = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -288,33 +286,57 @@ class Wire:
 
     # -- bytes ---------------------------------------------------------------------------------
 
-    def group(self) -> Any:
-        """The gloo group of this generation (made on first use, every rank at once)."""
-        if self._group is None:
-            import torch.distributed as dist
-            from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+    def _listen(self) -> socket.socket:
+        """This rank's listening socket of this generation (made on first use, its address
+        published in the store as ``addr/<generation>/<rank>``)."""
+        if self._listener is None:
+            host = _advertised_host()
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.create_server((host, 0), family=family, backlog=max(16, self.world))
+            port = listener.getsockname()[1]
+            self._kv().set(f"addr/{self._generation}/{self.rank}", json.dumps([host, port]))
+            self._listener = listener
+        return self._listener
 
-            store = PrefixStore(f"g{self._generation}/", self._kv())
-            self._group = dist.ProcessGroupGloo(
-                store, self.rank, self.world, timedelta(seconds=self.timeout)
-            )
-        return self._group
+    def _address(self, rank: int) -> tuple[str, int]:
+        key = f"addr/{self._generation}/{rank}"
+        kv = self._kv()
+        kv.wait([key], timedelta(seconds=self.timeout))
+        host, port = self._load(kv.get(key))
+        if not (isinstance(host, str) and isinstance(port, int)):
+            raise CorruptCheckpointError(f"a bad address for {self.who(rank)}: {host!r}:{port!r}")
+        return host, port
 
     def reset(self) -> None:
-        """Drop the group after a failed transfer (every rank, once the failure is agreed)."""
-        self._group = None
+        """Drop the connections' listener after a failed transfer (every rank, once the failure
+        is agreed): the next transfer makes a fresh one, and nothing of the failed one is read."""
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+        self._listener = None
         self._generation += 1
+
+    def close(self) -> None:
+        """Close the listening socket (the manager's end)."""
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+            self._listener = None
 
     def transfer(self, outgoing: list[Outgoing], incoming: list[Incoming]) -> list[str]:
         """Send ``outgoing`` and receive ``incoming`` (both in message order); returns what
         failed on this rank's sending side (each naming the peer), the receptions' outcomes in
         ``incoming``. A peer that failed one reception is not waited for again."""
-        group = None  # (alone: only this rank's own copies, nothing sent)
+        self._transfers += 1
+        token = hashlib.sha1(
+            f"{self.prefix}{self._generation}/{self._session}/{self._transfers}".encode()
+        ).digest()[:16]
+        listener = None  # (alone: only this rank's own copies, nothing sent)
         if self.world > 1:
-            try:  # every rank calls transfer at the same point: the group is made together
-                group = self.group()
+            try:  # every rank calls transfer at the same point
+                listener = self._listen()
             except Exception as exc:
-                problem = f"could not set up the peer tier's gloo group: {_short(exc)}"
+                problem = f"could not open the peer tier's socket: {_short(exc)}"
                 for item in incoming:
                     item.lost, item.error = True, problem
                 return [problem]
@@ -322,21 +344,26 @@ class Wire:
         progress = [time.monotonic()]
         sender = threading.Thread(
             target=self._send_all,
-            args=(group, sorted(outgoing, key=lambda o: o.message), errors, progress),
+            args=(token, sorted(outgoing, key=lambda o: o.message), errors, progress),
             name="savepoint-peers-send",
             daemon=True,
         )
         sender.start()
+        inbox = _Inbox(listener, token, self.timeout)
         failed: dict[int, str] = {}
-        pool = _pool(max((i.size for i in incoming), default=0))
-        for item in sorted(incoming, key=lambda i: i.message):
-            if item.src in failed:
-                item.lost, item.error = True, f"not received: {failed[item.src]}"
-                continue
-            self._receive(group, item, pool)
-            if item.lost:
-                failed[item.src] = item.error or "it failed"
-            progress[0] = time.monotonic()
+        buffer = memoryview(bytearray(_BUFFER)) if incoming else memoryview(b"")
+        try:
+            for item in sorted(incoming, key=lambda i: i.message):
+                if item.src in failed:
+                    item.lost, item.error = True, f"not received: {failed[item.src]}"
+                    continue
+                self._receive(inbox, item, buffer, progress)
+                if item.lost:
+                    failed[item.src] = item.error or "it failed"
+                    inbox.drop(item.src)
+                progress[0] = time.monotonic()
+        finally:
+            inbox.close()
         while sender.is_alive():
             sender.join(_POLL * 10)
             if sender.is_alive() and time.monotonic() - progress[0] > self.timeout:
@@ -348,86 +375,135 @@ class Wire:
         return errors
 
     def _send_all(
-        self, group: Any, outgoing: list[Outgoing], errors: list[str], progress: list[float]
+        self, token: bytes, outgoing: list[Outgoing], errors: list[str], progress: list[float]
     ) -> None:
-        for item in outgoing:
-            try:
-                self._send(group, item, progress)
-            except Exception as exc:
-                errors.append(
-                    f"sending {item.name} to {', '.join(self.who(d) for d in item.dsts)} "
-                    f"failed: {_short(exc)}"
-                )
-                return  # the group is not trusted any more
+        conns: dict[int, socket.socket] = {}
+        item: Outgoing | None = None
+        try:
+            for dst in dict.fromkeys(d for o in outgoing for d in o.dsts):
+                item = next(o for o in outgoing if dst in o.dsts)
+                conn = socket.create_connection(self._address(dst), timeout=self.timeout)
+                conns[dst] = conn
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.sendall(_HELLO.pack(_MAGIC, self.rank, token))
+            for item in outgoing:
+                self._send([conns[d] for d in item.dsts], item, progress)
+            item = None
+            self._acknowledged(conns, outgoing)
+        except Exception as exc:
+            if item is None:
+                errors.append(f"{self.who(self.rank)} could not hash what it sent: {exc}")
+                return
+            assert item is not None
+            errors.append(
+                f"sending {item.name} to {', '.join(self.who(d) for d in item.dsts)} "
+                f"failed: {_short(exc)}"
+            )
+        finally:
+            for conn in conns.values():
+                with contextlib.suppress(OSError):
+                    conn.close()
 
-    def _send(self, group: Any, item: Outgoing, progress: list[float]) -> None:
+    def _acknowledged(self, conns: dict[int, socket.socket], outgoing: list[Outgoing]) -> None:
+        """The digests of the checked files, as their receivers vouch for them (read once
+        everything is sent: each receiver sent each one as its file arrived, in order); a file
+        no receiver vouched for, or that two describe differently, is hashed here after all."""
+        vouched: dict[int, set[str | None]] = {}
+        for dst, conn in conns.items():
+            mine = [o for o in outgoing if o.checked and dst in o.dsts]
+            try:
+                for item in mine:
+                    ok, raw = _ACK.unpack(_exactly(conn, _ACK.size))
+                    vouched.setdefault(item.message, set()).add(raw.hex() if ok else None)
+            except OSError:  # (the receiver failed: it says so)
+                pass
+        for item in outgoing:
+            if not item.checked:
+                continue
+            good = vouched.get(item.message, set()) - {None}
+            if len(good) == 1:  # (each receiver checked every byte against the manifest)
+                item.digest = good.pop()
+                continue
+            source, hasher = item.open(), checksum.new()
+            try:
+                for start in range(0, item.size, _PIECE):
+                    hasher.update(source.chunk(start, min(item.size, start + _PIECE)))
+            finally:
+                source.close()
+            item.digest = checksum.hexdigest(hasher)
+
+    def _send(self, conns: list[socket.socket], item: Outgoing, progress: list[float]) -> None:
+        """One file: a header, the bytes (each piece hashed, while in cache, before it is sent,
+        unless the receivers check it: no copy is made in user space), the sender's digest."""
         hasher = checksum.new()
-        works: collections.deque[tuple[Any, Any]] = collections.deque()
-        n = chunk_size(item.size)
+        hashed = item.hashed and not item.checked
+        flags = _CHECKED if item.checked else 0
+        for conn in conns:
+            conn.sendall(_HEADER.pack(item.message, item.size, flags))
         source = item.open()
         try:
-            for i, start in enumerate(range(0, item.size, n)):
-                chunk = source.chunk(start, min(item.size, start + n))
-                tensor = _tensor(chunk) if item.dsts else None
-                for dst in item.dsts:  # (posted first: gloo sends while this thread hashes)
-                    works.append((group.send([tensor], dst, _tag(item.message, i)), tensor))
-                if item.hashed:
+            for start in range(0, item.size, _PIECE):
+                chunk = source.chunk(start, min(item.size, start + _PIECE))
+                if hashed:
                     hasher.update(chunk)
+                view = chunk.data.cast("B")
+                for conn in conns:
+                    conn.sendall(view)
                 if item.on_chunk is not None:
                     item.on_chunk(chunk)
-                while len(works) > _WINDOW * len(item.dsts):
-                    works.popleft()[0].wait()
-                    progress[0] = time.monotonic()
-            digest = checksum.hexdigest(hasher) if item.hashed else "0" * 16
-            trailer = np.frombuffer(bytearray(bytes.fromhex(digest)), np.uint8)
-            for dst in item.dsts:
-                sent = _tensor(trailer)
-                works.append((group.send([sent], dst, _tag(item.message, _CHUNKS)), sent))
-            while works:
-                works.popleft()[0].wait()
                 progress[0] = time.monotonic()
-            item.digest = digest
+            digest = checksum.hexdigest(hasher) if hashed else "0" * 16
+            for conn in conns:
+                conn.sendall(bytes.fromhex(digest))
+            if not item.checked:
+                item.digest = digest
         finally:
-            for work, _ in works:  # (a failure: nothing may still read the source's memory)
-                with contextlib.suppress(Exception):
-                    work.wait()
-            works.clear()
             source.close()
 
-    def _receive(self, group: Any, item: Incoming, pool: list[Any]) -> None:
-        """Receive ``item`` chunk by chunk into the reused buffers of ``pool`` (a few in
-        flight), each hashed and written to its file in order: no file is mapped, no page of
-        it touched twice."""
-        import torch
-
+    def _receive(
+        self, inbox: _Inbox, item: Incoming, buffer: memoryview, progress: list[float]
+    ) -> None:
+        """Receive ``item`` piece by piece into ``buffer`` (reused), each piece hashed while in
+        cache and written to its file in order: no file is mapped, no page of it touched
+        twice."""
         sink: Sink | None = None
         if item.into is not None:
             try:
                 sink = item.into()
             except OSError as exc:  # no room: received all the same (the sender sends it)
                 item.error = f"cannot store {item.name}: {exc.strerror or exc}"
-        n = chunk_size(item.size)
         hasher = checksum.new()
-        trailer = torch.zeros(8, dtype=torch.uint8)
-        pending: collections.deque[tuple[Any, Any]] = collections.deque()
-
-        def land() -> None:
-            work, chunk = pending.popleft()
-            work.wait()
-            data = chunk.numpy()
-            hasher.update(data)
-            if sink is not None:
-                sink.write(data)
-
+        check: Check | None = None
         try:
-            for i, start in enumerate(range(0, item.size, n)):
-                chunk = pool[i % len(pool)][: min(n, item.size - start)]
-                pending.append((group.recv([chunk], item.src, _tag(item.message, i)), chunk))
-                if len(pending) == len(pool):
-                    land()
-            while pending:
-                land()
-            group.recv([trailer], item.src, _tag(item.message, _CHUNKS)).wait()
+            conn = inbox.get(item.src)
+            message, size, flags = _HEADER.unpack(_exactly(conn, _HEADER.size))
+            if (message, size) != (item.message, item.size):
+                raise _ProtocolError(
+                    f"sent message {message} of {size} bytes where message "
+                    f"{item.message} of {item.size} bytes was due"
+                )
+            checked = bool(flags & _CHECKED)
+            if checked and item.check is not None:
+                try:
+                    check = item.check()
+                except Exception as exc:  # (its manifest did not arrive whole: not kept)
+                    log.warning("peer memory: %s cannot be checked: %s", item.name, exc)
+            at = 0
+            while at < item.size:
+                n = min(item.size - at, len(buffer))
+                piece = _exactly(conn, n, buffer[:n])
+                hasher.update(piece)
+                if check is not None:
+                    check.update(at, piece)
+                if sink is not None:
+                    sink.write(np.frombuffer(piece, np.uint8))
+                at += n
+                progress[0] = time.monotonic()
+            trailer = bytes(_exactly(conn, 8))
+            if checked:
+                problem = "it could not be checked here" if check is None else check.problem()
+                got = checksum.hexdigest(hasher)
+                conn.sendall(_ACK.pack(problem is None, bytes.fromhex(got)))
         except Exception as exc:
             item.lost = True
             item.error = (
@@ -440,7 +516,16 @@ class Wire:
                 sink.close()
         if sink is None:
             return  # dropped (its error says why)
-        sent = trailer.numpy().tobytes().hex()
+        if checked:
+            item.digest = got
+            if problem is not None:
+                item.corrupt = check is not None
+                item.error = (
+                    f"{item.name} from {self.who(item.src)} does not match its manifest's "
+                    f"checksums: {problem}"
+                )
+            return
+        sent = trailer.hex()
         got = item.digest = checksum.hexdigest(hasher)
         if got != (sent if item.expect is None else item.expect):
             item.corrupt = True
@@ -449,6 +534,96 @@ class Wire:
                 f"{item.name} from {self.who(item.src)} does not match its checksum (received "
                 f"{got}, {known})"
             )
+
+
+class _ProtocolError(OSError):
+    """A peer sent something other than what the transfer's plan has it send."""
+
+
+class _Inbox:
+    """The connections of one transfer's senders to this rank, accepted as they are needed:
+    each opens with a hello (``_HELLO``: the sender's rank and the transfer's token); one of
+    another transfer (a late sender of a failed one) is closed unread."""
+
+    def __init__(self, listener: socket.socket | None, token: bytes, timeout: float) -> None:
+        self.listener, self.token, self.timeout = listener, token, timeout
+        self.conns: dict[int, socket.socket] = {}
+
+    def get(self, src: int) -> socket.socket:
+        deadline = time.monotonic() + self.timeout
+        while src not in self.conns:
+            left = deadline - time.monotonic()
+            if self.listener is None or left <= 0:
+                raise TimeoutError("no connection")
+            self.listener.settimeout(left)
+            conn, _ = self.listener.accept()
+            try:
+                conn.settimeout(self.timeout)
+                magic, rank, token = _HELLO.unpack(_exactly(conn, _HELLO.size))
+            except Exception:
+                conn.close()
+                continue
+            if magic != _MAGIC or token != self.token or rank in self.conns:
+                conn.close()
+                continue
+            self.conns[rank] = conn
+        return self.conns[src]
+
+    def drop(self, src: int) -> None:
+        conn = self.conns.pop(src, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def close(self) -> None:
+        for src in list(self.conns):
+            self.drop(src)
+
+
+def _exactly(conn: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
+    """``n`` bytes from ``conn`` (into ``into`` when given); OSError if the stream ends first."""
+    view = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:n], n - got)
+        if not k:
+            raise _ProtocolError(f"the connection closed after {got} of {n} bytes")
+        got += k
+    return view[:n]
+
+
+def _advertised_host() -> str:
+    """The address other ranks reach this one at: ``$SAVEPOINT_PEER_ADDR``, else the address
+    this host uses towards the rendezvous store's host (127.0.0.1 when that is this host)."""
+    env = os.environ.get(ADDR_ENV)
+    if env:
+        return env
+    host = _store_host()
+    if host is None:
+        host = os.environ.get("MASTER_ADDR")
+    if not host or host in ("localhost", "::1") or host.startswith("127."):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # (no packet is sent: it picks the route's address)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _store_host() -> str | None:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    with contextlib.suppress(Exception):
+        store: Any = _get_default_store()
+        for _ in range(8):
+            host = getattr(store, "host", None)
+            if isinstance(host, str):
+                return host
+            store = getattr(store, "underlying_store", None)
+            if store is None:
+                break
+    return None
 
 
 def _has(kv: Any, key: str) -> bool:

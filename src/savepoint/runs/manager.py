@@ -234,7 +234,7 @@ class CheckpointManager:
             self._saver.close()  # (its async writer; the open gave back what it took)
             raise
         self.run = opened.run
-        self._restorer.opened(opened.tiers, opened.peers)
+        self._restorer.opened(opened.tiers, opened.peers, self._books)
         self._saver.opened(opened.read_only, opened.read_only_reason, opened.writer)
         self._preempting.preemption = opened.preemption
         # Its locks, close(), gc(), a fork and the interpreter's exit (runs.lifecycle).

@@ -190,7 +190,9 @@ class PeerMemory:
             self.ready()
             assert self.replication is not None
             outcome = self.replication.run(step, source)
-            outcome.seconds = time.perf_counter() - started
+            # (until the outcome was agreed: the eviction of older copies that follows is
+            # housekeeping, as a run directory's retention is not part of its save's time)
+            outcome.seconds = outcome.agreed - started
             self.last = outcome
             if outcome.errors or not outcome.complete:
                 self._fail(step, "; ".join(outcome.errors) or "not every part has a copy")
@@ -246,6 +248,7 @@ class PeerMemory:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self.wire.close()
 
     # -- restore -----------------------------------------------------------------------------
 

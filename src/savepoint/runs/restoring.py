@@ -9,6 +9,11 @@ and written by the next save or ``log()``, never by ``close()`` alone:
   warning and the next older one is tried. None: the run has no checkpoint at all (a fresh
   start, the only case that returns None). Checkpoints exist but none is intact:
   CorruptCheckpointError rather than start over.
+- After a resume, a tier's (or peer memory's) copy of a step of the abandoned timeline is never
+  ``"latest"``: a copy newer than the run directory's newest checkpoint, of a step between one
+  the run resumed from and the step it had reached then (its lineage), is ignored
+  (:func:`abandoned`); the copy-ups delete them, but until they have run (and if one fails)
+  they are still there. (An explicit step still reads them.)
 - ``"best"`` and an explicit step are never substituted: missing or corrupt is an error.
 - "latest" and "best" are resolved from the checkpoints and their metrics
   (:class:`~savepoint.runs.catalog.Catalog`), never through the alias directories.
@@ -34,7 +39,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from savepoint import checkpoint
 from savepoint.errors import (
@@ -46,10 +51,11 @@ from savepoint.errors import (
 from savepoint.runs import layout
 from savepoint.runs.catalog import Catalog
 from savepoint.runs.peers import PEER_MEMORY, PeerMemory
+from savepoint.runs.report import Report
 from savepoint.runs.tiers import Tier, TierCopier
 from savepoint.storage.paths import Location
 
-__all__ = ["RUN_DIRECTORY", "Restorer", "StepSpec"]
+__all__ = ["RUN_DIRECTORY", "Restorer", "StepSpec", "abandoned"]
 
 log = logging.getLogger("savepoint.runs.manager")
 
@@ -61,6 +67,12 @@ Source = tuple[str, Callable[[dict[str, Any]], Any]]
 Copies = dict[int, list[tuple[Tier, Location]]]
 # A warning's stacklevel from the choice methods: the caller of restore()/peek()/RunView.load.
 _CALLER = 5
+
+
+class _Books(Protocol):
+    """What a restore reads of the run's books (:class:`savepoint.runs.books.Books`)."""
+
+    report: Report
 
 
 class _Moved(Exception):
@@ -82,10 +94,14 @@ class Restorer:
         self.peers: PeerMemory | None = None  # the peer-memory tier (runs.peers)
         self.peer_steps: set[int] = set()  # complete in peer memory (surveyed once per read)
         self.restored_from: str | None = None  # where the last read came from
+        self.books: _Books | None = None  # (report.lineage: the run's resumes)
 
-    def opened(self, tiers: TierCopier | None, peers: PeerMemory | None) -> None:
-        """The run's storage tiers and peer-memory tier, as its open found them."""
-        self.tiers, self.peers = tiers, peers
+    def opened(
+        self, tiers: TierCopier | None, peers: PeerMemory | None, books: _Books | None = None
+    ) -> None:
+        """The run's storage tiers and peer-memory tier, as its open found them; ``books``: the
+        run's books, whose report's lineage (its resumes) tells the abandoned timelines."""
+        self.tiers, self.peers, self.books = tiers, peers, books
 
     def read(self, step: StepSpec, load_options: dict[str, Any]) -> tuple[int, Any] | None:
         """Load checkpoint ``step`` with ``load_options``: (the step loaded, what
@@ -129,6 +145,15 @@ class Restorer:
     ) -> tuple[int, Any] | None:
         """The newest step that loads, from any of its sources; one that fails verification is
         skipped with a warning for another copy or an older step."""
+        gone = abandoned(steps, copies, self.books.report.lineage if self.books else [])
+        if gone:
+            log.info(
+                "%s: the copies of steps %s belong to the timeline abandoned by a resume: not "
+                "restored as the latest",
+                self.directory,
+                sorted(gone),
+            )
+            copies = {s: c for s, c in copies.items() if s not in gone}
         every = sorted(set(steps) | set(copies))
         if not every:
             return None
@@ -260,6 +285,24 @@ class Restorer:
             if before is None or self.catalog.manifest_id(step) != before:
                 raise _Moved from None
             raise
+
+
+def abandoned(steps: list[int], copies: Copies, lineage: list[dict[str, Any]]) -> set[int]:
+    """The steps of ``copies`` (those held by tiers or peer memory) that belong to a timeline the
+    run abandoned: newer than its newest checkpoint in ``steps`` (the run directory's, which
+    never deletes its newest: a copy of a later step of the current timeline cannot exist), and
+    after a step it resumed from, at or before the step it had reached then (``lineage``:
+    ``report.lineage``). With no checkpoint in the run directory (a new one, on a new machine)
+    nothing is known to be abandoned."""
+    if not steps or not lineage:
+        return set()
+    newest = max(steps)
+    spans = []
+    for entry in lineage:
+        start, end = entry.get("resumed_from"), entry.get("steps_completed_before")
+        if isinstance(start, int) and isinstance(end, int):
+            spans.append((start, end))
+    return {s for s in copies if s > newest and any(a < s <= b for a, b in spans)}
 
 
 def _load_copy(where: str | Location, options: dict[str, Any]) -> Any:

@@ -57,7 +57,10 @@ each tier it is due on with :func:`savepoint.copy` (every checksum of the source
 committed on the tier through the save's Transaction: a kill leaves the tier's previous
 checkpoints and a temporary the next copy tidies). Then, if the tier holds more than ``keep``
 checkpoints, the new copy is read back and verified there and only then are the oldest deleted
-(never the step the run resumed from). A failed copy-up is kept and raised once, as
+(never the step the run resumed from). After a resume from step ``k``, the copy-up of a step
+``s`` also deletes the tier's steps after ``max(s, k)`` (once the new copy is verified there):
+they belong to the timeline the run abandoned, as the run directory deletes its own when the new
+timeline commits its first checkpoint. A failed copy-up is kept and raised once, as
 CheckpointWriteError naming the tier, the step and the cause, by the manager's next ``save``,
 ``wait()`` or ``close()`` (like any background failure); the copy of the next due step is tried
 as usual. The run directory's retention never deletes a checkpoint whose copy-up has not finished.
@@ -171,7 +174,8 @@ class TierCopier:
     ``inherit``: the run's id was made by this open (a new run directory, or a run made before
     run ids): it may continue the run its tiers belong to, and :attr:`run_id` is then that run's
     id, for the caller to record.
-    ``protected()``: steps a tier must never delete (the step the run resumed from).
+    ``protected()``: the step the run resumed from, if it did: never deleted (and the steps
+    after it and after a new copy belong to the abandoned timeline: :func:`_doomed`).
     ``writable``: take each tier's writer lock and claim it (else check ``tier.json`` only).
     Call :meth:`close` to release the locks."""
 
@@ -440,30 +444,19 @@ class TierCopier:
                     self._pending.pop(step, None)
 
     def _prune(self, tier: Tier, newest: int) -> None:
-        if tier.keep is None:
-            return
-        steps = self._steps(tier)
-        if len(steps) <= tier.keep:
+        """Retention on ``tier`` once ``newest`` is copied there (:func:`_doomed`)."""
+        doomed = _doomed(self._steps(tier), newest, tier.keep, set(self._protected()))
+        if not doomed:
             return
         from savepoint import checkpoint
 
         # Nothing goes before the new copy has been read back and verified on the tier.
         checkpoint.verify(layout.checkpoint_arg(self.location(tier, newest)))
-        protected = set(self._protected()) | {newest}
-        extra = len(steps) - tier.keep
-        deleted = 0
-        for step in steps:
-            if extra <= 0:
-                break
-            if step in protected:
-                continue
+        for step, why in doomed:
             where = self.location(tier, step)
             discard(where.store, where.path)
-            log.info("tier %r: deleted step %d (keep=%d)", tier.label, step, tier.keep)
-            extra -= 1
-            deleted += 1
-        if deleted:
-            self._collect(tier)
+            log.info("tier %r: deleted step %d (%s)", tier.label, step, why)
+        self._collect(tier)
 
     # -- blobs ---------------------------------------------------------------------------------
 
@@ -575,3 +568,24 @@ class TierCopier:
             for step in steps:
                 found.setdefault(step, []).append((tier, self.location(tier, step)))
         return found
+
+
+def _doomed(
+    steps: list[int], newest: int, keep: int | None, protected: set[int]
+) -> list[tuple[int, str]]:
+    """The steps a tier deletes once ``newest`` is copied there, each with why. After a resume
+    (``protected`` holds the step resumed from, never deleted): those after ``max(newest,
+    resumed)``, which belong to the timeline the run abandoned (the run directory's rule,
+    :meth:`savepoint.runs.books.Books.record`; left there, "latest" could take one). Then, past
+    ``keep`` (None: no limit), the oldest of the others, never a protected one or ``newest``."""
+    horizon = max([newest, *protected]) if protected else None
+    doomed = [(s, "abandoned timeline") for s in steps if horizon is not None and s > horizon]
+    rest = [s for s in steps if horizon is None or s <= horizon]
+    extra = len(rest) - keep if keep is not None else 0
+    for step in rest:
+        if extra <= 0:
+            break
+        if step not in protected and step != newest:
+            doomed.append((step, f"keep={keep}"))
+            extra -= 1
+    return doomed

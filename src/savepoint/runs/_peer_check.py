@@ -1,0 +1,85 @@
+"""Checking a data file against its checkpoint's manifest while it arrives, piece by piece.
+
+A savepoint data file is covered whole by checksums its manifest records: the header (its
+``header_size`` bytes, ``header_xxh3``), then the bytes of every tensor or shard stored in it
+(its ``xxh3``, or one digest per block of ``block`` bytes), which tile the rest of the file. A
+replication receiver (:mod:`savepoint.runs._peer_replicate`) checks each data file against those
+digests as its pieces land, each piece hashed while it is in cache, so the sender need not read
+the file to hash it: the bytes are checked against what the save recorded, end to end, and the
+receiver's XXH3-64 of the whole file (computed in the same pass) becomes both copies' marker.
+
+:func:`units` is None for a file these checksums do not cover whole (a file of another writer
+with gaps, a digest of another algorithm, blobs): then the sender hashes it as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from savepoint.codecs import checksum
+from savepoint.codecs import manifest as mf
+
+__all__ = ["Check", "Unit", "units"]
+
+Unit = tuple[int, int, str]  # [start, end) of the file, its XXH3-64
+
+
+def units(manifest: mf.Manifest, name: str) -> list[Unit] | None:
+    """The checksummed ranges of data file ``name`` in file order, when they tile it whole (its
+    header first); None otherwise (see the module docstring)."""
+    record = manifest.files.get(name)
+    tensors = manifest.tensors
+    if record is None or not isinstance(tensors, dict):
+        return None
+    found: list[Unit] = [(0, record.header_size, record.header_xxh3)]
+    for rec in tensors.values():
+        for shard in rec.layout():
+            if shard.file != name:
+                continue
+            if shard.recipe is not None:
+                return None
+            if shard.block and shard.blocks:
+                for i, digest in enumerate(shard.blocks):
+                    start = shard.start + i * shard.block
+                    found.append((start, min(shard.end, start + shard.block), digest))
+            else:
+                found.append((shard.start, shard.end, shard.xxh3))
+    found.sort()
+    at = 0
+    for start, end, digest in found:
+        if start != at or end < start or not checksum.is_digest(digest):
+            return None  # a gap, an overlap, or a digest of another algorithm
+        at = end
+    return found if at == record.size else None
+
+
+class Check:
+    """The running check of one file against ``units``: :meth:`update` with each piece at its
+    offset, in order; :meth:`problem` says what did not match (None: every unit did)."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self._units = units
+        self._i = 0
+        self._hasher: Any = checksum.new()
+        self._bad: str | None = None
+
+    def update(self, offset: int, piece: memoryview) -> None:
+        end = offset + len(piece)
+        units = self._units
+        while self._i < len(units):
+            start, stop, digest = units[self._i]
+            lo, hi = max(start, offset), min(stop, end)
+            if hi > lo:
+                self._hasher.update(piece[lo - offset : hi - offset])
+            if stop > end:
+                return  # the unit goes on in the next piece
+            got = checksum.hexdigest(self._hasher)
+            if got != digest and self._bad is None:
+                self._bad = f"bytes {start}-{stop} hash to {got}, the manifest records {digest}"
+            self._hasher = checksum.new()
+            self._i += 1
+
+    def problem(self) -> str | None:
+        if self._bad is None and self._i < len(self._units):
+            return f"{len(self._units) - self._i} checksummed ranges were not received"
+        return self._bad
