@@ -467,6 +467,9 @@ def test_no_descriptor_leaks_across_saves(tmp_path: Path, async_save: bool) -> N
             m.wait()
             m.restore({"w": np.zeros(8, np.float32), "step": -1}, "best", resume=False)
     m.wait()
-    assert len(os.listdir("/proc/self/fd")) == before
+    # At most as many: a descriptor open for a moment when ``before`` was counted (a background
+    # read-back finishing under load) may be closed by now; a leak per save would add 40.
+    end = len(os.listdir("/proc/self/fd"))
+    assert end <= before
     m.close()
-    assert len(os.listdir("/proc/self/fd")) == before - 2  # the writer lock, the history log
+    assert len(os.listdir("/proc/self/fd")) == end - 2  # the writer lock, the history log
