@@ -54,6 +54,7 @@ __all__ = [
     "TorchCoordinator",
     "coordinator",
     "describe",
+    "encoded",
     "gc_paused",
 ]
 
@@ -600,10 +601,15 @@ def _forget(ranks: tuple[int, ...], timeout: float) -> None:
         _channels.pop((_world_id(), ranks, timeout), None)
 
 
+def encoded(obj: Any) -> bytes:
+    """The payload an object collective sends for ``obj`` (also :mod:`.simulate`'s)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _encode(obj: Any) -> Any:
     import torch
 
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = encoded(obj)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)
 
 
