@@ -19,7 +19,7 @@ import pytest
 
 import savepoint as sp
 from savepoint.commit import names
-from savepoint.distributed import Shard, simulate
+from savepoint.distributed import Shard, plan, plancache, simulate
 from savepoint.errors import DistributedCheckpointError
 
 from . import _launch
@@ -54,17 +54,21 @@ def test_simulator_predicts_real_gloo(
     assert s.failures() == "", s.failures()
     w = _worker_module()
     monkeypatch.setattr(names, "_owner", lambda: w.OWNER)
-    sim = simulate.simulate_save(world, w.state, str(tmp_path / "ck-simu"), writer="real")
+    sim = simulate.simulate_save(
+        world, w.state, str(tmp_path / "ck-simu"), writer="real", paths=[str(tmp_path / "ck-sim2")]
+    )
     assert all(not isinstance(r, BaseException) for r in sim.results), sim.results[0]
     for rank in range(world):
         real = [tuple(op) for op in s.results[rank]["data"]["ops"]]
         predicted = [(op.kind, op.sent, op.recv) for op in sim.traffic.ops[rank]]
         assert real == predicted, f"rank {rank}"
-    manifest = json.loads((tmp_path / "ck-simu" / "manifest.json").read_text())
-    manifest.pop("created", None)
-    manifest.pop("manifest_xxh3", None)  # covers the creation time
-    assert manifest == s.results[0]["data"]["manifest"]
-    assert sim.traffic.messages(0) == 8  # two steps of four gloo operations
+    simulated = [w.manifest(str(tmp_path / name)) for name in ("ck-simu", "ck-sim2")]
+    assert simulated == s.results[0]["data"]["manifests"]
+    assert sim.traffic.messages(0) == 16  # two saves of two steps of four gloo operations
+    # The second save reused the first one's plan: its plan step's gather is a few bytes.
+    first, second = (sim.save_traffic(i).ops[0][1] for i in (0, 1))
+    assert first.kind == second.kind == "gather"
+    assert second.sent < 200 < first.sent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,3 +128,61 @@ def test_failing_rank_named_on_every_rank(tmp_path: Path) -> None:
         "model.extra" in str(r) for r in sim.results
     )
     assert not (tmp_path / "c").exists()
+
+
+def test_repeated_save_reuses_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    merges = []
+    merge = plan.merge
+    monkeypatch.setattr(plan, "merge", lambda plans: merges.append(1) or merge(plans))
+    paths = [str(tmp_path / n) for n in ("b", "c")]
+    sim = simulate.simulate_save(8, small, str(tmp_path / "a"), writer="real", paths=paths)
+    assert all(isinstance(r, sp.CheckpointInfo) for r in sim.results), sim.results
+    assert len(merges) == 1  # the first save's; the others reused its plan
+    first, second = sim.save_traffic(0), sim.save_traffic(2)
+    assert [second.messages(r) for r in range(8)] == [8] * 8
+    plan_step = [sum(op.recv for op in t.ops[0][:4]) for t in (first, second)]
+    assert plan_step[1] < 2000 < 30000 < plan_step[0]  # markers instead of plans
+    assert sim.manifests[0].tensors.keys() == sim.manifests[2].tensors.keys()
+    a, c = (sp.load(tmp_path / n, framework="numpy") for n in ("a", "c"))
+    for key, value in a["model"].items():
+        np.testing.assert_array_equal(c["model"][key], value)
+    sp.verify(tmp_path / "c")  # raises if a byte is wrong
+
+
+def test_changed_plan_is_merged_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    merges = []
+    merge = plan.merge
+    monkeypatch.setattr(plan, "merge", lambda plans: merges.append(1) or merge(plans))
+    calls = {"n": 0}
+
+    def state(rank: int, world: int) -> Any:
+        got = small(rank, world)
+        calls["n"] += 1
+        if calls["n"] > world:  # the second save: every rank has one more tensor
+            got["model"]["new"] = np.full(5, 2.0, np.float32)
+        return got
+
+    sim = simulate.simulate_save(
+        4, state, str(tmp_path / "a"), writer="real", paths=[str(tmp_path / "b")]
+    )
+    assert all(isinstance(r, sp.CheckpointInfo) for r in sim.results), sim.results
+    assert len(merges) == 2
+    np.testing.assert_array_equal(sp.load(tmp_path / "b", framework="numpy")["model"]["new"], 2.0)
+
+
+def test_rank0_without_the_plan_asks_every_rank_again(tmp_path: Path) -> None:
+    """A marker naming a plan rank 0 no longer holds: RESEND, then a full plan step."""
+    calls = {"n": 0}
+
+    def state(rank: int, world: int) -> Any:
+        calls["n"] += 1
+        if calls["n"] == world + 1:  # rank 0, second save: its memo lost (as after a failure)
+            plancache._roots.clear()
+        return small(rank, world)
+
+    sim = simulate.simulate_save(
+        4, state, str(tmp_path / "a"), writer="real", paths=[str(tmp_path / "b")]
+    )
+    assert all(isinstance(r, sp.CheckpointInfo) for r in sim.results), sim.results
+    assert [sim.save_traffic(1).messages(r) for r in range(4)] == [12] * 4  # three steps
+    sp.verify(tmp_path / "b")

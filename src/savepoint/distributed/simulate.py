@@ -40,7 +40,7 @@ import numpy as np
 
 from savepoint.codecs import checksum, dtypes
 from savepoint.codecs import manifest as mf
-from savepoint.distributed import collectives, plan, save, shard
+from savepoint.distributed import collectives, plan, plancache, save, shard
 from savepoint.distributed.pieces import Records, file_name
 from savepoint.distributed.traffic import Traffic
 from savepoint.info import CheckpointInfo
@@ -154,7 +154,13 @@ class SimCoordinator(collectives.TorchCoordinator):
         self._channel = None
         self._collectives = 0
         self._phase = ""
-        self.times: dict[str, dict[str, float]] = {}  # phase -> part -> seconds
+        self.memo_key = ("sim", id(world), rank)  # plan caching (plancache.key)
+        self.saves: list[dict[str, dict[str, float]]] = []  # per save: phase -> part -> s
+        self.times: dict[str, dict[str, float]] = {}  # the current save's
+
+    def new_save(self) -> None:
+        self.times = {}
+        self.saves.append(self.times)
 
     moves_data = False  # read-once loads are not simulated
 
@@ -317,30 +323,54 @@ class SimWriter:
 @dataclass
 class SimResult:
     world: int
-    results: list[Any]  # per rank: its CheckpointInfo, or the exception it raised
-    traffic: Traffic
-    times: list[dict[str, dict[str, float]]]  # per rank: phase -> part -> seconds
-    manifest: mf.Manifest | None = None  # rank 0's, as committed
-    extra: dict[str, Any] = field(default_factory=dict)
+    results: list[Any]  # per rank: its last save's CheckpointInfo, or the exception it raised
+    traffic: Traffic  # every save's
+    times: list[list[dict[str, dict[str, float]]]]  # per rank, per save: phase -> part -> s
+    manifests: list[mf.Manifest] = field(default_factory=list)  # rank 0's, per save
+    marks: list[int] = field(default_factory=list)  # traffic.mark() at each save's start
 
-    def share(self, rank: int, phase: str, parts: Sequence[str]) -> float:
-        got = self.times[rank].get(phase, {})
+    @property
+    def manifest(self) -> mf.Manifest | None:
+        return self.manifests[-1] if self.manifests else None
+
+    def save_traffic(self, save: int = -1) -> Traffic:
+        """The gloo operations of one save (default: the last)."""
+        save %= len(self.marks)
+        end = self.marks[save + 1] if save + 1 < len(self.marks) else None
+        t = self.traffic.since(self.marks[save])
+        if end is not None:
+            t = Traffic(self.world, [ops[: end - self.marks[save]] for ops in t.ops])
+        return t
+
+    def share(self, rank: int, phase: str, parts: Sequence[str], save: int = -1) -> float:
+        got = self.times[rank][save].get(phase, {})
         return sum(got.get(p, 0.0) for p in parts)
 
-    def rank0_plan_s(self) -> float:
+    def rank0_plan_s(self, save: int = -1) -> float:
         """Rank 0's global planning: the gathered plans decoded, merged, answers encoded."""
-        return self.share(0, "save: plan", ("decode", "combine", "encode"))
+        return self.share(0, "save: plan", ("decode", "combine", "encode"), save)
 
-    def per_rank_plan_s(self) -> list[float]:
+    def per_rank_plan_s(self, save: int = -1) -> list[float]:
         """Each rank's local planning (rank 0's too): its plan described and encoded, its
         answer decoded (rank 0's decoding of the others' plans is not in its figure)."""
         out = []
         for r in range(self.world):
-            t = self.share(r, "save: plan", ("local", "encode", "decode"))
+            t = self.share(r, "save: plan", ("local", "encode", "decode"), save)
             if r == 0:  # rank 0 decoded everyone's plans and encoded every answer
-                t = self.share(0, "save: plan", ("local",))
+                t = self.share(0, "save: plan", ("local",), save)
             out.append(t)
         return out
+
+    def critical_plan_s(self, save: int = -1) -> float:
+        """Step 1's critical path (collectives free): the slowest rank's plan described and
+        sent, rank 0's combining, the slowest rank's answer decoded."""
+        sent = max(
+            self.share(r, "save: plan", ("local", "encode"), save) for r in range(self.world)
+        )
+        if self.world == 1:
+            return sent + self.share(0, "save: plan", ("combine",), save)
+        answer = max(self.share(r, "save: plan", ("decode",), save) for r in range(1, self.world))
+        return sent + self.rank0_plan_s(save) + answer
 
 
 def simulate_save(
@@ -351,18 +381,23 @@ def simulate_save(
     writer: str = "sim",
     options: SaveOptions | None = None,
     metadata: dict[str, Any] | None = None,
-    each: Callable[[int, Callable[[], CheckpointInfo]], CheckpointInfo] | None = None,
+    paths: Sequence[str] = (),
 ) -> SimResult:
-    """The sharded save of ``state(rank, world)`` to ``path`` by ``world`` simulated ranks.
-    ``writer``: ``"sim"`` (nothing written, :class:`SimWriter`) or ``"real"`` (the pieces
-    written, as ``sp.save`` would). ``each(rank, run)``: wraps each rank's save (the tests
-    use it to save twice)."""
-    location = resolve_path(path, what="checkpoint path")
+    """The sharded save of ``state(rank, world)`` to ``path`` by ``world`` simulated ranks,
+    then to each of ``paths`` (repeated saves: the plan cache at work). ``writer``: ``"sim"``
+    (nothing written, :class:`SimWriter`) or ``"real"`` (the pieces written, as ``sp.save``
+    would)."""
     options = options or SaveOptions()
     sim = World(world)
-    manifests: dict[str, Any] = {}
+    manifests: list[mf.Manifest] = []
+    marks: list[int] = []
 
-    def one(coord: SimCoordinator) -> CheckpointInfo:
+    def one(coord: SimCoordinator, where: str) -> CheckpointInfo:
+        location = resolve_path(where, what="checkpoint path")
+        coord.new_save()
+        if coord.rank == 0:
+            marks.append(sim.traffic.mark())
+
         def flat() -> tuple[tree.Flat, dict[str, Any]]:
             return save.flatten(state(coord.rank, world)), dict(metadata or {})
 
@@ -373,27 +408,29 @@ def simulate_save(
 
             def keep(results: list[Records]) -> tuple[str, mf.Manifest]:
                 directory, manifest = commit(results)
-                manifests["manifest"] = manifest
+                manifests.append(manifest)
                 return directory, manifest
 
             run.commit = keep  # type: ignore[method-assign]
-        if each is not None:
-            return each(coord.rank, lambda: run.run(options))
         return run.run(options)
+
+    def saves(coord: SimCoordinator) -> CheckpointInfo:
+        info = one(coord, path)
+        for where in paths:
+            info = one(coord, where)
+        return info
 
     was = gc.isenabled()
     gc.disable()
     try:
-        results = sim.run(one)
+        results = sim.run(saves)
     finally:
         if was:
             gc.enable()
+        for c in sim.coordinators:
+            plancache.forget(c.memo_key)
     return SimResult(
-        world,
-        results,
-        sim.traffic,
-        [c.times for c in sim.coordinators],
-        manifests.get("manifest"),
+        world, results, sim.traffic, [c.saves for c in sim.coordinators], manifests, marks
     )
 
 
