@@ -61,7 +61,8 @@ def run_sim(ranks: int, tensors: int, tp: int = 1) -> dict[str, Any]:
     path = os.path.join(workdir, "ckpt")
     try:
         t0 = time.perf_counter()
-        result = simulate.simulate_save(ranks, state_fn(tensors, tp), path)
+        again = os.path.join(workdir, "ckpt2")
+        result = simulate.simulate_save(ranks, state_fn(tensors, tp), path, paths=[again])
         wall = time.perf_counter() - t0
         failed = [r for r in result.results if isinstance(r, BaseException)]
         if failed:
@@ -69,19 +70,24 @@ def run_sim(ranks: int, tensors: int, tp: int = 1) -> dict[str, Any]:
         manifest_bytes = os.path.getsize(os.path.join(path, "manifest.json"))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    per_rank = result.per_rank_plan_s()
-    assert result.manifest is not None
+    per_rank = result.per_rank_plan_s(0)
+    repeat = result.save_traffic(1)
     return {
         "ranks": ranks,
         "tensors": tensors,
-        "state_tensors": len(result.manifest.tensors),
-        "rank0_plan_s": round(result.rank0_plan_s(), 4),
-        "rank0_commit_s": round(result.share(0, "save: write", ("combine",)), 4),
+        "state_tensors": len(result.manifests[0].tensors),
+        "rank0_plan_s": round(result.rank0_plan_s(0), 4),
+        "rank0_commit_s": round(result.share(0, "save: write", ("combine",), 0), 4),
         "per_rank_plan_s": round(statistics.median(per_rank), 4),
         "per_rank_plan_max_s": round(max(per_rank), 4),
         "manifest_bytes": manifest_bytes,
-        "rank0_recv_bytes": result.traffic.received(0),
-        "rank0_messages": result.traffic.messages(0),
+        "rank0_recv_bytes": result.save_traffic(0).received(0),
+        "rank0_messages": result.save_traffic(0).messages(0),
+        "critical_plan_s": round(result.critical_plan_s(0), 4),
+        "repeat_plan_s": round(result.critical_plan_s(1), 4),
+        "repeat_rank0_plan_s": round(result.rank0_plan_s(1), 4),
+        "repeat_per_rank_plan_s": round(statistics.median(result.per_rank_plan_s(1)), 4),
+        "repeat_plan_step_rank0_recv_bytes": sum(op.recv for op in repeat.ops[0][:4]),
         "wall_s": round(wall, 2),
     }
 

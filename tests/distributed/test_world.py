@@ -10,7 +10,6 @@ its traffic has the shape of the real protocol (rank 0 receives world x the long
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
