@@ -185,3 +185,28 @@ def test_rank0_without_the_plan_asks_every_rank_again(tmp_path: Path) -> None:
     assert all(isinstance(r, sp.CheckpointInfo) for r in sim.results), sim.results
     assert [sim.save_traffic(1).messages(r) for r in range(4)] == [12] * 4  # three steps
     sp.verify(tmp_path / "b")
+
+
+def test_bench_world_prints_its_json_line() -> None:
+    """``benchmarks/bench_world.py``: tests outside the project read these names."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_world.py"), "--ranks", "4"]
+        + ["--tensors", "20", "--dcp"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("rank0_plan_s", "per_rank_plan_s", "manifest_bytes", "rank0_recv_bytes"):
+        assert row[key] > 0, key
+    assert (row["ranks"], row["tensors"]) == (4, 20)
+    assert row["dcp_plan_s"] >= 0
