@@ -196,9 +196,9 @@ def test_bench_world_prints_its_json_line() -> None:
 
     root = Path(__file__).parents[2]
     env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    args = ["--ranks", "4", "--tensors", "20", "--dcp"]
     out = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "bench_world.py"), "--ranks", "4"]
-        + ["--tensors", "20", "--dcp"],
+        [sys.executable, str(root / "benchmarks" / "bench_world.py"), *args],
         capture_output=True,
         text=True,
         env=env,
