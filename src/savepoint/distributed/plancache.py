@@ -32,7 +32,18 @@ from typing import Any
 
 from savepoint.distributed import plan
 
-__all__ = ["RESEND", "RankMemo", "RootMemo", "forget", "key", "new_id", "rank_memo", "root_memo"]
+__all__ = [
+    "RESEND",
+    "RankMemo",
+    "RootMemo",
+    "blank",
+    "forget",
+    "key",
+    "new_id",
+    "rank_memo",
+    "root_memo",
+    "unchanged",
+]
 
 RESEND = "resend"  # rank 0's answer when a marker names a plan it does not hold
 
@@ -71,9 +82,9 @@ def key(coord: Any) -> Any:
     ranks = getattr(coord, "_ranks", None)
     if ranks is None:  # LocalCoordinator: one process, no group
         return ("local",)
-    from savepoint.distributed import collectives
+    import torch.distributed as dist
 
-    return ("torch", collectives._world_id(), ranks, coord.rank)
+    return ("torch", id(dist.group.WORLD), ranks, coord.rank)  # as collectives' channels
 
 
 def blank(local: plan.LocalPlan) -> plan.LocalPlan:

@@ -95,6 +95,7 @@ __all__ = [
     "RankSession",
     "RankWriter",
     "Records",
+    "SaveRun",
     "describe",
     "file_name",
     "flatten",
@@ -418,6 +419,9 @@ class _Save:
         if self.tx is not None:
             self.tx.abort()
             self.tx = None
+
+
+SaveRun = _Save  # one rank's save, driven by the world simulator (savepoint.distributed.simulate)
 
 
 # ---------------------------------------------------------------------------------------------

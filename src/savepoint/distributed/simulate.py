@@ -21,7 +21,7 @@ The states (:func:`model_state`) are those of real models, as shard descriptions
 parts are zero-byte numpy views (nothing allocated): dense transformer layers under FSDP
 (``Shard(0)`` over every rank) or FSDP x TP (a 2-d mesh), MoE experts stacked and spread over
 the ranks, and Adam's ``exp_avg``/``exp_avg_sq`` beside each parameter. A DTensor's box comes
-from :func:`savepoint.distributed.shard._dtensor_box`, the function reading real DTensors uses,
+from :func:`savepoint.distributed.shard.dtensor_box`, the function reading real DTensors uses,
 driven by a mesh that only knows its coordinates.
 """
 
@@ -413,7 +413,7 @@ def simulate_save(
             return save.flatten(state(coord.rank, world)), dict(metadata or {})
 
         rank_writer: save.RankWriter = SimWriter() if writer == "sim" else save.LocalWriter(None)
-        run = save._Save(location, coord, flat, None, rank_writer)
+        run = save.SaveRun(location, coord, flat, None, rank_writer)
         if coord.rank == 0:
             commit = run.commit
 
@@ -454,7 +454,7 @@ def simulate_save(
 
 @dataclass(frozen=True)
 class Placement:
-    """A DTensor placement as :func:`shard._dtensor_box` reads it: ``Shard(dim)`` or
+    """A DTensor placement as :func:`shard.dtensor_box` reads it: ``Shard(dim)`` or
     ``Replicate()`` (``dim`` None)."""
 
     dim: int | None = None
@@ -464,7 +464,7 @@ class Placement:
 
 
 class _Mesh:
-    """A device mesh as :func:`shard._dtensor_box` reads it: its shape and this rank's
+    """A device mesh as :func:`shard.dtensor_box` reads it: its shape and this rank's
     coordinate (rank-major, as ``init_device_mesh``)."""
 
     def __init__(self, shape: tuple[int, ...], rank: int) -> None:
@@ -500,7 +500,7 @@ def _dtensor(
     """What :func:`shard.from_dtensor` makes of a DTensor with these placements."""
     if not any(p.is_shard() for p in placements):
         return _local(shape, dtype, fill)
-    box = shard._dtensor_box(shape, mesh, placements)
+    box = shard.dtensor_box(shape, mesh, placements)
     assert box is not None
     local = _local([b - a for a, b in box], dtype, fill)
     return shard.Shard(local, shape, tuple(a for a, _ in box))
