@@ -680,7 +680,10 @@ def _scatter(group: Any, objs: Sequence[Any] | None, rank: int, world: int) -> A
     encoded: list[Any] = []
     if rank == 0:
         assert objs is not None and len(objs) == world
-        encoded = [_encode(o) for o in objs]
+        once: dict[int, Any] = {}  # an answer repeated (a reused plan's) is encoded once
+        encoded = [
+            once[id(o)] if id(o) in once else once.setdefault(id(o), _encode(o)) for o in objs
+        ]
         sizes = torch.tensor([e.numel() for e in encoded], dtype=torch.int64)
     group.broadcast([sizes], opts).wait()
     longest = int(sizes.max().item())

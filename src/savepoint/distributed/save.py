@@ -343,6 +343,15 @@ class _Save:
         """Rank 0: the global plan (reused when every rank's is unchanged), each rank's answer."""
         k, world = self.memo_key, len(sent)
         memo = plancache.root_memo(k)
+        if (
+            memo is not None
+            and len(memo.plans) == world
+            and all(s[0] is None and s[2] == memo.plan_id for s in sent)
+            and len({s[3] for s in sent}) == 1
+        ):  # every rank's plan unchanged: the previous global plan, no merge
+            self.blob_place, self.plan = memo.place, memo.global_plan
+            self.tx = Transaction(self.location.store, self.location.path).begin()
+            return [(self.tx.staging, None, memo.plan_id)] * world
         plans: list[tuple[plan.LocalPlan, BlobPlace]] = []
         for r, (local_plan, place, plan_id, path) in enumerate(sent):
             if local_plan is None:
@@ -352,10 +361,6 @@ class _Save:
                 old, place = memo.plans[r]
                 local_plan = dataclasses.replace(old, path=path)
             plans.append((local_plan, place))
-        if memo is not None and all(s[0] is None for s in sent) and len({s[3] for s in sent}) == 1:
-            self.blob_place, self.plan = memo.place, memo.global_plan
-            self.tx = Transaction(self.location.store, self.location.path).begin()
-            return [(self.tx.staging, None, memo.plan_id)] * world
         answers = self.merge(plans)
         plan_id = plancache.new_id()
         assert self.plan is not None

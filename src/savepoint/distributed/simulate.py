@@ -261,7 +261,13 @@ class SimCoordinator(collectives.TorchCoordinator):
         if self.world_size == 1:
             assert objs is not None
             return objs[0]
-        encoded = [self._encode(o) for o in objs] if objs is not None and self.rank == 0 else []
+        encoded: list[bytes] = []
+        if objs is not None and self.rank == 0:  # as collectives._scatter: a repeat encoded once
+            once: dict[int, bytes] = {}
+            for o in objs:
+                if id(o) not in once:
+                    once[id(o)] = self._encode(o)
+                encoded.append(once[id(o)])
 
         def deposit(slots: dict[str, Any]) -> None:
             if self.rank == 0:
