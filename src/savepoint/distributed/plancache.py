@@ -19,7 +19,7 @@ from the second save on:
 
 So a repeated save's planning and coordination is one step of small messages (and the write
 step's). The memos are per process, keyed by the process group (its global ranks) and this
-rank, one plan per group (the last); rank 0's holds every rank's last plan.
+rank, one plan per group (the last); rank 0's holds every rank's last plan. A save without a process group is not cached.
 """
 
 from __future__ import annotations
@@ -75,16 +75,19 @@ _lock = threading.Lock()
 
 
 def key(coord: Any) -> Any:
-    """The memo key of ``coord``'s group and rank (None: no caching)."""
+    """The memo key of ``coord``'s group and rank (None: no caching). Saves with one key run
+    one at a time: a key is a channel of :mod:`.collectives` (world, ranks, timeout), whose lock
+    :meth:`~.collectives.TorchCoordinator.exclusive` holds for a whole save. A save without a
+    process group (one process) is not cached: two may run at once, and it plans alone."""
     own = getattr(coord, "memo_key", None)
     if own is not None:
         return own
     ranks = getattr(coord, "_ranks", None)
-    if ranks is None:  # LocalCoordinator: one process, no group
-        return ("local",)
+    if ranks is None:  # LocalCoordinator
+        return None
     import torch.distributed as dist
 
-    return ("torch", id(dist.group.WORLD), ranks, coord.rank)  # as collectives' channels
+    return ("torch", id(dist.group.WORLD), ranks, coord.timeout, coord.rank)
 
 
 def blank(local: plan.LocalPlan) -> plan.LocalPlan:
@@ -96,6 +99,8 @@ def unchanged(memo: RankMemo | None, local: plan.LocalPlan, place: Any) -> bool:
 
 
 def rank_memo(k: Any, memo: RankMemo | None = None, *, store: bool = False) -> RankMemo | None:
+    if k is None:
+        return None
     with _lock:
         if store:
             if memo is None:
@@ -106,6 +111,8 @@ def rank_memo(k: Any, memo: RankMemo | None = None, *, store: bool = False) -> R
 
 
 def root_memo(k: Any, memo: RootMemo | None = None, *, store: bool = False) -> RootMemo | None:
+    if k is None:
+        return None
     with _lock:
         if store:
             if memo is None:
