@@ -210,3 +210,14 @@ def test_bench_world_prints_its_json_line() -> None:
         assert row[key] > 0, key
     assert (row["ranks"], row["tensors"]) == (4, 20)
     assert row["dcp_plan_s"] >= 0
+
+
+def test_saves_without_a_group_are_not_cached(tmp_path: Path) -> None:
+    from savepoint.distributed import collectives
+
+    assert plancache.key(collectives.LocalCoordinator()) is None
+    state = {"w": Shard(np.ones((4, 2), np.float32), (4, 2), (0, 0))}
+    for name in ("a", "b"):
+        sp.save(tmp_path / name, state)
+    assert not plancache._ranks and not plancache._roots
+    np.testing.assert_array_equal(sp.load(tmp_path / "b", framework="numpy")["w"], 1.0)
