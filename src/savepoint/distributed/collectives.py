@@ -54,6 +54,7 @@ __all__ = [
     "TorchCoordinator",
     "coordinator",
     "describe",
+    "encoded",
     "gc_paused",
 ]
 
@@ -600,10 +601,15 @@ def _forget(ranks: tuple[int, ...], timeout: float) -> None:
         _channels.pop((_world_id(), ranks, timeout), None)
 
 
+def encoded(obj: Any) -> bytes:
+    """The payload an object collective sends for ``obj`` (also :mod:`.simulate`'s)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _encode(obj: Any) -> Any:
     import torch
 
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = encoded(obj)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)
 
 
@@ -674,7 +680,10 @@ def _scatter(group: Any, objs: Sequence[Any] | None, rank: int, world: int) -> A
     encoded: list[Any] = []
     if rank == 0:
         assert objs is not None and len(objs) == world
-        encoded = [_encode(o) for o in objs]
+        once: dict[int, Any] = {}  # an answer repeated (a reused plan's) is encoded once
+        encoded = [
+            once[id(o)] if id(o) in once else once.setdefault(id(o), _encode(o)) for o in objs
+        ]
         sizes = torch.tensor([e.numel() for e in encoded], dtype=torch.int64)
     group.broadcast([sizes], opts).wait()
     longest = int(sizes.max().item())

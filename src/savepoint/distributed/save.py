@@ -62,6 +62,7 @@ the blobs it wrote are garbage for the next collection.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -71,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from savepoint.codecs import boxes
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction
-from savepoint.distributed import collectives, deadlines, plan, shard
+from savepoint.distributed import collectives, deadlines, plan, plancache, shard
 from savepoint.distributed.pieces import Records, file_name, put_pieces, write_pieces
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
@@ -94,6 +95,7 @@ __all__ = [
     "RankSession",
     "RankWriter",
     "Records",
+    "SaveRun",
     "describe",
     "file_name",
     "flatten",
@@ -174,6 +176,11 @@ def _save(
 # Where a rank's blob store is, as the manifest would name it (relative to the checkpoint), and
 # its digest; None for a save that is not incremental.
 BlobPlace = tuple[str, str] | None
+# What a rank sends rank 0 in step 1: its plan and place, or (unchanged) None, None and the id
+# of the plan it had last; and its path. Rank 0's answer: the staging path, the rank's pieces
+# (None: those of the plan it had last) and the plan's id; or plancache.RESEND.
+Sent = tuple[plan.LocalPlan | None, BlobPlace, str | None, str]
+Answer = tuple[str, tuple[plan.Item, ...] | None, str]
 
 
 class RankWriter(Protocol):
@@ -258,17 +265,16 @@ class _Save:
         self.metadata: dict[str, Any] = {}
         self.plan: plan.GlobalPlan | None = None  # rank 0
         self.tx: Transaction | None = None  # rank 0, until committed or aborted
+        self.local: tuple[plan.LocalPlan, BlobPlace] | None = None  # this rank's plan
+        self.resend = False  # rank 0 asked for every plan whole
+        self.memo_key = plancache.key(coord)
 
     def run(self, options: SaveOptions) -> CheckpointInfo:
-        staging, items = self.coord.step(
-            "saving",
-            self.shown,
-            self.plan_local,
-            self.plan_global,
-            each=True,
-            cleanup=self.abort,
-            phase="save: plan",
-        )
+        answer = self.plan_step()
+        if answer == plancache.RESEND:  # a rank's memo is not rank 0's: every plan, whole
+            self.resend = True
+            answer = self.plan_step()
+        staging, items = self.take(answer)
 
         def write_local() -> Records:
             rank = self.coord.rank
@@ -292,16 +298,79 @@ class _Save:
             self.close_sessions()
         return describe_checkpoint(self.location.store.url(directory), manifest)
 
-    def plan_local(self) -> tuple[plan.LocalPlan, BlobPlace]:
-        flat, self.metadata = self.flatten()
-        local_plan, self.sources = describe(flat, self.shown)
-        place: BlobPlace = None
-        if self.incremental is not None:
-            blobs = self.incremental.blobs
-            place = (sinks.blob_store_path(self.location, blobs), blobs.algorithm)
-        return local_plan, place
+    def plan_step(self) -> Any:
+        return self.coord.step(
+            "saving",
+            self.shown,
+            self.plan_local,
+            self.plan_global,
+            each=True,
+            cleanup=self.abort,
+            phase="save: plan",
+        )
 
-    def plan_global(
+    def plan_local(self) -> Sent:
+        """This rank's plan, or (unchanged since its last save: :mod:`.plancache`) a marker."""
+        if self.local is None:
+            flat, self.metadata = self.flatten()
+            local_plan, self.sources = describe(flat, self.shown)
+            place: BlobPlace = None
+            if self.incremental is not None:
+                blobs = self.incremental.blobs
+                place = (sinks.blob_store_path(self.location, blobs), blobs.algorithm)
+            self.local = (local_plan, place)
+        local_plan, place = self.local
+        memo = plancache.rank_memo(self.memo_key)
+        if memo is not None and not self.resend and plancache.unchanged(memo, local_plan, place):
+            return None, None, memo.plan_id, local_plan.path
+        return local_plan, place, None, local_plan.path
+
+    def take(self, answer: Answer) -> tuple[str, tuple[plan.Item, ...]]:
+        """The staging path and this rank's pieces from rank 0's answer (None: the pieces the
+        previous plan gave it), remembered for the next save."""
+        staging, items, plan_id = answer
+        local_plan, place = self.local or (None, None)
+        if items is None:
+            memo = plancache.rank_memo(self.memo_key)
+            assert memo is not None and memo.plan_id == plan_id
+            return staging, memo.items
+        assert local_plan is not None
+        kept = plancache.RankMemo(plancache.blank(local_plan), place, items, plan_id)
+        plancache.rank_memo(self.memo_key, kept, store=True)
+        return staging, items
+
+    def plan_global(self, sent: list[Sent]) -> list[Any]:
+        """Rank 0: the global plan (reused when every rank's is unchanged), each rank's answer."""
+        k, world = self.memo_key, len(sent)
+        memo = plancache.root_memo(k)
+        if (
+            memo is not None
+            and len(memo.plans) == world
+            and all(s[0] is None and s[2] == memo.plan_id for s in sent)
+            and len({s[3] for s in sent}) == 1
+        ):  # every rank's plan unchanged: the previous global plan, no merge
+            self.blob_place, self.plan = memo.place, memo.global_plan
+            self.tx = Transaction(self.location.store, self.location.path).begin()
+            return [(self.tx.staging, None, memo.plan_id)] * world
+        plans: list[tuple[plan.LocalPlan, BlobPlace]] = []
+        for r, (local_plan, place, plan_id, path) in enumerate(sent):
+            if local_plan is None:
+                if memo is None or memo.plan_id != plan_id or len(memo.plans) != world:
+                    plancache.root_memo(k, None, store=True)
+                    return [plancache.RESEND] * world
+                old, place = memo.plans[r]
+                local_plan = dataclasses.replace(old, path=path)
+            plans.append((local_plan, place))
+        answers = self.merge(plans)
+        plan_id = plancache.new_id()
+        assert self.plan is not None
+        kept = [(plancache.blank(p), place) for p, place in plans]
+        plancache.root_memo(
+            k, plancache.RootMemo(kept, self.plan, self.blob_place, plan_id), store=True
+        )
+        return [(staging, items, plan_id) for staging, items in answers]
+
+    def merge(
         self, plans: list[tuple[plan.LocalPlan, BlobPlace]]
     ) -> list[tuple[str, tuple[plan.Item, ...]]]:
         places = [place for _, place in plans]
@@ -355,6 +424,9 @@ class _Save:
         if self.tx is not None:
             self.tx.abort()
             self.tx = None
+
+
+SaveRun = _Save  # one rank's save, driven by the world simulator (savepoint.distributed.simulate)
 
 
 # ---------------------------------------------------------------------------------------------

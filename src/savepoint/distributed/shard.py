@@ -45,6 +45,7 @@ __all__ = [
     "SHARD",
     "Shard",
     "Swap",
+    "dtensor_box",
     "from_dtensor",
     "from_dtensors",
     "has_targets",
@@ -260,7 +261,7 @@ def from_dtensor(dt: Any, key: str = "") -> Any:
     if all(type(p) is Replicate for p in dt.placements):
         return local
     global_shape = tuple(int(n) for n in dt.shape)
-    box = _dtensor_box(global_shape, dt.device_mesh, dt.placements)
+    box = dtensor_box(global_shape, dt.device_mesh, dt.placements)
     if box is None or boxes.extents(box) != tuple(local.shape):
         # Not a layout the chunk rule describes (or this rank is outside the mesh): ask torch.
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -278,7 +279,7 @@ def from_dtensor(dt: Any, key: str = "") -> Any:
     return Shard(local, global_shape, tuple(start for start, _ in box))
 
 
-def _dtensor_box(shape: tuple[int, ...], mesh: Any, placements: Sequence[Any]) -> boxes.Box | None:
+def dtensor_box(shape: tuple[int, ...], mesh: Any, placements: Sequence[Any]) -> boxes.Box | None:
     """This rank's box of a DTensor with ``Shard(dim)`` / ``Replicate`` placements: each mesh
     dimension, left to right, splits the current piece along its tensor dimension like
     ``torch.chunk``. (torch's own helper allocates an ``arange`` as long as the dimension.)"""

@@ -1,0 +1,375 @@
+"""Fleet scale, simulated: the planning and bookkeeping of a sharded save by N ranks, in one process.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_world.py --ranks N --tensors M [--tp T] [--dcp]
+    .venv/bin/python benchmarks/bench_world.py --curve [--tensors M] [--max-ranks 8192] [--svg F]
+
+Runs the real sharded save of ``savepoint.distributed`` for ``--ranks`` simulated ranks
+(:mod:`savepoint.distributed.simulate`: every rank's describe and local plan, rank 0's merge,
+the manifest and commit; collectives recorded, nothing written but the manifest) on the state of
+a DeepSeek-V3-shaped MoE model with about ``--tensors`` tensors (parameters and Adam's moments,
+FSDP over every rank; ``--tp`` adds tensor parallelism), and prints, as its last line, one JSON
+object:
+
+- ``ranks``, ``tensors``: the world and the state's tensor count;
+- ``rank0_plan_s``: rank 0's global planning (the gathered plans decoded, merged, the answers
+  encoded); ``rank0_commit_s``: its manifest building and commit;
+- ``per_rank_plan_s``: a rank's local planning (flatten, describe, its plan encoded, its answer
+  decoded), the median over the ranks; ``per_rank_load_plan_s``: a resharding load's read
+  planning on one rank of half the world (``plan.plan_reads`` of each piece it restores against
+  every shard of its tensor; ``per_rank_load_read_ops`` the reads it plans) (``per_rank_plan_max_s`` the slowest);
+- ``manifest_bytes``: the committed manifest; ``rank0_recv_bytes`` / ``rank0_messages``: what
+  rank 0's gloo operations receive over the whole save (padded as the real path pads);
+- over ``--max-items`` (``ranks x tensors``, default 4,000,000: a per-piece plan and manifest
+  bigger than this process's memory), the figures are measured at the three largest worlds that
+  fit and extrapolated by a power law in the ranks (``extrapolated``: true, the fits and the
+  measurements included);
+- with ``--dcp``, ``dcp_plan_s``: the same inputs through DCP's own planner
+  (``WriteItem``s as ``create_local_plan`` makes them for each rank's DTensors, then
+  ``DefaultSavePlanner.create_global_plan``: dedup, metadata, validation), timed on rank 0's
+  side, ``dcp_local_plan_s`` a rank's side. When the world is too big for memory
+  (``ranks x tensors`` over ``--max-items``) DCP is measured at halved worlds it can run and
+  extrapolated by a power law fitted to them (``dcp_extrapolated``: the curve is printed).
+
+``--curve`` prints planning time, manifest size and rank-0 bytes for 8, 16, ... ``--max-ranks``
+ranks at ``--tensors`` (sizes over ``--max-items`` are skipped) as a markdown table, and with
+``--svg`` writes the plot (by hand: no matplotlib needed) for ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from savepoint.distributed import simulate
+
+DEFAULT_MAX_ITEMS = 4_000_000  # ranks x tensors a run may hold in memory here
+
+
+def state_fn(tensors: int, tp: int) -> Any:
+    def state(rank: int, world: int) -> Any:
+        return simulate.model_state(rank, world, tensors, tp=tp)
+
+    return state
+
+
+def run_sim(ranks: int, tensors: int, tp: int = 1) -> dict[str, Any]:
+    workdir = tempfile.mkdtemp(prefix="sp-world-")
+    path = os.path.join(workdir, "ckpt")
+    try:
+        t0 = time.perf_counter()
+        again = os.path.join(workdir, "ckpt2")
+        result = simulate.simulate_save(ranks, state_fn(tensors, tp), path, paths=[again])
+        wall = time.perf_counter() - t0
+        failed = [r for r in result.results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        manifest_bytes = os.path.getsize(os.path.join(path, "manifest.json"))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    load_s, load_ops = load_plan(result.manifests[0], ranks, tensors, tp)
+    per_rank = result.per_rank_plan_s(0)
+    repeat = result.save_traffic(1)
+    return {
+        "ranks": ranks,
+        "tensors": tensors,
+        "state_tensors": len(result.manifests[0].tensors),
+        "rank0_plan_s": round(result.rank0_plan_s(0), 4),
+        "rank0_commit_s": round(result.share(0, "save: write", ("combine",), 0), 4),
+        "per_rank_plan_s": round(statistics.median(per_rank), 4),
+        "per_rank_plan_max_s": round(max(per_rank), 4),
+        "manifest_bytes": manifest_bytes,
+        "rank0_recv_bytes": result.save_traffic(0).received(0),
+        "rank0_messages": result.save_traffic(0).messages(0),
+        "critical_plan_s": round(result.critical_plan_s(0), 4),
+        "repeat_plan_s": round(result.critical_plan_s(1), 4),
+        "repeat_typical_plan_s": round(
+            statistics.median(result.per_rank_plan_s(1)[1:] or [0.0]) + result.rank0_plan_s(1), 4
+        ),
+        "repeat_rank0_plan_s": round(result.rank0_plan_s(1), 4),
+        "repeat_per_rank_plan_s": round(statistics.median(result.per_rank_plan_s(1)), 4),
+        "repeat_plan_step_rank0_recv_bytes": sum(op.recv for op in repeat.ops[0][:4]),
+        "per_rank_load_plan_s": round(load_s, 4),
+        "per_rank_load_read_ops": load_ops,
+        "wall_s": round(wall, 2),
+    }
+
+
+def load_plan(manifest: Any, ranks: int, tensors: int, tp: int) -> tuple[float, int]:
+    """A resharding load's read planning on one rank (rank 1 of half the world, or rank 0 of
+    one): ``plan.plan_reads`` of every piece it restores against the shards of its tensor."""
+    from savepoint.codecs import boxes
+    from savepoint.distributed import plan, save
+
+    world = max(1, ranks // 2)
+    rank = 1 if world > 1 else 0
+    mine, _ = save.describe(save.flatten(simulate.model_state(rank, world, tensors, tp=tp)), "")
+    ops = 0
+    t0 = time.perf_counter()
+    for item in mine.items:
+        record = manifest.tensors[item.key]
+        shards = [s.region for s in record.shards] or [boxes.full(record.shape)]
+        ops += len(plan.plan_reads(record.shape, shards, item.region))
+    return time.perf_counter() - t0, ops
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP on the same inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def dcp_local_plan(rank: int, world: int, tensors: int, tp: int) -> Any:
+    """Rank ``rank``'s SavePlan as DefaultSavePlanner.create_local_plan makes it for its
+    DTensors (``_create_write_items_for_dtensor``: one SHARD WriteItem per DTensor, from its
+    local shape and offsets) and its plain values (the coordinator's)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    from savepoint.distributed import shard
+    from savepoint.state import tree
+
+    state = simulate.model_state(rank, world, tensors, tp=tp)
+    items = []
+    flat: dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            flat[prefix] = obj
+
+    walk(state, "")
+    for fqn, obj in flat.items():
+        if isinstance(obj, shard.Shard):
+            offsets = torch.Size(obj.offsets)
+            sizes = torch.Size(obj.local.shape)
+            size = torch.Size(obj.global_shape)
+            kind = WriteItemType.SHARD
+        elif hasattr(obj, "shape"):
+            offsets, sizes = torch.Size([0] * obj.ndim), torch.Size(obj.shape)
+            size, kind = sizes, WriteItemType.TENSOR
+        else:
+            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+            continue
+        items.append(
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=kind,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                    properties=TensorProperties(dtype=torch.float32),
+                    size=size,
+                ),
+            )
+        )
+    del tree
+    return SavePlan(items)
+
+
+def run_dcp(ranks: int, tensors: int, tp: int = 1) -> dict[str, float]:
+    import pickle
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    plans = []
+    local_times = []
+    for r in range(ranks):
+        t0 = time.perf_counter()
+        p = dcp_local_plan(r, ranks, tensors, tp)
+        data = pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)  # gathered as objects
+        local_times.append(time.perf_counter() - t0)
+        plans.append(data)
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    t0 = time.perf_counter()
+    gathered = [pickle.loads(d) for d in plans]
+    planner.create_global_plan(gathered)
+    return {
+        "dcp_plan_s": round(time.perf_counter() - t0, 4),
+        "dcp_local_plan_s": round(statistics.median(local_times), 4),
+        "dcp_recv_bytes": sum(len(d) for d in plans),
+    }
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) of y = a * x**b, least squares in log space."""
+    xs = [math.log(x) for x, _ in points]
+    ys = [math.log(max(y, 1e-9)) for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(
+        sum((x - mx) ** 2 for x in xs), 1e-12
+    )
+    return math.exp(my - b * mx), b
+
+
+SCALED = (
+    "rank0_plan_s",
+    "rank0_commit_s",
+    "per_rank_plan_s",
+    "manifest_bytes",
+    "rank0_recv_bytes",
+    "critical_plan_s",
+    "repeat_plan_s",
+    "per_rank_load_plan_s",
+)
+
+
+def sim_extrapolated(ranks: int, tensors: int, tp: int, max_items: int) -> dict[str, Any]:
+    """Over ``max_items`` (a per-piece plan and manifest too big for this process): measured at
+    the three largest worlds (halving) that fit, each figure extrapolated to ``ranks`` by a
+    power law fitted to them; the measurements go to stderr and into ``measured``."""
+    r = ranks
+    while r * tensors > max_items and r > 8:
+        r //= 2
+    rows = []
+    for size in sorted({max(8, r // 4), max(8, r // 2), r}):
+        got = run_sim(size, tensors, tp)
+        print(f"measured at {size} ranks: {json.dumps(got)}", file=sys.stderr, flush=True)
+        rows.append(got)
+    out: dict[str, Any] = {"ranks": ranks, "tensors": tensors, "extrapolated": True}
+    for key in SCALED:
+        a, b = fit([(float(row["ranks"]), float(row[key])) for row in rows])
+        value = a * ranks**b
+        out[key] = int(value) if key.endswith("bytes") else round(value, 3)
+        out[key + "_fit"] = f"{a:.3g} * ranks^{b:.2f}"
+    out["measured"] = rows
+    return out
+
+
+def dcp_at(ranks: int, tensors: int, tp: int, max_items: int) -> dict[str, Any]:
+    if ranks * tensors <= max_items:
+        return run_dcp(ranks, tensors, tp)
+    points = []
+    r = ranks
+    while r * tensors > max_items and r > 8:
+        r //= 2
+    for size in sorted({max(8, r // 4), max(8, r // 2), r}):
+        got = run_dcp(size, tensors, tp)
+        print(f"dcp at {size} ranks x {tensors} tensors: {got}", file=sys.stderr)
+        points.append((float(size), got["dcp_plan_s"]))
+    a, b = fit(points)
+    return {
+        "dcp_plan_s": round(a * ranks**b, 2),
+        "dcp_extrapolated": True,
+        "dcp_curve": [[int(x), y] for x, y in points],
+        "dcp_fit": f"{a:.3g} * ranks^{b:.2f}",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# curve and plot
+# ---------------------------------------------------------------------------------------------
+
+
+def svg(rows: list[dict[str, Any]], path: str) -> None:
+    """Three log-log panels (planning time, manifest MiB, rank-0 MiB) against ranks."""
+    series = [
+        ("rank-0 planning (s)", "rank0_plan_s"),
+        ("per-rank planning (s)", "per_rank_plan_s"),
+        ("manifest (MiB)", "manifest_bytes"),
+        ("rank-0 received (MiB)", "rank0_recv_bytes"),
+    ]
+    w, h, pad = 260, 200, 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * len(series)}" height="{h + 30}">']
+    xs = [math.log2(r["ranks"]) for r in rows]
+    for i, (title, key) in enumerate(series):
+        ox = i * w
+        vals = [r[key] / (1 << 20) if "bytes" in key else r[key] for r in rows]
+        ys = [math.log10(max(v, 1e-6)) for v in vals]
+        x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+        y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
+
+        def px(x: float, x0: float = x0, x1: float = x1, ox: int = ox) -> float:
+            return ox + pad + (x - x0) / (x1 - x0) * (w - 2 * pad)
+
+        def py(y: float, y0: float = y0, y1: float = y1) -> float:
+            return 20 + (h - pad) - (y - y0) / (y1 - y0) * (h - pad - 20)
+
+        out.append(f'<text x="{ox + pad}" y="14" font-size="12">{title}</text>')
+        out.append(
+            f'<line x1="{ox + pad}" y1="{h - 20}" x2="{ox + w - pad}" y2="{h - 20}" stroke="#888"/>'
+        )
+        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
+        out.append(f'<polyline points="{pts}" fill="none" stroke="#1f77b4" stroke-width="2"/>')
+        for x, y, v, r in zip(xs, ys, vals, rows):
+            out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="#1f77b4"/>')
+            out.append(f'<text x="{px(x) - 8:.1f}" y="{h - 5}" font-size="9">{r["ranks"]}</text>')
+            out.append(
+                f'<text x="{px(x) + 4:.1f}" y="{py(y) - 4:.1f}" font-size="9">{v:.3g}</text>'
+            )
+    out.append(
+        f'<text x="10" y="{h + 25}" font-size="11">ranks (log scale); values log scale</text>'
+    )
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def curve(tensors: int, max_ranks: int, tp: int, max_items: int, svg_path: str | None) -> None:
+    rows = []
+    ranks = 8
+    print("| ranks | tensors | rank-0 plan s | per-rank plan s | manifest MiB | rank-0 recv MiB |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    while ranks <= max_ranks:
+        if ranks * tensors > max_items:
+            print(f"| {ranks} | {tensors} | (over --max-items) | | | |")
+        else:
+            row = run_sim(ranks, tensors, tp)
+            rows.append(row)
+            print(
+                f"| {ranks} | {row['tensors']} | {row['rank0_plan_s']:.3f} | "
+                f"{row['per_rank_plan_s']:.4f} | {row['manifest_bytes'] / (1 << 20):.2f} | "
+                f"{row['rank0_recv_bytes'] / (1 << 20):.2f} |",
+                flush=True,
+            )
+        ranks *= 2
+    if svg_path and len(rows) > 1:
+        svg(rows, svg_path)
+        print(f"wrote {svg_path}")
+    print(json.dumps({"curve": rows}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--tensors", type=int, default=1000)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dcp", action="store_true")
+    ap.add_argument("--curve", action="store_true")
+    ap.add_argument("--max-ranks", type=int, default=8192)
+    ap.add_argument("--max-items", type=int, default=DEFAULT_MAX_ITEMS)
+    ap.add_argument("--svg", default=None)
+    args = ap.parse_args()
+    if args.curve:
+        curve(args.tensors, args.max_ranks, args.tp, args.max_items, args.svg)
+        return
+    if args.ranks * args.tensors > args.max_items:
+        row = sim_extrapolated(args.ranks, args.tensors, args.tp, args.max_items)
+    else:
+        row = run_sim(args.ranks, args.tensors, args.tp)
+    if args.dcp:
+        row.update(dcp_at(args.ranks, args.tensors, args.tp, args.max_items))
+    print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
