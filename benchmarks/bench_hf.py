@@ -37,7 +37,9 @@ reversed every other round (round 0 warms up):
 - with ``--pipeline``: the same export forced through the staging-buffer pipeline (what a
   source not stored raw takes), for comparison;
 - peers (unless ``--no-peers``): ``huggingface_hub.save_torch_state_dict`` (the sharded writer
-  of ``save_pretrained``) of the same state already in memory as torch tensors, and
+  of ``save_pretrained``) of the same state already in memory as torch tensors,
+  ``transformers``' ``PreTrainedModel.save_pretrained`` of a model whose parameters are those
+  tensors (shared, not copied), and
   ``dcp_to_torch_save`` of the same weights saved by ``dcp.save`` beforehand, each + fsync.
 
 Page cache: before each contender its source files are read once (warm, the default) or
@@ -359,6 +361,28 @@ def export_state(total: int) -> dict[str, Any]:
     return {"model": model, "step": 1}
 
 
+def _pretrained(tensors: dict[str, Any]) -> Any:
+    """A ``transformers.PreTrainedModel`` whose parameters are ``tensors`` (shared, not copied),
+    for timing ``save_pretrained`` on the same bytes as the export."""
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Holder(PreTrainedModel):  # type: ignore[misc]
+        config_class = PretrainedConfig
+        base_model_prefix = "holder"
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.weights = torch.nn.ParameterDict(
+                {
+                    k.replace(".", "_"): torch.nn.Parameter(v, requires_grad=False)
+                    for k, v in tensors.items()
+                }
+            )
+
+    return Holder(PretrainedConfig())
+
+
 def bench_export(args: argparse.Namespace, root: str) -> None:
     import savepoint as sp
     from savepoint.formats import _kernel_copy
@@ -436,6 +460,17 @@ def bench_export(args: argparse.Namespace, root: str) -> None:
         peaks.setdefault("huggingface_hub writer", []).append(mem.extra)
         return blocking, durable, size_of(path)
 
+    def transformers_writer(path: str) -> Timing:
+        model = _pretrained(tensors)  # the same tensors as parameters (no copy)
+        with PeakAnon() as mem:
+            t = time.perf_counter()
+            model.save_pretrained(path, max_shard_size=args.shard_size)
+            blocking = time.perf_counter() - t
+            fsync_tree(path)
+            durable = time.perf_counter() - t
+        peaks.setdefault("transformers save_pretrained", []).append(mem.extra)
+        return blocking, durable, size_of(path)
+
     dcp_dir = os.path.join(root, "dcp")
     if args.peers:  # the same weights as DCP saved them, for its own consolidation
         import torch.distributed.checkpoint as dcp
@@ -465,6 +500,7 @@ def bench_export(args: argparse.Namespace, root: str) -> None:
         contenders["sp.export, staging pipeline"] = export_with("pipeline", False)
     if args.peers:
         contenders["huggingface_hub writer"] = hub_writer
+        contenders["transformers save_pretrained"] = transformers_writer
         contenders["dcp_to_torch_save"] = dcp_consolidate
     del state
     results = run(contenders, root, args.repeat)
@@ -494,6 +530,7 @@ def bench_export(args: argparse.Namespace, root: str) -> None:
     for name, label in (
         ("pipeline", "staging pipeline"),
         ("huggingface_hub writer", "huggingface_hub writer (state already in memory)"),
+        ("transformers save_pretrained", "transformers save_pretrained (model in memory)"),
         ("dcp_to_torch_save", "dcp_to_torch_save"),
     ):
         if name in peaks:

@@ -33,6 +33,9 @@ def model() -> dict[str, np.ndarray[Any, Any]]:
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:
     sp.save(tmp_path / "ckpt", {"model": model()})
+    for p in (tmp_path / "ckpt").iterdir():  # in the page cache (the save wrote O_DIRECT):
+        if p.is_file():  # the kernel copies only a cached source (_kernel_copy.cached)
+            p.read_bytes()
     return tmp_path / "ckpt"
 
 
@@ -159,3 +162,45 @@ def test_a_failed_deferred_fsync_fails_the_export(
         export(ckpt, tmp_path / "hf", hf=True, max_shard_size=100 * KiB)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_the_probe_tells_a_cached_source_from_an_evicted_one(tmp_path: Path) -> None:
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT probe on this platform")
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(4 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        span = [(fd, 1 << 20, 3 << 20)]  # past the readahead of a first read
+        assert _kernel_copy.cached(span)  # just written through the page cache
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if _kernel_copy.cached(span):
+            pytest.skip("this filesystem keeps the pages (tmpfs) or ignores RWF_NOWAIT")
+    finally:
+        os.close(fd)
+
+
+def test_a_source_not_in_the_page_cache_goes_through_the_pipeline(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's copy reads a cold source in one synchronous stream (2x a raw copy's time
+    at 4 GiB here): an evicted checkpoint is exported by the pipeline's direct reads instead."""
+    probed: list[int] = []
+
+    def cold(ranges: Any) -> bool:
+        probed.append(len(ranges))
+        return False
+
+    copied: list[int] = []
+    real = os.copy_file_range
+
+    def spy(*args: Any) -> int:
+        copied.append(real(*args))
+        return copied[-1]
+
+    monkeypatch.setattr(_kernel_copy, "cached", cold)
+    monkeypatch.setattr(os, "copy_file_range", spy)
+    export(ckpt, tmp_path / "hf", hf=True)
+    assert probed and not copied  # asked, then the pipeline wrote the shard
+    _same(tmp_path / "hf")

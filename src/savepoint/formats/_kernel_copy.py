@@ -19,7 +19,7 @@ Extra memory: none of the process's own (the bytes are page cache, shared with t
 the written file), against twice the largest tensor through staging buffers.
 
 Used only when every source of the file has a ``file`` (``(fd, offset)``, see
-``MappedTensor``); :func:`write` returns False without writing anything when one has not, or
+``MappedTensor``) and its bytes are in the page cache (:func:`cached`); :func:`write` returns False without writing anything when one has not, or
 when neither system call copies between these files (another filesystem, an old kernel), and
 the caller streams the file through the write pipeline instead. Any other failure removes the
 file and raises (the caller's ``atomic_directory`` turns an OSError into CheckpointWriteError).
@@ -76,6 +76,37 @@ def runs(sources: Sequence[TensorSource]) -> list[tuple[int, int, int]] | None:
     return out
 
 
+SAMPLES = 64  # pages probed per run of tensors by :func:`cached`
+_PAGE = 4096
+
+
+def cached(ranges: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether the bytes of ``ranges`` are in the page cache, probed at up to :data:`SAMPLES`
+    pages a run with reads that may not wait for the disk (``RWF_NOWAIT``: a page not cached
+    reads short or fails with EAGAIN). The kernel's copy is the faster path only then: from a
+    cold source ``copy_file_range`` reads one stream synchronously (a 4 GiB export of an
+    evicted checkpoint took 2x a raw copy's time, where the write pipeline's parallel direct
+    reads took 1.0x; warm, the kernel's copy took 0.73x). Where the probe is not available
+    (no ``RWF_NOWAIT``, a filesystem that refuses it) the source counts as cached."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not hasattr(os, "preadv"):
+        return True
+    buf = bytearray(1)
+    for fd, offset, length in ranges:
+        step = max(length // SAMPLES, _PAGE)
+        for at in range(offset, offset + length, step):
+            try:
+                if os.preadv(fd, [buf], at, flag) < 1:
+                    return False
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    return True
+                raise
+    return True
+
+
 def write(
     path: str,
     header: bytes,
@@ -94,7 +125,7 @@ def write(
     the next). ``align``: pad the header (:func:`aligned_header`), for a file whose bytes no one
     compares with another writer's (a conversion keeps them byte for byte)."""
     ranges = runs(sources)
-    if ranges is None:
+    if ranges is None or not cached(ranges):
         return False
     if align:
         header = aligned_header(header, ranges)
