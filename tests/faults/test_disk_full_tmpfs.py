@@ -69,6 +69,9 @@ FORCE_NAMESPACE = os.environ.get("SAVEPOINT_TMPFS_USERNS") == "1" and not IN_NAM
 # Failure sites (see _tmpfs.failure_site) of each phase.
 DATA = r"write_all$"
 DATA_OPEN = r"_open_for_write$"
+# A conversion's or export's file made by the kernel-copy writer (formats/_kernel_copy.py: a
+# source in the page cache, as a tmpfs one always is) is opened there instead.
+COPY_OPEN = rf"{DATA_OPEN}|_kernel_copy\.write$"
 STAGING_DIR = r"^transaction\.begin>local\.mkdir$"
 # The manifest goes straight into the staging directory on a local disk (a blob), or through
 # put; the report is staged aside (a blob) by a save, or put by write_json (never run.json).
@@ -572,7 +575,7 @@ BOOSTR_PHASES = {
     },
     INODES: {
         "staging directory": STAGING_DIR,
-        "safetensors files": DATA_OPEN,
+        "safetensors files": COPY_OPEN,
         "training_state.json": r"_boostr_single\.write>local\.write_small$",
     },
 }
@@ -599,7 +602,7 @@ def scenarios() -> list[Scenario]:
             "model.safetensors",
             None,
             flat_state,
-            {BLOCKS: {"data": DATA}, INODES: {"the file": DATA_OPEN}},
+            {BLOCKS: {"data": DATA}, INODES: {"the file": COPY_OPEN}},
         ),
         Convert("convert-boostr", "boostr-ckpt", "boostr", boostr_state, BOOSTR_PHASES),
     ]
