@@ -102,6 +102,7 @@ LOAD_OPS: dict[str, Op] = {
     "load": lambda p: sp.load(p),
     "load(mmap=True)": lambda p: sp.load(p, mmap=True),
     "verify": lambda p: sp.verify(p),
+    "verify(direct=True)": lambda p: sp.verify(p, direct=True),
 }
 MANIFEST_OPS: dict[str, Op] = {**LOAD_OPS, "inspect": lambda p: sp.inspect(p)}
 
@@ -435,6 +436,8 @@ def test_bool_tensor_with_a_byte_other_than_0_or_1_is_refused(tmp_path: Path, va
     _forge_bool_byte(path, value)
     with pytest.raises(sp.CorruptCheckpointError, match="'mask' is BOOL"):
         sp.load(path)
+    with pytest.raises(sp.CorruptCheckpointError, match="'mask' is BOOL"):
+        sp.verify(path, direct=True)
     target = {"mask": np.zeros_like(mask), "w": np.zeros(4)}
     with pytest.raises(sp.CorruptCheckpointError, match="'mask' is BOOL"):
         sp.load(path, into=target)

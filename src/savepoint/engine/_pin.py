@@ -312,8 +312,10 @@ class Generation:
                 ) from None
             raise self.corrupt(f"data file {name} is missing") from None
 
-    def open_file(self, name: str, *, check_header: bool = True) -> DataFile:
-        """Data file ``name``, its size and header checked against the manifest (once)."""
+    def open_file(self, name: str, *, check_header: bool = True, view: bool = True) -> DataFile:
+        """Data file ``name``, its size and header checked against the manifest (once).
+        ``view=False``: no whole-file view is made (no mapping, no read-ahead into the page
+        cache); its bytes are read with ``blob.read`` (a direct verify streams it itself)."""
         opened = self.files.get(name)
         if opened is not None:
             return opened
@@ -340,7 +342,7 @@ class Generation:
                 raise self.corrupt(f"data file {name}: header length field is damaged")
             if check_header and checksum.digest(raw) != record.header_xxh3:
                 raise self.corrupt(f"data file {name}: header checksum mismatch")
-            opened = DataFile(blob, blob.view(0, size))
+            opened = DataFile(blob, blob.view(0, size) if view else None)
         except BaseException:
             blob.close()
             raise

@@ -21,6 +21,7 @@ import numpy as np
 
 from savepoint.codecs import dtypes, safetensors
 from savepoint.codecs import manifest as mf
+from savepoint.engine import _direct
 from savepoint.engine import device as device_fill
 from savepoint.engine.read import Needs, Reader, files_of
 from savepoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
@@ -299,11 +300,19 @@ def _restore(
     return p.finish(getter(made, device)), refs
 
 
-def verify(reader: Reader, progress: Progress | None, *, blobs: bool = True) -> None:
+def verify(
+    reader: Reader, progress: Progress | None, *, blobs: bool = True, direct: bool = False
+) -> None:
     """Check every data file's header entries against the manifest and every checksum; raise a
     CorruptCheckpointError describing the first problem. ``blobs=False``: leave out the tensors
-    stored as blobs (a copy checks each blob it copies itself)."""
+    stored as blobs (a copy checks each blob it copies itself). ``direct``: read the data files
+    past the page cache where every tensor is in a local data file (:mod:`._direct`), else as
+    without it."""
     manifest = reader.manifest
+    direct = direct and _direct.possible(reader.generation)
+    if direct:
+        for name in manifest.files:  # (size and header checked; no mapping, no read-ahead)
+            reader.generation.open_file(name, view=False)
     wanted = (
         set(manifest.tensors)
         if blobs
@@ -343,6 +352,9 @@ def verify(reader: Reader, progress: Progress | None, *, blobs: bool = True) -> 
                 f"{reader.shown}: data file {name} does not hold what the manifest records",
                 path=reader.shown,
             )
+    if direct:
+        _direct.check(reader.generation, count)
+        return
     rest = reader.check_small(
         table if isinstance(table, mf.TensorTable) else table.items(), progress=count
     )
