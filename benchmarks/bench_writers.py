@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python benchmarks/bench_writers.py [--gib 1 4] [--repeats 3] [--dir /tmp/sp-bench]
     .venv/bin/python benchmarks/bench_writers.py --writer both --mib 256 [--repeats 5]
     .venv/bin/python benchmarks/bench_writers.py --loop real [--gib 1 4] [--repeats 5]
-        [--no-dcp] [--no-manager] [--compare-hashing] [--verbose]
+        [--no-dcp] [--no-manager] [--compare-hashing] [--compare-verify] [--verbose]
 
 For each state size (about 300 float32 tensors: a few 64 MiB, many 4 KiB-1 MiB), after one
 warm-up round, interleaved rounds measure:
@@ -35,7 +35,9 @@ deleted) and DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS
 gloo group on 127.0.0.1; unless ``--no-dcp``), and the floor: a bare O_DIRECT writer process
 with no savepoint in it (``_bare_writer.py``, normal priority) writing as many bytes, fsynced
 (unless ``--no-floor``; each writer's ratio is also printed against its ratio); ``--compare-hashing`` adds each writer with
-``staging.HASH_WHILE_STAGING`` off (the writer hashes every tensor: the behaviour before). For
+``staging.HASH_WHILE_STAGING`` off (the writer hashes every tensor: the behaviour before);
+``--compare-verify`` adds each manager reading its new checkpoint back through a mapping
+(``sp.verify(path)``: the behaviour before ``direct=True``). For
 each round and each saver (the order alternating between rounds): the loop's steps/s alone
 (right before), then during the background save, from ``save()``'s return until done (the steps
 counted to the fraction of the step running at that moment). Printed, as medians over the
@@ -129,9 +131,10 @@ class ManagerSaver(Saver):
     background step is (the new checkpoint read back and verified, the oldest deleted: every
     save measured is the third or later of its run)."""
 
-    def __init__(self, writer: str, loop: Loop, path: str) -> None:
-        super().__init__(f"manager {writer}", loop, path)
+    def __init__(self, writer: str, loop: Loop, path: str, mapped: bool = False) -> None:
+        super().__init__(f"manager {writer}{' mapped' if mapped else ''}", loop, path)
         self.writer = writer
+        self.mapped = mapped  # the read-back before pruning as before: a mapped sp.verify
         self.mgr: sp.CheckpointManager | None = None
         self.step = 0
 
@@ -150,7 +153,25 @@ class ManagerSaver(Saver):
     def start(self) -> Callable[[], None]:
         assert self.mgr is not None
         self.step += 1
+        _mapped_verify(self.mapped)
         return self.mgr.save(self.step, self.loop.sp_state()).wait
+
+
+def _mapped_verify(on: bool) -> None:
+    """The manager's read-back before pruning: mapped (``sp.verify(path)``, as before
+    ``direct=True``) or past the page cache (its default), for ``--compare-verify``."""
+    from savepoint import checkpoint
+    from savepoint.runs import settle
+
+    settle.checkpoint = _MappedCheckpoint(checkpoint.verify) if on else checkpoint  # type: ignore[assignment]
+
+
+class _MappedCheckpoint:
+    def __init__(self, verify: Callable[..., object]) -> None:
+        self._verify = verify
+
+    def verify(self, path: object, **kwargs: object) -> object:
+        return self._verify(path)
 
     def close(self) -> None:
         if self.mgr is not None:
@@ -320,6 +341,7 @@ def savers_for(
     manager: bool,
     old: bool,
     floor: bool = True,
+    mapped: bool = False,
 ) -> list[Saver]:
     savers: list[Saver] = [
         CheckpointerSaver(w, loop, os.path.join(base, f"ck-{w}")) for w in writers
@@ -331,6 +353,11 @@ def savers_for(
         ]
     if manager:
         savers += [ManagerSaver(w, loop, os.path.join(base, f"run-{w}")) for w in writers]
+    if mapped:
+        savers += [
+            ManagerSaver(w, loop, os.path.join(base, f"run-mapped-{w}"), mapped=True)
+            for w in writers
+        ]
     if dcp:
         savers.append(DcpSaver(loop, os.path.join(base, "dcp")))
     if floor:
@@ -355,6 +382,11 @@ def main() -> None:
         "--no-floor", action="store_true", help="leave out the bare O_DIRECT writer (the floor)"
     )
     ap.add_argument("--verbose", action="store_true", help="print every measurement")
+    ap.add_argument(
+        "--compare-verify",
+        action="store_true",
+        help="also each manager reading its checkpoint back mapped (sp.verify without direct=)",
+    )
     ap.add_argument(
         "--compare-hashing",
         action="store_true",
@@ -411,6 +443,7 @@ def _writers_at(args: argparse.Namespace, mib: float, writers: list[str]) -> Non
         not args.no_manager,
         args.compare_hashing,
         not args.no_floor,
+        args.compare_verify,
     )
     alone_s = args.alone or (2.0 if args.loop == "real" else 0.6)
     run_writers(loop, savers, max(args.repeats or 5, 1), alone_s, args.verbose)
