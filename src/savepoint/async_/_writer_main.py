@@ -310,8 +310,9 @@ def _progress(sock: socket.socket, wanted: bool) -> Any:
     50 ms, and the last), when it asked for progress, and (at most every 20 ms) looks for a
     ``cancel`` from the trainer (``save_on_preemption`` abandoning the save): it then raises, the
     save's transaction removes what it wrote, and the answer is that error. A trainer that is
-    gone cancels nothing: the save goes on (a save outlives its trainer). ``stall`` sleeps at
-    the first call."""
+    gone cancels nothing and is told nothing: the save goes on (a save outlives its trainer; a
+    managed save always asks for progress, so a report to a trainer killed mid-save must not
+    end it). ``stall`` sleeps at the first call."""
     fault = os.environ.get("SAVEPOINT_WRITER_FAULT", "")
     stall, crawl = fault == "stall", fault == "crawl"
     lock = threading.Lock()
@@ -321,9 +322,12 @@ def _progress(sock: socket.socket, wanted: bool) -> Any:
     def progress(done: int, total: int) -> None:
         with lock:
             now = time.monotonic()
-            if wanted and (done >= total or now - last[0] >= 0.05 or stall):
+            if listening[0] and wanted and (done >= total or now - last[0] >= 0.05 or stall):
                 last[0] = now
-                _wire.send(sock, {"op": "progress", "done": done, "total": total})
+                try:
+                    _wire.send(sock, {"op": "progress", "done": done, "total": total})
+                except OSError:
+                    listening[0] = False  # the trainer is gone: finish the save, tell nobody
             if listening[0] and now - last[1] >= 0.02:
                 last[1] = now
                 _look_for_cancel(sock, listening)

@@ -177,6 +177,23 @@ class Books:
         self.pending = []
         return _Flushed(mark, records)
 
+    def append_pending(self) -> bool:
+        """Append the records logged so far to the history log now, ahead of the report (an
+        async save handed to the writer process: that save commits even if this process is
+        killed before its books, and the history up to it must then be on disk; an open that
+        finds the checkpoint unbooked adopts it, :func:`savepoint.runs.opening.repair`). Not
+        synced here (the save's background step syncs the log). A report of version 1 (its
+        history inline, moved to the log with the next report) appends nothing. Returns whether
+        anything was appended; an OSError leaves the records pending (they go with the
+        report)."""
+        if self.history is None or self.version == 1 or not self.pending:
+            return False
+        try:
+            self._flush_history()
+        except OSError:
+            return False
+        return True
+
     def log(self, step: int, loss: float | None, metrics: dict[str, Any]) -> None:
         """A training step's loss and values: in the report now, in the history log with the
         next report written."""

@@ -278,6 +278,11 @@ class Saver:
         # (A writer process keeps its own memo; the thread writer shares the run's.)
         shared = not self.checkpointer.writes_in_process(job.target)
         incremental = self.blobs.async_options(shared) if self.blobs is not None else {}
+        if not shared and self.leader:
+            # The writer process commits this save even if this process is killed once it is
+            # handed over, before its books: the history logged up to it goes to the log now.
+            with self.lock:
+                self.books.append_pending()
         job.keep = self.host.keep()  # (the manager stays alive until the save is done)
         flight, backup = job.flight, job.backup
         try:
@@ -529,16 +534,11 @@ def _checkpointer(
 ) -> AsyncCheckpointer:
     """The AsyncCheckpointer of a manager's async saves (``abandon`` stops its save in flight).
 
-    ``writer=None`` is the thread writer here, unlike ``AsyncCheckpointer()``'s default: a
-    managed save's books (report.json, the history log of ``log()``) are written by the trainer
-    after the commit, so a checkpoint the writer process commits after its trainer was killed
-    would be in the run without the history logged since the previous save (a killed-and-resumed
-    run's loss history then lacks those steps). The two writers measured the same under a
-    manager (0.51 and 0.49 of the real loop's speed, bound by the read-back before pruning).
-    A ``writer_priority`` given without ``writer`` asks for the writer process (it means nothing
-    to the thread writer): ``AsyncCheckpointer``'s default then."""
-    if writer is None and priority is None:
-        writer = "thread"
+    ``writer=None`` is ``AsyncCheckpointer()``'s default: the writer process, with the thread
+    writer for each save it refuses. A save handed to the writer process commits even if this
+    process is killed right after ``save()`` returned; the history ``log()`` gathered up to it is
+    appended to the history log as it is handed over (:meth:`Books.append_pending`), and the
+    next open adopts the unbooked checkpoint (its metrics from its manifest)."""
     return AsyncCheckpointer(
         **{**options.changed(), "progress": abandon.progress},
         writer=writer,
