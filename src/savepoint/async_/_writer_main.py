@@ -19,6 +19,10 @@ arena, commits it with :func:`savepoint.engine.save.save_staged` (the same write
 writer's) and answers ``done`` with the checksums (the trainer builds its description from them)
 or ``error`` with the error's type and message.
 
+A ``verify`` message (a manager's read-back before pruning, sent between saves) is answered
+``verified`` once ``sp.verify(path, direct=True)`` passed here, or with its error: the read and
+the hash run at this process's priority, not in the trainer.
+
 A boostr save (``save_boostr``, or one rank's part of ``save_distributed``) sends ``boostr``:
 where each tensor is in the arena and the training state; this process writes the directory
 (or ``rank_{r}/``) with boostr's own writer (:mod:`savepoint.async_._boostr`).
@@ -88,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if fds:
             arena = _map(fds, int(message["arena_size"]))
-        if message["op"] not in ("save", "pieces", "boostr"):
+        if message["op"] not in ("save", "pieces", "boostr", "verify"):
             continue  # a cancel that came after its save was done
         answer: dict[str, Any] | None
-        if arena is None:
+        if message["op"] == "verify":
+            answer = _verify(message)
+        elif arena is None:
             answer = {"op": "error", "type": "CheckpointWriteError", "path": message.get("path")}
             answer["message"] = "the writer process was sent a save without its staging arena"
         elif message["op"] == "pieces":
@@ -303,6 +309,20 @@ def _boostr(message: dict[str, Any], arena: np.ndarray[Any, Any]) -> dict[str, A
         return boostr_writer.write(message, arena)
     except BaseException as exc:
         return {"op": "error", **_wire.error_fields(_wire.reported(exc, target))}
+
+
+def _verify(message: dict[str, Any]) -> dict[str, Any]:
+    """A committed checkpoint read back and verified here, at this process's priority (a
+    manager's check before pruning, :meth:`savepoint.async_.process.ProcessWriter.verify`):
+    ``sp.verify(path, direct=True)``, answered ``verified`` or with the error it raised."""
+    from savepoint import checkpoint
+
+    target = str(message["path"])
+    try:
+        checkpoint.verify(target, direct=True)
+    except BaseException as exc:
+        return {"op": "error", **_wire.error_fields(_wire.reported(exc, target))}
+    return {"op": "verified"}
 
 
 def _progress(sock: socket.socket, wanted: bool) -> Any:

@@ -96,7 +96,7 @@ from savepoint.async_.staging import StagingArena, staged_sources
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe
-from savepoint.errors import UnsupportedStateError, UnsupportedStorageError
+from savepoint.errors import CheckpointWriteError, UnsupportedStateError, UnsupportedStorageError
 from savepoint.formats import boostr
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
@@ -244,6 +244,21 @@ class AsyncCheckpointer:
         (with ``writer="process"``: always, or refused)."""
         location = resolve_path(path, what="checkpoint path")
         return self._process is not None and _reaches(self, location, None, None)
+
+    def verify_in_process(self, path: PathArg) -> None:
+        """Read back and verify the committed checkpoint at ``path`` in the writer process
+        (``sp.verify(path, direct=True)`` there, at ``writer_priority``): for a save's
+        ``on_commit`` (the background thread, the writer process idle between saves; a
+        manager's check before pruning). Raises what the check found; CheckpointWriteError
+        where no writer process is there to ask (the thread writer, or it died): verify here
+        then."""
+        location = resolve_path(path, what="checkpoint path")
+        if self._process is None:
+            raise CheckpointWriteError(
+                f"no writer process to verify {location.store.url(location.path)}",
+                path=location.store.url(location.path),
+            )
+        self._process.verify(location)
 
     def save_boostr(
         self,

@@ -373,8 +373,25 @@ class ProcessWriter:
                 if stop is not None:
                     raise stop from _wire.error_from(message)
                 raise _wire.error_from(message)
-            elif message["op"] in ("done", "settled"):
+            elif message["op"] in ("done", "settled", "verified"):
                 return message
+
+    def verify(self, location: Location) -> None:
+        """Have the writer process read back and verify the committed checkpoint at
+        ``location`` (``sp.verify(path, direct=True)`` there, at its priority). Called between
+        saves (a save's ``on_commit``: the writer process is idle). Raises what the check found;
+        CheckpointWriteError when there is no live writer process to ask, or it died."""
+        target = _place.url_of(location, "checkpoint path")
+        proc, sock = self._proc, self._sock
+        if proc is None or sock is None or proc.poll() is not None:
+            raise CheckpointWriteError(
+                f"no writer process to verify {target}: it is not running", path=target
+            )
+        try:
+            _wire.send(sock, {"op": "verify", "path": target})
+        except OSError as exc:
+            raise self._died(target) from exc
+        self.receive(target, None)
 
     def _await(
         self,

@@ -90,7 +90,7 @@ from savepoint.runs.lock import WriterLock
 from savepoint.runs.pacing import Pacing
 from savepoint.runs.policies import SavePolicy
 from savepoint.runs.report import count_elements
-from savepoint.runs.settle import Settle
+from savepoint.runs.settle import Settle, verify_here
 from savepoint.storage.paths import Location
 
 __all__ = ["BlobSaving", "Host", "Saver", "abandoned", "check_step", "unranked_warning"]
@@ -278,6 +278,7 @@ class Saver:
         # (A writer process keeps its own memo; the thread writer shares the run's.)
         shared = not self.checkpointer.writes_in_process(job.target)
         incremental = self.blobs.async_options(shared) if self.blobs is not None else {}
+        job.in_process = not shared
         if not shared and self.leader:
             # The writer process commits this save even if this process is killed once it is
             # handed over, before its books: the history logged up to it goes to the log now.
@@ -418,10 +419,27 @@ class Saver:
         # An async save: this is the background already (its writer thread); the save's
         # PendingSave is done once this is, and raises what it found.
         job.flight.booked.set()
-        error = self.settle.run(step, swapped)
+        error = self.settle.run(step, swapped, self._verifier(job))
         if error is not None:
             raise error
         return False
+
+    def _verifier(self, job: _Job) -> Callable[[str | Location], None] | None:
+        """How an async save's checkpoint is read back before pruning: by the writer process
+        that wrote it (at its priority: the trainer pays nothing for the read and the hash),
+        here where the thread wrote it or the writer process cannot answer (it died: that is
+        no verdict on the checkpoint)."""
+        checkpointer = self.checkpointer
+        if checkpointer is None or not job.in_process:
+            return None
+
+        def verify(path: str | Location) -> None:
+            try:
+                checkpointer.verify_in_process(path)
+            except CheckpointWriteError:
+                verify_here(path)
+
+        return verify
 
     # -- what the last save left ------------------------------------------------------------------
 
@@ -631,6 +649,7 @@ class _Job:
     settled: PendingSave | None = None  # what a synchronous save returns
     sync_error: CheckpointError | None = None  # a preemption save's books' sync
     keep: object = None  # what an async save keeps alive (Host.keep)
+    in_process: bool = False  # an async save the writer process writes
 
 
 class _Abandoned(CheckpointError):

@@ -36,8 +36,9 @@ from savepoint.runs.books import Books, write_error
 from savepoint.runs.peers import PeerMemory
 from savepoint.runs.policies import Entry, RetentionPolicy
 from savepoint.runs.tiers import TierCopier
+from savepoint.storage.paths import Location
 
-__all__ = ["Settle", "Worker"]
+__all__ = ["Settle", "Worker", "verify_here"]
 
 # (the manager's logger: its retention decisions are documented under that name)
 log = logging.getLogger("savepoint.runs.manager")
@@ -198,9 +199,15 @@ class Settle:
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def run(self, step: int, swapped: list[aliases.Staging]) -> CheckpointError | None:
+    def run(
+        self,
+        step: int,
+        swapped: list[aliases.Staging],
+        verify: Callable[[str | Location], None] | None = None,
+    ) -> CheckpointError | None:
         """Remove the aliases ``swapped`` replaced, make the books durable, delete what left the
-        run, verify checkpoint ``step`` and apply retention, compact the history. Returns the
+        run, verify checkpoint ``step`` (with ``verify(path)``: an async save's writer process
+        reads it back; by default here) and apply retention, compact the history. Returns the
         error to report (a failed verification, a failed sync); tidying that fails is retried
         later. Once a preemption save started, all but the syncs wait for the next run."""
         error = self.sync_books(swapped)
@@ -220,9 +227,7 @@ class Settle:
                 return None
             self.verifying = step  # (a preemption save does not wait for this)
             try:
-                # Past the page cache: the bytes on the disk, at the cost of the hash (a mapped
-                # read-back cost the trainer about 0.4 s of CPU per GiB in page faults).
-                checkpoint.verify(layout.checkpoint_arg(catalog.step_location(step)), direct=True)
+                (verify or verify_here)(layout.checkpoint_arg(catalog.step_location(step)))
             except (CheckpointError, OSError) as exc:
                 return self.verification_failed(step, exc)
             finally:
@@ -332,6 +337,13 @@ class Settle:
         with self.lock:
             books.record_failure(step, exc)
         return err
+
+
+def verify_here(path: str | Location) -> None:
+    """The read-back before pruning, in this process: past the page cache (the bytes on the
+    disk, at about the cost of the hash; a mapped read-back cost the trainer about 0.4 s of CPU
+    per GiB in page faults on the development machine)."""
+    checkpoint.verify(path, direct=True)
 
 
 def _failure(exc: BaseException) -> CheckpointError:
