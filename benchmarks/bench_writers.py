@@ -36,8 +36,9 @@ gloo group on 127.0.0.1; unless ``--no-dcp``), and the floor: a bare O_DIRECT wr
 with no savepoint in it (``_bare_writer.py``, normal priority) writing as many bytes, fsynced
 (unless ``--no-floor``; each writer's ratio is also printed against its ratio); ``--compare-hashing`` adds each writer with
 ``staging.HASH_WHILE_STAGING`` off (the writer hashes every tensor: the behaviour before);
-``--compare-verify`` adds each manager reading its new checkpoint back through a mapping
-(``sp.verify(path)``: the behaviour before ``direct=True``). For
+``--compare-verify`` adds each manager reading its new checkpoint back in the trainer through
+a mapping (``sp.verify(path)``: the behaviour before ``direct=True`` and the writer process's
+read-back). For
 each round and each saver (the order alternating between rounds): the loop's steps/s alone
 (right before), then during the background save, from ``save()``'s return until done (the steps
 counted to the fraction of the step running at that moment). Printed, as medians over the
@@ -158,12 +159,25 @@ class ManagerSaver(Saver):
 
 
 def _mapped_verify(on: bool) -> None:
-    """The manager's read-back before pruning: mapped (``sp.verify(path)``, as before
-    ``direct=True``) or past the page cache (its default), for ``--compare-verify``."""
+    """The manager's read-back before pruning: as before this option existed (``on``: a mapped
+    ``sp.verify(path)`` in the trainer, whichever writer wrote) or as now (``sp.verify(path,
+    direct=True)``, in the writer process where it wrote the checkpoint), for
+    ``--compare-verify``."""
     from savepoint import checkpoint
+    from savepoint.async_.checkpointer import AsyncCheckpointer
     from savepoint.runs import settle
 
     settle.checkpoint = _MappedCheckpoint(checkpoint.verify) if on else checkpoint  # type: ignore[assignment]
+    if not _REAL_IN_PROCESS:
+        _REAL_IN_PROCESS.append(AsyncCheckpointer.verify_in_process)
+    AsyncCheckpointer.verify_in_process = _not_in_process if on else _REAL_IN_PROCESS[0]  # type: ignore[method-assign]
+
+
+_REAL_IN_PROCESS: list[Callable[..., None]] = []
+
+
+def _not_in_process(self: object, path: object) -> None:
+    raise sp.CheckpointWriteError("the read-back before pruning in the trainer (as before)")
 
 
 class _MappedCheckpoint:
