@@ -105,7 +105,14 @@ from savepoint.storage.paths import resolve as resolve_path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncCheckpointer", "OnBusy", "Writer", "WriterPriority", "check_writer_priority"]
+__all__ = [
+    "AsyncCheckpointer",
+    "OnBusy",
+    "Writer",
+    "WriterPriority",
+    "check_writer_priority",
+    "verify_in",
+]
 
 check_writer_priority = _priority.check  # ``writer_priority=`` checked (CheckpointManager's too)
 OnBusy = Literal["wait", "skip"]
@@ -246,19 +253,8 @@ class AsyncCheckpointer:
         return self._process is not None and _reaches(self, location, None, None)
 
     def verify_in_process(self, path: PathArg) -> None:
-        """Read back and verify the committed checkpoint at ``path`` in the writer process
-        (``sp.verify(path, direct=True)`` there, at ``writer_priority``): for a save's
-        ``on_commit`` (the background thread, the writer process idle between saves; a
-        manager's check before pruning). Raises what the check found; CheckpointWriteError
-        where no writer process is there to ask (the thread writer, or it died): verify here
-        then."""
-        location = resolve_path(path, what="checkpoint path")
-        if self._process is None:
-            raise CheckpointWriteError(
-                f"no writer process to verify {location.store.url(location.path)}",
-                path=location.store.url(location.path),
-            )
-        self._process.verify(location)
+        """A manager's read-back before pruning, in the writer process: :func:`verify_in`."""
+        verify_in(self._process, path)
 
     def save_boostr(
         self,
@@ -600,6 +596,19 @@ def _reaches(ckpt: AsyncCheckpointer, location: Location, memo: Any, tracker: An
     except UnsupportedStorageError:
         return False
     return True
+
+
+def verify_in(process: ProcessWriter | None, path: PathArg) -> None:
+    """Read back and verify the committed checkpoint at ``path`` in the writer ``process``
+    (``sp.verify(path, direct=True)`` there, at its ``writer_priority``): for a save's
+    ``on_commit`` (the background thread, the writer process idle between saves). Raises what
+    the check found; CheckpointWriteError where no writer process is there to ask (the thread
+    writer, or it died): verify here then."""
+    location = resolve_path(path, what="checkpoint path")
+    if process is None:
+        shown = location.store.url(location.path)
+        raise CheckpointWriteError(f"no writer process to verify {shown}", path=shown)
+    process.verify(location)
 
 
 def _started(ckpt: AsyncCheckpointer) -> bool:

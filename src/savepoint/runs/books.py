@@ -50,7 +50,7 @@ from savepoint.runs.report import (
 from savepoint.storage.base import Store
 from savepoint.storage.paths import Location
 
-__all__ = ["Books", "StagedReport", "plain", "write_error"]
+__all__ = ["Books", "StagedReport", "append_pending", "plain", "write_error"]
 
 # (the manager's logger: its retention decisions and deletions are documented under that name)
 log = logging.getLogger("savepoint.runs.manager")
@@ -176,23 +176,6 @@ class Books:
         mark = self.history.append(history.encode(records))
         self.pending = []
         return _Flushed(mark, records)
-
-    def append_pending(self) -> bool:
-        """Append the records logged so far to the history log now, ahead of the report (an
-        async save handed to the writer process: that save commits even if this process is
-        killed before its books, and the history up to it must then be on disk; an open that
-        finds the checkpoint unbooked adopts it, :func:`savepoint.runs.opening.repair`). Not
-        synced here (the save's background step syncs the log). A report of version 1 (its
-        history inline, moved to the log with the next report) appends nothing. Returns whether
-        anything was appended; an OSError leaves the records pending (they go with the
-        report)."""
-        if self.history is None or self.version == 1 or not self.pending:
-            return False
-        try:
-            self._flush_history()
-        except OSError:
-            return False
-        return True
 
     def log(self, step: int, loss: float | None, metrics: dict[str, Any]) -> None:
         """A training step's loss and values: in the report now, in the history log with the
@@ -519,6 +502,23 @@ class _Flushed:
     mark: history.Mark | None
     records: list[Record]
     rewrote: bool = False
+
+
+def append_pending(books: Books) -> bool:
+    """Append the records ``books`` gathered so far to the history log now, ahead of the report
+    (an async save handed to the writer process: that save commits even if this process is
+    killed before its books, and the history up to it must then be on disk; an open that finds
+    the checkpoint unbooked adopts it, :func:`savepoint.runs.opening.repair`). Not synced here
+    (the save's background step syncs the log). A report of version 1 (its history inline,
+    moved to the log with the next report) appends nothing. Returns whether anything was
+    appended; an OSError leaves the records pending (they go with the report)."""
+    if books.history is None or books.version == 1 or not books.pending:
+        return False
+    try:
+        books._flush_history()
+    except OSError:
+        return False
+    return True
 
 
 def plain(values: Mapping[str, Any]) -> dict[str, Any]:

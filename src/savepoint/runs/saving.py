@@ -85,7 +85,7 @@ from savepoint.errors import CheckpointError, CheckpointWriteError, RunLockedErr
 from savepoint.info import CheckpointInfo
 from savepoint.options import SaveOptions
 from savepoint.runs import aliases, layout
-from savepoint.runs.books import Books, plain, write_error
+from savepoint.runs.books import Books, append_pending, plain, write_error
 from savepoint.runs.lock import WriterLock
 from savepoint.runs.pacing import Pacing
 from savepoint.runs.policies import SavePolicy
@@ -274,16 +274,13 @@ class Saver:
         :meth:`_book` from its writer thread."""
         assert self.checkpointer is not None
         # The background thread runs the blob store's save session, then (committed: retention
-        # and the blob collection) after the session is closed.
-        # (A writer process keeps its own memo; the thread writer shares the run's.)
-        shared = not self.checkpointer.writes_in_process(job.target)
+        # and the blob collection) after it is closed (a writer process keeps its own memo).
+        job.in_process = self.checkpointer.writes_in_process(job.target)
+        shared = not job.in_process
         incremental = self.blobs.async_options(shared) if self.blobs is not None else {}
-        job.in_process = not shared
-        if not shared and self.leader:
-            # The writer process commits this save even if this process is killed once it is
-            # handed over, before its books: the history logged up to it goes to the log now.
-            with self.lock:
-                self.books.append_pending()
+        if job.in_process and self.leader:
+            with self.lock:  # it commits even if this process dies now: the history goes now
+                append_pending(self.books)
         job.keep = self.host.keep()  # (the manager stays alive until the save is done)
         flight, backup = job.flight, job.backup
         try:
@@ -419,27 +416,10 @@ class Saver:
         # An async save: this is the background already (its writer thread); the save's
         # PendingSave is done once this is, and raises what it found.
         job.flight.booked.set()
-        error = self.settle.run(step, swapped, self._verifier(job))
+        error = self.settle.run(step, swapped, _verifier(self.checkpointer, job))
         if error is not None:
             raise error
         return False
-
-    def _verifier(self, job: _Job) -> Callable[[str | Location], None] | None:
-        """How an async save's checkpoint is read back before pruning: by the writer process
-        that wrote it (at its priority: the trainer pays nothing for the read and the hash),
-        here where the thread wrote it or the writer process cannot answer (it died: that is
-        no verdict on the checkpoint)."""
-        checkpointer = self.checkpointer
-        if checkpointer is None or not job.in_process:
-            return None
-
-        def verify(path: str | Location) -> None:
-            try:
-                checkpointer.verify_in_process(path)
-            except CheckpointWriteError:
-                verify_here(path)
-
-        return verify
 
     # -- what the last save left ------------------------------------------------------------------
 
@@ -547,6 +527,25 @@ class Saver:
             self.books.log(step, loss, metrics)
 
 
+def _verifier(
+    checkpointer: AsyncCheckpointer | None, job: _Job
+) -> Callable[[str | Location], None] | None:
+    """How an async save's checkpoint is read back before pruning: by the writer process that
+    wrote it (at its priority: the trainer pays nothing for the read and the hash), here where
+    the thread wrote it or the writer process cannot answer (it died: that is no verdict on the
+    checkpoint)."""
+    if checkpointer is None or not job.in_process:
+        return None
+
+    def verify(path: str | Location) -> None:
+        try:
+            checkpointer.verify_in_process(path)
+        except CheckpointWriteError:
+            verify_here(path)
+
+    return verify
+
+
 def _checkpointer(
     options: SaveOptions, abandon: _Abandon, writer: Writer | None, priority: WriterPriority | None
 ) -> AsyncCheckpointer:
@@ -555,7 +554,7 @@ def _checkpointer(
     ``writer=None`` is ``AsyncCheckpointer()``'s default: the writer process, with the thread
     writer for each save it refuses. A save handed to the writer process commits even if this
     process is killed right after ``save()`` returned; the history ``log()`` gathered up to it is
-    appended to the history log as it is handed over (:meth:`Books.append_pending`), and the
+    appended to the history log as it is handed over (:func:`~savepoint.runs.books.append_pending`), and the
     next open adopts the unbooked checkpoint (its metrics from its manifest)."""
     return AsyncCheckpointer(
         **{**options.changed(), "progress": abandon.progress},
