@@ -139,6 +139,23 @@ def test_bytes_damaged_on_the_wire_are_refused_and_the_senders_copy_still_verifi
         assert then == [2, True, [0, 1]], then
 
 
+def test_fetched_bytes_land_in_the_targets_and_a_byte_damaged_on_the_wire_is_refused(
+    tmp_path: Path,
+) -> None:
+    env = {"PEERS_NODES": "a,b", "PEERS_STEPS": "1", "PEERS_NO_FLAT": "1", "PEERS_TIMEOUT": "30"}
+    run("save", 2, tmp_path, **env)
+    shutil.rmtree(node_folder(tmp_path, "a"))  # rank 0 fetches every file it needs from b
+    session = run("garble_restore", 2, tmp_path, **env)
+    # (each restore was compared element by element with step 1's state by the worker)
+    assert data(session, "into targets")[0] is True  # rank 0 received straight into them
+    for clean in data(session, "clean"):
+        assert (clean["step"], clean["from"], clean["warnings"]) == (1, "peer memory", []), clean
+    for garbled in data(session, "garbled"):  # refused: the run directory's copy is loaded
+        assert (garbled["step"], garbled["from"]) == (1, "run directory"), garbled
+        (warning,) = garbled["warnings"]
+        assert "does not match its checksum" in warning, warning
+
+
 def churn_and_kill(workdir: Path, rng: random.Random) -> None:
     """Start ``churn`` (a save and its replication after another) on 4 ranks; once step 1 is
     replicated, SIGKILL every rank at a random moment."""

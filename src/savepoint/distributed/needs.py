@@ -16,17 +16,21 @@ with problems (a missing key, a shape that differs) needs every file of the tens
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Iterable
 from typing import Any
 
-from savepoint.codecs import boxes
+import numpy as np
+
+from savepoint.codecs import boxes, dtypes
 from savepoint.codecs import manifest as mf
 from savepoint.distributed import plan, shard
 from savepoint.engine import load as load_engine
 from savepoint.engine.read import files_of
 from savepoint.state import restore, tree
 
-__all__ = ["files_needed"]
+__all__ = ["Direct", "direct_ranges", "files_needed"]
 
 
 def files_needed(
@@ -69,3 +73,117 @@ def _region(
     if isinstance(spec, shard.FlatShard):
         return spec.region
     return boxes.full(shape)
+
+
+@dataclasses.dataclass
+class Direct:
+    """A tensor whose stored bytes land straight in its target's memory: ``memory`` (a flat
+    uint8 view of it), which ``parent[key]`` (a dict of ``into``) holds, and ``ranges``: (file,
+    start, end, offset) for each stored shard, bytes ``[start, end)`` of ``file`` going to
+    ``memory[offset : offset + end - start]``."""
+
+    ref: str
+    memory: Any
+    parent: dict[Any, Any]
+    key: Any
+    ranges: list[tuple[str, int, int, int]]
+
+
+def direct_ranges(manifest: mf.Manifest, shown: str, into: Any, fetched: set[str]) -> list[Direct]:
+    """For a load of the whole checkpoint into ``into`` that brings the files ``fetched`` over
+    a wire first, the tensors whose every stored byte can be received straight into their
+    target's memory: a C-contiguous CPU array or tensor reached from ``into`` through dicts,
+    nothing converted, each stored shard read whole into one contiguous run of it, every file
+    of theirs fetched, and no other tensor of this load read from those files. Empty when the
+    plan has problems (the load reports them). Nothing is read or modified."""
+    load_engine.records_as_dict(manifest)
+    root = load_engine.select(shown, manifest, None)
+    planned, swaps, specs = shard.swap_targets(into)
+    try:
+        p = restore.plan(root, planned, manifest.tensors)
+        if p.problems:
+            return []
+        homes = _homes(planned)
+        reads: dict[str, set[str]] = {ref: files_of(manifest, {ref}) for ref in p.fresh}
+        direct: dict[str, Direct] = {}
+        for ref, target, key in p.inplace:
+            rec = manifest.tensors[ref]
+            layout = rec.layout()
+            spec = specs.get(id(target))
+            region = _region(target, spec, key, rec.shape)
+            ops = plan.plan_reads(rec.shape, [s.region for s in layout], region)
+            reads[ref] = {layout[op.shard].file for op in ops}
+            home = homes.get(id(target))
+            if home is None or not (spec is None or isinstance(spec, shard.Shard)):
+                continue
+            memory = _memory(target if spec is None else spec.local)
+            ranges = [_direct(rec, layout[op.shard], op, memory, fetched) for op in ops]
+            if memory is not None and ops and all(r is not None for r in ranges):
+                direct[ref] = Direct(ref, memory, *home, [r for r in ranges if r is not None])
+        while True:  # a file another read of this load needs is not received into targets
+            shared = {f for ref, files in reads.items() if ref not in direct for f in files}
+            gone = [ref for ref, d in direct.items() if any(r[0] in shared for r in d.ranges)]
+            if not gone:
+                return list(direct.values())
+            for ref in gone:
+                del direct[ref]
+    finally:
+        shard.restore(swaps)
+
+
+def _homes(planned: Any) -> dict[int, tuple[dict[Any, Any], Any]]:
+    """id(target) -> (the dict holding it, its key), for the leaves reached through dicts."""
+    out: dict[int, tuple[dict[Any, Any], Any]] = {}
+    stack = [planned]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                stack.append(value)
+                out[id(value)] = (obj, key)
+    return out
+
+
+def _memory(target: Any) -> Any:
+    """A writable flat uint8 view of ``target``'s memory (a C-contiguous CPU numpy array or
+    torch tensor, on a little-endian machine), else None."""
+    if sys.byteorder != "little":
+        return None
+    if isinstance(target, np.ndarray):
+        if target.flags.c_contiguous and target.flags.writeable and target.size:
+            return target.reshape(-1).view(np.uint8)
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or type(target) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+        return None
+    if target.is_quantized or target.is_sparse or target.is_conj() or target.is_neg():
+        return None
+    return target.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _direct(
+    rec: Any, stored: Any, op: plan.ReadOp, memory: Any, fetched: set[str]
+) -> tuple[str, int, int, int] | None:
+    """(file, start, end, byte offset in the target) when ``op`` reads the whole stored shard
+    into one contiguous run of the target, raw; else None."""
+    if memory is None or stored.recipe is not None or stored.file not in fetched:
+        return None
+    if isinstance(stored.region, boxes.Flat) or isinstance(op.region, boxes.Flat):
+        return None
+    count = boxes.volume(op.region)
+    itemsize = dtypes.from_name(rec.dtype).itemsize
+    if count != boxes.volume(stored.region) or stored.end - stored.start != count * itemsize:
+        return None
+    common, extents = boxes.extents(op.region), boxes.extents(op.dst.box)
+    inner = [i for i, (c, e) in enumerate(zip(common, extents)) if c != e]
+    if inner and any(c != 1 for c in common[: inner[-1]]):
+        return None  # not one contiguous run of the target's buffer
+    offset = 0
+    for (start, _), (lo, hi) in zip(op.region, op.dst.box):
+        offset = offset * (hi - lo) + (start - lo)
+    offset = (offset + op.dst.offset) * itemsize
+    if offset + count * itemsize > memory.size:
+        return None
+    return stored.file, stored.start, stored.end, offset

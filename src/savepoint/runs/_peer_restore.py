@@ -23,12 +23,13 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from savepoint import checkpoint
@@ -47,6 +48,7 @@ from savepoint.runs._peer_folder import (
 from savepoint.runs._peer_wire import Incoming, Outgoing, Wire
 
 if TYPE_CHECKING:
+    from savepoint.distributed.needs import Direct
     from savepoint.runs.peers import PeerMemory
 
 __all__ = ["PeerRestore"]
@@ -170,10 +172,45 @@ class PeerRestore:
                     wanted.update(
                         n for r in choice.records.values() for n in r.files if n.startswith(BLOBS)
                     )
-                self._fetch(choice, sorted(wanted), base, "files", where)
-            return checkpoint.load(directory, **options)
+                direct = self._direct(choice, manifest, directory, options, wanted)
+                sinks = _sinks(direct)
+                self._fetch(choice, sorted(wanted), base, "files", where, sinks)
+            with _set_aside(direct):  # (their bytes landed and verified: the rest is loaded)
+                return checkpoint.load(directory, **options)
         finally:
             shutil.rmtree(base, ignore_errors=True)
+
+    def _direct(
+        self,
+        choice: _Choice,
+        manifest: mf.Manifest,
+        directory: str,
+        options: dict[str, Any],
+        wanted: set[str],
+    ) -> list[Direct]:
+        """The targets the files this rank fetches land in straight (see the module
+        docstring): none for a load that checks everything first, maps, moves to a device,
+        selects keys, or reads blobs."""
+        from savepoint.distributed.needs import direct_ranges
+
+        into = options.get("into")
+        plain = options.get("verify", True) is True and not options.get("mmap")
+        plain = plain and options.get("keys") is None and options.get("device") is None
+        if into is None or not plain or manifest.has_blobs:
+            return []
+        node = self.memory.node
+        fetched = {
+            name
+            for name in wanted
+            if not any(node in choice.holders[p] for p in _parts(choice, name))
+        }
+        if not fetched:
+            return []
+        try:
+            return direct_ranges(manifest, directory, into, fetched)
+        except Exception as exc:  # (the load reports what is wrong with the targets)
+            log.debug("%s: no target received into straight: %s", _LABEL, exc)
+            return []
 
     def _fetch(
         self,
@@ -182,9 +219,11 @@ class PeerRestore:
         base: str,
         what: str,
         where: Callable[[str], str],
+        sinks: dict[str, list[_Range]] | None = None,
     ) -> None:
-        """Bring every file of ``wanted`` to ``base/where(name)``, verified (rounds: see the
-        module docstring); raises on every rank alike when it cannot."""
+        """Bring every file of ``wanted`` to ``base/where(name)`` (those of ``sinks``: straight
+        into their targets), verified (rounds: see the module docstring); raises on every rank
+        alike when it cannot."""
         bad: set[tuple[str, int]] = set()
         failures: list[str] = []  # the copies that did not verify, as the ranks found them
         need = self._local(choice, wanted, base, where, bad)
@@ -198,7 +237,7 @@ class PeerRestore:
                 bad.update((node, part) for node, part in doc["bad"])
                 failures.extend(doc["errors"])
             plan, unplaced = self._plan(choice, [doc["need"] for doc in asked.values], bad)
-            outgoing, incoming, landing = self._messages(choice, plan, base, where)
+            outgoing, incoming, landing = self._messages(choice, plan, base, where, sinks or {})
             try:
                 errors = self.wire.transfer(outgoing, incoming)
             finally:
@@ -307,10 +346,15 @@ class PeerRestore:
         return plan, unplaced
 
     def _messages(
-        self, choice: _Choice, plan: list[_Send], base: str, where: Callable[[str], str]
+        self,
+        choice: _Choice,
+        plan: list[_Send],
+        base: str,
+        where: Callable[[str], str],
+        sinks: dict[str, list[_Range]],
     ) -> tuple[list[Outgoing], list[Incoming], Landing]:
         """This rank's side of ``plan``: what it serves from its node's copies, what it receives
-        (to ``base/where(name)``)."""
+        (to ``base/where(name)``, or into the targets of ``sinks``)."""
         folder = self.memory.folder
         assert folder is not None
         me = self.wire.rank
@@ -325,7 +369,10 @@ class PeerRestore:
                     Outgoing(send.message, [send.requester], size, send.name, opener, hashed=False)
                 )
             if send.requester == me:
-                lands = _lander(landing, where(send.name), size)
+                if send.name in sinks:
+                    lands = _into(sinks[send.name])
+                else:
+                    lands = _lander(landing, where(send.name), size)
                 incoming.append(Incoming(send.message, send.server, size, send.name, lands, digest))
         return outgoing, incoming, landing
 
@@ -368,3 +415,68 @@ def _file_opener(path: str) -> Any:
 
 def _lander(landing: Landing, name: str, size: int) -> Any:
     return lambda: landing.target(name, size)
+
+
+_Range = tuple[int, int, memoryview]  # bytes [start, end) of a file land in this memory
+
+
+def _sinks(direct: list[Direct]) -> dict[str, list[_Range]]:
+    """file -> the ranges of it that land in targets, in file order."""
+    found: dict[str, list[_Range]] = {}
+    for d in direct:
+        for name, start, end, offset in d.ranges:
+            view = memoryview(d.memory[offset : offset + end - start])
+            found.setdefault(name, []).append((start, end, view))
+    return {name: sorted(ranges, key=lambda r: r[0]) for name, ranges in found.items()}
+
+
+class _Into:
+    """A fetched file received straight into targets (a sink of the wire with ``place``): the
+    bytes of ``ranges`` land in their memory, the rest (the header, shards this rank does not
+    load) are hashed and dropped."""
+
+    def __init__(self, ranges: list[_Range]) -> None:
+        self.ranges, self.i = ranges, 0
+
+    def place(self, at: int, n: int) -> tuple[memoryview | None, int]:
+        ranges = self.ranges
+        while self.i < len(ranges) and ranges[self.i][1] <= at:
+            self.i += 1
+        if self.i == len(ranges):
+            return None, n
+        start, end, view = ranges[self.i]
+        if at < start:
+            return None, min(n, start - at)
+        k = min(n, end - at)
+        return view[at - start : at - start + k], k
+
+    def write(self, chunk: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _into(ranges: list[_Range]) -> Any:
+    return lambda: _Into(ranges)
+
+
+@contextlib.contextmanager
+def _set_aside(direct: list[Direct]) -> Iterator[None]:
+    """The targets of ``direct`` taken out of their dicts while the loader fills the rest (a
+    load into ``into`` reads what it covers), then put back where they were, in order."""
+    before: dict[int, tuple[dict[Any, Any], list[tuple[Any, Any]]]] = {}
+    for d in direct:
+        before.setdefault(id(d.parent), (d.parent, list(d.parent.items())))
+    taken = {(id(d.parent), d.key) for d in direct}
+    for d in direct:
+        del d.parent[d.key]
+    try:
+        yield
+    finally:
+        for parent, items in before.values():
+            now = dict(parent)
+            parent.clear()
+            for key, value in items:
+                parent[key] = value if (id(parent), key) in taken else now.pop(key, value)
+            parent.update(now)

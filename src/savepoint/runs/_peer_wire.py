@@ -111,7 +111,10 @@ class Outgoing:
 
 
 class Sink(Protocol):
-    """Where a received file's bytes go, chunk by chunk in order."""
+    """Where a received file's bytes go, chunk by chunk in order. A sink may also have
+    ``place(at, n) -> (memoryview | None, n)``: where the bytes from offset ``at`` land (at most
+    ``n`` of them, and how many): a view of the destination's own memory, received into straight
+    (``write`` does not see them), or None for the reused buffer and ``write``."""
 
     def write(self, chunk: np.ndarray[Any, Any]) -> None: ...
 
@@ -489,13 +492,15 @@ class Wire:
                 except Exception as exc:  # (its manifest did not arrive whole: not kept)
                     log.warning("peer memory: %s cannot be checked: %s", item.name, exc)
             at = 0
+            place = getattr(sink, "place", None)
             while at < item.size:
                 n = min(item.size - at, len(buffer))
-                piece = _exactly(conn, n, buffer[:n])
+                into, n = place(at, n) if place is not None else (None, n)
+                piece = _exactly(conn, n, buffer[:n] if into is None else into)
                 hasher.update(piece)
                 if check is not None:
                     check.update(at, piece)
-                if sink is not None:
+                if sink is not None and into is None:
                     sink.write(np.frombuffer(piece, np.uint8))
                 at += n
                 progress[0] = time.monotonic()
