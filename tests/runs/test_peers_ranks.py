@@ -156,6 +156,22 @@ def test_fetched_bytes_land_in_the_targets_and_a_byte_damaged_on_the_wire_is_ref
         assert "does not match its checksum" in warning, warning
 
 
+def test_a_damaged_copy_of_a_file_landing_in_the_targets_is_fetched_from_the_other_node(
+    tmp_path: Path,
+) -> None:
+    env = {"PEERS_NODES": "a,b", "PEERS_STEPS": "1", "PEERS_NO_FLAT": "1", "PEERS_TIMEOUT": "30"}
+    run("save", 2, tmp_path, **env)
+    part0 = "step-0000000001/part-00000/data-r00000-00000.safetensors"
+    damage = [[str(node_folder(tmp_path, "a") / part0)], [str(node_folder(tmp_path, "b") / part0)]]
+    session = run("corrupt", 2, tmp_path, PEERS_DAMAGE=json.dumps(damage), **env)
+    for one in data(session, "one copy damaged"):  # node a's: rank 0 gets node b's
+        assert (one["step"], one["from"], one["warnings"]) == (1, "peer memory", []), one
+    for every in data(session, "every copy damaged"):
+        assert (every["step"], every["from"]) == (1, "run directory"), every
+        (warning,) = every["warnings"]
+        assert "no verified copy left of data-r00000-00000.safetensors" in warning, warning
+
+
 def churn_and_kill(workdir: Path, rng: random.Random) -> None:
     """Start ``churn`` (a save and its replication after another) on 4 ranks; once step 1 is
     replicated, SIGKILL every rank at a random moment."""

@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -174,7 +175,9 @@ class PeerRestore:
                     )
                 direct = self._direct(choice, manifest, directory, options, wanted)
                 sinks = _sinks(direct)
-                self._fetch(choice, sorted(wanted), base, "files", where, sinks)
+                local = self._fetch(choice, sorted(wanted), base, "files", where, sinks)
+            for path, ranges in local:  # (verified against their markers: copied now)
+                _copy_ranges(path, ranges)
             with _set_aside(direct):  # (their bytes landed and verified: the rest is loaded)
                 return checkpoint.load(directory, **options)
         finally:
@@ -198,16 +201,8 @@ class PeerRestore:
         plain = plain and options.get("keys") is None and options.get("device") is None
         if into is None or not plain or manifest.has_blobs:
             return []
-        node = self.memory.node
-        fetched = {
-            name
-            for name in wanted
-            if not any(node in choice.holders[p] for p in _parts(choice, name))
-        }
-        if not fetched:
-            return []
         try:
-            return direct_ranges(manifest, directory, into, fetched)
+            return direct_ranges(manifest, directory, into, wanted - set(COMMON))
         except Exception as exc:  # (the load reports what is wrong with the targets)
             log.debug("%s: no target received into straight: %s", _LABEL, exc)
             return []
@@ -220,13 +215,16 @@ class PeerRestore:
         what: str,
         where: Callable[[str], str],
         sinks: dict[str, list[_Range]] | None = None,
-    ) -> None:
+    ) -> list[tuple[str, list[_Range]]]:
         """Bring every file of ``wanted`` to ``base/where(name)`` (those of ``sinks``: straight
         into their targets), verified (rounds: see the module docstring); raises on every rank
-        alike when it cannot."""
+        alike when it cannot. Returns the files of ``sinks`` this node holds, verified, for the
+        caller to copy into their targets: (the copy's path, its ranges)."""
         bad: set[tuple[str, int]] = set()
         failures: list[str] = []  # the copies that did not verify, as the ranks found them
-        need = self._local(choice, wanted, base, where, bad)
+        local: list[tuple[str, list[_Range]]] = []
+        deferred: list[_Held] = []  # this node's copies of files of ``sinks``, checked below
+        need = self._local(choice, wanted, base, where, bad, sinks or {}, deferred)
         for round_ in range(_ROUNDS):
             mine = {"need": need, "bad": sorted(bad), "errors": self.local_failures}
             self.local_failures = []
@@ -238,17 +236,30 @@ class PeerRestore:
                 failures.extend(doc["errors"])
             plan, unplaced = self._plan(choice, [doc["need"] for doc in asked.values], bad)
             outgoing, incoming, landing = self._messages(choice, plan, base, where, sinks or {})
+            checking = _Checking(deferred)  # (hashed while the bytes travel)
+            deferred = []
             try:
                 errors = self.wire.transfer(outgoing, incoming)
             finally:
                 landing.close()
+                checking.join()
             lost = errors + [i.error for i in incoming if i.lost and i.error]
             parts = {send.message: send.record.part for send in plan}
             corrupt = [(self.wire.nodes[i.src], parts[i.message]) for i in incoming if i.corrupt]
+            unverified = []
+            for held, ok in zip(checking.held, checking.results):
+                if ok:
+                    local.append((held.path, (sinks or {})[held.name]))
+                    continue
+                log.warning(
+                    "%s: the copy of %s on node %s does not verify", _LABEL, held.name, held.node
+                )
+                unverified.append(f"the copy of {held.name} on node {held.node} does not verify")
+                corrupt.append((held.node, held.part))
             done = {
                 "lost": lost,
                 "bad": sorted(set(corrupt)),
-                "errors": [i.error for i in incoming if i.corrupt and i.error],
+                "errors": [i.error for i in incoming if i.corrupt and i.error] + unverified,
             }
             told = self.wire.gather(f"{what}-done-{round_}", done)
             lost_all = [e for doc in told.values if doc for e in doc["lost"]]
@@ -265,8 +276,9 @@ class PeerRestore:
                     path=base,
                 )
             need = [i.name for i in incoming if i.corrupt]
+            need += [h.name for h, ok in zip(checking.held, checking.results) if not ok]
             if not any(doc["bad"] for doc in told.values):
-                return
+                return local
         raise CorruptCheckpointError(
             f"{_LABEL}: step {choice.step}: copies kept failing verification ({_ROUNDS} rounds): "
             + "; ".join(sorted(set(failures))),
@@ -287,9 +299,12 @@ class PeerRestore:
         base: str,
         where: Callable[[str], str],
         bad: set[tuple[str, int]],
+        sinks: dict[str, list[_Range]],
+        deferred: list[_Held],
     ) -> list[str]:
-        """Link the wanted files this node holds to ``base/where(name)``, verified; the others
-        (and those whose copy here did not verify: set aside in ``bad``) are returned."""
+        """Link the wanted files this node holds to ``base/where(name)``, verified (those of
+        ``sinks``: listed in ``deferred``, checked during the first transfer); the others (and
+        those whose copy here did not verify: set aside in ``bad``) are returned."""
         folder = self.memory.folder
         assert folder is not None
         node, need = self.memory.node, []
@@ -303,6 +318,9 @@ class PeerRestore:
             source = os.path.join(folder.path(choice.step, held[0]), name)
             target = os.path.join(base, where(name))
             try:
+                if name in sinks:  # (copied into its targets once every file is there)
+                    deferred.append(_Held(name, source, record.files[name], node, held[0]))
+                    continue
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 os.link(source, target)
                 ok = hash_file(target) == record.files[name]
@@ -480,3 +498,49 @@ def _set_aside(direct: list[Direct]) -> Iterator[None]:
             for key, value in items:
                 parent[key] = value if (id(parent), key) in taken else now.pop(key, value)
             parent.update(now)
+
+
+def _copy_ranges(path: str, ranges: list[_Range]) -> None:
+    """Copy the ranges of the file at ``path`` (a node's verified copy) into their targets."""
+    with open(path, "rb") as f:
+        for start, end, view in ranges:
+            got = f.readinto(view) if f.seek(start) == start else 0
+            if got != end - start:
+                raise CorruptCheckpointError(
+                    f"{_LABEL}: {path} ended before byte {end} (changed after it verified)",
+                    path=path,
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """A file of this node's copy of ``part`` (at ``path``), to check against its marker."""
+
+    name: str
+    path: str
+    expect: tuple[int, str]  # its size and XXH3-64
+    node: str
+    part: int
+
+
+class _Checking:
+    """The copies ``held`` hashed on a thread of its own (XXH3 releases the GIL): ``results``
+    after :meth:`join`, whether each matches its marker."""
+
+    def __init__(self, held: list[_Held]) -> None:
+        self.held, self.results = held, [False] * len(held)
+        self._thread: threading.Thread | None = None
+        if held:
+            self._thread = threading.Thread(target=self._run, name="savepoint-peers-check")
+            self._thread.start()
+
+    def _run(self) -> None:
+        for i, held in enumerate(self.held):
+            try:
+                self.results[i] = hash_file(held.path) == held.expect
+            except OSError as exc:
+                log.warning("%s: cannot use %s: %s", _LABEL, held.path, exc)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
