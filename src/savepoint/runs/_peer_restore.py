@@ -175,9 +175,7 @@ class PeerRestore:
                     )
                 direct = self._direct(choice, manifest, directory, options, wanted)
                 sinks = _sinks(direct)
-                local = self._fetch(choice, sorted(wanted), base, "files", where, sinks)
-            for path, ranges in local:  # (verified against their markers: copied now)
-                _copy_ranges(path, ranges)
+                self._fetch(choice, sorted(wanted), base, "files", where, sinks)
             with _set_aside(direct):  # (their bytes landed and verified: the rest is loaded)
                 return checkpoint.load(directory, **options)
         finally:
@@ -215,14 +213,12 @@ class PeerRestore:
         what: str,
         where: Callable[[str], str],
         sinks: dict[str, list[_Range]] | None = None,
-    ) -> list[tuple[str, list[_Range]]]:
-        """Bring every file of ``wanted`` to ``base/where(name)`` (those of ``sinks``: straight
-        into their targets), verified (rounds: see the module docstring); raises on every rank
-        alike when it cannot. Returns the files of ``sinks`` this node holds, verified, for the
-        caller to copy into their targets: (the copy's path, its ranges)."""
+    ) -> None:
+        """Bring every file of ``wanted`` to ``base/where(name)`` (those of ``sinks``: into
+        their targets, straight, or copied from this node's copy once it verified), verified
+        (rounds: see the module docstring); raises on every rank alike when it cannot."""
         bad: set[tuple[str, int]] = set()
         failures: list[str] = []  # the copies that did not verify, as the ranks found them
-        local: list[tuple[str, list[_Range]]] = []
         deferred: list[_Held] = []  # this node's copies of files of ``sinks``, checked below
         need = self._local(choice, wanted, base, where, bad, sinks or {}, deferred)
         for round_ in range(_ROUNDS):
@@ -236,7 +232,7 @@ class PeerRestore:
                 failures.extend(doc["errors"])
             plan, unplaced = self._plan(choice, [doc["need"] for doc in asked.values], bad)
             outgoing, incoming, landing = self._messages(choice, plan, base, where, sinks or {})
-            checking = _Checking(deferred)  # (hashed while the bytes travel)
+            checking = _Checking(deferred, sinks or {})  # (while the bytes travel)
             deferred = []
             try:
                 errors = self.wire.transfer(outgoing, incoming)
@@ -249,7 +245,6 @@ class PeerRestore:
             unverified = []
             for held, ok in zip(checking.held, checking.results):
                 if ok:
-                    local.append((held.path, (sinks or {})[held.name]))
                     continue
                 log.warning(
                     "%s: the copy of %s on node %s does not verify", _LABEL, held.name, held.node
@@ -278,7 +273,7 @@ class PeerRestore:
             need = [i.name for i in incoming if i.corrupt]
             need += [h.name for h, ok in zip(checking.held, checking.results) if not ok]
             if not any(doc["bad"] for doc in told.values):
-                return local
+                return
         raise CorruptCheckpointError(
             f"{_LABEL}: step {choice.step}: copies kept failing verification ({_ROUNDS} rounds): "
             + "; ".join(sorted(set(failures))),
@@ -524,11 +519,12 @@ class _Held:
 
 
 class _Checking:
-    """The copies ``held`` hashed on a thread of its own (XXH3 releases the GIL): ``results``
-    after :meth:`join`, whether each matches its marker."""
+    """The copies ``held`` checked against their markers on a thread of its own (XXH3 and the
+    reads release the GIL), each copied into its targets (its ranges in ``sinks``) once it
+    verified: ``results`` after :meth:`join`, whether each verified and was copied."""
 
-    def __init__(self, held: list[_Held]) -> None:
-        self.held, self.results = held, [False] * len(held)
+    def __init__(self, held: list[_Held], sinks: dict[str, list[_Range]]) -> None:
+        self.held, self.sinks, self.results = held, sinks, [False] * len(held)
         self._thread: threading.Thread | None = None
         if held:
             self._thread = threading.Thread(target=self._run, name="savepoint-peers-check")
@@ -537,8 +533,10 @@ class _Checking:
     def _run(self) -> None:
         for i, held in enumerate(self.held):
             try:
-                self.results[i] = hash_file(held.path) == held.expect
-            except OSError as exc:
+                if hash_file(held.path) == held.expect:
+                    _copy_ranges(held.path, self.sinks[held.name])
+                    self.results[i] = True
+            except (OSError, CorruptCheckpointError) as exc:
                 log.warning("%s: cannot use %s: %s", _LABEL, held.path, exc)
 
     def join(self) -> None:
