@@ -12,6 +12,11 @@ tier, :mod:`savepoint.runs.peers`) fetches exactly these, then loads with the or
 Nothing is read and nothing is modified (the targets swapped for planning are put back). A plan
 with problems (a missing key, a shape that differs) needs every file of the tensors under
 ``keys``: the load that follows reports the problems.
+
+:func:`direct_ranges` answers, with the same planners, which of those bytes can be received
+straight into the targets' memory (a stored shard read whole into one contiguous run of a plain
+CPU array or tensor): the peer tier lands them there as they arrive and leaves the rest to the
+loader, those targets set aside.
 """
 
 from __future__ import annotations

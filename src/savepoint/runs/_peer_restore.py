@@ -16,9 +16,19 @@ part of one save of it (one manifest digest) has a copy on a node that still has
    XXH3-64. A copy that does not verify is set aside and the file requested again from another
    holder (another round); a rank that does not answer within ``timeout`` fails the restore from
    peer memory (IncompleteCheckpointError naming it), as does a part left without a verified
-   copy (CorruptCheckpointError), on every rank alike: the restore goes on with the next source;
+   copy (CorruptCheckpointError), on every rank alike: the restore goes on with the next source.
+   **Straight into the targets** (:func:`savepoint.distributed.needs.direct_ranges`: tensors
+   whose every stored shard lands whole in one contiguous run of a plain CPU target, from files
+   no other read of this load needs): a received file's ranges are received into the targets'
+   own memory (a sink with ``place``: :mod:`savepoint.runs._peer_wire`), hashed as they land;
+   a file this node holds is checked against its marker on a thread while the first transfer
+   runs, and copied into its targets only once it verified (a copy that does not verify is
+   fetched from another node, as above). Not for ``verify="first"``, ``keys``, ``mmap``, a
+   ``device``, or blobs;
 4. **the load**: ``sp.load`` of the assembly with the caller's options (the same planner and
-   loader as a disk load, which checks every checksum again); the assembly is removed after.
+   loader as a disk load, which checks every checksum again), the targets filled in step 3
+   taken out of their dicts meanwhile (a load into ``into`` reads what it covers) and put back
+   after, in order; the assembly is removed after.
 """
 
 from __future__ import annotations

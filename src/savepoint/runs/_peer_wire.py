@@ -22,7 +22,8 @@ Two channels, both savepoint's own, never the training's:
   piece of 1 MiB while it is in cache, then sends it from the same memory (``sendfile`` cost
   more CPU on loopback than ``sendall`` from a populated mapping); the receiver reads each piece
   straight into one reused buffer, hashes it there and writes it to its file: no bytes object
-  is made, no file mapped, no piece copied in user space. Sends run on a thread of their own
+  is made, no file mapped, no piece copied in user space (a sink with ``place``, a restore's
+  targets, has the pieces it names received straight into its own memory instead). Sends run on a thread of their own
   and receives on the caller's, each side in one order every rank derives from the same
   documents (message order), so no two ranks wait on each other. A connection that fails (a
   peer died: at once; a peer that stops answering: after ``timeout``) fails that transfer and
