@@ -115,3 +115,16 @@ def test_no_tensor_lands_straight_from_a_file_the_loader_reads_too(tmp_path: Pat
     # loader, rep lands straight (rank 2's file, whose flat range rank 0 does not load)
     keys = {d.key for d in direct_ranges(m, str(path), empty_state(0, 3), set(m.files))}
     assert "rows" not in keys and "flat" not in keys and "rep" in keys, keys
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_tied_tensors_and_shared_targets_are_left_to_the_loader(tmp_path: Path, same: bool) -> None:
+    w = np.arange(64, dtype=np.float32)
+    sp.save(tmp_path / "c", {"a": w, "b": w, "c": w + 1})  # a and b tied: one stored tensor
+    m = manifest(tmp_path / "c")
+    x, y = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    into = {"a": x, "b": x if same else y, "c": np.zeros(64, np.float32)}
+    direct = direct_ranges(m, str(tmp_path / "c"), into, set(m.files))
+    assert [d.key for d in direct] == []  # (c shares the one data file with the tied tensor)
+    into2 = {"a": x, "c": x}  # one target under two keys
+    assert direct_ranges(m, str(tmp_path / "c"), into2, set(m.files)) == []

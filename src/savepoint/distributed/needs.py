@@ -111,6 +111,8 @@ def direct_ranges(manifest: mf.Manifest, shown: str, into: Any, fetched: set[str
         homes = _homes(planned)
         reads: dict[str, set[str]] = {ref: files_of(manifest, {ref}) for ref in p.fresh}
         direct: dict[str, Direct] = {}
+        seen = [ref for ref, _, _ in p.inplace] + [str(id(t)) for _, t, _ in p.inplace]
+        tied = {x for x in seen if seen.count(x) > 1}  # a tied tensor, a target met twice
         for ref, target, key in p.inplace:
             rec = manifest.tensors[ref]
             layout = rec.layout()
@@ -120,6 +122,8 @@ def direct_ranges(manifest: mf.Manifest, shown: str, into: Any, fetched: set[str
             reads[ref] = {layout[op.shard].file for op in ops}
             home = homes.get(id(target))
             if home is None or not (spec is None or isinstance(spec, shard.Shard)):
+                continue
+            if ref in tied or str(id(target)) in tied:
                 continue
             memory = _memory(target if spec is None else spec.local)
             ranges = [_direct(rec, layout[op.shard], op, memory, fetched) for op in ops]
@@ -137,16 +141,20 @@ def direct_ranges(manifest: mf.Manifest, shown: str, into: Any, fetched: set[str
 
 
 def _homes(planned: Any) -> dict[int, tuple[dict[Any, Any], Any]]:
-    """id(target) -> (the dict holding it, its key), for the leaves reached through dicts."""
+    """id(target) -> (the dict holding it, its key), for the leaves reached through dicts
+    (a leaf met twice has no home: taking it out of one dict would leave it in the other)."""
     out: dict[int, tuple[dict[Any, Any], Any]] = {}
+    twice: set[int] = set()
     stack = [planned]
     while stack:
         obj = stack.pop()
         if isinstance(obj, dict):
             for key, value in obj.items():
                 stack.append(value)
+                if id(value) in out:
+                    twice.add(id(value))
                 out[id(value)] = (obj, key)
-    return out
+    return {i: home for i, home in out.items() if i not in twice}
 
 
 def _memory(target: Any) -> Any:
