@@ -18,8 +18,8 @@ warm-up round), each the slower rank's time:
   node's memory and sends it to the other node, which keeps it): its duration, from the
   committed save to every copy committed, against the RAM save (target: at most 1.3x);
 - **restore after losing node a**: node a's memory folder deleted, ``restore()`` on both ranks
-  (rank 0 fetches its half from node b, rank 1 reads its node's copy), ``restored_from`` "peer
-  memory";
+  (rank 0 fetches its half from node b, received straight into its target tensors; rank 1
+  checks its node's copy and copies it into its targets), ``restored_from`` "peer memory";
 - **local disk, cold**: the same state saved by a manager whose run directory is under
   ``--dir`` (a disk), restored after ``posix_fadvise(DONTNEED)`` of its files (target: peer
   memory at least 5x faster). Dropping the whole page cache needs root, so this is what "cold"
