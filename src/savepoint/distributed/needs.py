@@ -21,6 +21,7 @@ loader, those targets set aside.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 from collections.abc import Iterable
@@ -35,7 +36,7 @@ from savepoint.engine import load as load_engine
 from savepoint.engine.read import files_of
 from savepoint.state import restore, tree
 
-__all__ = ["Direct", "direct_ranges", "files_needed"]
+__all__ = ["Direct", "direct_ranges", "files_needed", "needs_and_direct"]
 
 
 def files_needed(
@@ -43,27 +44,51 @@ def files_needed(
 ) -> set[str]:
     """The data files a load of ``keys`` into ``into`` reads on this rank (see the module
     docstring). ``shown``: how messages name the checkpoint."""
+    return _needs(manifest, shown, into, keys, None)[0]
+
+
+def needs_and_direct(manifest: mf.Manifest, shown: str, into: Any) -> tuple[set[str], list[Direct]]:
+    """:func:`files_needed` of a load of the whole checkpoint into ``into``, and
+    :func:`direct_ranges` of those files (every one of them fetched), from one plan."""
+    return _needs(manifest, shown, into, None, True)
+
+
+def _needs(
+    manifest: mf.Manifest,
+    shown: str,
+    into: Any,
+    keys: Iterable[str] | str | None,
+    fetched: set[str] | bool | None,
+) -> tuple[set[str], list[Direct]]:
+    """The files a load reads, and (``fetched`` not None: those files, True: every file it
+    reads) the tensors received straight into their targets."""
     load_engine.records_as_dict(manifest)
     root = load_engine.select(shown, manifest, keys)
     everything = files_of(manifest, tree.refs(root))
     if into is None:
-        return everything
+        return everything, []
     planned, swaps, specs = shard.swap_targets(into)
     try:
         p = restore.plan(root, planned, manifest.tensors)
         if p.problems:
-            return everything
+            return everything, []
         found = files_of(manifest, p.fresh)
+        reads: list[_Read] = []
         for ref, target, key in p.inplace:
             rec = manifest.tensors[ref]
             layout = rec.layout()
-            region = _region(target, specs.get(id(target)), key, rec.shape)
-            for op in plan.plan_reads(rec.shape, [s.region for s in layout], region):
-                found.add(layout[op.shard].file)
+            spec = specs.get(id(target))
+            region = _region(target, spec, key, rec.shape)
+            ops = plan.plan_reads(rec.shape, [s.region for s in layout], region)
+            found.update(layout[op.shard].file for op in ops)
+            reads.append((ref, target, rec, layout, spec, ops))
+        found.discard("")  # shards stored as blobs
+        if fetched is None or fetched is False:
+            return found, []
+        files = found if fetched is True else fetched
+        return found, _direct_reads(manifest, p.fresh, reads, planned, files)
     finally:
         shard.restore(swaps)
-    found.discard("")  # shards stored as blobs
-    return found
 
 
 def _region(
@@ -97,47 +122,51 @@ class Direct:
 def direct_ranges(manifest: mf.Manifest, shown: str, into: Any, fetched: set[str]) -> list[Direct]:
     """For a load of the whole checkpoint into ``into`` that brings the files ``fetched`` over
     a wire first, the tensors whose every stored byte can be received straight into their
-    target's memory: a C-contiguous CPU array or tensor reached from ``into`` through dicts,
-    nothing converted, each stored shard read whole into one contiguous run of it, every file
-    of theirs fetched, and no other tensor of this load read from those files. Empty when the
-    plan has problems (the load reports them). Nothing is read or modified."""
-    load_engine.records_as_dict(manifest)
-    root = load_engine.select(shown, manifest, None)
-    planned, swaps, specs = shard.swap_targets(into)
-    try:
-        p = restore.plan(root, planned, manifest.tensors)
-        if p.problems:
-            return []
-        homes = _homes(planned)
-        reads: dict[str, set[str]] = {ref: files_of(manifest, {ref}) for ref in p.fresh}
-        direct: dict[str, Direct] = {}
-        seen = [ref for ref, _, _ in p.inplace] + [str(id(t)) for _, t, _ in p.inplace]
-        tied = {x for x in seen if seen.count(x) > 1}  # a tied tensor, a target met twice
-        for ref, target, key in p.inplace:
-            rec = manifest.tensors[ref]
-            layout = rec.layout()
-            spec = specs.get(id(target))
-            region = _region(target, spec, key, rec.shape)
-            ops = plan.plan_reads(rec.shape, [s.region for s in layout], region)
-            reads[ref] = {layout[op.shard].file for op in ops}
-            home = homes.get(id(target))
-            if home is None or not (spec is None or isinstance(spec, shard.Shard)):
-                continue
-            if ref in tied or str(id(target)) in tied:
-                continue
-            memory = _memory(target if spec is None else spec.local)
-            ranges = [_direct(rec, layout[op.shard], op, memory, fetched) for op in ops]
-            if memory is not None and ops and all(r is not None for r in ranges):
-                direct[ref] = Direct(ref, memory, *home, [r for r in ranges if r is not None])
-        while True:  # a file another read of this load needs is not received into targets
-            shared = {f for ref, files in reads.items() if ref not in direct for f in files}
-            gone = [ref for ref, d in direct.items() if any(r[0] in shared for r in d.ranges)]
-            if not gone:
-                return list(direct.values())
-            for ref in gone:
-                del direct[ref]
-    finally:
-        shard.restore(swaps)
+    target's memory: a C-contiguous CPU array or tensor reached from ``into`` through dicts
+    (once), nothing converted, each stored shard read whole into one contiguous run of it, every
+    file of theirs fetched, and no other tensor of this load read from those files. Empty when
+    the plan has problems (the load reports them). Nothing is read or modified."""
+    return _needs(manifest, shown, into, None, fetched)[1]
+
+
+# One in-place read of a load: ref, the planned target, its record, layout, spec, read ops.
+_Read = tuple[str, Any, Any, Any, Any, list[plan.ReadOp]]
+
+
+def _direct_reads(
+    manifest: mf.Manifest, fresh: set[str], reads: list[_Read], planned: Any, fetched: set[str]
+) -> list[Direct]:
+    """:func:`direct_ranges` of the planned ``reads`` (see there)."""
+    homes = _homes(planned)
+    counts = collections.Counter(r[0] for r in reads) + collections.Counter(id(r[1]) for r in reads)
+    files: dict[str, set[str]] = {ref: files_of(manifest, {ref}) for ref in fresh}
+    direct: dict[str, Direct] = {}
+    for ref, target, rec, layout, spec, ops in reads:
+        files[ref] = {layout[op.shard].file for op in ops}
+        home = homes.get(id(target))
+        if home is None or not (spec is None or isinstance(spec, shard.Shard)):
+            continue
+        if counts[ref] > 1 or counts[id(target)] > 1:  # a tied tensor, a target met twice
+            continue
+        memory = _memory(target if spec is None else spec.local)
+        ranges = [_direct(rec, layout[op.shard], op, memory, fetched) for op in ops]
+        if memory is not None and ops and all(r is not None for r in ranges):
+            direct[ref] = Direct(ref, memory, *home, [r for r in ranges if r is not None])
+    # a file another read of this load needs is not received into targets (nor, in turn, the
+    # other files of a tensor that loses its place for it)
+    shared = {f for ref, names in files.items() if ref not in direct for f in names}
+    users: dict[str, list[str]] = {}
+    for ref, d in direct.items():
+        for name in {r[0] for r in d.ranges}:
+            users.setdefault(name, []).append(ref)
+    queue = list(shared)
+    while queue:
+        for ref in users.get(queue.pop(), ()):
+            if direct.pop(ref, None) is not None:
+                fresh = files[ref] - shared
+                shared |= fresh
+                queue.extend(fresh)
+    return list(direct.values())
 
 
 def _homes(planned: Any) -> dict[int, tuple[dict[Any, Any], Any]]:

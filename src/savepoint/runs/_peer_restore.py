@@ -158,8 +158,6 @@ class PeerRestore:
 
     def load(self, step: int, options: dict[str, Any]) -> Any:
         """Restore ``step`` (complete in the last survey) with ``sp.load``'s ``options``."""
-        from savepoint.distributed.needs import files_needed
-
         choice = self.complete[step]
         folder = self.memory.folder
         assert folder is not None
@@ -173,47 +171,18 @@ class PeerRestore:
                 os.makedirs(os.path.dirname(os.path.join(base, where(mf.NAME))))
                 os.rename(os.path.join(base, mf.NAME), os.path.join(base, where(mf.NAME)))
                 directory = assembly(base, step, manifest.blob_store)
-                try:
-                    keys, into = options.get("keys"), options.get("into")
-                    wanted = files_needed(manifest, directory, into=into, keys=keys)
-                except Exception:  # (the load reports it)
-                    wanted = set(manifest.files)
+                wanted, direct = _needs(manifest, directory, options)
                 if manifest.has_blobs:  # every blob of the checkpoint (see the docstring)
                     wanted.add(COMMON[1])
                     wanted.update(
                         n for r in choice.records.values() for n in r.files if n.startswith(BLOBS)
                     )
-                direct = self._direct(choice, manifest, directory, options, wanted)
                 sinks = _sinks(direct)
                 self._fetch(choice, sorted(wanted), base, "files", where, sinks)
             with _set_aside(direct):  # (their bytes landed and verified: the rest is loaded)
                 return checkpoint.load(directory, **options)
         finally:
             shutil.rmtree(base, ignore_errors=True)
-
-    def _direct(
-        self,
-        choice: _Choice,
-        manifest: mf.Manifest,
-        directory: str,
-        options: dict[str, Any],
-        wanted: set[str],
-    ) -> list[Direct]:
-        """The targets the files this rank fetches land in straight (see the module
-        docstring): none for a load that checks everything first, maps, moves to a device,
-        selects keys, or reads blobs."""
-        from savepoint.distributed.needs import direct_ranges
-
-        into = options.get("into")
-        plain = options.get("verify", True) is True and not options.get("mmap")
-        plain = plain and options.get("keys") is None and options.get("device") is None
-        if into is None or not plain or manifest.has_blobs:
-            return []
-        try:
-            return direct_ranges(manifest, directory, into, wanted - set(COMMON))
-        except Exception as exc:  # (the load reports what is wrong with the targets)
-            log.debug("%s: no target received into straight: %s", _LABEL, exc)
-            return []
 
     def _fetch(
         self,
@@ -438,6 +407,29 @@ def _file_opener(path: str) -> Any:
 
 def _lander(landing: Landing, name: str, size: int) -> Any:
     return lambda: landing.target(name, size)
+
+
+def _needs(
+    manifest: mf.Manifest, directory: str, options: dict[str, Any]
+) -> tuple[set[str], list[Direct]]:
+    """The data files this rank's load reads (every one, when its targets cannot be planned:
+    the load reports why), and the targets they land in straight (step 3 of the module
+    docstring): none for a load that checks everything first, maps, moves to a device,
+    selects keys, or reads blobs."""
+    from savepoint.distributed.needs import files_needed, needs_and_direct
+
+    into, keys = options.get("into"), options.get("keys")
+    plain = options.get("verify", True) is True and not options.get("mmap")
+    plain = plain and keys is None and options.get("device") is None
+    if into is not None and plain and not manifest.has_blobs:
+        try:
+            return needs_and_direct(manifest, directory, into)
+        except Exception as exc:  # (then as without: the load reports what is wrong)
+            log.debug("%s: no target is received into straight: %s", _LABEL, exc)
+    try:
+        return files_needed(manifest, directory, into=into, keys=keys), []
+    except Exception:  # (the load reports it)
+        return set(manifest.files), []
 
 
 _Range = tuple[int, int, memoryview]  # bytes [start, end) of a file land in this memory
