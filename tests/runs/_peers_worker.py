@@ -264,6 +264,10 @@ def main() -> None:
     r, w = int(rank), int(world)
     os.environ["SAVEPOINT_NODE"] = os.environ["PEERS_NODES"].split(",")[r]
     os.environ.setdefault("PEERS_MEM", os.path.join(workdir, "mem"))
+    if os.environ.get("PEERS_NO_FLAT") == "1":  # (tiny tensors land straight in the targets too)
+        from savepoint.runs import _peer_restore
+
+        _peer_restore.DIRECT_AVERAGE = 0
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
     s = dw.Session(scenario, r, w, workdir)
     try:

@@ -128,3 +128,18 @@ def test_tied_tensors_and_shared_targets_are_left_to_the_loader(tmp_path: Path, 
     assert [d.key for d in direct] == []  # (c shares the one data file with the tied tensor)
     into2 = {"a": x, "c": x}  # one target under two keys
     assert direct_ranges(m, str(tmp_path / "c"), into2, set(m.files)) == []
+
+
+def test_only_checkpoints_of_large_tensors_land_straight(tmp_path: Path) -> None:
+    from savepoint.runs import _peer_restore
+
+    big = np.arange(_peer_restore.DIRECT_AVERAGE // 4, dtype=np.float32)
+    for state, lands in (({"w": big, "n": 1}, True), ({"w": big[:1000], "n": 1}, False)):
+        path = tmp_path / f"c{lands}"
+        sp.save(path, state)
+        into = {"w": np.zeros_like(state["w"]), "n": 0}
+        wanted, direct = _peer_restore._needs(manifest(path), str(path), {"into": into})
+        assert wanted == set(manifest(path).files)
+        assert [d.key for d in direct] == (["w"] if lands else [])
+        _, none = _peer_restore._needs(manifest(path), str(path), {"into": into, "verify": "first"})
+        assert none == []
