@@ -24,7 +24,7 @@ part of one save of it (one manifest digest) has a copy on a node that still has
    a file this node holds is checked against its marker on a thread while the first transfer
    runs, and copied into its targets only once it verified (a copy that does not verify is
    fetched from another node, as above). Not for ``verify="first"``, ``keys``, ``mmap``, a
-   ``device``, or blobs;
+   ``device``, blobs, or tensors averaging under :data:`DIRECT_AVERAGE` bytes;
 4. **the load**: ``sp.load`` of the assembly with the caller's options (the same planner and
    loader as a disk load, which checks every checksum again), the targets filled in step 3
    taken out of their dicts meanwhile (a load into ``into`` reads what it covers) and put back
