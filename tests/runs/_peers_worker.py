@@ -33,6 +33,8 @@ import _worker as dw
 import savepoint as sp
 from savepoint.distributed import FlatShard, Shard
 
+STRAIGHT: list[int] = []  # per restore from peer memory: how many targets it filled straight
+
 
 def global_tensors(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(11)
@@ -105,6 +107,7 @@ def restore(s: dw.Session, mgr: sp.CheckpointManager, label: str) -> None:
     s.data[label] = {
         "step": step,
         "from": mgr.restored_from,
+        "straight": STRAIGHT[-1] if STRAIGHT else 0,  # targets the last restore filled straight
         "seconds": time.monotonic() - started,
         "warnings": [str(w.message) for w in caught],
     }
@@ -268,6 +271,13 @@ def main() -> None:
         from savepoint.runs import _peer_restore
 
         _peer_restore.DIRECT_AVERAGE = 0
+        sinks = _peer_restore._sinks
+
+        def counted(direct: Any) -> Any:
+            STRAIGHT.append(len(direct))
+            return sinks(direct)
+
+        _peer_restore._sinks = counted
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
     s = dw.Session(scenario, r, w, workdir)
     try:

@@ -101,6 +101,22 @@ def test_a_lost_node_is_restored_from_the_other_nodes_copies_on_4_2_and_6_ranks(
             assert not restored["warnings"], restored
 
 
+def test_a_lost_node_is_restored_straight_into_the_targets_on_4_2_and_6_ranks(
+    tmp_path: Path,
+) -> None:
+    env = {"PEERS_NO_FLAT": "1", "PEERS_STEPS": "1", "PEERS_TIMEOUT": "30"}
+    run("save", 4, tmp_path, **env)
+    shutil.rmtree(node_folder(tmp_path, "a"))
+    shutil.rmtree(tmp_path / "run/checkpoints/step-0000000001")  # only peer memory has it
+    for nodes, straight in (("a,a,b,b", {2}), ("a,b", {2}), ("a,a,b,b,c,c", {0, 1})):
+        session = run("restore", len(nodes.split(",")), tmp_path, PEERS_NODES=nodes, **env)
+        for restored in data(session, "restored"):  # (bit-exact: the worker compared them)
+            assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
+        # rows and rep; on 6 ranks a rank's rows are part of a stored shard (the loader's, and
+        # so is rep where it shares that shard's file)
+        assert {r["straight"] for r in data(session, "restored")} == straight, nodes
+
+
 def test_a_damaged_copy_is_detected_and_the_next_source_used(copy: Path) -> None:
     part2 = "step-0000000003/part-00002/data-r00002-00000.safetensors"
     damage = [[str(node_folder(copy, "b") / part2)], [str(node_folder(copy, "a") / part2)]]
