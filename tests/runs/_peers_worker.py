@@ -33,6 +33,8 @@ import _worker as dw
 import savepoint as sp
 from savepoint.distributed import FlatShard, Shard
 
+STRAIGHT: list[int] = []  # per restore from peer memory: how many targets it filled straight
+
 
 def global_tensors(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(11)
@@ -52,6 +54,8 @@ def state(step: int, rank: int, world: int, *, empty: bool = False) -> dict[str,
 
     rows = Shard.split(fill(dw.piece(g["rows"], 0, rank, world)), 0, rank, world, size=12)
     start, stop = dw.bounds(40, rank, world)
+    if os.environ.get("PEERS_NO_FLAT") == "1":  # (every tensor can be received straight)
+        return {"model": {"rows": rows, "rep": fill(g["rep"])}, "step": -1 if empty else step}
     return {
         "model": {
             "rows": rows,
@@ -66,7 +70,7 @@ def check(loaded: dict[str, Any], step: int, rank: int, world: int) -> None:
     """``loaded`` is exactly this rank's part of step ``step``."""
     want = state(step, rank, world)
     assert loaded["step"] == step, loaded["step"]
-    for name in ("rows", "flat"):
+    for name in ("rows", "flat") if "flat" in want["model"] else ("rows",):
         got, expected = loaded["model"][name].local, want["model"][name].local
         assert torch.equal(got, expected), f"{name} differs from step {step}"
     assert torch.equal(loaded["model"]["rep"], want["model"]["rep"]), "rep"
@@ -103,6 +107,7 @@ def restore(s: dw.Session, mgr: sp.CheckpointManager, label: str) -> None:
     s.data[label] = {
         "step": step,
         "from": mgr.restored_from,
+        "straight": STRAIGHT[-1] if STRAIGHT else 0,  # targets the last restore filled straight
         "seconds": time.monotonic() - started,
         "warnings": [str(w.message) for w in caught],
     }
@@ -207,6 +212,45 @@ def scenario_garble(s: dw.Session) -> None:
     s.check("garble", run)
 
 
+def scenario_garble_restore(s: dw.Session) -> None:
+    """Restore twice (node a lost): rank 0 receives its files straight into its targets; the
+    second time rank 1 flips one byte of the first data file it serves (its copy is intact).
+    Records whether rank 0 received into targets, and each restore."""
+    from savepoint.runs import _peer_folder, _peer_restore
+
+    places = []
+    place = _peer_restore._Into.place
+
+    def counted(self: Any, at: int, n: int) -> Any:
+        got = place(self, at, n)
+        places.append(got[0] is not None)
+        return got
+
+    _peer_restore._Into.place = counted  # type: ignore[method-assign]
+
+    def run() -> None:
+        mgr = manager(s, read_only=True)
+        restore(s, mgr, "clean")
+        s.data["into targets"] = any(places)
+        if s.rank == 1:
+            chunk, flipped = _peer_folder.FileSource.chunk, []
+
+            def garbled(self: Any, start: int, end: int) -> Any:
+                got = chunk(self, start, end)
+                data = os.path.basename(self.file.name).startswith("data-")
+                if data and not flipped and end - start > 64:
+                    flipped.append(start)
+                    got = got.copy()
+                    got[(end - start) // 2] ^= 0x10
+                return got
+
+            _peer_folder.FileSource.chunk = garbled  # type: ignore[method-assign]
+        restore(s, mgr, "garbled")
+        mgr.close()
+
+    s.check("garble_restore", run)
+
+
 def scenario_churn(s: dw.Session) -> None:
     """Save a new step every moment until killed (rank 0 marks each replicated step)."""
     with manager(s) as mgr:
@@ -223,6 +267,17 @@ def main() -> None:
     r, w = int(rank), int(world)
     os.environ["SAVEPOINT_NODE"] = os.environ["PEERS_NODES"].split(",")[r]
     os.environ.setdefault("PEERS_MEM", os.path.join(workdir, "mem"))
+    if os.environ.get("PEERS_NO_FLAT") == "1":  # (tiny tensors land straight in the targets too)
+        from savepoint.runs import _peer_restore
+
+        _peer_restore.DIRECT_AVERAGE = 0
+        sinks = _peer_restore._sinks
+
+        def counted(direct: Any) -> Any:
+            STRAIGHT.append(len(direct))
+            return sinks(direct)
+
+        _peer_restore._sinks = counted
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
     s = dw.Session(scenario, r, w, workdir)
     try:

@@ -101,6 +101,22 @@ def test_a_lost_node_is_restored_from_the_other_nodes_copies_on_4_2_and_6_ranks(
             assert not restored["warnings"], restored
 
 
+def test_a_lost_node_is_restored_straight_into_the_targets_on_4_2_and_6_ranks(
+    tmp_path: Path,
+) -> None:
+    env = {"PEERS_NO_FLAT": "1", "PEERS_STEPS": "1", "PEERS_TIMEOUT": "30"}
+    run("save", 4, tmp_path, **env)
+    shutil.rmtree(node_folder(tmp_path, "a"))
+    shutil.rmtree(tmp_path / "run/checkpoints/step-0000000001")  # only peer memory has it
+    for nodes, straight in (("a,a,b,b", {2}), ("a,b", {2}), ("a,a,b,b,c,c", {0, 1})):
+        session = run("restore", len(nodes.split(",")), tmp_path, PEERS_NODES=nodes, **env)
+        for restored in data(session, "restored"):  # (bit-exact: the worker compared them)
+            assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
+        # rows and rep; on 6 ranks a rank's rows are part of a stored shard (the loader's, and
+        # so is rep where it shares that shard's file)
+        assert {r["straight"] for r in data(session, "restored")} == straight, nodes
+
+
 def test_a_damaged_copy_is_detected_and_the_next_source_used(copy: Path) -> None:
     part2 = "step-0000000003/part-00002/data-r00002-00000.safetensors"
     damage = [[str(node_folder(copy, "b") / part2)], [str(node_folder(copy, "a") / part2)]]
@@ -137,6 +153,39 @@ def test_bytes_damaged_on_the_wire_are_refused_and_the_senders_copy_still_verifi
         assert bad and all(problems == [] for problems in bad.values()), bad
     for then in data(session, "then"):
         assert then == [2, True, [0, 1]], then
+
+
+def test_fetched_bytes_land_in_the_targets_and_a_byte_damaged_on_the_wire_is_refused(
+    tmp_path: Path,
+) -> None:
+    env = {"PEERS_NODES": "a,b", "PEERS_STEPS": "1", "PEERS_NO_FLAT": "1", "PEERS_TIMEOUT": "30"}
+    run("save", 2, tmp_path, **env)
+    shutil.rmtree(node_folder(tmp_path, "a"))  # rank 0 fetches every file it needs from b
+    session = run("garble_restore", 2, tmp_path, **env)
+    # (each restore was compared element by element with step 1's state by the worker)
+    assert data(session, "into targets")[0] is True  # rank 0 received straight into them
+    for clean in data(session, "clean"):
+        assert (clean["step"], clean["from"], clean["warnings"]) == (1, "peer memory", []), clean
+    for garbled in data(session, "garbled"):  # refused: the run directory's copy is loaded
+        assert (garbled["step"], garbled["from"]) == (1, "run directory"), garbled
+        (warning,) = garbled["warnings"]
+        assert "does not match its checksum" in warning, warning
+
+
+def test_a_damaged_copy_of_a_file_landing_in_the_targets_is_fetched_from_the_other_node(
+    tmp_path: Path,
+) -> None:
+    env = {"PEERS_NODES": "a,b", "PEERS_STEPS": "1", "PEERS_NO_FLAT": "1", "PEERS_TIMEOUT": "30"}
+    run("save", 2, tmp_path, **env)
+    part0 = "step-0000000001/part-00000/data-r00000-00000.safetensors"
+    damage = [[str(node_folder(tmp_path, "a") / part0)], [str(node_folder(tmp_path, "b") / part0)]]
+    session = run("corrupt", 2, tmp_path, PEERS_DAMAGE=json.dumps(damage), **env)
+    for one in data(session, "one copy damaged"):  # node a's: rank 0 gets node b's
+        assert (one["step"], one["from"], one["warnings"]) == (1, "peer memory", []), one
+    for every in data(session, "every copy damaged"):
+        assert (every["step"], every["from"]) == (1, "run directory"), every
+        (warning,) = every["warnings"]
+        assert "no verified copy left of data-r00000-00000.safetensors" in warning, warning
 
 
 def churn_and_kill(workdir: Path, rng: random.Random) -> None:

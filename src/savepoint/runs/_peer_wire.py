@@ -22,7 +22,8 @@ Two channels, both savepoint's own, never the training's:
   piece of 1 MiB while it is in cache, then sends it from the same memory (``sendfile`` cost
   more CPU on loopback than ``sendall`` from a populated mapping); the receiver reads each piece
   straight into one reused buffer, hashes it there and writes it to its file: no bytes object
-  is made, no file mapped, no piece copied in user space. Sends run on a thread of their own
+  is made, no file mapped, no piece copied in user space (a sink with ``place``, a restore's
+  targets, has the pieces it names received straight into its own memory instead). Sends run on a thread of their own
   and receives on the caller's, each side in one order every rank derives from the same
   documents (message order), so no two ranks wait on each other. A connection that fails (a
   peer died: at once; a peer that stops answering: after ``timeout``) fails that transfer and
@@ -111,7 +112,10 @@ class Outgoing:
 
 
 class Sink(Protocol):
-    """Where a received file's bytes go, chunk by chunk in order."""
+    """Where a received file's bytes go, chunk by chunk in order. A sink may also have
+    ``place(at, n) -> (memoryview | None, n)``: where the bytes from offset ``at`` land (at most
+    ``n`` of them, and how many): a view of the destination's own memory, received into straight
+    (``write`` does not see them), or None for the reused buffer and ``write``."""
 
     def write(self, chunk: np.ndarray[Any, Any]) -> None: ...
 
@@ -489,13 +493,15 @@ class Wire:
                 except Exception as exc:  # (its manifest did not arrive whole: not kept)
                     log.warning("peer memory: %s cannot be checked: %s", item.name, exc)
             at = 0
+            place = getattr(sink, "place", None)
             while at < item.size:
                 n = min(item.size - at, len(buffer))
-                piece = _exactly(conn, n, buffer[:n])
+                into, n = place(at, n) if place is not None else (None, n)
+                piece = _exactly(conn, n, buffer[:n] if into is None else into)
                 hasher.update(piece)
                 if check is not None:
                     check.update(at, piece)
-                if sink is not None:
+                if sink is not None and into is None:
                     sink.write(np.frombuffer(piece, np.uint8))
                 at += n
                 progress[0] = time.monotonic()
