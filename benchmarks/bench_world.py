@@ -154,6 +154,18 @@ def run_sampled(ranks: int, tensors: int, tp: int = 1, sample: int = 8) -> dict[
     ones as they were, the others as a rank at that coordinate sends them (the layout's digest,
     its coordinate, the sampled ranks' median byte count). The write step's records and the
     manifest come from the sampled ranks' records (see ``commit_share``)."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()  # as simulate_save: collections of the big states are no rank's planning
+    try:
+        return _sampled(ranks, tensors, tp, sample)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
     import pickle
     import types
 

@@ -231,6 +231,34 @@ def test_bench_world_prints_its_json_line() -> None:
     assert row["dcp_plan_s"] >= 0
 
 
+def test_bench_world_samples_ranks_over_max_items() -> None:
+    """Over ``--max-items`` a regular state is measured on a sample of ranks, rank 0's share
+    on every rank's message, and the real version 7 manifest."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    args = ["--ranks", "256", "--tensors", "40", "--max-items", "1000", "--sample", "3"]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_world.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (row["ranks"], row["tensors"], row["manifest_version"]) == (256, 40, 7)
+    for key in ("rank0_plan_s", "per_rank_plan_s", "manifest_bytes", "rank0_recv_bytes"):
+        assert row[key] > 0, key
+    assert 4 <= row["sampled_ranks"] <= 7
+    # what rank 0 receives: a message per rank in each step, not one per piece
+    assert row["rank0_recv_bytes"] < 256 * 2000
+
+
 def test_saves_without_a_group_are_not_cached(tmp_path: Path) -> None:
     from savepoint.distributed import collectives
 
