@@ -124,11 +124,23 @@ def load_plan(manifest: Any, ranks: int, tensors: int, tp: int) -> tuple[float, 
     world = max(1, ranks // 2)
     rank = 1 if world > 1 else 0
     mine, _ = save.describe(save.flatten(simulate.model_state(rank, world, tensors, tp=tp)), "")
+    regions = {}
+    if manifest.grids is not None:  # version 7: the pieces are in the (unwritten) indexes
+        import itertools
+
+        from savepoint.distributed import layout
+
+        cells = list(itertools.product(*(range(n) for n in manifest.mesh)))
+        for key, dims in manifest.grids.items():
+            shape = manifest.tensors[key].shape
+            found = {layout.grid_box(shape, manifest.mesh, c, dims) for c in cells}
+            regions[key] = sorted(b for b in found if boxes.volume(b)) or [boxes.full(shape)]
     ops = 0
     t0 = time.perf_counter()
     for item in mine.items:
         record = manifest.tensors[item.key]
-        shards = [s.region for s in record.shards] or [boxes.full(record.shape)]
+        shards = regions.get(item.key) or [s.region for s in record.shards]
+        shards = shards or [boxes.full(record.shape)]
         ops += len(plan.plan_reads(record.shape, shards, item.region))
     return time.perf_counter() - t0, ops
 
