@@ -126,3 +126,25 @@ def test_a_grid_must_give_the_shards_box() -> None:
     assert layout.parse_grid(layout.Grid((8, 2), (3, 1), (0, None)).text()) == layout.Grid(
         (8, 2), (3, 1), (0, None)
     )
+
+
+def test_a_sharded_tensor_without_elements_is_written_once(tmp_path: Path) -> None:
+    odd = np.arange(6, dtype=np.float32).reshape(3, 2)
+
+    def state(rank: int, world: int) -> Any:
+        got = small(rank, world)["model"]  # on a (2, 2) mesh
+        coord = (rank // 2, rank % 2)
+        grid = layout.Grid((2, 2), coord, (0, None))
+        got["empty"] = Shard(np.zeros((0, 3), np.float32), (0, 3), (0, 0), grid=grid)
+        box = layout.grid_box((3, 2), (2, 2), coord, (0, None))  # rows 0-1, then row 2
+        piece = odd[box[0][0] : box[0][1]]
+        got["odd"] = Shard(piece, (3, 2), (box[0][0], 0), grid=grid)
+        return {"model": got}
+
+    sim = simulate.simulate_save(4, state, str(tmp_path / "a"), writer="real")
+    assert all(isinstance(r, sp.CheckpointInfo) for r in sim.results), sim.results
+    out = sp.load(tmp_path / "a", framework="numpy")
+    assert out["model"]["empty"].shape == (0, 3)
+    np.testing.assert_array_equal(out["model"]["odd"], odd)
+    m = read_manifest(tmp_path / "a")
+    assert m.format_version == mf.GRID and len(m.tensors["model/empty"].layout()) == 1

@@ -13,7 +13,8 @@ global plan is then implied: who writes what is a rule every rank applies to its
 The writer of a piece: a piece is held by every rank whose coordinate agrees on the mesh
 dimensions the tensor is sharded over; of these, the one whose coordinate on the replicated
 dimensions is the tensor's position in the layout modulo the replica count (unravelled over those
-dimensions, C order), so replicated tensors are spread over their holders by count.
+dimensions, C order), so replicated tensors are spread over their holders by count. A tensor
+without elements is held whole by every rank, and written by one, as if replicated.
 
 A state is regular when every tensor piece is a ``Shard`` carrying a :class:`Grid` (DTensors read
 by :func:`savepoint.distributed.shard.from_dtensor`; the world simulator's) on one mesh with one
@@ -174,7 +175,10 @@ def writes(layout: Layout, coord: Sequence[int]) -> set[int]:
     writes (see the module docstring); pieces without elements are the caller's to skip."""
     out: set[int] = set()
     mesh = layout.mesh
+    replicated = (None,) * len(mesh)
     for i, dims in enumerate(layout.dims):
+        if not math.prod(layout.shapes[i]):  # no elements: every rank holds it whole; one writes
+            dims = replicated
         chosen = i
         mine = True
         for n, c, d in zip(reversed(mesh), reversed(coord), reversed(dims)):
