@@ -21,10 +21,20 @@ object:
   every shard of its tensor; ``per_rank_load_read_ops`` the reads it plans) (``per_rank_plan_max_s`` the slowest);
 - ``manifest_bytes``: the committed manifest; ``rank0_recv_bytes`` / ``rank0_messages``: what
   rank 0's gloo operations receive over the whole save (padded as the real path pads);
-- over ``--max-items`` (``ranks x tensors``, default 4,000,000: a per-piece plan and manifest
-  bigger than this process's memory), the figures are measured at the three largest worlds that
-  fit and extrapolated by a power law in the ranks (``extrapolated``: true, the fits and the
-  measurements included);
+- the states are regular (DTensor-like Shards carrying their grid): planned from the layout,
+  manifest version 7 (``docs/distributed.md``, "Regular layouts"); ``--by-offsets`` saves the
+  same state as Shards given by offsets alone, planned piece by piece (the merge, version 3);
+- over ``--max-items`` (``ranks x tensors``, default 4,000,000: more pieces than one process
+  can simulate rank by rank), a regular state is measured by :func:`run_sampled`: the real
+  planning of ``--sample`` ranks (plus ranks 0, 1, N/2, N-1), rank 0's whole share of the plan
+  step on N messages, the real version 7 manifest of N ranks (``rank0_commit_s`` its building
+  and serialising), what rank 0 receives in both steps (``plan_step_rank0_recv_bytes``,
+  ``write_step_rank0_recv_bytes``); ``per_rank_flatten_s`` (the flatten every save does) is
+  not in ``per_rank_plan_s``, ``per_rank_describe_s`` (the walk over the state) is;
+  ``repeat_plan_s`` is the slowest sampled rank's planning plus rank 0's share (a regular save
+  has no plan cache: a repeat costs what a first save does). ``--by-offsets`` (or
+  ``--extrapolate``) instead measures the three largest worlds that fit and extrapolates by a
+  power law in the ranks (``extrapolated``: true, the fits and the measurements included);
 - with ``--dcp``, ``dcp_plan_s``: the same inputs through DCP's own planner
   (``WriteItem``s as ``create_local_plan`` makes them for each rank's DTensors, then
   ``DefaultSavePlanner.create_global_plan``: dedup, metadata, validation), timed on rank 0's
@@ -55,20 +65,20 @@ from savepoint.distributed import simulate
 DEFAULT_MAX_ITEMS = 4_000_000  # ranks x tensors a run may hold in memory here
 
 
-def state_fn(tensors: int, tp: int) -> Any:
+def state_fn(tensors: int, tp: int, regular: bool = True) -> Any:
     def state(rank: int, world: int) -> Any:
-        return simulate.model_state(rank, world, tensors, tp=tp)
+        return simulate.model_state(rank, world, tensors, tp=tp, regular=regular)
 
     return state
 
 
-def run_sim(ranks: int, tensors: int, tp: int = 1) -> dict[str, Any]:
+def run_sim(ranks: int, tensors: int, tp: int = 1, regular: bool = True) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="sp-world-")
     path = os.path.join(workdir, "ckpt")
     try:
         t0 = time.perf_counter()
         again = os.path.join(workdir, "ckpt2")
-        result = simulate.simulate_save(ranks, state_fn(tensors, tp), path, paths=[again])
+        result = simulate.simulate_save(ranks, state_fn(tensors, tp, regular), path, paths=[again])
         wall = time.perf_counter() - t0
         failed = [r for r in result.results if isinstance(r, BaseException)]
         if failed:
@@ -82,6 +92,7 @@ def run_sim(ranks: int, tensors: int, tp: int = 1) -> dict[str, Any]:
     return {
         "ranks": ranks,
         "tensors": tensors,
+        "regular": regular,
         "state_tensors": len(result.manifests[0].tensors),
         "rank0_plan_s": round(result.rank0_plan_s(0), 4),
         "rank0_commit_s": round(result.share(0, "save: write", ("combine",), 0), 4),
@@ -113,13 +124,178 @@ def load_plan(manifest: Any, ranks: int, tensors: int, tp: int) -> tuple[float, 
     world = max(1, ranks // 2)
     rank = 1 if world > 1 else 0
     mine, _ = save.describe(save.flatten(simulate.model_state(rank, world, tensors, tp=tp)), "")
+    regions = {}
+    if manifest.grids is not None:  # version 7: the pieces are in the (unwritten) indexes
+        import itertools
+
+        from savepoint.distributed import layout
+
+        cells = list(itertools.product(*(range(n) for n in manifest.mesh)))
+        for key, dims in manifest.grids.items():
+            shape = manifest.tensors[key].shape
+            found = {layout.grid_box(shape, manifest.mesh, c, dims) for c in cells}
+            regions[key] = sorted(b for b in found if boxes.volume(b)) or [boxes.full(shape)]
     ops = 0
     t0 = time.perf_counter()
     for item in mine.items:
         record = manifest.tensors[item.key]
-        shards = [s.region for s in record.shards] or [boxes.full(record.shape)]
+        shards = regions.get(item.key) or [s.region for s in record.shards]
+        shards = shards or [boxes.full(record.shape)]
         ops += len(plan.plan_reads(record.shape, shards, item.region))
     return time.perf_counter() - t0, ops
+
+
+# ---------------------------------------------------------------------------------------------
+# regular states at fleet scale: a sample of ranks, rank 0's whole share
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_ranks(ranks: int, sample: int) -> list[int]:
+    import random
+
+    picked = {0, 1 % ranks, ranks // 2, ranks - 1}
+    picked |= set(random.Random(0).sample(range(ranks), min(ranks, sample)))
+    return sorted(picked)
+
+
+def run_sampled(ranks: int, tensors: int, tp: int = 1, sample: int = 8) -> dict[str, Any]:
+    """A regular state's save planned for ``ranks`` ranks without simulating each: the real
+    per-rank planning (``SaveRun.plan_local``: describe, layout, digest, the pieces the layout
+    gives it, its message encoded) on a sample of ranks, and rank 0's whole share (every rank's
+    message decoded, ``plan_global``, the answer encoded) on ``ranks`` messages: the sampled
+    ones as they were, the others as a rank at that coordinate sends them (the layout's digest,
+    its coordinate, the sampled ranks' median byte count). The write step's records and the
+    manifest come from the sampled ranks' records (see ``commit_share``)."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()  # as simulate_save: collections of the big states are no rank's planning
+    try:
+        return _sampled(ranks, tensors, tp, sample)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
+    import pickle
+    import types
+
+    from savepoint.distributed import collectives, layout, save
+    from savepoint.distributed.traffic import Traffic
+    from savepoint.options import SaveOptions
+    from savepoint.storage.paths import resolve
+
+    workdir = tempfile.mkdtemp(prefix="sp-world-")
+    location = resolve(os.path.join(workdir, "ckpt"), what="checkpoint path")
+    picks = sample_ranks(ranks, sample)
+    payloads: dict[int, bytes] = {}
+    per_rank, flatten_s, describe_s, records = [], [], [], {}
+    run0: Any = None
+    options = SaveOptions()
+    for r in picks:
+        state = simulate.model_state(r, ranks, tensors, tp=tp)
+        t0 = time.perf_counter()
+        flat = save.flatten(state)
+        flatten_s.append(time.perf_counter() - t0)
+        coord = types.SimpleNamespace(rank=r, world_size=ranks, memo_key=None)
+        t0 = time.perf_counter()
+        save.describe_layout(flat, "")  # its share of the planning below, timed alone
+        describe_s.append(time.perf_counter() - t0)
+        run = save.SaveRun(location, coord, lambda flat=flat: (flat, {}), None, None)
+        t0 = time.perf_counter()
+        sent = run.plan_local()
+        payloads[r] = collectives.encoded(sent)
+        per_rank.append(time.perf_counter() - t0)
+        assert run.regular is not None, "not a regular state"
+        items = run.regular[2]
+        records[r] = simulate.SimWriter().write(location, "", r, items, run.sources, options)
+        if r == 0:
+            run0 = run
+        del state, flat
+    lay, _, _ = run0.regular
+    median_bytes = int(statistics.median(pickle.loads(p)[0].nbytes for p in payloads.values()))
+    path = run0.local[0].path
+    for r in range(ranks):
+        if r not in payloads:
+            coord_r = tuple(simulate._Mesh((ranks // tp, tp), r).coordinate)
+            payloads[r] = collectives.encoded(
+                (layout.Compact(lay.digest, coord_r, median_bytes), None, None, path)
+            )
+    ordered = [payloads[r] for r in range(ranks)]
+    t0 = time.perf_counter()
+    sent_all = [pickle.loads(p) for p in ordered]
+    answers = run0.plan_global(sent_all)
+    answer = collectives.encoded(answers[0])  # the same answer for every rank: encoded once
+    rank0_plan = time.perf_counter() - t0
+    assert answers[0] != "resend", "rank 0 did not accept the compact plans"
+    traffic = Traffic(ranks)
+    traffic.gather([len(p) for p in ordered])
+    traffic.scatter([len(answer)] * ranks)
+    plan_recv = traffic.received(0)
+    try:
+        commit = commit_share(run0, records, ranks)
+    finally:
+        run0.abort()
+        shutil.rmtree(workdir, ignore_errors=True)
+    row = {
+        "ranks": ranks,
+        "tensors": tensors,
+        "regular": True,
+        "sampled_ranks": len(picks),
+        "state_tensors": len(lay.keys),
+        "rank0_plan_s": round(rank0_plan, 4),
+        "per_rank_plan_s": round(statistics.median(per_rank), 4),
+        "per_rank_plan_max_s": round(max(per_rank), 4),
+        "per_rank_flatten_s": round(statistics.median(flatten_s), 4),
+        "per_rank_describe_s": round(statistics.median(describe_s), 4),
+        "repeat_plan_s": round(max(per_rank) + rank0_plan, 4),
+        "plan_step_rank0_recv_bytes": plan_recv,
+    }
+    row.update(commit)
+    row["rank0_recv_bytes"] = plan_recv + commit["write_step_rank0_recv_bytes"]
+    return row
+
+
+def commit_share(run0: Any, records: dict[int, Any], ranks: int) -> dict[str, Any]:
+    """The write step as rank 0 sees it (manifest version 7): every rank's data files and index
+    record gathered (padded to the longest: here the longest sampled), the manifest built and
+    serialised (timed: ``rank0_commit_s``). The sampled ranks' index records are real (their
+    pieces' records as ``SimWriter`` makes them, sealed as ``seal_index`` seals them, timed:
+    ``per_rank_index_s``); the others' are a sampled rank's, renamed for their rank."""
+    from savepoint.codecs import manifest as mf
+    from savepoint.distributed import collectives, pieces, save
+    from savepoint.distributed.traffic import Traffic
+
+    sealed, index_s = {}, []
+    for r, rec in records.items():
+        t0 = time.perf_counter()
+        sealed[r] = pieces.seal_index(None, "", r, rec, write=False)
+        index_s.append(time.perf_counter() - t0)
+    sample = sealed[max(sealed, key=lambda r: sealed[r][2].size)]
+    results = []
+    for r in range(ranks):
+        if r in sealed:
+            results.append(sealed[r])
+            continue
+        files = {pieces.file_name(r, i): f for i, f in enumerate(sample[0].values())}
+        results.append((files, mf.index_name(r), sample[2]))
+    sizes = [len(collectives.encoded(res)) for res in results]
+    traffic = Traffic(ranks)
+    traffic.gather(sizes)
+    lay = run0.regular[0]
+    t0 = time.perf_counter()
+    manifest = save._grid_manifest(run0.plan, lay, results, {})
+    raw = mf.dumps(manifest)
+    commit_s = time.perf_counter() - t0
+    return {
+        "rank0_commit_s": round(commit_s, 4),
+        "write_step_rank0_recv_bytes": traffic.received(0),
+        "manifest_bytes": len(raw),
+        "manifest_version": manifest.format_version,
+        "per_rank_index_s": round(statistics.median(index_s), 4),
+        "index_bytes_max": max(s[2].size for s in sealed.values()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +409,9 @@ SCALED = (
 )
 
 
-def sim_extrapolated(ranks: int, tensors: int, tp: int, max_items: int) -> dict[str, Any]:
+def sim_extrapolated(
+    ranks: int, tensors: int, tp: int, max_items: int, regular: bool = True
+) -> dict[str, Any]:
     """Over ``max_items`` (a per-piece plan and manifest too big for this process): measured at
     the three largest worlds (halving) that fit, each figure extrapolated to ``ranks`` by a
     power law fitted to them; the measurements go to stderr and into ``measured``."""
@@ -242,7 +420,7 @@ def sim_extrapolated(ranks: int, tensors: int, tp: int, max_items: int) -> dict[
         r //= 2
     rows = []
     for size in sorted({max(8, r // 4), max(8, r // 2), r}):
-        got = run_sim(size, tensors, tp)
+        got = run_sim(size, tensors, tp, regular)
         print(f"measured at {size} ranks: {json.dumps(got)}", file=sys.stderr, flush=True)
         rows.append(got)
     out: dict[str, Any] = {"ranks": ranks, "tensors": tensors, "extrapolated": True}
@@ -358,14 +536,33 @@ def main() -> None:
     ap.add_argument("--max-ranks", type=int, default=8192)
     ap.add_argument("--max-items", type=int, default=DEFAULT_MAX_ITEMS)
     ap.add_argument("--svg", default=None)
+    ap.add_argument(
+        "--sample",
+        type=int,
+        default=8,
+        help="over --max-items: the ranks whose planning is measured (rank 0's share is whole)",
+    )
+    ap.add_argument(
+        "--by-offsets",
+        action="store_true",
+        help="Shards without their grid: planned piece by piece (the merge), as before",
+    )
+    ap.add_argument(
+        "--extrapolate",
+        action="store_true",
+        help="over --max-items: simulate smaller worlds and extrapolate (default for --by-offsets)",
+    )
     args = ap.parse_args()
     if args.curve:
         curve(args.tensors, args.max_ranks, args.tp, args.max_items, args.svg)
         return
-    if args.ranks * args.tensors > args.max_items:
-        row = sim_extrapolated(args.ranks, args.tensors, args.tp, args.max_items)
+    regular = not args.by_offsets
+    if args.ranks * args.tensors <= args.max_items:
+        row = run_sim(args.ranks, args.tensors, args.tp, regular)
+    elif regular and not args.extrapolate:
+        row = run_sampled(args.ranks, args.tensors, args.tp, args.sample)
     else:
-        row = run_sim(args.ranks, args.tensors, args.tp)
+        row = sim_extrapolated(args.ranks, args.tensors, args.tp, args.max_items, regular)
     if args.dcp:
         row.update(dcp_at(args.ranks, args.tensors, args.tp, args.max_items))
     print(json.dumps(row))

@@ -142,7 +142,7 @@ def loading(s: _worker.Session, **options: Any) -> Callable[[], Any]:
 def scenario_save_plan(s: _worker.Session) -> None:
     from savepoint.distributed import save as dsave
 
-    session(s, lambda: stall_at(s, dsave, "describe", "save: plan"), saving(s))
+    session(s, lambda: stall_at(s, dsave, "describe_layout", "save: plan"), saving(s))
 
 
 def scenario_save_write(s: _worker.Session) -> None:

@@ -32,11 +32,17 @@ SIZES = {"hidden": 64, "experts": 4, "expert_ffn": 32}  # a few KiB per tensor
 TENSORS = 40
 
 
-def state(rank: int, world: int) -> Any:
-    return simulate.model_state(rank, world, TENSORS, tp=2, data=True, **SIZES)
+def state(rank: int, world: int, regular: bool = True) -> Any:
+    return simulate.model_state(rank, world, TENSORS, tp=2, data=True, regular=regular, **SIZES)
 
 
-NAMES = ("ck-real", "ck-rea2")  # the simulator saves to paths as long ("ck-simu", "ck-sim2")
+def irregular(rank: int, world: int) -> Any:
+    return state(rank, world, regular=False)
+
+
+# The simulator saves to paths as long ("ck-simu", "ck-sim2", "ck-sir1", "ck-sir2"): the
+# regular state (planned compactly) twice, then the same state by offsets alone (merged) twice.
+NAMES = ("ck-real", "ck-rea2", "ck-irr1", "ck-irr2")
 
 
 def manifest(path: str) -> Any:
@@ -89,13 +95,49 @@ def scenario_world(s: _worker.Session) -> None:
     collectives._Channel.group = group  # type: ignore[method-assign]
 
     def save() -> None:
-        for name in NAMES:  # the second save reuses the first one's plan
-            sp.save(s.path(name), state(s.rank, s.world), process_group=dist.group.WORLD)
+        for i, name in enumerate(NAMES):  # the fourth save reuses the third one's plan
+            got = state(s.rank, s.world, regular=i < 2)
+            sp.save(s.path(name), got, process_group=dist.group.WORLD)
         s.data["ops"] = ops
         if s.rank == 0:
             s.data["manifests"] = [manifest(s.path(name)) for name in NAMES]
 
     s.check("save", save)
+
+
+def scenario_world_reload(s: _worker.Session) -> None:
+    """The regular (version 7) checkpoint ``ck-real``, saved by another number of ranks, loaded
+    onto this world's layout (a resharding load, verified); each piece compared with the same
+    box of the whole tensor as a plain load reads it."""
+    import numpy as np
+
+    from savepoint.distributed import Shard
+
+    targets = state(s.rank, s.world)
+    whole = sp.load(s.path("ck-real"), framework="numpy")
+    leaves: list[tuple[Any, Any]] = []
+
+    def pair(got: Any, full: Any) -> None:
+        if isinstance(got, dict):
+            for k in got:
+                pair(got[k], full[k])
+        elif isinstance(got, Shard):
+            got.local[...] = 0
+            box = tuple(slice(o, o + n) for o, n in zip(got.offsets, got.local.shape))
+            leaves.append((got.local, full[box]))
+        elif isinstance(got, np.ndarray):
+            got[...] = 0
+            leaves.append((got, full))
+
+    pair(targets, whole)
+
+    def load() -> None:
+        sp.load(s.path("ck-real"), into=targets, process_group=dist.group.WORLD)
+        for got, expected in leaves:
+            assert np.array_equal(got, expected)
+        s.data["leaves"] = len(leaves)
+
+    s.check("reload", load)
 
 
 if __name__ == "__main__":

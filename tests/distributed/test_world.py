@@ -53,21 +53,35 @@ def test_simulator_predicts_real_gloo(
     assert s.failures() == "", s.failures()
     w = _worker_module()
     monkeypatch.setattr(names, "_owner", lambda: w.OWNER)
-    sim = simulate.simulate_save(
-        world, w.state, str(tmp_path / "ck-simu"), writer="real", paths=[str(tmp_path / "ck-sim2")]
-    )
-    assert all(not isinstance(r, BaseException) for r in sim.results), sim.results[0]
+    sims = [
+        simulate.simulate_save(
+            world, fn, str(tmp_path / a), writer="real", paths=[str(tmp_path / b)]
+        )
+        for fn, a, b in ((w.state, "ck-simu", "ck-sim2"), (w.irregular, "ck-sir1", "ck-sir2"))
+    ]
+    for sim in sims:
+        assert all(not isinstance(r, BaseException) for r in sim.results), sim.results[0]
     for rank in range(world):
         real = [tuple(op) for op in s.results[rank]["data"]["ops"]]
-        predicted = [(op.kind, op.sent, op.recv) for op in sim.traffic.ops[rank]]
+        predicted = [(op.kind, op.sent, op.recv) for sim in sims for op in sim.traffic.ops[rank]]
         assert real == predicted, f"rank {rank}"
-    simulated = [w.manifest(str(tmp_path / name)) for name in ("ck-simu", "ck-sim2")]
+    names_ = ("ck-simu", "ck-sim2", "ck-sir1", "ck-sir2")
+    simulated = [w.manifest(str(tmp_path / name)) for name in names_]
     assert simulated == s.results[0]["data"]["manifests"]
-    assert sim.traffic.messages(0) == 16  # two saves of two steps of four gloo operations
-    # The second save reused the first one's plan: its plan step's gather is a few bytes.
-    first, second = (sim.save_traffic(i).ops[0][1] for i in (0, 1))
-    assert first.kind == second.kind == "gather"
-    assert second.sent < 200 < first.sent
+    assert sims[0].traffic.messages(0) == 16  # two saves of two steps of four gloo operations
+    # The regular state's plans are compact (a digest and a coordinate), its first save's too;
+    # the irregular state's second save reused the first one's plan (a marker).
+    assert sims[0].manifest is not None and sims[0].manifest.format_version == 7
+    assert sims[1].manifest is not None and sims[1].manifest.format_version == 3
+    # The regular (version 7) checkpoint loads onto half as many real ranks (another mesh).
+    if world == 8:
+        again = _launch.run("world_reload", 4, tmp_path, timeout=240, worker=WORKER)
+        assert again.failures() == "", again.failures()
+        assert all(r["data"]["leaves"] == 39 for r in again.results.values())
+    gathers = [sim.save_traffic(i).ops[0][1] for sim in sims for i in (0, 1)]
+    assert all(g.kind == "gather" for g in gathers)
+    assert gathers[0].sent < 200 and gathers[1].sent < 200
+    assert gathers[3].sent < 200 < gathers[2].sent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,10 +89,15 @@ def test_simulator_predicts_real_gloo(
 # ---------------------------------------------------------------------------------------------
 
 
-def small(rank: int, world: int) -> Any:
+def small(rank: int, world: int, regular: bool = True) -> Any:
     return simulate.model_state(
-        rank, world, 40, tp=2, data=True, hidden=64, experts=4, expert_ffn=32
+        rank, world, 40, tp=2, data=True, hidden=64, experts=4, expert_ffn=32, regular=regular
     )
+
+
+def by_offsets(rank: int, world: int) -> Any:
+    """``small`` without grids: planned piece by piece (plan.merge), the plan cache at work."""
+    return small(rank, world, regular=False)
 
 
 def test_simulated_save_loads_back(tmp_path: Path) -> None:
@@ -134,7 +153,7 @@ def test_repeated_save_reuses_the_plan(tmp_path: Path, monkeypatch: pytest.Monke
     merge = plan.merge
     monkeypatch.setattr(plan, "merge", lambda plans: merges.append(1) or merge(plans))
     paths = [str(tmp_path / n) for n in ("b", "c")]
-    sim = simulate.simulate_save(8, small, str(tmp_path / "a"), writer="real", paths=paths)
+    sim = simulate.simulate_save(8, by_offsets, str(tmp_path / "a"), writer="real", paths=paths)
     assert all(isinstance(r, sp.CheckpointInfo) for r in sim.results), sim.results
     assert len(merges) == 1  # the first save's; the others reused its plan
     first, second = sim.save_traffic(0), sim.save_traffic(2)
@@ -155,7 +174,7 @@ def test_changed_plan_is_merged_again(tmp_path: Path, monkeypatch: pytest.Monkey
     calls = {"n": 0}
 
     def state(rank: int, world: int) -> Any:
-        got = small(rank, world)
+        got = by_offsets(rank, world)
         calls["n"] += 1
         if calls["n"] > world:  # the second save: every rank has one more tensor
             got["model"]["new"] = np.full(5, 2.0, np.float32)
@@ -177,7 +196,7 @@ def test_rank0_without_the_plan_asks_every_rank_again(tmp_path: Path) -> None:
         calls["n"] += 1
         if calls["n"] == world + 1:  # rank 0, second save: its memo lost (as after a failure)
             plancache._roots.clear()
-        return small(rank, world)
+        return by_offsets(rank, world)
 
     sim = simulate.simulate_save(
         4, state, str(tmp_path / "a"), writer="real", paths=[str(tmp_path / "b")]
@@ -210,6 +229,34 @@ def test_bench_world_prints_its_json_line() -> None:
         assert row[key] > 0, key
     assert (row["ranks"], row["tensors"]) == (4, 20)
     assert row["dcp_plan_s"] >= 0
+
+
+def test_bench_world_samples_ranks_over_max_items() -> None:
+    """Over ``--max-items`` a regular state is measured on a sample of ranks, rank 0's share
+    on every rank's message, and the real version 7 manifest."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    args = ["--ranks", "256", "--tensors", "40", "--max-items", "1000", "--sample", "3"]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_world.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (row["ranks"], row["tensors"], row["manifest_version"]) == (256, 40, 7)
+    for key in ("rank0_plan_s", "per_rank_plan_s", "manifest_bytes", "rank0_recv_bytes"):
+        assert row[key] > 0, key
+    assert 4 <= row["sampled_ranks"] <= 7
+    # what rank 0 receives: a message per rank in each step, not one per piece
+    assert row["rank0_recv_bytes"] < 256 * 2000
 
 
 def test_saves_without_a_group_are_not_cached(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from savepoint.codecs import boxes
+from savepoint.codecs import boxes, checksum
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import write_error
 from savepoint.distributed import plan
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from savepoint.blobs.patch import PatchTracker
 
 __all__ = [
+    "Indexed",
     "Records",
     "file_name",
     "items_from_json",
@@ -44,11 +45,36 @@ __all__ = [
     "put_pieces",
     "records_from_json",
     "records_json",
+    "seal_index",
     "write_pieces",
 ]
 
 # A rank's records: its data files, and the shard record of each piece it wrote (by tensor key).
 Records = tuple[dict[str, mf.FileRecord], list[tuple[str, mf.ShardRecord]]]
+# What a rank of a regular save sends instead (manifest version 7): its data files, and the name
+# and record of its index file, which holds its shard records.
+Indexed = tuple[dict[str, mf.FileRecord], str, mf.IndexRecord]
+
+
+def seal_index(
+    store: Any, staging: str, rank: int, records: Records, *, write: bool = True
+) -> Indexed:
+    """A regular save's step 2, after the rank's pieces are written: its shard records into its
+    index file (``index-r<rank>.json`` in the staging directory, put create-only and synced; not
+    written when ``write`` is False, the world simulator's), and what rank 0 needs of it."""
+    files, shards = records
+    data = mf.index_bytes(shards)
+    name = mf.index_name(rank)
+    if write:
+        path = store.join(staging, name)
+        try:
+            store.put(path, data)
+            store.sync_dir(staging)
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise write_error(store, path, exc) from exc
+    return files, name, mf.IndexRecord(len(data), checksum.digest(data))
 
 
 def file_name(rank: int, index: int) -> str:

@@ -69,15 +69,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from savepoint.codecs import boxes
+from savepoint.codecs import dtypes
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction
-from savepoint.distributed import collectives, deadlines, plan, plancache, shard
-from savepoint.distributed.pieces import Records, file_name, put_pieces, write_pieces
+from savepoint.distributed import collectives, deadlines, layout, plan, plancache, shard
+from savepoint.distributed.describe import describe, describe_layout
+from savepoint.distributed.pieces import (
+    Indexed,
+    Records,
+    file_name,
+    put_pieces,
+    seal_index,
+    write_pieces,
+)
 from savepoint.engine import save as save_engine
 from savepoint.engine import sinks
 from savepoint.engine.describe import describe as describe_checkpoint
-from savepoint.errors import DistributedCheckpointError, UnsupportedStateError
+from savepoint.errors import DistributedCheckpointError
 from savepoint.info import CheckpointInfo
 from savepoint.options import Progress, SaveOptions
 from savepoint.state import tree
@@ -97,6 +105,7 @@ __all__ = [
     "Records",
     "SaveRun",
     "describe",
+    "describe_layout",
     "file_name",
     "flatten",
     "put_pieces",
@@ -179,8 +188,11 @@ BlobPlace = tuple[str, str] | None
 # What a rank sends rank 0 in step 1: its plan and place, or (unchanged) None, None and the id
 # of the plan it had last; and its path. Rank 0's answer: the staging path, the rank's pieces
 # (None: those of the plan it had last) and the plan's id; or plancache.RESEND.
-Sent = tuple[plan.LocalPlan | None, BlobPlace, str | None, str]
-Answer = tuple[str, tuple[plan.Item, ...] | None, str]
+# A rank with a regular state (savepoint.distributed.layout) sends a Compact instead of its plan,
+# and rank 0 answers OWN: the pieces the layout's rule gives the rank.
+Sent = tuple[plan.LocalPlan | layout.Compact | None, BlobPlace, str | None, str]
+Answer = tuple[str, tuple[plan.Item, ...] | str | None, str]
+OWN = "own"
 
 
 class RankWriter(Protocol):
@@ -268,6 +280,10 @@ class _Save:
         self.local: tuple[plan.LocalPlan, BlobPlace] | None = None  # this rank's plan
         self.resend = False  # rank 0 asked for every plan whole
         self.memo_key = plancache.key(coord)
+        # A regular state: its layout, this rank's coordinate, the pieces the layout gives it.
+        self.regular: tuple[layout.Layout, tuple[int, ...], tuple[plan.Item, ...]] | None = None
+        self.compact = False  # this save was planned from the layout: manifest version 7
+        self.write_index = True  # False: the world simulator's SimWriter (nothing written)
 
     def run(self, options: SaveOptions) -> CheckpointInfo:
         answer = self.plan_step()
@@ -276,9 +292,13 @@ class _Save:
             answer = self.plan_step()
         staging, items = self.take(answer)
 
-        def write_local() -> Records:
+        def write_local() -> Records | Indexed:
             rank = self.coord.rank
-            return self.writer.write(self.location, staging, rank, items, self.sources, options)
+            got = self.writer.write(self.location, staging, rank, items, self.sources, options)
+            if self.compact:  # a regular save: the records go into this rank's index file
+                store = self.location.store
+                return seal_index(store, staging, rank, got, write=self.write_index)
+            return got
 
         # Every rank gets the committed manifest (in memory, from rank 0) to describe it.
         try:
@@ -313,13 +333,23 @@ class _Save:
         """This rank's plan, or (unchanged since its last save: :mod:`.plancache`) a marker."""
         if self.local is None:
             flat, self.metadata = self.flatten()
-            local_plan, self.sources = describe(flat, self.shown)
+            local_plan, self.sources, grid = describe_layout(flat, self.shown)
             place: BlobPlace = None
             if self.incremental is not None:
                 blobs = self.incremental.blobs
                 place = (sinks.blob_store_path(self.location, blobs), blobs.algorithm)
+            elif grid is not None:
+                lay, coord = grid
+                mine = layout.writes(lay, coord)
+                keys = {lay.keys[i] for i in mine}
+                own = tuple(item for item in local_plan.items if item.key in keys)
+                self.regular = (lay, coord, own)
             self.local = (local_plan, place)
         local_plan, place = self.local
+        if self.regular is not None and not self.resend:
+            lay, coord, own = self.regular
+            nbytes = sum(self.sources[item.key].nbytes for item in own)
+            return layout.Compact(lay.digest, coord, nbytes), place, None, local_plan.path
         memo = plancache.rank_memo(self.memo_key)
         if memo is not None and not self.resend and plancache.unchanged(memo, local_plan, place):
             return None, None, memo.plan_id, local_plan.path
@@ -330,6 +360,10 @@ class _Save:
         previous plan gave it), remembered for the next save."""
         staging, items, plan_id = answer
         local_plan, place = self.local or (None, None)
+        if isinstance(items, str):  # OWN
+            assert self.regular is not None
+            self.compact = True
+            return staging, self.regular[2]
         if items is None:
             memo = plancache.rank_memo(self.memo_key)
             assert memo is not None and memo.plan_id == plan_id
@@ -342,6 +376,8 @@ class _Save:
     def plan_global(self, sent: list[Sent]) -> list[Any]:
         """Rank 0: the global plan (reused when every rank's is unchanged), each rank's answer."""
         k, world = self.memo_key, len(sent)
+        if any(isinstance(s[0], layout.Compact) for s in sent):
+            return self.plan_regular(sent)
         memo = plancache.root_memo(k)
         if (
             memo is not None
@@ -360,6 +396,7 @@ class _Save:
                     return [plancache.RESEND] * world
                 old, place = memo.plans[r]
                 local_plan = dataclasses.replace(old, path=path)
+            assert isinstance(local_plan, plan.LocalPlan)  # Compacts went to plan_regular
             plans.append((local_plan, place))
         answers = self.merge(plans)
         plan_id = plancache.new_id()
@@ -369,6 +406,23 @@ class _Save:
             k, plancache.RootMemo(kept, self.plan, self.blob_place, plan_id), store=True
         )
         return [(staging, items, plan_id) for staging, items in answers]
+
+    def plan_regular(self, sent: list[Sent]) -> list[Any]:
+        """Rank 0, every rank regular: the plan the layout implies, in O(tensors + ranks); any
+        disagreement (or a rank not regular): every plan whole (plancache.RESEND), for merge."""
+        compact = [s[0] for s in sent if isinstance(s[0], layout.Compact)]
+        if (
+            self.regular is None
+            or len(compact) != len(sent)
+            or len({(s[1], s[3]) for s in sent}) != 1
+            or layout.check(compact, self.regular[0])
+        ):
+            return [plancache.RESEND] * len(sent)
+        lay = self.regular[0]
+        self.blob_place = sent[0][1]
+        self.plan = plan.GlobalPlan(lay.tree, lay.tensors(), ())
+        self.tx = Transaction(self.location.store, self.location.path).begin()
+        return [(self.tx.staging, OWN, lay.digest)] * len(sent)
 
     def merge(
         self, plans: list[tuple[plan.LocalPlan, BlobPlace]]
@@ -392,11 +446,15 @@ class _Save:
         self.tx = Transaction(self.location.store, self.location.path).begin()
         return [(self.tx.staging, items) for items in self.plan.writes]
 
-    def commit(self, results: list[Records]) -> tuple[str, mf.Manifest]:
+    def commit(self, results: list[Any]) -> tuple[str, mf.Manifest]:
         assert self.plan is not None and self.tx is not None
-        manifest = _manifest(
-            self.plan, results, self.metadata, self.coord.world_size, self.blob_place
-        )
+        if self.compact:
+            assert self.regular is not None
+            manifest = _grid_manifest(self.plan, self.regular[0], results, self.metadata)
+        else:
+            manifest = _manifest(
+                self.plan, results, self.metadata, self.coord.world_size, self.blob_place
+            )
         late = deadlines.abandoned()  # the others gave up waiting for this commit: make none
         if late is not None:
             raise late
@@ -427,74 +485,6 @@ class _Save:
 
 
 SaveRun = _Save  # one rank's save, driven by the world simulator (savepoint.distributed.simulate)
-
-
-# ---------------------------------------------------------------------------------------------
-# step 1: what this rank holds
-# ---------------------------------------------------------------------------------------------
-
-
-def describe(flat: tree.Flat, path: str) -> tuple[plan.LocalPlan, dict[str, TensorSource]]:
-    """This rank's plan (plain data) and the source of each piece it holds, by tensor key."""
-    items: dict[str, plan.Item] = {}
-    sources: dict[str, TensorSource] = {}
-
-    def add(key: str, source: TensorSource, shape: tuple[int, ...], region: boxes.Region) -> None:
-        if boxes.size(region, shape) == 0:
-            if math.prod(shape):
-                return  # an empty piece of an uneven split: nothing to write
-            region = boxes.full(shape)  # a tensor without elements: every rank agrees on it
-        items[key] = plan.Item(key, source.dtype.name, shape, region)
-        sources[key] = source
-
-    def sharded(node: tree.Node, path_keys: tuple[tree.Key, ...]) -> tree.Node:
-        key = tree.join(path_keys)
-        fields = {k: child for k, child in node["state"]["items"]}
-        local_node = fields.get("local", {})
-        if local_node.get("t") != "tensor":
-            raise UnsupportedStateError(f"{key or '<root>'}: malformed {node['type']}", key=key)
-        source = flat.tensors[local_node["ref"]]
-        global_shape, starts = shard.parse_layout(fields["layout"]["v"])
-        region: boxes.Region
-        if node["type"] == shard.SHARD:
-            region = tuple((o, o + n) for o, n in zip(starts, source.shape))
-        else:
-            region = boxes.Flat(starts[0], starts[0] + source.shape[0])
-        if key in items or (key in flat.tensors and key != local_node["ref"]):
-            raise UnsupportedStateError(
-                f"{key or '<root>'}: two tensors of the state would both be named {key!r}; "
-                "rename one of the keys (integer and string keys that print alike clash)",
-                key=key,
-            )
-        add(key, source, global_shape, region)
-        return {"t": "tensor", "ref": key, "kind": local_node["kind"]}
-
-    def walk(node: tree.Node, path_keys: tuple[tree.Key, ...]) -> tree.Node:
-        t = node["t"]
-        if t == "stateful":
-            if node["type"] in (shard.SHARD, shard.FLAT_SHARD):
-                return sharded(node, path_keys)
-            if node["type"] == shard.PARTITIONED:
-                inner = node["state"]
-                return {
-                    "t": plan.PARTITIONED_NODE,
-                    "items": [[k, walk(c, (*path_keys, k))] for k, c in inner["items"]],
-                }
-            return {**node, "state": walk(node["state"], path_keys)}
-        if t == "dict":
-            return {"t": "dict", "items": [[k, walk(c, (*path_keys, k))] for k, c in node["items"]]}
-        if t in ("list", "tuple"):
-            return {
-                "t": t,
-                "items": [walk(c, (*path_keys, i)) for i, c in enumerate(node["items"])],
-            }
-        if t == "tensor" and node["ref"] not in items:
-            source = flat.tensors[node["ref"]]
-            add(node["ref"], source, source.shape, boxes.full(source.shape))
-        return node
-
-    root = walk(flat.tree, ())
-    return plan.LocalPlan(path, root, tuple(items.values())), sources
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,6 +594,33 @@ def write_rank(
         session.stats.bytes_written - before,
     )
     return files, shards + file_shards
+
+
+def _grid_manifest(
+    global_plan: plan.GlobalPlan,
+    lay: layout.Layout,
+    results: list[Indexed],
+    metadata: dict[str, Any],
+) -> mf.Manifest:
+    """Manifest version 7 of a regular save: the tensor table (each tensor's grid), every
+    rank's data files and index file; no piece listed (they are in the indexes)."""
+    files: dict[str, mf.FileRecord] = {}
+    indices: dict[str, mf.IndexRecord] = {}
+    for rank_files, name, index in results:
+        files.update(rank_files)
+        indices[name] = index
+    tensors = {}
+    for key, (dtype, shape) in global_plan.tensors.items():
+        nbytes = math.prod(shape) * dtypes.from_name(dtype).itemsize
+        tensors[key] = mf.TensorRecord(dtype, shape, "", 0, nbytes, "")
+    written = sinks.Written(dict(sorted(files.items())), tensors, mf.GRID)
+    manifest = save_engine.new_manifest(
+        global_plan.tree, [written], metadata, world_size=len(results)
+    )
+    manifest.mesh = lay.mesh
+    manifest.indices = indices
+    manifest.grids = dict(zip(lay.keys, lay.dims))
+    return manifest
 
 
 def _manifest(

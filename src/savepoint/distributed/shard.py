@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from savepoint.codecs import boxes, dtypes
+from savepoint.distributed.layout import Grid, grid_box
 from savepoint.errors import UnsupportedStateError
 from savepoint.state.stateful import is_stateful
 from savepoint.state.wrappers import unwrap
@@ -91,13 +92,23 @@ class Shard(_Described):
     """A box of a tensor of ``global_shape`` held by this rank: ``local`` (numpy or torch, any
     device) holds elements ``offsets[d] .. offsets[d] + local.shape[d]`` on every dimension."""
 
-    __slots__ = ("global_shape", "local", "offsets")
+    __slots__ = ("global_shape", "grid", "local", "offsets")
 
-    def __init__(self, local: Any, global_shape: Sequence[int], offsets: Sequence[int]) -> None:
+    def __init__(
+        self,
+        local: Any,
+        global_shape: Sequence[int],
+        offsets: Sequence[int],
+        *,
+        grid: Grid | None = None,
+    ) -> None:
         shape = _shape(local)
         self.local = local
         self.global_shape = tuple(_int(n, "global_shape") for n in global_shape)
         self.offsets = tuple(_int(o, "offsets") for o in offsets)
+        # ``grid``: the mesh placements this box follows from (a DTensor's), which make a state
+        # of such Shards a regular layout (savepoint.distributed.layout): planned compactly.
+        self.grid = grid
         if not (len(shape) == len(self.global_shape) == len(self.offsets)):
             raise UnsupportedStateError(
                 f"Shard: local shape {list(shape)}, global_shape {list(self.global_shape)} and "
@@ -108,6 +119,13 @@ class Shard(_Described):
                 f"Shard: a local part of shape {list(shape)} at offsets {list(self.offsets)} does "
                 f"not fit in global_shape {list(self.global_shape)}"
             )
+        if grid is not None:
+            want = grid_box(self.global_shape, grid.mesh, grid.coord, grid.dims)
+            if want != self.box:
+                raise UnsupportedStateError(
+                    f"Shard: the box {boxes.show(self.box)} is not the one its grid "
+                    f"{grid.text()} gives ({boxes.show(want)})"
+                )
 
     @property
     def box(self) -> boxes.Box:
@@ -144,7 +162,10 @@ class Shard(_Described):
 
     def state_dict(self) -> dict[str, Any]:
         # One string for the layout keeps the flattened node small (see the module docstring).
-        return {"local": self.local, "layout": _layout(self.global_shape, self.offsets)}
+        out = {"local": self.local, "layout": _layout(self.global_shape, self.offsets)}
+        if self.grid is not None:
+            out["grid"] = self.grid.text()
+        return out
 
     def __repr__(self) -> str:
         return f"Shard({boxes.show(self.box)} of {list(self.global_shape)})"
@@ -276,7 +297,13 @@ def from_dtensor(dt: Any, key: str = "") -> Any:
                 key=key,
             )
         return Shard(local, global_shape, tuple(offsets))
-    return Shard(local, global_shape, tuple(start for start, _ in box))
+    grid = None
+    mesh = dt.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is not None:
+        dims = tuple(p.dim % len(global_shape) if p.is_shard() else None for p in dt.placements)
+        grid = Grid(tuple(int(n) for n in mesh.shape), tuple(int(c) for c in coordinate), dims)
+    return Shard(local, global_shape, tuple(start for start, _ in box), grid=grid)
 
 
 def dtensor_box(shape: tuple[int, ...], mesh: Any, placements: Sequence[Any]) -> boxes.Box | None:

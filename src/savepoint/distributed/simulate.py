@@ -40,7 +40,7 @@ import numpy as np
 
 from savepoint.codecs import checksum, dtypes
 from savepoint.codecs import manifest as mf
-from savepoint.distributed import collectives, plan, plancache, save, shard
+from savepoint.distributed import collectives, layout, plan, plancache, save, shard
 from savepoint.distributed.pieces import Records, file_name
 from savepoint.distributed.traffic import Traffic
 from savepoint.info import CheckpointInfo
@@ -420,6 +420,7 @@ def simulate_save(
 
         rank_writer: save.RankWriter = SimWriter() if writer == "sim" else save.LocalWriter(None)
         run = save.SaveRun(location, coord, flat, None, rank_writer)
+        run.write_index = writer != "sim"
         if coord.rank == 0:
             commit = run.commit
 
@@ -502,14 +503,19 @@ def _dtensor(
     placements: Sequence[Placement],
     dtype: str,
     fill: float | None,
+    regular: bool = True,
 ) -> Any:
-    """What :func:`shard.from_dtensor` makes of a DTensor with these placements."""
+    """What :func:`shard.from_dtensor` makes of a DTensor with these placements (``regular``
+    False: a Shard given by its offsets alone, as a state not from DTensors)."""
     if not any(p.is_shard() for p in placements):
         return _local(shape, dtype, fill)
     box = shard.dtensor_box(shape, mesh, placements)
     assert box is not None
     local = _local([b - a for a, b in box], dtype, fill)
-    return shard.Shard(local, shape, tuple(a for a, _ in box))
+    # As shard.from_dtensor reads a DTensor: the box and the grid it follows from.
+    dims = tuple(p.dim if p.is_shard() else None for p in placements)
+    grid = layout.Grid(mesh.shape, tuple(mesh.coordinate), dims) if regular else None
+    return shard.Shard(local, shape, tuple(a for a, _ in box), grid=grid)
 
 
 def model_state(
@@ -523,6 +529,7 @@ def model_state(
     expert_ffn: int = 2048,
     dtype: str = "F32",
     data: bool = False,
+    regular: bool = True,
 ) -> dict[str, Any]:
     """Rank ``rank``'s state of a mixture-of-experts transformer shaped like DeepSeek-V3 (61
     layers of 256 experts make about 47,000 parameters... here as many layers as make about
@@ -533,7 +540,9 @@ def model_state(
     ``(world / tp, tp)`` mesh also splits attention ``Shard(0)`` (``q``, ``kv``) and ``Shard(1)``
     (``o``) over its second dimension and the experts over it by ``Shard(0)`` (expert parallel
     within the group), norms and router replicated over it. ``data``: real local parts (small
-    ``hidden`` only), else zero-byte views."""
+    ``hidden`` only), else zero-byte views. ``regular``: the Shards carry their grid (as
+    DTensors are read), so the save is planned compactly (:mod:`.layout`); False: by offsets
+    alone, planned piece by piece (:func:`.plan.merge`)."""
     if world % tp:
         raise ValueError(f"tp={tp} does not divide world={world}")
     mesh = _Mesh((world // tp, tp), rank)
@@ -567,9 +576,10 @@ def model_state(
     optim: dict[str, Any] = {}
     for i, (name, shape, placements) in enumerate(params):
         fill = (i + 1.0) if data else None
-        model[name] = _dtensor(shape, mesh, placements, dtype, fill)
+        model[name] = _dtensor(shape, mesh, placements, dtype, fill, regular)
+        avg, sq = (None, None) if fill is None else (-fill, 0.5)
         optim[name] = {
-            "exp_avg": _dtensor(shape, mesh, placements, dtype, None if fill is None else -fill),
-            "exp_avg_sq": _dtensor(shape, mesh, placements, dtype, None if fill is None else 0.5),
+            "exp_avg": _dtensor(shape, mesh, placements, dtype, avg, regular),
+            "exp_avg_sq": _dtensor(shape, mesh, placements, dtype, sq, regular),
         }
     return {"model": model, "optim": {"state": optim, "step": 1000}}

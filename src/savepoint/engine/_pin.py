@@ -131,9 +131,11 @@ def _resolve(store: Store, path: str) -> str | None:
         time.sleep(0.001)
 
 
-def _parse_manifest(shown: str, raw: bytes, columns: bool = True) -> mf.Manifest:
+def _parse_manifest(
+    shown: str, raw: bytes, columns: bool = True, read_index: mf.ReadIndex | None = None
+) -> mf.Manifest:
     try:
-        return mf.parse(raw, columns=columns)
+        return mf.parse(raw, columns=columns, read_index=read_index)
     except mf.ManifestVersionError as exc:
         raise IncompatibleCheckpointError(f"{shown}: {exc}", path=shown) from None
     except mf.ManifestError as exc:
@@ -250,7 +252,12 @@ class Generation:
                 if not _same_generation(store, path, pinned):
                     raise _Replaced from None
                 raise IncompleteCheckpointError(f"{shown} has no {mf.NAME}", path=shown) from None
-            manifest = _parse_manifest(shown, raw, columns)
+
+            # A version 7 manifest's rank indexes, from the same pinned generation.
+            def read_index(name: str, size: int) -> bytes:
+                return pinned.read_small(name, cap=size)
+
+            manifest = _parse_manifest(shown, raw, columns, read_index)
             wanted = manifest.files if needs is None else needs(shown, manifest)
             for name in sorted(set(wanted)):
                 try:

@@ -1,5 +1,6 @@
 """``manifest.json``: the record that makes a directory a checkpoint. This docstring is the format's
-specification, versions 1 to 6 (:data:`VERSION`); the modules of this package implement it.
+specification, versions 1 to 7 (:data:`VERSION`; version 7 in full in :mod:`._v7_grid`); the
+modules of this package implement it.
 
 Version 1 (every unsharded save that neither uses a blob store nor hashes on a device writes it,
 byte for byte). A UTF-8 JSON object (ASCII in practice: non-ASCII is escaped), one top-level
@@ -141,12 +142,19 @@ for a version 4 entry set); a ``world_size`` makes it a sharded manifest read as
 ``xxh3`` holds the tagged digest ``"mlh64:<16 hex>"``). Saves that hash nothing on a device still
 write versions 1-5, byte for byte as before.
 
+Version 7 (a sharded save of a regular layout: every rank the same keys, each tensor split over
+one device mesh): a tensor table (``dtype``, ``shape``, ``grid``), the ``mesh``, every rank's data
+files and an ``indices`` table naming each rank's index file (``index-r<rank>.json``, its size and
+XXH3-64), which lists that rank's pieces as version 3 shards; no piece is listed in the manifest,
+so it grows with tensors + ranks. :func:`parse` reads the indexes through its ``read_index``
+argument and returns version 3's records (the full specification opens :mod:`._v7_grid`).
+
 Compatibility: readers accept every ``format_version`` up to their own and refuse newer ones with
 an IncompatibleCheckpointError (:class:`ManifestVersionError`). Version 1 is the first
 (:data:`UNSHARDED`); version 2 adds sharding (:data:`SHARDED`); version 3 block checksums
 (:data:`BLOCKED`); version 4 blobs (:data:`BLOBS`); version 5 patches (:data:`PATCHES`); version
-6 device checksums (:data:`DEVICE_CHECKS`). The order of the top-level members is the writer's,
-not a rule: a manifest whose members are reordered (with its trailer recomputed) reads the same.
+6 device checksums (:data:`DEVICE_CHECKS`); version 7 regular layouts (:data:`GRID`). The order
+of the top-level members is the writer's, not a rule: a manifest whose members are reordered (with its trailer recomputed) reads the same.
 
 A manifest is hostile input: :func:`parse` checks it completely (file names that could leave the
 directory, ranges past the recorded file sizes, sizes that disagree with shape x dtype, unknown
@@ -168,7 +176,8 @@ The modules: ``_records`` (the records :func:`parse` returns and :func:`dump` wr
 constants above), ``_encode`` (:func:`dump`, :func:`dumps`), ``_decode`` (:func:`parse`: the top
 level of every version), one decoder per family of versions (``_v1``: the column fast path of
 version 1 entries; ``_v2_sharded``: versions 2 and 3; ``_v4_blobs``: versions 4 and 5;
-``_v6_device``: version 6) and ``_checks`` (the checks they share, the tree's among them).
+``_v6_device``: version 6; ``_v7_grid``: version 7) and ``_checks`` (the checks they share, the
+tree's among them).
 """
 
 from savepoint.codecs.manifest._checks import check_node as _check_node  # noqa: F401 (tests)
@@ -180,6 +189,7 @@ from savepoint.codecs.manifest._records import (
     BLOCKED,
     DEVICE_CHECKS,
     FORMAT,
+    GRID,
     MAX_MANIFEST_BYTES,
     NAME,
     PATCHES,
@@ -201,6 +211,7 @@ from savepoint.codecs.manifest._records import (
 from savepoint.codecs.manifest._records import PIECE_ENTRIES as _PIECE_ENTRIES  # noqa: F401
 from savepoint.codecs.manifest._v1 import check_entry as _v1_record  # noqa: F401 (tests)
 from savepoint.codecs.manifest._v4_blobs import MAX_UP, check_blob_store
+from savepoint.codecs.manifest._v7_grid import IndexRecord, ReadIndex, index_bytes, index_name
 
 __all__ = [
     "BLOBS",
@@ -208,6 +219,8 @@ __all__ = [
     "DEVICE_CHECKS",
     "FORMAT",
     "FileRecord",
+    "GRID",
+    "IndexRecord",
     "MAX_MANIFEST_BYTES",
     "MAX_UP",
     "Manifest",
@@ -215,6 +228,7 @@ __all__ = [
     "ManifestVersionError",
     "NAME",
     "PATCHES",
+    "ReadIndex",
     "SHARDED",
     "ShardRecord",
     "TRAILER_BYTES",
@@ -225,6 +239,8 @@ __all__ = [
     "check_blob_store",
     "dump",
     "dumps",
+    "index_bytes",
+    "index_name",
     "parse",
     "recipes",
     "shard_name",

@@ -31,6 +31,7 @@ from savepoint.codecs.manifest._records import (
     CAP,
     DEVICE_CHECKS,
     FORMAT,
+    GRID,
     SHARDED,
     VERSION,
     FileRecord,
@@ -43,6 +44,7 @@ from savepoint.codecs.manifest._v2_sharded import sharded_tensor
 from savepoint.codecs.manifest._v4_blobs import blob_members, blob_record
 from savepoint.codecs.manifest._v6_device import KEYS as DEVICE_KEYS
 from savepoint.codecs.manifest._v6_device import device_record
+from savepoint.codecs.manifest._v7_grid import ReadIndex, grid_manifest
 
 _TRAILER = re.compile(rb',\n "manifest_xxh3": "([0-9a-f]{16})"\n}\n\Z')
 _FILE = frozenset(("size", "header_size", "header_xxh3"))
@@ -54,13 +56,16 @@ _CHECKED = frozenset(
 _CHECKED_SHARDED = _CHECKED | {"world_size"}
 
 
-def parse(raw: bytes, *, columns: bool = True) -> Manifest:
+def parse(raw: bytes, *, columns: bool = True, read_index: ReadIndex | None = None) -> Manifest:
     """Check ``raw`` completely and return the manifest it holds.
 
     ``columns``: a version 1 manifest's records are kept as a :class:`TensorTable` (no record
     made until asked for: what ``inspect`` and ``verify`` want); otherwise, or where the entries
     need the per-entry checks, as a dict of records (what a load, asking for each several
     times, wants).
+
+    ``read_index(name, size)``: the bytes of a version 7 manifest's index file ``name`` (at
+    most ``size`` of them; :mod:`._v7_grid`); a version 7 manifest without it is refused.
 
     Raises ManifestError (malformed, including JSON the bounded reader refuses: too deep, too
     dense for its size, numbers out of range) or ManifestVersionError (a newer format).
@@ -78,26 +83,31 @@ def parse(raw: bytes, *, columns: bool = True) -> Manifest:
     # repeated key first, as the reader always has.
     doc, pairs = _json.loads_counted(raw, ManifestError, "manifest")
     if pairs is None:
-        return _manifest(doc, None, columns)
+        return _manifest(doc, None, columns, read_index)
     try:
-        return _manifest(doc, pairs, columns)
+        return _manifest(doc, pairs, columns, read_index)
     except (ManifestError, ManifestVersionError):
         _json.loads(raw, ManifestError, "manifest")
         raise
     except _Repeated:
         # Raises naming the repeated key; were none found, the count was off: check it again.
-        return _manifest(_json.loads(raw, ManifestError, "manifest"), None, columns)
+        doc = _json.loads(raw, ManifestError, "manifest")
+        return _manifest(doc, None, columns, read_index)
 
 
 class _Repeated(Exception):
     """The document's objects hold fewer members than its text: a key is repeated."""
 
 
-def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
+def _manifest(
+    doc: Any, pairs: int | None, columns: bool = True, read_index: ReadIndex | None = None
+) -> Manifest:
     """The checks of :func:`parse` on its parsed document; ``pairs``: the members the text holds
     (None: repeated keys already refused), compared with those of the objects found."""
     version = _version(doc)
     files = _files(doc["files"])
+    if version >= GRID:
+        return _grid(doc, pairs, files, read_index)
     blob_store, blob_digest, world_size = _kind(doc, version)
     raw_tensors = doc.get("tensors")
     require(isinstance(raw_tensors, dict), "tensors must be an object")
@@ -117,6 +127,41 @@ def _manifest(doc: Any, pairs: int | None, columns: bool = True) -> Manifest:
         world_size=world_size,
         blob_store=blob_store,
         blob_digest=blob_digest,
+    )
+
+
+def _grid(
+    doc: dict[str, Any],
+    pairs: int | None,
+    files: dict[str, FileRecord],
+    read_index: ReadIndex | None,
+) -> Manifest:
+    """Version 7 (:mod:`._v7_grid`)."""
+    world_size = doc.get("world_size")
+    require(
+        type(world_size) is int and 1 <= world_size < _MAX_WORLD,
+        f"world_size must be an integer in [1, 2**31), got {show(world_size)}",
+    )
+    require("blob_store" not in doc, "a version 7 manifest names no blob store")
+    assert type(world_size) is int
+    mesh, indices, grids, tensors = grid_manifest(doc, files, world_size, read_index)
+    tree: Any = doc.get("tree")
+    found = check_tree(tree, tensors)
+    others = sum(_json.members(v) for k, v in doc.items() if k != "tree")
+    if pairs is not None and found + len(doc) + others != pairs:
+        raise _Repeated
+    return Manifest(
+        tree=tree,
+        files=files,
+        tensors=tensors,
+        metadata=doc["metadata"],
+        writer=doc["writer"],
+        created=doc["created"],
+        format_version=doc["format_version"],
+        world_size=world_size,
+        mesh=mesh,
+        indices=indices,
+        grids=grids,
     )
 
 

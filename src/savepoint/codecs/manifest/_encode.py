@@ -19,6 +19,7 @@ from savepoint.codecs.manifest._records import (
     BLOBS,
     CAP,
     FORMAT,
+    GRID,
     PIECE_ENTRIES,
     Manifest,
     ShardRecord,
@@ -29,7 +30,7 @@ from savepoint.codecs.manifest._records import (
 from savepoint.errors import UnsupportedStateError
 
 
-def _shard_json(s: ShardRecord) -> dict[str, Any]:
+def shard_json(s: ShardRecord) -> dict[str, Any]:
     out: dict[str, Any] = (
         {"xxh3": s.xxh3}
         if s.recipe is not None
@@ -208,7 +209,15 @@ def _pieces(
     if m.has_blobs:
         body["blob_store"] = m.blob_store
         body["blob_digest"] = m.blob_digest
-    if m.format_version >= BLOBS and not m.sharded:
+    if m.format_version >= GRID:
+        assert m.mesh is not None and m.indices is not None and m.grids is not None
+        body["world_size"] = m.world_size
+        body["mesh"] = list(m.mesh)
+        tensors = {
+            name: {"dtype": t.dtype, "shape": list(t.shape), "grid": list(m.grids[name])}
+            for name, t in m.tensors.items()
+        }
+    elif m.format_version >= BLOBS and not m.sharded:
         tensors = {name: _v4_json(t) for name, t in m.tensors.items()}
     elif m.sharded:
         body["world_size"] = m.world_size
@@ -216,7 +225,7 @@ def _pieces(
             name: {
                 "dtype": t.dtype,
                 "shape": list(t.shape),
-                "shards": [_shard_json(s) for s in t.layout()],
+                "shards": [shard_json(s) for s in t.layout()],
             }
             for name, t in m.tensors.items()
         }
@@ -229,6 +238,11 @@ def _pieces(
         name: {"size": f.size, "header_size": f.header_size, "header_xxh3": f.header_xxh3}
         for name, f in m.files.items()
     }
+    if m.format_version >= GRID:
+        assert m.indices is not None
+        body["indices"] = {
+            name: {"size": r.size, "xxh3": r.xxh3} for name, r in sorted(m.indices.items())
+        }
     body["tensors"] = tensors
     body["tree"] = m.tree
     # One top-level member per line, each value compact: readable with `head`, small for big trees.

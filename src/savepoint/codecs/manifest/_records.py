@@ -29,7 +29,8 @@ BLOCKED = 3  # the first version with block checksums: what a sharded checkpoint
 BLOBS = 4  # the first version with tensors in a blob store: what an incremental save writes
 PATCHES = 5  # the first version with patched blob recipes (savepoint.blobs.patch)
 DEVICE_CHECKS = 6  # the first version with mlh64 tensor checksums (savepoint.codecs.devhash)
-VERSION = DEVICE_CHECKS  # the newest version this reader reads
+GRID = 7  # the first version of regular (grid) layouts: per-rank index files
+VERSION = GRID  # the newest version this reader reads
 NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30  # parse and dump read it from here when called (tests lower it)
 CAP = f"{MAX_MANIFEST_BYTES >> 20} MiB"  # the cap, as messages name it
@@ -216,6 +217,12 @@ class Manifest:
     # is then empty until :meth:`root` reads it back): a million-tensor tree is about 190 MB
     # of dicts, 75 MB of text and 6 MB compressed.
     tree_packed: bytes | None = field(default=None, repr=False, compare=False)
+    # Version 7 (a regular layout): the device mesh, each rank's index file (name -> its
+    # IndexRecord) and each tensor's grid (per mesh dimension: the tensor dimension split over
+    # it, or None); ``tensors`` then holds the records read from the indices (version 3's).
+    mesh: tuple[int, ...] | None = None
+    indices: dict[str, Any] | None = None
+    grids: dict[str, tuple[int | None, ...]] | None = None
 
     @property
     def sharded(self) -> bool:

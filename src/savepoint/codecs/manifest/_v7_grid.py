@@ -1,0 +1,215 @@
+"""Version 7: a sharded manifest of a regular (grid) layout, its size O(tensors + ranks).
+
+What a sharded save of a regular state writes (:mod:`savepoint.distributed.layout`: every rank
+holds the same keys, each tensor split over one device mesh by ``Shard(d)`` / ``Replicate``
+placements). The manifest holds a tensor table and a per-rank table, never a list of pieces;
+each rank's pieces (their files, byte ranges, checksums and block checksums) are in that rank's
+**index file**, ``index-r<rank>.json`` beside the data files, whose size and XXH3-64 the
+manifest records. The members after ``checksum``::
+
+     "world_size": 8,
+     "mesh": [4, 2],                                   # the device mesh (product: world_size)
+     "metadata": {...},
+     "files": {...},                                   # every rank's data files, as version 2
+     "indices": {"index-r00000.json": {"size": 1234, "xxh3": "<16 hex>"}, ...},
+     "tensors": {"model/w": {"dtype": "F32", "shape": [4096, 1024], "grid": [0, null]}},
+     "tree": {...}
+
+``grid`` has one entry per mesh dimension: the tensor dimension split over it (``torch.chunk``
+style, left to right, as DTensor's ``Shard(d)``), or null (replicated over it). An index file is
+a JSON object ``{"shards": {"<tensor>": [<shard>, ...], ...}}`` whose shards are version 3 shard
+objects (``file``, ``offsets``, ``xxh3``, ``box``, optional ``blocks``); index names follow the
+rules of data file names and are not data files.
+
+The reader (:func:`grid_manifest`) checks the members, reads every index through the caller's
+``read_index`` (the codec does no I/O), checks each against its recorded size and XXH3-64 (so a
+flipped bit in an index is caught before any of it is used), parses it with the bounded JSON
+reader (repeated keys refused), and checks the union of the shards of each tensor with the
+version 3 rules (boxes inside the shape and tiling it, byte ranges inside their data files,
+block checksums combining to the shard's). The records it returns are those of a version 3
+manifest, so every loader reads a version 7 checkpoint as it reads a version 3 one: a verified
+resharding load reads and checks only the blocks it needs, and a corrupt block is found by the
+ranks that read it. (A reader that wants only some ranks' pieces could read only their indices:
+the grid says which ranks hold which boxes; this reader reads them all.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from savepoint.codecs import bounded_json as _json
+from savepoint.codecs import checksum
+from savepoint.codecs.manifest import _records
+from savepoint.codecs.manifest._checks import (
+    FILE_NAME,
+    dtype_and_shape,
+    is_digest,
+    offset,
+    require,
+    show,
+)
+from savepoint.codecs.manifest._records import (
+    BLOCKED,
+    FileRecord,
+    ShardRecord,
+    TensorRecord,
+)
+from savepoint.codecs.manifest._v2_sharded import sharded_tensor
+
+__all__ = ["GRID", "IndexRecord", "ReadIndex", "grid_manifest", "index_bytes", "index_name"]
+
+GRID = _records.GRID
+ReadIndex = Callable[[str, int], bytes]  # (index file name, cap in bytes) -> its bytes
+_INDEX = frozenset(("size", "xxh3"))
+_TENSOR = frozenset(("dtype", "shape", "grid"))
+
+
+@dataclass(frozen=True)
+class IndexRecord:
+    """A rank's index file, as the manifest records it."""
+
+    size: int
+    xxh3: str
+
+
+def index_name(rank: int) -> str:
+    return f"index-r{rank:05d}.json"
+
+
+def index_bytes(shards: list[tuple[str, ShardRecord]]) -> bytes:
+    """A rank's index file: its pieces (by tensor, in the order given) as version 3 shards."""
+    from savepoint.codecs.manifest._encode import shard_json
+
+    by_key: dict[str, list[Any]] = {}
+    for key, record in shards:
+        by_key.setdefault(key, []).append(shard_json(record))
+    text = json.dumps({"shards": by_key}, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii") + b"\n"
+
+
+def check_grid_members(doc: dict[str, Any], world_size: int) -> tuple[int, ...]:
+    mesh: Any = doc.get("mesh")
+    require(
+        type(mesh) is list and len(mesh) > 0 and all(type(n) is int and n > 0 for n in mesh),
+        f"mesh must be a non-empty list of positive integers, got {show(mesh)}",
+    )
+    product = 1
+    for n in mesh:
+        product *= n
+    require(product == world_size, f"mesh {mesh} does not hold world_size {world_size} ranks")
+    return tuple(mesh)
+
+
+def _indices(raw: Any, files: dict[str, FileRecord]) -> dict[str, IndexRecord]:
+    require(type(raw) is dict, "indices must be an object")
+    out = {}
+    for name, entry in raw.items():
+        require(
+            bool(FILE_NAME.fullmatch(name)) and ".." not in name and name not in files,
+            f"index file name {show(name)} is not a plain file name of its own",
+        )
+        require(
+            type(entry) is dict and entry.keys() == _INDEX,
+            f"index {name!r}: entry must have size, xxh3",
+        )
+        require(offset(entry["size"]), f"index {name!r}: bad size {show(entry['size'])}")
+        require(is_digest(entry["xxh3"]), f"index {name!r}: bad checksum")
+        out[name] = IndexRecord(entry["size"], entry["xxh3"])
+    return out
+
+
+def _grid(name: str, t: Any, mesh: tuple[int, ...]) -> tuple[int | None, ...]:
+    require(
+        type(t) is dict and t.keys() == _TENSOR,
+        f"tensor {name!r}: entry must have dtype, shape, grid",
+    )
+    shape, _ = dtype_and_shape(name, t)
+    grid = t["grid"]
+    require(
+        type(grid) is list
+        and len(grid) == len(mesh)
+        and all(d is None or (type(d) is int and 0 <= d < len(shape)) for d in grid),
+        f"tensor {name!r}: grid must name a dimension of the tensor or null for each of the "
+        f"{len(mesh)} mesh dimensions, got {show(grid)}",
+    )
+    return tuple(grid)
+
+
+def _read_index(name: str, record: IndexRecord, read_index: ReadIndex) -> dict[str, Any]:
+    require(record.size <= _records.MAX_MANIFEST_BYTES, f"index {name!r} is larger than the cap")
+    try:
+        data = read_index(name, record.size)
+    except FileNotFoundError:
+        require(False, f"index {name!r} is missing")
+        raise  # unreachable
+    require(
+        len(data) == record.size and checksum.digest(data) == record.xxh3,
+        f"index {name!r} does not match its recorded size and checksum (damaged or replaced)",
+    )
+    doc, pairs = _json.loads_counted(data, _IndexError, "index")
+    require(
+        type(doc) is dict and doc.keys() == {"shards"} and type(doc["shards"]) is dict,
+        f"index {name!r}: must be an object holding shards",
+    )
+    require(pairs is None or _json.members(doc) == pairs, f"index {name!r} repeats a key")
+    shards: dict[str, Any] = doc["shards"]
+    return shards
+
+
+class _IndexError(ValueError):
+    pass
+
+
+def grid_manifest(
+    doc: dict[str, Any],
+    files: dict[str, FileRecord],
+    world_size: int,
+    read_index: ReadIndex | None,
+) -> tuple[
+    tuple[int, ...],
+    dict[str, IndexRecord],
+    dict[str, tuple[int | None, ...]],
+    Mapping[str, TensorRecord],
+]:
+    """The checked version 7 members of ``doc``: mesh, indices, each tensor's grid, and the
+    tensor records (version 3 records, from the indices read through ``read_index``)."""
+    require(
+        read_index is not None,
+        "a version 7 manifest is read with its index files (open the checkpoint with "
+        "savepoint's loaders, which read them)",
+    )
+    assert read_index is not None
+    mesh = check_grid_members(doc, world_size)
+    indices = _indices(doc.get("indices"), files)
+    raw_tensors: dict[str, Any] = doc["tensors"] if type(doc.get("tensors")) is dict else {}
+    require(type(doc.get("tensors")) is dict, "tensors must be an object")
+    grids = {name: _grid(name, t, mesh) for name, t in raw_tensors.items()}
+    pieces: dict[str, list[Any]] = {name: [] for name in raw_tensors}
+    for name in sorted(indices):
+        try:
+            shards = _read_index(name, indices[name], read_index)
+        except _IndexError as exc:
+            require(False, f"index {name!r}: {exc}")
+            raise  # unreachable
+        for key, listed in shards.items():
+            require(key in pieces, f"index {name!r} names tensor {key!r}, not in the manifest")
+            require(type(listed) is list, f"index {name!r}: {key!r} must list shards")
+            pieces[key].extend(listed)
+    tensors = {}
+    for key, t in raw_tensors.items():
+        found = sorted(pieces[key], key=_order)
+        require(bool(found), f"tensor {key!r}: no index holds a piece of it")
+        entry = {"dtype": t["dtype"], "shape": t["shape"], "shards": found}
+        tensors[key] = sharded_tensor(key, entry, files, BLOCKED)
+    return mesh, indices, grids, tensors
+
+
+def _order(shard: Any) -> tuple[int, list[int]]:
+    # Records in region order, as version 3 writes them (a malformed shard: the checks say why).
+    box = shard.get("box") if type(shard) is dict else None
+    if type(box) is list and all(type(p) is list and all(type(v) is int for v in p) for p in box):
+        return 0, [v for p in box for v in p]
+    return 1, []

@@ -1,0 +1,135 @@
+"""Step 1 of a sharded save on one rank: what it holds, as plain data.
+
+:func:`describe` walks the flattened state (Shard, FlatShard and Partitioned nodes recognised by
+type name, :mod:`savepoint.distributed.shard`) and returns the rank's
+:class:`~savepoint.distributed.plan.LocalPlan` and the source of each piece;
+:func:`describe_layout` also the state's regular layout (:mod:`savepoint.distributed.layout`),
+when it has one. No I/O, no collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from savepoint.codecs import boxes
+from savepoint.distributed import layout, plan, shard
+from savepoint.errors import UnsupportedStateError
+from savepoint.state import tree
+from savepoint.state.arrays import TensorSource
+
+__all__ = ["describe", "describe_layout"]
+
+
+def describe(flat: tree.Flat, path: str) -> tuple[plan.LocalPlan, dict[str, TensorSource]]:
+    """This rank's plan (plain data) and the source of each piece it holds, by tensor key."""
+    local_plan, sources, _ = describe_layout(flat, path)
+    return local_plan, sources
+
+
+def describe_layout(
+    flat: tree.Flat, path: str
+) -> tuple[plan.LocalPlan, dict[str, TensorSource], tuple[layout.Layout, tuple[int, ...]] | None]:
+    """:func:`describe`, and the state's regular layout and this rank's coordinate in it
+    (None: not regular, :mod:`savepoint.distributed.layout`)."""
+    walker = _Describer(flat)
+    root = walker.walk(flat.tree, ())
+    local_plan = plan.LocalPlan(path, root, tuple(walker.items.values()))
+    return local_plan, walker.sources, walker.grids.done(root)
+
+
+class _Describer:
+    """One walk over a flattened state: its pieces, their sources, its layout."""
+
+    def __init__(self, flat: tree.Flat) -> None:
+        self.flat = flat
+        self.items: dict[str, plan.Item] = {}
+        self.sources: dict[str, TensorSource] = {}
+        self.grids = layout.LayoutBuilder()
+        # The layouts of a state repeat (every layer's tensors, a parameter's optimizer
+        # moments): parsed once per distinct string, per walk (what the plan's objects share,
+        # and so the bytes they pickle to, depends on this state alone).
+        self.layouts: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.grid_texts: dict[str, layout.Grid] = {}
+
+    def add(
+        self,
+        key: str,
+        source: TensorSource,
+        shape: tuple[int, ...],
+        region: boxes.Region,
+        grid: layout.Grid | None = None,
+    ) -> None:
+        dtype = source.dtype.name
+        self.grids.add(key, dtype, shape, grid)
+        if not math.prod(source.shape):  # the piece's elements: the local part's
+            if math.prod(shape):
+                return  # an empty piece of an uneven split: nothing to write
+            region = boxes.full(shape)  # a tensor without elements: every rank agrees on it
+        self.items[key] = plan.Item(key, dtype, shape, region)
+        self.sources[key] = source
+
+    def parse(self, fields: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...], Any]:
+        """(global shape, starts, grid or None) of a Shard's or FlatShard's fields."""
+        text = fields["layout"]["v"]
+        got = self.layouts.get(text)
+        if got is None:
+            got = self.layouts[text] = shard.parse_layout(text)
+        grid = None
+        if "grid" in fields:
+            text = fields["grid"]["v"]
+            grid = self.grid_texts.get(text)
+            if grid is None:
+                grid = self.grid_texts[text] = layout.parse_grid(text)
+        return got[0], got[1], grid
+
+    def sharded(self, node: tree.Node, path_keys: tuple[tree.Key, ...]) -> tree.Node:
+        key = tree.join(path_keys)
+        fields = {k: child for k, child in node["state"]["items"]}
+        local_node = fields.get("local", {})
+        if local_node.get("t") != "tensor":
+            raise UnsupportedStateError(f"{key or '<root>'}: malformed {node['type']}", key=key)
+        source = self.flat.tensors[local_node["ref"]]
+        global_shape, starts, grid = self.parse(fields)
+        region: boxes.Region
+        if node["type"] == shard.SHARD:
+            region = tuple((o, o + n) for o, n in zip(starts, source.shape))
+        else:
+            region = boxes.Flat(starts[0], starts[0] + source.shape[0])
+            grid = None
+        if grid is None:
+            self.grids.irregular()
+        if key in self.items or (key in self.flat.tensors and key != local_node["ref"]):
+            raise UnsupportedStateError(
+                f"{key or '<root>'}: two tensors of the state would both be named {key!r}; "
+                "rename one of the keys (integer and string keys that print alike clash)",
+                key=key,
+            )
+        self.add(key, source, global_shape, region, grid)
+        return {"t": "tensor", "ref": key, "kind": local_node["kind"]}
+
+    def walk(self, node: tree.Node, path_keys: tuple[tree.Key, ...]) -> tree.Node:
+        t = node["t"]
+        walk = self.walk
+        if t == "stateful":
+            if node["type"] in (shard.SHARD, shard.FLAT_SHARD):
+                return self.sharded(node, path_keys)
+            if node["type"] == shard.PARTITIONED:
+                self.grids.irregular()
+                inner = node["state"]
+                return {
+                    "t": plan.PARTITIONED_NODE,
+                    "items": [[k, walk(c, (*path_keys, k))] for k, c in inner["items"]],
+                }
+            return {**node, "state": walk(node["state"], path_keys)}
+        if t == "dict":
+            return {"t": "dict", "items": [[k, walk(c, (*path_keys, k))] for k, c in node["items"]]}
+        if t in ("list", "tuple"):
+            return {
+                "t": t,
+                "items": [walk(c, (*path_keys, i)) for i, c in enumerate(node["items"])],
+            }
+        if t == "tensor" and node["ref"] not in self.items:
+            source = self.flat.tensors[node["ref"]]
+            self.add(node["ref"], source, source.shape, boxes.full(source.shape))
+        return node
