@@ -8,6 +8,7 @@ the same state; a flipped byte in a data block or an index is caught.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -135,3 +136,39 @@ def test_a_copy_carries_the_indexes(tmp_path: Path) -> None:
     sp.verify(tmp_path / "c")
     out = sp.load(tmp_path / "c")
     assert out["model"]["w"].tobytes() == gen.golden_arrays()["w"].tobytes()
+
+
+def _refused(where: Path, m: mf.Manifest, match: str) -> None:
+    (where / mf.NAME).write_bytes(mf.dumps(m))
+    with pytest.raises(mf.ManifestError, match=match):
+        parse(where)
+
+
+def test_hostile_version_7_members_are_refused(tmp_path: Path) -> None:
+    shutil.copytree(GOLDEN, tmp_path / "c")
+    where = tmp_path / "c"
+    m = parse(where)
+    assert m.indices is not None and m.grids is not None
+    _refused(where, dataclasses.replace(m, mesh=(3, 2)), "does not hold world_size")
+    grids = dict(m.grids, **{"model/w": (2, None)})
+    _refused(where, dataclasses.replace(m, grids=grids), "grid must name a dimension")
+    indices = dict(m.indices, **{"../x": m.indices["index-r00000.json"]})
+    _refused(where, dataclasses.replace(m, indices=indices), "not a plain file name")
+    # an index naming a tensor the manifest lacks, its record updated to match
+    doc = json.loads((where / "index-r00001.json").read_bytes())
+    doc["shards"]["model/ghost"] = doc["shards"].pop("model/b")
+    data = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+    (where / "index-r00001.json").write_bytes(data)
+    indices = dict(m.indices, **{"index-r00001.json": mf.IndexRecord(len(data), _digest(data))})
+    _refused(where, dataclasses.replace(m, indices=indices), "model/ghost")
+    # an index repeating another rank's pieces: they overlap
+    data = (where / "index-r00000.json").read_bytes()
+    (where / "index-r00001.json").write_bytes(data)
+    indices = dict(m.indices, **{"index-r00001.json": mf.IndexRecord(len(data), _digest(data))})
+    _refused(where, dataclasses.replace(m, indices=indices), "model/w")
+
+
+def _digest(data: bytes) -> str:
+    from savepoint.codecs import checksum
+
+    return checksum.digest(data)
