@@ -34,3 +34,14 @@ def test_load_refuses_a_missing_cuda_device_before_reading(tmp_path: object) -> 
         pytest.skip("this machine has CUDA")
     with pytest.raises(sp.UnsupportedDeviceError, match=r"no CUDA support|no CUDA device"):
         sp.load("memory://nothing-here/ckpt", device="cuda")  # refused before the path is read
+
+
+def test_grid_is_a_bool_and_a_peer_tier_turns_it_off() -> None:
+    from savepoint.runs.config import ManagerConfig
+
+    with pytest.raises(TypeError, match="grid"):
+        sp.SaveOptions(grid="no")  # type: ignore[arg-type]
+    assert sp.SaveOptions().grid and not sp.SaveOptions(grid=False).grid
+    plain = ManagerConfig.of(keep_last=1)
+    peers = ManagerConfig.of(keep_last=1, tiers=[sp.Tier.peers()])
+    assert plain.save_options.grid and not peers.save_options.grid

@@ -75,6 +75,7 @@ __all__ = [
     "save",
     "save_flat",
     "save_incremental",
+    "save_with",
     "verify",
 ]
 
@@ -179,6 +180,22 @@ def save(
         process_group=process_group,
         timeout=timeout,
     )
+    return save_with(path, state, metadata, options, checked=True)
+
+
+def save_with(
+    path: PathLike,
+    state: Any,
+    metadata: Mapping[str, Any] | None,
+    options: SaveOptions,
+    *,
+    checked: bool = False,
+) -> CheckpointInfo:
+    """``sp.save`` with its options as one :class:`SaveOptions` (the manager's: its fields
+    ``sp.save`` takes no keyword for, ``grid``, included); ``checked``: the path was."""
+    if not checked:
+        check_path("sp.save", path, state)
+        _refuse_file_name(path)
     location = resolve_path(path, what="checkpoint path")
     return _write(location, options, metadata, state=state, release=True)
 

@@ -17,7 +17,11 @@ Fields:
   or None; torch.distributed is imported only to check a group that is given, and its default
   group must be initialised;
 - ``timeout``: the deadline of each phase of a sharded save: seconds a rank waits for another
-  to finish its part (None: 1800, as torch.distributed's default); positive and finite.
+  to finish its part (None: 1800, as torch.distributed's default); positive and finite;
+- ``grid``: a sharded save of a regular state (every rank holding the same DTensors on one
+  mesh) is planned from its grid and written as manifest version 7 (a tensor table and one index
+  file per rank: O(tensors + ranks)); False plans and lists every piece in the manifest, as for
+  any other sharded state (what a peer-memory tier replicates; the manager sets it there).
 
 :func:`check_load` checks the arguments of ``sp.load`` and ``sp.verify`` the same way, before
 anything is read.
@@ -61,6 +65,7 @@ class SaveOptions:
     progress: Progress | None = None
     process_group: Any = None
     timeout: float | None = None
+    grid: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_file_bytes):
@@ -75,6 +80,8 @@ class SaveOptions:
             raise ValueError(f"save option writers must be at least 1, not {self.writers}")
         if not isinstance(self.direct, bool):
             raise TypeError(_type_error("direct", "a bool", self.direct))
+        if not isinstance(self.grid, bool):
+            raise TypeError(_type_error("grid", "a bool", self.grid))
         _check_progress(self.progress, _SAVE)
         _check_timeout(self.timeout, _SAVE)
         if self.process_group is not None:

@@ -32,6 +32,7 @@ import _worker as dw
 
 import savepoint as sp
 from savepoint.distributed import FlatShard, Shard
+from savepoint.distributed.layout import Grid
 
 STRAIGHT: list[int] = []  # per restore from peer memory: how many targets it filled straight
 
@@ -53,6 +54,9 @@ def state(step: int, rank: int, world: int, *, empty: bool = False) -> dict[str,
         return torch.zeros_like(t) if empty else t.clone()
 
     rows = Shard.split(fill(dw.piece(g["rows"], 0, rank, world)), 0, rank, world, size=12)
+    if os.environ.get("PEERS_GRID") == "1":  # a DTensor's Shard(0) on a 1-d mesh: a regular state
+        grid = Grid((world,), (rank,), (0,))
+        rows = Shard(rows.local, rows.global_shape, rows.offsets, grid=grid)
     start, stop = dw.bounds(40, rank, world)
     if os.environ.get("PEERS_NO_FLAT") == "1":  # (every tensor can be received straight)
         return {"model": {"rows": rows, "rep": fill(g["rep"])}, "step": -1 if empty else step}

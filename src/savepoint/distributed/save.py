@@ -284,8 +284,10 @@ class _Save:
         self.regular: tuple[layout.Layout, tuple[int, ...], tuple[plan.Item, ...]] | None = None
         self.compact = False  # this save was planned from the layout: manifest version 7
         self.write_index = True  # False: the world simulator's SimWriter (nothing written)
+        self.grid = True  # options.grid: a regular state may be planned from its layout
 
     def run(self, options: SaveOptions) -> CheckpointInfo:
+        self.grid = options.grid
         answer = self.plan_step()
         if answer == plancache.RESEND:  # a rank's memo is not rank 0's: every plan, whole
             self.resend = True
@@ -338,7 +340,7 @@ class _Save:
             if self.incremental is not None:
                 blobs = self.incremental.blobs
                 place = (sinks.blob_store_path(self.location, blobs), blobs.algorithm)
-            elif grid is not None:
+            elif grid is not None and self.grid:
                 lay, coord = grid
                 mine = layout.writes(lay, coord)
                 keys = {lay.keys[i] for i in mine}

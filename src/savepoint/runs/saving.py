@@ -315,9 +315,7 @@ class Saver:
             if self.blobs is not None:
                 info = self.blobs.save(job.target, state, job.meta, self.options)
             else:
-                info = checkpoint.save(
-                    job.target, state, metadata=job.meta, **self.options.changed()
-                )
+                info = checkpoint.save_with(job.target, state, job.meta, self.options)
         except BaseException:
             self.books.drop(job.backup)
             self.last_saved = job.flight.previous
@@ -557,7 +555,8 @@ def _checkpointer(
     appended to the history log as it is handed over (:func:`~savepoint.runs.books.append_pending`), and the
     next open adopts the unbooked checkpoint (its metrics from its manifest)."""
     return AsyncCheckpointer(
-        **{**options.changed(), "progress": abandon.progress},
+        options=options,
+        progress=abandon.progress,
         writer=writer,
         writer_priority=priority,
     )
