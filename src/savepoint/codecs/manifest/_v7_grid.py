@@ -99,7 +99,11 @@ def check_grid_members(doc: dict[str, Any], world_size: int) -> tuple[int, ...]:
     product = 1
     for n in mesh:
         product *= n
-    require(product == world_size, f"mesh {mesh} does not hold world_size {world_size} ranks")
+        if product > world_size:  # hostile sizes: stop before the product grows (quadratic)
+            break
+    require(
+        product == world_size, f"mesh {show(mesh)} does not hold world_size {world_size} ranks"
+    )
     return tuple(mesh)
 
 
