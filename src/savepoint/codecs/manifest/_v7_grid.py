@@ -101,9 +101,7 @@ def check_grid_members(doc: dict[str, Any], world_size: int) -> tuple[int, ...]:
         product *= n
         if product > world_size:  # hostile sizes: stop before the product grows (quadratic)
             break
-    require(
-        product == world_size, f"mesh {show(mesh)} does not hold world_size {world_size} ranks"
-    )
+    require(product == world_size, f"mesh {show(mesh)} does not hold world_size {world_size} ranks")
     return tuple(mesh)
 
 
