@@ -112,6 +112,14 @@ CASES: dict[str, tuple[Edit, str]] = {
     "grid-bool": (at("tensors", "model/w", "grid", value=[True, None]), "grid"),
     "grid-text": (at("tensors", "model/w", "grid", value="0"), "grid"),
     "grid-missing": (lambda d, i: d["tensors"]["model/w"].pop("grid"), "grid"),
+    # The grid must give the pieces the indices hold (a reader of some ranks' indices trusts it).
+    "grid-says-replicated": (at("tensors", "model/w", "grid", value=[None, None]), "its grid"),
+    "grid-other-dimension": (at("tensors", "model/w", "grid", value=[1, None]), "its grid"),
+    "grid-says-split": (at("tensors", "replicated", "grid", value=[0, None]), "its grid"),
+    "grid-on-a-bigger-mesh": (
+        lambda d, i: (d.__setitem__("world_size", 8), d.__setitem__("mesh", [4, 2])),
+        "its grid",
+    ),
     "tensor-pieces-listed": (at("tensors", "model/w", "shards", value=[]), "grid"),
     "tensor-not-object": (at("tensors", "model/w", value=3), "grid"),
     "tensors-list": (at("tensors", value=[]), "tensors"),
