@@ -332,6 +332,16 @@ def test_a_flipped_data_byte_is_caught_naming_the_file(saved: Path, tmp_path: Pa
             op(tmp_path / "c")
 
 
+@pytest.mark.parametrize("what", ["data", "index"])
+def test_a_missing_rank_file_is_named(saved: Path, tmp_path: Path, what: str) -> None:
+    shutil.copytree(saved, tmp_path / "c")
+    name = "data-r00002-00000.safetensors" if what == "data" else "index-r00002.json"
+    (tmp_path / "c" / name).unlink()
+    for op in (sp.verify, sp.load):
+        with pytest.raises(sp.CorruptCheckpointError, match=name.replace(".", r"\.")):
+            op(tmp_path / "c")
+
+
 def test_an_older_reader_refuses_version_7_as_incompatible(
     saved: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
