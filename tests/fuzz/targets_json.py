@@ -304,6 +304,53 @@ def _blob_target() -> Target:
 register(_blob_target())
 
 
+# -- version 7 (regular layouts): the manifest, and a rank's index file against it ----------------
+
+GRID_TOKENS = (
+    b'"mesh": [',
+    b'"grid":[0,null]',
+    b'"grid":[null,null]',
+    b'"world_size": 4',
+    b'"index-r00001.json":{"size":',
+    b'{"shards":{"model/w":[',
+    *MANIFEST_TOKENS,
+)
+
+
+def _grid_target(index: bool) -> Target:
+    """The golden version 7 checkpoint: a mutated manifest (resealed), or a mutated index file
+    (``index``: its record in the manifest rewritten to match, as a writer would have)."""
+    homes: dict[Path, Path] = {}
+    index_name = "index-r00000.json"
+
+    def seeds(scratch: Path) -> list[bytes]:
+        home = scratch / "v7"
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.copytree(GOLDEN / "v7", home)
+        homes[scratch] = home
+        return [(home / (index_name if index else mf.NAME)).read_bytes()]
+
+    def parse(data: bytes, scratch: Path) -> None:
+        home = homes[scratch]
+        if not index:
+            (home / mf.NAME).write_bytes(_reseal(data))
+            return _read_native(home)
+        golden = (GOLDEN / "v7" / mf.NAME).read_bytes()
+        old = (GOLDEN / "v7" / index_name).read_bytes()
+        record = f'"{index_name}":{{"size":{len(old)},"xxh3":"{checksum.digest(old)}"}}'
+        fresh = f'"{index_name}":{{"size":{len(data)},"xxh3":"{checksum.digest(data)}"}}'
+        assert record.encode() in golden
+        (home / index_name).write_bytes(data)
+        (home / mf.NAME).write_bytes(_reseal(golden.replace(record.encode(), fresh.encode())))
+        return _read_native(home)
+
+    name = "manifest:v7-index" if index else "manifest:v7"
+    return Target(name, seeds, parse, tokens=GRID_TOKENS, text=True)
+
+
+register(_grid_target(index=False))
+register(_grid_target(index=True))
+
 # -- a native checkpoint's data file -----------------------------------------------------------
 
 _NATIVE: dict[Path, tuple[Path, dict[str, str], str]] = {}

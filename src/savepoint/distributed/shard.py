@@ -66,6 +66,28 @@ def _int(x: Any, what: str) -> int:
     return int(x)
 
 
+def _checked_grid(grid: Any, ndim: int) -> Grid:
+    """``grid`` with plain integers, checked: a mesh of positive sizes, a coordinate inside it,
+    and per mesh dimension a dimension of the tensor or None (else UnsupportedStateError)."""
+    if not isinstance(grid, Grid):
+        raise UnsupportedStateError(f"Shard: grid must be a layout.Grid, not {type(grid).__name__}")
+    if not all(isinstance(x, (tuple, list)) for x in (grid.mesh, grid.coord, grid.dims)):
+        raise UnsupportedStateError(f"Shard: grid {grid!r} must hold tuples")
+    mesh = tuple(_int(n, "Shard: grid.mesh") for n in grid.mesh)
+    coord = tuple(_int(c, "Shard: grid.coord") for c in grid.coord)
+    dims = tuple(None if d is None else _int(d, "Shard: grid.dims") for d in grid.dims)
+    if not (
+        len(mesh) == len(coord) == len(dims) > 0
+        and all(0 <= c < n for c, n in zip(coord, mesh))
+        and all(d is None or 0 <= d < ndim for d in dims)
+    ):
+        raise UnsupportedStateError(
+            f"Shard: grid {grid!r} needs, per mesh dimension, a positive mesh size, a coordinate "
+            f"inside it and a dimension of the {ndim}-dimensional tensor (or None)"
+        )
+    return Grid(mesh, coord, dims)
+
+
 def _shape(local: Any) -> tuple[int, ...]:
     shape = getattr(local, "shape", None)
     if shape is None or not hasattr(local, "dtype"):
@@ -108,7 +130,7 @@ class Shard(_Described):
         self.offsets = tuple(_int(o, "offsets") for o in offsets)
         # ``grid``: the mesh placements this box follows from (a DTensor's), which make a state
         # of such Shards a regular layout (savepoint.distributed.layout): planned compactly.
-        self.grid = grid
+        self.grid = grid if grid is None else _checked_grid(grid, len(self.global_shape))
         if not (len(shape) == len(self.global_shape) == len(self.offsets)):
             raise UnsupportedStateError(
                 f"Shard: local shape {list(shape)}, global_shape {list(self.global_shape)} and "

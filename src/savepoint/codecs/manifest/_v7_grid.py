@@ -26,7 +26,8 @@ The reader (:func:`grid_manifest`) checks the members, reads every index through
 flipped bit in an index is caught before any of it is used), parses it with the bounded JSON
 reader (repeated keys refused), and checks the union of the shards of each tensor with the
 version 3 rules (boxes inside the shape and tiling it, byte ranges inside their data files,
-block checksums combining to the shard's). The records it returns are those of a version 3
+block checksums combining to the shard's), and that each piece of a tensor with elements is
+a box its grid gives (:func:`_from_grid`). The records it returns are those of a version 3
 manifest, so every loader reads a version 7 checkpoint as it reads a version 3 one: a verified
 resharding load reads and checks only the blocks it needs, and a corrupt block is found by the
 ranks that read it. (A reader that wants only some ranks' pieces could read only their indices:
@@ -36,12 +37,13 @@ the grid says which ranks hold which boxes; this reader reads them all.)
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from savepoint.codecs import bounded_json as _json
-from savepoint.codecs import checksum
+from savepoint.codecs import boxes, checksum
 from savepoint.codecs.manifest import _records
 from savepoint.codecs.manifest._checks import (
     FILE_NAME,
@@ -99,7 +101,9 @@ def check_grid_members(doc: dict[str, Any], world_size: int) -> tuple[int, ...]:
     product = 1
     for n in mesh:
         product *= n
-    require(product == world_size, f"mesh {mesh} does not hold world_size {world_size} ranks")
+        if product > world_size:  # hostile sizes: stop before the product grows (quadratic)
+            break
+    require(product == world_size, f"mesh {show(mesh)} does not hold world_size {world_size} ranks")
     return tuple(mesh)
 
 
@@ -203,8 +207,42 @@ def grid_manifest(
         found = sorted(pieces[key], key=_order)
         require(bool(found), f"tensor {key!r}: no index holds a piece of it")
         entry = {"dtype": t["dtype"], "shape": t["shape"], "shards": found}
-        tensors[key] = sharded_tensor(key, entry, files, BLOCKED)
+        record = tensors[key] = sharded_tensor(key, entry, files, BLOCKED)
+        if math.prod(record.shape):  # (a tensor without elements is one piece, held whole)
+            for shard in record.layout():
+                require(
+                    _from_grid(shard.region, record.shape, mesh, grids[key]),
+                    f"tensor {key!r}: piece {boxes.show(shard.region)} is not a box its grid "
+                    f"{list(grids[key])} gives on mesh {list(mesh)}",
+                )
     return mesh, indices, grids, tensors
+
+
+def _from_grid(
+    region: boxes.Region,
+    shape: tuple[int, ...],
+    mesh: tuple[int, ...],
+    grid: tuple[int | None, ...],
+) -> bool:
+    """Whether ``region`` is the box of some mesh coordinate (as
+    :func:`savepoint.distributed.layout.grid_box` makes them): the coordinate solved from the
+    box's start, one mesh dimension at a time. The pieces tile the tensor (checked), so when
+    each is a grid box they are the grid's boxes that hold elements."""
+    if isinstance(region, boxes.Flat):
+        return False
+    start = [0] * len(shape)
+    size = list(shape)
+    for n, d in zip(mesh, grid):
+        if d is None:
+            continue
+        chunk = -(-size[d] // n)
+        at = (region[d][0] - start[d]) // chunk if chunk else -1
+        if not 0 <= at < n:
+            return False
+        first = min(at * chunk, size[d])
+        size[d] = max(0, min(chunk, size[d] - first))
+        start[d] += first
+    return tuple((a, a + n) for a, n in zip(start, size)) == tuple(region)
 
 
 def _order(shard: Any) -> tuple[int, list[int]]:
