@@ -115,7 +115,7 @@ def test_a_failed_write_or_books_do_not_count_as_the_last_save(
     assert saver.save(15, _w(15), None, False, None).skipped  # (the policy: 10 steps apart)
 
     with monkeypatch.context() as patch:  # the write fails: nothing committed
-        patch.setattr(savepoint.checkpoint, "save", _refused)
+        patch.setattr(savepoint.checkpoint, "save_with", _refused)
         with pytest.raises(sp.CheckpointWriteError):
             saver.save(20, _w(20), None, False, None)
     assert saver.last_saved == 10
