@@ -35,7 +35,8 @@ deleted) and DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS
 gloo group on 127.0.0.1; unless ``--no-dcp``), and the floor: a bare O_DIRECT writer process
 with no savepoint in it (``_bare_writer.py``, normal priority) writing as many bytes, fsynced
 (unless ``--no-floor``; each writer's ratio is also printed against its ratio); ``--compare-hashing`` adds each writer with
-``staging.HASH_WHILE_STAGING`` off (the writer hashes every tensor: the behaviour before);
+the writer hashing every tensor itself, nothing hashed while staged (``staging.HASH_WHILE_STAGING``
+and ``HASH_WHILE_STAGING_FOR_PROCESS`` off);
 ``--compare-verify`` adds each manager reading its new checkpoint back in the trainer through
 a mapping (``sp.verify(path)``: the behaviour before ``direct=True`` and the writer process's
 read-back). For
@@ -98,12 +99,15 @@ class Saver:
 
 class CheckpointerSaver(Saver):
     """``sp.AsyncCheckpointer(writer=...)``: done when the save is durable. ``staged_hashes``
-    False: the writer hashes every tensor (``staging.HASH_WHILE_STAGING`` off during ``save()``,
-    the behaviour before host tensors were hashed while staged)."""
+    (None: the writer's default, hashing while staged) True: host tensors hashed while staged;
+    False: the writer hashes every tensor: both ``staging.HASH_WHILE_STAGING`` flags set so
+    during ``save()``."""
 
-    def __init__(self, writer: str, loop: Loop, path: str, staged_hashes: bool = True) -> None:
-        name = f"sp {writer}" + ("" if staged_hashes else " (old)")
-        super().__init__(name, loop, path)
+    def __init__(
+        self, writer: str, loop: Loop, path: str, staged_hashes: bool | None = None
+    ) -> None:
+        label = {None: "", True: " (staged hashes)", False: " (writer hashes)"}[staged_hashes]
+        super().__init__(f"sp {writer}{label}", loop, path)
         self.writer, self.staged_hashes = writer, staged_hashes
         self.ck: sp.AsyncCheckpointer | None = None
 
@@ -113,12 +117,14 @@ class CheckpointerSaver(Saver):
 
     def start(self) -> Callable[[], None]:
         assert self.ck is not None
-        before = staging.HASH_WHILE_STAGING
-        staging.HASH_WHILE_STAGING = self.staged_hashes
+        if self.staged_hashes is None:
+            return self.ck.save(self.path, self.loop.sp_state()).wait
+        before = staging.HASH_WHILE_STAGING, staging.HASH_WHILE_STAGING_FOR_PROCESS
+        staging.HASH_WHILE_STAGING = staging.HASH_WHILE_STAGING_FOR_PROCESS = self.staged_hashes
         try:
             return self.ck.save(self.path, self.loop.sp_state()).wait
         finally:
-            staging.HASH_WHILE_STAGING = before
+            staging.HASH_WHILE_STAGING, staging.HASH_WHILE_STAGING_FOR_PROCESS = before
 
     def close(self) -> None:
         if self.ck is not None:
@@ -362,7 +368,7 @@ def savers_for(
     ]
     if old:
         savers += [
-            CheckpointerSaver(w, loop, os.path.join(base, f"old-{w}"), staged_hashes=False)
+            CheckpointerSaver(w, loop, os.path.join(base, f"alt-{w}"), staged_hashes=False)
             for w in writers
         ]
     if manager:
@@ -404,7 +410,7 @@ def main() -> None:
     ap.add_argument(
         "--compare-hashing",
         action="store_true",
-        help="also each writer hashing every tensor itself (host tensors not hashed while staged)",
+        help="also each writer hashing every tensor itself (nothing hashed while staged)",
     )
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)

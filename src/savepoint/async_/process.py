@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from savepoint import errors, info
-from savepoint.async_ import _place, _priority, _wire
+from savepoint.async_ import _place, _priority, _wire, staging
 from savepoint.async_.staging import ArenaSource, Staged, StagingArena, on_cuda
 from savepoint.codecs import manifest as mf
 from savepoint.engine import save as save_engine
@@ -187,7 +187,8 @@ class ProcessWriter:
         flat = tree.flatten(state)
         if incremental is not None and save_engine.has_shards(flat.tree):
             raise UnsupportedStateError("blobs= is not supported for sharded states yet")
-        staged = self.arena.stage(flat, options.max_file_bytes, hash_host=incremental is None)
+        hash_host = incremental is None and staging.HASH_WHILE_STAGING_FOR_PROCESS
+        staged = self.arena.stage(flat, options.max_file_bytes, hash_host=hash_host)
         message: dict[str, Any] = {
             "op": "save",
             "path": target,

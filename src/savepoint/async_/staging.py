@@ -66,8 +66,15 @@ DEVICE_HASH_MIN = 1 << 20
 # suite runs the device-checksum path through the writer, the manifest and every reader.
 DEVICE_HASH_CPU = False
 # Host tensors hashed while they are staged (see the module docstring); False leaves all the
-# hashing to the writer (benchmarks/bench_async.py measures both in the same run).
+# hashing to the writer (benchmarks/bench_writers.py --compare-hashing measures both in one run).
+# HASH_WHILE_STAGING for the thread writer's saves, HASH_WHILE_STAGING_FOR_PROCESS for the
+# writer process's. Both hash while staging: leaving the hashing to the writer process makes
+# save() block for a plain copy (1.02-1.08x a memcpy of 1 GiB against 1.42-1.45x), but in the
+# same runs the loop lost as much or more time per save overall (0.23 s against 0.23 s, 0.22 s
+# against 0.15 s: the writer reads the arena back to hash it, twice the CPU a GiB), so the
+# default is the smaller loss (docs/performance.md, "Third pass").
 HASH_WHILE_STAGING = True
+HASH_WHILE_STAGING_FOR_PROCESS = True
 _HASH_PIECE = 256 << 10  # bytes copied then hashed at a time (in cache: the L2 holds several)
 _BALANCE = 1.1  # the busiest thread's share of the copy against an even share
 

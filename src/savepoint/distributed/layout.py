@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from savepoint.codecs import boxes, checksum
 
 __all__ = [
@@ -195,7 +197,11 @@ def writes(layout: Layout, coord: Sequence[int]) -> set[int]:
 
 def check(sent: Sequence[Compact], layout: Layout) -> list[tuple[str, str]]:
     """Rank 0: the problems (key, what) that keep ``sent`` (index = rank) from being one
-    regular save of ``layout``; empty when the global plan is implied. O(ranks)."""
+    regular save of ``layout``; empty when the global plan is implied. O(ranks): checked with
+    sets and numpy first (a few ms at 8,192 ranks), rank by rank only to say what is wrong."""
+    coords = [c.coord for c in sent]
+    if _tiles(coords, layout.mesh) and {c.digest for c in sent} == {layout.digest}:
+        return []
     problems: list[tuple[str, str]] = []
     differ = [r for r, c in enumerate(sent) if c.digest != layout.digest]
     if differ:
@@ -214,3 +220,17 @@ def check(sent: Sequence[Compact], layout: Layout) -> list[tuple[str, str]]:
         else:
             seen[c.coord] = r
     return problems
+
+
+def _tiles(coords: list[tuple[int, ...]], mesh: tuple[int, ...]) -> bool:
+    """Whether ``coords`` (index = rank) are every place of ``mesh`` once (vectorised)."""
+    if not coords or math.prod(mesh) != len(coords) or len(set(coords)) != len(coords):
+        return False
+    try:
+        grid = np.asarray(coords, dtype=np.int64)
+    except (ValueError, TypeError, OverflowError):  # ragged or not integers
+        return False
+    bounds = np.asarray(mesh, dtype=np.int64)
+    return grid.shape == (len(coords), len(mesh)) and bool(
+        (grid >= 0).all() and (grid < bounds).all()
+    )

@@ -5,7 +5,8 @@ on every rank, so every rank's local plan and rank 0's global plan are the same 
 the path differs: ``step-100``, ``step-200``). Planning is what grows with tensors x ranks, so
 from the second save on:
 
-- each rank still describes its state (it needs the sources of its pieces), compares its local
+- each rank describes its state (it needs the sources of its pieces; the description itself is
+  reused when the flattened tree, dtypes and shapes are equal: :mod:`.describe`), compares its local
   plan with the one it sent last time (path aside: :func:`unchanged`) and, if equal, sends only
   a marker naming the previous plan's id instead of the plan;
 - rank 0, if every rank sent the marker of the plan it holds (:class:`RootMemo`), skips the

@@ -74,6 +74,7 @@ from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction
 from savepoint.distributed import collectives, deadlines, layout, plan, plancache, shard
 from savepoint.distributed.describe import describe, describe_layout
+from savepoint.distributed.describe import forget as describe_forget
 from savepoint.distributed.pieces import (
     Indexed,
     Records,
@@ -108,6 +109,7 @@ __all__ = [
     "describe_layout",
     "file_name",
     "flatten",
+    "forget",
     "put_pieces",
     "save",
     "save_flat",
@@ -180,6 +182,17 @@ def _save(
     run = _Save(location, coord, flatten, incremental, writer or LocalWriter(incremental))
     with coord.exclusive():
         return run.run(options)
+
+
+# A regular rank's pieces and their bytes, by memo key, while its description is the one kept
+# (describe.describe_layout returned the same grid object): a repeated save skips the rule.
+_owned: dict[Any, tuple[Any, tuple[plan.Item, ...], int]] = {}
+
+
+def forget(memo_key: Any) -> None:
+    """Drop what this module and :mod:`.describe` keep for ``memo_key`` (the group is gone)."""
+    _owned.pop(memo_key, None)
+    describe_forget(memo_key)
 
 
 # Where a rank's blob store is, as the manifest would name it (relative to the checkpoint), and
@@ -335,27 +348,40 @@ class _Save:
         """This rank's plan, or (unchanged since its last save: :mod:`.plancache`) a marker."""
         if self.local is None:
             flat, self.metadata = self.flatten()
-            local_plan, self.sources, grid = describe_layout(flat, self.shown)
+            local_plan, self.sources, grid = describe_layout(flat, self.shown, self.memo_key)
             place: BlobPlace = None
             if self.incremental is not None:
                 blobs = self.incremental.blobs
                 place = (sinks.blob_store_path(self.location, blobs), blobs.algorithm)
             elif grid is not None and self.grid:
-                lay, coord = grid
-                mine = layout.writes(lay, coord)
-                keys = {lay.keys[i] for i in mine}
-                own = tuple(item for item in local_plan.items if item.key in keys)
-                self.regular = (lay, coord, own)
+                self.regular = self.own(grid, local_plan)
             self.local = (local_plan, place)
         local_plan, place = self.local
         if self.regular is not None and not self.resend:
             lay, coord, own = self.regular
-            nbytes = sum(self.sources[item.key].nbytes for item in own)
+            nbytes = _owned[self.memo_key][2] if self.memo_key in _owned else self.nbytes(own)
             return layout.Compact(lay.digest, coord, nbytes), place, None, local_plan.path
         memo = plancache.rank_memo(self.memo_key)
         if memo is not None and not self.resend and plancache.unchanged(memo, local_plan, place):
             return None, None, memo.plan_id, local_plan.path
         return local_plan, place, None, local_plan.path
+
+    def own(self, grid: tuple[layout.Layout, tuple[int, ...]], local_plan: plan.LocalPlan) -> Any:
+        """(layout, coordinate, the pieces the layout's rule gives this rank); kept per memo key
+        with their bytes while the description is the one kept (``grid`` the same object)."""
+        lay, coord = grid
+        kept = _owned.get(self.memo_key)
+        if kept is not None and kept[0] is grid:
+            return lay, coord, kept[1]
+        _owned.pop(self.memo_key, None)
+        keys = {lay.keys[i] for i in layout.writes(lay, coord)}
+        own = tuple(item for item in local_plan.items if item.key in keys)
+        if self.memo_key is not None:
+            _owned[self.memo_key] = (grid, own, self.nbytes(own))
+        return lay, coord, own
+
+    def nbytes(self, own: tuple[plan.Item, ...]) -> int:
+        return sum(self.sources[item.key].nbytes for item in own)
 
     def take(self, answer: Answer) -> tuple[str, tuple[plan.Item, ...]]:
         """The staging path and this rank's pieces from rank 0's answer (None: the pieces the

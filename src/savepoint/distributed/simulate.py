@@ -449,6 +449,7 @@ def simulate_save(
             gc.enable()
         for c in sim.coordinators:
             plancache.forget(c.memo_key)
+            save.forget(c.memo_key)
     return SimResult(
         world, results, sim.traffic, [c.saves for c in sim.coordinators], manifests, marks
     )
