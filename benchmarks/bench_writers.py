@@ -163,6 +163,14 @@ class ManagerSaver(Saver):
         _mapped_verify(self.mapped)
         return self.mgr.save(self.step, self.loop.sp_state()).wait
 
+    def close(self) -> None:
+        # (this method sat on _MappedCheckpoint by mistake: no manager was ever closed, so each
+        # kept its arena and writer process to the end, and a 4 GiB run ran out of memory)
+        if self.mgr is not None:
+            self.mgr.close()
+            self.mgr = None
+        super().close()
+
 
 def _mapped_verify(on: bool) -> None:
     """The manager's read-back before pruning: as before this option existed (``on``: a mapped
@@ -192,12 +200,6 @@ class _MappedCheckpoint:
 
     def verify(self, path: object, **kwargs: object) -> object:
         return self._verify(path)
-
-    def close(self) -> None:
-        if self.mgr is not None:
-            self.mgr.close()
-            self.mgr = None
-        super().close()
 
 
 class DcpSaver(Saver):
