@@ -208,23 +208,7 @@ def test_rank0_without_the_plan_asks_every_rank_again(tmp_path: Path) -> None:
 
 def test_bench_world_prints_its_json_line() -> None:
     """``benchmarks/bench_world.py``: tests outside the project read these names."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root / "src"))
-    args = ["--ranks", "4", "--tensors", "20", "--dcp"]
-    out = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "bench_world.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=True,
-    )
-    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row = _bench_world("--ranks", "4", "--tensors", "20", "--dcp")
     for key in ("rank0_plan_s", "per_rank_plan_s", "manifest_bytes", "rank0_recv_bytes"):
         assert row[key] > 0, key
     assert (row["ranks"], row["tensors"]) == (4, 20)
@@ -234,23 +218,7 @@ def test_bench_world_prints_its_json_line() -> None:
 def test_bench_world_samples_ranks_over_max_items() -> None:
     """Over ``--max-items`` a regular state is measured on a sample of ranks, rank 0's share
     on every rank's message, and the real version 7 manifest."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root / "src"))
-    args = ["--ranks", "256", "--tensors", "40", "--max-items", "1000", "--sample", "3"]
-    out = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "bench_world.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=True,
-    )
-    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row = _bench_world("--ranks", "256", "--tensors", "40", "--max-items", "1000", "--sample", "3")
     assert (row["ranks"], row["tensors"], row["manifest_version"]) == (256, 40, 7)
     for key in ("rank0_plan_s", "per_rank_plan_s", "manifest_bytes", "rank0_recv_bytes"):
         assert row[key] > 0, key
@@ -270,3 +238,24 @@ def test_saves_without_a_group_are_not_cached(tmp_path: Path) -> None:
         sp.save(tmp_path / name, state)
     assert (plancache._ranks, plancache._roots) == before
     np.testing.assert_array_equal(sp.load(tmp_path / "b", framework="numpy")["w"], 1.0)
+
+
+def _bench_world(*args: str) -> dict[str, Any]:
+    """``benchmarks/bench_world.py`` run with ``args``: its last line, the JSON row."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_world.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    row: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return row

@@ -295,6 +295,7 @@ class _Save:
         self.memo_key = plancache.key(coord)
         # A regular state: its layout, this rank's coordinate, the pieces the layout gives it.
         self.regular: tuple[layout.Layout, tuple[int, ...], tuple[plan.Item, ...]] | None = None
+        self.own_bytes = 0  # what this rank writes of a regular state
         self.compact = False  # this save was planned from the layout: manifest version 7
         self.write_index = True  # False: the world simulator's SimWriter (nothing written)
         self.grid = True  # options.grid: a regular state may be planned from its layout
@@ -354,34 +355,31 @@ class _Save:
                 blobs = self.incremental.blobs
                 place = (sinks.blob_store_path(self.location, blobs), blobs.algorithm)
             elif grid is not None and self.grid:
-                self.regular = self.own(grid, local_plan)
+                self.regular, self.own_bytes = self.own(grid, local_plan)
             self.local = (local_plan, place)
         local_plan, place = self.local
         if self.regular is not None and not self.resend:
-            lay, coord, own = self.regular
-            nbytes = _owned[self.memo_key][2] if self.memo_key in _owned else self.nbytes(own)
-            return layout.Compact(lay.digest, coord, nbytes), place, None, local_plan.path
+            lay, coord, _ = self.regular
+            return layout.Compact(lay.digest, coord, self.own_bytes), place, None, local_plan.path
         memo = plancache.rank_memo(self.memo_key)
         if memo is not None and not self.resend and plancache.unchanged(memo, local_plan, place):
             return None, None, memo.plan_id, local_plan.path
         return local_plan, place, None, local_plan.path
 
     def own(self, grid: tuple[layout.Layout, tuple[int, ...]], local_plan: plan.LocalPlan) -> Any:
-        """(layout, coordinate, the pieces the layout's rule gives this rank); kept per memo key
-        with their bytes while the description is the one kept (``grid`` the same object)."""
+        """((layout, coordinate, the pieces the layout's rule gives this rank), their bytes);
+        kept per memo key while the description is the one kept (``grid`` the same object)."""
         lay, coord = grid
         kept = _owned.get(self.memo_key)
         if kept is not None and kept[0] is grid:
-            return lay, coord, kept[1]
+            return (lay, coord, kept[1]), kept[2]
         _owned.pop(self.memo_key, None)
         keys = {lay.keys[i] for i in layout.writes(lay, coord)}
         own = tuple(item for item in local_plan.items if item.key in keys)
+        nbytes = sum(self.sources[item.key].nbytes for item in own)
         if self.memo_key is not None:
-            _owned[self.memo_key] = (grid, own, self.nbytes(own))
-        return lay, coord, own
-
-    def nbytes(self, own: tuple[plan.Item, ...]) -> int:
-        return sum(self.sources[item.key].nbytes for item in own)
+            _owned[self.memo_key] = (grid, own, nbytes)
+        return (lay, coord, own), nbytes
 
     def take(self, answer: Answer) -> tuple[str, tuple[plan.Item, ...]]:
         """The staging path and this rank's pieces from rank 0's answer (None: the pieces the
