@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,7 @@ def describe_layout(flat: tree.Flat, path: str, memo_key: Any = None) -> Describ
             sources = {key: flat.tensors[ref] for key, ref in memo.refs}
             return dataclasses.replace(memo.plan, path=path), sources, memo.grid
     walker = _Describer(flat)
-    root = walker.walk(flat.tree, ())
+    root = walker.walk(flat.tree, "", True)
     local_plan = plan.LocalPlan(path, root, tuple(walker.items.values()))
     grid = walker.grids.done(root)
     if memo_key is not None:
@@ -131,17 +132,16 @@ class _Describer:
                 grid = self.grid_texts[text] = layout.parse_grid(text)
         return got[0], got[1], grid
 
-    def sharded(self, node: tree.Node, path_keys: tuple[tree.Key, ...]) -> tree.Node:
-        key = tree.join(path_keys)
-        fields = {k: child for k, child in node["state"]["items"]}
-        local_node = fields.get("local", {})
-        if local_node.get("t") != "tensor":
+    def sharded(self, node: tree.Node, key: str) -> tree.Node:
+        fields = dict(node["state"]["items"])
+        local_node = fields.get("local")
+        if type(local_node) is not dict or local_node.get("t") != "tensor":
             raise UnsupportedStateError(f"{key or '<root>'}: malformed {node['type']}", key=key)
         source = self.flat.tensors[local_node["ref"]]
         global_shape, starts, grid = self.parse(fields)
         region: boxes.Region
         if node["type"] == shard.SHARD:
-            region = tuple((o, o + n) for o, n in zip(starts, source.shape))
+            region = tuple(zip(starts, map(operator.add, starts, source.shape)))
         else:
             region = boxes.Flat(starts[0], starts[0] + source.shape[0])
             grid = None
@@ -156,26 +156,38 @@ class _Describer:
         self.add(key, source, global_shape, region, grid)
         return {"t": "tensor", "ref": key, "kind": local_node["kind"]}
 
-    def walk(self, node: tree.Node, path_keys: tuple[tree.Key, ...]) -> tree.Node:
+    def walk(self, node: tree.Node, key: str, is_root: bool) -> tree.Node:
+        """``node`` of the flattened tree with its Shards replaced by their pieces' tensor nodes;
+        ``key``: the node's flat key (``is_root``: the tree's root), carried down as
+        :func:`savepoint.state.tree.flatten` builds it (one escape per component)."""
         t = node["t"]
         walk = self.walk
         if t == "stateful":
             if node["type"] in (shard.SHARD, shard.FLAT_SHARD):
-                return self.sharded(node, path_keys)
+                return self.sharded(node, key)
             if node["type"] == shard.PARTITIONED:
                 self.grids.irregular()
                 inner = node["state"]
                 return {
                     "t": plan.PARTITIONED_NODE,
-                    "items": [[k, walk(c, (*path_keys, k))] for k, c in inner["items"]],
+                    "items": [
+                        [k, walk(c, tree.child_key(key, is_root, k), False)]
+                        for k, c in inner["items"]
+                    ],
                 }
-            return {**node, "state": walk(node["state"], path_keys)}
+            return {**node, "state": walk(node["state"], key, is_root)}
         if t == "dict":
-            return {"t": "dict", "items": [[k, walk(c, (*path_keys, k))] for k, c in node["items"]]}
+            prefix = "" if is_root else key + "/"
+            escape = tree.escape
+            return {
+                "t": "dict",
+                "items": [[k, walk(c, prefix + escape(k), False)] for k, c in node["items"]],
+            }
         if t in ("list", "tuple"):
+            prefix = "" if is_root else key + "/"
             return {
                 "t": t,
-                "items": [walk(c, (*path_keys, i)) for i, c in enumerate(node["items"])],
+                "items": [walk(c, f"{prefix}{i}", False) for i, c in enumerate(node["items"])],
             }
         if t == "tensor" and node["ref"] not in self.items:
             source = self.flat.tensors[node["ref"]]
