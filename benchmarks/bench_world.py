@@ -33,7 +33,9 @@ object:
   not in ``per_rank_plan_s``, ``per_rank_describe_s`` (the walk over the state) is;
   ``repeat_plan_s`` is the slowest sampled rank's plan step of the next save of the same state
   (a new flatten, then the description kept from the first save reused: not timed, as the
-  flatten above) plus rank 0's share, ``repeat_per_rank_plan_s`` the median rank's. ``--by-offsets`` (or
+  flatten above) plus rank 0's share of that save (``repeat_rank0_plan_s``: every message
+  decoded, the global plan kept from the first save reused), ``repeat_per_rank_plan_s`` the
+  median rank's. ``--by-offsets`` (or
   ``--extrapolate``) instead measures the three largest worlds that fit and extrapolates by a
   power law in the ranks (``extrapolated``: true, the fits and the measurements included);
 - with ``--dcp``, ``dcp_plan_s``: the same inputs through DCP's own planner
@@ -41,7 +43,10 @@ object:
   ``DefaultSavePlanner.create_global_plan``: dedup, metadata, validation), timed on rank 0's
   side, ``dcp_local_plan_s`` a rank's side. When the world is too big for memory
   (``ranks x tensors`` over ``--max-items``) DCP is measured at halved worlds it can run and
-  extrapolated by a power law fitted to them (``dcp_extrapolated``: the curve is printed).
+  extrapolated by a power law fitted to them (``dcp_extrapolated``: the curve is printed);
+  ``dcp_local_plan_s`` excludes making the state. ``--dcp-local`` measures that rank side
+  alone (three ranks, the median: no global plan, so any world size), to set beside
+  ``per_rank_flatten_s`` + ``per_rank_plan_s``: DCP's walk of the state is in its figure.
 
 ``--curve`` prints planning time, manifest size and rank-0 bytes for 8, 16, ... ``--max-ranks``
 ranks at ``--tensors`` (sizes over ``--max-items`` are skipped) as a markdown table, and with
@@ -194,6 +199,7 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
     per_rank, flatten_s, describe_s, records = [], [], [], {}
     repeat_s = []  # each sampled rank's plan step of the next save of the same state
     run0: Any = None
+    keyed0: Any = None
     options = SaveOptions()
     for r in picks:
         state = simulate.model_state(r, ranks, tensors, tp=tp)
@@ -218,13 +224,17 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
         # kept per group and rank (describe.describe_layout's memo_key) and reused.
         key = ("bench", r)
         coord_k = types.SimpleNamespace(rank=r, world_size=ranks, memo_key=key)
-        save.SaveRun(location, coord_k, lambda flat=flat: (flat, {}), None, None).plan_local()
+        first = save.SaveRun(location, coord_k, lambda flat=flat: (flat, {}), None, None)
+        first.plan_local()
         again = save.flatten(state)  # (a new flatten: what the next save does first)
         rerun = save.SaveRun(location, coord_k, lambda again=again: (again, {}), None, None)
         t0 = time.perf_counter()
         rerun.plan_local()
         repeat_s.append(time.perf_counter() - t0)
-        save.forget(key)
+        if r == 0:  # rank 0's share of both saves is timed below, on every rank's message
+            keyed0 = (first, rerun, key)
+        else:
+            save.forget(key)
         del state, flat, again
     lay, _, _ = run0.regular
     median_bytes = int(statistics.median(pickle.loads(p)[0].nbytes for p in payloads.values()))
@@ -242,6 +252,20 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
     answer = collectives.encoded(answers[0])  # the same answer for every rank: encoded once
     rank0_plan = time.perf_counter() - t0
     assert answers[0] != "resend", "rank 0 did not accept the compact plans"
+    # The repeated save on rank 0: the first keyed save's share (untimed: it keeps what the next
+    # reuses), then the next one's, on the same messages (a repeat sends what the first sent).
+    first0, rerun0, key0 = keyed0
+    try:
+        first0.plan_global([pickle.loads(p) for p in ordered])
+        first0.abort()
+        t0 = time.perf_counter()
+        again_all = [pickle.loads(p) for p in ordered]
+        assert rerun0.plan_global(again_all)[0] != "resend"
+        collectives.encoded(answers[0])
+        rank0_repeat = time.perf_counter() - t0
+        rerun0.abort()
+    finally:
+        save.forget(key0)
     traffic = Traffic(ranks)
     traffic.gather([len(p) for p in ordered])
     traffic.scatter([len(answer)] * ranks)
@@ -262,7 +286,8 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
         "per_rank_plan_max_s": round(max(per_rank), 4),
         "per_rank_flatten_s": round(statistics.median(flatten_s), 4),
         "per_rank_describe_s": round(statistics.median(describe_s), 4),
-        "repeat_plan_s": round(max(repeat_s) + rank0_plan, 4),
+        "repeat_plan_s": round(max(repeat_s) + rank0_repeat, 4),
+        "repeat_rank0_plan_s": round(rank0_repeat, 4),
         "repeat_per_rank_plan_s": round(statistics.median(repeat_s), 4),
         "plan_step_rank0_recv_bytes": plan_recv,
     }
@@ -321,6 +346,11 @@ def dcp_local_plan(rank: int, world: int, tensors: int, tp: int) -> Any:
     """Rank ``rank``'s SavePlan as DefaultSavePlanner.create_local_plan makes it for its
     DTensors (``_create_write_items_for_dtensor``: one SHARD WriteItem per DTensor, from its
     local shape and offsets) and its plain values (the coordinator's)."""
+    return dcp_plan_of(simulate.model_state(rank, world, tensors, tp=tp))
+
+
+def dcp_plan_of(state: Any) -> Any:
+    """:func:`dcp_local_plan` of a state already made (what is timed as DCP's rank side)."""
     import torch
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
@@ -335,9 +365,7 @@ def dcp_local_plan(rank: int, world: int, tensors: int, tp: int) -> Any:
     )
 
     from savepoint.distributed import shard
-    from savepoint.state import tree
 
-    state = simulate.model_state(rank, world, tensors, tp=tp)
     items = []
     flat: dict[str, Any] = {}
 
@@ -372,7 +400,6 @@ def dcp_local_plan(rank: int, world: int, tensors: int, tp: int) -> Any:
                 ),
             )
         )
-    del tree
     return SavePlan(items)
 
 
@@ -384,11 +411,13 @@ def run_dcp(ranks: int, tensors: int, tp: int = 1) -> dict[str, float]:
     plans = []
     local_times = []
     for r in range(ranks):
-        t0 = time.perf_counter()
-        p = dcp_local_plan(r, ranks, tensors, tp)
+        state = simulate.model_state(r, ranks, tensors, tp=tp)
+        t0 = time.perf_counter()  # the rank's side: its state walked, its plan pickled
+        p = dcp_plan_of(state)
         data = pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)  # gathered as objects
         local_times.append(time.perf_counter() - t0)
         plans.append(data)
+        del state
     planner = DefaultSavePlanner(flatten_state_dict=False)
     t0 = time.perf_counter()
     gathered = [pickle.loads(d) for d in plans]
@@ -398,6 +427,28 @@ def run_dcp(ranks: int, tensors: int, tp: int = 1) -> dict[str, float]:
         "dcp_local_plan_s": round(statistics.median(local_times), 4),
         "dcp_recv_bytes": sum(len(d) for d in plans),
     }
+
+
+def dcp_local_at(ranks: int, tensors: int, tp: int, sample: int = 3) -> dict[str, Any]:
+    """DCP's rank side alone (``--dcp-local``): :func:`dcp_plan_of` and its pickling on
+    ``sample`` ranks of ``ranks``, the median; cheap at any world (no global plan)."""
+    import gc
+    import pickle
+
+    times = []
+    for r in sample_ranks(ranks, sample)[:sample]:
+        state = simulate.model_state(r, ranks, tensors, tp=tp)
+        was = gc.isenabled()
+        gc.disable()  # as run_sampled times savepoint's side
+        try:
+            t0 = time.perf_counter()
+            pickle.dumps(dcp_plan_of(state), protocol=pickle.HIGHEST_PROTOCOL)
+            times.append(time.perf_counter() - t0)
+        finally:
+            if was:
+                gc.enable()
+        del state
+    return {"dcp_local_plan_s": round(statistics.median(times), 4)}
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -546,6 +597,11 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dcp", action="store_true")
+    ap.add_argument(
+        "--dcp-local",
+        action="store_true",
+        help="DCP's rank side alone (its local plan of the same state, pickled): any world",
+    )
     ap.add_argument("--curve", action="store_true")
     ap.add_argument("--max-ranks", type=int, default=8192)
     ap.add_argument("--max-items", type=int, default=DEFAULT_MAX_ITEMS)
@@ -579,6 +635,8 @@ def main() -> None:
         row = sim_extrapolated(args.ranks, args.tensors, args.tp, args.max_items, regular)
     if args.dcp:
         row.update(dcp_at(args.ranks, args.tensors, args.tp, args.max_items))
+    if args.dcp_local and "dcp_local_plan_s" not in row:
+        row.update(dcp_local_at(args.ranks, args.tensors, args.tp))
     print(json.dumps(row))
 
 

@@ -187,11 +187,15 @@ def _save(
 # A regular rank's pieces and their bytes, by memo key, while its description is the one kept
 # (describe.describe_layout returned the same grid object): a repeated save skips the rule.
 _owned: dict[Any, tuple[Any, tuple[plan.Item, ...], int]] = {}
+# Rank 0: the global plan a regular layout implies, per memo key while the layout is the one
+# kept by describe (the same object): a repeated save does not rebuild its tensor table.
+_implied: dict[Any, tuple[layout.Layout, plan.GlobalPlan]] = {}
 
 
 def forget(memo_key: Any) -> None:
     """Drop what this module and :mod:`.describe` keep for ``memo_key`` (the group is gone)."""
     _owned.pop(memo_key, None)
+    _implied.pop(memo_key, None)
     describe_forget(memo_key)
 
 
@@ -446,7 +450,13 @@ class _Save:
             return [plancache.RESEND] * len(sent)
         lay = self.regular[0]
         self.blob_place = sent[0][1]
-        self.plan = plan.GlobalPlan(lay.tree, lay.tensors(), ())
+        kept = _implied.get(self.memo_key)
+        if kept is not None and kept[0] is lay:
+            self.plan = kept[1]
+        else:
+            self.plan = plan.GlobalPlan(lay.tree, lay.tensors(), ())
+            if self.memo_key is not None:
+                _implied[self.memo_key] = (lay, self.plan)
         self.tx = Transaction(self.location.store, self.location.path).begin()
         return [(self.tx.staging, OWN, lay.digest)] * len(sent)
 
