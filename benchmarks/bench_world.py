@@ -200,6 +200,7 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
     repeat_s = []  # each sampled rank's plan step of the next save of the same state
     run0: Any = None
     keyed0: Any = None
+    repeat_payloads: dict[int, bytes] = {}
     options = SaveOptions()
     for r in picks:
         state = simulate.model_state(r, ranks, tensors, tp=tp)
@@ -226,10 +227,12 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
         coord_k = types.SimpleNamespace(rank=r, world_size=ranks, memo_key=key)
         first = save.SaveRun(location, coord_k, lambda flat=flat: (flat, {}), None, None)
         first.plan_local()
+        first.take(("", save.OWN, ""))  # rank 0 accepted its description (a marker next time)
         again = save.flatten(state)  # (a new flatten: what the next save does first)
         rerun = save.SaveRun(location, coord_k, lambda again=again: (again, {}), None, None)
         t0 = time.perf_counter()
-        rerun.plan_local()
+        repeat_sent = rerun.plan_local()
+        repeat_payloads[r] = collectives.encoded(repeat_sent)
         repeat_s.append(time.perf_counter() - t0)
         if r == 0:  # rank 0's share of both saves is timed below, on every rank's message
             keyed0 = (first, rerun, key)
@@ -258,10 +261,14 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
     try:
         first0.plan_global([pickle.loads(p) for p in ordered])
         first0.abort()
+        marker = pickle.loads(repeat_payloads[0])
+        assert marker[0] is None and marker[2].startswith(save.GRID), "no marker was sent"
+        again_ordered = [repeat_payloads.get(r) or repeat_payloads[0] for r in range(ranks)]
         t0 = time.perf_counter()
-        again_all = [pickle.loads(p) for p in ordered]
-        assert rerun0.plan_global(again_all)[0] != "resend"
-        collectives.encoded(answers[0])
+        again_all = [pickle.loads(p) for p in again_ordered]
+        again_answers = rerun0.plan_global(again_all)
+        assert again_answers[0][1] == save.OWN, again_answers[0]
+        collectives.encoded(again_answers[0])
         rank0_repeat = time.perf_counter() - t0
         rerun0.abort()
     finally:
@@ -270,6 +277,7 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
     traffic.gather([len(p) for p in ordered])
     traffic.scatter([len(answer)] * ranks)
     plan_recv = traffic.received(0)
+    repeat_recv = sum(len(repeat_payloads.get(r) or repeat_payloads[0]) for r in range(ranks))
     try:
         commit = commit_share(run0, records, ranks)
     finally:
@@ -290,6 +298,7 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
         "repeat_rank0_plan_s": round(rank0_repeat, 4),
         "repeat_per_rank_plan_s": round(statistics.median(repeat_s), 4),
         "plan_step_rank0_recv_bytes": plan_recv,
+        "repeat_plan_step_rank0_recv_bytes": repeat_recv,
     }
     row.update(commit)
     row["rank0_recv_bytes"] = plan_recv + commit["write_step_rank0_recv_bytes"]

@@ -190,12 +190,20 @@ _owned: dict[Any, tuple[Any, tuple[plan.Item, ...], int]] = {}
 # Rank 0: the global plan a regular layout implies, per memo key while the layout is the one
 # kept by describe (the same object): a repeated save does not rebuild its tensor table.
 _implied: dict[Any, tuple[layout.Layout, plan.GlobalPlan]] = {}
+# A rank: the description (describe's grid object) rank 0 last accepted for a regular save, per
+# memo key. While describe hands back that same object, the rank sends a marker naming its
+# layout (GRID + digest) instead of its Compact: rank 0 holding that layout's plan, checked with
+# these ranks, answers OWN at once (the repeated save's coordination: one small message a rank).
+_accepted: dict[Any, Any] = {}
+GRID = "grid:"
+REGRID = "regrid"  # rank 0's answer when it holds no plan for a marker: Compacts, please
 
 
 def forget(memo_key: Any) -> None:
     """Drop what this module and :mod:`.describe` keep for ``memo_key`` (the group is gone)."""
     _owned.pop(memo_key, None)
     _implied.pop(memo_key, None)
+    _accepted.pop(memo_key, None)
     describe_forget(memo_key)
 
 
@@ -296,6 +304,8 @@ class _Save:
         self.tx: Transaction | None = None  # rank 0, until committed or aborted
         self.local: tuple[plan.LocalPlan, BlobPlace] | None = None  # this rank's plan
         self.resend = False  # rank 0 asked for every plan whole
+        self.marked = False  # this rank sent a marker for its regular layout (GRID)
+        self.described: Any = None  # describe's grid object (None: not regular)
         self.memo_key = plancache.key(coord)
         # A regular state: its layout, this rank's coordinate, the pieces the layout gives it.
         self.regular: tuple[layout.Layout, tuple[int, ...], tuple[plan.Item, ...]] | None = None
@@ -307,6 +317,9 @@ class _Save:
     def run(self, options: SaveOptions) -> CheckpointInfo:
         self.grid = options.grid
         answer = self.plan_step()
+        if answer == REGRID:  # rank 0 holds no plan for a marker: regular ranks send Compacts
+            self.marked = False
+            answer = self.plan_step()
         if answer == plancache.RESEND:  # a rank's memo is not rank 0's: every plan, whole
             self.resend = True
             answer = self.plan_step()
@@ -360,10 +373,15 @@ class _Save:
                 place = (sinks.blob_store_path(self.location, blobs), blobs.algorithm)
             elif grid is not None and self.grid:
                 self.regular, self.own_bytes = self.own(grid, local_plan)
+                self.described = grid
+                # The same description rank 0 accepted last time: a marker is enough.
+                self.marked = _accepted.get(self.memo_key) is grid
             self.local = (local_plan, place)
         local_plan, place = self.local
         if self.regular is not None and not self.resend:
             lay, coord, _ = self.regular
+            if self.marked:
+                return None, place, GRID + lay.digest, local_plan.path
             return layout.Compact(lay.digest, coord, self.own_bytes), place, None, local_plan.path
         memo = plancache.rank_memo(self.memo_key)
         if memo is not None and not self.resend and plancache.unchanged(memo, local_plan, place):
@@ -393,6 +411,8 @@ class _Save:
         if isinstance(items, str):  # OWN
             assert self.regular is not None
             self.compact = True
+            if self.memo_key is not None:
+                _accepted[self.memo_key] = self.described
             return staging, self.regular[2]
         if items is None:
             memo = plancache.rank_memo(self.memo_key)
@@ -406,7 +426,10 @@ class _Save:
     def plan_global(self, sent: list[Sent]) -> list[Any]:
         """Rank 0: the global plan (reused when every rank's is unchanged), each rank's answer."""
         k, world = self.memo_key, len(sent)
-        if any(isinstance(s[0], layout.Compact) for s in sent):
+        if any(
+            isinstance(s[0], layout.Compact) or (isinstance(s[2], str) and s[2].startswith(GRID))
+            for s in sent
+        ):
             return self.plan_regular(sent)
         memo = plancache.root_memo(k)
         if (
@@ -440,18 +463,23 @@ class _Save:
     def plan_regular(self, sent: list[Sent]) -> list[Any]:
         """Rank 0, every rank regular: the plan the layout implies, in O(tensors + ranks); any
         disagreement (or a rank not regular): every plan whole (plancache.RESEND), for merge."""
-        compact = [s[0] for s in sent if isinstance(s[0], layout.Compact)]
-        if (
-            self.regular is None
-            or len(compact) != len(sent)
-            or len({(s[1], s[3]) for s in sent}) != 1
-            or layout.check(compact, self.regular[0])
-        ):
+        if self.regular is None or len({(s[1], s[3]) for s in sent}) != 1:
             return [plancache.RESEND] * len(sent)
         lay = self.regular[0]
-        self.blob_place = sent[0][1]
         kept = _implied.get(self.memo_key)
-        if kept is not None and kept[0] is lay:
+        if kept is None or kept[0] is not lay:
+            kept = None
+        marker = GRID + lay.digest
+        if kept is not None and all(s[0] is None and s[2] == marker for s in sent):
+            pass  # every rank's description is the one checked with these ranks last time
+        elif any(s[0] is None and isinstance(s[2], str) and s[2].startswith(GRID) for s in sent):
+            return [REGRID] * len(sent)  # a marker rank 0 cannot vouch for: every Compact
+        else:
+            compact = [s[0] for s in sent if isinstance(s[0], layout.Compact)]
+            if len(compact) != len(sent) or layout.check(compact, lay):
+                return [plancache.RESEND] * len(sent)
+        self.blob_place = sent[0][1]
+        if kept is not None:
             self.plan = kept[1]
         else:
             self.plan = plan.GlobalPlan(lay.tree, lay.tensors(), ())
