@@ -19,7 +19,12 @@ into which the lookup's backward adds its rows (``index_add_``, the same sums as
 gradient anew (two buffers of a third of the state's size, above glibc's mmap threshold: mapped
 and page-faulted in every step, then unmapped): the loop's step cost moved with the memory's state
 (53 million minor faults in one 4 GiB run, the loop slower alone than during saves).
-``steady=False`` (``bench_writers.py --fresh-grads``) keeps that behaviour.
+The step's other buffers (the 8 MiB logits, the token table's and the head's gradients before
+they are added in, ...) are freed at the end of each step, and glibc then trimmed the heap's top
+and faulted them in again the next step (3,000-6,000 minor faults a step at 128 MiB): with
+``steady``, glibc's dynamic thresholds are fixed (``mallopt``: blocks up to 32 MiB, its largest
+mmap threshold, come from the heap, and the heap is not trimmed below 2 GiB free), for the whole
+process, once. ``steady=False`` (``bench_writers.py --fresh-grads``) keeps both behaviours.
 
 What a user passes to save: ``{"model": model, "optimizer": opt, "rng": sp.RNGState(), "step":
 n}`` for savepoint; for DCP the same as state dicts (``model.state_dict()``,
@@ -42,6 +47,20 @@ from torch import nn
 import savepoint as sp
 
 GiB = 1 << 30
+
+
+def _steady_malloc() -> None:
+    """glibc's mmap threshold fixed at 32 MiB (its largest) and its trim threshold at 2 GiB, so a
+    step's freed buffers stay in the heap for the next (nothing where glibc is not the libc)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD (an int: 2 GiB)
 
 
 class _LookupInto(torch.autograd.Function):
@@ -137,6 +156,8 @@ class Trainer:
         self, gib: float, shape: Shape | None = None, seed: int = 0, steady: bool = True
     ) -> None:
         s = shape or Shape()
+        if steady:
+            _steady_malloc()
         torch.manual_seed(seed)
         small = NgramLM(s.vocab, 1, s.d, s.layers, s.heads, s.seq)
         rest = sum(p.numel() for n, p in small.named_parameters() if "gram" not in n)
