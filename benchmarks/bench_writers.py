@@ -6,6 +6,7 @@ Usage::
     .venv/bin/python benchmarks/bench_writers.py --writer both --mib 256 [--repeats 5]
     .venv/bin/python benchmarks/bench_writers.py --loop real [--gib 1 4] [--repeats 5]
         [--no-dcp] [--no-manager] [--compare-hashing] [--compare-verify] [--verbose]
+        [--sustained SECONDS] [--fresh-grads]
 
 For each state size (about 300 float32 tensors: a few 64 MiB, many 4 KiB-1 MiB), after one
 warm-up round, interleaved rounds measure:
@@ -47,8 +48,25 @@ rounds: both rates and their ratio; the CPU time everything but the loop's threa
 window (the writer process, the writer thread and savepoint's pools, DCP's process and threads)
 and the floor it sets, ``1 - save CPU / (cores x window)``: what the loop keeps if that CPU time
 is taken from its cores; the loop's time lost per save (blocked + window x (1 - ratio)); the
-time ``save()`` blocks against a memcpy of the state. Savers stay open across rounds where the
+time ``save()`` blocks against a memcpy of the state; the minor page faults a step of the loop's
+threads, alone and during. Savers stay open across rounds where the
 memory holds all their arenas, else each is opened (with a warm-up save) around each measurement.
+
+That single-save ratio is noisy on the real loop (a 1 GiB save's window holds about four steps).
+``--sustained SECONDS`` measures instead, for each round, a chain of long windows: the loop alone
+for SECONDS, then the first saver saving back to back (the next save started at the first step
+boundary after the last is done, its blocking inside the window) until the save in flight at
+SECONDS is done, then the loop alone again, the next saver, and so on (the order alternating
+between rounds). A saver's ratio ("saving back to back / alone") is its window's steps/s over the
+mean of the two alone windows around it: the loop's throughput while it saves continuously,
+blocking included, which is at most the single-save ratio's meaning with the saves' gaps left out.
+Printed: the medians over rounds, each ratio's range and every round's, the saves a window, what
+``save()`` blocked per save, the save CPU outside the loop a GiB saved, the loop's minor faults a
+step; steps/s against DCP's in its window.
+
+The real loop's gradients are made once and zeroed in place each step (``train_loop.py``), so its
+step cost does not move with page faults; ``--fresh-grads`` allocates them every step as before
+2026-12-02 late (the loop of the figures in docs/performance.md up to then).
 """
 
 from __future__ import annotations
@@ -69,7 +87,16 @@ from savepoint.async_ import staging
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_async import BareWriter, _dcp_process, run_size
 from bench_save_load import make_state
-from train_loop import CpuClock, MatmulLoop, Sample, Trainer, measure, steps_alone
+from train_loop import (
+    CpuClock,
+    MatmulLoop,
+    Sample,
+    Trainer,
+    Window,
+    measure,
+    steps_alone,
+    sustained,
+)
 
 MiB = 1 << 20
 
@@ -328,6 +355,96 @@ def run_writers(
     _print_rows(rows, statistics.median(copies), loop.nbytes / (1 << 30), clock.cores)
 
 
+def run_sustained(
+    loop: Loop, savers: list[Saver], repeats: int, seconds: float, verbose: bool = False
+) -> None:
+    """``--sustained``: for each round, the loop alone for ``seconds``, then each saver saving
+    back to back for at least ``seconds`` (:func:`train_loop.sustained`), each followed by the
+    loop alone again (alone, saver 1, alone, saver 2, ..., alone; the savers' order alternating
+    between rounds); a saver's ratio is its rate over the mean of the two alone windows around
+    it. Savers stay open where the memory holds all their arenas, else each is opened (its
+    warm-up saves, then the writeback waited for) before the alone window in front of it."""
+    clock = _clock()
+    arenas = sum(s.arena for s in savers) * loop.nbytes
+    keep_open = arenas + 2 * loop.nbytes < 0.6 * _available()
+    print(f"  savers {'stay open' if keep_open else 'reopened for each measurement'}")
+    if keep_open:
+        for s in savers:
+            s.open()
+    rows: dict[str, list[tuple[Window, float]]] = {s.name: [] for s in savers}
+    alones: list[Window] = []
+    for rnd in range(repeats):
+        order = savers if rnd % 2 == 0 else savers[::-1]
+        if not keep_open:
+            order[0].open()
+        _settle()
+        before = sustained(loop, clock, seconds)
+        alones.append(before)
+        for i, s in enumerate(order):
+            w = sustained(loop, clock, seconds, s.start)
+            if not keep_open:
+                s.close()
+                if i + 1 < len(order):
+                    order[i + 1].open()
+            _settle()
+            after = sustained(loop, clock, seconds)
+            alones.append(after)
+            rows[s.name].append((w, (before.rate + after.rate) / 2))
+            if verbose:
+                print(
+                    f"    round {rnd + 1} {s.name:21s} alone {before.rate:.3f}/{after.rate:.3f} "
+                    f"saving {w.rate:.3f} steps/s ({w.rate * 2 / (before.rate + after.rate):.3f}), "
+                    f"{w.saves} saves in {w.seconds:.1f} s, faults a step {before.faults:.0f} "
+                    f"alone, {w.faults:.0f} saving",
+                    flush=True,
+                )
+            before = after
+    for s in savers:
+        s.close()
+    _print_sustained(rows, alones, loop.nbytes / (1 << 30), clock.cores)
+
+
+def _print_sustained(
+    rows: dict[str, list[tuple[Window, float]]], alones: list[Window], gib: float, cores: int
+) -> None:
+    med = statistics.median
+    n = len(next(iter(rows.values())))
+    rates = [a.rate for a in alones]
+    print(
+        f"  sustained: medians of {n} rounds; the loop alone {med(rates):.3f} steps/s (windows "
+        f"{min(rates):.3f}-{max(rates):.3f}), {med(a.faults for a in alones):.0f} minor faults "
+        f"a step, its CPU share {med(a.trainer_share for a in alones):.2f} of {cores} cores"
+    )
+    print(
+        "  saver                 saving/s ratio  (min-max)    saves window  blocks/save "
+        "save CPU s/GiB  faults a step  loop's CPU share   ratios"
+    )
+    for name, r in rows.items():
+        ratios = [w.rate / alone for w, alone in r]
+        ws = [w for w, _ in r]
+        print(
+            f"  {name:21s} {med(w.rate for w in ws):8.3f} {med(ratios):5.3f} "
+            f"({min(ratios):5.3f}-{max(ratios):5.3f}) {med(w.saves for w in ws):5.0f} "
+            f"{med(w.seconds for w in ws):6.1f}  {med(w.blocked / w.saves for w in ws):11.3f} "
+            f"{med(w.save_cpu / w.saves for w in ws) / gib:14.3f}  "
+            f"{med(w.faults for w in ws):13.0f}  {med(w.trainer_share for w in ws):16.2f}   "
+            f"{[round(x, 3) for x in ratios]}"
+        )
+    dcp = rows.get("dcp process")
+    bare = rows.get("O_DIRECT floor")
+    for name, r in rows.items():
+        if name in ("dcp process", "O_DIRECT floor"):
+            continue
+        ratio = med(w.rate / alone for w, alone in r)
+        line = f"  {name:21s} saving back to back / alone {ratio:5.3f} (target >= 0.93)"
+        if bare is not None:
+            line += f", / the O_DIRECT writer's {ratio / med(w.rate / a for w, a in bare):5.3f}"
+        if dcp is not None:
+            ours, theirs = med(w.rate for w, _ in r), med(w.rate for w, _ in dcp)
+            line += f", steps/s / DCP process's {ours / theirs:5.2f} (target > 1)"
+        print(line)
+
+
 def _print_rows(rows: dict[str, list[Sample]], memcpy: float, gib: float, cores: int) -> None:
     med = statistics.median
     n = len(next(iter(rows.values())))
@@ -354,6 +471,10 @@ def _print_rows(rows: dict[str, list[Sample]], memcpy: float, gib: float, cores:
             f"{blocked:6.3f} ({blocked / memcpy:4.2f}) {med(x.window for x in r):6.2f} "
             f"{lost:5.2f}  {cpu:6.3f} ({cpu / gib:5.3f})  {shares}"
             f"   ratios {[round(x.ratio, 2) for x in r]}"
+        )
+        print(
+            f"  {'':21s} minor faults a step of the loop's threads: alone "
+            f"{med(x.faults_alone for x in r):.0f}, during {med(x.faults_during for x in r):.0f}"
         )
     dcp = rows.get("dcp process")
     bare = rows.get("O_DIRECT floor")
@@ -421,6 +542,20 @@ def main() -> None:
     )
     ap.add_argument("--verbose", action="store_true", help="print every measurement")
     ap.add_argument(
+        "--sustained",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="instead of one save per measurement: each saver saving back to back for at least "
+        "SECONDS, against the loop alone for SECONDS before and after (interleaved)",
+    )
+    ap.add_argument(
+        "--fresh-grads",
+        action="store_true",
+        help="--loop real: every step allocates its gradients anew (the loop before its "
+        "gradients were made once; its step cost moves with the memory's state)",
+    )
+    ap.add_argument(
         "--compare-verify",
         action="store_true",
         help="also each manager reading its checkpoint back mapped (sp.verify without direct=)",
@@ -455,7 +590,7 @@ def _writers_at(args: argparse.Namespace, mib: float, writers: list[str]) -> Non
     """The writers' measurement at one size (``args``: the command line's)."""
     if args.loop == "real":
         t0 = time.perf_counter()
-        trainer = Trainer(mib / 1024)
+        trainer = Trainer(mib / 1024, steady=not args.fresh_grads)
         build = time.perf_counter() - t0
         for _ in range(3):
             trainer.step()
@@ -483,6 +618,9 @@ def _writers_at(args: argparse.Namespace, mib: float, writers: list[str]) -> Non
         not args.no_floor,
         args.compare_verify,
     )
+    if args.sustained:
+        run_sustained(loop, savers, max(args.repeats or 3, 1), args.sustained, args.verbose)
+        return
     alone_s = args.alone or (2.0 if args.loop == "real" else 0.6)
     run_writers(loop, savers, max(args.repeats or 5, 1), alone_s, args.verbose)
 
@@ -492,7 +630,8 @@ def _describe(loop: Trainer) -> str:
     params = sum(p.numel() for p in m.parameters())
     return (
         f"{params / 1e6:.1f}M parameters ({m.buckets} n-gram buckets x 2, width {s.d}, "
-        f"{s.layers} blocks, vocab {s.vocab}), batch {s.batch}x{s.seq}, fused AdamW"
+        f"{s.layers} blocks, vocab {s.vocab}), batch {s.batch}x{s.seq}, fused AdamW, "
+        f"{'gradients made once' if loop.steady else 'gradients allocated every step'}"
     )
 
 
