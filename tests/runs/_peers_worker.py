@@ -5,7 +5,9 @@ Usage: python _peers_worker.py SCENARIO RANK WORLD PORT WORKDIR
 
 The environment says how the session is laid out: ``PEERS_NODES`` the node of each rank
 (``a,a,b,b``: set as ``SAVEPOINT_NODE``, so two groups of ranks on one machine are two nodes),
-``PEERS_TIMEOUT`` the tier's timeout, ``PEERS_STEPS`` the steps to save. The run directory is
+``PEERS_TIMEOUT`` the tier's timeout, ``PEERS_STEPS`` the steps to save, ``PEERS_GRID=1`` a regular
+state's rows (saved as manifest version 7 with ``PEERS_NO_FLAT=1``, which also makes a restore
+receive every tensor straight into its target unless ``PEERS_STRAIGHT=0``). The run directory is
 ``WORKDIR/run``, the nodes' memory ``WORKDIR/mem``. Each scenario writes
 ``WORKDIR/SCENARIO-rank<RANK>.json`` (checks and data, as ``_worker.py`` does). The state of
 each step is built from a seed and the step, so a restore is compared exactly with what that
@@ -274,7 +276,8 @@ def main() -> None:
     if os.environ.get("PEERS_NO_FLAT") == "1":  # (tiny tensors land straight in the targets too)
         from savepoint.runs import _peer_restore
 
-        _peer_restore.DIRECT_AVERAGE = 0
+        if os.environ.get("PEERS_STRAIGHT") != "0":  # ("0": the loader reads them, as by default)
+            _peer_restore.DIRECT_AVERAGE = 0
         sinks = _peer_restore._sinks
 
         def counted(direct: Any) -> Any:

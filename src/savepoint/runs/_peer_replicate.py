@@ -3,9 +3,11 @@ process group at once: a job of the tier's worker thread (:mod:`savepoint.runs.p
 
 In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire`):
 
-1. **its part**: the manifest of the committed checkpoint (read from the run directory) and the
-   data files this rank wrote (``data-r<rank>-*``; every file for a checkpoint saved without a
-   process group); an incremental checkpoint's part also holds every ``world``-th blob its
+1. **its part**: the manifest of the committed checkpoint (read from the run directory), of a
+   manifest version 7 this rank's index file (``index-r<rank>.json``, checked against the
+   manifest's record of it: :mod:`savepoint.runs._peer_grid`; no other rank's index is read),
+   and the data files this rank wrote (``data-r<rank>-*``; every file for a checkpoint saved
+   without a process group); an incremental checkpoint's part also holds every ``world``-th blob its
    manifest names (``blobs/...``, whole copies: peer memory keeps no blob store of its own, so
    each step's copy holds all its blobs, changed or not) and the blob store's configuration;
    every rank's part (file names, sizes, the manifest's digest) is gathered;
@@ -24,9 +26,10 @@ In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire
    file its manifest's checksums cover whole (a savepoint one) is checked by each receiver
    against those checksums as it arrives (:mod:`savepoint.runs._peer_check`), and the XXH3-64
    the receiver computed in that pass comes back to the sender for its own copy's marker: the
-   sender never reads it to hash it. Other files (the manifest, blobs) the sender hashes, and
-   the receivers check them against its XXH3-64 (the manifest against the digest every rank
-   agreed on);
+   sender never reads it to hash it (a version 7 part's: against its index, checked against the
+   manifest first). Other files (the manifest, an index, blobs) the sender hashes, and the
+   receivers check them against its XXH3-64 (the manifest against the digest every rank agreed
+   on, an index against the manifest's record of it, as its sender read it);
 5. **commit**: each copy (its marker last, then a rename: :class:`NodeFolder`);
 6. **the outcome**, gathered: the step is *complete* in peer memory when every part has at least
    one committed copy; a failure anywhere (a rank that died or stopped answering, a file that did
@@ -182,10 +185,13 @@ class Replication:
             paths = {n: store.join(directory, n) for n in part_files(manifest, rank)}
             files = [(mf.NAME, len(raw))]
             small = {mf.NAME: raw}
-            covers = functools.partial(units, manifest)
+            covers: Callable[[str], list[Unit] | None] = _uncovered
+            if grid is None:
+                covers = functools.partial(units, manifest)
             index = grid.index(rank) if grid is not None else None
             if grid is not None and index is not None:  # its index: read, checked, sent whole
-                data = store.read_small(store.join(directory, index), cap=mf.MAX_MANIFEST_BYTES)
+                cap = grid.indices[index].size
+                data = store.read_small(store.join(directory, index), cap=cap)
                 check_index(grid, index, data)
                 small[index] = data
                 files.append((index, len(data)))
@@ -423,11 +429,15 @@ def _units_of(folder: str, src: int) -> Callable[[str], list[Unit] | None]:
         return functools.partial(units, mf.parse(raw, columns=False))
     index = grid.index(src)
     if index is None:
-        return lambda name: None
+        return _uncovered
     with open(os.path.join(folder, index), "rb") as f:
         data = f.read(mf.MAX_MANIFEST_BYTES + 1)
     check_index(grid, index, data)  # (a damaged index: no file of its part is kept)
     return grid.units(data)
+
+
+def _uncovered(name: str) -> None:
+    """(No data file of a version 7 part without an index is checked on arrival.)"""
 
 
 def _lander(landing: Landing, name: str, size: int) -> Any:

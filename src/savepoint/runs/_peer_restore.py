@@ -7,7 +7,10 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 
 1. **the manifest**: a rank whose node holds a copy of any part links its ``manifest.json`` into a
    private folder of its node (its *assembly*), others fetch it; each is checked against the
-   digest the copies share;
+   digest the copies share. Of a manifest version 7, then every part's index file the same way
+   (the loader reads them all), after the copies whose marker records an index other than the
+   one the manifest records are set aside (every rank alike: :func:`_agreeing`); the manifest
+   is then parsed with them (each checked against the manifest's record again);
 2. **what the load needs**: the data files this rank's load reads
    (:func:`savepoint.distributed.needs.files_needed`: its targets' regions, any world size);
 3. **the files**: a file of a part its own node holds is hard-linked into the assembly and
