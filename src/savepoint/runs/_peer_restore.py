@@ -88,14 +88,18 @@ class _Choice:
     holders: dict[int, list[str]]  # part -> nodes holding a copy (live ones)
     records: dict[tuple[str, int], PartRecord]  # (node, part) -> that copy's marker
 
+    owners: dict[str, int] = dataclasses.field(init=False, repr=False, default_factory=dict)
+
     def owner(self, name: str) -> int | None:
         """The part holding file ``name`` (None: the manifest, or the blob store's
         configuration, which every part holds)."""
         if name in COMMON:
             return None
-        for (_, part), record in self.records.items():
-            if name in record.files:
-                return part
+        if not self.owners:  # (once: a version 7 restore asks for every part's index)
+            for (_, part), record in self.records.items():
+                self.owners.update(dict.fromkeys(record.files, part))
+        if name in self.owners:
+            return self.owners[name]
         raise CorruptCheckpointError(
             f"{_LABEL}: no copy of step {self.step} holds {name}, which its manifest names",
             path=name,
