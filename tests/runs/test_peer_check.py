@@ -97,7 +97,7 @@ def test_a_version_7_parts_files_are_checked_against_its_index_alone(tmp_path: P
     from savepoint.runs._peer_grid import Head, head, index_problem
 
     manifest, files = saved(tmp_path)
-    pieces = [(k, s) for k, r in manifest.tensors.items() for s in r.layout()]  # type: ignore[union-attr]
+    pieces = [(k, s) for k, r in manifest.tensors.items() for s in r.layout()]
     index = mf.index_bytes(pieces)
     record = mf.IndexRecord(len(index), checksum.digest(index))
     grid = Head(1, dict(manifest.files), {mf.index_name(0): record})
