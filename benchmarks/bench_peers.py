@@ -12,8 +12,8 @@ on 127.0.0.1, as two nodes (``a`` and ``b``: ``SAVEPOINT_NODE``), and a moto S3 
 loopback. The state is ``--mib`` MiB of float32 in 8 tensors, each split along dim 0 over the
 ranks (``sp.Shard``): each rank holds and saves half (``--grid``: each a DTensor-like ``Shard(0)``
 on a 1-d mesh, a regular state, saved as manifest version 7 with per-rank index files, which the
-tier carries; without it, shards given by offsets, the per-piece manifest). Medians of ``--repeat`` rounds (after a
-warm-up round), each the slower rank's time:
+tier carries; without it, shards given by offsets, the per-piece manifest). Medians of
+``--repeat`` rounds (after a warm-up round), each the slower rank's time:
 
 - **RAM save**: ``mgr.save`` (synchronous, sharded) of a manager whose run directory is on
   ``/dev/shm`` with ``sp.Tier.peers()``: committed, books written;

@@ -7,9 +7,10 @@ In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire
    manifest version 7 this rank's index file (``index-r<rank>.json``, checked against the
    manifest's record of it: :mod:`savepoint.runs._peer_grid`; no other rank's index is read),
    and the data files this rank wrote (``data-r<rank>-*``; every file for a checkpoint saved
-   without a process group); an incremental checkpoint's part also holds every ``world``-th blob its
-   manifest names (``blobs/...``, whole copies: peer memory keeps no blob store of its own, so
-   each step's copy holds all its blobs, changed or not) and the blob store's configuration;
+   without a process group); an incremental checkpoint's part also holds every ``world``-th
+   blob its manifest names (``blobs/...``, whole copies: peer memory keeps no blob store of its
+   own, so each step's copy holds all its blobs, changed or not) and the blob store's
+   configuration;
    every rank's part (file names, sizes, the manifest's digest) is gathered;
 2. **where copies go** (:func:`ring`): each rank sends its part to ``replicas`` ranks on the
    next nodes of a ring (nodes in the order of their first rank), never its own node: to the
