@@ -10,8 +10,7 @@ In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire
    without a process group); an incremental checkpoint's part also holds every ``world``-th
    blob its manifest names (``blobs/...``, whole copies: peer memory keeps no blob store of its
    own, so each step's copy holds all its blobs, changed or not) and the blob store's
-   configuration;
-   every rank's part (file names, sizes, the manifest's digest) is gathered;
+   configuration; every rank's part (file names, sizes, the manifest's digest) is gathered;
 2. **where copies go** (:func:`ring`): each rank sends its part to ``replicas`` ranks on the
    next nodes of a ring (nodes in the order of their first rank), never its own node: to the
    rank at its own index on that node (modulo the ranks there), so the load spreads;
