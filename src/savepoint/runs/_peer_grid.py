@@ -128,8 +128,11 @@ def _pieces(shards: Any) -> dict[str, list[tuple[int, int, str, int, tuple[str, 
         for sh in listed:
             start, end = sh["offsets"]
             blocks = sh.get("blocks") or {"size": 0, "xxh3": []}
-            piece = (_count(start), _count(end), sh["xxh3"], _count(blocks["size"]))
-            found.setdefault(sh["file"], []).append((*piece, tuple(blocks["xxh3"])))
+            digests = (sh["xxh3"], *blocks["xxh3"])
+            if not all(isinstance(d, str) for d in (sh["file"], *digests)):
+                raise ValueError("a file name or digest that is not a string")
+            piece = (_count(start), _count(end), digests[0], _count(blocks["size"]))
+            found.setdefault(sh["file"], []).append((*piece, digests[1:]))
     return found
 
 
