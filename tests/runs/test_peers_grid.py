@@ -12,7 +12,8 @@ tensor: a regular state) is copied for each test:
   the targets on 4, 2 and 6);
 - a damaged copy of an index is detected and the other node's copy used; every copy damaged: the
   run directory, the warning naming the index;
-- a copy whose index and marker agree with each other but not with the manifest is not used.
+- a copy whose index and marker agree with each other but not with the manifest is not used;
+- an index damaged between its check and its send keeps no copy of its part.
 """
 
 from __future__ import annotations
@@ -158,3 +159,14 @@ def test_a_copy_whose_index_and_marker_disagree_with_the_manifest_is_not_used(co
         assert (every["step"], every["from"]) == (1, "run directory"), every
         (warning,) = every["warnings"]
         assert "no verified copy left of index-r00002.json" in warning, warning
+
+
+def test_an_index_damaged_after_its_check_keeps_no_copy_of_its_part(tmp_path: Path) -> None:
+    session = run("garble_index", 2, tmp_path, PEERS_NODES="a,b")
+    for error, complete, copies in data(session, "step 1"):
+        # node b refused the bytes (not the manifest's record of the index), node a's own copy
+        # was not committed either (what it wrote is what it sent)
+        assert error is not None and "index-r00000.json" in error and not complete, error
+        assert copies == {"1": ["a", "b"]}, copies
+    for error, complete, copies in data(session, "step 2"):
+        assert (error, complete, copies) == (None, True, {"0": ["a", "b"], "1": ["a", "b"]})

@@ -133,6 +133,11 @@ class _Part:
     paths: dict[str, str]  # name -> where the store holds it (its data files and blobs)
     local: bool  # the store is this machine's file system (paths are file paths)
     units: Callable[[str], list[Unit] | None] | None = None  # a data file's checksummed ranges
+    expect: dict[str, str] = dataclasses.field(default_factory=dict)  # small's digests, checked
+
+    def __post_init__(self) -> None:
+        for name, data in self.small.items():
+            self.expect[name] = self.digest if name == mf.NAME else checksum.digest(data)
 
 
 class Replication:
@@ -154,10 +159,7 @@ class Replication:
             doc: dict[str, Any] = {"error": error}
             if part is not None:
                 doc.update(manifest=part.digest, world=part.world, files=part.files)
-                doc["small"] = {  # (what receivers check the manifest and an index against)
-                    n: part.digest if n == mf.NAME else checksum.digest(b)
-                    for n, b in part.small.items()
-                }
+                doc["small"] = part.expect  # (the manifest and an index are checked against)
             parts = wire.gather("parts", doc)
             problems = _problems(wire, parts, "describe its part")
             copies: list[tuple[int, str]] = []
@@ -298,7 +300,9 @@ class Replication:
         """Step 5: commit this rank's own copy and every part received whole."""
         node, rank = self.folder.node, self.wire.rank
         committed: list[tuple[int, str]] = []
-        if own is not None and all(item.digest is not None for item in outgoing):
+        # (the manifest and an index as sent: the digest every rank agreed on, the manifest's)
+        sent = all(item.digest == part.expect.get(item.name, item.digest) for item in outgoing)
+        if own is not None and sent and all(item.digest is not None for item in outgoing):
             files = {item.name: (item.size, item.digest or "") for item in outgoing}
             self.folder.commit(own, PartRecord(step, rank, part.world, part.digest, files, node))
             committed.append((rank, node))
