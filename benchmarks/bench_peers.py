@@ -3,14 +3,17 @@ node against local disk (cold) and the object store, in one run.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_peers.py [--mib 128] [--repeat 3] [--dir /tmp/sp-bench-peers]
+    .venv/bin/python benchmarks/bench_peers.py [--mib 128] [--repeat 3] [--grid]
+        [--dir /tmp/sp-bench-peers]
 
 ``--mib 1024`` is the issue's 1 GiB (it needs about 6 GiB of ``/dev/shm``); the default is
 small enough for a 2-core machine shared with others. Starts 2 processes joined in a gloo group
 on 127.0.0.1, as two nodes (``a`` and ``b``: ``SAVEPOINT_NODE``), and a moto S3 server on
 loopback. The state is ``--mib`` MiB of float32 in 8 tensors, each split along dim 0 over the
-ranks (``sp.Shard``): each rank holds and saves half. Medians of ``--repeat`` rounds (after a
-warm-up round), each the slower rank's time:
+ranks (``sp.Shard``): each rank holds and saves half (``--grid``: each a DTensor-like ``Shard(0)``
+on a 1-d mesh, a regular state, saved as manifest version 7 with per-rank index files, which the
+tier carries; without it, shards given by offsets, the per-piece manifest). Medians of
+``--repeat`` rounds (after a warm-up round), each the slower rank's time:
 
 - **RAM save**: ``mgr.save`` (synchronous, sharded) of a manager whose run directory is on
   ``/dev/shm`` with ``sp.Tier.peers()``: committed, books written;
@@ -64,6 +67,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     from bench_distributed import evict
     from bench_objectstore import use_server
     from savepoint.distributed import Shard
+    from savepoint.distributed.layout import Grid
 
     os.environ["SAVEPOINT_NODE"] = "ab"[rank]
     dist.init_process_group(
@@ -81,7 +85,11 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         for i in range(TENSORS):
             g = torch.Generator().manual_seed(i * 2 + rank)
             local = torch.zeros(n // 2) if empty else torch.randn(n // 2, generator=g) + step
-            out[f"w{i}"] = Shard.split(local, 0, rank, 2, size=n)
+            piece = Shard.split(local, 0, rank, 2, size=n)
+            if args.grid:  # (a regular state: manifest version 7)
+                grid = Grid((2,), (rank,), (0,))
+                piece = Shard(piece.local, piece.global_shape, piece.offsets, grid=grid)
+            out[f"w{i}"] = piece
         return out
 
     def slowest(seconds: float) -> float:
@@ -111,6 +119,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
             if step:  # round 0 warms up (the gloo groups are made there)
                 results["save"].append(save_s)
                 results["replicate"].append(slowest(outcome.seconds))
+        if rank == 0:  # (--grid: 7, each rank's index file replicated with its part)
+            with open(os.path.join(mgr.step_path(args.repeat), "manifest.json"), "rb") as f:
+                print(f"manifest version {json.loads(f.read())['format_version']}", flush=True)
     last = args.repeat
     targets = state(0, empty=True)
     node_a = os.path.join(mem, os.listdir(mem)[0], "a")
@@ -285,6 +296,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/sp-bench-peers", help="on a disk, not a tmpfs")
+    parser.add_argument("--grid", action="store_true", help="a regular state: manifest version 7")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)

@@ -36,12 +36,13 @@ def test_load_refuses_a_missing_cuda_device_before_reading(tmp_path: object) -> 
         sp.load("memory://nothing-here/ckpt", device="cuda")  # refused before the path is read
 
 
-def test_grid_is_a_bool_and_a_peer_tier_turns_it_off() -> None:
+def test_grid_is_a_bool_and_a_peer_tier_keeps_it() -> None:
     from savepoint.runs.config import ManagerConfig
 
     with pytest.raises(TypeError, match="grid"):
         sp.SaveOptions(grid="no")  # type: ignore[arg-type]
     assert sp.SaveOptions().grid and not sp.SaveOptions(grid=False).grid
     plain = ManagerConfig.of(keep_last=1)
-    peers = ManagerConfig.of(keep_last=1, tiers=[sp.Tier.peers()])
-    assert plain.save_options.grid and not peers.save_options.grid
+    peers = ManagerConfig.of(keep_last=1, tiers=[sp.Tier.peers()])  # (it carries version 7)
+    off = ManagerConfig.of(keep_last=1, tiers=[sp.Tier.peers()], grid=False)
+    assert plain.save_options.grid and peers.save_options.grid and not off.save_options.grid

@@ -21,7 +21,7 @@ Fields:
 - ``grid``: a sharded save of a regular state (every rank holding the same DTensors on one
   mesh) is planned from its grid and written as manifest version 7 (a tensor table and one index
   file per rank: O(tensors + ranks)); False plans and lists every piece in the manifest, as for
-  any other sharded state (what a peer-memory tier replicates; the manager sets it there).
+  any other sharded state (for readers older than version 7).
 
 :func:`check_load` checks the arguments of ``sp.load`` and ``sp.verify`` the same way, before
 anything is read.

@@ -5,7 +5,9 @@ Usage: python _peers_worker.py SCENARIO RANK WORLD PORT WORKDIR
 
 The environment says how the session is laid out: ``PEERS_NODES`` the node of each rank
 (``a,a,b,b``: set as ``SAVEPOINT_NODE``, so two groups of ranks on one machine are two nodes),
-``PEERS_TIMEOUT`` the tier's timeout, ``PEERS_STEPS`` the steps to save. The run directory is
+``PEERS_TIMEOUT`` the tier's timeout, ``PEERS_STEPS`` the steps to save, ``PEERS_GRID=1`` a regular
+state's rows (saved as manifest version 7 with ``PEERS_NO_FLAT=1``, which also makes a restore
+receive every tensor straight into its target unless ``PEERS_STRAIGHT=0``). The run directory is
 ``WORKDIR/run``, the nodes' memory ``WORKDIR/mem``. Each scenario writes
 ``WORKDIR/SCENARIO-rank<RANK>.json`` (checks and data, as ``_worker.py`` does). The state of
 each step is built from a seed and the step, so a restore is compared exactly with what that
@@ -216,6 +218,41 @@ def scenario_garble(s: dw.Session) -> None:
     s.check("garble", run)
 
 
+def scenario_garble_index(s: dw.Session) -> None:
+    """Rank 0's first send of its index has one byte flipped after it was read and checked (its
+    own copy is written from the same bytes): no copy of part 0 may be kept, and the next step
+    replicates whole."""
+    from savepoint.runs import _peer_folder
+
+    if s.rank == 0:
+        chunk, flipped = _peer_folder.BytesSource.chunk, []
+
+        def garbled(self: Any, start: int, end: int) -> Any:
+            got = chunk(self, start, end)
+            if not flipped and bytes(got[:10]) == b'{"shards":':
+                flipped.append(start)
+                got = got.copy()
+                got[len(got) // 2] ^= 0x01
+            return got
+
+        _peer_folder.BytesSource.chunk = garbled  # type: ignore[method-assign]
+
+    def run() -> None:
+        with manager(s) as mgr:
+            for step in (1, 2):
+                mgr.save(step, state(step, s.rank, s.world))
+                try:
+                    mgr.wait()
+                    error = None
+                except sp.CheckpointError as exc:
+                    error = str(exc)
+                last = mgr._saver.settle.peers.last
+                copies = {str(p): sorted(n) for p, n in last.copies.items()}
+                s.data[f"step {step}"] = [error, last.complete, copies]
+
+    s.check("garble_index", run)
+
+
 def scenario_garble_restore(s: dw.Session) -> None:
     """Restore twice (node a lost): rank 0 receives its files straight into its targets; the
     second time rank 1 flips one byte of the first data file it serves (its copy is intact).
@@ -274,7 +311,8 @@ def main() -> None:
     if os.environ.get("PEERS_NO_FLAT") == "1":  # (tiny tensors land straight in the targets too)
         from savepoint.runs import _peer_restore
 
-        _peer_restore.DIRECT_AVERAGE = 0
+        if os.environ.get("PEERS_STRAIGHT") != "0":  # ("0": the loader reads them, as by default)
+            _peer_restore.DIRECT_AVERAGE = 0
         sinks = _peer_restore._sinks
 
         def counted(direct: Any) -> Any:

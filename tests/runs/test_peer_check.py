@@ -4,6 +4,7 @@ file, any split into pieces checks the same, and a damaged byte anywhere is foun
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -88,3 +89,31 @@ def test_ranges_split_anywhere_across_pieces_check_the_same() -> None:
     damaged[65536] ^= 0x80
     problem = run(found, bytes(damaged), 4096)
     assert problem is not None and problem.startswith("bytes 65536-65537")
+
+
+def test_a_version_7_parts_files_are_checked_against_its_index_alone(tmp_path: Path) -> None:
+    # (runs._peer_grid: an index's shards give the ranges a parsed manifest gives)
+    from savepoint.codecs import checksum
+    from savepoint.runs._peer_grid import Head, head, index_problem
+
+    manifest, files = saved(tmp_path)
+    pieces = [(k, s) for k, r in manifest.tensors.items() for s in r.layout()]
+    index = mf.index_bytes(pieces)
+    record = mf.IndexRecord(len(index), checksum.digest(index))
+    grid = Head(1, dict(manifest.files), {mf.index_name(0): record})
+    for name in files:
+        assert grid.units(index)(name) == units(manifest, name) is not None, name
+    assert grid.units(b"{")("data.safetensors") is None  # (a malformed index checks nothing)
+    assert grid.units(index)("other") is None
+    big = max(pieces, key=lambda p: p[1].end - p[1].start)  # (left out: a gap in its file)
+    assert grid.units(mf.index_bytes([p for p in pieces if p is not big]))(big[1].file) is None
+    assert index_problem(record, len(index), checksum.digest(index)) is None
+    assert "the manifest records" in str(index_problem(record, len(index), "0" * 16))
+    # head(): None for another version; the members of a version 7 manifest checked
+    assert head((tmp_path / "c" / mf.NAME).read_bytes()) is None
+    doc = {"format": mf.FORMAT, "format_version": 7, "world_size": 1, "files": {}}
+    doc["indices"] = {"index-r00000.json": {"size": record.size, "xxh3": record.xxh3}}
+    assert head(json.dumps(doc).encode()) == Head(1, {}, {"index-r00000.json": record})
+    doc["indices"] = {"../x": {"size": 1, "xxh3": record.xxh3}}
+    with pytest.raises(sp.CorruptCheckpointError, match="plain file name"):
+        head(json.dumps(doc).encode())

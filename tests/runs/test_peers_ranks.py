@@ -104,12 +104,14 @@ def test_a_lost_node_is_restored_from_the_other_nodes_copies_on_4_2_and_6_ranks(
 def test_a_lost_node_is_restored_straight_into_the_targets_on_4_2_and_6_ranks(
     tmp_path: Path,
 ) -> None:
-    # rows a DTensor-like Shard(0) (a regular state): the manager saves it with every piece in
-    # the manifest (grid=False), which the tier replicates, not as version 7
+    # rows a DTensor-like Shard(0) (a regular state): saved as manifest version 7, each part's
+    # index file replicated with it (tests/runs/test_peers_grid.py)
     env = {"PEERS_NO_FLAT": "1", "PEERS_STEPS": "1", "PEERS_TIMEOUT": "30", "PEERS_GRID": "1"}
     saved = run("save", 4, tmp_path, **env)
     for outcome in data(saved, "outcome"):
         assert outcome["step"] == 1 and outcome["complete"], outcome
+    on_disk = tmp_path / "run/checkpoints/step-0000000001"
+    assert json.loads((on_disk / "manifest.json").read_bytes())["format_version"] == 7
     shutil.rmtree(node_folder(tmp_path, "a"))
     shutil.rmtree(tmp_path / "run/checkpoints/step-0000000001")  # only peer memory has it
     for nodes, straight in (("a,a,b,b", {2}), ("a,b", {2}), ("a,a,b,b,c,c", {0, 1})):

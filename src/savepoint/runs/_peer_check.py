@@ -8,18 +8,21 @@ digests as its pieces land, each piece hashed while it is in cache, so the sende
 the file to hash it: the bytes are checked against what the save recorded, end to end, and the
 receiver's XXH3-64 of the whole file (computed in the same pass) becomes both copies' marker.
 
+:func:`units` reads them from a parsed manifest; a version 7 manifest keeps them in each rank's
+index file instead, read by :mod:`savepoint.runs._peer_grid` (both through :func:`tile`).
 :func:`units` is None for a file these checksums do not cover whole (a file of another writer
 with gaps, a digest of another algorithm, blobs): then the sender hashes it as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from savepoint.codecs import checksum
 from savepoint.codecs import manifest as mf
 
-__all__ = ["Check", "Unit", "units"]
+__all__ = ["Check", "Unit", "tile", "units"]
 
 Unit = tuple[int, int, str]  # [start, end) of the file, its XXH3-64
 
@@ -31,19 +34,31 @@ def units(manifest: mf.Manifest, name: str) -> list[Unit] | None:
     tensors = manifest.tensors
     if record is None or not isinstance(tensors, dict):
         return None
-    found: list[Unit] = [(0, record.header_size, record.header_xxh3)]
+    pieces = []
     for rec in tensors.values():
         for shard in rec.layout():
             if shard.file != name:
                 continue
             if shard.recipe is not None:
                 return None
-            if shard.block and shard.blocks:
-                for i, digest in enumerate(shard.blocks):
-                    start = shard.start + i * shard.block
-                    found.append((start, min(shard.end, start + shard.block), digest))
-            else:
-                found.append((shard.start, shard.end, shard.xxh3))
+            pieces.append((shard.start, shard.end, shard.xxh3, shard.block, shard.blocks))
+    return tile(record, pieces)
+
+
+def tile(
+    record: mf.FileRecord, pieces: Iterable[tuple[int, int, str, int, tuple[str, ...]]]
+) -> list[Unit] | None:
+    """The ranges of a data file of ``record`` from the pieces stored in it (start, end, XXH3-64,
+    block size and block checksums: a block size of 0 checks the piece whole) and its header,
+    in file order; None unless they tile the file whole."""
+    found: list[Unit] = [(0, record.header_size, record.header_xxh3)]
+    for start, end, xxh3, block, blocks in pieces:
+        if block and blocks:
+            for i, digest in enumerate(blocks):
+                at = start + i * block
+                found.append((at, min(end, at + block), digest))
+        else:
+            found.append((start, end, xxh3))
     found.sort()
     at = 0
     for start, end, digest in found:

@@ -7,16 +7,17 @@ outlives the training processes, not the machine)::
     step-<step>/part-<part>/          one committed copy of part <part> of checkpoint <step>
         part.json                     its marker, written last: what the copy holds
         manifest.json                 the checkpoint's manifest (every part has it)
+        index-r<part>.json            of a manifest version 7: rank <part>'s index file
         data-r<part>-<i>.safetensors  the data files rank <part> wrote
     .<name>.savepoint-tmp-<host>-<pid>-<random>   a copy being written, or a folder being deleted
 
-A part is what one rank of the saving world wrote (its data files) plus the manifest; a
-checkpoint saved without a process group is one part, 0, holding every file. A copy is written
-into a hidden staging folder, its marker ``part.json`` last (the size and XXH3-64 of every file,
-the manifest's digest, the step, the part and the saving world), then renamed into place: a copy
-is either whole, with its marker, or not there (a kill leaves a staging folder, removed by the
-next :meth:`NodeFolder.clean` once its process is gone). A copy is verified against its marker
-before it is used (:meth:`NodeFolder.verify`), file by file.
+A part is what one rank of the saving world wrote (its data files, and its index file) plus the
+manifest; a checkpoint saved without a process group is one part, 0, holding every file. A copy
+is written into a hidden staging folder, its marker ``part.json`` last (the size and XXH3-64 of
+every file, the manifest's digest, the step, the part and the saving world), then renamed into
+place: a copy is either whole, with its marker, or not there (a kill leaves a staging folder,
+removed by the next :meth:`NodeFolder.clean` once its process is gone). A copy is verified
+against its marker before it is used (:meth:`NodeFolder.verify`), file by file.
 
 Nothing here talks to other processes: :mod:`savepoint.runs._peer_replicate` fills the folder,
 :mod:`savepoint.runs._peer_restore` reads it. Eviction (:func:`evictions`) is a pure rule over

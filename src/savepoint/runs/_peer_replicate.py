@@ -3,12 +3,14 @@ process group at once: a job of the tier's worker thread (:mod:`savepoint.runs.p
 
 In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire`):
 
-1. **its part**: the manifest of the committed checkpoint (read from the run directory) and the
-   data files this rank wrote (``data-r<rank>-*``; every file for a checkpoint saved without a
-   process group); an incremental checkpoint's part also holds every ``world``-th blob its
-   manifest names (``blobs/...``, whole copies: peer memory keeps no blob store of its own, so
-   each step's copy holds all its blobs, changed or not) and the blob store's configuration;
-   every rank's part (file names, sizes, the manifest's digest) is gathered;
+1. **its part**: the manifest of the committed checkpoint (read from the run directory), of a
+   manifest version 7 this rank's index file (``index-r<rank>.json``, checked against the
+   manifest's record of it: :mod:`savepoint.runs._peer_grid`; no other rank's index is read),
+   and the data files this rank wrote (``data-r<rank>-*``; every file for a checkpoint saved
+   without a process group); an incremental checkpoint's part also holds every ``world``-th
+   blob its manifest names (``blobs/...``, whole copies: peer memory keeps no blob store of its
+   own, so each step's copy holds all its blobs, changed or not) and the blob store's
+   configuration; every rank's part (file names, sizes, the manifest's digest) is gathered;
 2. **where copies go** (:func:`ring`): each rank sends its part to ``replicas`` ranks on the
    next nodes of a ring (nodes in the order of their first rank), never its own node: to the
    rank at its own index on that node (modulo the ranks there), so the load spreads;
@@ -24,9 +26,10 @@ In order, on each rank (one session of the wire, :mod:`savepoint.runs._peer_wire
    file its manifest's checksums cover whole (a savepoint one) is checked by each receiver
    against those checksums as it arrives (:mod:`savepoint.runs._peer_check`), and the XXH3-64
    the receiver computed in that pass comes back to the sender for its own copy's marker: the
-   sender never reads it to hash it. Other files (the manifest, blobs) the sender hashes, and
-   the receivers check them against its XXH3-64 (the manifest against the digest every rank
-   agreed on);
+   sender never reads it to hash it (a version 7 part's: against its index, checked against the
+   manifest first). Other files (the manifest, an index, blobs) the sender hashes, and the
+   receivers check them against its XXH3-64 (the manifest against the digest every rank agreed
+   on, an index against the manifest's record of it, as its sender read it);
 5. **commit**: each copy (its marker last, then a rename: :class:`NodeFolder`);
 6. **the outcome**, gathered: the step is *complete* in peer memory when every part has at least
    one committed copy; a failure anywhere (a rank that died or stopped answering, a file that did
@@ -43,16 +46,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 from savepoint.codecs import checksum
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import resolve as resolve_committed
-from savepoint.runs._peer_check import Check, units
+from savepoint.runs._peer_check import Check, Unit, units
 from savepoint.runs._peer_folder import (
     BLOBS,
     COMMON,
@@ -65,6 +70,7 @@ from savepoint.runs._peer_folder import (
     blob_home,
     evictions,
 )
+from savepoint.runs._peer_grid import check_index, head
 from savepoint.runs._peer_wire import Gathered, Incoming, Outgoing, Wire
 from savepoint.storage.paths import Location, PathArg, resolve
 
@@ -120,13 +126,18 @@ class _Part:
     """This rank's part of the checkpoint being replicated."""
 
     store: Any
-    manifest: bytes
+    small: dict[str, bytes]  # the manifest (and a version 7 part's index): the bytes read
     digest: str
     world: int
-    files: list[tuple[str, int]]  # name, size (manifest.json first)
-    paths: dict[str, str]  # name -> where the store holds it (all but the manifest)
+    files: list[tuple[str, int]]  # name, size (manifest.json first, then an index)
+    paths: dict[str, str]  # name -> where the store holds it (its data files and blobs)
     local: bool  # the store is this machine's file system (paths are file paths)
-    parsed: mf.Manifest | None = None
+    units: Callable[[str], list[Unit] | None] | None = None  # a data file's checksummed ranges
+    expect: dict[str, str] = dataclasses.field(default_factory=dict)  # small's digests, checked
+
+    def __post_init__(self) -> None:
+        for name, data in self.small.items():
+            self.expect[name] = self.digest if name == mf.NAME else checksum.digest(data)
 
 
 class Replication:
@@ -148,6 +159,7 @@ class Replication:
             doc: dict[str, Any] = {"error": error}
             if part is not None:
                 doc.update(manifest=part.digest, world=part.world, files=part.files)
+                doc["small"] = part.expect  # (the manifest and an index are checked against)
             parts = wire.gather("parts", doc)
             problems = _problems(wire, parts, "describe its part")
             copies: list[tuple[int, str]] = []
@@ -166,16 +178,31 @@ class Replication:
             if directory is None:
                 return None, f"no committed checkpoint at {where}"
             raw = store.read_small(store.join(directory, mf.NAME), cap=mf.MAX_MANIFEST_BYTES)
-            manifest = mf.parse(raw, columns=False)
+            grid = head(raw)  # (version 7: read without the other ranks' indexes)
+            manifest: Any = mf.parse(raw, columns=False) if grid is None else grid
             world = manifest.world_size or 1
             if world != self.wire.world:
                 return None, f"the checkpoint was saved by {world} ranks, not {self.wire.world}"
-            paths = {n: store.join(directory, n) for n in part_files(manifest, self.wire.rank)}
-            files = [(mf.NAME, len(raw))] + [(n, manifest.files[n].size) for n in paths]
-            if manifest.has_blobs:
-                files += _blob_files(store, directory, manifest, self.wire.rank, paths)
+            rank = self.wire.rank
+            paths = {n: store.join(directory, n) for n in part_files(manifest, rank)}
+            files = [(mf.NAME, len(raw))]
+            small = {mf.NAME: raw}
+            covers: Callable[[str], list[Unit] | None] = _uncovered
+            if grid is None:
+                covers = functools.partial(units, manifest)
+            index = grid.index(rank) if grid is not None else None
+            if grid is not None and index is not None:  # its index: read, checked, sent whole
+                cap = grid.indices[index].size
+                data = store.read_small(store.join(directory, index), cap=cap)
+                check_index(grid, index, data)
+                small[index] = data
+                files.append((index, len(data)))
+                covers = grid.units(data)
+            files += [(n, manifest.files[n].size) for n in paths]
+            if grid is None and manifest.has_blobs:
+                files += _blob_files(store, directory, manifest, rank, paths)
             digest = checksum.digest(raw)
-            part = _Part(store, raw, digest, world, files, paths, where.is_local, manifest)
+            part = _Part(store, small, digest, world, files, paths, where.is_local, covers)
             return part, None
         except Exception as exc:  # reported to every rank through the gather
             return None, f"{self.wire.who(self.wire.rank)}: cannot read its part: {exc}"
@@ -188,7 +215,7 @@ class Replication:
         targets = ring(wire.nodes, self.replicas)
         outgoing, incoming = [], []
         landing: dict[int, Landing] = {}
-        manifests: dict[int, mf.Manifest] = {}
+        manifests: dict[int, Callable[[str], Any]] = {}
         message = 0
         need = 0
         for rank, doc in enumerate(parts):
@@ -198,10 +225,11 @@ class Replication:
                 if rank == wire.rank:
                     send = Outgoing(message, dsts, size, name, _opener(part, name))
                     # (the receivers check a data file against the manifest: no hashing here)
-                    send.checked = bool(dsts) and _covered(part.parsed, name)
+                    send.checked = bool(dsts) and _covered(part, name)
                     outgoing.append(send)
                 elif wire.rank in dsts:
-                    expect = doc["manifest"] if name == mf.NAME else None
+                    # (the manifest and an index: against the digests the manifest gives them)
+                    expect = doc["small"].get(name)
                     check = _checker(landing, manifests, rank, name)
                     incoming.append(Incoming(message, rank, size, name, None, expect, check=check))
                 need += size * (int(here) + sum(wire.nodes[d] == node for d in dsts))
@@ -272,7 +300,9 @@ class Replication:
         """Step 5: commit this rank's own copy and every part received whole."""
         node, rank = self.folder.node, self.wire.rank
         committed: list[tuple[int, str]] = []
-        if own is not None and all(item.digest is not None for item in outgoing):
+        # (the manifest and an index as sent: the digest every rank agreed on, the manifest's)
+        sent = all(item.digest == part.expect.get(item.name, item.digest) for item in outgoing)
+        if own is not None and sent and all(item.digest is not None for item in outgoing):
             files = {item.name: (item.size, item.digest or "") for item in outgoing}
             self.folder.commit(own, PartRecord(step, rank, part.world, part.digest, files, node))
             committed.append((rank, node))
@@ -366,32 +396,52 @@ def _linked(part: _Part, name: str, target: str) -> bool:
 
 
 def _opener(part: _Part, name: str) -> Any:
-    if name == mf.NAME:  # the very bytes read (and hashed) above
-        return lambda: BytesSource(part.manifest)
+    if name in part.small:  # the very bytes read (and checked) above
+        return lambda: BytesSource(part.small[name])
     store, path = part.store, part.paths[name]
     return lambda: BlobSource(store, path)
 
 
-def _covered(manifest: mf.Manifest | None, name: str) -> bool:
-    return manifest is not None and name in manifest.files and units(manifest, name) is not None
+def _covered(part: _Part, name: str) -> bool:
+    return name in part.paths and part.units is not None and part.units(name) is not None
 
 
 def _checker(
-    landing: dict[int, Landing], manifests: dict[int, mf.Manifest], src: int, name: str
+    landing: dict[int, Landing], manifests: dict[int, Callable[[str], Any]], src: int, name: str
 ) -> Any:
-    """What a data file from ``src`` is checked against as it arrives: its part's manifest,
-    received (and checked against the digest every rank agreed on) before it."""
+    """What a data file from ``src`` is checked against as it arrives: its part's manifest (a
+    version 7 one: its part's index, checked against the manifest), received (and checked
+    against the digest every rank agreed on) before it."""
 
     def check() -> Check | None:
         if src not in landing:
             return None  # (this node keeps no copy of this step: nothing to check)
         if src not in manifests:
-            with open(os.path.join(landing[src].folder, mf.NAME), "rb") as f:
-                manifests[src] = mf.parse(f.read(mf.MAX_MANIFEST_BYTES + 1), columns=False)
-        found = units(manifests[src], name)
+            manifests[src] = _units_of(landing[src].folder, src)
+        found = manifests[src](name)
         return None if found is None else Check(found)
 
     return check
+
+
+def _units_of(folder: str, src: int) -> Callable[[str], list[Unit] | None]:
+    """The checksummed ranges of part ``src``'s data files, from its copy landed in ``folder``."""
+    with open(os.path.join(folder, mf.NAME), "rb") as f:
+        raw = f.read(mf.MAX_MANIFEST_BYTES + 1)
+    grid = head(raw)
+    if grid is None:
+        return functools.partial(units, mf.parse(raw, columns=False))
+    index = grid.index(src)
+    if index is None:
+        return _uncovered
+    with open(os.path.join(folder, index), "rb") as f:
+        data = f.read(mf.MAX_MANIFEST_BYTES + 1)
+    check_index(grid, index, data)  # (a damaged index: no file of its part is kept)
+    return grid.units(data)
+
+
+def _uncovered(name: str) -> None:
+    """(No data file of a version 7 part without an index is checked on arrival.)"""
 
 
 def _lander(landing: Landing, name: str, size: int) -> Any:

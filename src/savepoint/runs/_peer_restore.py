@@ -7,7 +7,10 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 
 1. **the manifest**: a rank whose node holds a copy of any part links its ``manifest.json`` into a
    private folder of its node (its *assembly*), others fetch it; each is checked against the
-   digest the copies share;
+   digest the copies share. Of a manifest version 7, then every part's index file the same way
+   (the loader reads them all), after the copies whose marker records an index other than the
+   one the manifest records are set aside (every rank alike: :func:`_agreeing`); the manifest
+   is then parsed with them (each checked against the manifest's record again);
 2. **what the load needs**: the data files this rank's load reads
    (:func:`savepoint.distributed.needs.files_needed`: its targets' regions, any world size);
 3. **the files**: a file of a part its own node holds is hard-linked into the assembly and
@@ -56,6 +59,7 @@ from savepoint.runs._peer_folder import (
     hash_file,
     place,
 )
+from savepoint.runs._peer_grid import Head, head, index_problem
 from savepoint.runs._peer_wire import Incoming, Outgoing, Wire
 
 if TYPE_CHECKING:
@@ -84,14 +88,18 @@ class _Choice:
     holders: dict[int, list[str]]  # part -> nodes holding a copy (live ones)
     records: dict[tuple[str, int], PartRecord]  # (node, part) -> that copy's marker
 
+    owners: dict[str, int] = dataclasses.field(init=False, repr=False, default_factory=dict)
+
     def owner(self, name: str) -> int | None:
         """The part holding file ``name`` (None: the manifest, or the blob store's
         configuration, which every part holds)."""
         if name in COMMON:
             return None
-        for (_, part), record in self.records.items():
-            if name in record.files:
-                return part
+        if not self.owners:  # (once: a version 7 restore asks for every part's index)
+            for (_, part), record in self.records.items():
+                self.owners.update(dict.fromkeys(record.files, part))
+        if name in self.owners:
+            return self.owners[name]
         raise CorruptCheckpointError(
             f"{_LABEL}: no copy of step {self.step} holds {name}, which its manifest names",
             path=name,
@@ -169,12 +177,7 @@ class PeerRestore:
         try:
             with self.wire.session():
                 self._fetch(choice, [mf.NAME], base, "manifest", _here)
-                with open(os.path.join(base, mf.NAME), "rb") as f:
-                    manifest = mf.parse(f.read(), columns=False)
-                where = functools.partial(place, step=step, blob_store=manifest.blob_store)
-                os.makedirs(os.path.dirname(os.path.join(base, where(mf.NAME))))
-                os.rename(os.path.join(base, mf.NAME), os.path.join(base, where(mf.NAME)))
-                directory = assembly(base, step, manifest.blob_store)
+                choice, manifest, directory, where = self._manifest(choice, base)
                 wanted, direct = _needs(manifest, directory, options)
                 if manifest.has_blobs:  # every blob of the checkpoint (see the docstring)
                     wanted.add(COMMON[1])
@@ -187,6 +190,32 @@ class PeerRestore:
                 return checkpoint.load(directory, **options)
         finally:
             shutil.rmtree(base, ignore_errors=True)
+
+    def _manifest(self, choice: _Choice, base: str) -> tuple[_Choice, mf.Manifest, str, Any]:
+        """The fetched manifest (in ``base``) moved into the assembly and parsed: a version 7
+        one after every part's index was fetched and verified (the copies whose marker records
+        an index other than the manifest's set aside first). The choice that is left, the
+        manifest, the assembly's checkpoint folder, and where each file goes."""
+        with open(os.path.join(base, mf.NAME), "rb") as f:
+            raw = f.read()
+        grid = head(raw)
+        manifest = mf.parse(raw, columns=False) if grid is None else None
+        blob_store = manifest.blob_store if manifest is not None else None
+        where = functools.partial(place, step=choice.step, blob_store=blob_store)
+        os.makedirs(os.path.dirname(os.path.join(base, where(mf.NAME))))
+        os.rename(os.path.join(base, mf.NAME), os.path.join(base, where(mf.NAME)))
+        directory = assembly(base, choice.step, blob_store)
+        if manifest is not None:
+            return choice, manifest, directory, where
+        assert grid is not None
+        choice = _agreeing(choice, grid)
+        self._fetch(choice, sorted(grid.indices), base, "indexes", where)
+
+        def read_index(name: str, size: int) -> bytes:  # (each verified against its marker)
+            with open(os.path.join(directory, name), "rb") as f:
+                return f.read(size + 1)
+
+        return choice, mf.parse(raw, columns=False, read_index=read_index), directory, where
 
     def _fetch(
         self,
@@ -389,6 +418,30 @@ def _parts(choice: _Choice, name: str) -> list[int]:
     """The parts whose copies hold ``name`` (every part for the files they all hold)."""
     owner = choice.owner(name)
     return sorted(choice.holders) if owner is None else [owner]
+
+
+def _agreeing(choice: _Choice, grid: Head) -> _Choice:
+    """``choice`` without the copies whose marker records an index other than the one the
+    manifest ``grid`` records for their part (the same on every rank: markers and manifest are
+    shared): their pieces are not trusted."""
+    holders: dict[int, list[str]] = {}
+    for part, nodes in choice.holders.items():
+        index = grid.index(part)
+        holders[part] = [
+            node
+            for node in nodes
+            if index is None
+            or _index_agrees(choice.records[(node, part)], index, grid.indices[index], node)
+        ]
+    return dataclasses.replace(choice, holders=holders)
+
+
+def _index_agrees(record: PartRecord, name: str, expect: mf.IndexRecord, node: str) -> bool:
+    size, digest = record.files.get(name, (-1, ""))
+    problem = index_problem(expect, size, digest)
+    if problem is not None:
+        log.warning("%s: the copy of %s on node %s is not used: %s", _LABEL, name, node, problem)
+    return problem is None
 
 
 def _here(name: str) -> str:

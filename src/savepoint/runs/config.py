@@ -134,7 +134,7 @@ class ManagerConfig:
         signals = None if preemption is None or preemption is False else signals_of(preemption)
         tier_list, peers = _tiers(tiers)
         return cls(
-            save_options=checked if peers is None else dataclasses.replace(checked, grid=False),
+            save_options=checked,
             retention=policies.AnyOf(*rules) if rules else policies.AnyOf(policies.KeepAll()),
             save_policy=policies.SaveAlways() if save_policy is None else save_policy,
             best_metric=best_metric,

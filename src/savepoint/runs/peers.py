@@ -3,10 +3,10 @@ seconds after a lost node, onto any world size (docs/peers.md).
 
 ``sp.Tier.peers(replicas=1, node=None, memory_dir=None, budget=None)`` in a manager's ``tiers``
 (:class:`PeerTier`). After every committed save (sync, async, a preemption save) each rank of the
-manager's process group keeps its part of the checkpoint (the data files it wrote, and the
-manifest) in its node's memory, a folder under ``memory_dir`` (``/dev/shm/savepoint-peers`` by
-default: a tmpfs, which outlives the training processes), and sends it to ``replicas`` ranks on
-other nodes, which keep it in theirs (:mod:`savepoint.runs._peer_replicate`). This runs on a
+manager's process group keeps its part of the checkpoint (the data files it wrote, the
+manifest, and of a manifest version 7 its index file) in its node's memory, a folder under
+``memory_dir`` (``/dev/shm/savepoint-peers`` by default: a tmpfs, which outlives the training
+processes), and sends it to ``replicas`` ranks on other nodes, which keep it in theirs (:mod:`savepoint.runs._peer_replicate`). This runs on a
 thread of its own: ``save`` does not wait for it; the next ``save``, ``wait()`` and ``close()``
 do, and raise (once) what failed, as CheckpointWriteError naming the step and the ranks.
 
