@@ -31,6 +31,8 @@ object:
   and serialising), what rank 0 receives in both steps (``plan_step_rank0_recv_bytes``,
   ``write_step_rank0_recv_bytes``); ``per_rank_flatten_s`` (the flatten every save does) is
   not in ``per_rank_plan_s``, ``per_rank_describe_s`` (the walk over the state) is;
+  ``per_rank_tree_walk_s`` is a floor: a bare recursive visit of every node of the flattened
+  tree, doing nothing (what any planning that reads the state's description in Python pays);
   ``repeat_plan_s`` is the slowest sampled rank's plan step of the next save of the same state
   (a new flatten, then the description kept from the first save reused: not timed, as the
   flatten above) plus rank 0's share of that save (``repeat_rank0_plan_s``: every message
@@ -196,7 +198,7 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
     location = resolve(os.path.join(workdir, "ckpt"), what="checkpoint path")
     picks = sample_ranks(ranks, sample)
     payloads: dict[int, bytes] = {}
-    per_rank, flatten_s, describe_s, records = [], [], [], {}
+    per_rank, flatten_s, describe_s, walk_s, records = [], [], [], [], {}
     repeat_s = []  # each sampled rank's plan step of the next save of the same state
     run0: Any = None
     keyed0: Any = None
@@ -207,6 +209,9 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         flat = save.flatten(state)
         flatten_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        bare_walk(flat.tree)
+        walk_s.append(time.perf_counter() - t0)
         coord = types.SimpleNamespace(rank=r, world_size=ranks, memo_key=None)
         t0 = time.perf_counter()
         save.describe_layout(flat, "")  # its share of the planning below, timed alone
@@ -294,6 +299,7 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
         "per_rank_plan_max_s": round(max(per_rank), 4),
         "per_rank_flatten_s": round(statistics.median(flatten_s), 4),
         "per_rank_describe_s": round(statistics.median(describe_s), 4),
+        "per_rank_tree_walk_s": round(statistics.median(walk_s), 4),
         "repeat_plan_s": round(max(repeat_s) + rank0_repeat, 4),
         "repeat_rank0_plan_s": round(rank0_repeat, 4),
         "repeat_per_rank_plan_s": round(statistics.median(repeat_s), 4),
@@ -305,6 +311,18 @@ def _sampled(ranks: int, tensors: int, tp: int, sample: int) -> dict[str, Any]:
     return row
 
 
+def bare_walk(node: Any) -> int:
+    """Every node of a flattened tree visited, nothing done: the floor of any per-rank planning
+    that reads the state's description in Python (``per_rank_tree_walk_s``)."""
+    items = node.get("items")
+    if items is None:
+        inner = node.get("state")
+        return 1 if inner is None else 1 + bare_walk(inner)
+    if node["t"] == "dict":
+        return 1 + sum(bare_walk(child) for _, child in items)
+    return 1 + sum(bare_walk(child) for child in items)
+
+
 def commit_share(run0: Any, records: dict[int, Any], ranks: int) -> dict[str, Any]:
     """The write step as rank 0 sees it (manifest version 7): every rank's data files and index
     record gathered (padded to the longest: here the longest sampled), the manifest built and
@@ -312,7 +330,7 @@ def commit_share(run0: Any, records: dict[int, Any], ranks: int) -> dict[str, An
     pieces' records as ``SimWriter`` makes them, sealed as ``seal_index`` seals them, timed:
     ``per_rank_index_s``); the others' are a sampled rank's, renamed for their rank."""
     from savepoint.codecs import manifest as mf
-    from savepoint.distributed import collectives, pieces, save
+    from savepoint.distributed import collectives, manifests, pieces
     from savepoint.distributed.traffic import Traffic
 
     sealed, index_s = {}, []
@@ -333,7 +351,7 @@ def commit_share(run0: Any, records: dict[int, Any], ranks: int) -> dict[str, An
     traffic.gather(sizes)
     lay = run0.regular[0]
     t0 = time.perf_counter()
-    manifest = save._grid_manifest(run0.plan, lay, results, {})
+    manifest = manifests.grid_manifest(run0.plan, lay, results, {})
     raw = mf.dumps(manifest)
     commit_s = time.perf_counter() - t0
     return {

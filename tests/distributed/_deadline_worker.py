@@ -164,9 +164,9 @@ def scenario_save_write(s: _worker.Session) -> None:
 
 def scenario_save_commit(s: _worker.Session) -> None:
     """Rank 0 alone commits: it stalls building the manifest, before its commit."""
-    from savepoint.distributed import save as dsave
+    from savepoint.distributed import manifests
 
-    session(s, lambda: stall_at(s, dsave, "_manifest", "save: commit", rank=0), saving(s))
+    session(s, lambda: stall_at(s, manifests, "manifest", "save: commit", rank=0), saving(s))
 
 
 def scenario_save_writer_process(s: _worker.Session) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 import savepoint as sp
 from savepoint.codecs import manifest as mf
-from savepoint.distributed import FlatShard, Partitioned, Shard, plan
+from savepoint.distributed import FlatShard, Partitioned, Shard, manifests, plan
 from savepoint.distributed import save as dsave
 from savepoint.state import tree
 
@@ -85,7 +85,7 @@ def save_ranks(path: Path, states: list[Any], max_file_bytes: int = 1 << 30) -> 
         )
         for r, d in enumerate(described)
     ]
-    raw = mf.dumps(dsave._manifest(merged, results, {"note": "ranks"}, len(states)))
+    raw = mf.dumps(manifests.manifest(merged, results, {"note": "ranks"}, len(states)))
     assert mf.parse(raw).world_size == len(states)  # what readers accept
     (staging / "manifest.json").write_bytes(raw)
     os.rename(staging, path)

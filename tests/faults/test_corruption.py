@@ -446,7 +446,7 @@ def test_bool_tensor_with_a_byte_other_than_0_or_1_is_refused(tmp_path: Path, va
 def test_sharded_bool_tensor_with_a_byte_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
     """The same for a BOOL tensor split over shards, checked or not (verify=False)."""
     from savepoint.codecs import checksum
-    from savepoint.distributed import Shard, plan
+    from savepoint.distributed import Shard, manifests, plan
     from savepoint.distributed import save as dsave
     from savepoint.state import tree
 
@@ -466,7 +466,7 @@ def test_sharded_bool_tensor_with_a_byte_other_than_0_or_1_is_refused(tmp_path: 
         )
         for r, d in enumerate(described)
     ]
-    (staging / MANIFEST).write_bytes(mf.dumps(dsave._manifest(merged, results, {}, 2)))
+    (staging / MANIFEST).write_bytes(mf.dumps(manifests.manifest(merged, results, {}, 2)))
     staging.rename(path)
     doc = read_doc(path)
     shard = doc["tensors"]["mask"]["shards"][1]

@@ -35,7 +35,7 @@ from savepoint.codecs import checksum, dtypes
 from savepoint.codecs import manifest as mf
 from savepoint.codecs import safetensors as st_format
 from savepoint.commit import pointer
-from savepoint.distributed import FlatShard, Partitioned, Shard, plan
+from savepoint.distributed import FlatShard, Partitioned, Shard, manifests, plan
 from savepoint.distributed import save as dsave
 from savepoint.formats import _files, boostr, detect
 from savepoint.runs.lock import LOCK_FILE, read_holder
@@ -136,7 +136,7 @@ def _save_ranks(path: Path, world: int) -> None:
         )
         for r, d in enumerate(described)
     ]
-    raw = mf.dumps(dsave._manifest(merged, results, {"note": "ranks", "world": world}, world))
+    raw = mf.dumps(manifests.manifest(merged, results, {"note": "ranks", "world": world}, world))
     (path / mf.NAME).write_bytes(raw)
 
 

@@ -41,13 +41,15 @@ class _Memo:
     """A rank's last description, kept to answer the next save of the same state shape."""
 
     tree: Any  # the flattened state's tree it described (plain data: no tensor in it)
-    signature: list[tuple[str, tuple[int, ...]]]  # each tensor's dtype and shape, in order
+    signature: tuple[list[Any], list[tuple[int, ...]]]  # the tensors' dtypes, shapes, in order
     plan: plan.LocalPlan  # path blanked
-    refs: tuple[tuple[str, str], ...]  # (piece key, the flat tensor it is)
+    keys: tuple[str, ...]  # the pieces' keys
+    refs: tuple[str, ...]  # the flat tensor each piece is
     grid: tuple[layout.Layout, tuple[int, ...]] | None
 
 
 _memos: dict[Any, _Memo] = {}
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 _lock = threading.Lock()
 
 
@@ -61,12 +63,13 @@ def describe_layout(flat: tree.Flat, path: str, memo_key: Any = None) -> Describ
     shapes in the same order reuses it instead of walking the state again: the walk is a few
     microseconds a tensor in Python, the comparison of the trees runs in C (a repeated save of
     a 50,000-tensor state: ``benchmarks/bench_world.py``, ``repeat_plan_s``)."""
-    signature = [(s.dtype.name, s.shape) for s in flat.tensors.values()]
+    values = flat.tensors.values()  # (the loops below run in C: a few ms at 50,000 tensors)
+    signature = (list(map(_DTYPE, values)), list(map(_SHAPE, values)))
     if memo_key is not None:
         with _lock:
             memo = _memos.get(memo_key)
         if memo is not None and memo.signature == signature and memo.tree == flat.tree:
-            sources = {key: flat.tensors[ref] for key, ref in memo.refs}
+            sources = dict(zip(memo.keys, map(flat.tensors.__getitem__, memo.refs)))
             return dataclasses.replace(memo.plan, path=path), sources, memo.grid
     walker = _Describer(flat)
     root = walker.walk(flat.tree, "", True)
@@ -74,8 +77,9 @@ def describe_layout(flat: tree.Flat, path: str, memo_key: Any = None) -> Describ
     grid = walker.grids.done(root)
     if memo_key is not None:
         ref_of = {id(source): ref for ref, source in flat.tensors.items()}
-        refs = tuple((key, ref_of[id(source)]) for key, source in walker.sources.items())
-        kept = _Memo(flat.tree, signature, dataclasses.replace(local_plan, path=""), refs, grid)
+        refs = tuple(ref_of[id(source)] for source in walker.sources.values())
+        blank = dataclasses.replace(local_plan, path="")
+        kept = _Memo(flat.tree, signature, blank, tuple(walker.sources), refs, grid)
         with _lock:
             _memos[memo_key] = kept
     return local_plan, walker.sources, grid

@@ -64,15 +64,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from savepoint.codecs import dtypes
 from savepoint.codecs import manifest as mf
 from savepoint.commit.transaction import Transaction
-from savepoint.distributed import collectives, deadlines, layout, plan, plancache, shard
+from savepoint.distributed import (
+    collectives,
+    deadlines,
+    layout,
+    manifests,
+    plan,
+    plancache,
+    shard,
+)
 from savepoint.distributed.describe import describe, describe_layout
 from savepoint.distributed.describe import forget as describe_forget
 from savepoint.distributed.pieces import (
@@ -514,9 +520,9 @@ class _Save:
         assert self.plan is not None and self.tx is not None
         if self.compact:
             assert self.regular is not None
-            manifest = _grid_manifest(self.plan, self.regular[0], results, self.metadata)
+            manifest = manifests.grid_manifest(self.plan, self.regular[0], results, self.metadata)
         else:
-            manifest = _manifest(
+            manifest = manifests.manifest(
                 self.plan, results, self.metadata, self.coord.world_size, self.blob_place
             )
         late = deadlines.abandoned()  # the others gave up waiting for this commit: make none
@@ -658,65 +664,3 @@ def write_rank(
         session.stats.bytes_written - before,
     )
     return files, shards + file_shards
-
-
-def _grid_manifest(
-    global_plan: plan.GlobalPlan,
-    lay: layout.Layout,
-    results: list[Indexed],
-    metadata: dict[str, Any],
-) -> mf.Manifest:
-    """Manifest version 7 of a regular save: the tensor table (each tensor's grid), every
-    rank's data files and index file; no piece listed (they are in the indexes)."""
-    files: dict[str, mf.FileRecord] = {}
-    indices: dict[str, mf.IndexRecord] = {}
-    for rank_files, name, index in results:
-        files.update(rank_files)
-        indices[name] = index
-    tensors = {}
-    for key, (dtype, shape) in global_plan.tensors.items():
-        nbytes = math.prod(shape) * dtypes.from_name(dtype).itemsize
-        tensors[key] = mf.TensorRecord(dtype, shape, "", 0, nbytes, "")
-    written = sinks.Written(dict(sorted(files.items())), tensors, mf.GRID)
-    manifest = save_engine.new_manifest(
-        global_plan.tree, [written], metadata, world_size=len(results)
-    )
-    manifest.mesh = lay.mesh
-    manifest.indices = indices
-    manifest.grids = dict(zip(lay.keys, lay.dims))
-    return manifest
-
-
-def _manifest(
-    global_plan: plan.GlobalPlan,
-    results: list[Records],
-    metadata: dict[str, Any],
-    world: int,
-    blob_place: BlobPlace = None,
-) -> mf.Manifest:
-    """The manifest of what every rank wrote, from the writer's one builder: the files in name
-    order, each tensor's shards in region order; version 3 (block checksums), 4 or 5 when the
-    pieces went to the blob store ``blob_place`` (5: a patched one)."""
-    files: dict[str, mf.FileRecord] = {}
-    shards: dict[str, list[mf.ShardRecord]] = {}
-    for rank_files, rank_shards in results:
-        files.update(rank_files)
-        for key, record in rank_shards:
-            shards.setdefault(key, []).append(record)
-    tensors = {
-        key: mf.whole(
-            dtype, shape, tuple(sorted(shards[key], key=lambda s: plan.region_order(s.region)))
-        )
-        for key, (dtype, shape) in global_plan.tensors.items()
-    }
-    version = mf.BLOCKED
-    if blob_place is not None:
-        patched = any(
-            s.recipe is not None and s.recipe.patches for pieces in shards.values() for s in pieces
-        )
-        version = mf.PATCHES if patched else mf.BLOBS
-    # What the reader's parser checks holds by construction: merge() checked that the pieces of
-    # every tensor tile it, the writer recorded each piece's byte range and checksum (the tests
-    # parse every manifest written; parsing here too would cost ~10 ms per 1000 shards).
-    written = sinks.Written(dict(sorted(files.items())), tensors, version, blob_place)
-    return save_engine.new_manifest(global_plan.tree, [written], metadata, world_size=world)

@@ -162,9 +162,7 @@ def flatten(state: Any) -> Flat:
 
     def stateful(obj: Any, type_name: str, key: str, is_root: bool, level: int) -> Node:
         if id(obj) in active:
-            raise UnsupportedStateError(
-                f"{key or '<root>'}: the state contains a reference cycle", key=key
-            )
+            raise _cycle(key)
         active.add(id(obj))
         try:
             inner = walk(obj.state_dict(), key, is_root, level + STATEFUL_COST)
@@ -174,9 +172,7 @@ def flatten(state: Any) -> Flat:
 
     def mapping(obj: Mapping[Any, Any], key: str, is_root: bool, level: int) -> Node:
         if id(obj) in active:
-            raise UnsupportedStateError(
-                f"{key or '<root>'}: the state contains a reference cycle", key=key
-            )
+            raise _cycle(key)
         active.add(id(obj))
         try:
             items: list[list[Any]] = []
@@ -194,32 +190,15 @@ def flatten(state: Any) -> Flat:
                     )
                     items.append([k, walk(v, sub, False, deeper)])
                     continue
-                if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise UnsupportedStateError(
-                        f"{key or '<root>'}: dict key {k!r} of type {type(k).__name__} cannot be "
-                        "stored; keys must be str or int",
-                        key=key,
-                    )
-                items.append(
-                    [
-                        k if isinstance(k, str) else int(k),
-                        walk(v, prefix + escape(k), False, deeper),
-                    ]
-                )
+                k = _plain_key(k, key)  # a str subclass or an int: refused if neither
+                items.append([k, walk(v, prefix + escape(k), False, deeper)])
             return {"t": "dict", "items": items}
         finally:
             active.discard(id(obj))
 
     def walk(obj: Any, key: str, is_root: bool, level: int) -> Node:
         if level > MAX_DEPTH:
-            raise UnsupportedStateError(
-                f"{(key if len(key) <= 60 else '...' + key[-57:]) or '<root>'}: the state is "
-                f"nested deeper than {MAX_DEPTH} levels of JSON in the manifest here ({level}); "
-                f"savepoint stores at most {MAX_DEPTH} (a dict level takes "
-                f"{DICT_COST}, a list or tuple {LIST_COST}, an object with state_dict() "
-                f"{STATEFUL_COST}; at most {(MAX_DEPTH - ROOT_LEVEL) // DICT_COST} nested dicts)",
-                key=key,
-            )
+            raise _too_deep(key, level)
         cls = type(obj)  # plain values and dicts (never tensors) first: most nodes are
         if cls is str or cls is bool or cls is int or obj is None:
             return {"t": "value", "v": obj}
@@ -243,10 +222,15 @@ def flatten(state: Any) -> Flat:
             return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, Mapping):
             return mapping(obj, key, is_root, level)
+        if is_stateful(obj):
+            bare = unwrap(obj)  # a compiled or DDP model saves the keys of the model inside
+            bare_cls = type(bare)
+            type_name = f"{bare_cls.__module__}.{bare_cls.__qualname__}"
+            if bare is obj and _class_stateful(cls):
+                _plain_stateful[cls] = type_name
+            return stateful(bare, type_name, key, is_root, level)
         if id(obj) in active:
-            raise UnsupportedStateError(
-                f"{key or '<root>'}: the state contains a reference cycle", key=key
-            )
+            raise _cycle(key)
         active.add(id(obj))
         try:
             if isinstance(obj, (list, tuple)):
@@ -257,24 +241,11 @@ def flatten(state: Any) -> Flat:
                     "t": kind,
                     "items": [walk(v, f"{prefix}{i}", False, deeper) for i, v in enumerate(obj)],
                 }
-            if is_stateful(obj):
-                bare = unwrap(obj)  # a compiled or DDP model saves the keys of the model inside
-                bare_cls = type(bare)
-                type_name = f"{bare_cls.__module__}.{bare_cls.__qualname__}"
-                if bare is obj and _class_stateful(cls):
-                    _plain_stateful[cls] = type_name
-                inner = walk(bare.state_dict(), key, is_root, level + STATEFUL_COST)
-                return {"t": "stateful", "type": type_name, "state": inner}
             if (pairs := _named_children(obj, key, is_root)) is not None:
                 return {"t": "dict", "items": child_items(pairs, key, is_root, level)}
         finally:
             active.discard(id(obj))
-        raise UnsupportedStateError(
-            f"{key or '<root>'}: cannot store a value of type {type(obj).__module__}."
-            f"{type(obj).__qualname__}; supported leaves are numpy, torch and jax arrays, None, bool, int, "
-            "float, str, bytes, dataclasses, JAX pytree nodes, and objects with state_dict()/load_state_dict()",
-            key=key,
-        )
+        raise _unsupported(obj, key)
 
     try:
         flat.tree = walk(state, "", True, ROOT_LEVEL)
@@ -301,6 +272,43 @@ def _class_stateful(cls: type) -> bool:
         callable(getattr(cls, "state_dict", None))
         and callable(getattr(cls, "load_state_dict", None))
         and len(_plain_stateful) < 4096
+    )
+
+
+def _plain_key(k: Any, key: str) -> Key:
+    if isinstance(k, bool) or not isinstance(k, (str, int)):
+        raise UnsupportedStateError(
+            f"{key or '<root>'}: dict key {k!r} of type {type(k).__name__} cannot be "
+            "stored; keys must be str or int",
+            key=key,
+        )
+    return k if isinstance(k, str) else int(k)
+
+
+def _cycle(key: str) -> UnsupportedStateError:
+    return UnsupportedStateError(
+        f"{key or '<root>'}: the state contains a reference cycle", key=key
+    )
+
+
+def _too_deep(key: str, level: int) -> UnsupportedStateError:
+    return UnsupportedStateError(
+        f"{(key if len(key) <= 60 else '...' + key[-57:]) or '<root>'}: the state is "
+        f"nested deeper than {MAX_DEPTH} levels of JSON in the manifest here ({level}); "
+        f"savepoint stores at most {MAX_DEPTH} (a dict level takes "
+        f"{DICT_COST}, a list or tuple {LIST_COST}, an object with state_dict() "
+        f"{STATEFUL_COST}; at most {(MAX_DEPTH - ROOT_LEVEL) // DICT_COST} nested dicts)",
+        key=key,
+    )
+
+
+def _unsupported(obj: Any, key: str) -> UnsupportedStateError:
+    return UnsupportedStateError(
+        f"{key or '<root>'}: cannot store a value of type {type(obj).__module__}."
+        f"{type(obj).__qualname__}; supported leaves are numpy, torch and jax arrays, None, bool, "
+        "int, float, str, bytes, dataclasses, JAX pytree nodes, and objects with "
+        "state_dict()/load_state_dict()",
+        key=key,
     )
 
 
