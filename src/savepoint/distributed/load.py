@@ -36,9 +36,11 @@ from typing import Any, Literal
 import numpy as np
 
 from savepoint.codecs import boxes, dtypes
+from savepoint.codecs import manifest as mf
 from savepoint.distributed import _fetch, collectives, plan, readonce, shard
+from savepoint.distributed import needs as needs_mod
 from savepoint.engine import load as load_engine
-from savepoint.engine.read import Reader, RegionCopy, ShardTask
+from savepoint.engine.read import Needs, Reader, RegionCopy, ShardTask
 from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
 from savepoint.state import arrays, restore, tree
 from savepoint.storage.paths import PathArg
@@ -92,7 +94,10 @@ def load(
 
     def plan_local() -> list[readonce.Entry] | None:
         reader = Reader.open(
-            location, copy_on_write=mmap and into is None, needs=load_engine.files_needed(keys)
+            location,
+            copy_on_write=mmap and into is None,
+            needs=_needs(into, keys),
+            lazy_indexes=into is not None,
         )
         held["reader"] = reader
         root = load_engine.select(reader.shown, reader.manifest, keys)
@@ -144,6 +149,23 @@ def load(
         if reader is not None:
             reader.close()
     return into if into is not None else held["result"]
+
+
+def _needs(into: Any, keys: Iterable[str] | str | None) -> Needs:
+    """The data files ``Reader.open`` pins: every file of the tensors under ``keys``; with
+    ``into``, of a version 7 checkpoint (read lazily: :mod:`savepoint.codecs.manifest._v7_lazy`)
+    only those this rank's targets read (:func:`.needs.files_needed`, which reads the indexes
+    of their writers and no other)."""
+    every = load_engine.files_needed(keys)
+    if into is None:
+        return every
+
+    def needs(shown: str, manifest: mf.Manifest) -> set[str]:
+        if isinstance(manifest.tensors, mf.GridTensors):
+            return needs_mod.files_needed(manifest, shown, into=into, keys=keys)
+        return every(shown, manifest)
+
+    return needs
 
 
 def _plan_reads(found: list[list[readonce.Entry] | None]) -> readonce.Plan | None:
@@ -268,8 +290,7 @@ def _tasks(reader: Reader, targets: list[_Target]) -> list[ShardTask]:
     for t in targets:
         rec = reader.manifest.tensors[t.ref]
         typed = t.dst.view(dtypes.from_name(rec.dtype).numpy)
-        regions = [s.region for s in rec.layout()]
-        for op in plan.plan_reads(rec.shape, regions, t.region):
+        for op in plan.record_reads(rec, t.region):
             dst = typed[op.dst.offset : op.dst.offset + boxes.volume(op.dst.box)]
             dst = dst.reshape(boxes.extents(op.dst.box))
             origin = tuple(start for start, _ in op.dst.box)
