@@ -53,7 +53,7 @@ def full(saved: Path) -> Any:
 
 
 @pytest.fixture
-def opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+def opened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The index files read through the local store, in order."""
     names: list[str] = []
     real = _local_read.LocalPinned.read_small
@@ -64,7 +64,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         return real(self, name, cap=cap)
 
     monkeypatch.setattr(_local_read.LocalPinned, "read_small", read_small)
-    yield names
+    return names
 
 
 def _writers(where: Path) -> dict[tuple[str, boxes.Box], str]:

@@ -160,7 +160,7 @@ def _needs(into: Any, keys: Iterable[str] | str | None) -> Needs:
     if into is None:
         return every
 
-    def needs(shown: str, manifest: mf.Manifest) -> set[str]:
+    def needs(shown: str, manifest: mf.Manifest) -> Iterable[str]:
         if isinstance(manifest.tensors, mf.GridTensors):
             return needs_mod.files_needed(manifest, shown, into=into, keys=keys)
         return every(shown, manifest)

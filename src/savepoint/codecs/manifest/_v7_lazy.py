@@ -100,7 +100,7 @@ class GridPieces(Sequence[ShardRecord]):
     """The pieces of one tensor of a lazily read version 7 manifest (see the module docstring):
     regions from the grid, records read from their writers' indexes when asked for."""
 
-    __slots__ = ("_axes", "_base", "_cut", "_got", "_mesh", "count", "key", "owner", "shape")
+    __slots__ = ("_axes", "_base", "_cut", "_got", "_mesh", "key", "owner", "shape", "total")
 
     def __init__(self, owner: GridTensors, key: str, position: int) -> None:
         table = owner.table
@@ -121,7 +121,7 @@ class GridPieces(Sequence[ShardRecord]):
         self._axes = [
             _axis(size, tuple(mesh[m] for m in cut)) for size, cut in zip(self.shape, self._cut)
         ]
-        self.count = math.prod(a.count for a in self._axes)
+        self.total = math.prod(a.count for a in self._axes)
         base = [0] * len(mesh)
         chosen = position
         for m in reversed(range(len(mesh))):
@@ -130,7 +130,7 @@ class GridPieces(Sequence[ShardRecord]):
         self._base = base
 
     def __len__(self) -> int:
-        return self.count
+        return self.total
 
     @overload
     def __getitem__(self, i: int) -> ShardRecord: ...
@@ -140,11 +140,11 @@ class GridPieces(Sequence[ShardRecord]):
 
     def __getitem__(self, i: int | slice) -> ShardRecord | tuple[ShardRecord, ...]:
         if isinstance(i, slice):
-            return tuple(self[j] for j in range(self.count)[i])
+            return tuple(self[j] for j in range(self.total)[i])
         i = operator.index(i)
         if i < 0:
-            i += self.count
-        if not 0 <= i < self.count:
+            i += self.total
+        if not 0 <= i < self.total:
             raise IndexError(i)
         got = self._got.get(i)
         if got is None:
@@ -202,7 +202,7 @@ class GridPieces(Sequence[ShardRecord]):
         return out
 
     def __iter__(self) -> Iterator[ShardRecord]:
-        for i in range(self.count):
+        for i in range(self.total):
             yield self[i]
 
 
