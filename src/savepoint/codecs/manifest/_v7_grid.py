@@ -30,8 +30,9 @@ block checksums combining to the shard's), and that each piece of a tensor with 
 a box its grid gives (:func:`_from_grid`). The records it returns are those of a version 3
 manifest, so every loader reads a version 7 checkpoint as it reads a version 3 one: a verified
 resharding load reads and checks only the blocks it needs, and a corrupt block is found by the
-ranks that read it. (A reader that wants only some ranks' pieces could read only their indices:
-the grid says which ranks hold which boxes; this reader reads them all.)
+ranks that read it. This reader reads every index (:func:`grid_records`: ``verify``, ``copy``,
+loads of whole tensors); a sharded load reads only those of the ranks whose pieces it reads
+(:mod:`._v7_lazy`: the grid says which ranks hold which boxes), with the same checks.
 """
 
 from __future__ import annotations
