@@ -38,7 +38,6 @@ import numpy as np
 from savepoint.codecs import boxes, dtypes
 from savepoint.codecs import manifest as mf
 from savepoint.distributed import _fetch, collectives, plan, readonce, shard
-from savepoint.distributed import needs as needs_mod
 from savepoint.engine import load as load_engine
 from savepoint.engine.read import Needs, Reader, RegionCopy, ShardTask
 from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
@@ -115,6 +114,8 @@ def load(
         if "targets" not in held:
             return None
         held["tasks"] = _tasks(reader, held["targets"])
+        if isinstance(reader.manifest.tensors, mf.GridTensors):  # opened now (see _needs)
+            reader.prepare_files(_files(reader, held["tasks"]), check_header=bool(verify))
         if not sharing:
             return None
         entries = _fetch.entries(reader, held["tasks"], verify)
@@ -154,15 +155,15 @@ def load(
 def _needs(into: Any, keys: Iterable[str] | str | None) -> Needs:
     """The data files ``Reader.open`` pins: every file of the tensors under ``keys``; with
     ``into``, of a version 7 checkpoint (read lazily: :mod:`savepoint.codecs.manifest._v7_lazy`)
-    only those this rank's targets read (:func:`.needs.files_needed`, which reads the indexes
-    of their writers and no other)."""
+    none: ``plan_local`` opens those its reads need once they are planned (through the pinned
+    directory; naming them here would plan twice, or read every index)."""
     every = load_engine.files_needed(keys)
     if into is None:
         return every
 
     def needs(shown: str, manifest: mf.Manifest) -> Iterable[str]:
         if isinstance(manifest.tensors, mf.GridTensors):
-            return needs_mod.files_needed(manifest, shown, into=into, keys=keys)
+            return ()
         return every(shown, manifest)
 
     return needs
@@ -189,14 +190,19 @@ def _fill(
     counter = None
     if progress is not None:
         counter = load_engine.Counter(progress, sum(t.dst.nbytes for t in targets))
-    files = {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks}
-    files.discard("")  # shards stored as blobs (an incremental save's)
-    reader.prepare_files(files, check_header=bool(verify))
+    reader.prepare_files(_files(reader, tasks), check_header=bool(verify))
     mine = held.get("entries", ())
     _fetch.read(reader, coord, held.get("reads"), tasks, mine, verify, counter)
     for t in targets:
         if t.after is not None:
             t.after()
+
+
+def _files(reader: Reader, tasks: list[ShardTask]) -> set[str]:
+    """The data files the tasks read."""
+    files = {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks}
+    files.discard("")  # shards stored as blobs (an incremental save's)
+    return files
 
 
 def _targets(

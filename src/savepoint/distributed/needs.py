@@ -64,13 +64,14 @@ def _needs(
     reads) the tensors received straight into their targets."""
     load_engine.records_as_dict(manifest)
     root = load_engine.select(shown, manifest, keys)
+    everything = files_of(manifest, tree.refs(root))
     if into is None:
-        return _every_file(manifest, root), []
+        return everything, []
     planned, swaps, specs = shard.swap_targets(into)
     try:
         p = restore.plan(root, planned, manifest.tensors)
         if p.problems:
-            return _every_file(manifest, root), []
+            return everything, []
         found = files_of(manifest, p.fresh)
         reads: list[_Read] = []
         for ref, target, key in p.inplace:
@@ -88,14 +89,6 @@ def _needs(
         return found, _direct_reads(manifest, p.fresh, reads, planned, files)
     finally:
         shard.restore(swaps)
-
-
-def _every_file(manifest: mf.Manifest, root: tree.Node) -> set[str]:
-    """Every data file of the tensors under ``root``: of a lazily read version 7 manifest, every
-    data file (no index read to narrow them: a load with problems reports them, not an index)."""
-    if isinstance(manifest.tensors, mf.GridTensors):
-        return set(manifest.files)
-    return files_of(manifest, tree.refs(root))
 
 
 def _region(
