@@ -113,9 +113,7 @@ def load(
             held["targets"] = _fresh(reader, root, framework, held)
         if "targets" not in held:
             return None
-        held["tasks"] = _tasks(reader, held["targets"])
-        if isinstance(reader.manifest.tensors, mf.GridTensors):  # opened now (see _needs)
-            reader.prepare_files(_files(reader, held["tasks"]), check_header=bool(verify))
+        held["tasks"] = _tasks(reader, held["targets"], verify)
         if not sharing:
             return None
         entries = _fetch.entries(reader, held["tasks"], verify)
@@ -290,8 +288,11 @@ def _target(reader: Reader, ref: str, key: str, region: boxes.Region, local: Any
     return _Target(ref, region, host, copy_back)
 
 
-def _tasks(reader: Reader, targets: list[_Target]) -> list[ShardTask]:
-    """One task per shard touched, holding every copy out of it."""
+def _tasks(
+    reader: Reader, targets: list[_Target], verify: bool | Literal["first"]
+) -> list[ShardTask]:
+    """One task per shard touched, holding every copy out of it; the data files they read
+    opened now where ``Reader.open`` opened none (a version 7 checkpoint: see :func:`_needs`)."""
     by_shard: dict[tuple[str, int], list[RegionCopy]] = {}
     for t in targets:
         rec = reader.manifest.tensors[t.ref]
@@ -302,4 +303,7 @@ def _tasks(reader: Reader, targets: list[_Target]) -> list[ShardTask]:
             origin = tuple(start for start, _ in op.dst.box)
             copy = RegionCopy(op.src, op.region, dst, origin)
             by_shard.setdefault((t.ref, op.shard), []).append(copy)
-    return [(ref, i, copies) for (ref, i), copies in by_shard.items()]
+    tasks: list[ShardTask] = [(ref, i, copies) for (ref, i), copies in by_shard.items()]
+    if isinstance(reader.manifest.tensors, mf.GridTensors):
+        reader.prepare_files(_files(reader, tasks), check_header=bool(verify))
+    return tasks
