@@ -16,9 +16,15 @@ object:
 - ``rank0_plan_s``: rank 0's global planning (the gathered plans decoded, merged, the answers
   encoded); ``rank0_commit_s``: its manifest building and commit;
 - ``per_rank_plan_s``: a rank's local planning (flatten, describe, its plan encoded, its answer
-  decoded), the median over the ranks; ``per_rank_load_plan_s``: a resharding load's read
-  planning on one rank of half the world (``plan.plan_reads`` of each piece it restores against
-  every shard of its tensor; ``per_rank_load_read_ops`` the reads it plans) (``per_rank_plan_max_s`` the slowest);
+  decoded), the median over the ranks (``per_rank_plan_max_s`` the slowest);
+  ``per_rank_load_plan_s``: a resharding load's read planning on one rank of half the world
+  (version 7: the manifest read lazily, then ``plan.record_reads`` of each piece it restores
+  against the pieces its tensor's grid says meet it, the grid arithmetic timed; version 3:
+  ``plan.plan_reads`` against every shard of its tensor; before 2026-12-02 night version 7 was
+  timed as ``plan_reads`` against every grid box, precomputed untimed);
+  ``per_rank_load_read_ops`` the reads it plans, ``per_rank_load_indexes`` the index files
+  they need (version 7: the writers of the pieces read, the only indexes the load reads; it read
+  all N before);
 - ``manifest_bytes``: the committed manifest; ``rank0_recv_bytes`` / ``rank0_messages``: what
   rank 0's gloo operations receive over the whole save (padded as the real path pads);
 - the states are regular (DTensor-like Shards carrying their grid): planned from the layout,
@@ -94,7 +100,7 @@ def run_sim(ranks: int, tensors: int, tp: int = 1, regular: bool = True) -> dict
         manifest_bytes = os.path.getsize(os.path.join(path, "manifest.json"))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    load_s, load_ops = load_plan(result.manifests[0], ranks, tensors, tp)
+    load_s, load_ops, load_indexes = load_plan(result.manifests[0], ranks, tensors, tp)
     per_rank = result.per_rank_plan_s(0)
     repeat = result.save_traffic(1)
     return {
@@ -119,38 +125,49 @@ def run_sim(ranks: int, tensors: int, tp: int = 1, regular: bool = True) -> dict
         "repeat_plan_step_rank0_recv_bytes": sum(op.recv for op in repeat.ops[0][:4]),
         "per_rank_load_plan_s": round(load_s, 4),
         "per_rank_load_read_ops": load_ops,
+        "per_rank_load_indexes": load_indexes,
         "wall_s": round(wall, 2),
     }
 
 
-def load_plan(manifest: Any, ranks: int, tensors: int, tp: int) -> tuple[float, int]:
+def load_plan(manifest: Any, ranks: int, tensors: int, tp: int) -> tuple[float, int, int]:
     """A resharding load's read planning on one rank (rank 1 of half the world, or rank 0 of
-    one): ``plan.plan_reads`` of every piece it restores against the shards of its tensor."""
+    one): the reads of every piece it restores, and the index files they need.
+
+    Version 7: the manifest read as a sharded load reads it (``parse(lazy=True)``: no index
+    read), then ``plan.record_reads`` of each piece against the pieces its grid says meet it,
+    as the load plans (timed: the manifest's grid arithmetic included); the index files are
+    those of the writers of the pieces read. Version 3: ``plan.plan_reads`` against every
+    shard of the tensor (the index count is 0: none exist)."""
     from savepoint.codecs import boxes
+    from savepoint.codecs import manifest as mf
     from savepoint.distributed import plan, save
 
     world = max(1, ranks // 2)
     rank = 1 if world > 1 else 0
     mine, _ = save.describe(save.flatten(simulate.model_state(rank, world, tensors, tp=tp)), "")
-    regions = {}
-    if manifest.grids is not None:  # version 7: the pieces are in the (unwritten) indexes
-        import itertools
-
-        from savepoint.distributed import layout
-
-        cells = list(itertools.product(*(range(n) for n in manifest.mesh)))
-        for key, dims in manifest.grids.items():
-            shape = manifest.tensors[key].shape
-            found = {layout.grid_box(shape, manifest.mesh, c, dims) for c in cells}
-            regions[key] = sorted(b for b in found if boxes.volume(b)) or [boxes.full(shape)]
     ops = 0
+    writers: set[int] = set()
+    if manifest.grids is not None:  # version 7: the pieces are in the (unwritten) indexes
+
+        def no_index(name: str, size: int) -> bytes:
+            raise FileNotFoundError(name)  # none written; planning must not need one
+
+        lazy = mf.parse(mf.dumps(manifest), read_index=no_index, lazy=True)
+        t0 = time.perf_counter()
+        for item in mine.items:
+            record = lazy.tensors[item.key]
+            found = plan.record_reads(record, item.region)
+            ops += len(found)
+            pieces = record.layout()
+            writers.update(pieces.writer(op.shard) for op in found)
+        return time.perf_counter() - t0, ops, len(writers)
     t0 = time.perf_counter()
     for item in mine.items:
         record = manifest.tensors[item.key]
-        shards = regions.get(item.key) or [s.region for s in record.shards]
-        shards = shards or [boxes.full(record.shape)]
+        shards = [s.region for s in record.shards] or [boxes.full(record.shape)]
         ops += len(plan.plan_reads(record.shape, shards, item.region))
-    return time.perf_counter() - t0, ops
+    return time.perf_counter() - t0, ops, 0
 
 
 # ---------------------------------------------------------------------------------------------

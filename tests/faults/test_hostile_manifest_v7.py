@@ -204,6 +204,36 @@ def test_hostile_members_are_refused(case: str) -> None:
     refused(*build(doc, indices), match=match)
 
 
+# Read lazily (a sharded load's way), an index no piece's writer is never read.
+LAZILY_ACCEPTED = {"index-listed-twice-same-pieces"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_members_are_refused_when_read_lazily(case: str) -> None:
+    doc, indices = copy.deepcopy(DOC), copy.deepcopy(INDEX)
+    edit = CASES[case][0]
+    edit(doc, indices)
+    raw, blobs = build(doc, indices)
+
+    def read_index(name: str, size: int) -> bytes:
+        if name not in blobs:
+            raise FileNotFoundError(name)
+        return blobs[name][:size]
+
+    def every_piece() -> list[Any]:
+        m = mf.parse(raw, read_index=read_index, lazy=True)
+        return [s for key in m.tensors for s in m.tensors[key].layout()]
+
+    with deadline(5.0, "lazy parse"):
+        if case in LAZILY_ACCEPTED:
+            assert every_piece() == [
+                s for t in parse(*build(DOC, INDEX)).tensors.values() for s in t.layout()
+            ]
+        else:
+            with pytest.raises(mf.ManifestError):
+                every_piece()
+
+
 RECORDS: dict[str, tuple[Any, str]] = {
     "list": ([1, 2], "entry must have"),
     "size-10**15": ({"size": 10**15, "xxh3": "0" * 16}, "larger than the cap"),

@@ -36,9 +36,10 @@ from typing import Any, Literal
 import numpy as np
 
 from savepoint.codecs import boxes, dtypes
+from savepoint.codecs import manifest as mf
 from savepoint.distributed import _fetch, collectives, plan, readonce, shard
 from savepoint.engine import load as load_engine
-from savepoint.engine.read import Reader, RegionCopy, ShardTask
+from savepoint.engine.read import Needs, Reader, RegionCopy, ShardTask
 from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
 from savepoint.state import arrays, restore, tree
 from savepoint.storage.paths import PathArg
@@ -92,7 +93,10 @@ def load(
 
     def plan_local() -> list[readonce.Entry] | None:
         reader = Reader.open(
-            location, copy_on_write=mmap and into is None, needs=load_engine.files_needed(keys)
+            location,
+            copy_on_write=mmap and into is None,
+            needs=_needs(into, keys),
+            lazy_indexes=into is not None,
         )
         held["reader"] = reader
         root = load_engine.select(reader.shown, reader.manifest, keys)
@@ -109,7 +113,7 @@ def load(
             held["targets"] = _fresh(reader, root, framework, held)
         if "targets" not in held:
             return None
-        held["tasks"] = _tasks(reader, held["targets"])
+        held["tasks"] = _tasks(reader, held["targets"], verify)
         if not sharing:
             return None
         entries = _fetch.entries(reader, held["tasks"], verify)
@@ -146,6 +150,23 @@ def load(
     return into if into is not None else held["result"]
 
 
+def _needs(into: Any, keys: Iterable[str] | str | None) -> Needs:
+    """The data files ``Reader.open`` pins: every file of the tensors under ``keys``; with
+    ``into``, of a version 7 checkpoint (read lazily: :mod:`savepoint.codecs.manifest._v7_lazy`)
+    none: ``plan_local`` opens those its reads need once they are planned (through the pinned
+    directory; naming them here would plan twice, or read every index)."""
+    every = load_engine.files_needed(keys)
+    if into is None:
+        return every
+
+    def needs(shown: str, manifest: mf.Manifest) -> Iterable[str]:
+        if isinstance(manifest.tensors, mf.GridTensors):
+            return ()
+        return every(shown, manifest)
+
+    return needs
+
+
 def _plan_reads(found: list[list[readonce.Entry] | None]) -> readonce.Plan | None:
     """Rank 0's read-once plan from every rank's entries; None where a rank has none to give
     (``read_once=False``, or a load without targets): then every rank reads what it needs."""
@@ -167,14 +188,19 @@ def _fill(
     counter = None
     if progress is not None:
         counter = load_engine.Counter(progress, sum(t.dst.nbytes for t in targets))
-    files = {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks}
-    files.discard("")  # shards stored as blobs (an incremental save's)
-    reader.prepare_files(files, check_header=bool(verify))
+    reader.prepare_files(_files(reader, tasks), check_header=bool(verify))
     mine = held.get("entries", ())
     _fetch.read(reader, coord, held.get("reads"), tasks, mine, verify, counter)
     for t in targets:
         if t.after is not None:
             t.after()
+
+
+def _files(reader: Reader, tasks: list[ShardTask]) -> set[str]:
+    """The data files the tasks read."""
+    files = {reader.manifest.tensors[ref].layout()[i].file for ref, i, _ in tasks}
+    files.discard("")  # shards stored as blobs (an incremental save's)
+    return files
 
 
 def _targets(
@@ -262,17 +288,22 @@ def _target(reader: Reader, ref: str, key: str, region: boxes.Region, local: Any
     return _Target(ref, region, host, copy_back)
 
 
-def _tasks(reader: Reader, targets: list[_Target]) -> list[ShardTask]:
-    """One task per shard touched, holding every copy out of it."""
+def _tasks(
+    reader: Reader, targets: list[_Target], verify: bool | Literal["first"]
+) -> list[ShardTask]:
+    """One task per shard touched, holding every copy out of it; the data files they read
+    opened now where ``Reader.open`` opened none (a version 7 checkpoint: see :func:`_needs`)."""
     by_shard: dict[tuple[str, int], list[RegionCopy]] = {}
     for t in targets:
         rec = reader.manifest.tensors[t.ref]
         typed = t.dst.view(dtypes.from_name(rec.dtype).numpy)
-        regions = [s.region for s in rec.layout()]
-        for op in plan.plan_reads(rec.shape, regions, t.region):
+        for op in plan.record_reads(rec, t.region):
             dst = typed[op.dst.offset : op.dst.offset + boxes.volume(op.dst.box)]
             dst = dst.reshape(boxes.extents(op.dst.box))
             origin = tuple(start for start, _ in op.dst.box)
             copy = RegionCopy(op.src, op.region, dst, origin)
             by_shard.setdefault((t.ref, op.shard), []).append(copy)
-    return [(ref, i, copies) for (ref, i), copies in by_shard.items()]
+    tasks: list[ShardTask] = [(ref, i, copies) for (ref, i), copies in by_shard.items()]
+    if isinstance(reader.manifest.tensors, mf.GridTensors):
+        reader.prepare_files(_files(reader, tasks), check_header=bool(verify))
+    return tasks

@@ -79,7 +79,7 @@ def _needs(
             layout = rec.layout()
             spec = specs.get(id(target))
             region = _region(target, spec, key, rec.shape)
-            ops = plan.plan_reads(rec.shape, [s.region for s in layout], region)
+            ops = plan.record_reads(rec, region)
             found.update(layout[op.shard].file for op in ops)
             reads.append((ref, target, rec, layout, spec, ops))
         found.discard("")  # shards stored as blobs

@@ -13,7 +13,10 @@ Save (call order, which rank does what):
 3. each rank writes the items :class:`GlobalPlan` assigns it.
 
 Load: :func:`plan_reads` says, for a region a rank needs, which shards overlap it and which piece
-of each goes where; the reader copies exactly those elements.
+of each goes where; the reader copies exactly those elements. :func:`record_reads` is the same
+for a tensor's record: a version 7 record read lazily (:class:`savepoint.codecs.manifest.GridPieces`)
+offers only the pieces its grid says meet the region, so nothing else is looked at (nor its
+writer's index read).
 
 Errors are :class:`PlanError`: every problem found, with the ranks concerned.
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from savepoint.codecs import boxes, dtypes
+from savepoint.codecs import manifest as mf
 from savepoint.state import tree as tree_mod
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "elements",
     "merge",
     "plan_reads",
+    "record_reads",
     "region_order",
     "shards_needed",
 ]
@@ -388,6 +393,20 @@ def plan_reads(
         for s, d, common in boxes.overlaps(boxes.pieces(region, shape), dst):
             ops.append(ReadOp(i, s, d, common))
     return ops
+
+
+def record_reads(record: mf.TensorRecord, want: boxes.Region) -> list[ReadOp]:
+    """:func:`plan_reads` of ``want`` against the shards of ``record`` (shard indices as in
+    ``record.layout()``). A lazily read version 7 record's pieces are looked at only where its
+    grid says they meet ``want``: no other piece's record is made, no other index read."""
+    pieces = record.layout()
+    if not isinstance(pieces, mf.GridPieces):
+        return plan_reads(record.shape, [s.region for s in pieces], want)
+    if not boxes.inside(want, record.shape):
+        raise ValueError(f"{boxes.show(want)} lies outside shape {list(record.shape)}")
+    near = pieces.near(want)
+    ops = plan_reads(record.shape, [region for _, region in near], want)
+    return [ReadOp(near[op.shard][0], op.src, op.dst, op.region) for op in ops]
 
 
 def shards_needed(ops: Sequence[ReadOp]) -> list[int]:

@@ -132,10 +132,17 @@ def _resolve(store: Store, path: str) -> str | None:
 
 
 def _parse_manifest(
-    shown: str, raw: bytes, columns: bool = True, read_index: mf.ReadIndex | None = None
+    shown: str,
+    raw: bytes,
+    columns: bool = True,
+    read_index: mf.ReadIndex | None = None,
+    lazy: bool = False,
 ) -> mf.Manifest:
     try:
-        return mf.parse(raw, columns=columns, read_index=read_index)
+        manifest = mf.parse(raw, columns=columns, read_index=read_index, lazy=lazy)
+        if isinstance(manifest.tensors, mf.GridTensors):
+            manifest.tensors.where = shown  # how the errors of its later index reads name it
+        return manifest
     except mf.ManifestVersionError as exc:
         raise IncompatibleCheckpointError(f"{shown}: {exc}", path=shown) from None
     except mf.ManifestError as exc:
@@ -216,13 +223,18 @@ class Generation:
 
     @classmethod
     def open(
-        cls, where: Location, copy_on_write: bool, needs: Needs | None, columns: bool
+        cls,
+        where: Location,
+        copy_on_write: bool,
+        needs: Needs | None,
+        columns: bool,
+        lazy: bool = False,
     ) -> Generation:
         """Open and pin one generation of the committed checkpoint at ``where``: see
         :meth:`savepoint.engine.read.Reader.open`."""
         for attempt in range(ATTEMPTS):
             try:
-                return cls._open_once(where.store, where.path, copy_on_write, needs, columns)
+                return cls._open_once(where.store, where.path, copy_on_write, needs, columns, lazy)
             except _Replaced:
                 time.sleep(min(0.0005 * attempt, 0.01))  # let the writer finish its swap
         shown = where.store.url(where.path)
@@ -234,7 +246,13 @@ class Generation:
 
     @classmethod
     def _open_once(
-        cls, store: Store, path: str, copy_on_write: bool, needs: Needs | None, columns: bool
+        cls,
+        store: Store,
+        path: str,
+        copy_on_write: bool,
+        needs: Needs | None,
+        columns: bool,
+        lazy: bool = False,
     ) -> Generation:
         directory = locate(store, path)
         shown = store.url(directory)
@@ -253,11 +271,12 @@ class Generation:
                     raise _Replaced from None
                 raise IncompleteCheckpointError(f"{shown} has no {mf.NAME}", path=shown) from None
 
-            # A version 7 manifest's rank indexes, from the same pinned generation.
+            # A version 7 manifest's rank indexes, from the same pinned generation (``lazy``:
+            # when a record needs them, while the generation is open).
             def read_index(name: str, size: int) -> bytes:
                 return pinned.read_small(name, cap=size)
 
-            manifest = _parse_manifest(shown, raw, columns, read_index)
+            manifest = _parse_manifest(shown, raw, columns, read_index, lazy)
             wanted = manifest.files if needs is None else needs(shown, manifest)
             for name in sorted(set(wanted)):
                 try:

@@ -157,6 +157,7 @@ class Reader:
         copy_on_write: bool = False,
         needs: Needs | None = None,
         columns: bool = True,
+        lazy_indexes: bool = False,
     ) -> Reader:
         """Open and pin one generation of the committed checkpoint at ``path`` (a local path,
         a URL or a Location).
@@ -167,10 +168,12 @@ class Reader:
         the module docstring). ``needs`` may raise (a missing key, say); nothing stays open then.
         A needed file missing from a generation that is still in place is left unopened: reading
         it raises CorruptCheckpointError. ``columns``: see :func:`savepoint.codecs.manifest.parse`
-        (a load passes False).
+        (a load passes False). ``lazy_indexes``: a version 7 manifest's index files are read when
+        a record needs them (:mod:`savepoint.codecs.manifest._v7_lazy`: a resharding load reads
+        those of the ranks whose pieces it reads), not all at open.
         """
         where = path if isinstance(path, Location) else resolve_path(path, what="checkpoint path")
-        return cls(Generation.open(where, copy_on_write, needs, columns))
+        return cls(Generation.open(where, copy_on_write, needs, columns, lazy_indexes))
 
     @property
     def pinned(self) -> PinnedContext | None:

@@ -147,7 +147,9 @@ one device mesh): a tensor table (``dtype``, ``shape``, ``grid``), the ``mesh``,
 files and an ``indices`` table naming each rank's index file (``index-r<rank>.json``, its size and
 XXH3-64), which lists that rank's pieces as version 3 shards; no piece is listed in the manifest,
 so it grows with tensors + ranks. :func:`parse` reads the indexes through its ``read_index``
-argument and returns version 3's records (the full specification opens :mod:`._v7_grid`).
+argument and returns version 3's records (the full specification opens :mod:`._v7_grid`); with
+``lazy=True`` it reads none, and each record reads the indexes of the ranks that wrote the pieces
+asked for (:mod:`._v7_lazy`: what a resharding load does).
 
 Compatibility: readers accept every ``format_version`` up to their own and refuse newer ones with
 an IncompatibleCheckpointError (:class:`ManifestVersionError`). Version 1 is the first
@@ -176,7 +178,7 @@ The modules: ``_records`` (the records :func:`parse` returns and :func:`dump` wr
 constants above), ``_encode`` (:func:`dump`, :func:`dumps`), ``_decode`` (:func:`parse`: the top
 level of every version), one decoder per family of versions (``_v1``: the column fast path of
 version 1 entries; ``_v2_sharded``: versions 2 and 3; ``_v4_blobs``: versions 4 and 5;
-``_v6_device``: version 6; ``_v7_grid``: version 7) and ``_checks`` (the checks they share, the
+``_v6_device``: version 6; ``_v7_grid``: version 7; ``_v7_lazy``: version 7 read lazily) and ``_checks`` (the checks they share, the
 tree's among them).
 """
 
@@ -212,6 +214,7 @@ from savepoint.codecs.manifest._records import PIECE_ENTRIES as _PIECE_ENTRIES  
 from savepoint.codecs.manifest._v1 import check_entry as _v1_record  # noqa: F401 (tests)
 from savepoint.codecs.manifest._v4_blobs import MAX_UP, check_blob_store
 from savepoint.codecs.manifest._v7_grid import IndexRecord, ReadIndex, index_bytes, index_name
+from savepoint.codecs.manifest._v7_lazy import GridPieces, GridTensors
 
 __all__ = [
     "BLOBS",
@@ -220,6 +223,8 @@ __all__ = [
     "FORMAT",
     "FileRecord",
     "GRID",
+    "GridPieces",
+    "GridTensors",
     "IndexRecord",
     "MAX_MANIFEST_BYTES",
     "MAX_UP",

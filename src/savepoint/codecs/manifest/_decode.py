@@ -44,7 +44,8 @@ from savepoint.codecs.manifest._v2_sharded import sharded_tensor
 from savepoint.codecs.manifest._v4_blobs import blob_members, blob_record
 from savepoint.codecs.manifest._v6_device import KEYS as DEVICE_KEYS
 from savepoint.codecs.manifest._v6_device import device_record
-from savepoint.codecs.manifest._v7_grid import ReadIndex, grid_manifest
+from savepoint.codecs.manifest._v7_grid import ReadIndex, grid_records, grid_table
+from savepoint.codecs.manifest._v7_lazy import GridTensors
 
 _TRAILER = re.compile(rb',\n "manifest_xxh3": "([0-9a-f]{16})"\n}\n\Z')
 _FILE = frozenset(("size", "header_size", "header_xxh3"))
@@ -56,7 +57,9 @@ _CHECKED = frozenset(
 _CHECKED_SHARDED = _CHECKED | {"world_size"}
 
 
-def parse(raw: bytes, *, columns: bool = True, read_index: ReadIndex | None = None) -> Manifest:
+def parse(
+    raw: bytes, *, columns: bool = True, read_index: ReadIndex | None = None, lazy: bool = False
+) -> Manifest:
     """Check ``raw`` completely and return the manifest it holds.
 
     ``columns``: a version 1 manifest's records are kept as a :class:`TensorTable` (no record
@@ -66,6 +69,9 @@ def parse(raw: bytes, *, columns: bool = True, read_index: ReadIndex | None = No
 
     ``read_index(name, size)``: the bytes of a version 7 manifest's index file ``name`` (at
     most ``size`` of them; :mod:`._v7_grid`); a version 7 manifest without it is refused.
+    ``lazy``: a version 7 manifest's indexes are read when a record needs them, not here (its
+    ``tensors`` a :class:`._v7_lazy.GridTensors`: what a resharding load wants); every other
+    version reads the same either way.
 
     Raises ManifestError (malformed, including JSON the bounded reader refuses: too deep, too
     dense for its size, numbers out of range) or ManifestVersionError (a newer format).
@@ -83,16 +89,16 @@ def parse(raw: bytes, *, columns: bool = True, read_index: ReadIndex | None = No
     # repeated key first, as the reader always has.
     doc, pairs = _json.loads_counted(raw, ManifestError, "manifest")
     if pairs is None:
-        return _manifest(doc, None, columns, read_index)
+        return _manifest(doc, None, columns, read_index, lazy)
     try:
-        return _manifest(doc, pairs, columns, read_index)
+        return _manifest(doc, pairs, columns, read_index, lazy)
     except (ManifestError, ManifestVersionError):
         _json.loads(raw, ManifestError, "manifest")
         raise
     except _Repeated:
         # Raises naming the repeated key; were none found, the count was off: check it again.
         doc = _json.loads(raw, ManifestError, "manifest")
-        return _manifest(doc, None, columns, read_index)
+        return _manifest(doc, None, columns, read_index, lazy)
 
 
 class _Repeated(Exception):
@@ -100,14 +106,18 @@ class _Repeated(Exception):
 
 
 def _manifest(
-    doc: Any, pairs: int | None, columns: bool = True, read_index: ReadIndex | None = None
+    doc: Any,
+    pairs: int | None,
+    columns: bool = True,
+    read_index: ReadIndex | None = None,
+    lazy: bool = False,
 ) -> Manifest:
     """The checks of :func:`parse` on its parsed document; ``pairs``: the members the text holds
     (None: repeated keys already refused), compared with those of the objects found."""
     version = _version(doc)
     files = _files(doc["files"])
     if version >= GRID:
-        return _grid(doc, pairs, files, read_index)
+        return _grid(doc, pairs, files, read_index, lazy)
     blob_store, blob_digest, world_size = _kind(doc, version)
     raw_tensors = doc.get("tensors")
     require(isinstance(raw_tensors, dict), "tensors must be an object")
@@ -135,8 +145,9 @@ def _grid(
     pairs: int | None,
     files: dict[str, FileRecord],
     read_index: ReadIndex | None,
+    lazy: bool = False,
 ) -> Manifest:
-    """Version 7 (:mod:`._v7_grid`)."""
+    """Version 7 (:mod:`._v7_grid`; ``lazy``: :mod:`._v7_lazy`)."""
     world_size = doc.get("world_size")
     require(
         type(world_size) is int and 1 <= world_size < _MAX_WORLD,
@@ -144,7 +155,8 @@ def _grid(
     )
     require("blob_store" not in doc, "a version 7 manifest names no blob store")
     assert type(world_size) is int
-    mesh, indices, grids, tensors = grid_manifest(doc, files, world_size, read_index)
+    table = grid_table(doc, files, world_size, read_index)
+    tensors = GridTensors(table) if lazy else grid_records(table)
     tree: Any = doc.get("tree")
     found = check_tree(tree, tensors)
     others = sum(_json.members(v) for k, v in doc.items() if k != "tree")
@@ -159,9 +171,9 @@ def _grid(
         created=doc["created"],
         format_version=doc["format_version"],
         world_size=world_size,
-        mesh=mesh,
-        indices=indices,
-        grids=grids,
+        mesh=table.mesh,
+        indices=table.indices,
+        grids=table.grids,
     )
 
 

@@ -54,65 +54,75 @@ def sharded_tensor(
         type(raw_shards) is list and len(raw_shards) > 0,
         f"tensor {name!r}: shards must be a non-empty list",
     )
-    shards = []
-    for i, sh in enumerate(raw_shards):
-        what = f"tensor {name!r} shard {i}"
-        if version >= BLOBS and type(sh) is dict and "blobs" in sh:
-            require(
-                sh.keys() in _BLOB_SHARD_KINDS,
-                f"{what}: a blob shard must have xxh3, blobs and one of box, flat",
-            )
-            start, end = 0, -1  # from its recipe, once its region is checked
-        else:
-            kinds = _BLOCKED_KINDS if version >= BLOCKED else _SHARD_KINDS
-            require(
-                type(sh) is dict and sh.keys() in kinds,
-                f"{what}: entry must have file, offsets, xxh3 and one of box, flat"
-                + (" (and may have blocks)" if version >= BLOCKED else "")
-                + (" (or xxh3, blobs and one of box, flat)" if version >= BLOBS else ""),
-            )
-            start, end = byte_range(what, sh, files)
-            require(is_digest(sh["xxh3"]), f"{what}: bad checksum")
-        region: boxes.Region
-        if "flat" in sh:
-            require(_pair(sh["flat"]), f"{what}: flat must be [start, stop] with start <= stop")
-            region = boxes.Flat(*sh["flat"])
-        else:
-            box = sh["box"]
-            require(
-                type(box) is list and len(box) == len(shape) and all(map(_pair, box)),
-                f"{what}: box must hold one [start, stop] (start <= stop) per dimension of "
-                f"{list(shape)}",
-            )
-            region = tuple((a, b) for a, b in box)
-        require(
-            boxes.inside(region, shape),
-            f"{what}: {boxes.show(region)} lies outside shape {list(shape)}",
+    shards = [
+        shard_record(
+            f"tensor {name!r} shard {i}", sh, t["dtype"], shape, itemsize, files, version, algorithm
         )
-        expected = boxes.size(region, shape) * itemsize
-        if end < 0:
-            recipe, digest = recipe_of(
-                what, sh, expected, f"{boxes.show(region)} of {t['dtype']}", algorithm, version
-            )
-            shards.append(
-                ShardRecord(
-                    "", 0, expected, sh["xxh3"], region, digest.block, digest.blocks, recipe
-                )
-            )
-            continue
-        require(
-            end - start == expected,
-            f"{what}: {end - start} bytes recorded, {boxes.show(region)} of {t['dtype']} needs "
-            f"{expected}",
-        )
-        block = 0
-        digests: tuple[str, ...] = ()
-        if "blocks" in sh:
-            block, digests = _blocks(what, sh["blocks"], end - start, sh["xxh3"])
-        shards.append(ShardRecord(sh["file"], start, end, sh["xxh3"], region, block, digests))
+        for i, sh in enumerate(raw_shards)
+    ]
     problem = boxes.check_cover([s.region for s in shards], shape)
     require(problem is None, f"tensor {name!r}: shards do not tile shape {list(shape)}: {problem}")
     return whole(t["dtype"], shape, tuple(shards))
+
+
+def shard_record(
+    what: str,
+    sh: Any,
+    dtype: str,
+    shape: tuple[int, ...],
+    itemsize: int,
+    files: dict[str, FileRecord],
+    version: int,
+    algorithm: str | None = None,
+) -> ShardRecord:
+    """One checked shard object (``what`` names it in messages) of a tensor of ``shape``."""
+    if version >= BLOBS and type(sh) is dict and "blobs" in sh:
+        require(
+            sh.keys() in _BLOB_SHARD_KINDS,
+            f"{what}: a blob shard must have xxh3, blobs and one of box, flat",
+        )
+        start, end = 0, -1  # from its recipe, once its region is checked
+    else:
+        kinds = _BLOCKED_KINDS if version >= BLOCKED else _SHARD_KINDS
+        require(
+            type(sh) is dict and sh.keys() in kinds,
+            f"{what}: entry must have file, offsets, xxh3 and one of box, flat"
+            + (" (and may have blocks)" if version >= BLOCKED else "")
+            + (" (or xxh3, blobs and one of box, flat)" if version >= BLOBS else ""),
+        )
+        start, end = byte_range(what, sh, files)
+        require(is_digest(sh["xxh3"]), f"{what}: bad checksum")
+    region: boxes.Region
+    if "flat" in sh:
+        require(_pair(sh["flat"]), f"{what}: flat must be [start, stop] with start <= stop")
+        region = boxes.Flat(*sh["flat"])
+    else:
+        box = sh["box"]
+        require(
+            type(box) is list and len(box) == len(shape) and all(map(_pair, box)),
+            f"{what}: box must hold one [start, stop] (start <= stop) per dimension of "
+            f"{list(shape)}",
+        )
+        region = tuple((a, b) for a, b in box)
+    require(
+        boxes.inside(region, shape),
+        f"{what}: {boxes.show(region)} lies outside shape {list(shape)}",
+    )
+    expected = boxes.size(region, shape) * itemsize
+    if end < 0:
+        recipe, digest = recipe_of(
+            what, sh, expected, f"{boxes.show(region)} of {dtype}", algorithm, version
+        )
+        return ShardRecord("", 0, expected, sh["xxh3"], region, digest.block, digest.blocks, recipe)
+    require(
+        end - start == expected,
+        f"{what}: {end - start} bytes recorded, {boxes.show(region)} of {dtype} needs {expected}",
+    )
+    block = 0
+    digests: tuple[str, ...] = ()
+    if "blocks" in sh:
+        block, digests = _blocks(what, sh["blocks"], end - start, sh["xxh3"])
+    return ShardRecord(sh["file"], start, end, sh["xxh3"], region, block, digests)
 
 
 def _pair(x: Any) -> bool:

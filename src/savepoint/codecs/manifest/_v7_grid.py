@@ -30,14 +30,16 @@ block checksums combining to the shard's), and that each piece of a tensor with 
 a box its grid gives (:func:`_from_grid`). The records it returns are those of a version 3
 manifest, so every loader reads a version 7 checkpoint as it reads a version 3 one: a verified
 resharding load reads and checks only the blocks it needs, and a corrupt block is found by the
-ranks that read it. (A reader that wants only some ranks' pieces could read only their indices:
-the grid says which ranks hold which boxes; this reader reads them all.)
+ranks that read it. This reader reads every index (:func:`grid_records`: ``verify``, ``copy``,
+loads of whole tensors); a sharded load reads only those of the ranks whose pieces it reads
+(:mod:`._v7_lazy`: the grid says which ranks hold which boxes), with the same checks.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +63,18 @@ from savepoint.codecs.manifest._records import (
 )
 from savepoint.codecs.manifest._v2_sharded import sharded_tensor
 
-__all__ = ["GRID", "IndexRecord", "ReadIndex", "grid_manifest", "index_bytes", "index_name"]
+__all__ = [
+    "GRID",
+    "GridTable",
+    "IndexFiles",
+    "IndexRecord",
+    "ReadIndex",
+    "grid_manifest",
+    "grid_records",
+    "grid_table",
+    "index_bytes",
+    "index_name",
+]
 
 GRID = _records.GRID
 ReadIndex = Callable[[str, int], bytes]  # (index file name, cap in bytes) -> its bytes
@@ -167,6 +180,107 @@ class _IndexError(ValueError):
     pass
 
 
+class IndexFiles:
+    """A version 7 manifest's index files, each read through ``read_index`` when first asked
+    for (:meth:`shards`), checked against its record (size and XXH3-64) before any of it is
+    used, and kept. ``read``: the names read so far, in order."""
+
+    def __init__(
+        self, indices: dict[str, IndexRecord], read_index: ReadIndex, tensors: Mapping[str, Any]
+    ) -> None:
+        self.indices = indices
+        self.read_index = read_index
+        self.tensors = tensors
+        self.read: list[str] = []
+        self._kept: dict[str, dict[str, Any]] = {}
+        self.lock = threading.RLock()  # a lazy load may ask from its reader threads
+
+    def shards(self, name: str) -> dict[str, Any]:
+        """Index ``name``'s shards by tensor (each a list of unchecked version 3 shard objects):
+        the index checked against its record, its tensors against the manifest's."""
+        found = self._kept.get(name)
+        if found is not None:
+            return found
+        with self.lock:
+            found = self._kept.get(name)
+            if found is not None:
+                return found
+            try:
+                found = _read_index(name, self.indices[name], self.read_index)
+            except _IndexError as exc:
+                require(False, f"index {name!r}: {exc}")
+                raise  # unreachable
+            self.read.append(name)
+            for key, listed in found.items():
+                require(
+                    key in self.tensors, f"index {name!r} names tensor {key!r}, not in the manifest"
+                )
+                require(type(listed) is list, f"index {name!r}: {key!r} must list shards")
+            self._kept[name] = found
+            return found
+
+
+@dataclass
+class GridTable:
+    """A version 7 manifest's checked members, before any index is read."""
+
+    mesh: tuple[int, ...]
+    indices: dict[str, IndexRecord]
+    grids: dict[str, tuple[int | None, ...]]
+    raw: dict[str, Any]  # the tensor entries (checked)
+    files: dict[str, FileRecord]
+    index_files: IndexFiles
+
+
+def grid_table(
+    doc: dict[str, Any],
+    files: dict[str, FileRecord],
+    world_size: int,
+    read_index: ReadIndex | None,
+) -> GridTable:
+    """The checked version 7 members of ``doc``: mesh, indices, each tensor's grid; the index
+    files are read later, through ``read_index`` (:func:`grid_records`, or
+    :class:`savepoint.codecs.manifest._v7_lazy.GridTensors`)."""
+    require(
+        read_index is not None,
+        "a version 7 manifest is read with its index files (open the checkpoint with "
+        "savepoint's loaders, which read them)",
+    )
+    assert read_index is not None
+    mesh = check_grid_members(doc, world_size)
+    indices = _indices(doc.get("indices"), files)
+    raw_tensors: dict[str, Any] = doc["tensors"] if type(doc.get("tensors")) is dict else {}
+    require(type(doc.get("tensors")) is dict, "tensors must be an object")
+    grids = {name: _grid(name, t, mesh) for name, t in raw_tensors.items()}
+    return GridTable(
+        mesh, indices, grids, raw_tensors, files, IndexFiles(indices, read_index, grids)
+    )
+
+
+def grid_records(table: GridTable) -> dict[str, TensorRecord]:
+    """Every tensor's record (version 3's), from every index: the union of the shards of each
+    tensor checked with the version 3 rules, each piece a box its grid gives."""
+    mesh, grids = table.mesh, table.grids
+    pieces: dict[str, list[Any]] = {name: [] for name in table.raw}
+    for name in sorted(table.indices):
+        for key, listed in table.index_files.shards(name).items():
+            pieces[key].extend(listed)
+    tensors = {}
+    for key, t in table.raw.items():
+        found = sorted(pieces[key], key=_order)
+        require(bool(found), f"tensor {key!r}: no index holds a piece of it")
+        entry = {"dtype": t["dtype"], "shape": t["shape"], "shards": found}
+        record = tensors[key] = sharded_tensor(key, entry, table.files, BLOCKED)
+        if math.prod(record.shape):  # (a tensor without elements is one piece, held whole)
+            for shard in record.layout():
+                require(
+                    _from_grid(shard.region, record.shape, mesh, grids[key]),
+                    f"tensor {key!r}: piece {boxes.show(shard.region)} is not a box its grid "
+                    f"{list(grids[key])} gives on mesh {list(mesh)}",
+                )
+    return tensors
+
+
 def grid_manifest(
     doc: dict[str, Any],
     files: dict[str, FileRecord],
@@ -179,43 +293,9 @@ def grid_manifest(
     Mapping[str, TensorRecord],
 ]:
     """The checked version 7 members of ``doc``: mesh, indices, each tensor's grid, and the
-    tensor records (version 3 records, from the indices read through ``read_index``)."""
-    require(
-        read_index is not None,
-        "a version 7 manifest is read with its index files (open the checkpoint with "
-        "savepoint's loaders, which read them)",
-    )
-    assert read_index is not None
-    mesh = check_grid_members(doc, world_size)
-    indices = _indices(doc.get("indices"), files)
-    raw_tensors: dict[str, Any] = doc["tensors"] if type(doc.get("tensors")) is dict else {}
-    require(type(doc.get("tensors")) is dict, "tensors must be an object")
-    grids = {name: _grid(name, t, mesh) for name, t in raw_tensors.items()}
-    pieces: dict[str, list[Any]] = {name: [] for name in raw_tensors}
-    for name in sorted(indices):
-        try:
-            shards = _read_index(name, indices[name], read_index)
-        except _IndexError as exc:
-            require(False, f"index {name!r}: {exc}")
-            raise  # unreachable
-        for key, listed in shards.items():
-            require(key in pieces, f"index {name!r} names tensor {key!r}, not in the manifest")
-            require(type(listed) is list, f"index {name!r}: {key!r} must list shards")
-            pieces[key].extend(listed)
-    tensors = {}
-    for key, t in raw_tensors.items():
-        found = sorted(pieces[key], key=_order)
-        require(bool(found), f"tensor {key!r}: no index holds a piece of it")
-        entry = {"dtype": t["dtype"], "shape": t["shape"], "shards": found}
-        record = tensors[key] = sharded_tensor(key, entry, files, BLOCKED)
-        if math.prod(record.shape):  # (a tensor without elements is one piece, held whole)
-            for shard in record.layout():
-                require(
-                    _from_grid(shard.region, record.shape, mesh, grids[key]),
-                    f"tensor {key!r}: piece {boxes.show(shard.region)} is not a box its grid "
-                    f"{list(grids[key])} gives on mesh {list(mesh)}",
-                )
-    return mesh, indices, grids, tensors
+    tensor records (version 3 records, from every index read through ``read_index``)."""
+    table = grid_table(doc, files, world_size, read_index)
+    return table.mesh, table.indices, table.grids, grid_records(table)
 
 
 def _from_grid(
