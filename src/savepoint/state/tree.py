@@ -160,16 +160,6 @@ def flatten(state: Any) -> Flat:
         deeper = level + DICT_COST
         return [[k, walk(v, child_key(key, is_root, k), False, deeper)] for k, v in pairs]
 
-    def stateful(obj: Any, type_name: str, key: str, is_root: bool, level: int) -> Node:
-        if id(obj) in active:
-            raise _cycle(key)
-        active.add(id(obj))
-        try:
-            inner = walk(obj.state_dict(), key, is_root, level + STATEFUL_COST)
-        finally:
-            active.discard(id(obj))
-        return {"t": "stateful", "type": type_name, "state": inner}
-
     def mapping(obj: Mapping[Any, Any], key: str, is_root: bool, level: int) -> Node:
         if id(obj) in active:
             raise _cycle(key)
@@ -204,35 +194,29 @@ def flatten(state: Any) -> Flat:
             return {"t": "value", "v": obj}
         if cls is dict:
             return mapping(obj, key, is_root, level)
-        type_name = _plain_stateful.get(cls)
-        if type_name is not None:  # a class met before: no array, mapping or wrapper checks
-            return stateful(obj, type_name, key, is_root, level)
-        source = make_source(obj, key)
-        if source is not None:
-            return leaf_tensor(source, key)
-        if obj is None or isinstance(obj, (bool, str)):
-            return {"t": "value", "v": obj}
-        if isinstance(obj, int):
-            return {"t": "value", "v": int(obj)}
-        if isinstance(obj, float):
-            if math.isfinite(obj):
-                return {"t": "value", "v": float(obj)}
-            return {"t": "float", "v": repr(float(obj))}
-        if isinstance(obj, (bytes, bytearray, memoryview)):
-            return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
-        if isinstance(obj, Mapping):
-            return mapping(obj, key, is_root, level)
-        if is_stateful(obj):
-            bare = unwrap(obj)  # a compiled or DDP model saves the keys of the model inside
-            bare_cls = type(bare)
-            type_name = f"{bare_cls.__module__}.{bare_cls.__qualname__}"
-            if bare is obj and _class_stateful(cls):
-                _plain_stateful[cls] = type_name
-            return stateful(bare, type_name, key, is_root, level)
+        type_name = _plain_stateful.get(cls)  # a class met before: no array or wrapper checks
+        if type_name is None:
+            source = make_source(obj, key)
+            if source is not None:
+                return leaf_tensor(source, key)
+            if (value := _plain_node(obj)) is not None:
+                return value
+            if isinstance(obj, Mapping):
+                return mapping(obj, key, is_root, level)
+            if is_stateful(obj):
+                bare = unwrap(obj)  # a compiled or DDP model saves the keys of the model inside
+                bare_cls = type(bare)
+                type_name = f"{bare_cls.__module__}.{bare_cls.__qualname__}"
+                if bare is obj and _class_stateful(cls):
+                    _plain_stateful[cls] = type_name
+                obj = bare
         if id(obj) in active:
             raise _cycle(key)
         active.add(id(obj))
         try:
+            if type_name is not None:  # in this frame: a chain of 510 Statefuls fits the stack
+                inner = walk(obj.state_dict(), key, is_root, level + STATEFUL_COST)
+                return {"t": "stateful", "type": type_name, "state": inner}
             if isinstance(obj, (list, tuple)):
                 kind = "list" if isinstance(obj, list) else "tuple"
                 deeper = level + LIST_COST
@@ -273,6 +257,21 @@ def _class_stateful(cls: type) -> bool:
         and callable(getattr(cls, "load_state_dict", None))
         and len(_plain_stateful) < 4096
     )
+
+
+def _plain_node(obj: Any) -> Node | None:
+    """The node of a plain value (a subclass of str, int, float, bytes...), None otherwise."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return {"t": "value", "v": obj}
+    if isinstance(obj, int):
+        return {"t": "value", "v": int(obj)}
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return {"t": "value", "v": float(obj)}
+        return {"t": "float", "v": repr(float(obj))}
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+    return None
 
 
 def _plain_key(k: Any, key: str) -> Key:
