@@ -27,7 +27,7 @@ flipped bit in an index is caught before any of it is used), parses it with the 
 reader (repeated keys refused), and checks the union of the shards of each tensor with the
 version 3 rules (boxes inside the shape and tiling it, byte ranges inside their data files,
 block checksums combining to the shard's), and that each piece of a tensor with elements is
-a box its grid gives (:func:`_from_grid`). The records it returns are those of a version 3
+a box its grid gives (:func:`from_grid`). The records it returns are those of a version 3
 manifest, so every loader reads a version 7 checkpoint as it reads a version 3 one: a verified
 resharding load reads and checks only the blocks it needs, and a corrupt block is found by the
 ranks that read it. This reader reads every index (:func:`grid_records`: ``verify``, ``copy``,
@@ -69,6 +69,7 @@ __all__ = [
     "IndexFiles",
     "IndexRecord",
     "ReadIndex",
+    "from_grid",
     "grid_manifest",
     "grid_records",
     "grid_table",
@@ -274,7 +275,7 @@ def grid_records(table: GridTable) -> dict[str, TensorRecord]:
         if math.prod(record.shape):  # (a tensor without elements is one piece, held whole)
             for shard in record.layout():
                 require(
-                    _from_grid(shard.region, record.shape, mesh, grids[key]),
+                    from_grid(shard.region, record.shape, mesh, grids[key]),
                     f"tensor {key!r}: piece {boxes.show(shard.region)} is not a box its grid "
                     f"{list(grids[key])} gives on mesh {list(mesh)}",
                 )
@@ -298,7 +299,7 @@ def grid_manifest(
     return table.mesh, table.indices, table.grids, grid_records(table)
 
 
-def _from_grid(
+def from_grid(
     region: boxes.Region,
     shape: tuple[int, ...],
     mesh: tuple[int, ...],

@@ -47,7 +47,7 @@ from savepoint.codecs.manifest._records import (
     whole,
 )
 from savepoint.codecs.manifest._v2_sharded import shard_record
-from savepoint.codecs.manifest._v7_grid import GridTable, _from_grid, grid_records, index_name
+from savepoint.codecs.manifest._v7_grid import GridTable, from_grid, grid_records, index_name
 
 __all__ = ["GridPieces", "GridTensors"]
 
@@ -284,7 +284,7 @@ class GridTensors(Mapping[str, TensorRecord]):
             what = f"index {name!r}: tensor {key!r} shard {j}"
             s = shard_record(what, raw, t["dtype"], shape, itemsize, table.files, BLOCKED)
             require(
-                not math.prod(shape) or _from_grid(s.region, shape, mesh, grid),
+                not math.prod(shape) or from_grid(s.region, shape, mesh, grid),
                 f"{what}: piece {boxes.show(s.region)} is not a box its grid {list(grid)} "
                 f"gives on mesh {list(mesh)}",
             )
