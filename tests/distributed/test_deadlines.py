@@ -70,9 +70,13 @@ def test_a_stalled_rank_is_named_on_every_rank_within_the_deadline(
         assert late in e["ranks"], (r, e)
         assert e["errors"][str(late)].startswith(f"did not finish its part of '{phase}'"), e
     elapsed = {r: s.results[r]["data"]["elapsed"] for r in range(WORLD)}
+    # The timed call of the writer-process case also waits for its writer process, started just
+    # before, to be up (a Python importing savepoint: up to a second more on two shared cores in
+    # the whole suite; a CI run measured 5.2 s on a rank that was not late).
+    startup = 1.5 if scenario == "save_writer_process" else 0.0
     for r, t in elapsed.items():
         if r != late:  # waited for the deadline, then named the late rank at once
-            assert DEADLINE - 0.5 < t < DEADLINE + GRACE + SLACK, (r, elapsed)
+            assert DEADLINE - 0.5 < t < DEADLINE + GRACE + SLACK + startup, (r, elapsed)
     if scenario == "save_writer_process":  # it gave up on its writer process (asked each second)
         assert elapsed[late] < DEADLINE + GRACE + 1 + SLACK, elapsed
     else:  # back after its stall, it raised at once
