@@ -19,10 +19,8 @@ tensor: a regular state) is copied for each test:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -38,6 +36,8 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 from savepoint.codecs import checksum  # noqa: E402
 from savepoint.codecs import manifest as mf  # noqa: E402
 from savepoint.runs import _peer_check, _peer_grid, peers  # noqa: E402
+
+from .test_peers_ranks import data, node_folder  # noqa: E402  (the same sessions' helpers)
 
 WORKER = Path(__file__).with_name("_peers_worker.py")
 ENV = {
@@ -56,15 +56,6 @@ def run(scenario: str, world: int, workdir: Path, **env: str) -> _launch.Session
     session = _launch.run(scenario, world, workdir, worker=WORKER, env={**ENV, **env}, timeout=120)
     assert not session.failures(), session.failures()
     return session
-
-
-def data(session: _launch.Session, key: str) -> list[Any]:
-    return [session.results[r]["data"][key] for r in range(session.world)]
-
-
-def node_folder(workdir: Path, node: str) -> Path:
-    (run_id,) = os.listdir(workdir / "mem")
-    return workdir / "mem" / run_id / node
 
 
 @pytest.fixture(scope="module")
