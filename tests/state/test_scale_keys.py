@@ -149,3 +149,25 @@ def test_collector_pause_nests_and_restores() -> None:
             gc.enable()
         else:
             gc.disable()
+
+
+def test_group_pause_is_the_collector_pause() -> None:
+    """A sharded save's pause (collectives.gc_paused, held by a background save's thread) and the
+    trainer's own (collector.paused) interleave: whichever leaves first must not turn the
+    collector back on under the other."""
+    from savepoint.distributed import collectives
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        background = collectives.gc_paused()
+        background.__enter__()
+        with collector.paused():
+            background.__exit__(None, None, None)
+            assert not gc.isenabled()  # the trainer's pause still holds
+        assert gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
+        else:
+            gc.disable()
