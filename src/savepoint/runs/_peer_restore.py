@@ -60,6 +60,7 @@ from savepoint.runs._peer_folder import (
     place,
 )
 from savepoint.runs._peer_grid import Head, head, index_problem
+from savepoint.runs._peer_indexes import Indexes
 from savepoint.runs._peer_wire import Incoming, Outgoing, Wire
 
 if TYPE_CHECKING:
@@ -177,8 +178,9 @@ class PeerRestore:
         try:
             with self.wire.session():
                 self._fetch(choice, [mf.NAME], base, "manifest", _here)
-                choice, manifest, directory, where = self._manifest(choice, base)
-                wanted, direct = _needs(manifest, directory, options)
+                choice, manifest, directory, where, (wanted, direct) = self._manifest(
+                    choice, base, options
+                )
                 if manifest.has_blobs:  # every blob of the checkpoint (see the docstring)
                     wanted.add(COMMON[1])
                     wanted.update(
@@ -191,11 +193,14 @@ class PeerRestore:
         finally:
             shutil.rmtree(base, ignore_errors=True)
 
-    def _manifest(self, choice: _Choice, base: str) -> tuple[_Choice, mf.Manifest, str, Any]:
+    def _manifest(
+        self, choice: _Choice, base: str, options: dict[str, Any]
+    ) -> tuple[_Choice, mf.Manifest, str, Any, _Planned]:
         """The fetched manifest (in ``base``) moved into the assembly and parsed: a version 7
-        one after every part's index was fetched and verified (the copies whose marker records
-        an index other than the manifest's set aside first). The choice that is left, the
-        manifest, the assembly's checkpoint folder, and where each file goes."""
+        one after the indexes its load reads were fetched and verified (those the plan asks for:
+        :mod:`savepoint.runs._peer_indexes`; the copies whose marker records an index other than
+        the manifest's set aside first). The choice that is left, the manifest, the assembly's
+        checkpoint folder, where each file goes, and what this rank's load needs (:func:`_needs`)."""
         with open(os.path.join(base, mf.NAME), "rb") as f:
             raw = f.read()
         grid = head(raw)
@@ -206,16 +211,19 @@ class PeerRestore:
         os.rename(os.path.join(base, mf.NAME), os.path.join(base, where(mf.NAME)))
         directory = assembly(base, choice.step, blob_store)
         if manifest is not None:
-            return choice, manifest, directory, where
+            return choice, manifest, directory, where, _needs(manifest, directory, options)
         assert grid is not None
         choice = _agreeing(choice, grid)
-        self._fetch(choice, sorted(grid.indices), base, "indexes", where)
-
-        def read_index(name: str, size: int) -> bytes:  # (each verified against its marker)
-            with open(os.path.join(directory, name), "rb") as f:
-                return f.read(size + 1)
-
-        return choice, mf.parse(raw, columns=False, read_index=read_index), directory, where
+        indexes = Indexes(raw, directory, sorted(grid.indices), options)
+        self._fetch(choice, indexes.first(), base, "indexes", where)
+        manifest = indexes.parse()
+        planned = _needs(manifest, directory, options)
+        rest = indexes.rest()  # (the writer rule failed: every other index, one more round)
+        self._fetch(choice, rest, base, "indexes-rest", where, idle=True)
+        if rest:
+            manifest = indexes.parse()
+            planned = _needs(manifest, directory, options)
+        return choice, manifest, directory, where, planned
 
     def _fetch(
         self,
@@ -225,10 +233,13 @@ class PeerRestore:
         what: str,
         where: Callable[[str], str],
         sinks: dict[str, list[_Range]] | None = None,
+        idle: bool = False,
     ) -> None:
         """Bring every file of ``wanted`` to ``base/where(name)`` (those of ``sinks``: into
         their targets, straight, or copied from this node's copy once it verified), verified
-        (rounds: see the module docstring); raises on every rank alike when it cannot."""
+        (rounds: see the module docstring); raises on every rank alike when it cannot.
+        ``idle`` (the same on every rank; no ``sinks``): done at once where no rank needs any
+        file (one document gathered)."""
         bad: set[tuple[str, int]] = set()
         failures: list[str] = []  # the copies that did not verify, as the ranks found them
         deferred: list[_Held] = []  # this node's copies of files of ``sinks``, checked below
@@ -242,6 +253,8 @@ class PeerRestore:
             for doc in asked.values:
                 bad.update((node, part) for node, part in doc["bad"])
                 failures.extend(doc["errors"])
+            if idle and not any(doc["need"] for doc in asked.values):
+                return
             plan, unplaced = self._plan(choice, [doc["need"] for doc in asked.values], bad)
             outgoing, incoming, landing = self._messages(choice, plan, base, where, sinks or {})
             checking = _Checking(deferred, sinks or {})  # (while the bytes travel)
@@ -494,6 +507,7 @@ def _needs(
 
 
 _Range = tuple[int, int, memoryview]  # bytes [start, end) of a file land in this memory
+_Planned = tuple[set[str], list["Direct"]]  # what a load needs: its files, its direct targets
 
 
 def _sinks(direct: list[Direct]) -> dict[str, list[_Range]]:
