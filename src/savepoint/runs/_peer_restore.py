@@ -7,12 +7,17 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 
 1. **the manifest**: a rank whose node holds a copy of any part links its ``manifest.json`` into a
    private folder of its node (its *assembly*), others fetch it; each is checked against the
-   digest the copies share. Of a manifest version 7, then every part's index file the same way
-   (the loader reads them all), after the copies whose marker records an index other than the
-   one the manifest records are set aside (every rank alike: :func:`_agreeing`); the manifest
-   is then parsed with them (each checked against the manifest's record again);
+   digest the copies share. Of a manifest version 7, then the index files this rank's load
+   reads the same way (:mod:`savepoint.runs._peer_indexes`: a sharded load's, those of the
+   writers of the pieces its targets meet, found from the grid before any is fetched; any other
+   load's, every one), after the copies whose marker records an index other than the one the
+   manifest records are set aside (every rank alike: :func:`_agreeing`); the manifest is then
+   parsed with them (each checked against the manifest's record again);
 2. **what the load needs**: the data files this rank's load reads
-   (:func:`savepoint.distributed.needs.files_needed`: its targets' regions, any world size);
+   (:func:`savepoint.distributed.needs.files_needed`: its targets' regions, any world size); of
+   a version 7 manifest, where that plan asks for an index not fetched (the grid's writer rule
+   failed), every other index is fetched in one more round of step 1 first, and the plan made
+   again;
 3. **the files**: a file of a part its own node holds is hard-linked into the assembly and
    verified against that copy's marker; the others are requested, and each is sent by a rank of a
    node holding its part (spread over the holders), checked on arrival against the marker's
@@ -96,7 +101,7 @@ class _Choice:
         configuration, which every part holds)."""
         if name in COMMON:
             return None
-        if not self.owners:  # (once: a version 7 restore asks for every part's index)
+        if not self.owners:  # (once: a version 7 restore asks for many parts' indexes)
             for (_, part), record in self.records.items():
                 self.owners.update(dict.fromkeys(record.files, part))
         if name in self.owners:
