@@ -338,6 +338,10 @@ def main() -> None:
         return fetch(self, choice, wanted, *args, **kw)
 
     _peer_restore.PeerRestore._fetch = counted_fetch  # type: ignore[method-assign]
+    if os.environ.get("PEERS_GUESS_NONE") == rank:  # (as if the grid's writer rule failed here)
+        from savepoint.runs import _peer_indexes
+
+        _peer_indexes.Indexes._predicted = lambda self: set()  # type: ignore[method-assign]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
     s = dw.Session(scenario, r, w, workdir)
     try:

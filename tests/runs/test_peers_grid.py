@@ -148,6 +148,24 @@ def test_a_lost_node_is_restored_through_the_loader_fetching_only_the_indexes_it
             assert len(restored["indexes"]) == len(set(restored["indexes"])), restored
 
 
+def test_a_plan_asking_for_an_index_not_fetched_fetches_every_other_in_one_more_round(
+    saved: Path, copy: Path
+) -> None:
+    # rank 0 fetches no index first (as if the grid's writer rule failed): its plan asks for
+    # one, so it fetches every index in one more round (over the wire: node a's memory lost)
+    rows, rep = _indexes(saved)
+    shutil.rmtree(node_folder(copy, "a"))
+    shutil.rmtree(copy / "run/checkpoints" / STEP)
+    session = run("restore", 2, copy, PEERS_NODES="a,b", PEERS_GUESS_NONE="0")
+    first, second = data(session, "restored")  # (bit-exact: compared)
+    for restored in (first, second):
+        assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
+        assert not restored["warnings"], restored
+    assert first["indexes"] == [mf.index_name(p) for p in range(4)], first
+    want = {name for name, (a, b) in rows.items() if b > 6} | {mf.index_name(rep)}
+    assert sorted(second["indexes"]) == sorted(want), second
+
+
 def test_only_a_damaged_index_that_a_restore_reads_fails_it(saved: Path, copy: Path) -> None:
     # the replicated tensor alone restored on 2 ranks: it reads the index holding it, so every
     # copy of another index damaged does not fail it; every copy of that one damaged does
