@@ -333,8 +333,7 @@ def main() -> None:
     fetch = _peer_restore.PeerRestore._fetch
 
     def counted_fetch(self: Any, choice: Any, wanted: list[str], *args: Any, **kw: Any) -> Any:
-        if args[1].startswith("indexes"):  # (what: "indexes", "indexes-rest")
-            INDEXES.extend(wanted)
+        INDEXES.extend(n for n in wanted if n.startswith("index-r"))  # (any round: "files" too)
         return fetch(self, choice, wanted, *args, **kw)
 
     _peer_restore.PeerRestore._fetch = counted_fetch  # type: ignore[method-assign]

@@ -8,12 +8,14 @@ tensor: a regular state) is copied for each test:
 - the manager saves version 7 (no ``grid=False`` of its own), and every copy of a part holds its
   rank's index, byte for byte, which ``savepoint ls``'s accounting counts;
 - node a lost and the step gone from the run directory: restored bit-exactly through the loader
-  on 3 ranks (resharding; ``test_peers_ranks.py`` restores the same kind of state straight into
+  on 4, 2 and 3 ranks (resharding; ``test_peers_ranks.py`` restores the same kind of state straight into
   the targets on 4, 2 and 6);
 - a damaged copy of an index is detected and the other node's copy used; every copy damaged: the
   run directory, the warning naming the index;
 - a copy whose index and marker agree with each other but not with the manifest is not used;
-- an index damaged between its check and its send keeps no copy of its part.
+- an index damaged between its check and its send keeps no copy of its part;
+- a restore fetches only the indexes its load reads (on 4, 2 and 3 ranks), every other one too
+  where its plan asks for one it did not fetch; a damaged index no rank reads fails nothing.
 """
 
 from __future__ import annotations
@@ -148,11 +150,12 @@ def test_a_lost_node_is_restored_through_the_loader_fetching_only_the_indexes_it
             assert len(restored["indexes"]) == len(set(restored["indexes"])), restored
 
 
-def test_a_plan_asking_for_an_index_not_fetched_fetches_every_other_in_one_more_round(
+def test_a_plan_asking_for_an_index_not_fetched_fetches_every_other_then_its_files(
     saved: Path, copy: Path
 ) -> None:
     # rank 0 fetches no index first (as if the grid's writer rule failed): its plan asks for
-    # one, so it fetches every index in one more round (over the wire: node a's memory lost)
+    # one, so it fetches every index in place of its files (over the wire: node a's memory
+    # lost), then its files in a second pass that rank 1 joins
     rows, rep = _indexes(saved)
     shutil.rmtree(node_folder(copy, "a"))
     shutil.rmtree(copy / "run/checkpoints" / STEP)

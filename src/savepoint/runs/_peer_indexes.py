@@ -14,7 +14,9 @@ assembly, where it landed verified against its copy's marker; the parse checks i
 manifest's record again). An index the plan asks for that was not fetched (the writer rule
 failed: ranks numbered otherwise than the mesh, a table reordered by hand, so the lazy reader
 falls back to every index) is recorded, not read: :meth:`Indexes.rest` is then every index not
-fetched yet, which the restore fetches in one more round before it plans again.
+fetched yet, which the restore fetches in place of its data files; it then plans again and
+fetches those in a second pass every rank joins (:mod:`savepoint.runs._peer_restore`: a flag in
+the document each rank sends anyway, so a restore where no rank needs it gathers nothing more).
 """
 
 from __future__ import annotations

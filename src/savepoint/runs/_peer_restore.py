@@ -16,8 +16,8 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 2. **what the load needs**: the data files this rank's load reads
    (:func:`savepoint.distributed.needs.files_needed`: its targets' regions, any world size); of
    a version 7 manifest, where that plan asks for an index not fetched (the grid's writer rule
-   failed), every other index is fetched in one more round of step 1 first, and the plan made
-   again;
+   failed), the rank fetches every other index in step 3 in place of its files, and its files
+   (all through the loader) in a second pass of step 3 that every rank joins;
 3. **the files**: a file of a part its own node holds is hard-linked into the assembly and
    verified against that copy's marker; the others are requested, and each is sent by a rank of a
    node holding its part (spread over the holders), checked on arrival against the marker's
@@ -183,16 +183,19 @@ class PeerRestore:
         try:
             with self.wire.session():
                 self._fetch(choice, [mf.NAME], base, "manifest", _here)
-                choice, manifest, directory, where, (wanted, direct) = self._manifest(
-                    choice, base, options
-                )
-                if manifest.has_blobs:  # every blob of the checkpoint (see the docstring)
-                    wanted.add(COMMON[1])
-                    wanted.update(
-                        n for r in choice.records.values() for n in r.files if n.startswith(BLOBS)
-                    )
+                choice, manifest, directory, where, indexes = self._manifest(choice, base, options)
+                wanted, direct = _wanted(choice, manifest, directory, options)
+                rest = indexes.rest() if indexes is not None else []
+                if rest:  # (the grid's writer rule failed: every other index in place of files)
+                    wanted, direct = set(rest), []
                 sinks = _sinks(direct)
-                self._fetch(choice, sorted(wanted), base, "files", where, sinks)
+                again = self._fetch(choice, sorted(wanted), base, "files", where, sinks, bool(rest))
+                if again:  # (a rank fetched indexes in place of its files: every rank once more)
+                    wanted = set()
+                    if rest:
+                        assert indexes is not None
+                        wanted = _wanted(choice, indexes.parse(), directory, options)[0]
+                    self._fetch(choice, sorted(wanted), base, "files-again", where)
             with _set_aside(direct):  # (their bytes landed and verified: the rest is loaded)
                 return checkpoint.load(directory, **options)
         finally:
@@ -200,12 +203,12 @@ class PeerRestore:
 
     def _manifest(
         self, choice: _Choice, base: str, options: dict[str, Any]
-    ) -> tuple[_Choice, mf.Manifest, str, Any, _Planned]:
+    ) -> tuple[_Choice, mf.Manifest, str, Any, Indexes | None]:
         """The fetched manifest (in ``base``) moved into the assembly and parsed: a version 7
-        one after the indexes its load reads were fetched and verified (those the plan asks for:
+        one after the indexes its load reads were fetched and verified (those its plan asks for:
         :mod:`savepoint.runs._peer_indexes`; the copies whose marker records an index other than
         the manifest's set aside first). The choice that is left, the manifest, the assembly's
-        checkpoint folder, where each file goes, and what this rank's load needs (:func:`_needs`)."""
+        checkpoint folder, where each file goes, and (version 7) its indexes."""
         with open(os.path.join(base, mf.NAME), "rb") as f:
             raw = f.read()
         grid = head(raw)
@@ -216,19 +219,12 @@ class PeerRestore:
         os.rename(os.path.join(base, mf.NAME), os.path.join(base, where(mf.NAME)))
         directory = assembly(base, choice.step, blob_store)
         if manifest is not None:
-            return choice, manifest, directory, where, _needs(manifest, directory, options)
+            return choice, manifest, directory, where, None
         assert grid is not None
         choice = _agreeing(choice, grid)
         indexes = Indexes(raw, directory, sorted(grid.indices), options)
         self._fetch(choice, indexes.first(), base, "indexes", where)
-        manifest = indexes.parse()
-        planned = _needs(manifest, directory, options)
-        rest = indexes.rest()  # (the writer rule failed: every other index, one more round)
-        self._fetch(choice, rest, base, "indexes-rest", where, idle=True)
-        if rest:
-            manifest = indexes.parse()
-            planned = _needs(manifest, directory, options)
-        return choice, manifest, directory, where, planned
+        return choice, indexes.parse(), directory, where, indexes
 
     def _fetch(
         self,
@@ -238,19 +234,19 @@ class PeerRestore:
         what: str,
         where: Callable[[str], str],
         sinks: dict[str, list[_Range]] | None = None,
-        idle: bool = False,
-    ) -> None:
+        again: bool = False,
+    ) -> bool:
         """Bring every file of ``wanted`` to ``base/where(name)`` (those of ``sinks``: into
         their targets, straight, or copied from this node's copy once it verified), verified
-        (rounds: see the module docstring); raises on every rank alike when it cannot.
-        ``idle`` (the same on every rank; no ``sinks``): done at once where no rank needs any
-        file (one document gathered)."""
+        (rounds: see the module docstring); raises on every rank alike when it cannot. Returns
+        whether any rank said ``again`` (it fetches more after this: every rank then fetches
+        once more, alike)."""
         bad: set[tuple[str, int]] = set()
         failures: list[str] = []  # the copies that did not verify, as the ranks found them
         deferred: list[_Held] = []  # this node's copies of files of ``sinks``, checked below
         need = self._local(choice, wanted, base, where, bad, sinks or {}, deferred)
         for round_ in range(_ROUNDS):
-            mine = {"need": need, "bad": sorted(bad), "errors": self.local_failures}
+            mine = {"need": need, "bad": sorted(bad), "errors": self.local_failures, "again": again}
             self.local_failures = []
             asked = self.wire.gather(f"{what}-need-{round_}", mine)
             if asked.missing:
@@ -258,8 +254,7 @@ class PeerRestore:
             for doc in asked.values:
                 bad.update((node, part) for node, part in doc["bad"])
                 failures.extend(doc["errors"])
-            if idle and not any(doc["need"] for doc in asked.values):
-                return
+                again = again or doc["again"]
             plan, unplaced = self._plan(choice, [doc["need"] for doc in asked.values], bad)
             outgoing, incoming, landing = self._messages(choice, plan, base, where, sinks or {})
             checking = _Checking(deferred, sinks or {})  # (while the bytes travel)
@@ -303,7 +298,7 @@ class PeerRestore:
             need = [i.name for i in incoming if i.corrupt]
             need += [h.name for h, ok in zip(checking.held, checking.results) if not ok]
             if not any(doc["bad"] for doc in told.values):
-                return
+                return again
         raise CorruptCheckpointError(
             f"{_LABEL}: step {choice.step}: copies kept failing verification ({_ROUNDS} rounds): "
             + "; ".join(sorted(set(failures))),
@@ -511,8 +506,18 @@ def _needs(
         return set(manifest.files), []
 
 
+def _wanted(
+    choice: _Choice, manifest: mf.Manifest, directory: str, options: dict[str, Any]
+) -> tuple[set[str], list[Direct]]:
+    """:func:`_needs`, and of an incremental checkpoint every blob (see the module docstring)."""
+    wanted, direct = _needs(manifest, directory, options)
+    if manifest.has_blobs:
+        wanted.add(COMMON[1])
+        wanted.update(n for r in choice.records.values() for n in r.files if n.startswith(BLOBS))
+    return wanted, direct
+
+
 _Range = tuple[int, int, memoryview]  # bytes [start, end) of a file land in this memory
-_Planned = tuple[set[str], list["Direct"]]  # what a load needs: its files, its direct targets
 
 
 def _sinks(direct: list[Direct]) -> dict[str, list[_Range]]:
