@@ -7,7 +7,9 @@ The environment says how the session is laid out: ``PEERS_NODES`` the node of ea
 (``a,a,b,b``: set as ``SAVEPOINT_NODE``, so two groups of ranks on one machine are two nodes),
 ``PEERS_TIMEOUT`` the tier's timeout, ``PEERS_STEPS`` the steps to save, ``PEERS_GRID=1`` a regular
 state's rows (saved as manifest version 7 with ``PEERS_NO_FLAT=1``, which also makes a restore
-receive every tensor straight into its target unless ``PEERS_STRAIGHT=0``). The run directory is
+receive every tensor straight into its target unless ``PEERS_STRAIGHT=0``), ``PEERS_KEYS=rep``
+a restore of the replicated tensor alone, ``PEERS_GUESS_NONE`` a rank that fetches no index of a
+version 7 checkpoint before it plans (as if the grid's writer rule failed). The run directory is
 ``WORKDIR/run``, the nodes' memory ``WORKDIR/mem``. Each scenario writes
 ``WORKDIR/SCENARIO-rank<RANK>.json`` (checks and data, as ``_worker.py`` does). The state of
 each step is built from a seed and the step, so a restore is compared exactly with what that
