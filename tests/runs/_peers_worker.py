@@ -7,7 +7,9 @@ The environment says how the session is laid out: ``PEERS_NODES`` the node of ea
 (``a,a,b,b``: set as ``SAVEPOINT_NODE``, so two groups of ranks on one machine are two nodes),
 ``PEERS_TIMEOUT`` the tier's timeout, ``PEERS_STEPS`` the steps to save, ``PEERS_GRID=1`` a regular
 state's rows (saved as manifest version 7 with ``PEERS_NO_FLAT=1``, which also makes a restore
-receive every tensor straight into its target unless ``PEERS_STRAIGHT=0``). The run directory is
+receive every tensor straight into its target unless ``PEERS_STRAIGHT=0``), ``PEERS_KEYS=rep``
+a restore of the replicated tensor alone, ``PEERS_GUESS_NONE`` a rank that fetches no index of a
+version 7 checkpoint before it plans (as if the grid's writer rule failed). The run directory is
 ``WORKDIR/run``, the nodes' memory ``WORKDIR/mem``. Each scenario writes
 ``WORKDIR/SCENARIO-rank<RANK>.json`` (checks and data, as ``_worker.py`` does). The state of
 each step is built from a seed and the step, so a restore is compared exactly with what that
@@ -37,6 +39,7 @@ from savepoint.distributed import FlatShard, Shard
 from savepoint.distributed.layout import Grid
 
 STRAIGHT: list[int] = []  # per restore from peer memory: how many targets it filled straight
+INDEXES: list[str] = []  # every index file a restore from peer memory fetched (or linked)
 
 
 def global_tensors(step: int) -> dict[str, torch.Tensor]:
@@ -102,20 +105,27 @@ def manager(s: dw.Session, **kwargs: Any) -> sp.CheckpointManager:
 
 
 def restore(s: dw.Session, mgr: sp.CheckpointManager, label: str) -> None:
-    """Restore the latest step into empty targets; record it, where from, the warnings."""
+    """Restore the latest step into empty targets (``PEERS_KEYS=rep``: the replicated tensor
+    only); record it, where from, the warnings, the index files fetched."""
     targets = state(0, s.rank, s.world, empty=True)
-    started = time.monotonic()
+    if os.environ.get("PEERS_KEYS") == "rep":
+        targets = {"model": {"rep": targets["model"]["rep"]}}
+    started, before = time.monotonic(), len(INDEXES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = mgr.restore(targets, process_group=dist.group.WORLD, timeout=60, resume=False)
     assert step is not None
-    check(targets, step, s.rank, s.world)
+    if os.environ.get("PEERS_KEYS") == "rep":
+        assert torch.equal(targets["model"]["rep"], state(step, s.rank, s.world)["model"]["rep"])
+    else:
+        check(targets, step, s.rank, s.world)
     s.data[label] = {
         "step": step,
         "from": mgr.restored_from,
         "straight": STRAIGHT[-1] if STRAIGHT else 0,  # targets the last restore filled straight
         "seconds": time.monotonic() - started,
         "warnings": [str(w.message) for w in caught],
+        "indexes": INDEXES[before:],
     }
 
 
@@ -320,6 +330,19 @@ def main() -> None:
             return sinks(direct)
 
         _peer_restore._sinks = counted
+    from savepoint.runs import _peer_restore
+
+    fetch = _peer_restore.PeerRestore._fetch
+
+    def counted_fetch(self: Any, choice: Any, wanted: list[str], *args: Any, **kw: Any) -> Any:
+        INDEXES.extend(n for n in wanted if n.startswith("index-r"))  # (any round: "files" too)
+        return fetch(self, choice, wanted, *args, **kw)
+
+    _peer_restore.PeerRestore._fetch = counted_fetch  # type: ignore[method-assign]
+    if os.environ.get("PEERS_GUESS_NONE") == rank:  # (as if the grid's writer rule failed here)
+        from savepoint.runs import _peer_indexes
+
+        _peer_indexes.Indexes._predicted = lambda self: set()  # type: ignore[method-assign]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w)
     s = dw.Session(scenario, r, w, workdir)
     try:

@@ -8,12 +8,14 @@ tensor: a regular state) is copied for each test:
 - the manager saves version 7 (no ``grid=False`` of its own), and every copy of a part holds its
   rank's index, byte for byte, which ``savepoint ls``'s accounting counts;
 - node a lost and the step gone from the run directory: restored bit-exactly through the loader
-  on 3 ranks (resharding; ``test_peers_ranks.py`` restores the same kind of state straight into
+  on 4, 2 and 3 ranks (resharding; ``test_peers_ranks.py`` restores the same kind of state straight into
   the targets on 4, 2 and 6);
 - a damaged copy of an index is detected and the other node's copy used; every copy damaged: the
   run directory, the warning naming the index;
 - a copy whose index and marker agree with each other but not with the manifest is not used;
-- an index damaged between its check and its send keeps no copy of its part.
+- an index damaged between its check and its send keeps no copy of its part;
+- a restore fetches only the indexes its load reads (on 4, 2 and 3 ranks), every other one too
+  where its plan asks for one it did not fetch; a damaged index no rank reads fails nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 
 from savepoint.codecs import checksum  # noqa: E402
 from savepoint.codecs import manifest as mf  # noqa: E402
+from savepoint.distributed import FlatShard  # noqa: E402
 from savepoint.runs import _peer_check, _peer_grid, peers  # noqa: E402
 
 from .test_peers_ranks import data, node_folder  # noqa: E402  (the same sessions' helpers)
@@ -112,13 +115,77 @@ def test_a_regular_state_is_saved_as_version_7_and_each_copy_holds_its_ranks_ind
         assert step["bytes"] == held == usage[node]["bytes"], (node, step, held)
 
 
-def test_a_lost_node_is_restored_through_the_loader_on_3_ranks(copy: Path) -> None:
+def _indexes(saved: Path) -> tuple[dict[str, tuple[int, int]], int]:
+    """Each index's rows of ``rows`` (read from the files themselves), and the part whose index
+    holds ``rep``."""
+    disk = saved / "run/checkpoints" / STEP
+    rows, rep = {}, -1
+    for part in range(4):
+        shards = json.loads((disk / mf.index_name(part)).read_bytes())["shards"]
+        for shard in shards.get("model/rows", ()):
+            rows[mf.index_name(part)] = (shard["box"][0][0], shard["box"][0][1])
+        rep = part if "model/rep" in shards else rep
+    assert len(rows) == 4 and rep >= 0, (rows, rep)
+    return rows, rep
+
+
+def test_a_lost_node_is_restored_through_the_loader_fetching_only_the_indexes_it_reads(
+    saved: Path, copy: Path
+) -> None:
+    # 4 ranks onto 4, 2 (resharding) and 3: each rank fetches (or links from its own node's
+    # copies) the indexes of the pieces its targets meet and the replicated tensor's, no other
+    rows, rep = _indexes(saved)
     shutil.rmtree(node_folder(copy, "a"))  # node a lost: its memory with it
     shutil.rmtree(copy / "run/checkpoints" / STEP)  # only peer memory has the step
-    session = run("restore", 3, copy, PEERS_NODES="a,b,c")
-    for restored in data(session, "restored"):  # (bit-exact: the worker compared them)
+    for nodes in ("a,a,b,b", "a,b", "a,b,c"):
+        world = len(nodes.split(","))
+        session = run("restore", world, copy, PEERS_NODES=nodes)
+        for rank, restored in enumerate(data(session, "restored")):  # (bit-exact: compared)
+            assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
+            assert not restored["warnings"] and restored["straight"] == 0, restored
+            lo, hi = FlatShard.bounds(12, rank, world)
+            meet = {name for name, (a, b) in rows.items() if a < hi and lo < b}
+            want = sorted(meet | {mf.index_name(rep)})
+            assert sorted(restored["indexes"]) == want, (nodes, rank, restored)
+            assert len(restored["indexes"]) == len(set(restored["indexes"])), restored
+
+
+def test_a_plan_asking_for_an_index_not_fetched_fetches_every_other_then_its_files(
+    saved: Path, copy: Path
+) -> None:
+    # rank 0 fetches no index first (as if the grid's writer rule failed): its plan asks for
+    # one, so it fetches every index in place of its files (over the wire: node a's memory
+    # lost), then its files in a second pass that rank 1 joins
+    rows, rep = _indexes(saved)
+    shutil.rmtree(node_folder(copy, "a"))
+    shutil.rmtree(copy / "run/checkpoints" / STEP)
+    session = run("restore", 2, copy, PEERS_NODES="a,b", PEERS_GUESS_NONE="0")
+    first, second = data(session, "restored")  # (bit-exact: compared)
+    for restored in (first, second):
         assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
-        assert not restored["warnings"] and restored["straight"] == 0, restored
+        assert not restored["warnings"], restored
+    assert first["indexes"] == [mf.index_name(p) for p in range(4)], first
+    want = {name for name, (a, b) in rows.items() if b > 6} | {mf.index_name(rep)}
+    assert sorted(second["indexes"]) == sorted(want), second
+
+
+def test_only_a_damaged_index_that_a_restore_reads_fails_it(saved: Path, copy: Path) -> None:
+    # the replicated tensor alone restored on 2 ranks: it reads the index holding it, so every
+    # copy of another index damaged does not fail it; every copy of that one damaged does
+    _, rep = _indexes(saved)
+    paths = [
+        [str(node_folder(copy, node) / f"{STEP}/part-{p:05d}/{mf.index_name(p)}") for node in "ab"]
+        for p in ((rep + 1) % 4, rep)
+    ]
+    damage = json.dumps(paths)
+    session = run("corrupt", 2, copy, PEERS_NODES="a,b", PEERS_KEYS="rep", PEERS_DAMAGE=damage)
+    for one in data(session, "one copy damaged"):  # (every copy of another index)
+        assert (one["step"], one["from"], one["warnings"]) == (1, "peer memory", []), one
+        assert one["indexes"] == [mf.index_name(rep)], one
+    for every in data(session, "every copy damaged"):  # (and of ``rep``'s): the run directory
+        assert (every["step"], every["from"]) == (1, "run directory"), every
+        (warning,) = every["warnings"]
+        assert f"no verified copy left of {mf.index_name(rep)}" in warning, warning
 
 
 def test_a_damaged_copy_of_an_index_is_detected_and_the_next_source_used(copy: Path) -> None:

@@ -9,8 +9,9 @@ for the overlaps); tensors the load makes fresh, and a load without ``into``, ne
 the tensors under ``keys``. A restore that must bring the files to the rank first (the peer
 tier, :mod:`savepoint.runs.peers`) fetches exactly these, then loads with the ordinary loader.
 
-Nothing is read and nothing is modified (the targets swapped for planning are put back). A plan
-with problems (a missing key, a shape that differs) needs every file of the tensors under
+Nothing is read and nothing is modified (the targets swapped for planning are put back); of a
+version 7 manifest read lazily (:mod:`savepoint.codecs.manifest._v7_lazy`) only the records of
+the pieces the plan meets are asked for, as in the load itself. A plan with problems (a missing key, a shape that differs) needs every file of the tensors under
 ``keys``: the load that follows reports the problems.
 
 :func:`direct_ranges` answers, with the same planners, which of those bytes can be received
@@ -64,14 +65,13 @@ def _needs(
     reads) the tensors received straight into their targets."""
     load_engine.records_as_dict(manifest)
     root = load_engine.select(shown, manifest, keys)
-    everything = files_of(manifest, tree.refs(root))
     if into is None:
-        return everything, []
+        return files_of(manifest, tree.refs(root)), []
     planned, swaps, specs = shard.swap_targets(into)
     try:
         p = restore.plan(root, planned, manifest.tensors)
         if p.problems:
-            return everything, []
+            return files_of(manifest, tree.refs(root)), []
         found = files_of(manifest, p.fresh)
         reads: list[_Read] = []
         for ref, target, key in p.inplace:

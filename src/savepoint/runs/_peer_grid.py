@@ -12,8 +12,8 @@ record of it: :func:`index_problem`).
 without any index, so a replication reads its own rank's index only, never the whole world's;
 :class:`Head.units` gives the checksummed ranges of a data file from its rank's index alone (what
 a receiver checks the file against as it arrives: :mod:`savepoint.runs._peer_check`). A restore
-fetches every index (the loader reads them) and the full parse of the manifest then checks them
-all again.
+fetches the indexes its load reads (:mod:`savepoint.runs._peer_indexes`) and the parse of the
+manifest then checks them again.
 """
 
 from __future__ import annotations

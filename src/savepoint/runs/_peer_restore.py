@@ -7,12 +7,17 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 
 1. **the manifest**: a rank whose node holds a copy of any part links its ``manifest.json`` into a
    private folder of its node (its *assembly*), others fetch it; each is checked against the
-   digest the copies share. Of a manifest version 7, then every part's index file the same way
-   (the loader reads them all), after the copies whose marker records an index other than the
-   one the manifest records are set aside (every rank alike: :func:`_agreeing`); the manifest
-   is then parsed with them (each checked against the manifest's record again);
+   digest the copies share. Of a manifest version 7, then the index files this rank's load
+   reads the same way (:mod:`savepoint.runs._peer_indexes`: a sharded load's, those of the
+   writers of the pieces its targets meet, found from the grid before any is fetched; any other
+   load's, every one), after the copies whose marker records an index other than the one the
+   manifest records are set aside (every rank alike: :func:`_agreeing`); the manifest is then
+   parsed with them (each checked against the manifest's record again);
 2. **what the load needs**: the data files this rank's load reads
-   (:func:`savepoint.distributed.needs.files_needed`: its targets' regions, any world size);
+   (:func:`savepoint.distributed.needs.files_needed`: its targets' regions, any world size); of
+   a version 7 manifest, where that plan asks for an index not fetched (the grid's writer rule
+   failed), the rank fetches every other index in step 3 in place of its files, and its files
+   (all through the loader) in a second pass of step 3 that every rank joins;
 3. **the files**: a file of a part its own node holds is hard-linked into the assembly and
    verified against that copy's marker; the others are requested, and each is sent by a rank of a
    node holding its part (spread over the holders), checked on arrival against the marker's
@@ -60,6 +65,7 @@ from savepoint.runs._peer_folder import (
     place,
 )
 from savepoint.runs._peer_grid import Head, head, index_problem
+from savepoint.runs._peer_indexes import Indexes
 from savepoint.runs._peer_wire import Incoming, Outgoing, Wire
 
 if TYPE_CHECKING:
@@ -95,7 +101,7 @@ class _Choice:
         configuration, which every part holds)."""
         if name in COMMON:
             return None
-        if not self.owners:  # (once: a version 7 restore asks for every part's index)
+        if not self.owners:  # (once: a version 7 restore asks for many parts' indexes)
             for (_, part), record in self.records.items():
                 self.owners.update(dict.fromkeys(record.files, part))
         if name in self.owners:
@@ -177,25 +183,32 @@ class PeerRestore:
         try:
             with self.wire.session():
                 self._fetch(choice, [mf.NAME], base, "manifest", _here)
-                choice, manifest, directory, where = self._manifest(choice, base)
-                wanted, direct = _needs(manifest, directory, options)
-                if manifest.has_blobs:  # every blob of the checkpoint (see the docstring)
-                    wanted.add(COMMON[1])
-                    wanted.update(
-                        n for r in choice.records.values() for n in r.files if n.startswith(BLOBS)
-                    )
+                choice, manifest, directory, where, indexes = self._manifest(choice, base, options)
+                wanted, direct = _wanted(choice, manifest, directory, options)
+                rest = indexes.rest() if indexes is not None else []
+                if rest:  # (the grid's writer rule failed: every other index in place of files)
+                    wanted, direct = set(rest), []
                 sinks = _sinks(direct)
-                self._fetch(choice, sorted(wanted), base, "files", where, sinks)
+                again = self._fetch(choice, sorted(wanted), base, "files", where, sinks, bool(rest))
+                if again:  # (a rank fetched indexes in place of its files: every rank once more)
+                    wanted = set()
+                    if rest:
+                        assert indexes is not None
+                        wanted = _wanted(choice, indexes.parse(), directory, options)[0]
+                    self._fetch(choice, sorted(wanted), base, "files-again", where)
             with _set_aside(direct):  # (their bytes landed and verified: the rest is loaded)
                 return checkpoint.load(directory, **options)
         finally:
             shutil.rmtree(base, ignore_errors=True)
 
-    def _manifest(self, choice: _Choice, base: str) -> tuple[_Choice, mf.Manifest, str, Any]:
+    def _manifest(
+        self, choice: _Choice, base: str, options: dict[str, Any]
+    ) -> tuple[_Choice, mf.Manifest, str, Any, Indexes | None]:
         """The fetched manifest (in ``base``) moved into the assembly and parsed: a version 7
-        one after every part's index was fetched and verified (the copies whose marker records
-        an index other than the manifest's set aside first). The choice that is left, the
-        manifest, the assembly's checkpoint folder, and where each file goes."""
+        one after the indexes its load reads were fetched and verified (those its plan asks for:
+        :mod:`savepoint.runs._peer_indexes`; the copies whose marker records an index other than
+        the manifest's set aside first). The choice that is left, the manifest, the assembly's
+        checkpoint folder, where each file goes, and (version 7) its indexes."""
         with open(os.path.join(base, mf.NAME), "rb") as f:
             raw = f.read()
         grid = head(raw)
@@ -206,16 +219,12 @@ class PeerRestore:
         os.rename(os.path.join(base, mf.NAME), os.path.join(base, where(mf.NAME)))
         directory = assembly(base, choice.step, blob_store)
         if manifest is not None:
-            return choice, manifest, directory, where
+            return choice, manifest, directory, where, None
         assert grid is not None
         choice = _agreeing(choice, grid)
-        self._fetch(choice, sorted(grid.indices), base, "indexes", where)
-
-        def read_index(name: str, size: int) -> bytes:  # (each verified against its marker)
-            with open(os.path.join(directory, name), "rb") as f:
-                return f.read(size + 1)
-
-        return choice, mf.parse(raw, columns=False, read_index=read_index), directory, where
+        indexes = Indexes(raw, directory, sorted(grid.indices), options)
+        self._fetch(choice, indexes.first(), base, "indexes", where)
+        return choice, indexes.parse(), directory, where, indexes
 
     def _fetch(
         self,
@@ -225,16 +234,19 @@ class PeerRestore:
         what: str,
         where: Callable[[str], str],
         sinks: dict[str, list[_Range]] | None = None,
-    ) -> None:
+        again: bool = False,
+    ) -> bool:
         """Bring every file of ``wanted`` to ``base/where(name)`` (those of ``sinks``: into
         their targets, straight, or copied from this node's copy once it verified), verified
-        (rounds: see the module docstring); raises on every rank alike when it cannot."""
+        (rounds: see the module docstring); raises on every rank alike when it cannot. Returns
+        whether any rank said ``again`` (it fetches more after this: every rank then fetches
+        once more, alike)."""
         bad: set[tuple[str, int]] = set()
         failures: list[str] = []  # the copies that did not verify, as the ranks found them
         deferred: list[_Held] = []  # this node's copies of files of ``sinks``, checked below
         need = self._local(choice, wanted, base, where, bad, sinks or {}, deferred)
         for round_ in range(_ROUNDS):
-            mine = {"need": need, "bad": sorted(bad), "errors": self.local_failures}
+            mine = {"need": need, "bad": sorted(bad), "errors": self.local_failures, "again": again}
             self.local_failures = []
             asked = self.wire.gather(f"{what}-need-{round_}", mine)
             if asked.missing:
@@ -242,6 +254,7 @@ class PeerRestore:
             for doc in asked.values:
                 bad.update((node, part) for node, part in doc["bad"])
                 failures.extend(doc["errors"])
+                again = again or doc["again"]
             plan, unplaced = self._plan(choice, [doc["need"] for doc in asked.values], bad)
             outgoing, incoming, landing = self._messages(choice, plan, base, where, sinks or {})
             checking = _Checking(deferred, sinks or {})  # (while the bytes travel)
@@ -285,7 +298,7 @@ class PeerRestore:
             need = [i.name for i in incoming if i.corrupt]
             need += [h.name for h, ok in zip(checking.held, checking.results) if not ok]
             if not any(doc["bad"] for doc in told.values):
-                return
+                return again
         raise CorruptCheckpointError(
             f"{_LABEL}: step {choice.step}: copies kept failing verification ({_ROUNDS} rounds): "
             + "; ".join(sorted(set(failures))),
@@ -491,6 +504,17 @@ def _needs(
         return files_needed(manifest, directory, into=into, keys=keys), []
     except Exception:  # (the load reports it)
         return set(manifest.files), []
+
+
+def _wanted(
+    choice: _Choice, manifest: mf.Manifest, directory: str, options: dict[str, Any]
+) -> tuple[set[str], list[Direct]]:
+    """:func:`_needs`, and of an incremental checkpoint every blob (see the module docstring)."""
+    wanted, direct = _needs(manifest, directory, options)
+    if manifest.has_blobs:
+        wanted.add(COMMON[1])
+        wanted.update(n for r in choice.records.values() for n in r.files if n.startswith(BLOBS))
+    return wanted, direct
 
 
 _Range = tuple[int, int, memoryview]  # bytes [start, end) of a file land in this memory
