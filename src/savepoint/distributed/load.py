@@ -30,7 +30,8 @@ whole on every rank (read once too, unless ``mmap``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -40,7 +41,11 @@ from savepoint.codecs import manifest as mf
 from savepoint.distributed import _fetch, collectives, plan, readonce, shard
 from savepoint.engine import load as load_engine
 from savepoint.engine.read import Needs, Reader, RegionCopy, ShardTask
-from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
+from savepoint.errors import (
+    IncompatibleCheckpointError,
+    ReplacedWhileReadingError,
+    StateMismatchError,
+)
 from savepoint.state import arrays, restore, tree
 from savepoint.storage.paths import PathArg
 from savepoint.storage.paths import resolve as resolve_path
@@ -99,6 +104,10 @@ def load(
             lazy_indexes=into is not None,
         )
         held["reader"] = reader
+        with _still_there(reader):
+            return plan_opened(reader)
+
+    def plan_opened(reader: Reader) -> list[readonce.Entry] | None:
         root = load_engine.select(reader.shown, reader.manifest, keys)
         held["root"] = root
         if into is not None:
@@ -165,6 +174,23 @@ def _needs(into: Any, keys: Iterable[str] | str | None) -> Needs:
         return every(shown, manifest)
 
     return needs
+
+
+@contextlib.contextmanager
+def _still_there(reader: Reader) -> Iterator[None]:
+    """A version 7 checkpoint read lazily reads its index files after it was opened: one missing
+    (or other than recorded) because the checkpoint was deleted or replaced since is not damage
+    but ReplacedWhileReadingError ("load again"), as for its data files."""
+    try:
+        yield
+    except mf.ManifestError as exc:
+        gone = reader.generation.left_its_path()
+        if gone is None:
+            raise
+        raise ReplacedWhileReadingError(
+            f"{reader.shown} was {gone} while it was being read ({exc}); load again",
+            path=reader.shown,
+        ) from None
 
 
 def _plan_reads(found: list[list[readonce.Entry] | None]) -> readonce.Plan | None:

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast, overload
 
 from savepoint.codecs import boxes
-from savepoint.codecs.manifest._checks import dtype_and_shape, require
+from savepoint.codecs.manifest._checks import dtype_and_shape, require, show
 from savepoint.codecs.manifest._records import (
     BLOCKED,
     NAME,
@@ -228,6 +228,15 @@ class GridTensors(Mapping[str, TensorRecord]):
             return found
         t = self.table.raw[key]
         pieces = GridPieces(self, key, self._position[key])
+        # Each piece is written by its own rank, each rank's index recorded: a grid giving more
+        # pieces than there are indexes is a lie (a mesh claiming 2**30 places), refused before
+        # a read plan lists them (``near``: one entry per piece meeting a region).
+        if len(pieces) > len(self.table.indices):
+            self._fail(
+                f"tensor {key!r}: its grid {show(list(self.table.grids[key]))} gives {len(pieces)} "
+                f"pieces on mesh {show(list(self.table.mesh))}, more than the "
+                f"{len(self.table.indices)} index files hold (one piece per rank)"
+            )
         if len(pieces) == 1:
             found = whole(t["dtype"], pieces.shape, (pieces[0],))
         else:
@@ -251,9 +260,14 @@ class GridTensors(Mapping[str, TensorRecord]):
             with self.table.index_files.lock:
                 return self._piece(pieces, i)
         except ManifestError as exc:
-            if self.where is None:
-                raise
-            raise ManifestError(f"{self.where}/{NAME}: {exc}", path=self.where) from None
+            self._fail(str(exc))
+            raise  # unreachable
+
+    def _fail(self, message: str) -> None:
+        """Raise a ManifestError saying ``message``, named with :attr:`where` when set."""
+        if self.where is None:
+            raise ManifestError(message)
+        raise ManifestError(f"{self.where}/{NAME}: {message}", path=self.where) from None
 
     def _piece(self, pieces: GridPieces, i: int) -> ShardRecord:
         region, key = pieces.region(i), pieces.key
