@@ -9,7 +9,8 @@ order of a version 3 record, so piece ``i`` is the same piece on every rank); pi
 (file, byte range, checksums) is read from the index of the rank that wrote it, when first asked
 for. :meth:`GridPieces.near` names the pieces meeting a region without reading anything, so a
 resharding load plans its reads from the grid and reads the indexes of their writers only. A
-tensor that is one piece (replicated, or with one non-empty box) is read when its record is.
+tensor that is one piece (replicated, or with one non-empty box) is read when its record is;
+one without elements is not (no byte of it is ever read: its piece only when asked for).
 
 Which rank wrote a piece is the save's rule (:func:`savepoint.distributed.layout.writes`): the
 piece at mesh coordinate ``c``, ``c`` on the replicated mesh dimensions being the tensor's
@@ -231,15 +232,16 @@ class GridTensors(Mapping[str, TensorRecord]):
         # Each piece is written by its own rank, each rank's index recorded: a grid giving more
         # pieces than there are indexes is a lie (a mesh claiming 2**30 places), refused before
         # a read plan lists them (``near``: one entry per piece meeting a region).
-        if len(pieces) > len(self.table.indices):
+        indices = len(self.table.indices)
+        if len(pieces) > indices:
             self._fail(
-                f"tensor {key!r}: its grid {show(list(self.table.grids[key]))} gives {len(pieces)} "
-                f"pieces on mesh {show(list(self.table.mesh))}, more than the "
-                f"{len(self.table.indices)} index files hold (one piece per rank)"
+                f"tensor {key!r}: its grid {show(list(self.table.grids[key]))} gives "
+                f"{len(pieces)} pieces on mesh {show(list(self.table.mesh))}, more than the "
+                f"{indices} index files hold (one piece per rank)"
             )
-        if len(pieces) == 1:
+        if len(pieces) == 1 and math.prod(pieces.shape):
             found = whole(t["dtype"], pieces.shape, (pieces[0],))
-        else:
+        else:  # (without elements: no byte of it is read, nor its writer's index, unless asked)
             found = TensorRecord(t["dtype"], pieces.shape, "", 0, 0, "", cast(Any, pieces))
         self._records[key] = found
         return found
