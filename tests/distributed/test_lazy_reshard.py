@@ -111,9 +111,8 @@ def needed(where: Path, into: dict[str, Any]) -> set[str]:
         region = value.box if isinstance(value, Shard) else boxes.full(SPECS[key][0])
         for box, name in pieces:
             meet = boxes.intersect(box, region)
-            if meet is not None and boxes.volume(meet) > 0:
-                out.add(name)
-            elif len(pieces) == 1 and boxes.volume(box):
+            meets = meet is not None and boxes.volume(meet) > 0
+            if meets or (len(pieces) == 1 and boxes.volume(box)):
                 out.add(name)
     return out
 
