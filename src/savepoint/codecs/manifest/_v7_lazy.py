@@ -239,7 +239,7 @@ class GridTensors(Mapping[str, TensorRecord]):
                 f"{len(pieces)} pieces on mesh {show(list(self.table.mesh))}, more than the "
                 f"{indices} index files hold (one piece per rank)"
             )
-        if len(pieces) == 1 and math.prod(pieces.shape):
+        if len(pieces) == 1 and math.prod(pieces.shape) > 0:
             found = whole(t["dtype"], pieces.shape, (pieces[0],))
         else:  # (without elements: no byte of it is read, nor its writer's index, unless asked)
             found = TensorRecord(t["dtype"], pieces.shape, "", 0, 0, "", cast(Any, pieces))
