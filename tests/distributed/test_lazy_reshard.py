@@ -38,6 +38,7 @@ SPECS: dict[str, tuple[tuple[int, ...], str, tuple[int | None, ...]]] = {
     "cols": ((2, 9), "uint8", (1, 0)),
     "scalar": ((), "float32", (None, None)),
     "half": ((4, 6), "float16", (None, 1)),  # replicated over the first mesh dimension
+    "empty-tp": ((0, 6), "float32", (None, 1)),  # its writer's part is [0, 0) x [3, 6), say
 }
 
 
