@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -197,14 +198,21 @@ def test_a_damaged_index_fails_only_the_loads_that_need_it(tmp_path: Path, how: 
 
 
 @pytest.mark.parametrize("when", ["before-the-indexes", "before-the-data"])
-@pytest.mark.parametrize("how", ["deleted", "replaced"])
+@pytest.mark.parametrize("how", ["deleted", "replaced", "moved-aside"])
 def test_the_checkpoint_gone_under_a_load_is_load_again_or_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str, how: str
 ) -> None:
     where = save(tmp_path / "c", (2, 2))
-    other = save(tmp_path / "other", (4,)) if how == "replaced" else None
+    other = None
+    if how == "replaced":  # another checkpoint, of other values, there instead
+        with monkeypatch.context() as m:
+            m.setattr(sys.modules[__name__], "full", lambda name, real=full: real(name) + 1)
+            other = save(tmp_path / "other", (4,))
 
     def away() -> None:
+        if how == "moved-aside":  # (as a replace leaves it until it deletes it)
+            where.rename(tmp_path / "aside")
+            return
         shutil.rmtree(where)
         if other is not None:
             other.rename(where)
@@ -221,13 +229,14 @@ def test_the_checkpoint_gone_under_a_load_is_load_again_or_exact(
 
     monkeypatch.setattr(owner, hook, hooked)
     into = state(3, (2, 2), zero=True)
-    if when == "before-the-indexes":
+    if when == "before-the-indexes" and how != "moved-aside":
         # its indexes are read while planning: gone, they are no damage but "load again"
         with pytest.raises(sp.ReplacedWhileReadingError, match=f"was {how} .*index-r.*load again"):
             sp.load(where, into=into)
         for value in into.values():  # nothing was written
             assert not (value.local if isinstance(value, Shard) else value).any()
         return
-    # planned: the data files it reads are open, so it reads the checkpoint it planned
+    # planned (the data files it reads are open), or its files still there: it reads the
+    # checkpoint it opened, not the one at the path now
     sp.load(where, into=into)
     check(into)
