@@ -31,7 +31,7 @@ whole on every rank (read once too, unless ``mmap``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -40,12 +40,18 @@ from savepoint.codecs import manifest as mf
 from savepoint.distributed import _fetch, collectives, plan, readonce, shard
 from savepoint.engine import load as load_engine
 from savepoint.engine.read import Needs, Reader, RegionCopy, ShardTask
-from savepoint.errors import IncompatibleCheckpointError, StateMismatchError
+from savepoint.errors import (
+    IncompatibleCheckpointError,
+    ReplacedWhileReadingError,
+    StateMismatchError,
+)
 from savepoint.state import arrays, restore, tree
 from savepoint.storage.paths import PathArg
 from savepoint.storage.paths import resolve as resolve_path
 
 __all__ = ["load"]
+
+T = TypeVar("T")
 
 Progress = Callable[[int, int], None]
 
@@ -139,7 +145,7 @@ def load(
     try:
         with coord.exclusive():
             held["reads"] = coord.step(
-                "loading", target, plan_local, _plan_reads, phase="load: plan"
+                "loading", target, _still_there(plan_local, held), _plan_reads, phase="load: plan"
             )
             coord.step("loading", target, read_and_keep, phase="load: read")
     finally:
@@ -165,6 +171,27 @@ def _needs(into: Any, keys: Iterable[str] | str | None) -> Needs:
         return every(shown, manifest)
 
     return needs
+
+
+def _still_there(plan: Callable[[], T], held: dict[str, Any]) -> Callable[[], T]:
+    """``plan``, where a version 7 checkpoint read lazily reads its index files after it was
+    opened: one missing (or other than recorded) because the checkpoint was deleted or replaced
+    since is not damage but ReplacedWhileReadingError ("load again"), as for its data files."""
+
+    def run() -> T:
+        try:
+            return plan()
+        except mf.ManifestError as exc:  # (only a lazy index read raises it after the open)
+            reader: Reader | None = held.get("reader")
+            gone = None if reader is None else reader.generation.left_its_path()
+            if reader is None or gone is None:
+                raise
+            raise ReplacedWhileReadingError(
+                f"{reader.shown} was {gone} while it was being read ({exc}); load again",
+                path=reader.shown,
+            ) from None
+
+    return run
 
 
 def _plan_reads(found: list[list[readonce.Entry] | None]) -> readonce.Plan | None:

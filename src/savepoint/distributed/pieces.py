@@ -28,7 +28,7 @@ from savepoint.engine import sinks
 from savepoint.engine.plan import FilePlan, plan_files
 from savepoint.errors import CheckpointError
 from savepoint.options import Progress
-from savepoint.state.arrays import TensorSource
+from savepoint.state.arrays import NumpySource, TensorSource
 from savepoint.storage.paths import Location, PathArg
 from savepoint.storage.paths import resolve as resolve_path
 
@@ -108,7 +108,7 @@ def write_pieces(
         names[name] = item
     on_bytes = save_engine.byte_counter(sum(item.nbytes for item in items), progress)
 
-    tensors = {name: sources[item.key] for name, item in names.items()}
+    tensors = {name: _as_recorded(sources[item.key], item) for name, item in names.items()}
     plans: list[FilePlan] = plan_files(tensors, max_file_bytes, lambda i: file_name(rank, i))
     try:
         files, records = sinks.write_files(
@@ -137,6 +137,17 @@ def write_pieces(
         for rec in [records[name]]
     ]
     return files, shards
+
+
+def _as_recorded(source: TensorSource, item: plan.Item) -> TensorSource:
+    """``source``, or for a tensor without elements written whole (its region the whole
+    tensor) from a part of another shape (``[0, 0) x [3, 6)`` of ``[0, 6]``): an empty source
+    of the tensor's shape, so the data file's header says what the shard record does."""
+    if source.nbytes or source.shape == item.shape:
+        return source
+    empty = NumpySource(np.empty(item.shape, np.uint8), item.key)
+    empty.dtype, empty.kind = source.dtype, source.kind
+    return empty
 
 
 def put_pieces(

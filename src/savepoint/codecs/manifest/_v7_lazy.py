@@ -9,7 +9,8 @@ order of a version 3 record, so piece ``i`` is the same piece on every rank); pi
 (file, byte range, checksums) is read from the index of the rank that wrote it, when first asked
 for. :meth:`GridPieces.near` names the pieces meeting a region without reading anything, so a
 resharding load plans its reads from the grid and reads the indexes of their writers only. A
-tensor that is one piece (replicated, or with one non-empty box) is read when its record is.
+tensor that is one piece (replicated, or with one non-empty box) is read when its record is;
+one without elements is not (no byte of it is ever read: its piece only when asked for).
 
 Which rank wrote a piece is the save's rule (:func:`savepoint.distributed.layout.writes`): the
 piece at mesh coordinate ``c``, ``c`` on the replicated mesh dimensions being the tensor's
@@ -37,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast, overload
 
 from savepoint.codecs import boxes
-from savepoint.codecs.manifest._checks import dtype_and_shape, require
+from savepoint.codecs.manifest._checks import dtype_and_shape, require, show
 from savepoint.codecs.manifest._records import (
     BLOCKED,
     NAME,
@@ -228,9 +229,19 @@ class GridTensors(Mapping[str, TensorRecord]):
             return found
         t = self.table.raw[key]
         pieces = GridPieces(self, key, self._position[key])
-        if len(pieces) == 1:
+        # Each piece is written by its own rank, each rank's index recorded: a grid giving more
+        # pieces than there are indexes is a lie (a mesh claiming 2**30 places), refused before
+        # a read plan lists them (``near``: one entry per piece meeting a region).
+        indices = len(self.table.indices)
+        if len(pieces) > indices:
+            self._fail(
+                f"tensor {key!r}: its grid {show(list(self.table.grids[key]))} gives "
+                f"{len(pieces)} pieces on mesh {show(list(self.table.mesh))}, more than the "
+                f"{indices} index files hold (one piece per rank)"
+            )
+        if len(pieces) == 1 and math.prod(pieces.shape) > 0:
             found = whole(t["dtype"], pieces.shape, (pieces[0],))
-        else:
+        else:  # (without elements: no byte of it is read, nor its writer's index, unless asked)
             found = TensorRecord(t["dtype"], pieces.shape, "", 0, 0, "", cast(Any, pieces))
         self._records[key] = found
         return found
@@ -251,9 +262,14 @@ class GridTensors(Mapping[str, TensorRecord]):
             with self.table.index_files.lock:
                 return self._piece(pieces, i)
         except ManifestError as exc:
-            if self.where is None:
-                raise
-            raise ManifestError(f"{self.where}/{NAME}: {exc}", path=self.where) from None
+            self._fail(str(exc))
+            raise  # unreachable
+
+    def _fail(self, message: str) -> None:
+        """Raise a ManifestError saying ``message``, named with :attr:`where` when set."""
+        if self.where is None:
+            raise ManifestError(message)
+        raise ManifestError(f"{self.where}/{NAME}: {message}", path=self.where) from None
 
     def _piece(self, pieces: GridPieces, i: int) -> ShardRecord:
         region, key = pieces.region(i), pieces.key
