@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import savepoint as sp
-from savepoint.distributed import Shard, pieces, plancache, save, simulate
+from savepoint.blobs import BlobPolicy, BlobStore
+from savepoint.distributed import Shard, layout, plancache, save, simulate
 from savepoint.distributed.layout import Grid, grid_box
 from savepoint.options import SaveOptions
 from savepoint.storage.paths import resolve as resolve_path
@@ -59,7 +60,7 @@ def run_saves(
     state: State,
     paths: list[Path],
     before: Callable[[int, Any], None] | None = None,
-    options: SaveOptions | None = None,
+    incremental: Callable[[int], save.Incremental | None] = lambda i: None,
 ) -> list[list[Any]]:
     """Each save of ``paths`` in turn by ``world`` simulated ranks of one group (the memos kept
     between saves, as on a real group): per save, every rank's result or exception."""
@@ -76,10 +77,11 @@ def run_saves(
             def flat(i: int = i) -> Any:
                 return save.flatten(state(i, coord.rank, world)), {}
 
-            run = save.SaveRun(location, coord, flat, None, save.LocalWriter(None))
+            inc = incremental(i)
+            run = save.SaveRun(location, coord, flat, inc, save.LocalWriter(inc))
             try:
-                out.append(run.run(options or SaveOptions()))
-            except Exception as exc:  # noqa: BLE001 (each save's outcome is recorded)
+                out.append(run.run(SaveOptions()))
+            except Exception as exc:  # each save's outcome is recorded
                 out.append(exc)
         return out
 
@@ -110,9 +112,16 @@ def typed(value: Any) -> Any:
     return (type(value).__name__, repr(value))
 
 
-def fresh_save(state: Callable[[int, int], Any], path: Path, world: int) -> list[Any]:
+def fresh_save(
+    state: Callable[[int, int], Any],
+    path: Path,
+    world: int,
+    incremental: save.Incremental | None = None,
+) -> list[Any]:
     """What a fresh group (no memo) makes of ``state`` at ``path``: every rank's outcome."""
-    return run_saves(world, lambda _, r, w: state(r, w), [path])[0]
+    return run_saves(world, lambda _, r, w: state(r, w), [path], incremental=lambda _: incremental)[
+        0
+    ]
 
 
 def assert_same(got: Path, fresh: Path) -> None:
@@ -126,46 +135,217 @@ def ok(outcome: list[Any]) -> None:
     assert all(isinstance(x, sp.CheckpointInfo) for x in outcome), outcome
 
 
-# What changes on one rank between two saves (rank 1 unless the case says rank 0).
-CHANGES: dict[str, tuple[int, dict[str, Any]]] = {
-    "shape": (1, {"rows": 12}),
-    "dtype": (1, {"dtype": np.float64}),
-    "key added": (1, {"extra": True}),
-    "key removed": (1, {"drop": True}),
-    "plain value": (1, {"step": 2}),
-    "bool for int": (1, {"step": True}),
-    "new bytes": (1, {"fill": 100.0}),  # new objects, same shapes: the new bytes are saved
-    "irregular": (1, {"irregular": True}),
-    "rank 0 shape": (0, {"rows": 12}),
-    "rank 0 value": (0, {"step": 2}),
-    "rank 0 bool for int": (0, {"step": True}),
-    "rank 0 float for int": (0, {"step": 1.0}),
-    "rank 0 new bytes": (0, {"fill": 100.0}),
-    "every rank bool for int": (-1, {"step": True}),
-    "every rank negative zero": (-1, {"step": -0.0}),
+# What changes between two saves, per rank (-1: every rank).
+CHANGES: dict[str, dict[int, dict[str, Any]]] = {
+    "shape": {1: {"rows": 12}},
+    "dtype": {1: {"dtype": np.float64}},
+    "key added": {1: {"extra": True}},
+    "key removed": {1: {"drop": True}},
+    "bool for int": {1: {"step": True}},
+    "new bytes": {1: {"fill": 100.0}},  # new objects, same shapes: the new bytes are saved
+    "irregular": {1: {"irregular": True}},
+    "coordinates swapped": {1: {"coord": 2}, 2: {"coord": 1}},  # same shapes, other boxes
+    "coordinate shared": {1: {"coord": 2}},
+    "rank 0 shape": {0: {"rows": 12}},
+    "rank 0 bool for int": {0: {"step": True}},
+    "rank 0 float for int": {0: {"step": 1.0}},
+    "rank 0 new bytes": {0: {"fill": 100.0}},
+    "every rank bool for int": {-1: {"step": True}},
+    "every rank negative zero": {-1: {"step": -0.0}},
+    "every rank new bytes": {-1: {"fill": 7.0}},
 }
+BASES = {"regular": {}, "irregular": {"irregular": True}}
 
 
-@pytest.mark.parametrize("case", list(CHANGES))
-def test_a_change_on_one_rank_commits_what_a_fresh_save_would(case: str, tmp_path: Path) -> None:
-    who, change = CHANGES[case]
-    base: dict[str, Any] = {"step": 0.0} if "negative" in case else {}
+def changed(case: str, base: str) -> tuple[State, Callable[[int, int], Any]]:
+    """The states of three saves (the second sends markers, the third has ``case``'s change)
+    and the third's alone."""
+    start = {**BASES[base], **({"step": 0.0} if "zero" in case else {})}
 
     def second(rank: int, world: int) -> Any:
-        changed = who in (-1, rank)
-        return grid_state(rank, world, **({**base, **change} if changed else base))
+        change = CHANGES[case].get(rank, CHANGES[case].get(-1, {}))
+        return grid_state(rank, world, **{**start, **change})
 
     def state(i: int, rank: int, world: int) -> Any:
-        return grid_state(rank, world, **base) if i in (0, 1) else second(rank, world)
+        return grid_state(rank, world, **start) if i < 2 else second(rank, world)
 
-    # three saves: the second sends markers, the third the change
+    return state, second
+
+
+# The irregular state (planned whole, the plan cache): the changes to plain values and bytes.
+CASES = [(c, "regular") for c in CHANGES] + [
+    (c, "irregular") for c in CHANGES if any(w in c for w in ("bool", "float", "zero", "bytes"))
+]
+
+
+@pytest.mark.parametrize(("case", "base"), CASES)
+def test_a_change_on_one_rank_commits_what_a_fresh_save_would(
+    case: str, base: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, second = changed(case, base)
+    checks: list[int] = []
+    check = layout.check
+    monkeypatch.setattr(layout, "check", lambda *a: checks.append(1) or check(*a))
     got = run_saves(WORLD, state, [tmp_path / "a", tmp_path / "b", tmp_path / "c"])
     ok(got[0])
     ok(got[1])
+    if base == "regular":  # the second save was markers only; the third checked or markers
+        assert 1 <= len(checks) <= 2
     fresh = fresh_save(second, tmp_path / "fresh", WORLD)
     if all(isinstance(x, sp.CheckpointInfo) for x in fresh):
         ok(got[2])
         assert_same(tmp_path / "c", tmp_path / "fresh")
     else:  # a state a fresh save refuses is refused after markers too
         assert all(isinstance(x, sp.DistributedCheckpointError) for x in got[2]), got[2]
+        assert [str(x) for x in got[2]] == [str(x).replace("fresh", "c") for x in fresh]
         assert not (tmp_path / "c").exists()
+
+
+def _forget_on(ranks: set[int], at: int) -> Callable[[int, Any], None]:
+    """Before save ``at``, ``ranks`` lose their memos (their processes restarted)."""
+
+    def before(i: int, coord: Any) -> None:
+        if i == at and coord.rank in ranks:
+            save.forget(coord.memo_key)
+            plancache.forget(coord.memo_key)
+
+    return before
+
+
+@pytest.mark.parametrize(
+    ("restarted", "case"),
+    [
+        ({0}, None),
+        ({1}, None),
+        ({0}, "coordinates swapped"),
+        ({1}, "coordinates swapped"),
+        ({0, 3}, "rank 0 new bytes"),
+    ],
+)
+def test_a_restarted_rank_with_or_without_a_change(
+    restarted: set[int], case: str | None, tmp_path: Path
+) -> None:
+    state, second = changed(case or "every rank new bytes", "regular")
+    if case is None:
+        state, second = (lambda i, r, w: grid_state(r, w)), (lambda r, w: grid_state(r, w))
+    paths = [tmp_path / n for n in "abc"]
+    got = run_saves(WORLD, state, paths, before=_forget_on(restarted, 2))
+    for outcome in got:
+        ok(outcome)
+    ok(fresh_save(second, tmp_path / "fresh", WORLD))
+    assert_same(tmp_path / "c", tmp_path / "fresh")
+
+
+def test_two_states_saved_alternately_on_one_group(tmp_path: Path) -> None:
+    """Two checkpointers of one process on one group (one memo key): each save its own."""
+    states = [
+        lambda r, w: grid_state(r, w),
+        lambda r, w: grid_state(r, w, rows=12, extra=True, step=True, coord=(r + 1) % w),
+    ]
+    paths = [tmp_path / f"s{i}" for i in range(5)]
+    got = run_saves(WORLD, lambda i, r, w: states[i % 2](r, w), paths)
+    for outcome in got:
+        ok(outcome)
+    for k in (0, 1):
+        ok(fresh_save(states[k], tmp_path / f"fresh{k}", WORLD))
+    for i, where in enumerate(paths):
+        assert_same(where, tmp_path / f"fresh{i % 2}")
+
+
+@pytest.mark.parametrize("base", list(BASES))
+def test_one_state_saved_to_two_paths_alternately(base: str, tmp_path: Path) -> None:
+    """a, b, a, b (new bytes each time): a save over an existing checkpoint replaces it."""
+
+    def state(i: int, r: int, w: int) -> Any:
+        return grid_state(r, w, fill=float(i), **BASES[base])
+
+    got = run_saves(WORLD, state, [tmp_path / n for n in ("a", "b", "a", "b")])
+    for outcome in got:
+        ok(outcome)
+    for i, name in ((2, "a"), (3, "b")):
+        ok(fresh_save(lambda r, w, i=i: state(i, r, w), tmp_path / f"fresh{i}", WORLD))
+        assert_same(tmp_path / name, tmp_path / f"fresh{i}")
+
+
+SWAP = CHANGES["coordinates swapped"]
+
+
+def _swapped(rank: int, world: int) -> Any:
+    return grid_state(rank, world, **SWAP.get(rank, {}))
+
+
+@pytest.mark.parametrize(
+    ("failing", "during", "after"),
+    [(1, "same", "same"), (1, "swap", "same"), (1, "swap", "swap"), (0, "swap", "swap")],
+)
+def test_a_save_failing_in_its_write_step_then_the_next(
+    failing: int, during: str, after: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed save's plan was accepted (markers may name it next time): the next save
+    still commits what a fresh save commits, of the state it is given."""
+    states = {"same": lambda r, w: grid_state(r, w), "swap": _swapped}
+    plan = [states["same"], states[during], states[after]]
+    current: dict[int, int] = {}
+    write = save.write_pieces
+
+    def failing_write(target: Any, staging: str, rank: int, *args: Any, **kw: Any) -> Any:
+        if rank == failing and current[rank] == 1:
+            raise OSError("injected: the disk is full")
+        return write(target, staging, rank, *args, **kw)
+
+    def before(i: int, coord: Any) -> None:
+        current[coord.rank] = i
+
+    monkeypatch.setattr(save, "write_pieces", failing_write)
+    paths = [tmp_path / n for n in "abc"]
+    got = run_saves(WORLD, lambda i, r, w: plan[i](r, w), paths, before=before)
+    ok(got[0])
+    assert all(isinstance(x, sp.DistributedCheckpointError) for x in got[1]), got[1]
+    assert "injected" in str(got[1][0]) and not paths[1].exists()
+    ok(got[2])
+    ok(fresh_save(plan[2], tmp_path / "fresh", WORLD))
+    assert_same(paths[2], tmp_path / "fresh")
+
+
+def test_the_memo_key_names_the_group_rank_and_timeout() -> None:
+    """Another world size, another rank of it, another timeout: another memo (no stale plan)."""
+
+    class Coord:
+        def __init__(self, ranks: tuple[int, ...], rank: int, timeout: float) -> None:
+            self._ranks, self.rank, self.timeout = ranks, rank, timeout
+
+    torch = pytest.importorskip("torch")
+    if not torch.distributed.is_available():  # pragma: no cover
+        pytest.skip("no torch.distributed")
+    keys = {
+        plancache.key(Coord(ranks, rank, timeout))
+        for ranks, rank, timeout in [
+            ((0, 1, 2, 3), 1, 60.0),
+            ((0, 1), 1, 60.0),
+            ((0, 1, 2, 3), 2, 60.0),
+            ((0, 1, 2, 3), 1, 30.0),
+            ((1, 0, 2, 3), 1, 60.0),
+        ]
+    }
+    assert len(keys) == 5
+
+
+def test_incremental_and_plain_saves_interleaved(tmp_path: Path) -> None:
+    """blobs= saves (planned whole, the plan cache) between grid saves (markers): new bytes
+    each time, the coordinates swapped from the fourth save on."""
+    blobs = BlobStore.open(tmp_path / "blobs")
+    inc = save.Incremental(
+        blobs, BlobPolicy(chunk_size=4096, min_blob_bytes=16, workers=1, patches=False)
+    )
+    kinds = [None, inc, None, inc, inc, None]
+
+    def state(i: int, r: int, w: int) -> Any:
+        return grid_state(r, w, fill=float(i % 4), **(SWAP.get(r, {}) if i >= 3 else {}))
+
+    paths = [tmp_path / f"s{i}" for i in range(len(kinds))]
+    for outcome in run_saves(WORLD, state, paths, incremental=kinds.__getitem__):
+        ok(outcome)
+    for i, kind in enumerate(kinds):
+        fresh = tmp_path / f"fresh{i}"
+        ok(fresh_save(lambda r, w, i=i: state(i, r, w), fresh, WORLD, kind))
+        assert_same(paths[i], fresh)
