@@ -30,18 +30,19 @@ TIMEOUT = 30
 DIFFER: list[str] = []  # rank 0: the checkpoints that are not what a fresh save commits
 
 
-def forget() -> None:
-    """This rank's memos for the world group gone (as in a new process)."""
-    key = plancache.key(collectives.coordinator(dist.group.WORLD, TIMEOUT))
+def forget(pg: Any = None) -> None:
+    """This rank's memos for ``pg`` (None: the world group) gone (as in a new process)."""
+    key = plancache.key(collectives.coordinator(pg or dist.group.WORLD, TIMEOUT))
     save.forget(key)
     plancache.forget(key)
 
 
-def same_as_fresh(s: _worker.Session, name: str, state: Any, *others: str) -> None:
+def same_as_fresh(s: _worker.Session, name: str, state: Any, *others: str, pg: Any = None) -> None:
     """``name`` and ``others`` (saved with the memos) are what a save of ``state`` with none
-    commits."""
-    forget()
-    sp.save(s.path(name + "-fresh"), state, process_group=dist.group.WORLD, timeout=TIMEOUT)
+    commits (on ``pg``, None: the world group)."""
+    forget(pg)
+    pg = pg or dist.group.WORLD
+    sp.save(s.path(name + "-fresh"), state, process_group=pg, timeout=TIMEOUT)
     if s.rank == 0:  # recorded, not raised: the ranks stay in step for the next saves
         fresh = Path(s.path(name + "-fresh"))
         for got in (Path(s.path(n)) for n in (name, *others)):
@@ -102,6 +103,21 @@ def scenario_markers(s: _worker.Session) -> None:
             expect(s, f"a{i}", fill)
 
     s.check("async saves", background)
+
+    def subgroup() -> None:
+        """Saves on the world group and on a group of ranks 0 and 1 in turn (the same keys,
+        another world size: another memo key), each as a fresh save."""
+        pair = dist.new_group([0, 1])
+        for i in range(2):  # the second time round: markers on both groups
+            saved(f"w{i}", grid_state(r, w, fill=float(i)))
+            if r < 2:
+                state = grid_state(r, 2, fill=10.0 + i)
+                sp.save(s.path(f"p{i}"), state, process_group=pair, timeout=TIMEOUT)
+        if r < 2:
+            same_as_fresh(s, "p1", grid_state(r, 2, fill=11.0), pg=pair)
+        same_as_fresh(s, "w1", grid_state(r, w, fill=1.0))
+
+    s.check("a subgroup between", subgroup)
 
     groups: list[int] = []
 
