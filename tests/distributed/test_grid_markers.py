@@ -8,6 +8,7 @@ writer); the real gloo group's cases are in ``test_grid_markers_gloo.py``.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -349,3 +350,34 @@ def test_incremental_and_plain_saves_interleaved(tmp_path: Path) -> None:
         fresh = tmp_path / f"fresh{i}"
         ok(fresh_save(lambda r, w, i=i: state(i, r, w), fresh, WORLD, kind))
         assert_same(paths[i], fresh)
+
+
+class Mode(str, enum.Enum):  # a config's enum: a str subclass, which marshal refuses
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+def test_a_state_holding_a_str_enum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An enum value and key in a regular state: saved (its layout's digest once raised
+    ValueError: unmarshallable object), repeated with markers, changed to the other value."""
+    checks: list[int] = []
+    check = layout.check
+    monkeypatch.setattr(layout, "check", lambda *a: checks.append(1) or check(*a))
+
+    def second(r: int, w: int) -> Any:
+        return {**grid_state(r, w), "mode": Mode.EVAL, "by": {Mode.TRAIN: 2}}
+
+    def state(i: int, r: int, w: int) -> Any:
+        return (
+            {**grid_state(r, w), "mode": Mode.TRAIN, "by": {Mode.TRAIN: 1}}
+            if i < 2
+            else second(r, w)
+        )
+
+    got = run_saves(WORLD, state, [tmp_path / n for n in "abc"])
+    for outcome in got:
+        ok(outcome)
+    assert len(checks) == 2  # the second save: markers; the third: another layout, checked
+    assert sp.load(tmp_path / "b", framework="numpy")["mode"] == "train"
+    ok(fresh_save(second, tmp_path / "fresh", WORLD))
+    assert_same(tmp_path / "c", tmp_path / "fresh")

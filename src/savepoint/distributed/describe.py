@@ -40,7 +40,7 @@ Described = tuple[
 class _Memo:
     """A rank's last description, kept to answer the next save of the same state shape."""
 
-    tree: bytes  # the flattened state's tree it described, as plan.tree_bytes (types kept)
+    tree: bytes  # the flattened state's tree it described, as layout.tree_bytes (types kept)
     signature: tuple[list[Any], list[tuple[int, ...]]]  # the tensors' dtypes, shapes, in order
     plan: plan.LocalPlan  # path blanked
     keys: tuple[str, ...]  # the pieces' keys
@@ -66,7 +66,7 @@ def describe_layout(flat: tree.Flat, path: str, memo_key: Any = None) -> Describ
     values = flat.tensors.values()  # (the loops below run in C: a few ms at 50,000 tensors)
     signature = (list(map(_DTYPE, values)), list(map(_SHAPE, values)))
     # The tree compared as bytes: ``==`` would take {"step": True} for the {"step": 1} kept.
-    tree_key = plan.tree_bytes(flat.tree) if memo_key is not None else None
+    tree_key = layout.tree_bytes(flat.tree) if memo_key is not None else None
     if tree_key is not None:
         with _lock:
             memo = _memos.get(memo_key)

@@ -23,7 +23,6 @@ Errors are :class:`PlanError`: every problem found, with the ranks concerned.
 
 from __future__ import annotations
 
-import marshal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,9 +43,7 @@ __all__ = [
     "plan_reads",
     "record_reads",
     "region_order",
-    "same_tree",
     "shards_needed",
-    "tree_bytes",
 ]
 
 Node = dict[str, Any]
@@ -357,25 +354,6 @@ def _merge_trees(trees: Sequence[Node], problem: Any) -> Node | None:
         return first
 
     return walk(list(enumerate(trees)), ())
-
-
-def tree_bytes(node: Any) -> bytes | None:
-    """A plan's or flattened state's tree as bytes that differ whenever the trees do, the types
-    of plain values included (``==`` holds ``1``, ``1.0`` and ``True`` equal, and ``0.0`` and
-    ``-0.0``, which a manifest writes differently): marshal version 0 (no references, so the
-    bytes depend on the values alone; C speed, about ``==``'s). None: not plain data."""
-    try:
-        return marshal.dumps(node, 0)
-    except ValueError:
-        return None
-
-
-def same_tree(a: Any, b: Any) -> bool:
-    """Whether two trees are the same, value types included (:func:`tree_bytes`)."""
-    if a is b:
-        return True
-    left = tree_bytes(a)
-    return left is not None and left == tree_bytes(b)
 
 
 def _canonical(node: Node) -> str:

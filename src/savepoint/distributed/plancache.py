@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from savepoint.distributed import plan
+from savepoint.distributed import layout, plan
 
 __all__ = [
     "RESEND",
@@ -102,7 +102,7 @@ def unchanged(memo: RankMemo | None, local: plan.LocalPlan, place: Any) -> bool:
         memo is not None
         and memo.place == place
         and memo.local == blank(local)
-        and plan.same_tree(memo.local.tree, local.tree)
+        and layout.same_tree(memo.local.tree, local.tree)
     )
 
 
