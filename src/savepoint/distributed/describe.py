@@ -58,11 +58,13 @@ def describe_layout(flat: tree.Flat, path: str, memo_key: Any = None) -> Describ
     (None: not regular, :mod:`savepoint.distributed.layout`).
 
     ``memo_key`` (a :func:`savepoint.distributed.plancache.key`; None: nothing kept): the
-    description is kept per key, and the next call whose flattened tree is equal (keys, nesting,
-    plain values, every Shard's layout and grid) and whose tensors have the same dtypes and
-    shapes in the same order reuses it instead of walking the state again: the walk is a few
-    microseconds a tensor in Python, the comparison of the trees runs in C (a repeated save of
-    a 50,000-tensor state: ``benchmarks/bench_world.py``, ``repeat_plan_s``)."""
+    description is kept per key, and the next call whose flattened tree is the same (keys,
+    nesting, plain values with their types, every Shard's layout and grid: compared as
+    :func:`~savepoint.distributed.layout.tree_bytes`, as ``==`` holds ``1`` and ``True`` equal)
+    and whose tensors have the same dtypes and shapes in the same order reuses it instead of
+    walking the state again: the walk is a few microseconds a tensor in Python, the comparison
+    of the trees runs in C (a repeated save of a 50,000-tensor state:
+    ``benchmarks/bench_world.py``, ``repeat_plan_s``)."""
     values = flat.tensors.values()  # (the loops below run in C: a few ms at 50,000 tensors)
     signature = (list(map(_DTYPE, values)), list(map(_SHAPE, values)))
     # The tree compared as bytes: ``==`` would take {"step": True} for the {"step": 1} kept.
