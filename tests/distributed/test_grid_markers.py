@@ -62,6 +62,7 @@ def run_saves(
     paths: list[Path],
     before: Callable[[int, Any], None] | None = None,
     incremental: Callable[[int], save.Incremental | None] = lambda i: None,
+    options: Callable[[int], SaveOptions] = lambda i: SaveOptions(),
 ) -> list[list[Any]]:
     """Each save of ``paths`` in turn by ``world`` simulated ranks of one group (the memos kept
     between saves, as on a real group): per save, every rank's result or exception."""
@@ -81,7 +82,7 @@ def run_saves(
             inc = incremental(i)
             run = save.SaveRun(location, coord, flat, inc, save.LocalWriter(inc))
             try:
-                out.append(run.run(SaveOptions()))
+                out.append(run.run(options(i)))
             except Exception as exc:  # each save's outcome is recorded
                 out.append(exc)
         return out
@@ -118,11 +119,16 @@ def fresh_save(
     path: Path,
     world: int,
     incremental: save.Incremental | None = None,
+    options: SaveOptions | None = None,
 ) -> list[Any]:
     """What a fresh group (no memo) makes of ``state`` at ``path``: every rank's outcome."""
-    return run_saves(world, lambda _, r, w: state(r, w), [path], incremental=lambda _: incremental)[
-        0
-    ]
+    return run_saves(
+        world,
+        lambda _, r, w: state(r, w),
+        [path],
+        incremental=lambda _: incremental,
+        options=lambda _: options or SaveOptions(),
+    )[0]
 
 
 def assert_same(got: Path, fresh: Path) -> None:
@@ -381,3 +387,24 @@ def test_a_state_holding_a_str_enum(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert sp.load(tmp_path / "b", framework="numpy")["mode"] == "train"
     ok(fresh_save(second, tmp_path / "fresh", WORLD))
     assert_same(tmp_path / "c", tmp_path / "fresh")
+
+
+def test_grid_false_between_grid_saves(tmp_path: Path) -> None:
+    """``grid=False`` saves (planned whole, version 3) between grid saves (markers, version
+    7) of the same state with new bytes: each commits what a fresh save with its options does."""
+    grids = [True, False, True, False, True]
+
+    def state(i: int, r: int, w: int) -> Any:
+        return grid_state(r, w, fill=float(i))
+
+    def options(i: int) -> SaveOptions:
+        return SaveOptions(grid=grids[i])
+
+    paths = [tmp_path / f"s{i}" for i in range(len(grids))]
+    for outcome in run_saves(WORLD, state, paths, options=options):
+        ok(outcome)
+    for i in range(len(grids)):
+        fresh = tmp_path / f"fresh{i}"
+        ok(fresh_save(lambda r, w, i=i: state(i, r, w), fresh, WORLD, options=options(i)))
+        assert_same(paths[i], fresh)
+    assert [manifest(p)["format_version"] for p in paths] == [7, 3, 7, 3, 7]
