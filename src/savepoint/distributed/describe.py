@@ -40,7 +40,7 @@ Described = tuple[
 class _Memo:
     """A rank's last description, kept to answer the next save of the same state shape."""
 
-    tree: Any  # the flattened state's tree it described (plain data: no tensor in it)
+    tree: bytes  # the flattened state's tree it described, as layout.tree_bytes (types kept)
     signature: tuple[list[Any], list[tuple[int, ...]]]  # the tensors' dtypes, shapes, in order
     plan: plan.LocalPlan  # path blanked
     keys: tuple[str, ...]  # the pieces' keys
@@ -58,30 +58,36 @@ def describe_layout(flat: tree.Flat, path: str, memo_key: Any = None) -> Describ
     (None: not regular, :mod:`savepoint.distributed.layout`).
 
     ``memo_key`` (a :func:`savepoint.distributed.plancache.key`; None: nothing kept): the
-    description is kept per key, and the next call whose flattened tree is equal (keys, nesting,
-    plain values, every Shard's layout and grid) and whose tensors have the same dtypes and
-    shapes in the same order reuses it instead of walking the state again: the walk is a few
-    microseconds a tensor in Python, the comparison of the trees runs in C (a repeated save of
-    a 50,000-tensor state: ``benchmarks/bench_world.py``, ``repeat_plan_s``)."""
+    description is kept per key, and the next call whose flattened tree is the same (keys,
+    nesting, plain values with their types, every Shard's layout and grid: compared as
+    :func:`~savepoint.distributed.layout.tree_bytes`, as ``==`` holds ``1`` and ``True`` equal)
+    and whose tensors have the same dtypes and shapes in the same order reuses it instead of
+    walking the state again: the walk is a few microseconds a tensor in Python, the comparison
+    of the trees runs in C (a repeated save of a 50,000-tensor state:
+    ``benchmarks/bench_world.py``, ``repeat_plan_s``)."""
     values = flat.tensors.values()  # (the loops below run in C: a few ms at 50,000 tensors)
     signature = (list(map(_DTYPE, values)), list(map(_SHAPE, values)))
-    if memo_key is not None:
+    # The tree compared as bytes: ``==`` would take {"step": True} for the {"step": 1} kept.
+    tree_key = layout.tree_bytes(flat.tree) if memo_key is not None else None
+    if tree_key is not None:
         with _lock:
             memo = _memos.get(memo_key)
-        if memo is not None and memo.signature == signature and memo.tree == flat.tree:
+        if memo is not None and memo.signature == signature and memo.tree == tree_key:
             sources = dict(zip(memo.keys, map(flat.tensors.__getitem__, memo.refs)))
             return dataclasses.replace(memo.plan, path=path), sources, memo.grid
     walker = _Describer(flat)
     root = walker.walk(flat.tree, "", True)
     local_plan = plan.LocalPlan(path, root, tuple(walker.items.values()))
     grid = walker.grids.done(root)
-    if memo_key is not None:
+    if tree_key is not None:
         ref_of = {id(source): ref for ref, source in flat.tensors.items()}
         refs = tuple(ref_of[id(source)] for source in walker.sources.values())
         blank = dataclasses.replace(local_plan, path="")
-        kept = _Memo(flat.tree, signature, blank, tuple(walker.sources), refs, grid)
+        kept = _Memo(tree_key, signature, blank, tuple(walker.sources), refs, grid)
         with _lock:
             _memos[memo_key] = kept
+    elif memo_key is not None:  # (not plain data: kept nothing, and keeps no older one)
+        forget(memo_key)
     return local_plan, walker.sources, grid
 
 

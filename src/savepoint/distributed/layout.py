@@ -28,6 +28,7 @@ differs). No I/O; nothing here imports torch.
 
 from __future__ import annotations
 
+import json
 import marshal
 import math
 from collections.abc import Sequence
@@ -46,6 +47,8 @@ __all__ = [
     "check",
     "grid_box",
     "parse_grid",
+    "same_tree",
+    "tree_bytes",
     "writes",
 ]
 
@@ -91,6 +94,32 @@ def grid_box(
     return tuple((a, a + n) for a, n in zip(start, size))
 
 
+def tree_bytes(node: Any) -> bytes | None:
+    """A flattened state's or plan's tree (plain data) as bytes that differ whenever the trees
+    do, the types of plain values included: ``==`` holds ``1``, ``1.0`` and ``True`` equal, and
+    ``0.0`` and ``-0.0``, which a manifest writes differently. Marshal version 0 (no references:
+    the bytes depend on the values alone; C speed, about ``==``'s); a tree holding a subclass
+    of str (an enum's value or key, written as its string), which marshal refuses, as JSON.
+    None: not plain data."""
+    try:
+        return marshal.dumps(node, 0)
+    except ValueError:
+        pass
+    try:
+        text = json.dumps(node, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return b"json:" + text.encode()
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Whether two trees are the same, value types included (:func:`tree_bytes`)."""
+    if a is b:
+        return True
+    left = tree_bytes(a)
+    return left is not None and left == tree_bytes(b)
+
+
 @dataclass(frozen=True)
 class Compact:
     """What a rank with a regular state sends rank 0 in the plan step (a few dozen bytes)."""
@@ -120,9 +149,11 @@ class Layout:
         """XXH3-64 of the layout (marshal version 0: plain values, no references, so the bytes
         depend on the values only)."""
         if self._digest is None:
-            data = marshal.dumps(
-                (self.tree, self.mesh, self.keys, self.dtypes, self.shapes, self.dims), 0
+            data = tree_bytes(
+                (self.tree, self.mesh, self.keys, self.dtypes, self.shapes, self.dims)
             )
+            if data is None:
+                raise ValueError("a layout holds something other than plain data")
             self._digest = checksum.digest(data)
         return self._digest
 

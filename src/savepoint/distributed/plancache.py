@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from savepoint.distributed import plan
+from savepoint.distributed import layout, plan
 
 __all__ = [
     "RESEND",
@@ -96,7 +96,14 @@ def blank(local: plan.LocalPlan) -> plan.LocalPlan:
 
 
 def unchanged(memo: RankMemo | None, local: plan.LocalPlan, place: Any) -> bool:
-    return memo is not None and memo.place == place and memo.local == blank(local)
+    """Whether ``local`` is the plan ``memo`` kept (path aside), plain values' types included
+    (``{"step": 1}`` then ``{"step": True}`` is a change: the manifest holds rank 0's tree)."""
+    return (
+        memo is not None
+        and memo.place == place
+        and memo.local == blank(local)
+        and layout.same_tree(memo.local.tree, local.tree)
+    )
 
 
 def rank_memo(k: Any, memo: RankMemo | None = None, *, store: bool = False) -> RankMemo | None:
