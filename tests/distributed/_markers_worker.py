@@ -144,8 +144,11 @@ def scenario_markers(s: _worker.Session) -> None:
     def new_group() -> None:
         """Ranks reversed: every process's memo key names another rank."""
         twice("m", 6.0)  # memos on every rank
-        regroup(w - 1 - s.rank)
+        before = regroup(w - 1 - s.rank)
         twice("n", 6.0)
+        # Nothing of the destroyed world is kept: its channels (gloo groups) and memo keys.
+        assert all(k[0] == id(dist.group.WORLD) for k in collectives._channels), "old channel"
+        assert all(k[1] != before for k in plancache._used), "old memo key"
 
     s.check("a new group", new_group)
 

@@ -337,6 +337,36 @@ def test_the_memo_key_names_the_group_rank_and_timeout() -> None:
     assert len(keys) == 5
 
 
+def test_memos_of_a_gone_world_or_beyond_the_kept_keys_are_dropped() -> None:
+    """What a process keeps per group (describe's memo, the plan cache, rank 0's implied plan)
+    does not pile up: a key of an earlier default group (the world initialised again) is
+    dropped at the next save of the new one, and past KEYS_KEPT groups the least recently
+    used is; a simulated world's keys are left to it."""
+    old = [("torch", 1, (0, 1), 60.0, r) for r in range(3)]
+    try:
+        for k in old:
+            assert plancache.touch(k) == []
+            plancache.rank_memo(k, "kept", store=True)  # type: ignore[arg-type]
+            save._accepted[k] = "kept"
+        sim = ("sim", 7, 0)
+        assert plancache.touch(sim) == []
+        new = ("torch", 2, (0, 1, 2), 60.0, 0)
+        stale = plancache.touch(new)
+        assert sorted(stale) == sorted(old)
+        for k in stale:
+            save.forget(k)
+        assert all(plancache.rank_memo(k) is None and k not in save._accepted for k in old)
+        many = [("torch", 2, (0, r), 60.0, 0) for r in range(1, plancache.KEYS_KEPT + 3)]
+        dropped: list[Any] = []
+        for k in many:
+            dropped += plancache.touch(k)
+        assert dropped == [new, many[0], many[1]]  # least recently used first
+        assert plancache.touch(many[2]) == []  # used again: kept, now the newest
+    finally:
+        for k in [*old, *many, new]:
+            save.forget(k)
+
+
 def test_incremental_and_plain_saves_interleaved(tmp_path: Path) -> None:
     """blobs= saves (planned whole, the plan cache) between grid saves (markers): new bytes
     each time, the coordinates swapped from the fourth save on."""

@@ -582,6 +582,10 @@ def _channel(ranks: tuple[int, ...], timeout: float) -> _Channel:
     with _channels_lock:
         channel = _channels.get(key)
         if channel is None:
+            # Channels of an earlier default group (destroyed, the world initialised again) are
+            # dropped with their gloo groups: their peers' sockets belong to a world that is gone.
+            for old in [k for k in _channels if k[0] != key[0]]:
+                del _channels[old]
             n = _created.get(key[:2], 0)
             _created[key[:2]] = n + 1
             digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]

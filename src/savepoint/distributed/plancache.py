@@ -134,6 +134,33 @@ def forget(k: Any) -> None:
     with _lock:
         _ranks.pop(k, None)
         _roots.pop(k, None)
+        _used.pop(k, None)
+
+
+# The memo keys of real process groups (:func:`key`'s "torch" keys) by last use, oldest first.
+# What is kept per key (here, in .save and .describe: a few tens of MB at 50,000 tensors) is
+# dropped once the key is stale: a key of a default group since destroyed (a re-initialised
+# world: its groups are gone), or beyond the KEYS_KEPT most recently used. Dropping is always
+# safe: a rank or rank 0 without its memo describes and plans again, as after a restart (the
+# protocol's REGRID and RESEND answers). Other keys (a simulated world's) are their owner's to
+# forget.
+_used: dict[Any, None] = {}
+KEYS_KEPT = 16
+
+
+def touch(k: Any) -> list[Any]:
+    """Record a save with key ``k``; the keys now stale, for the caller to forget everywhere."""
+    if type(k) is not tuple or k[:1] != ("torch",):
+        return []
+    with _lock:
+        _used.pop(k, None)
+        _used[k] = None
+        stale = [old for old in _used if old[1] != k[1]]  # another world's: it is gone
+        keep = [old for old in _used if old[1] == k[1]]
+        stale += keep[: max(0, len(keep) - KEYS_KEPT)]
+        for old in stale:
+            _used.pop(old, None)
+    return stale
 
 
 def new_id() -> str:

@@ -211,6 +211,7 @@ def forget(memo_key: Any) -> None:
     _implied.pop(memo_key, None)
     _accepted.pop(memo_key, None)
     describe_forget(memo_key)
+    plancache.forget(memo_key)
 
 
 # Where a rank's blob store is, as the manifest would name it (relative to the checkpoint), and
@@ -313,6 +314,8 @@ class _Save:
         self.marked = False  # this rank sent a marker for its regular layout (GRID)
         self.described: Any = None  # describe's grid object (None: not regular)
         self.memo_key = plancache.key(coord)
+        for stale in plancache.touch(self.memo_key):
+            forget(stale)
         # A regular state: its layout, this rank's coordinate, the pieces the layout gives it.
         self.regular: tuple[layout.Layout, tuple[int, ...], tuple[plan.Item, ...]] | None = None
         self.own_bytes = 0  # what this rank writes of a regular state
