@@ -566,6 +566,9 @@ _created: dict[tuple[int, tuple[int, ...]], int] = {}
 _channels_lock = threading.Lock()
 
 
+_world: Any = None  # the default group the channels belong to (held: its id stays unique)
+
+
 def _world_id() -> int:
     import torch.distributed as dist
 
@@ -576,16 +579,23 @@ def _channel(ranks: tuple[int, ...], timeout: float) -> _Channel:
     """The channel over ``ranks`` (global) for ``timeout``, one per process and reused.
 
     Every member creates its channels for a given rank set in the same order (every member calls
-    the same saves and loads), so the n-th one has the same store prefix on each.
+    the same saves and loads), so the n-th one has the same store prefix on each. When the
+    default group is another than the channels' (destroyed, the world initialised again), they
+    are dropped with their gloo groups and the counts start again: the old one's peers are gone.
+    The group is held meanwhile, so a new one cannot take its address (keys hold its id).
     """
-    key = (_world_id(), ranks, timeout)
+    import torch.distributed as dist
+
+    global _world
+    world = dist.group.WORLD
+    key = (id(world), ranks, timeout)
     with _channels_lock:
+        if world is not _world:
+            _channels.clear()
+            _created.clear()
+            _world = world
         channel = _channels.get(key)
         if channel is None:
-            # Channels of an earlier default group (destroyed, the world initialised again) are
-            # dropped with their gloo groups: their peers' sockets belong to a world that is gone.
-            for old in [k for k in _channels if k[0] != key[0]]:
-                del _channels[old]
             n = _created.get(key[:2], 0)
             _created[key[:2]] = n + 1
             digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
