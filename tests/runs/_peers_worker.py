@@ -154,7 +154,26 @@ def scenario_save(s: dw.Session) -> None:
 
 
 def scenario_restore(s: dw.Session) -> None:
-    """Restore the latest step (the test checks where from)."""
+    """Restore the latest step (the test checks where from). ``PEERS_STALE=1``: first as the
+    attempt torchrun then kills (a whole restore, its keys left in the job's store, which
+    torchrun keeps across elastic restarts), then as the restarted attempt
+    (``TORCHELASTIC_RESTART_COUNT=1``, savepoint's per-process state as a new process has it):
+    the second must not read the first's documents and addresses."""
+    if os.environ.get("PEERS_STALE") == "1":
+        from savepoint.distributed import collectives
+        from savepoint.runs import _peer_wire
+
+        def killed_attempt() -> None:
+            mgr = manager(s, read_only=True)
+            restore(s, mgr, "first attempt")
+            mgr.close()
+            dist.barrier()
+            _peer_wire._wires.clear()  # (a new process: nothing counted, no channel)
+            collectives._channels.clear()
+            collectives._created.clear()
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+
+        s.check("first attempt", killed_attempt)
     s.check("restore", lambda: restore(s, manager(s, read_only=True), "restored"))
 
 

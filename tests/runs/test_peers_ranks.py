@@ -101,6 +101,17 @@ def test_a_lost_node_is_restored_from_the_other_nodes_copies_on_4_2_and_6_ranks(
             assert not restored["warnings"], restored
 
 
+def test_keys_an_earlier_attempt_left_in_the_store_are_not_read(copy: Path) -> None:
+    """torchrun keeps its store across elastic restarts: the restarted job must not read the
+    addresses the killed attempt published (dead ports), only its own."""
+    shutil.rmtree(node_folder(copy, "a"))
+    shutil.rmtree(copy / "run/checkpoints/step-0000000003")
+    session = run("restore", 4, copy, PEERS_STALE="1")
+    for restored in data(session, "restored"):
+        assert (restored["step"], restored["from"]) == (3, "peer memory"), restored
+        assert not restored["warnings"], restored
+
+
 def test_a_lost_node_is_restored_straight_into_the_targets_on_4_2_and_6_ranks(
     tmp_path: Path,
 ) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import os
 import pickle
 import threading
 import time
@@ -569,6 +570,20 @@ _channels_lock = threading.Lock()
 _world: Any = None  # the default group the channels belong to (held: its id stays unique)
 
 
+def store_scope() -> str:
+    """The part of savepoint's key prefixes in the job's default store that names this launch:
+    torchrun keeps its store across elastic restarts (torch 2.13, ``--standalone`` and c10d
+    rendezvous alike: a key set before a restart is still there after it), so the keys an
+    earlier attempt left (gloo's addresses, the peer tier's documents) would be read as this
+    attempt's: a gloo group connecting to dead ports, a peer "not answering". Under torchrun
+    the attempt (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``) is in every prefix;
+    other launchers make a store per job, and the scope is empty."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return ""
+    return f"attempt-{os.environ.get('TORCHELASTIC_RUN_ID', '')}-{restart}/"
+
+
 def _world_id() -> int:
     import torch.distributed as dist
 
@@ -599,7 +614,7 @@ def _channel(ranks: tuple[int, ...], timeout: float) -> _Channel:
             n = _created.get(key[:2], 0)
             _created[key[:2]] = n + 1
             digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-            channel = _Channel(f"savepoint/{digest}/{n}/", timeout)
+            channel = _Channel(f"savepoint/{store_scope()}{digest}/{n}/", timeout)
             _channels[key] = channel
         return channel
 
