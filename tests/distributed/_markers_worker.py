@@ -24,7 +24,7 @@ import _worker
 from test_grid_markers import grid_state, manifest, typed
 
 import savepoint as sp
-from savepoint.distributed import collectives, plancache, save
+from savepoint.distributed import channels, collectives, plancache, save
 
 TIMEOUT = 30
 DIFFER: list[str] = []  # rank 0: the checkpoints that are not what a fresh save commits
@@ -147,7 +147,7 @@ def scenario_markers(s: _worker.Session) -> None:
         before = regroup(w - 1 - s.rank)
         twice("n", 6.0)
         # Nothing of the destroyed world is kept: its channels (gloo groups) and memo keys.
-        assert all(k[0] == id(dist.group.WORLD) for k in collectives._channels), "old channel"
+        assert all(k[0] == id(dist.group.WORLD) for k in channels._channels), "old channel"
         assert all(k[1] != before for k in plancache._used), "old memo key"
 
     s.check("a new group", new_group)

@@ -25,7 +25,7 @@ import _worker
 
 import savepoint as sp
 from savepoint.commit import names
-from savepoint.distributed import collectives, simulate
+from savepoint.distributed import channels, simulate
 
 OWNER = "host-00000-0123abcd"
 SIZES = {"hidden": 64, "experts": 4, "expert_ffn": 32}  # a few KiB per tensor
@@ -87,12 +87,12 @@ class Recording:
 def scenario_world(s: _worker.Session) -> None:
     ops: list[list[Any]] = []
     names._owner = lambda: OWNER  # type: ignore[assignment]
-    make = collectives._Channel.group
+    make = channels.Channel.group
 
     def group(self: Any, rank: int, size: int) -> Any:
         return Recording(make(self, rank, size), rank, ops)
 
-    collectives._Channel.group = group  # type: ignore[method-assign]
+    channels.Channel.group = group  # type: ignore[method-assign]
 
     def save() -> None:
         for i, name in enumerate(NAMES):  # the fourth save reuses the third one's plan

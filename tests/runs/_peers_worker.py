@@ -160,7 +160,7 @@ def scenario_restore(s: dw.Session) -> None:
     (``TORCHELASTIC_RESTART_COUNT=1``, savepoint's per-process state as a new process has it):
     the second must not read the first's documents and addresses."""
     if os.environ.get("PEERS_STALE") == "1":
-        from savepoint.distributed import collectives
+        from savepoint.distributed import channels
         from savepoint.runs import _peer_wire
 
         def killed_attempt() -> None:
@@ -169,8 +169,8 @@ def scenario_restore(s: dw.Session) -> None:
             mgr.close()
             dist.barrier()
             _peer_wire._wires.clear()  # (a new process: nothing counted, no channel)
-            collectives._channels.clear()
-            collectives._created.clear()
+            channels._channels.clear()
+            channels._created.clear()
             os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
 
         s.check("first attempt", killed_attempt)

@@ -30,18 +30,15 @@ Without a process group (a single process, e.g. loading a sharded checkpoint who
 from __future__ import annotations
 
 import abc
-import hashlib
-import os
 import pickle
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
 from typing import Any, TypeVar
 
-from savepoint.distributed.deadlines import Board, Verdict, give_up, watch
+from savepoint.distributed import channels
+from savepoint.distributed.deadlines import Verdict, give_up, watch
 from savepoint.distributed.plan import PlanError
 from savepoint.engine import collector
 from savepoint.errors import CheckpointError, DistributedCheckpointError, UnsupportedStateError
@@ -203,13 +200,19 @@ class TorchCoordinator(Coordinator):
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, not {timeout!r}")
         self._ranks = ranks
-        self._channel = _channel(ranks, self.timeout) if self.world_size > 1 else None
+        self._channel = channels.channel(ranks, self.timeout) if self.world_size > 1 else None
 
     # -- the dedicated group ----------------------------------------------------------------
 
     def _ensure_group(self) -> Any:
         assert self._channel is not None
-        return self._channel.group(self.rank, len(self._ranks))
+        try:
+            return self._channel.group(self.rank, len(self._ranks))
+        except Exception as exc:
+            raise _CollectiveError(
+                f"could not set up savepoint's gloo group of {len(self._ranks)} ranks: "
+                f"{_short(exc)}"
+            ) from exc
 
     # -- object collectives (rank 0 is the root) ----------------------------------------------
 
@@ -221,7 +224,7 @@ class TorchCoordinator(Coordinator):
         except _CollectiveError:
             raise
         except Exception as exc:  # gloo raises RuntimeError / DistBackendError subclasses
-            _forget(self._ranks, self.timeout)
+            channels.forget(self._ranks, self.timeout)
             raise _CollectiveError(_short(exc)) from exc
 
     def _gather_objects(self, obj: Any) -> list[Any] | None:
@@ -442,7 +445,7 @@ class TorchCoordinator(Coordinator):
         verdict = channel.board.verdict(point)
         if verdict is None:
             return
-        _forget(self._ranks, self.timeout)
+        channels.forget(self._ranks, self.timeout)
         if self.rank == 0 and self._cleanup is not None:
             self._cleanup()
         what, path, _ = self._op
@@ -514,115 +517,6 @@ def coordinator(process_group: Any, timeout: float | None) -> Coordinator:
     if process_group is None:
         return LocalCoordinator()
     return TorchCoordinator(process_group, timeout)
-
-
-# ---------------------------------------------------------------------------------------------
-# savepoint's gloo groups
-# ---------------------------------------------------------------------------------------------
-
-
-class _Channel:
-    """savepoint's gloo group over one set of ranks (created on first use), plus its board in
-    the default store (:class:`.deadlines.Board`): the last point each rank reached, so when a
-    collective fails the survivors can name the ranks that never reached it, and the verdicts."""
-
-    def __init__(self, prefix: str, timeout: float) -> None:
-        self.prefix = prefix
-        self.timeout = timeout
-        self.lock = threading.RLock()  # one save or load at a time per process (sync, async)
-        self.steps = 0
-        self._group: Any = None
-        self._store: Any = None
-        self.board = Board(self._default_store)  # points reached, verdicts, notes
-
-    def _default_store(self) -> Any:
-        if self._store is None:
-            from torch.distributed import PrefixStore  # type: ignore[attr-defined]
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            self._store = PrefixStore(self.prefix, _get_default_store())
-        return self._store
-
-    def group(self, rank: int, size: int) -> Any:
-        if self._group is None:
-            import torch.distributed as dist
-
-            try:
-                self._group = dist.ProcessGroupGloo(
-                    self._default_store(), rank, size, timedelta(seconds=self.timeout)
-                )
-            except Exception as exc:
-                raise _CollectiveError(
-                    f"could not set up savepoint's gloo group of {size} ranks: {_short(exc)}"
-                ) from exc
-        return self._group
-
-    def next_step(self) -> int:
-        self.steps += 1
-        return self.steps
-
-
-_channels: dict[tuple[int, tuple[int, ...], float], _Channel] = {}
-_created: dict[tuple[int, tuple[int, ...]], int] = {}
-_channels_lock = threading.Lock()
-
-
-_world: Any = None  # the default group the channels belong to (held: its id stays unique)
-
-
-def store_scope() -> str:
-    """The part of savepoint's key prefixes in the job's default store that names this launch:
-    torchrun keeps its store across elastic restarts (torch 2.13, ``--standalone`` and c10d
-    rendezvous alike: a key set before a restart is still there after it), so the keys an
-    earlier attempt left (gloo's addresses, the peer tier's documents) would be read as this
-    attempt's: a gloo group connecting to dead ports, a peer "not answering". Under torchrun
-    the attempt (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``) is in every prefix;
-    other launchers make a store per job, and the scope is empty."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None:
-        return ""
-    return f"attempt-{os.environ.get('TORCHELASTIC_RUN_ID', '')}-{restart}/"
-
-
-def _world_id() -> int:
-    import torch.distributed as dist
-
-    return id(dist.group.WORLD)
-
-
-def _channel(ranks: tuple[int, ...], timeout: float) -> _Channel:
-    """The channel over ``ranks`` (global) for ``timeout``, one per process and reused.
-
-    Every member creates its channels for a given rank set in the same order (every member calls
-    the same saves and loads), so the n-th one has the same store prefix on each. When the
-    default group is another than the channels' (destroyed, the world initialised again), they
-    are dropped with their gloo groups and the counts start again: the old one's peers are gone.
-    The group is held meanwhile, so a new one cannot take its address (keys hold its id).
-    """
-    import torch.distributed as dist
-
-    global _world
-    world = dist.group.WORLD
-    key = (id(world), ranks, timeout)
-    with _channels_lock:
-        if world is not _world:
-            _channels.clear()
-            _created.clear()
-            _world = world
-        channel = _channels.get(key)
-        if channel is None:
-            n = _created.get(key[:2], 0)
-            _created[key[:2]] = n + 1
-            digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-            channel = _Channel(f"savepoint/{store_scope()}{digest}/{n}/", timeout)
-            _channels[key] = channel
-        return channel
-
-
-def _forget(ranks: tuple[int, ...], timeout: float) -> None:
-    """Drop a channel whose collective failed: it cannot be trusted to be in step any more."""
-    with _channels_lock:
-        _channels.pop((_world_id(), ranks, timeout), None)
 
 
 def encoded(obj: Any) -> bytes:

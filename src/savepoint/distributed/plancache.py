@@ -43,6 +43,7 @@ __all__ = [
     "new_id",
     "rank_memo",
     "root_memo",
+    "touch",
     "unchanged",
 ]
 

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from savepoint.codecs import bounded_json, checksum
-from savepoint.distributed import collectives
+from savepoint.distributed import channels
 from savepoint.errors import CorruptCheckpointError
 from savepoint.runs._peer_check import Check
 
@@ -174,7 +174,7 @@ class Wire:
             n = _wires.get(key, 0)
             _wires[key] = n + 1
         digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-        self.prefix = f"savepoint-peers/{collectives.store_scope()}{digest}/{n}/"
+        self.prefix = f"savepoint-peers/{channels.store_scope()}{digest}/{n}/"
 
     def who(self, rank: int) -> str:
         """``rank 3 (node b)``."""
