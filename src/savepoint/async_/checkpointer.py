@@ -629,11 +629,8 @@ def _started(ckpt: AsyncCheckpointer) -> bool:
 def _writer(writer: str | None) -> Writer:
     """``writer=`` checked: "thread" or "process" (None, the default: "process", falling back
     to the thread writer where it cannot write)."""
-    if writer is None:
-        return "process"
-    if writer not in ("thread", "process"):
-        raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
-    return "process" if writer == "process" else "thread"
+    _priority.check_writer(writer)
+    return "thread" if writer == "thread" else "process"
 
 
 @dataclasses.dataclass(frozen=True)
