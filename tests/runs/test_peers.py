@@ -51,6 +51,15 @@ def test_tier_peers_takes_the_issues_arguments_and_checks_them() -> None:
             sp.Tier.peers(**bad)
 
 
+def test_a_memory_dir_that_is_a_url_or_a_file_is_refused_at_once(tmp_path: Path) -> None:
+    """Not at the first replication, after the save (a URL made a local folder named 's3:')."""
+    (tmp_path / "file").write_bytes(b"x")
+    for where, message in [("s3://b/m", "not the URL"), (tmp_path / "file", "is a file")]:
+        with pytest.raises(sp.CheckpointArgumentError, match=message):
+            sp.Tier.peers(memory_dir=where)
+    assert not Path("s3:").exists()
+
+
 def test_the_node_is_the_argument_else_the_environment_else_the_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
