@@ -63,6 +63,7 @@ BAD: list[tuple[dict[str, Any], type[Exception], str]] = [
     # What a new user types: a misspelt writer, a policy's name or its class for the policy.
     ({"writer": "proces", "async_save": True}, CheckpointArgumentError, r"mean 'process'\?\)$"),
     ({"writer_priority": "lowest"}, CheckpointArgumentError, r"did you mean 'low'\?\)$"),
+    ({"writer_priority": "idle"}, CheckpointArgumentError, r"^writer_priority='idle' is given wi"),
     ({"save_policy": "continuous"}, CheckpointArgumentError, r"not str \('continuous'\): give"),
     ({"save_policy": policies.Continuous}, CheckpointArgumentError, r"the class Continuous: "),
 ]

@@ -167,6 +167,11 @@ def _writer(writer: Any, async_save: bool, priority: Any = None) -> None:
     ``writer_priority=``."""
     if priority is not None:
         check_writer_priority(priority)
+        if not async_save:
+            raise CheckpointArgumentError(
+                f"writer_priority={priority!r} is given without async_save=True (it is the "
+                "writer process's priority; a synchronous save is written by the caller)"
+            )
     check_writer(writer)
     if writer == "process" and not async_save:
         raise ValueError(
