@@ -286,6 +286,10 @@ def test_a_budget_keeps_the_newest_steps_that_fit_and_ls_shows_them(tmp_path: Pa
     assert json.loads(result.output)["peer_memory"] == {"dir": mem, "nodes": [found]}
     text = CliRunner().invoke(main, ["ls", str(tmp_path / "run"), "--peer-memory", mem]).output
     assert f"peer memory ({mem}):" in text and "n0" in text
+    assert [line.split()[:3] for line in text.splitlines() if line.startswith(" ")] == [
+        ["3", "1", "(#0)"],
+        ["4", "1", "(#0)"],
+    ]  # how many parts, then which: a bare "0" read as none
 
 
 def test_a_budget_too_small_for_a_step_keeps_none_and_says_so(tmp_path: Path) -> None:
