@@ -110,11 +110,13 @@ __all__ = [
     "OnBusy",
     "Writer",
     "WriterPriority",
+    "check_writer",
     "check_writer_priority",
     "verify_in",
 ]
 
 check_writer_priority = _priority.check  # ``writer_priority=`` checked (CheckpointManager's too)
+check_writer = _priority.check_writer  # ``writer=`` checked (CheckpointManager's too)
 OnBusy = Literal["wait", "skip"]
 Writer = Literal["thread", "process"]
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()

@@ -159,8 +159,9 @@ def _intervals_text(doc: dict[str, Any]) -> str:
 
     def num(key: str) -> float | None:
         value = doc.get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return float(value) if ok else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return None
 
     bounds = [
         f"{k} {num(f'{k}_interval_s'):g} s"

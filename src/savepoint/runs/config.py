@@ -21,8 +21,12 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from savepoint.async_._priority import check_writer
-from savepoint.async_.checkpointer import Writer, WriterPriority, check_writer_priority
+from savepoint.async_.checkpointer import (
+    Writer,
+    WriterPriority,
+    check_writer,
+    check_writer_priority,
+)
 from savepoint.errors import CheckpointArgumentError, IncompatibleCheckpointError
 from savepoint.options import SaveOptions
 from savepoint.runs import policies
@@ -129,10 +133,7 @@ class ManagerConfig:
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
         rules += [] if retention is None else [retention]
-        _save_policy(save_policy)
-        if save_every is not None:
-            every = _policy("save_every", policies.SaveEvery, save_every)
-            save_policy = every if save_policy is None else save_policy
+        save_policy = _save_policy(save_policy, save_every)
         signals = None if preemption is None or preemption is False else signals_of(preemption)
         tier_list, peers = _tiers(tiers)
         return cls(
@@ -180,13 +181,17 @@ def _writer(writer: Any, async_save: bool, priority: Any = None) -> None:
         )
 
 
-def _save_policy(policy: Any) -> None:
-    """``save_policy=``: None or a policy object (``should_save(step, last_saved)``), not its
-    class or a name: those would fail only at the first save."""
-    if policy is None or (
-        not isinstance(policy, type) and callable(getattr(policy, "should_save", None))
-    ):
-        return
+def _save_policy(policy: Any, save_every: Any) -> SavePolicy | None:
+    """``save_policy=`` checked: None or a policy object (``should_save(step, last_saved)``), not
+    its class or a name (those would fail only at the first save); else ``save_every``'s."""
+    every: SavePolicy | None = None
+    if save_every is not None:
+        every = _policy("save_every", policies.SaveEvery, save_every)
+    if policy is None:
+        return every
+    if not isinstance(policy, type) and callable(getattr(policy, "should_save", None)):
+        given_policy: SavePolicy = policy
+        return given_policy  # a policy given wins over save_every (as it always has)
     if isinstance(policy, type):
         given, hint = f"the class {policy.__name__}", f"{policy.__name__}()"
     else:
