@@ -87,6 +87,11 @@ def resolve(priority: Priority | None) -> Priority:
     if priority is not None:
         return check(priority)
     raw = os.environ.get("SAVEPOINT_WRITER_PRIORITY", "")
+    if raw and raw not in PRIORITIES:  # (named: the caller gave no writer_priority=)
+        raise CheckpointArgumentError(
+            "SAVEPOINT_WRITER_PRIORITY (the writer_priority where none is given) must be one "
+            f"of {', '.join(PRIORITIES)}, not {raw!r}" + _nearest(raw, PRIORITIES)
+        )
     return check(raw) if raw else DEFAULT
 
 
