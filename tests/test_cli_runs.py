@@ -119,6 +119,18 @@ def test_report_run_with_plot(run: Path, tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000
 
 
+def test_report_shows_a_continuous_runs_achieved_intervals(tmp_path: Path) -> None:
+    policy = sp.policies.Continuous(min_interval=0.0, target_interval=0.001)
+    with sp.CheckpointManager(tmp_path / "c", save_policy=policy) as mgr:
+        for step in range(3):
+            mgr.save(step, {"w": np.zeros(4, np.float32)})
+    result = invoke("report", str(tmp_path / "c"))
+    assert result.exit_code == 0
+    line = next(x for x in result.output.splitlines() if x.startswith("saving "))
+    assert "3 saves (continuous: min 0 s, target 0.001 s); interval " in line
+    assert " s max; durable after " in line and "intervals behind the target" in line
+
+
 def test_report_sweep_ranks_runs_and_plots(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     make_run(sweep / "slow", 0.05)  # val never reaches 0 within 30 steps: best 1.5

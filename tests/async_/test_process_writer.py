@@ -233,6 +233,18 @@ def test_the_writer_process_dead_while_idle_is_replaced(tmp_path: Path, ckpt: An
     same(sp.load(tmp_path / "b"), state(2))
 
 
+def test_a_misspelt_writer_names_the_nearest(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(sp.CheckpointArgumentError, match=r"not 'proces' \(did you mean 'process'"):
+        sp.AsyncCheckpointer(writer="proces")  # type: ignore[arg-type]
+    with pytest.raises(sp.CheckpointArgumentError, match=r"not 'idel' \(did you mean 'idle'"):
+        sp.AsyncCheckpointer(writer_priority="idel")  # type: ignore[arg-type]
+    monkeypatch.setenv("SAVEPOINT_WRITER_PRIORITY", "Low")  # named: no writer_priority= given
+    with pytest.raises(
+        sp.CheckpointArgumentError, match=r"^SAVEPOINT_WRITER_PRIORITY .* mean 'low'"
+    ):
+        sp.AsyncCheckpointer()
+
+
 def test_refused_combinations(tmp_path: Path, ckpt: Any) -> None:
     with pytest.raises(ValueError, match="writer must be"):
         sp.AsyncCheckpointer(writer="fork")  # type: ignore[arg-type]

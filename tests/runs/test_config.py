@@ -14,7 +14,7 @@ import pytest
 
 import savepoint as sp
 from savepoint.blobs import BlobPolicy, Compression
-from savepoint.errors import IncompatibleCheckpointError
+from savepoint.errors import CheckpointArgumentError, IncompatibleCheckpointError
 from savepoint.runs import policies
 from savepoint.runs.config import ManagerConfig, PreemptionPolicy, seconds
 from savepoint.runs.preemption import DEFAULT_GRACE, DEFAULT_SIGNALS
@@ -60,6 +60,12 @@ BAD: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"preemption_grace": float("inf")}, ValueError, r"^preemption_grace must be a positive"),
     ({"preemption_every": 0}, ValueError, r"^preemption_every must be a positive integer, not 0$"),
     ({"preemption_every": True}, ValueError, r"^preemption_every must be a positive integer"),
+    # What a new user types: a misspelt writer, a policy's name or its class for the policy.
+    ({"writer": "proces", "async_save": True}, CheckpointArgumentError, r"mean 'process'\?\)$"),
+    ({"writer_priority": "lowest"}, CheckpointArgumentError, r"did you mean 'low'\?\)$"),
+    ({"writer_priority": "idle"}, CheckpointArgumentError, r"^writer_priority='idle' is given wi"),
+    ({"save_policy": "continuous"}, CheckpointArgumentError, r"not str \('continuous'\): give"),
+    ({"save_policy": policies.Continuous}, CheckpointArgumentError, r"the class Continuous: "),
 ]
 
 

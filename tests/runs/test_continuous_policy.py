@@ -107,6 +107,7 @@ def test_failed_save_frees_the_policy() -> None:
         ({"min_interval": True}, TypeError),
         ({"min_interval": 5, "target_interval": 1}, ValueError),
         ({"target_interval": float("inf")}, ValueError),
+        ({"target_interval": 0}, ValueError),  # every interval would be "behind" it
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type) -> None:

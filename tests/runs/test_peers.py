@@ -23,8 +23,9 @@ from _support import run_doc_snippets
 from savepoint.cli import main
 from savepoint.commit import names
 from savepoint.errors import CheckpointWriteError, CorruptCheckpointError
+from savepoint.runs import _peer_replicate
 from savepoint.runs._peer_folder import NodeFolder, PartRecord, evictions, hash_file
-from savepoint.runs._peer_replicate import Replication, ring
+from savepoint.runs._peer_replicate import Replication, fewer_copies, ring
 from savepoint.runs.peers import NODE_ENV, PeerMemory, PeerTier, usage
 
 # -- the tier's arguments ------------------------------------------------------------------------
@@ -49,6 +50,15 @@ def test_tier_peers_takes_the_issues_arguments_and_checks_them() -> None:
     ]:
         with pytest.raises(error):
             sp.Tier.peers(**bad)
+
+
+def test_a_memory_dir_that_is_a_url_or_a_file_is_refused_at_once(tmp_path: Path) -> None:
+    """Not at the first replication, after the save (a URL made a local folder named 's3:')."""
+    (tmp_path / "file").write_bytes(b"x")
+    for where, message in [("s3://b/m", "not the URL"), (tmp_path / "file", "is a file")]:
+        with pytest.raises(sp.CheckpointArgumentError, match=message):
+            sp.Tier.peers(memory_dir=where)
+    assert not Path("s3:").exists()
 
 
 def test_the_node_is_the_argument_else_the_environment_else_the_host(
@@ -89,6 +99,21 @@ def test_the_ring_sends_each_part_to_the_next_nodes_never_its_own() -> None:
     assert ring(["a"], 0) == [[]]
     # Uneven nodes: the index wraps on the smaller node.
     assert ring(["a", "a", "a", "b"], 1) == [[3], [3], [3], [0]]
+
+
+def test_fewer_nodes_than_replicas_is_said_once_not_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """All ranks on one machine (one node) with the default replicas=1: no copy leaves the node."""
+    assert fewer_copies(["a", "a", "b", "b"], 1) is None
+    assert "gets 1 copies" in (fewer_copies(["a", "b"], 2) or "")
+    monkeypatch.setattr(_peer_replicate, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="savepoint.runs.peers"), _manager(tmp_path) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait()
+    said = [r.getMessage() for r in caplog.records if "replicas=1" in r.getMessage()]
+    assert len(said) == 1 and "on 1 node(s): each part gets 0 copies" in said[0], said
 
 
 def test_eviction_takes_the_oldest_first_and_never_the_anchor_or_newer() -> None:
@@ -277,6 +302,10 @@ def test_a_budget_keeps_the_newest_steps_that_fit_and_ls_shows_them(tmp_path: Pa
     assert json.loads(result.output)["peer_memory"] == {"dir": mem, "nodes": [found]}
     text = CliRunner().invoke(main, ["ls", str(tmp_path / "run"), "--peer-memory", mem]).output
     assert f"peer memory ({mem}):" in text and "n0" in text
+    assert [line.split()[:3] for line in text.splitlines() if line.startswith(" ")] == [
+        ["3", "1", "(#0)"],
+        ["4", "1", "(#0)"],
+    ]  # how many parts, then which: a bare "0" read as none
 
 
 def test_a_budget_too_small_for_a_step_keeps_none_and_says_so(tmp_path: Path) -> None:

@@ -200,6 +200,8 @@ def test_a_run_without_num_params_takes_its_first_state_s() -> None:
         saver.save(11, _w(1.0), None, False, None)
     with pytest.raises(ValueError, match="non-negative int"):
         saver.save(-1, _w(1.0), None, False, None)
+    with pytest.raises(sp.CheckpointArgumentError, match=r"int, not '5'"):  # a TypeError too
+        saver.save("5", _w(1.0), None, False, None)  # type: ignore[arg-type]
 
 
 def test_the_unranked_warning_points_at_the_caller(tmp_path: Any) -> None:

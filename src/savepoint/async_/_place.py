@@ -47,8 +47,9 @@ def url_of(location: Location, what: str) -> str:
     if "memory" in store.scheme.split("+"):
         raise UnsupportedStorageError(
             f"writer='process' cannot write the {what} {shown}: an in-memory store lives in "
-            "this process, which the writer process does not share; use "
-            "AsyncCheckpointer(writer='thread') for it",
+            "this process, which the writer process does not share; give writer='thread' "
+            "(AsyncCheckpointer or CheckpointManager), or no writer= (the default falls back "
+            "to the thread writer for it)",
             path=shown,
             scheme=store.scheme,
         )
@@ -62,7 +63,7 @@ def url_of(location: Location, what: str) -> str:
             "again from that URL (a store made by hand, or one whose URL held a password): "
             "the writer process writes local paths and stores named by a URL (s3://, gs://, "
             "az://, fsspec's), configured from the environment it inherits; pass such a URL, "
-            "or use AsyncCheckpointer(writer='thread')",
+            "or give writer='thread' (or no writer=: the default falls back to it)",
             path=shown,
             scheme=store.scheme,
         )

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import difflib
 import os
 import platform
 from typing import Literal
+
+from savepoint.errors import CheckpointArgumentError
 
 __all__ = [
     "DEFAULT",
@@ -35,6 +38,7 @@ __all__ = [
     "Priority",
     "apply",
     "check",
+    "check_writer",
     "current_ioprio",
     "resolve",
 ]
@@ -52,12 +56,29 @@ _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30, "ppc64le": 273, "s390x
 
 
 def check(priority: object) -> Priority:
-    """``writer_priority=`` checked: one of :data:`PRIORITIES`."""
+    """``writer_priority=`` checked: one of :data:`PRIORITIES` (else a
+    :class:`CheckpointArgumentError`, a ValueError, naming the nearest)."""
     if priority not in PRIORITIES:
-        raise ValueError(
+        raise CheckpointArgumentError(
             f"writer_priority must be one of {', '.join(PRIORITIES)}, not {priority!r}"
+            + _nearest(priority, PRIORITIES)
         )
     return priority
+
+
+def check_writer(writer: object) -> None:
+    """``writer=`` checked: None, "thread" or "process" (else a :class:`CheckpointArgumentError`,
+    a ValueError, naming the nearest: ``writer="proces"``)."""
+    if writer is not None and writer not in ("thread", "process"):
+        raise CheckpointArgumentError(
+            f"writer must be 'thread' or 'process', not {writer!r}"
+            + _nearest(writer, ("thread", "process"))
+        )
+
+
+def _nearest(given: object, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(given, choices, n=1) if isinstance(given, str) else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def resolve(priority: Priority | None) -> Priority:
@@ -66,6 +87,11 @@ def resolve(priority: Priority | None) -> Priority:
     if priority is not None:
         return check(priority)
     raw = os.environ.get("SAVEPOINT_WRITER_PRIORITY", "")
+    if raw and raw not in PRIORITIES:  # (named: the caller gave no writer_priority=)
+        raise CheckpointArgumentError(
+            "SAVEPOINT_WRITER_PRIORITY (the writer_priority where none is given) must be one "
+            f"of {', '.join(PRIORITIES)}, not {raw!r}" + _nearest(raw, PRIORITIES)
+        )
     return check(raw) if raw else DEFAULT
 
 

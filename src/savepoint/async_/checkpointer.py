@@ -110,11 +110,13 @@ __all__ = [
     "OnBusy",
     "Writer",
     "WriterPriority",
+    "check_writer",
     "check_writer_priority",
     "verify_in",
 ]
 
 check_writer_priority = _priority.check  # ``writer_priority=`` checked (CheckpointManager's too)
+check_writer = _priority.check_writer  # ``writer=`` checked (CheckpointManager's too)
 OnBusy = Literal["wait", "skip"]
 Writer = Literal["thread", "process"]
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
@@ -629,11 +631,8 @@ def _started(ckpt: AsyncCheckpointer) -> bool:
 def _writer(writer: str | None) -> Writer:
     """``writer=`` checked: "thread" or "process" (None, the default: "process", falling back
     to the thread writer where it cannot write)."""
-    if writer is None:
-        return "process"
-    if writer not in ("thread", "process"):
-        raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
-    return "process" if writer == "process" else "thread"
+    _priority.check_writer(writer)
+    return "thread" if writer == "thread" else "process"
 
 
 @dataclasses.dataclass(frozen=True)

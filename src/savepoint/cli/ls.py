@@ -151,6 +151,7 @@ def _peer_memory(memory_dir: str, nodes: list[dict[str, Any]]) -> None:
         budget = _size(node["budget"]) if node["budget"] is not None else "newest complete"
         rows.append((node["node"], "all", "-", _size(node["bytes"]), budget))
         for step in node["steps"]:
-            parts = ",".join(map(str, step["parts"]))
+            # "1 (#0)": how many parts, and which (bare "0" read as none held).
+            parts = f"{len(step['parts'])} (" + ",".join(f"#{p}" for p in step["parts"]) + ")"
             rows.append(("", str(step["step"]), parts, _size(step["bytes"]), ""))
     click.echo(_table(rows))

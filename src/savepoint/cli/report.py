@@ -146,8 +146,36 @@ def _show_run(path: str, r: Report, as_json: bool, plot_path: str | None) -> Non
             f"best         step {r.best['step']}: {metrics_text(r.best.get('metrics') or {})}"
         )
     click.echo(f"checkpoints  {', '.join(map(str, r.checkpoints)) or 'none'}")
+    if r.save_intervals:
+        click.echo(f"saving       {_intervals_text(r.save_intervals)}")
     for item in r.lineage:
         click.echo(f"resumed      from step {item.get('resumed_from')} at {item.get('at')}")
+
+
+def _intervals_text(doc: dict[str, Any]) -> str:
+    """report.json's ``save_intervals`` (a continuous save policy's achieved intervals) as one
+    line: the count, the policy's bounds, the median, p90 and max interval and time to durable
+    (a value that is not a number is left out: the file may be from another writer)."""
+
+    def num(key: str) -> float | None:
+        value = doc.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return None
+
+    bounds = [
+        f"{k} {num(f'{k}_interval_s'):g} s"
+        for k in ("min", "target")
+        if num(f"{k}_interval_s") is not None
+    ]
+    parts = [f"{doc.get('saves', '?')} saves ({doc.get('policy', '?')}: {', '.join(bounds)})"]
+    for name, what in (("interval", "interval"), ("durable", "durable after")):
+        stats = [(num(f"{name}_{q}_s"), q) for q in ("median", "p90", "max")]
+        if all(v is not None for v, _ in stats):
+            parts.append(f"{what} " + ", ".join(f"{v:.3g} s {q}" for v, q in stats))
+    if num("behind_target") is not None:
+        parts.append(f"{doc['behind_target']} intervals behind the target")
+    return "; ".join(parts)
 
 
 def _show_sweep(

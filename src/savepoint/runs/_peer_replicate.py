@@ -74,7 +74,7 @@ from savepoint.runs._peer_grid import check_index, head
 from savepoint.runs._peer_wire import Gathered, Incoming, Outgoing, Wire
 from savepoint.storage.paths import Location, PathArg, resolve
 
-__all__ = ["Outcome", "Replication", "part_files", "ring"]
+__all__ = ["Outcome", "Replication", "fewer_copies", "part_files", "ring"]
 
 log = logging.getLogger("savepoint.runs.peers")
 
@@ -109,6 +109,24 @@ def ring(nodes: list[str], replicas: int) -> list[list[int]]:
             mine.append(there[local % len(there)])
         targets.append(mine)
     return targets
+
+
+def fewer_copies(nodes: list[str], replicas: int) -> str | None:
+    """What to tell the user when the ranks are on fewer than ``replicas + 1`` nodes (all ranks
+    on one machine, say: the ring then makes fewer copies than asked, see :func:`ring`)."""
+    others = len(set(nodes)) - 1
+    if replicas <= others:
+        return None
+    return (
+        f"peer memory: replicas={replicas}, but the ranks are on {others + 1} node(s): each "
+        f"part gets {others} copies on other nodes"
+        + (", so none outlives its node" if others == 0 else "")
+        + "; to simulate nodes on one machine give groups of ranks their own node "
+        f"(Tier.peers(node=...) or SAVEPOINT_NODE), or ask for replicas={others}"
+    )
+
+
+_WARNED: set[tuple[int, int]] = set()  # (nodes, replicas) said once per process
 
 
 def part_files(manifest: mf.Manifest, part: int) -> list[str]:
@@ -213,6 +231,10 @@ class Replication:
         """Steps 2-5: this rank's copies committed (part, node) and what failed here."""
         wire, node = self.wire, self.folder.node
         targets = ring(wire.nodes, self.replicas)
+        short = fewer_copies(wire.nodes, self.replicas)
+        if short and wire.rank == 0 and (len(set(wire.nodes)), self.replicas) not in _WARNED:
+            _WARNED.add((len(set(wire.nodes)), self.replicas))
+            log.warning("%s", short)
         outgoing, incoming = [], []
         landing: dict[int, Landing] = {}
         manifests: dict[int, Callable[[str], Any]] = {}

@@ -21,8 +21,13 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from savepoint.async_.checkpointer import Writer, WriterPriority, check_writer_priority
-from savepoint.errors import IncompatibleCheckpointError
+from savepoint.async_.checkpointer import (
+    Writer,
+    WriterPriority,
+    check_writer,
+    check_writer_priority,
+)
+from savepoint.errors import CheckpointArgumentError, IncompatibleCheckpointError
 from savepoint.options import SaveOptions
 from savepoint.runs import policies
 from savepoint.runs.peers import PeerTier
@@ -128,9 +133,7 @@ class ManagerConfig:
         blob_policy = _blob_policy(blob_policy, compression, incremental)
         rules = _rules(keep_last, keep_best, best_metric, best_mode, keep_every)
         rules += [] if retention is None else [retention]
-        if save_every is not None:
-            every = _policy("save_every", policies.SaveEvery, save_every)
-            save_policy = every if save_policy is None else save_policy
+        save_policy = _save_policy(save_policy, save_every)
         signals = None if preemption is None or preemption is False else signals_of(preemption)
         tier_list, peers = _tiers(tiers)
         return cls(
@@ -165,15 +168,38 @@ def _writer(writer: Any, async_save: bool, priority: Any = None) -> None:
     ``writer_priority=``."""
     if priority is not None:
         check_writer_priority(priority)
-    if writer is None:
-        return
-    if writer not in ("thread", "process"):
-        raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
+        if not async_save:
+            raise CheckpointArgumentError(
+                f"writer_priority={priority!r} is given without async_save=True (it is the "
+                "writer process's priority; a synchronous save is written by the caller)"
+            )
+    check_writer(writer)
     if writer == "process" and not async_save:
         raise ValueError(
             "writer='process' is given without async_save=True (the writer process writes "
             "background saves; a synchronous save is written by the caller)"
         )
+
+
+def _save_policy(policy: Any, save_every: Any) -> SavePolicy | None:
+    """``save_policy=`` checked: None or a policy object (``should_save(step, last_saved)``), not
+    its class or a name (those would fail only at the first save); else ``save_every``'s."""
+    every: SavePolicy | None = None
+    if save_every is not None:
+        every = _policy("save_every", policies.SaveEvery, save_every)
+    if policy is None:
+        return every
+    if not isinstance(policy, type) and callable(getattr(policy, "should_save", None)):
+        given_policy: SavePolicy = policy
+        return given_policy  # a policy given wins over save_every (as it always has)
+    if isinstance(policy, type):
+        given, hint = f"the class {policy.__name__}", f"{policy.__name__}()"
+    else:
+        given, hint = f"{type(policy).__name__} ({policy!r})", "sp.policies.Continuous()"
+    raise CheckpointArgumentError(
+        f"save_policy must be a save policy object (one with should_save(step, last_saved)), "
+        f"not {given}: give an instance (save_policy={hint}, say)"
+    )
 
 
 def _flags(**flags: Any) -> None:

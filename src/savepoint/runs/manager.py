@@ -329,8 +329,8 @@ class CheckpointManager:
 
     @property
     def restored_from(self) -> str | None:
-        """Where the last restore (or peek) read its checkpoint: "run directory" or a tier's
-        name; None before the first."""
+        """Where the last restore (or peek) read its checkpoint: "run directory", "peer memory"
+        (``sp.Tier.peers``) or a tier's name; None before the first."""
         return self._restorer.restored_from
 
     @property

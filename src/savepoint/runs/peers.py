@@ -41,7 +41,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from savepoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from savepoint.errors import (
+    CheckpointArgumentError,
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+)
 from savepoint.runs._peer_folder import NodeFolder, PartRecord
 from savepoint.runs._peer_replicate import Outcome, Replication
 from savepoint.runs._peer_wire import Wire
@@ -87,6 +92,7 @@ class PeerTier:
             if not isinstance(self.memory_dir, (str, os.PathLike)):
                 raise TypeError(f"Tier.peers memory_dir must be a path, not {self.memory_dir!r}")
             object.__setattr__(self, "memory_dir", os.fspath(self.memory_dir))
+            _check_memory_dir(self.memory_dir)
         if self.budget is not None and (
             isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1
         ):
@@ -113,6 +119,21 @@ class PeerTier:
 
     def root(self) -> str:
         return self.memory_dir if self.memory_dir is not None else default_memory_dir()
+
+
+def _check_memory_dir(path: str) -> None:
+    """A local folder (the node's memory: a tmpfs), not a URL or a file: either would fail only
+    when the first save is replicated."""
+    if "://" in path:
+        raise CheckpointArgumentError(
+            f"Tier.peers memory_dir must be a local directory (a tmpfs, /dev/shm/...), not the "
+            f"URL {path!r}: put a store's URL in an sp.Tier(...)",
+            path=path,
+        )
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointArgumentError(
+            f"Tier.peers memory_dir {path!r} is a file, not a directory", path=path
+        )
 
 
 def _check_node(name: Any, what: str) -> str:

@@ -337,6 +337,11 @@ class Continuous:
         minimum = _seconds("Continuous(min_interval)", min_interval)
         assert minimum is not None
         target = _seconds("Continuous(target_interval)", target_interval, allow_none=True)
+        if target == 0:  # every interval would count as behind it
+            raise ValueError(
+                "Continuous(target_interval=0): a target must be above 0 seconds (None: no "
+                "target; min_interval=0 saves as often as the storage allows)"
+            )
         if target is not None and target < minimum:
             raise ValueError(
                 f"Continuous(target_interval={target_interval!r}) is below min_interval="

@@ -81,7 +81,12 @@ from savepoint import checkpoint
 from savepoint.async_.checkpointer import AsyncCheckpointer, Writer, WriterPriority
 from savepoint.async_.pending import PendingSave
 from savepoint.commit.transaction import discard
-from savepoint.errors import CheckpointError, CheckpointWriteError, RunLockedError
+from savepoint.errors import (
+    CheckpointArgumentError,
+    CheckpointError,
+    CheckpointWriteError,
+    RunLockedError,
+)
 from savepoint.info import CheckpointInfo
 from savepoint.options import SaveOptions
 from savepoint.runs import aliases, layout
@@ -595,9 +600,9 @@ def _watch(pending: PendingSave, flight: _AsyncSave, pacing: Pacing, books: Book
 
 
 def check_step(step: Any) -> None:
-    """A step is a non-negative int (ValueError otherwise)."""
+    """A step is a non-negative int (else a CheckpointArgumentError: a ValueError and TypeError)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, not {step!r}")
+        raise CheckpointArgumentError(f"step must be a non-negative int, not {step!r}")
 
 
 def _read_only(directory: str, step: int, reason: str | None) -> CheckpointWriteError:
