@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -90,6 +91,7 @@ def tier() -> Any:
         memory_dir=os.environ["PEERS_MEM"],
         timeout=float(os.environ.get("PEERS_TIMEOUT", "10")),
         replicas=int(os.environ.get("PEERS_REPLICAS", "1")),
+        budget=int(os.environ["PEERS_BUDGET"]) if "PEERS_BUDGET" in os.environ else None,
     )
 
 
@@ -300,6 +302,59 @@ def scenario_garble_restore(s: dw.Session) -> None:
         mgr.close()
 
     s.check("garble_restore", run)
+
+
+def scenario_hostile(s: dw.Session) -> None:
+    """Restore once per entry of ``PEERS_PLAN`` (JSON: ``label``; ``stall``: [rank, phase], that
+    rank's sends hang in that fetch phase, ``indexes`` or ``files-again``; ``guess_none``: a rank
+    that predicts no index; ``damage``: files rank 0 damages first). Records each restore, and
+    the fetch phases each went through."""
+    from savepoint.runs import _peer_indexes, _peer_restore, _peer_wire
+
+    now: dict[str, Any] = {"phase": "", "stall": None, "guess": False}
+    send, fetch = _peer_wire.Wire._send, _peer_restore.PeerRestore._fetch
+    predicted = _peer_indexes.Indexes._predicted
+    phases: list[str] = []
+
+    def stalling(self: Any, *args: Any) -> Any:
+        if now["stall"] is not None and now["phase"].startswith(now["stall"]):
+            time.sleep(3600)
+        return send(self, *args)
+
+    def noted(self: Any, choice: Any, wanted: Any, base: Any, what: str, *a: Any, **k: Any) -> Any:
+        now["phase"] = what
+        phases.append(what)
+        return fetch(self, choice, wanted, base, what, *a, **k)
+
+    def guess(self: Any) -> Any:
+        return set() if now["guess"] else predicted(self)
+
+    _peer_wire.Wire._send = stalling  # type: ignore[method-assign]
+    _peer_restore.PeerRestore._fetch = noted  # type: ignore[method-assign]
+    _peer_indexes.Indexes._predicted = guess  # type: ignore[method-assign]
+
+    def run() -> None:
+        mgr = manager(s, read_only=True)
+        for entry in json.loads(os.environ["PEERS_PLAN"]):
+            stall = entry.get("stall")
+            now["stall"] = stall[1] if stall and stall[0] == s.rank else None
+            now["guess"] = entry.get("guess_none") == s.rank
+            if s.rank == 0:
+                for src, dst in entry.get("replace", ()):  # (a folder prepared by the test)
+                    shutil.rmtree(dst, ignore_errors=True)
+                    shutil.copytree(src, dst)
+                for path in entry.get("damage", ()):
+                    data = bytearray(Path(path).read_bytes())
+                    data[len(data) // 2] ^= 0xFF
+                    Path(path + ".new").write_bytes(data)
+                    os.replace(path + ".new", path)
+            dist.barrier()
+            del phases[:]
+            restore(s, mgr, entry["label"])
+            s.data[entry["label"]]["phases"] = list(phases)
+        mgr.close()
+
+    s.check("hostile", run)
 
 
 def scenario_churn(s: dw.Session) -> None:
