@@ -40,6 +40,7 @@ from savepoint.distributed import FlatShard, Shard
 from savepoint.distributed.layout import Grid
 
 STRAIGHT: list[int] = []  # per restore from peer memory: how many targets it filled straight
+BARE: list[bool] = []  # (non-empty: this rank restores the step alone, no tensor)
 INDEXES: list[str] = []  # every index file a restore from peer memory fetched (or linked)
 
 
@@ -112,12 +113,16 @@ def restore(s: dw.Session, mgr: sp.CheckpointManager, label: str) -> None:
     targets = state(0, s.rank, s.world, empty=True)
     if os.environ.get("PEERS_KEYS") == "rep":
         targets = {"model": {"rep": targets["model"]["rep"]}}
+    if BARE:  # (no tensor: no index, no data file)
+        targets = {"step": -1}
     started, before = time.monotonic(), len(INDEXES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = mgr.restore(targets, process_group=dist.group.WORLD, timeout=60, resume=False)
     assert step is not None
-    if os.environ.get("PEERS_KEYS") == "rep":
+    if BARE:
+        assert targets["step"] == step, targets
+    elif os.environ.get("PEERS_KEYS") == "rep":
         assert torch.equal(targets["model"]["rep"], state(step, s.rank, s.world)["model"]["rep"])
     else:
         check(targets, step, s.rank, s.world)
@@ -307,7 +312,8 @@ def scenario_garble_restore(s: dw.Session) -> None:
 def scenario_hostile(s: dw.Session) -> None:
     """Restore once per entry of ``PEERS_PLAN`` (JSON: ``label``; ``stall``: [rank, phase], that
     rank's sends hang in that fetch phase, ``indexes`` or ``files-again``; ``guess_none``: a rank
-    that predicts no index; ``damage``: files rank 0 damages first). Records each restore, and
+    that predicts no index; ``bare``: a rank that restores ``step`` alone; ``replace``: [folder,
+    destination] pairs rank 0 copies first; ``damage``: files rank 0 damages first). Records each restore, and
     the fetch phases each went through."""
     from savepoint.runs import _peer_indexes, _peer_restore, _peer_wire
 
@@ -339,6 +345,7 @@ def scenario_hostile(s: dw.Session) -> None:
             stall = entry.get("stall")
             now["stall"] = stall[1] if stall and stall[0] == s.rank else None
             now["guess"] = entry.get("guess_none") == s.rank
+            BARE[:] = [True] if entry.get("bare") == s.rank else []
             if s.rank == 0:
                 for src, dst in entry.get("replace", ()):  # (a folder prepared by the test)
                     shutil.rmtree(dst, ignore_errors=True)

@@ -102,6 +102,8 @@ def test_stalls_and_damage_around_the_second_pass_fall_back_named_on_2_ranks(cop
         {"label": "stall indexes", "stall": [1, "indexes"]},
         {"label": "stall again", "stall": [1, "files-again"], "guess_none": 0},
         {"label": "again", "guess_none": 0},
+        {"label": "bare", "bare": 0},  # (rank 0 restores ``step`` alone: no index, no file)
+        {"label": "bare again", "bare": 1, "guess_none": 0},
         {"label": "damaged data", "guess_none": 0, "damage": [str(data_file)]},
         {"label": "damaged index", "guess_none": 0, "damage": [str(held / mf.index_name(only))]},
     ]
@@ -116,6 +118,10 @@ def test_stalls_and_damage_around_the_second_pass_fall_back_named_on_2_ranks(cop
     for restored in data(session, "again"):  # (every rank joins it; bit-exact: compared)
         assert (restored["step"], restored["from"], restored["warnings"]) == (2, "peer memory", [])
         assert restored["phases"] == ["manifest", "indexes", "files", "files-again"], restored
+    for label, bare in (("bare", 0), ("bare again", 1)):  # a rank that reads no index
+        for rank, restored in enumerate(data(session, label)):
+            assert (restored["step"], restored["from"], restored["warnings"]) == (2, "peer memory", [])
+            assert (restored["indexes"] == []) == (rank == bare), (label, rank, restored)
     for restored in data(session, "damaged data"):  # found in the second pass only
         _named(restored, f"no verified copy left of {data_file.name}")
         assert restored["phases"][-1] == "files-again", restored
