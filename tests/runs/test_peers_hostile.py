@@ -80,7 +80,9 @@ def _rep(workdir: Path) -> int:
     """The part whose index holds the replicated tensor."""
     disk = workdir / "run/checkpoints" / STEP2
     (rep,) = [
-        p for p in range(4) if "model/rep" in json.loads((disk / mf.index_name(p)).read_bytes())["shards"]
+        p
+        for p in range(4)
+        if "model/rep" in json.loads((disk / mf.index_name(p)).read_bytes())["shards"]
     ]
     return rep
 
@@ -120,7 +122,11 @@ def test_stalls_and_damage_around_the_second_pass_fall_back_named_on_2_ranks(cop
         assert restored["phases"] == ["manifest", "indexes", "files", "files-again"], restored
     for label, bare in (("bare", 0), ("bare again", 1)):  # a rank that reads no index
         for rank, restored in enumerate(data(session, label)):
-            assert (restored["step"], restored["from"], restored["warnings"]) == (2, "peer memory", [])
+            assert (restored["step"], restored["from"], restored["warnings"]) == (
+                2,
+                "peer memory",
+                [],
+            )
             assert (restored["indexes"] == []) == (rank == bare), (label, rank, restored)
     for restored in data(session, "damaged data"):  # found in the second pass only
         _named(restored, f"no verified copy left of {data_file.name}")
@@ -130,14 +136,15 @@ def test_stalls_and_damage_around_the_second_pass_fall_back_named_on_2_ranks(cop
         assert restored["phases"][-1] == "files", restored
 
 
-def _relabelled(workdir: Path, part: int) -> Path:
-    """Node b's copy of step 2's ``part`` with step 1's index and data files (node a's), its
-    marker rewritten to match them: a copy that verifies against its own marker."""
-    forged = workdir / "forged"
+def _relabelled(workdir: Path, part: int, index: bool) -> Path:
+    """Node b's copy of step 2's ``part`` with step 1's data files (node a's; ``index``: and its
+    index), its marker rewritten to match them: a copy that verifies against its own marker."""
+    forged = workdir / f"forged-{index}"
     shutil.copytree(node_folder(workdir, "b") / STEP2 / f"part-{part:05d}", forged)
     old = node_folder(workdir, "a") / STEP1 / f"part-{part:05d}"
     marker = json.loads((forged / "part.json").read_text())
-    for name in [mf.index_name(part), *(p.name for p in old.glob("data-*"))]:
+    names = [p.name for p in old.glob("data-*")] + ([mf.index_name(part)] if index else [])
+    for name in names:
         raw = (old / name).read_bytes()
         (forged / name).write_bytes(raw)
         marker["files"][name] = [len(raw), checksum.digest(raw)]
@@ -150,7 +157,7 @@ def test_mixed_generations_restore_one_whole_step_on_3_ranks_that_disagree_on_ag
 ) -> None:
     # node b lost (no rank on it); the run directory empty: peer memory alone. Rank 2 on a new
     # node (c) predicts no index: it alone needs the second pass, which ranks 0 and 1 join.
-    forged = _relabelled(copy, 1)
+    forged, data_only = _relabelled(copy, 1, True), _relabelled(copy, 1, False)
     shutil.rmtree(copy / "run/checkpoints")
     (copy / "run/checkpoints").mkdir()
     part1 = node_folder(copy, "a") / STEP2 / "part-00001"
@@ -158,6 +165,7 @@ def test_mixed_generations_restore_one_whole_step_on_3_ranks_that_disagree_on_ag
     plan = [
         {"label": "incomplete", "guess_none": 2},
         {"label": "relabelled", "guess_none": 2, "replace": [[str(forged), str(part1)]]},
+        {"label": "relabelled data", "guess_none": 2, "replace": [[str(data_only), str(part1)]]},
     ]
     session = run("hostile", 3, copy, PEERS_NODES="a,a,c", PEERS_PLAN=json.dumps(plan))
     for restored in data(session, "incomplete"):  # (bit-exact: the worker compared step 1's)
@@ -169,6 +177,12 @@ def test_mixed_generations_restore_one_whole_step_on_3_ranks_that_disagree_on_ag
         assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
         (warning,) = restored["warnings"]
         assert "checkpoint 2" in warning and "index-r00001.json" in warning, warning
+    for restored in data(session, "relabelled data"):
+        # step 2's own index, step 1's data (the marker vouches for it): the loader's checksums
+        # refuse it on every rank, and step 1 is restored whole
+        assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
+        (warning,) = restored["warnings"]
+        assert "checkpoint 2" in warning and "data-r00001" in warning, warning
 
 
 def test_one_rank_restores_from_its_nodes_memory_alone(copy: Path) -> None:
