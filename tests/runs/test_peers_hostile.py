@@ -10,7 +10,9 @@ One save session (4 ranks as nodes a, a, b, b; steps 1 and 2, both kept) is copi
   the rank fetching the second pass reads damaged on every copy: the run directory, named;
 - node b lost, on 3 ranks (one of them on a new node, the only one that needs the second pass):
   step 2's part 1 on node a missing, then a copy of step 1's part 1 relabelled as step 2's (its
-  marker rewritten to match: it verifies against itself) restores step 1 whole, never a mix;
+  marker rewritten to match: it verifies against itself), then of its data files alone (which
+  only the loader's checksums refuse: that used to raise DistributedCheckpointError out of
+  ``restore``) restores step 1 whole, never a mix;
 - one rank (node b's memory): no rank to exchange with, every index read.
 """
 
@@ -191,3 +193,20 @@ def test_one_rank_restores_from_its_nodes_memory_alone(copy: Path) -> None:
     (restored,) = data(session, "one")  # (bit-exact: compared)
     assert (restored["step"], restored["from"], restored["warnings"]) == (2, "peer memory", [])
     assert sorted(restored["indexes"]) == [mf.index_name(p) for p in range(4)], restored
+
+
+def test_only_a_load_refused_by_its_own_checks_goes_on_with_the_next_source() -> None:
+    from savepoint.errors import CorruptCheckpointError, DistributedCheckpointError
+    from savepoint.runs._peer_restore import _refused
+
+    def failed(errors: dict[int, str], **kw: Any) -> DistributedCheckpointError:
+        return DistributedCheckpointError("loading x failed", path="x", errors=errors, **kw)
+
+    corrupt = {0: "CorruptCheckpointError: x: checksum mismatch", 2: "ManifestError: x: index"}
+    assert isinstance(_refused(failed(corrupt), 2), CorruptCheckpointError)
+    for other in (
+        failed({**corrupt, 1: "StateMismatchError: x: shapes differ"}),  # (the same elsewhere)
+        failed(corrupt, stalled={1: "load: read"}),  # (the next source would wait for it too)
+        failed({}),
+    ):
+        assert _refused(other, 2) is other

@@ -36,7 +36,9 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 4. **the load**: ``sp.load`` of the assembly with the caller's options (the same planner and
    loader as a disk load, which checks every checksum again), the targets filled in step 3
    taken out of their dicts meanwhile (a load into ``into`` reads what it covers) and put back
-   after, in order; the assembly is removed after.
+   after, in order; the assembly is removed after. A sharded load that its own checks refuse on
+   every rank that fails (bytes a copy's marker vouched for that the checkpoint's checksums do
+   not: :func:`_refused`) fails the restore from peer memory as a CorruptCheckpointError.
 """
 
 from __future__ import annotations
