@@ -7,7 +7,8 @@ One save session (4 ranks as nodes a, a, b, b; steps 1 and 2, both kept) is copi
 - node a lost, on 2 ranks: a peer that stops answering while the indexes are fetched, then while
   the second pass is (one rank's prediction failed), is named within the deadline and every rank
   loads the run directory's copy; the second pass alone; a data file, then an index, that only
-  the rank fetching the second pass reads damaged on every copy: the run directory, named;
+  the rank fetching the second pass reads damaged on every copy: the run directory, named; the
+  run directory's copy damaged too: the sharded load refuses it and step 1 is restored;
 - node b lost, on 3 ranks (one of them on a new node, the only one that needs the second pass):
   step 2's part 1 on node a missing, then a copy of step 1's part 1 relabelled as step 2's (its
   marker rewritten to match: it verifies against itself), then of its data files alone (which
@@ -110,6 +111,7 @@ def test_stalls_and_damage_around_the_second_pass_fall_back_named_on_2_ranks(cop
         {"label": "bare again", "bare": 1, "guess_none": 0},
         {"label": "damaged data", "guess_none": 0, "damage": [str(data_file)]},
         {"label": "damaged index", "guess_none": 0, "damage": [str(held / mf.index_name(only))]},
+        {"label": "disk too", "damage": [str(copy / "run/checkpoints" / STEP2 / data_file.name)]},
     ]
     session = run("hostile", 2, copy, PEERS_NODES="a,b", PEERS_PLAN=json.dumps(plan))
     slow = 3 * TIMEOUT + 10  # the deadline, the agreement, the run directory's load
@@ -136,6 +138,12 @@ def test_stalls_and_damage_around_the_second_pass_fall_back_named_on_2_ranks(cop
     for restored in data(session, "damaged index"):  # fetched in place of rank 0's files
         _named(restored, f"no verified copy left of {mf.index_name(only)}")
         assert restored["phases"][-1] == "files", restored
+    for restored in data(session, "disk too"):  # the run directory's step 2 refused by the
+        # sharded load's checksums (it used to raise DistributedCheckpointError): step 1
+        assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
+        peer, disk = restored["warnings"]
+        assert "(peer memory) could not be restored" in peer, peer
+        assert "(run directory) failed verification" in disk and data_file.name in disk, disk
 
 
 def _relabelled(workdir: Path, part: int, index: bool) -> Path:
@@ -193,20 +201,3 @@ def test_one_rank_restores_from_its_nodes_memory_alone(copy: Path) -> None:
     (restored,) = data(session, "one")  # (bit-exact: compared)
     assert (restored["step"], restored["from"], restored["warnings"]) == (2, "peer memory", [])
     assert sorted(restored["indexes"]) == [mf.index_name(p) for p in range(4)], restored
-
-
-def test_only_a_load_refused_by_its_own_checks_goes_on_with_the_next_source() -> None:
-    from savepoint.errors import CorruptCheckpointError, DistributedCheckpointError
-    from savepoint.runs._peer_restore import _refused
-
-    def failed(errors: dict[int, str], **kw: Any) -> DistributedCheckpointError:
-        return DistributedCheckpointError("loading x failed", path="x", errors=errors, **kw)
-
-    corrupt = {0: "CorruptCheckpointError: x: checksum mismatch", 2: "ManifestError: x: index"}
-    assert isinstance(_refused(failed(corrupt), 2), CorruptCheckpointError)
-    for other in (
-        failed({**corrupt, 1: "StateMismatchError: x: shapes differ"}),  # (the same elsewhere)
-        failed(corrupt, stalled={1: "load: read"}),  # (the next source would wait for it too)
-        failed({}),
-    ):
-        assert _refused(other, 2) is other

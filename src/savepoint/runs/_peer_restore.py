@@ -36,9 +36,7 @@ part of one save of it (one manifest digest) has a copy on a node that still has
 4. **the load**: ``sp.load`` of the assembly with the caller's options (the same planner and
    loader as a disk load, which checks every checksum again), the targets filled in step 3
    taken out of their dicts meanwhile (a load into ``into`` reads what it covers) and put back
-   after, in order; the assembly is removed after. A sharded load that its own checks refuse on
-   every rank that fails (bytes a copy's marker vouched for that the checkpoint's checksums do
-   not: :func:`_refused`) fails the restore from peer memory as a CorruptCheckpointError.
+   after, in order; the assembly is removed after.
 """
 
 from __future__ import annotations
@@ -55,12 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from savepoint import checkpoint
 from savepoint.codecs import manifest as mf
-from savepoint.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    DistributedCheckpointError,
-    IncompleteCheckpointError,
-)
+from savepoint.errors import CorruptCheckpointError, IncompleteCheckpointError
 from savepoint.runs._peer_folder import (
     BLOBS,
     COMMON,
@@ -204,10 +197,7 @@ class PeerRestore:
                         wanted = _wanted(choice, indexes.parse(), directory, options)[0]
                     self._fetch(choice, sorted(wanted), base, "files-again", where)
             with _set_aside(direct):  # (their bytes landed and verified: the rest is loaded)
-                try:
-                    return checkpoint.load(directory, **options)
-                except DistributedCheckpointError as exc:  # (the same on every rank)
-                    raise _refused(exc, choice.step) from exc
+                return checkpoint.load(directory, **options)
         finally:
             shutil.rmtree(base, ignore_errors=True)
 
@@ -465,26 +455,6 @@ def _index_agrees(record: PartRecord, name: str, expect: mf.IndexRecord, node: s
     if problem is not None:
         log.warning("%s: the copy of %s on node %s is not used: %s", _LABEL, name, node, problem)
     return problem is None
-
-
-def _refused(exc: DistributedCheckpointError, step: int) -> CheckpointError:
-    """The sharded load of the assembly failed: where every failing rank's own checks refused
-    what it read (bytes its copies' markers vouched for, which the checkpoint's checksums or
-    records do not: a copy of another save of the step), a CorruptCheckpointError, so that
-    every rank goes on with the next source alike; else ``exc`` (a rank that stalled, targets
-    that do not match: the next source would fail the same way)."""
-    refused: set[str] = set()
-    seen: list[type[CheckpointError]] = [CorruptCheckpointError, IncompleteCheckpointError]
-    while seen:
-        kind = seen.pop()
-        refused.add(kind.__name__)
-        seen.extend(kind.__subclasses__())
-    kinds = {message.split(":", 1)[0] for message in exc.errors.values()}
-    if exc.stalled or not kinds or not kinds <= refused:
-        return exc
-    return CorruptCheckpointError(
-        f"{_LABEL}: step {step}: the load refused it: {exc}", path=exc.path
-    )
 
 
 def _here(name: str) -> str:
