@@ -312,14 +312,15 @@ def scenario_garble_restore(s: dw.Session) -> None:
 def scenario_hostile(s: dw.Session) -> None:
     """Restore once per entry of ``PEERS_PLAN`` (JSON: ``label``; ``stall``: [rank, phase], that
     rank's sends hang in that fetch phase, ``indexes`` or ``files-again``; ``guess_none``: a rank
-    that predicts no index; ``bare``: a rank that restores ``step`` alone; ``replace``: [folder,
+    that predicts no index; ``bare``: a rank that restores ``step`` alone; ``straight``: every
+    target that can be received straight is; ``replace``: [folder,
     destination] pairs rank 0 copies first; ``damage``: files rank 0 damages first). Records each restore, and
     the fetch phases each went through."""
     from savepoint.runs import _peer_indexes, _peer_restore, _peer_wire
 
     now: dict[str, Any] = {"phase": "", "stall": None, "guess": False}
     send, fetch = _peer_wire.Wire._send, _peer_restore.PeerRestore._fetch
-    predicted = _peer_indexes.Indexes._predicted
+    predicted, average = _peer_indexes.Indexes._predicted, _peer_restore.DIRECT_AVERAGE
     phases: list[str] = []
 
     def stalling(self: Any, *args: Any) -> Any:
@@ -346,6 +347,7 @@ def scenario_hostile(s: dw.Session) -> None:
             now["stall"] = stall[1] if stall and stall[0] == s.rank else None
             now["guess"] = entry.get("guess_none") == s.rank
             BARE[:] = [True] if entry.get("bare") == s.rank else []
+            _peer_restore.DIRECT_AVERAGE = 0 if entry.get("straight") else average
             if s.rank == 0:
                 for src, dst in entry.get("replace", ()):  # (a folder prepared by the test)
                     shutil.rmtree(dst, ignore_errors=True)

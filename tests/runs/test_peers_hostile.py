@@ -9,11 +9,12 @@ One save session (4 ranks as nodes a, a, b, b; steps 1 and 2, both kept) is copi
   loads the run directory's copy; the second pass alone; a data file, then an index, that only
   the rank fetching the second pass reads damaged on every copy: the run directory, named; the
   run directory's copy damaged too: the sharded load refuses it and step 1 is restored;
-- node b lost, on 3 ranks (one of them on a new node, the only one that needs the second pass):
+- node b lost, on 2 ranks (rank 1 on a new node, the only one that needs the second pass):
   step 2's part 1 on node a missing, then a copy of step 1's part 1 relabelled as step 2's (its
   marker rewritten to match: it verifies against itself), then of its data files alone (which
   only the loader's checksums refuse: that used to raise DistributedCheckpointError out of
-  ``restore``) restores step 1 whole, never a mix;
+  ``restore``) restores step 1 whole, never a mix; the same relabelled data of part 0 received
+  straight into rank 0's targets is a KNOWN DEFECT (xfail): step 2 with step 1's rows 0-3;
 - one rank (node b's memory): no rank to exchange with, every index read.
 """
 
@@ -149,7 +150,7 @@ def test_stalls_and_damage_around_the_second_pass_fall_back_named_on_2_ranks(cop
 def _relabelled(workdir: Path, part: int, index: bool) -> Path:
     """Node b's copy of step 2's ``part`` with step 1's data files (node a's; ``index``: and its
     index), its marker rewritten to match them: a copy that verifies against its own marker."""
-    forged = workdir / f"forged-{index}"
+    forged = workdir / f"forged-{part}-{index}"
     shutil.copytree(node_folder(workdir, "b") / STEP2 / f"part-{part:05d}", forged)
     old = node_folder(workdir, "a") / STEP1 / f"part-{part:05d}"
     marker = json.loads((forged / "part.json").read_text())
@@ -162,22 +163,36 @@ def _relabelled(workdir: Path, part: int, index: bool) -> Path:
     return forged
 
 
-def test_mixed_generations_restore_one_whole_step_on_3_ranks_that_disagree_on_again(
+def test_mixed_generations_restore_one_whole_step_on_ranks_that_disagree_on_again(
     copy: Path,
 ) -> None:
-    # node b lost (no rank on it); the run directory empty: peer memory alone. Rank 2 on a new
-    # node (c) predicts no index: it alone needs the second pass, which ranks 0 and 1 join.
+    # node b lost (no rank on it); the run directory empty: peer memory alone. Rank 1 on a new
+    # node (c) predicts no index: it alone needs the second pass, which rank 0 joins.
     forged, data_only = _relabelled(copy, 1, True), _relabelled(copy, 1, False)
+    straight = _relabelled(copy, 0, False)  # (part 0: rows 0-3 alone, received straight)
     shutil.rmtree(copy / "run/checkpoints")
     (copy / "run/checkpoints").mkdir()
     part1 = node_folder(copy, "a") / STEP2 / "part-00001"
+    shutil.copytree(part1, copy / "genuine")
     shutil.rmtree(part1)  # step 2's part 1 held by node b alone
+    part0 = node_folder(copy, "a") / STEP2 / "part-00000"
     plan = [
-        {"label": "incomplete", "guess_none": 2},
-        {"label": "relabelled", "guess_none": 2, "replace": [[str(forged), str(part1)]]},
-        {"label": "relabelled data", "guess_none": 2, "replace": [[str(data_only), str(part1)]]},
+        {"label": "incomplete", "guess_none": 1},
+        {"label": "relabelled", "guess_none": 1, "replace": [[str(forged), str(part1)]]},
+        {"label": "relabelled data", "guess_none": 1, "replace": [[str(data_only), str(part1)]]},
+        {  # (last: a mixed restore fails the scenario on that rank)
+            "label": "relabelled straight",
+            "straight": True,
+            "replace": [[str(copy / "genuine"), str(part1)], [str(straight), str(part0)]],
+        },
     ]
-    session = run("hostile", 3, copy, PEERS_NODES="a,a,c", PEERS_PLAN=json.dumps(plan))
+    env = {**ENV, "PEERS_NODES": "a,c", "PEERS_PLAN": json.dumps(plan)}
+    session = _launch.run("hostile", 2, copy, worker=WORKER, env=env, timeout=120)
+    failures = session.failures()
+    known = "rows differs from step 2"  # (rank 0 received step 1's rows 0-3 straight)
+    assert not failures or (
+        known in failures and "relabelled straight" not in session.results[0]["data"]
+    ), failures
     for restored in data(session, "incomplete"):  # (bit-exact: the worker compared step 1's)
         assert (restored["step"], restored["from"], restored["warnings"]) == (1, "peer memory", [])
         assert restored["phases"][-1] == "files-again", restored
@@ -193,6 +208,12 @@ def test_mixed_generations_restore_one_whole_step_on_3_ranks_that_disagree_on_ag
         assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
         (warning,) = restored["warnings"]
         assert "checkpoint 2" in warning and "data-r00001" in warning, warning
+    if failures:  # KNOWN DEFECT: the bytes received straight into the targets are checked
+        # against the copy's marker alone, never against the checkpoint's own checksums, and the
+        # loader does not read those targets: step 1's rows under step 2's manifest
+        pytest.xfail(f"a copy relabelled as step 2 restored straight into targets: {known}")
+    for restored in data(session, "relabelled straight"):
+        assert (restored["step"], restored["from"]) == (1, "peer memory"), restored
 
 
 def test_one_rank_restores_from_its_nodes_memory_alone(copy: Path) -> None:
