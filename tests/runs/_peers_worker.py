@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -39,6 +40,7 @@ from savepoint.distributed import FlatShard, Shard
 from savepoint.distributed.layout import Grid
 
 STRAIGHT: list[int] = []  # per restore from peer memory: how many targets it filled straight
+BARE: list[bool] = []  # (non-empty: this rank restores the step alone, no tensor)
 INDEXES: list[str] = []  # every index file a restore from peer memory fetched (or linked)
 
 
@@ -90,6 +92,7 @@ def tier() -> Any:
         memory_dir=os.environ["PEERS_MEM"],
         timeout=float(os.environ.get("PEERS_TIMEOUT", "10")),
         replicas=int(os.environ.get("PEERS_REPLICAS", "1")),
+        budget=int(os.environ["PEERS_BUDGET"]) if "PEERS_BUDGET" in os.environ else None,
     )
 
 
@@ -110,12 +113,16 @@ def restore(s: dw.Session, mgr: sp.CheckpointManager, label: str) -> None:
     targets = state(0, s.rank, s.world, empty=True)
     if os.environ.get("PEERS_KEYS") == "rep":
         targets = {"model": {"rep": targets["model"]["rep"]}}
+    if BARE:  # (no tensor: no index, no data file)
+        targets = {"step": -1}
     started, before = time.monotonic(), len(INDEXES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = mgr.restore(targets, process_group=dist.group.WORLD, timeout=60, resume=False)
     assert step is not None
-    if os.environ.get("PEERS_KEYS") == "rep":
+    if BARE:
+        assert targets["step"] == step, targets
+    elif os.environ.get("PEERS_KEYS") == "rep":
         assert torch.equal(targets["model"]["rep"], state(step, s.rank, s.world)["model"]["rep"])
     else:
         check(targets, step, s.rank, s.world)
@@ -319,6 +326,63 @@ def scenario_garble_restore(s: dw.Session) -> None:
         mgr.close()
 
     s.check("garble_restore", run)
+
+
+def scenario_hostile(s: dw.Session) -> None:
+    """Restore once per entry of ``PEERS_PLAN`` (JSON: ``label``; ``stall``: [rank, phase], that
+    rank's sends hang in that fetch phase, ``indexes`` or ``files-again``; ``guess_none``: a rank
+    that predicts no index; ``bare``: a rank that restores ``step`` alone; ``straight``: every
+    target that can be received straight is; ``replace``: [folder,
+    destination] pairs rank 0 copies first; ``damage``: files rank 0 damages first). Records each restore, and
+    the fetch phases each went through."""
+    from savepoint.runs import _peer_indexes, _peer_restore, _peer_wire
+
+    now: dict[str, Any] = {"phase": "", "stall": None, "guess": False}
+    send, fetch = _peer_wire.Wire._send, _peer_restore.PeerRestore._fetch
+    predicted, average = _peer_indexes.Indexes._predicted, _peer_restore.DIRECT_AVERAGE
+    phases: list[str] = []
+
+    def stalling(self: Any, *args: Any) -> Any:
+        if now["stall"] is not None and now["phase"].startswith(now["stall"]):
+            time.sleep(3600)
+        return send(self, *args)
+
+    def noted(self: Any, choice: Any, wanted: Any, base: Any, what: str, *a: Any, **k: Any) -> Any:
+        now["phase"] = what
+        phases.append(what)
+        return fetch(self, choice, wanted, base, what, *a, **k)
+
+    def guess(self: Any) -> Any:
+        return set() if now["guess"] else predicted(self)
+
+    _peer_wire.Wire._send = stalling  # type: ignore[method-assign]
+    _peer_restore.PeerRestore._fetch = noted  # type: ignore[method-assign]
+    _peer_indexes.Indexes._predicted = guess  # type: ignore[method-assign]
+
+    def run() -> None:
+        mgr = manager(s, read_only=True)
+        for entry in json.loads(os.environ["PEERS_PLAN"]):
+            stall = entry.get("stall")
+            now["stall"] = stall[1] if stall and stall[0] == s.rank else None
+            now["guess"] = entry.get("guess_none") == s.rank
+            BARE[:] = [True] if entry.get("bare") == s.rank else []
+            _peer_restore.DIRECT_AVERAGE = 0 if entry.get("straight") else average
+            if s.rank == 0:
+                for src, dst in entry.get("replace", ()):  # (a folder prepared by the test)
+                    shutil.rmtree(dst, ignore_errors=True)
+                    shutil.copytree(src, dst)
+                for path in entry.get("damage", ()):
+                    data = bytearray(Path(path).read_bytes())
+                    data[len(data) // 2] ^= 0xFF
+                    Path(path + ".new").write_bytes(data)
+                    os.replace(path + ".new", path)
+            dist.barrier()
+            del phases[:]
+            restore(s, mgr, entry["label"])
+            s.data[entry["label"]]["phases"] = list(phases)
+        mgr.close()
+
+    s.check("hostile", run)
 
 
 def scenario_churn(s: dw.Session) -> None:

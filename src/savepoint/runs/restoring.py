@@ -24,6 +24,9 @@ and written by the next save or ``log()``, never by ``close()`` alone:
   rank at once) and a step complete there is read from it before any other source
   (``"peer memory"``); a failure there (a copy that does not verify, a rank that does not
   answer) is agreed by every rank, which go on with the next source together.
+- A sharded load (``process_group=``) that its own checks refused on every rank that failed is a
+  copy that failed verification, as an unsharded load's CorruptCheckpointError
+  (:func:`_checked`): the next source or step, on every rank alike.
 - Next to a live writer (a read-only manager, the view of :func:`savepoint.open_run`), a
   checkpoint the writer deletes or replaces while it is being read is never taken for a corrupt
   one: "latest" and "best" choose again (the catalog rereads the report's ``discarding`` and the
@@ -43,8 +46,10 @@ from typing import Any, Literal, Protocol
 
 from savepoint import checkpoint
 from savepoint.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     IncompleteCheckpointError,
     MissingCheckpointError,
 )
@@ -161,7 +166,7 @@ class Restorer:
         for candidate in reversed(every):
             for source, load in self.sources(candidate, steps, copies):
                 try:
-                    loaded = load(load_options)
+                    loaded = _checked(load, load_options)
                 except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
                     where = "" if not copies else f" ({source})"
                     failures.append(f"step {candidate}{where}: {exc}")
@@ -254,7 +259,7 @@ class Restorer:
         sources = self.sources(step, steps, copies)
         for i, (source, load) in enumerate(sources):
             try:
-                return self.restored(step, source, load(load_options))
+                return self.restored(step, source, _checked(load, load_options))
             except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
                 if i == len(sources) - 1:
                     raise
@@ -303,6 +308,28 @@ def abandoned(steps: list[int], copies: Copies, lineage: list[dict[str, Any]]) -
         if isinstance(start, int) and isinstance(end, int):
             spans.append((start, end))
     return {s for s in copies if s > newest and any(a < s <= b for a, b in spans)}
+
+
+def _checked(load: Callable[[dict[str, Any]], Any], options: dict[str, Any]) -> Any:
+    """``load(options)``; a sharded load that failed (DistributedCheckpointError, the same on
+    every rank) because every failing rank's own checks refused what it read (checksums,
+    records: CorruptCheckpointError or IncompleteCheckpointError there) is raised as a
+    CorruptCheckpointError: that copy failed verification, and every rank goes on with the next
+    source or step together, as an unsharded load's would. A rank that stalled, targets that
+    do not match: raised as they are (the next source would fail the same way)."""
+    try:
+        return load(options)
+    except DistributedCheckpointError as exc:
+        refused: set[str] = set()
+        kinds: list[type[CheckpointError]] = [CorruptCheckpointError, IncompleteCheckpointError]
+        while kinds:
+            kind = kinds.pop()
+            refused.add(kind.__name__)
+            kinds.extend(kind.__subclasses__())
+        found = {message.split(":", 1)[0] for message in exc.errors.values()}
+        if exc.stalled or not found or not found <= refused:
+            raise
+        raise CorruptCheckpointError(str(exc), path=exc.path) from exc
 
 
 def _load_copy(where: str | Location, options: dict[str, Any]) -> Any:
