@@ -65,11 +65,12 @@ def describe_layout(flat: tree.Flat, path: str, memo_key: Any = None) -> Describ
     walking the state again: the walk is a few microseconds a tensor in Python, the comparison
     of the trees runs in C (a repeated save of a 50,000-tensor state:
     ``benchmarks/bench_world.py``, ``repeat_plan_s``)."""
-    values = flat.tensors.values()  # (the loops below run in C: a few ms at 50,000 tensors)
-    signature = (list(map(_DTYPE, values)), list(map(_SHAPE, values)))
     # The tree compared as bytes: ``==`` would take {"step": True} for the {"step": 1} kept.
     tree_key = layout.tree_bytes(flat.tree) if memo_key is not None else None
+    signature: Any = None  # (only kept with a memo_key: 2 ms at 50,000 tensors)
     if tree_key is not None:
+        values = flat.tensors.values()  # (the loops run in C)
+        signature = (list(map(_DTYPE, values)), list(map(_SHAPE, values)))
         with _lock:
             memo = _memos.get(memo_key)
         if memo is not None and memo.signature == signature and memo.tree == tree_key:
