@@ -63,6 +63,7 @@ the blobs it wrote are garbage for the next collection.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import operator
 from collections.abc import Callable, Mapping
@@ -415,9 +416,12 @@ class _Save:
         if len(items) == len(lay.keys) and list(sources) == lay.keys:
             own = tuple(map(items.__getitem__, positions))
             nbytes = sum(map(_NBYTES, map(list(sources.values()).__getitem__, positions)))
-        else:
+        else:  # pieces skipped: picked by key (the sources' keys are the items', in order)
             keys = {lay.keys[i] for i in positions}
-            own = tuple(item for item in items if item.key in keys)
+            mine = list(map(keys.__contains__, sources))
+            if len(mine) != len(items):  # (never from describe_layout)
+                mine = [item.key in keys for item in items]
+            own = tuple(itertools.compress(items, mine))
             nbytes = sum(sources[item.key].nbytes for item in own)
         if self.memo_key is not None:
             _owned[self.memo_key] = (grid, own, nbytes)
