@@ -65,11 +65,12 @@ def describe_layout(flat: tree.Flat, path: str, memo_key: Any = None) -> Describ
     walking the state again: the walk is a few microseconds a tensor in Python, the comparison
     of the trees runs in C (a repeated save of a 50,000-tensor state:
     ``benchmarks/bench_world.py``, ``repeat_plan_s``)."""
-    values = flat.tensors.values()  # (the loops below run in C: a few ms at 50,000 tensors)
-    signature = (list(map(_DTYPE, values)), list(map(_SHAPE, values)))
     # The tree compared as bytes: ``==`` would take {"step": True} for the {"step": 1} kept.
     tree_key = layout.tree_bytes(flat.tree) if memo_key is not None else None
+    signature: Any = None  # (only kept with a memo_key: 2 ms at 50,000 tensors)
     if tree_key is not None:
+        values = flat.tensors.values()  # (the loops run in C)
+        signature = (list(map(_DTYPE, values)), list(map(_SHAPE, values)))
         with _lock:
             memo = _memos.get(memo_key)
         if memo is not None and memo.signature == signature and memo.tree == tree_key:
@@ -110,6 +111,11 @@ class _Describer:
         # and so the bytes they pickle to, depends on this state alone).
         self.layouts: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.grid_texts: dict[str, layout.Grid] = {}
+        # A Shard's (global shape, region, grid, elements here, elements at all) by (layout
+        # text, grid text, local shape), and a plain tensor's full box by its shape: per walk,
+        # as the parsed layouts above (the fast path of :meth:`walk`, a few dict look-ups).
+        self.shards: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.full: dict[tuple[int, ...], boxes.Box] = {}
 
     def add(
         self,
@@ -166,6 +172,67 @@ class _Describer:
         self.add(key, source, global_shape, region, grid)
         return {"t": "tensor", "ref": key, "kind": local_node["kind"]}
 
+    def shard(self, node: tree.Node, key: str) -> tree.Node:
+        """:meth:`sharded` for a Shard whose fields are in ``state_dict``'s order (``local``,
+        ``layout``, then ``grid`` or nothing), its parsing kept per distinct texts and local
+        shape; any other node (or a malformed one: the same error) through :meth:`sharded`."""
+        fields = node["state"]["items"]
+        try:
+            if len(fields) == 3:
+                (k0, local_node), (k1, layout_node), (k2, grid_node) = fields
+                if k2 != "grid":
+                    return self.sharded(node, key)
+            else:
+                (k0, local_node), (k1, layout_node) = fields
+                grid_node = None
+        except (ValueError, TypeError):
+            return self.sharded(node, key)
+        if k0 != "local" or k1 != "layout" or type(local_node) is not dict:
+            return self.sharded(node, key)
+        if local_node.get("t") != "tensor":
+            raise UnsupportedStateError(f"{key or '<root>'}: malformed {node['type']}", key=key)
+        ref = local_node["ref"]
+        tensors = self.flat.tensors
+        source = tensors[ref]
+        text = layout_node["v"]
+        grid_text = None
+        if grid_node is not None:
+            grid_text = grid_node.get("v") if type(grid_node) is dict else None
+            if type(grid_text) is not str:
+                return self.sharded(node, key)  # (not a string: its errors, as before)
+        if type(text) is not str:
+            return self.sharded(node, key)
+        local_shape = source.shape
+        described = self.shards.get((text, grid_text, local_shape))
+        if described is None:
+            global_shape, starts, grid = self.parse(
+                {"layout": layout_node}
+                if grid_node is None
+                else {"layout": layout_node, "grid": grid_node}
+            )
+            region = tuple(zip(starts, map(operator.add, starts, local_shape)))
+            here, anywhere = math.prod(local_shape) != 0, math.prod(global_shape) != 0
+            if not here and not anywhere:
+                region = boxes.full(global_shape)
+            described = (global_shape, region, grid, here, anywhere)
+            self.shards[(text, grid_text, local_shape)] = described
+        global_shape, region, grid, here, anywhere = described
+        if grid is None:
+            self.grids.irregular()
+        items = self.items
+        if key in items or (key in tensors and key != ref):
+            raise UnsupportedStateError(
+                f"{key or '<root>'}: two tensors of the state would both be named {key!r}; "
+                "rename one of the keys (integer and string keys that print alike clash)",
+                key=key,
+            )
+        dtype = source.dtype.name
+        self.grids.add(key, dtype, global_shape, grid)
+        if here or not anywhere:  # (else an empty piece of an uneven split: nothing to write)
+            items[key] = plan.Item(key, dtype, global_shape, region)
+            self.sources[key] = source
+        return {"t": "tensor", "ref": key, "kind": local_node["kind"]}
+
     def walk(self, node: tree.Node, key: str, is_root: bool) -> tree.Node:
         """``node`` of the flattened tree with its Shards replaced by their pieces' tensor nodes;
         ``key``: the node's flat key (``is_root``: the tree's root), carried down as
@@ -173,7 +240,9 @@ class _Describer:
         t = node["t"]
         walk = self.walk
         if t == "stateful":
-            if node["type"] in (shard.SHARD, shard.FLAT_SHARD):
+            if node["type"] == shard.SHARD:
+                return self.shard(node, key)
+            if node["type"] == shard.FLAT_SHARD:
                 return self.sharded(node, key)
             if node["type"] == shard.PARTITIONED:
                 self.grids.irregular()
@@ -189,10 +258,20 @@ class _Describer:
         if t == "dict":
             prefix = "" if is_root else key + "/"
             escape = tree.escape
-            return {
-                "t": "dict",
-                "items": [[k, walk(c, prefix + escape(k), False)] for k, c in node["items"]],
-            }
+            out: list[list[Any]] = []
+            append = out.append
+            for k, c in node["items"]:
+                # escape() inlined for the common key (returned as it is), and a Shard, the most
+                # frequent node of a sharded state, passed straight to shard().
+                if type(k) is str and k.isascii() and "~" not in k and "/" not in k:
+                    sub = prefix + k
+                else:
+                    sub = prefix + escape(k)
+                if c["t"] == "stateful" and c["type"] == _SHARD:
+                    append([k, self.shard(c, sub)])
+                else:
+                    append([k, walk(c, sub, False)])
+            return {"t": "dict", "items": out}
         if t in ("list", "tuple"):
             prefix = "" if is_root else key + "/"
             return {
@@ -200,6 +279,14 @@ class _Describer:
                 "items": [walk(c, f"{prefix}{i}", False) for i, c in enumerate(node["items"])],
             }
         if t == "tensor" and node["ref"] not in self.items:
-            source = self.flat.tensors[node["ref"]]
-            self.add(node["ref"], source, source.shape, boxes.full(source.shape))
+            ref = node["ref"]
+            source = self.flat.tensors[ref]
+            shape = source.shape
+            full = self.full.get(shape)
+            if full is None:
+                full = self.full[shape] = boxes.full(shape)
+            self.add(ref, source, shape, full)
         return node
+
+
+_SHARD = shard.SHARD

@@ -50,6 +50,7 @@ __all__ = [
     "same_tree",
     "tree_bytes",
     "writes",
+    "written",
 ]
 
 
@@ -206,7 +207,18 @@ class LayoutBuilder:
 def writes(layout: Layout, coord: Sequence[int]) -> set[int]:
     """The positions (in ``layout.keys``) of the tensors whose piece at ``coord`` this rank
     writes (see the module docstring); pieces without elements are the caller's to skip."""
-    out: set[int] = set()
+    return set(written(layout, coord))
+
+
+def written(layout: Layout, coord: Sequence[int]) -> list[int]:
+    """:func:`writes`, in ascending order: computed with numpy for a layout of many tensors
+    (about 2 ms at 50,000 instead of 50), tensor by tensor for a few (or odd values)."""
+    if len(layout.dims) >= _VECTOR_FROM:
+        try:
+            return _written_vector(layout, coord)
+        except (TypeError, ValueError, OverflowError):  # not plain ints: as below, exactly
+            pass
+    out: list[int] = []
     mesh = layout.mesh
     replicated = (None,) * len(mesh)
     for i, dims in enumerate(layout.dims):
@@ -222,8 +234,46 @@ def writes(layout: Layout, coord: Sequence[int]) -> set[int]:
                 break
             chosen //= n
         if mine:
-            out.add(i)
+            out.append(i)
     return out
+
+
+_VECTOR_FROM = 64  # tensors (below, the loop is as fast)
+_BOUND = 1 << 62
+
+
+def _written_vector(layout: Layout, coord: Sequence[int]) -> list[int]:
+    """:func:`written` with numpy: the loop's arithmetic per mesh dimension (last first) over
+    every tensor at once; a tensor's replicated dimensions looked up per distinct ``dims``."""
+    mesh, dims = layout.mesh, layout.dims
+    if len(dims) != len(layout.shapes):
+        raise ValueError("dims and shapes differ in length")
+    sizes = [int(n) for n in reversed(mesh)]
+    coords = [int(c) for c in reversed(coord)]
+    if any(type(n) is not int or n <= 0 for n in mesh) or any(
+        type(c) is not int and not isinstance(c, np.integer) for c in coord
+    ):
+        raise TypeError("not positive ints")
+    if any(abs(c) >= _BOUND for c in coords) or len(dims) >= _BOUND:
+        raise OverflowError("too large for int64")
+    depth = min(len(sizes), len(coords))
+    distinct = {d: i for i, d in enumerate(dict.fromkeys(dims))}  # (TypeError: unhashable)
+    table = np.zeros((len(distinct), depth), dtype=bool)  # replicated, by reversed position
+    for d, row in distinct.items():
+        tail = list(reversed(d))[:depth]
+        table[row, : len(tail)] = [x is None for x in tail]
+    count = len(dims)
+    codes = np.fromiter(map(distinct.__getitem__, dims), dtype=np.intp, count=count)
+    has = np.fromiter(map(bool, map(math.prod, layout.shapes)), dtype=bool, count=count)
+    replicated = table[codes]
+    replicated[~has] = True  # no elements: replicated on every mesh dimension
+    chosen = np.arange(count, dtype=np.int64)
+    mine = np.ones(count, dtype=bool)
+    for j in range(depth):
+        n, c, rep = sizes[j], coords[j], replicated[:, j]
+        mine &= ~rep | (chosen % n == c)
+        chosen = np.where(rep, chosen // n, chosen)
+    return np.flatnonzero(mine).tolist()  # type: ignore[no-any-return]
 
 
 def check(sent: Sequence[Compact], layout: Layout) -> list[tuple[str, str]]:
