@@ -22,7 +22,7 @@ from typing import Any
 from savepoint.codecs import checksum
 from savepoint.codecs import manifest as mf
 
-__all__ = ["Check", "Unit", "tile", "units"]
+__all__ = ["Check", "Unit", "tile", "units", "verify_file"]
 
 Unit = tuple[int, int, str]  # [start, end) of the file, its XXH3-64
 
@@ -98,3 +98,16 @@ class Check:
         if self._bad is None and self._i < len(self._units):
             return f"{len(self._units) - self._i} checksummed ranges were not received"
         return self._bad
+
+
+def verify_file(path: str, expect: tuple[int, str], covered: list[Unit]) -> bool:
+    """Whether the file at ``path`` has the size and XXH3-64 of its copy's marker (``expect``)
+    and matches its checkpoint's checksums (``covered``), both in one read."""
+    hasher, check, size = checksum.new(), Check(covered), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            view = memoryview(chunk)
+            hasher.update(view)
+            check.update(size, view)
+            size += len(chunk)
+    return (size, checksum.hexdigest(hasher)) == expect and check.problem() is None

@@ -19,6 +19,8 @@ manifest then checks them again.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 from typing import Any
 
 from savepoint.codecs import bounded_json, checksum
@@ -154,3 +156,23 @@ def _name(name: Any) -> str:
     if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
         raise ValueError(f"{name!r} is not a plain file name")
     return name
+
+
+def assembled_units(grid: Head, directory: str) -> Callable[[str], list[Unit] | None]:
+    """The checksummed ranges of each data file of a version 7 restore's assembly, from the
+    index files fetched into ``directory`` (a file none of them lists: None)."""
+    found: list[Units] = []
+    for name in sorted(grid.indices):
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                found.append(Units(grid, f.read()))
+
+    def of(name: str) -> list[Unit] | None:
+        for units in found:
+            got = units(name)
+            if got is not None:
+                return got
+        return None
+
+    return of

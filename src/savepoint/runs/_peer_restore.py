@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from savepoint import checkpoint
 from savepoint.codecs import manifest as mf
 from savepoint.errors import CorruptCheckpointError, IncompleteCheckpointError
+from savepoint.runs._peer_check import Check, Unit, units, verify_file
 from savepoint.runs._peer_folder import (
     BLOBS,
     COMMON,
@@ -64,7 +65,7 @@ from savepoint.runs._peer_folder import (
     hash_file,
     place,
 )
-from savepoint.runs._peer_grid import Head, head, index_problem
+from savepoint.runs._peer_grid import Head, assembled_units, head, index_problem
 from savepoint.runs._peer_indexes import Indexes
 from savepoint.runs._peer_wire import Incoming, Outgoing, Wire
 
@@ -188,7 +189,9 @@ class PeerRestore:
                 rest = indexes.rest() if indexes is not None else []
                 if rest:  # (the grid's writer rule failed: every other index in place of files)
                     wanted, direct = set(rest), []
-                sinks = _sinks(direct)
+                covered = _covered(manifest, directory, indexes)
+                direct = [d for d in direct if all(covered(r[0]) for r in d.ranges)]
+                sinks = {n: (r, covered(n) or []) for n, r in _sinks(direct).items()}
                 again = self._fetch(choice, sorted(wanted), base, "files", where, sinks, bool(rest))
                 if again:  # (a rank fetched indexes in place of its files: every rank once more)
                     wanted = set()
@@ -233,7 +236,7 @@ class PeerRestore:
         base: str,
         what: str,
         where: Callable[[str], str],
-        sinks: dict[str, list[_Range]] | None = None,
+        sinks: dict[str, _Sink] | None = None,
         again: bool = False,
     ) -> bool:
         """Bring every file of ``wanted`` to ``base/where(name)`` (those of ``sinks``: into
@@ -319,7 +322,7 @@ class PeerRestore:
         base: str,
         where: Callable[[str], str],
         bad: set[tuple[str, int]],
-        sinks: dict[str, list[_Range]],
+        sinks: dict[str, _Sink],
         deferred: list[_Held],
     ) -> list[str]:
         """Link the wanted files this node holds to ``base/where(name)``, verified (those of
@@ -389,7 +392,7 @@ class PeerRestore:
         plan: list[_Send],
         base: str,
         where: Callable[[str], str],
-        sinks: dict[str, list[_Range]],
+        sinks: dict[str, _Sink],
     ) -> tuple[list[Outgoing], list[Incoming], Landing]:
         """This rank's side of ``plan``: what it serves from its node's copies, what it receives
         (to ``base/where(name)``, or into the targets of ``sinks``)."""
@@ -407,11 +410,14 @@ class PeerRestore:
                     Outgoing(send.message, [send.requester], size, send.name, opener, hashed=False)
                 )
             if send.requester == me:
-                if send.name in sinks:
-                    lands = _into(sinks[send.name])
-                else:
-                    lands = _lander(landing, where(send.name), size)
-                incoming.append(Incoming(send.message, send.server, size, send.name, lands, digest))
+                into, covered = sinks.get(send.name, (None, None))
+                lands = _into(into) if into else _lander(landing, where(send.name), size)
+                verify = Check(covered) if covered else None  # (every file of sinks: covered)
+                incoming.append(
+                    Incoming(
+                        send.message, send.server, size, send.name, lands, digest, verify=verify
+                    )
+                )
         return outgoing, incoming, landing
 
 
@@ -518,6 +524,22 @@ def _wanted(
 
 
 _Range = tuple[int, int, memoryview]  # bytes [start, end) of a file land in this memory
+# A file received straight into targets: its ranges, and its checkpoint's checksums (the file's
+# checksummed ranges: the bytes are checked against them as they land, not only against the
+# copy's marker, which a copy of another save could carry: never a mixed checkpoint)
+_Sink = tuple[list[_Range], list[Unit]]
+
+
+def _covered(
+    manifest: mf.Manifest, directory: str, indexes: Indexes | None
+) -> Callable[[str], list[Unit] | None]:
+    """The checksummed ranges of each data file (None: not covered whole; such a file is not
+    received straight: the loader checks it)."""
+    if indexes is None:
+        return functools.partial(units, manifest)
+    with open(os.path.join(directory, mf.NAME), "rb") as f:
+        grid = head(f.read())
+    return (lambda name: None) if grid is None else assembled_units(grid, directory)
 
 
 def _sinks(direct: list[Direct]) -> dict[str, list[_Range]]:
@@ -611,7 +633,7 @@ class _Checking:
     reads release the GIL), each copied into its targets (its ranges in ``sinks``) once it
     verified: ``results`` after :meth:`join`, whether each verified and was copied."""
 
-    def __init__(self, held: list[_Held], sinks: dict[str, list[_Range]]) -> None:
+    def __init__(self, held: list[_Held], sinks: dict[str, _Sink]) -> None:
         self.held, self.sinks, self.results = held, sinks, [False] * len(held)
         self._thread: threading.Thread | None = None
         if held:
@@ -621,8 +643,9 @@ class _Checking:
     def _run(self) -> None:
         for i, held in enumerate(self.held):
             try:
-                if hash_file(held.path) == held.expect:
-                    _copy_ranges(held.path, self.sinks[held.name])
+                ranges, covered = self.sinks[held.name]
+                if verify_file(held.path, held.expect, covered):
+                    _copy_ranges(held.path, ranges)
                     self.results[i] = True
             except (OSError, CorruptCheckpointError) as exc:
                 log.warning("%s: cannot use %s: %s", _LABEL, held.path, exc)

@@ -142,6 +142,10 @@ class Incoming:
     # cannot be checked here, and is not kept)
     check: Callable[[], Check | None] | None = None
     lost: bool = False  # the bytes did not arrive (the sender died, stalled or failed)
+    # Whatever the sender says: what this receiver checks the file against as it arrives (a
+    # restore's file received straight into targets, checked against its checkpoint's checksums
+    # as well as against the copy's marker, which only says the copy is what its node kept)
+    verify: Check | None = None
 
 
 class Wire:
@@ -493,6 +497,8 @@ class Wire:
                     check = item.check()
                 except Exception as exc:  # (its manifest did not arrive whole: not kept)
                     log.warning("peer memory: %s cannot be checked: %s", item.name, exc)
+            if check is None:
+                check = item.verify
             at = 0
             place = getattr(sink, "place", None)
             while at < item.size:
@@ -540,6 +546,12 @@ class Wire:
             item.error = (
                 f"{item.name} from {self.who(item.src)} does not match its checksum (received "
                 f"{got}, {known})"
+            )
+        elif item.verify is not None and (problem := item.verify.problem()) is not None:
+            item.corrupt = True
+            item.error = (
+                f"{item.name} from {self.who(item.src)} matches its copy's marker but not its "
+                f"checkpoint's checksums: {problem}"
             )
 
 
