@@ -186,7 +186,7 @@ def test_fetched_bytes_land_in_the_targets_and_a_byte_damaged_on_the_wire_is_ref
     for garbled in data(session, "garbled"):  # refused: the run directory's copy is loaded
         assert (garbled["step"], garbled["from"]) == (1, "run directory"), garbled
         (warning,) = garbled["warnings"]
-        assert "does not match its checksum" in warning, warning
+        assert "does not match its checkpoint's checksums" in warning, warning
 
 
 def test_a_damaged_copy_of_a_file_landing_in_the_targets_is_fetched_from_the_other_node(

@@ -535,11 +535,14 @@ def _covered(
 ) -> Callable[[str], list[Unit] | None]:
     """The checksummed ranges of each data file (None: not covered whole; such a file is not
     received straight: the loader checks it)."""
+    of: Callable[[str], list[Unit] | None]
     if indexes is None:
-        return functools.partial(units, manifest)
-    with open(os.path.join(directory, mf.NAME), "rb") as f:
-        grid = head(f.read())
-    return (lambda name: None) if grid is None else assembled_units(grid, directory)
+        of = functools.partial(units, manifest)
+    else:
+        with open(os.path.join(directory, mf.NAME), "rb") as f:
+            grid = head(f.read())
+        of = (lambda name: None) if grid is None else assembled_units(grid, directory)
+    return functools.cache(of)  # (asked once per target's range: tiled once per file)
 
 
 def _sinks(direct: list[Direct]) -> dict[str, list[_Range]]:

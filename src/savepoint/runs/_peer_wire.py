@@ -142,9 +142,10 @@ class Incoming:
     # cannot be checked here, and is not kept)
     check: Callable[[], Check | None] | None = None
     lost: bool = False  # the bytes did not arrive (the sender died, stalled or failed)
-    # Whatever the sender says: what this receiver checks the file against as it arrives (a
-    # restore's file received straight into targets, checked against its checkpoint's checksums
-    # as well as against the copy's marker, which only says the copy is what its node kept)
+    # Whatever the sender says: what this receiver checks the file against as it arrives, in
+    # place of ``expect`` (a restore's file received straight into targets, whose checkpoint's
+    # checksums cover every byte: stronger than the copy's marker, which only says the copy is
+    # what its node kept, and one hash of each byte instead of two)
     verify: Check | None = None
 
 
@@ -505,7 +506,8 @@ class Wire:
                 n = min(item.size - at, len(buffer))
                 into, n = place(at, n) if place is not None else (None, n)
                 piece = _exactly(conn, n, buffer[:n] if into is None else into)
-                hasher.update(piece)
+                if item.verify is None:  # (else its checksums cover every byte: one hash)
+                    hasher.update(piece)
                 if check is not None:
                     check.update(at, piece)
                 if sink is not None and into is None:
@@ -538,6 +540,16 @@ class Wire:
                     f"checksums: {problem}"
                 )
             return
+        if item.verify is not None:  # every byte checked against the checkpoint's checksums
+            problem = item.verify.problem()
+            item.digest = item.expect if problem is None else None
+            if problem is not None:
+                item.corrupt = True
+                item.error = (
+                    f"{item.name} from {self.who(item.src)} does not match its checkpoint's "
+                    f"checksums: {problem}"
+                )
+            return
         sent = trailer.hex()
         got = item.digest = checksum.hexdigest(hasher)
         if got != (sent if item.expect is None else item.expect):
@@ -546,12 +558,6 @@ class Wire:
             item.error = (
                 f"{item.name} from {self.who(item.src)} does not match its checksum (received "
                 f"{got}, {known})"
-            )
-        elif item.verify is not None and (problem := item.verify.problem()) is not None:
-            item.corrupt = True
-            item.error = (
-                f"{item.name} from {self.who(item.src)} matches its copy's marker but not its "
-                f"checkpoint's checksums: {problem}"
             )
 
 
