@@ -483,7 +483,7 @@ class Wire:
             except OSError as exc:  # no room: received all the same (the sender sends it)
                 item.error = f"cannot store {item.name}: {exc.strerror or exc}"
         hasher = checksum.new()
-        check: Check | None = None
+        check: Check | None = item.verify  # (or the sender's, below)
         try:
             conn = inbox.get(item.src)
             message, size, flags = _HEADER.unpack(_exactly(conn, _HEADER.size))
@@ -498,8 +498,6 @@ class Wire:
                     check = item.check()
                 except Exception as exc:  # (its manifest did not arrive whole: not kept)
                     log.warning("peer memory: %s cannot be checked: %s", item.name, exc)
-            if check is None:
-                check = item.verify
             at = 0
             place = getattr(sink, "place", None)
             while at < item.size:
@@ -541,15 +539,7 @@ class Wire:
                 )
             return
         if item.verify is not None:  # every byte checked against the checkpoint's checksums
-            problem = item.verify.problem()
-            item.digest = item.expect if problem is None else None
-            if problem is not None:
-                item.corrupt = True
-                item.error = (
-                    f"{item.name} from {self.who(item.src)} does not match its checkpoint's "
-                    f"checksums: {problem}"
-                )
-            return
+            return _verified(item, self.who(item.src))
         sent = trailer.hex()
         got = item.digest = checksum.hexdigest(hasher)
         if got != (sent if item.expect is None else item.expect):
@@ -559,6 +549,16 @@ class Wire:
                 f"{item.name} from {self.who(item.src)} does not match its checksum (received "
                 f"{got}, {known})"
             )
+
+
+def _verified(item: Incoming, who: str) -> None:
+    """The end of a receive checked by ``item.verify``: corrupt when a range did not match."""
+    assert item.verify is not None
+    problem = item.verify.problem()
+    item.digest = item.expect if problem is None else None
+    if problem is not None:
+        item.corrupt = True
+        item.error = f"{item.name} from {who} does not match its checkpoint's checksums: {problem}"
 
 
 class _ProtocolError(OSError):
