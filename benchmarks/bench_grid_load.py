@@ -34,6 +34,17 @@ def state(rank: int, world: int, tensors: int) -> Any:
     )
 
 
+def saved(where: str, ranks: int, tensors: int) -> None:
+    """The version 7 checkpoint of ``ranks`` simulated ranks at ``where``, saved if absent
+    (kept: the benchmarks that read it can share one)."""
+    if os.path.exists(os.path.join(where, "manifest.json")):
+        return
+    sim = simulate.simulate_save(ranks, lambda r, w: state(r, w, tensors), where, writer="real")
+    failed = [r for r in sim.results if isinstance(r, BaseException)]
+    if failed:
+        raise failed[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=256)
@@ -42,13 +53,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     where = args.dir or os.path.join(tempfile.mkdtemp(prefix="sp-grid-load-"), "c")
-    if not os.path.exists(os.path.join(where, "manifest.json")):
-        sim = simulate.simulate_save(
-            args.ranks, lambda r, w: state(r, w, args.tensors), where, writer="real"
-        )
-        failed = [r for r in sim.results if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
+    saved(where, args.ranks, args.tensors)
     indexes = sorted(n for n in os.listdir(where) if n.startswith("index-"))
     read: list[str] = []
     from savepoint.storage import _local_read  # counting the index files a load reads

@@ -29,18 +29,11 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any
 
+from bench_grid_load import saved, state
 from savepoint.codecs import manifest as mf
-from savepoint.distributed import simulate
 from savepoint.distributed.needs import files_needed
 from savepoint.runs._peer_indexes import Indexes
-
-
-def state(rank: int, world: int, tensors: int) -> Any:
-    return simulate.model_state(
-        rank, world, tensors, data=True, hidden=64, experts=4, expert_ffn=32
-    )
 
 
 def main() -> None:
@@ -51,13 +44,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     where = args.dir or os.path.join(tempfile.mkdtemp(prefix="sp-peer-indexes-"), "c")
-    if not os.path.exists(os.path.join(where, mf.NAME)):
-        sim = simulate.simulate_save(
-            args.ranks, lambda r, w: state(r, w, args.tensors), where, writer="real"
-        )
-        failed = [r for r in sim.results if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
+    saved(where, args.ranks, args.tensors)
     with open(os.path.join(where, mf.NAME), "rb") as f:
         raw = f.read()
     names = sorted(n for n in os.listdir(where) if n.startswith("index-"))
