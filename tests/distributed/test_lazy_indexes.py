@@ -27,7 +27,6 @@ from savepoint.codecs import boxes
 from savepoint.codecs import manifest as mf
 from savepoint.codecs.manifest import _v7_lazy
 from savepoint.distributed import Shard, layout, simulate
-from savepoint.storage import _local_read
 
 WORLD = 8
 
@@ -50,21 +49,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def full(saved: Path) -> Any:
     return sp.load(saved, framework="numpy")
-
-
-@pytest.fixture
-def opened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The index files read through the local store, in order."""
-    names: list[str] = []
-    real = _local_read.LocalPinned.read_small
-
-    def read_small(self: Any, name: str, *, cap: int | None) -> bytes:
-        if name.startswith("index-"):
-            names.append(name)
-        return real(self, name, cap=cap)
-
-    monkeypatch.setattr(_local_read.LocalPinned, "read_small", read_small)
-    return names
 
 
 def _writers(where: Path) -> dict[tuple[str, boxes.Box], str]:

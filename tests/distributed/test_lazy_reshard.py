@@ -27,7 +27,6 @@ from savepoint.codecs import boxes
 from savepoint.codecs import manifest as mf
 from savepoint.distributed import Shard, layout, simulate
 from savepoint.distributed import load as dload
-from savepoint.storage import _local_read
 
 # name -> (shape, dtype, tensor dimension split over each mesh dimension, for 2-D meshes)
 SPECS: dict[str, tuple[tuple[int, ...], str, tuple[int | None, ...]]] = {
@@ -75,21 +74,6 @@ def save(where: Path, mesh: tuple[int, ...]) -> Path:
     assert all(isinstance(r, sp.CheckpointInfo) for r in sim.results), sim.results
     assert sp.verify(where).format_version == mf.GRID
     return where
-
-
-@pytest.fixture
-def opened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The index files read through the local store, in order."""
-    names: list[str] = []
-    real = _local_read.LocalPinned.read_small
-
-    def read_small(self: Any, name: str, *, cap: int | None) -> bytes:
-        if name.startswith("index-"):
-            names.append(name)
-        return real(self, name, cap=cap)
-
-    monkeypatch.setattr(_local_read.LocalPinned, "read_small", read_small)
-    return names
 
 
 def writers(where: Path) -> dict[str, list[tuple[boxes.Box, str]]]:
