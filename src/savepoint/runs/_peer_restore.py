@@ -539,8 +539,7 @@ def _covered(
     if indexes is None:
         of = functools.partial(units, manifest)
     else:
-        with open(os.path.join(directory, mf.NAME), "rb") as f:
-            grid = head(f.read())
+        grid = head(indexes.raw)  # (the manifest as fetched: not read again)
         of = (lambda name: None) if grid is None else assembled_units(grid, directory)
     return functools.cache(of)  # (asked once per target's range: tiled once per file)
 
